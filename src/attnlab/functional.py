@@ -1,0 +1,216 @@
+"""The math of self-attention as plain functions.
+
+Shape legend (used in every module that reshapes):
+    B batch, H query heads, G key/value heads, T query length, S key length,
+    D head dim, C = H*D model width, ``...`` any leading batch dimensions.
+
+These are the seed text's steps, one function each:
+
+1. :func:`attention_scores`  -- dot products of queries with keys (``Q @ K^T``).
+2. :func:`attention_weights` -- optional scaling, then softmax over the last dim.
+3. :func:`context_vectors`   -- the weighted sum of the values (``weights @ V``).
+
+:func:`simplified_self_attention` chains them without trainable weights or scaling
+(the seed's section 3.3). The production entry point,
+``scaled_dot_product_attention``, dispatches to a backend (see ``attnlab.backends``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "SimplifiedAttention",
+    "attention_scores",
+    "attention_weights",
+    "check_tensor",
+    "context_vectors",
+    "simplified_self_attention",
+]
+
+
+def check_tensor(
+    name: str,
+    tensor: object,
+    *,
+    ndims: tuple[int, ...] | None = None,
+    floating: bool = True,
+    finite: bool = True,
+    nonempty: bool = True,
+) -> torch.Tensor:
+    """Validate a public tensor argument and return it.
+
+    Raises ``TypeError`` for a non-tensor or a non-floating tensor and ``ValueError``
+    for a wrong rank, an empty tensor or non-finite values. Every message names the
+    argument, what was expected, what was got, and how to fix it.
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"`{name}` must be a torch.Tensor, got {type(tensor).__name__}")
+    if floating and not tensor.is_floating_point():
+        raise TypeError(
+            f"`{name}` must be a floating-point tensor, got dtype {tensor.dtype}; "
+            f"convert it with `{name}.float()`"
+        )
+    if ndims is not None and tensor.ndim not in ndims:
+        expected = " or ".join(f"{n}-D" for n in ndims)
+        raise ValueError(
+            f"`{name}` must be {expected}, got a {tensor.ndim}-D tensor of shape "
+            f"{tuple(tensor.shape)}"
+        )
+    if nonempty and tensor.numel() == 0:
+        raise ValueError(
+            f"`{name}` must not be empty, got shape {tuple(tensor.shape)}; "
+            "attention needs at least one token"
+        )
+    if finite and tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        raise ValueError(
+            f"`{name}` contains NaN or inf; attention of non-finite values is undefined "
+            "(check the embedding or the previous layer)"
+        )
+    return tensor
+
+
+def attention_scores(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Dot products of every query with every key (unnormalised attention scores).
+
+    This is the seed's ``attn_scores = inputs @ inputs.T`` and, with trainable
+    weights, ``query_2 @ keys.T``. It uses ``keys.transpose(-2, -1)`` rather than
+    ``keys.T`` so that batched keys work (``.T`` reverses *all* dimensions of a
+    3-D tensor, one of the seed text's errata).
+
+    Args:
+        queries: one query ``(D,)``, or queries ``(..., T, D)``.
+        keys: keys ``(..., S, D)``.
+
+    Returns:
+        Scores ``(..., S)`` for a single query, else ``(..., T, S)``.
+
+    Shape:
+        - queries: ``(D,)`` or ``(..., T, D)``
+        - keys: ``(..., S, D)``
+        - output: ``(S,)`` or ``(..., T, S)``
+
+    Raises:
+        TypeError: non-tensor or non-floating input.
+        ValueError: keys not at least 2-D, or a different last dimension ``D``.
+    """
+    check_tensor("queries", queries, finite=False)
+    check_tensor("keys", keys, finite=False)
+    if keys.ndim < 2:
+        raise ValueError(
+            f"`keys` must be at least 2-D (S, D), got shape {tuple(keys.shape)}; "
+            "for a single key use `keys.unsqueeze(0)`"
+        )
+    if queries.shape[-1] != keys.shape[-1]:
+        raise ValueError(
+            f"`keys` must have the same last dimension as `queries` "
+            f"(D={queries.shape[-1]}), got D={keys.shape[-1]}"
+        )
+    return queries @ keys.transpose(-2, -1)  # (..., T, S) or (S,)
+
+
+def attention_weights(scores: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """Normalise scores into attention weights: softmax over the last dimension.
+
+    ``dim=-1`` is the key axis: for a ``(T, S)`` score matrix every *row* (one
+    query) becomes a probability distribution over the keys and sums to 1. When
+    ``scale`` is given the scores are multiplied by it first (``1/sqrt(d_k)`` in
+    scaled dot-product attention). The softmax runs in fp32 for half-precision
+    input and the result is cast back, so that fp16/bf16 sums stay accurate.
+
+    Args:
+        scores: attention scores ``(..., S)``.
+        scale: factor applied to the scores before the softmax, or None.
+
+    Returns:
+        Weights of the same shape and dtype as ``scores``; each row sums to 1.
+
+    Shape:
+        - scores: ``(..., S)``
+        - output: ``(..., S)``
+
+    Raises:
+        TypeError: non-floating scores.
+        ValueError: empty scores or a non-positive / non-finite scale.
+    """
+    check_tensor("scores", scores, finite=False)
+    if scale is not None:
+        if not isinstance(scale, (int, float)) or not (scale > 0) or scale == float("inf"):
+            raise ValueError(f"`scale` must be a positive finite number, got {scale!r}")
+    compute = scores.float() if scores.dtype in (torch.float16, torch.bfloat16) else scores
+    if scale is not None:
+        compute = compute * scale
+    return torch.softmax(compute, dim=-1).to(scores.dtype)
+
+
+def context_vectors(weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Weighted sums of the values: ``weights @ values``.
+
+    Args:
+        weights: attention weights ``(S,)`` or ``(..., T, S)``.
+        values: values ``(..., S, Dv)``.
+
+    Returns:
+        Context vectors ``(Dv,)`` or ``(..., T, Dv)``.
+
+    Shape:
+        - weights: ``(S,)`` or ``(..., T, S)``
+        - values: ``(..., S, Dv)``
+        - output: ``(Dv,)`` or ``(..., T, Dv)``
+
+    Raises:
+        TypeError: non-floating input.
+        ValueError: the number of weights per row does not match the number of values.
+    """
+    check_tensor("weights", weights, finite=False)
+    check_tensor("values", values, finite=False)
+    if values.ndim < 2:
+        raise ValueError(
+            f"`values` must be at least 2-D (S, Dv), got shape {tuple(values.shape)}"
+        )
+    if weights.shape[-1] != values.shape[-2]:
+        raise ValueError(
+            f"`weights` must have one weight per value (S={values.shape[-2]}), "
+            f"got {weights.shape[-1]} in the last dimension"
+        )
+    return weights @ values  # (..., T, Dv)
+
+
+@dataclass(frozen=True)
+class SimplifiedAttention:
+    """Result of :func:`simplified_self_attention`."""
+
+    scores: torch.Tensor  # (..., T, T)
+    weights: torch.Tensor  # (..., T, T)
+    context: torch.Tensor  # (..., T, D)
+
+
+def simplified_self_attention(inputs: torch.Tensor) -> SimplifiedAttention:
+    """Self-attention with no trainable weights and no scaling (seed, section 3.3).
+
+    Each token's embedding serves as its own query, key and value:
+    ``scores = inputs @ inputs^T``, ``weights = softmax(scores, dim=-1)``,
+    ``context = weights @ inputs``.
+
+    Args:
+        inputs: token embeddings ``(T, D)`` or a batch ``(B, T, D)``.
+
+    Returns:
+        The scores, weights and context vectors.
+
+    Shape:
+        - inputs: ``(T, D)`` or ``(B, T, D)``
+        - scores, weights: ``(T, T)`` or ``(B, T, T)``
+        - context: ``(T, D)`` or ``(B, T, D)``
+
+    Raises:
+        TypeError: non-tensor or integer input.
+        ValueError: wrong rank, empty sequence, NaN or inf.
+    """
+    check_tensor("inputs", inputs, ndims=(2, 3))
+    scores = attention_scores(inputs, inputs)  # (..., T, T)
+    weights = attention_weights(scores)  # (..., T, T)
+    context = context_vectors(weights, inputs)  # (..., T, D)
+    return SimplifiedAttention(scores=scores, weights=weights, context=context)
