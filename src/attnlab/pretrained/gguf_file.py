@@ -1,0 +1,287 @@
+"""Read a GGUF file: metadata, tokenizer tables and weights dequantised to float32.
+
+The header is parsed here (the format is small: gguf.md in llama.cpp), tensor data is
+memory-mapped, and the block formats this project meets (Q4_0, Q4_1, Q8_0) are
+dequantised here, vectorised over every block of a tensor at once in torch. Any other quantisation type
+(the K-quants, ...) falls back to ``gguf.quants.dequantize``, which is vectorised numpy.
+
+GGUF stores a 2-D weight with ``shape = [ne0, ne1]``: ``ne0`` is the contiguous (input)
+dimension, so the torch tensor is ``(ne1, ne0)`` = ``(out_features, in_features)``, exactly
+``nn.Linear.weight``'s layout.
+
+Block layouts (``ggml-common.h``), 32 weights per block, all little-endian:
+
+- ``Q4_0``: ``d: f16``, ``qs: u8[16]``; weight ``j`` is ``(nibble_j - 8) * d``.
+- ``Q4_1``: ``d: f16``, ``m: f16``, ``qs: u8[16]``; weight ``j`` is ``nibble_j * d + m``.
+- ``Q8_0``: ``d: f16``, ``qs: i8[32]``; weight ``j`` is ``qs[j] * d``.
+
+For the 4-bit formats weights ``0..15`` are the low nibbles of ``qs[0..15]`` and weights
+``16..31`` the high nibbles.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+# Shape legend: N blocks, Q = 32 weights per block, R rows, K = row length (ne0).
+
+QK = 32  # weights per block for Q4_0, Q4_1, Q8_0
+
+
+def _f16_column(blocks: torch.Tensor, start: int) -> torch.Tensor:
+    """The little-endian float16 at bytes ``[start, start + 2)`` of every block, as (N, 1) fp32."""
+    return blocks[:, start : start + 2].contiguous().view(torch.float16).float()  # (N, 1)
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """(N, 16) packed bytes -> (N, 32) values in 0..15: low nibbles first, then high."""
+    return torch.cat([qs & 0x0F, qs >> 4], dim=1)  # (N, Q)
+
+
+def dequantize_q4_0(blocks: torch.Tensor) -> torch.Tensor:
+    """Q4_0 blocks (N, 18) uint8 -> (N, 32) float32."""
+    d = _f16_column(blocks, 0)
+    return (_nibbles(blocks[:, 2:]).float() - 8.0) * d  # (N, Q)
+
+
+def dequantize_q4_1(blocks: torch.Tensor) -> torch.Tensor:
+    """Q4_1 blocks (N, 20) uint8 -> (N, 32) float32, ``q * d + m`` as ggml computes it."""
+    d = _f16_column(blocks, 0)
+    m = _f16_column(blocks, 2)
+    return _nibbles(blocks[:, 4:]).float() * d + m  # (N, Q)
+
+
+def dequantize_q8_0(blocks: torch.Tensor) -> torch.Tensor:
+    """Q8_0 blocks (N, 34) uint8 -> (N, 32) float32."""
+    d = _f16_column(blocks, 0)
+    return blocks[:, 2:].contiguous().view(torch.int8).float() * d  # (N, Q)
+
+
+_BLOCK_KERNELS = {
+    "Q4_0": (18, dequantize_q4_0),
+    "Q4_1": (20, dequantize_q4_1),
+    "Q8_0": (34, dequantize_q8_0),
+}
+
+
+def dequantize(data: np.ndarray, type_name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """Dequantise one GGUF tensor's raw data to a float32 torch tensor of ``shape``.
+
+    Args:
+        data: the tensor's data as the ``gguf`` reader exposes it (float array for F32/F16,
+            uint8 bytes for block formats).
+        type_name: the GGML type name, e.g. ``"Q4_1"``.
+        shape: the torch shape, outermost first (reverse of GGUF's ``ne`` order).
+
+    Returns:
+        A new float32 tensor of ``shape`` (it does not alias the memory-mapped file).
+
+    Raises:
+        NotImplementedError: for a type neither this module nor ``gguf`` can dequantise.
+    """
+    if type_name in ("F32", "F16", "BF16"):
+        if type_name == "BF16":
+            raw = torch.from_numpy(np.ascontiguousarray(data).view(np.int16).copy())
+            return raw.view(torch.bfloat16).float().reshape(shape)
+        return torch.from_numpy(np.array(data, dtype=np.float32)).reshape(shape)
+    if type_name in _BLOCK_KERNELS:
+        block_bytes, kernel = _BLOCK_KERNELS[type_name]
+        raw = torch.from_numpy(np.array(data, dtype=np.uint8).reshape(-1, block_bytes))
+        return kernel(raw).reshape(shape)  # (N, Q) -> shape
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as gguf_dequantize
+
+    out = gguf_dequantize(np.asarray(data), GGMLQuantizationType[type_name])
+    return torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32)).reshape(shape)
+
+
+def unpermute_rotary(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation, back to the "rotate half" RoPE layout.
+
+    llama.cpp's converter stores each head's rows of ``W_q``/``W_k`` interleaved
+    (pairs ``(x0, x1), (x2, x3), ...`` rotate together), while the Hugging Face layout
+    that ``attnlab.attention.RotaryEmbedding`` uses rotates ``x_i`` with ``x_{i + D/2}``.
+    The converter did ``reshape(H, 2, D/2, C).swapaxes(1, 2)``; this is its inverse.
+
+    Args:
+        weight: (H*D, C) rows of one projection as stored in the GGUF file.
+        n_heads: heads of this projection (query heads for q, key/value heads for k).
+
+    Returns:
+        (H*D, C) weight in "rotate half" layout.
+    """
+    rows, cols = weight.shape
+    head_dim = rows // n_heads
+    w = weight.reshape(n_heads, head_dim // 2, 2, cols)  # (H, D/2, 2, C)
+    return w.transpose(1, 2).reshape(rows, cols)  # (H, 2, D/2, C) -> (H*D, C)
+
+
+@dataclass(frozen=True)
+class GGUFTensorInfo:
+    """Where one tensor lies in the file.
+
+    Attributes:
+        name: GGUF tensor name, e.g. ``"blk.0.attn_q.weight"``.
+        type_name: GGML type name, e.g. ``"Q4_1"``.
+        shape: torch shape, outermost first (reverse of GGUF's ``ne``).
+        offset: absolute byte offset of the data in the file.
+        nbytes: size of the data in bytes.
+    """
+
+    name: str
+    type_name: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class GGUFContents:
+    """What one GGUF file holds: metadata read eagerly, tensors dequantised on request.
+
+    Attributes:
+        path: the file.
+        metadata: every key/value pair except the big tokenizer arrays, as Python values.
+        tokens: the vocabulary in id order (``tokenizer.ggml.tokens``).
+        token_types: llama.cpp token type per id (1 normal, 3 control, ...).
+        merges: BPE merges as ``"left right"`` strings, in rank order.
+        tensor_infos: name -> :class:`GGUFTensorInfo`, in file order.
+    """
+
+    path: Path
+    metadata: dict[str, Any]
+    tokens: list[str]
+    token_types: list[int]
+    merges: list[str]
+    tensor_infos: dict[str, GGUFTensorInfo]
+    _data: np.ndarray  # the whole file, memory-mapped uint8
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """Tensor ``name`` dequantised to float32 (a fresh tensor, not a view of the file)."""
+        if name not in self.tensor_infos:
+            raise KeyError(f"tensor {name!r} is not in {self.path.name}")
+        info = self.tensor_infos[name]
+        raw = self._data[info.offset : info.offset + info.nbytes]
+        return dequantize(raw.view(_NUMPY_VIEW.get(info.type_name, np.uint8)), info.type_name, info.shape)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor dequantised to float32, by GGUF name, in file order."""
+        return {name: self.tensor(name) for name in self.tensor_infos}
+
+
+_NUMPY_VIEW = {"F32": np.float32, "F16": np.float16}
+_BIG_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges")
+
+# GGUF value types (gguf.md): id -> struct format; 8 = string, 9 = array.
+_SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
+                   10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+
+
+class _Cursor:
+    """Sequential little-endian reads from a bytes-like buffer."""
+
+    def __init__(self, buf: memoryview) -> None:
+        self.buf = buf
+        self.pos = 0
+
+    def scalar(self, fmt: str) -> Any:
+        value = struct.unpack_from(fmt, self.buf, self.pos)[0]
+        self.pos += struct.calcsize(fmt)
+        return value
+
+    def string(self) -> str:
+        n = self.scalar("<Q")
+        text = bytes(self.buf[self.pos : self.pos + n]).decode("utf-8")
+        self.pos += n
+        return text
+
+    def value(self, vtype: int) -> Any:
+        if vtype == _STRING:
+            return self.string()
+        if vtype == _ARRAY:
+            item_type = self.scalar("<I")
+            count = self.scalar("<Q")
+            if item_type in _SCALAR_FORMATS and item_type != 7:
+                fmt = _SCALAR_FORMATS[item_type]
+                size = struct.calcsize(fmt)
+                arr = np.frombuffer(self.buf, dtype=np.dtype(fmt), count=count, offset=self.pos)
+                self.pos += size * count
+                return arr.tolist()
+            return [self.value(item_type) for _ in range(count)]
+        return self.scalar(_SCALAR_FORMATS[vtype])
+
+
+def read_gguf(path: str | Path) -> GGUFContents:
+    """Open a GGUF file (version 2 or 3) and read its metadata and tokenizer tables.
+
+    The header is parsed here in one pass (the ``gguf`` package's reader builds a numpy
+    view per string and takes seconds on a 49k-token vocabulary); tensor data stays
+    memory-mapped until :meth:`GGUFContents.tensor` dequantises it.
+
+    Args:
+        path: the ``.gguf`` file.
+
+    Returns:
+        A :class:`GGUFContents`.
+
+    Raises:
+        ValueError: if the file is not GGUF version 2 or 3.
+    """
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    path = Path(path)
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    cur = _Cursor(memoryview(data))
+    magic = bytes(cur.buf[0:4])
+    cur.pos = 4
+    version = cur.scalar("<I")
+    if magic != b"GGUF" or version not in (2, 3):
+        raise ValueError(
+            f"`path` must be a GGUF file of version 2 or 3, got magic {magic!r} version {version} "
+            f"in {path}; re-convert it with a current llama.cpp"
+        )
+    n_tensors = cur.scalar("<Q")
+    n_kv = cur.scalar("<Q")
+    kv: dict[str, Any] = {}
+    for _ in range(n_kv):
+        key = cur.string()
+        kv[key] = cur.value(cur.scalar("<I"))
+    raw_infos = []
+    for _ in range(n_tensors):
+        name = cur.string()
+        n_dims = cur.scalar("<I")
+        ne = [cur.scalar("<Q") for _ in range(n_dims)]
+        type_id = cur.scalar("<I")
+        offset = cur.scalar("<Q")
+        raw_infos.append((name, ne, type_id, offset))
+    alignment = int(kv.get("general.alignment", 32))
+    data_start = (cur.pos + alignment - 1) // alignment * alignment
+    infos: dict[str, GGUFTensorInfo] = {}
+    for name, ne, type_id, offset in raw_infos:
+        qtype = GGMLQuantizationType(type_id)
+        block_size, type_size = GGML_QUANT_SIZES[qtype]
+        n_elements = int(np.prod(ne))
+        infos[name] = GGUFTensorInfo(
+            name=name,
+            type_name=qtype.name,
+            shape=tuple(int(n) for n in reversed(ne)),
+            offset=data_start + offset,
+            nbytes=n_elements // block_size * type_size,
+        )
+    metadata = {k: v for k, v in kv.items() if k not in _BIG_ARRAYS}
+    return GGUFContents(
+        path=path,
+        metadata=metadata,
+        tokens=kv.get("tokenizer.ggml.tokens", []),
+        token_types=kv.get("tokenizer.ggml.token_type", []),
+        merges=kv.get("tokenizer.ggml.merges", []),
+        tensor_infos=infos,
+        _data=data,
+    )

@@ -1,0 +1,209 @@
+"""Tokenizers for the pretrained models, on the ``tokenizers`` library.
+
+- MiniLM ships a ``tokenizer.json`` (WordPiece, lower-casing): loaded as it is, with its
+  fixed 128-token padding replaced by pad-to-longest and truncation at the model's
+  ``max_seq_length``, as sentence-transformers does.
+- SmolLM2's tokenizer lives in the GGUF metadata (``tokenizer.ggml.*``): a byte-level BPE
+  vocabulary and merge list, the pre-tokenizer named by ``tokenizer.ggml.pre``, control
+  tokens marked by ``token_type == 3``, and a Jinja chat template. :func:`tokenizer_from_gguf`
+  rebuilds it as a ``tokenizers`` BPE model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from attnlab.pretrained.gguf_file import GGUFContents
+
+# llama.cpp token types (llama.h, LLAMA_TOKEN_TYPE_*).
+_CONTROL, _USER_DEFINED = 3, 4
+
+
+class PretrainedTokenizer:
+    """Text <-> token ids for one pretrained model.
+
+    Args:
+        backend: the ``tokenizers.Tokenizer`` doing the work (its own padding and
+            truncation are turned off; :meth:`batch` pads).
+        pad_id: id used to pad :meth:`batch`.
+        eos_id: end-of-sequence id, or None.
+        bos_id: beginning-of-sequence id, or None.
+        max_length: longest sequence :meth:`batch` returns (longer inputs are truncated),
+            or None for no limit.
+        chat_template: a Jinja chat template, or None.
+    """
+
+    def __init__(
+        self,
+        backend: Any,
+        *,
+        pad_id: int,
+        eos_id: int | None = None,
+        bos_id: int | None = None,
+        max_length: int | None = None,
+        chat_template: str | None = None,
+    ) -> None:
+        backend.no_padding()
+        backend.no_truncation()
+        self.backend = backend
+        self.pad_id = pad_id
+        self.eos_id = eos_id
+        self.bos_id = bos_id
+        self.max_length = max_length
+        self.chat_template = chat_template
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids, special tokens included."""
+        return int(self.backend.get_vocab_size(with_added_tokens=True))
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text`` (special-token strings such as ``<|im_start|>`` included)."""
+        if not isinstance(text, str):
+            raise TypeError(f"`text` must be a str, got {type(text).__name__}")
+        return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
+        """Text of ``ids``."""
+        return str(self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def id_to_token(self, token_id: int) -> str:
+        """The vocabulary string of one id (byte-level or WordPiece form)."""
+        return str(self.backend.id_to_token(int(token_id)))
+
+    def batch(self, texts: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Encode several texts, right-padded to the longest.
+
+        Args:
+            texts: the texts.
+
+        Returns:
+            ``(input_ids, valid)``: (B, S) long ids and (B, S) bool, True = real token.
+
+        Raises:
+            ValueError: if ``texts`` is empty.
+        """
+        if isinstance(texts, str) or len(texts) == 0:
+            raise ValueError(
+                f"`texts` must be a non-empty list of strings, got {texts!r}; wrap one text in a list"
+            )
+        encodings = self.backend.encode_batch(list(texts))
+        rows = [list(e.ids) for e in encodings]
+        if self.max_length is not None:
+            # Keep the final special token ([SEP]) the way tokenizers' truncation does.
+            rows = [r if len(r) <= self.max_length else [*r[: self.max_length - 1], r[-1]] for r in rows]
+        longest = max(len(r) for r in rows)
+        input_ids = torch.full((len(rows), longest), self.pad_id, dtype=torch.long)
+        valid = torch.zeros((len(rows), longest), dtype=torch.bool)
+        for i, r in enumerate(rows):
+            input_ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+            valid[i, : len(r)] = True
+        return input_ids, valid
+
+    def apply_chat_template(
+        self, messages: Sequence[dict[str, str]], *, add_generation_prompt: bool = True
+    ) -> str:
+        """Render ``messages`` (``{"role": ..., "content": ...}``) with the model's chat template.
+
+        Raises:
+            ValueError: if this tokenizer has no chat template.
+        """
+        if self.chat_template is None:
+            raise ValueError("this model has no chat template; drop --chat / apply_chat_template")
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        template = env.from_string(self.chat_template)
+        eos = self.backend.id_to_token(self.eos_id) if self.eos_id is not None else ""
+        bos = self.backend.id_to_token(self.bos_id) if self.bos_id is not None else ""
+        return str(
+            template.render(
+                messages=list(messages),
+                add_generation_prompt=add_generation_prompt,
+                eos_token=eos,
+                bos_token=bos,
+            )
+        )
+
+
+def tokenizer_from_json(path: str | Path, *, max_length: int | None) -> PretrainedTokenizer:
+    """Load a ``tokenizer.json`` (MiniLM's WordPiece) as a :class:`PretrainedTokenizer`."""
+    from tokenizers import Tokenizer
+
+    backend = Tokenizer.from_file(str(path))
+    pad = backend.token_to_id("[PAD]")
+    sep = backend.token_to_id("[SEP]")
+    cls = backend.token_to_id("[CLS]")
+    return PretrainedTokenizer(
+        backend, pad_id=0 if pad is None else pad, eos_id=sep, bos_id=cls, max_length=max_length
+    )
+
+
+def _pre_tokenizer(pre: str) -> Any:
+    """The ``tokenizers`` pre-tokenizer for llama.cpp's ``tokenizer.ggml.pre`` name.
+
+    llama.cpp's "smollm" pre-tokenizer splits every digit on its own (``\\p{N}``) and then
+    applies the GPT-2 regex; that is ``Digits(individual_digits=True)`` followed by
+    byte-level splitting, as in SmolLM2's original ``tokenizer.json``.
+    """
+    from tokenizers import pre_tokenizers
+
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in ("smollm", "starcoder", "refact", "codeshell"):
+        return pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), byte_level]
+        )
+    if pre in ("gpt2", "default"):
+        return byte_level
+    raise NotImplementedError(
+        f"GGUF pre-tokenizer {pre!r} is not supported; supported: smollm, starcoder, gpt2"
+    )
+
+
+def tokenizer_from_gguf(contents: GGUFContents) -> PretrainedTokenizer:
+    """Rebuild a GGUF file's byte-level BPE tokenizer (``tokenizer.ggml.model == "gpt2"``).
+
+    Args:
+        contents: the file, from :func:`attnlab.pretrained.gguf_file.read_gguf`.
+
+    Returns:
+        The tokenizer, with the file's control tokens as special tokens and its chat template.
+
+    Raises:
+        NotImplementedError: for a tokenizer model or pre-tokenizer not handled here.
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models
+
+    meta = contents.metadata
+    kind = meta.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise NotImplementedError(
+            f"GGUF tokenizer model {kind!r} is not supported; only byte-level BPE ('gpt2')"
+        )
+    vocab = {token: i for i, token in enumerate(contents.tokens)}
+    merges = [tuple(m.split(" ", 1)) for m in contents.merges]
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    backend.pre_tokenizer = _pre_tokenizer(str(meta.get("tokenizer.ggml.pre", "default")))
+    backend.decoder = decoders.ByteLevel()
+    special = [
+        AddedToken(token, special=True, normalized=False)
+        for token, kind_id in zip(contents.tokens, contents.token_types)
+        if kind_id in (_CONTROL, _USER_DEFINED)
+    ]
+    backend.add_special_tokens(special)
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    bos = meta.get("tokenizer.ggml.bos_token_id")
+    pad = meta.get("tokenizer.ggml.padding_token_id", eos if eos is not None else 0)
+    return PretrainedTokenizer(
+        backend,
+        pad_id=int(pad),
+        eos_id=None if eos is None else int(eos),
+        bos_id=None if bos is None else int(bos),
+        max_length=meta.get(f"{meta.get('general.architecture', '')}.context_length"),
+        chat_template=meta.get("tokenizer.chat_template"),
+    )
