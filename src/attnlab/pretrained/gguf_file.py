@@ -2,8 +2,9 @@
 
 The header is parsed here (the format is small: gguf.md in llama.cpp), tensor data is
 memory-mapped, and the block formats this project meets (Q4_0, Q4_1, Q8_0) are
-dequantised here, vectorised over every block of a tensor at once in torch. Any other quantisation type
-(the K-quants, ...) falls back to ``gguf.quants.dequantize``, which is vectorised numpy.
+dequantised here, vectorised over every block of a tensor at once in torch. Any other
+quantisation type (the K-quants, ...) falls back to ``gguf.quants.dequantize``, which
+is vectorised numpy.
 
 GGUF stores a 2-D weight with ``shape = [ne0, ne1]``: ``ne0`` is the contiguous (input)
 dimension, so the torch tensor is ``(ne1, ne0)`` = ``(out_features, in_features)``, exactly
@@ -34,33 +35,35 @@ import torch
 QK = 32  # weights per block for Q4_0, Q4_1, Q8_0
 
 
-def _f16_column(blocks: torch.Tensor, start: int) -> torch.Tensor:
-    """The little-endian float16 at bytes ``[start, start + 2)`` of every block, as (N, 1) fp32."""
-    return blocks[:, start : start + 2].contiguous().view(torch.float16).float()  # (N, 1)
+def _f16_columns(blocks: torch.Tensor, n: int) -> torch.Tensor:
+    """The first ``n`` little-endian float16 values of every block, as (N, n) float32."""
+    return blocks[:, : 2 * n].contiguous().view(torch.float16).float()  # (N, n)
 
 
-def _nibbles(qs: torch.Tensor) -> torch.Tensor:
-    """(N, 16) packed bytes -> (N, 32) values in 0..15: low nibbles first, then high."""
-    return torch.cat([qs & 0x0F, qs >> 4], dim=1)  # (N, Q)
+def _unpack_nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """(N, 16) packed bytes -> (N, 32) float32 in 0..15: low nibbles first, then high."""
+    out = torch.empty(qs.shape[0], QK, dtype=torch.float32)  # (N, Q)
+    out[:, : QK // 2] = qs & 0x0F
+    out[:, QK // 2 :] = qs >> 4
+    return out
 
 
 def dequantize_q4_0(blocks: torch.Tensor) -> torch.Tensor:
-    """Q4_0 blocks (N, 18) uint8 -> (N, 32) float32."""
-    d = _f16_column(blocks, 0)
-    return (_nibbles(blocks[:, 2:]).float() - 8.0) * d  # (N, Q)
+    """Q4_0 blocks (N, 18) uint8 -> (N, 32) float32, ``(q - 8) * d``."""
+    d = _f16_columns(blocks, 1)  # (N, 1)
+    return _unpack_nibbles(blocks[:, 2:]).sub_(8.0).mul_(d)  # (N, Q)
 
 
 def dequantize_q4_1(blocks: torch.Tensor) -> torch.Tensor:
-    """Q4_1 blocks (N, 20) uint8 -> (N, 32) float32, ``q * d + m`` as ggml computes it."""
-    d = _f16_column(blocks, 0)
-    m = _f16_column(blocks, 2)
-    return _nibbles(blocks[:, 4:]).float() * d + m  # (N, Q)
+    """Q4_1 blocks (N, 20) uint8 -> (N, 32) float32, ``q * d + m`` (two roundings, as ggml)."""
+    dm = _f16_columns(blocks, 2)  # (N, 2): d, m
+    return _unpack_nibbles(blocks[:, 4:]).mul_(dm[:, :1]).add_(dm[:, 1:])  # (N, Q)
 
 
 def dequantize_q8_0(blocks: torch.Tensor) -> torch.Tensor:
-    """Q8_0 blocks (N, 34) uint8 -> (N, 32) float32."""
-    d = _f16_column(blocks, 0)
-    return blocks[:, 2:].contiguous().view(torch.int8).float() * d  # (N, Q)
+    """Q8_0 blocks (N, 34) uint8 -> (N, 32) float32, ``q * d``."""
+    d = _f16_columns(blocks, 1)  # (N, 1)
+    return blocks[:, 2:].contiguous().view(torch.int8).float().mul_(d)  # (N, Q)
 
 
 _BLOCK_KERNELS = {
@@ -168,7 +171,9 @@ class GGUFContents:
             raise KeyError(f"tensor {name!r} is not in {self.path.name}")
         info = self.tensor_infos[name]
         raw = self._data[info.offset : info.offset + info.nbytes]
-        return dequantize(raw.view(_NUMPY_VIEW.get(info.type_name, np.uint8)), info.type_name, info.shape)
+        return dequantize(
+            raw.view(_NUMPY_VIEW.get(info.type_name, np.uint8)), info.type_name, info.shape
+        )
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor dequantised to float32, by GGUF name, in file order."""
@@ -179,8 +184,19 @@ _NUMPY_VIEW = {"F32": np.float32, "F16": np.float16}
 _BIG_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges")
 
 # GGUF value types (gguf.md): id -> struct format; 8 = string, 9 = array.
-_SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
-                   10: "<Q", 11: "<q", 12: "<d"}
+_SCALAR_FORMATS = {
+    0: "<B",
+    1: "<b",
+    2: "<H",
+    3: "<h",
+    4: "<I",
+    5: "<i",
+    6: "<f",
+    7: "<?",
+    10: "<Q",
+    11: "<q",
+    12: "<d",
+}
 _STRING, _ARRAY = 8, 9
 
 

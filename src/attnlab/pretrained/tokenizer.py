@@ -90,13 +90,16 @@ class PretrainedTokenizer:
         """
         if isinstance(texts, str) or len(texts) == 0:
             raise ValueError(
-                f"`texts` must be a non-empty list of strings, got {texts!r}; wrap one text in a list"
+                f"`texts` must be a non-empty list of strings, got {texts!r}; "
+                "wrap a single text in a list"
             )
         encodings = self.backend.encode_batch(list(texts))
         rows = [list(e.ids) for e in encodings]
         if self.max_length is not None:
             # Keep the final special token ([SEP]) the way tokenizers' truncation does.
-            rows = [r if len(r) <= self.max_length else [*r[: self.max_length - 1], r[-1]] for r in rows]
+            rows = [
+                r if len(r) <= self.max_length else [*r[: self.max_length - 1], r[-1]] for r in rows
+            ]
         longest = max(len(r) for r in rows)
         input_ids = torch.full((len(rows), longest), self.pad_id, dtype=torch.long)
         valid = torch.zeros((len(rows), longest), dtype=torch.bool)
@@ -155,9 +158,7 @@ def _pre_tokenizer(pre: str) -> Any:
 
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if pre in ("smollm", "starcoder", "refact", "codeshell"):
-        return pre_tokenizers.Sequence(
-            [pre_tokenizers.Digits(individual_digits=True), byte_level]
-        )
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
     if pre in ("gpt2", "default"):
         return byte_level
     raise NotImplementedError(
@@ -192,7 +193,7 @@ def tokenizer_from_gguf(contents: GGUFContents) -> PretrainedTokenizer:
     backend.decoder = decoders.ByteLevel()
     special = [
         AddedToken(token, special=True, normalized=False)
-        for token, kind_id in zip(contents.tokens, contents.token_types)
+        for token, kind_id in zip(contents.tokens, contents.token_types, strict=True)
         if kind_id in (_CONTROL, _USER_DEFINED)
     ]
     backend.add_special_tokens(special)

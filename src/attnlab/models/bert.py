@@ -1,0 +1,169 @@
+"""A BERT encoder on attnlab's attention (the layout of all-MiniLM-L6-v2).
+
+Embeddings are the sum of a word, a token-type and an absolute position embedding,
+then LayerNorm. Each block is post-LayerNorm::
+
+    x = LayerNorm(x + Attention(x, key padding mask))
+    x = LayerNorm(x + W_out · gelu(W_in · x))
+
+with the exact (erf) GELU. Attention is bidirectional; padded keys are masked with
+:class:`attnlab.masks.PaddingMask`, so real tokens never look at padding (padded query
+rows still attend to the real tokens; their outputs are simply ignored downstream).
+
+Shape legend: B batch, T tokens, C = H*D width, I intermediate (feed-forward) width.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from attnlab.attention import Attention
+from attnlab.masks import PaddingMask
+
+__all__ = ["BertConfig", "BertEncoder", "BertLayer"]
+
+
+@dataclass(frozen=True)
+class BertConfig:
+    """Sizes of a BERT encoder (defaults: all-MiniLM-L6-v2).
+
+    Attributes:
+        vocab_size: word-piece vocabulary size.
+        hidden_size: model width C.
+        num_layers: number of encoder blocks.
+        num_heads: attention heads H (C % H == 0).
+        intermediate_size: feed-forward width I.
+        max_position_embeddings: longest sequence (learned absolute positions).
+        type_vocab_size: number of token types (segments).
+        layer_norm_eps: LayerNorm epsilon.
+        pad_token_id: id of the padding token.
+    """
+
+    vocab_size: int = 30522
+    hidden_size: int = 384
+    num_layers: int = 6
+    num_heads: int = 12
+    intermediate_size: int = 1536
+    max_position_embeddings: int = 512
+    type_vocab_size: int = 2
+    layer_norm_eps: float = 1e-12
+    pad_token_id: int = 0
+
+
+class BertLayer(nn.Module):
+    """One post-LayerNorm encoder block.
+
+    Args:
+        config: the sizes.
+        backend: attnlab attention backend.
+    """
+
+    def __init__(self, config: BertConfig, *, backend: str = "auto") -> None:
+        super().__init__()
+        C, eps = config.hidden_size, config.layer_norm_eps
+        self.attention = Attention(C, config.num_heads, bias=True, out_bias=True, backend=backend)
+        self.attn_norm = nn.LayerNorm(C, eps=eps)
+        self.ffn_in = nn.Linear(C, config.intermediate_size)
+        self.ffn_out = nn.Linear(config.intermediate_size, C)
+        self.ffn_norm = nn.LayerNorm(C, eps=eps)
+
+    def forward(
+        self, x: torch.Tensor, mask: PaddingMask | None, *, need_weights: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(B, T, C) -> ((B, T, C), weights (B, H, T, T) or None)."""
+        weights = None
+        if need_weights:
+            a, weights = self.attention(x, attn_mask=mask, need_weights=True)
+        else:
+            a = self.attention(x, attn_mask=mask)
+        x = self.attn_norm(x + a)  # (B, T, C)
+        h = nn.functional.gelu(self.ffn_in(x))  # (B, T, I), exact erf GELU
+        return self.ffn_norm(x + self.ffn_out(h)), weights  # (B, T, C)
+
+
+class BertEncoder(nn.Module):
+    """BERT encoder: embeddings, then ``num_layers`` post-LN blocks; no pooler.
+
+    Args:
+        config: the sizes.
+        backend: attnlab attention backend for every layer (``"auto"``, ``"math"``, ...).
+    """
+
+    def __init__(self, config: BertConfig, *, backend: str = "auto") -> None:
+        super().__init__()
+        self.config = config
+        C = config.hidden_size
+        self.word_embeddings = nn.Embedding(config.vocab_size, C)
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings, C)
+        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, C)
+        self.embed_norm = nn.LayerNorm(C, eps=config.layer_norm_eps)
+        self.layers = nn.ModuleList(
+            BertLayer(config, backend=backend) for _ in range(config.num_layers)
+        )
+
+    def set_backend(self, backend: str) -> None:
+        """Use ``backend`` in every attention layer from now on."""
+        for layer in self.layers:
+            layer.attention.backend = backend
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        valid: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+        *,
+        need_weights: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
+        """Encode a batch of token ids.
+
+        Args:
+            input_ids: (B, T) long token ids.
+            valid: (B, T) bool, True = real token, False = padding; None = no padding.
+            token_type_ids: (B, T) segment ids; default all zeros.
+            need_weights: also return every layer's attention weights.
+
+        Returns:
+            Last hidden states (B, T, C), or ``(hidden, [weights (B, H, T, T)] * num_layers)``.
+
+        Raises:
+            ValueError: wrong shapes, or a sequence longer than the position table.
+            TypeError: non-integer ids or a non-bool ``valid``.
+
+        Shape:
+            input_ids (B, T) -> (B, T, C).
+        """
+        if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2:
+            raise ValueError("`input_ids` must be a (B, T) tensor of token ids")
+        if input_ids.is_floating_point():
+            raise TypeError(f"`input_ids` must be an integer tensor, got {input_ids.dtype}")
+        B, T = input_ids.shape
+        if self.config.max_position_embeddings < T:
+            raise ValueError(
+                f"`input_ids` has T={T} tokens, more than the model's "
+                f"{self.config.max_position_embeddings} positions; truncate the input"
+            )
+        if valid is not None and (valid.shape != (B, T) or valid.dtype != torch.bool):
+            raise ValueError(
+                f"`valid` must be a (B, T) = ({B}, {T}) bool tensor, got "
+                f"{tuple(valid.shape)} {valid.dtype}"
+            )
+        if token_type_ids is None:
+            token_type_ids = torch.zeros_like(input_ids)
+        positions = torch.arange(T, device=input_ids.device)  # (T,)
+        # Summed in this order (word, type, position) so fp32 rounding matches the reference.
+        x = (
+            self.word_embeddings(input_ids)
+            + self.token_type_embeddings(token_type_ids)
+            + self.position_embeddings(positions)[None]
+        )  # (B, T, C)
+        x = self.embed_norm(x)
+        mask = PaddingMask(valid) if valid is not None and not bool(valid.all()) else None
+        all_weights: list[torch.Tensor] = []
+        for layer in self.layers:
+            x, w = layer(x, mask, need_weights=need_weights)
+            if w is not None:
+                all_weights.append(w)
+        return (x, all_weights) if need_weights else x
