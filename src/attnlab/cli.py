@@ -14,7 +14,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any
 
-import click
 import typer
 from rich.console import Console, RenderableType
 
@@ -64,7 +63,7 @@ class Output:
 
     def note(self, text: str) -> None:
         """A message for the human on stderr (keeps stdout clean for ``--json``)."""
-        self.err_console.print(text, markup=False)
+        self.err_console.print(text, markup=False, highlight=False, soft_wrap=True)
 
     def error(self, text: str) -> None:
         """One line on stderr, never wrapped."""
@@ -143,6 +142,11 @@ def walkthrough(
         lang = normalize_lang(lang)
     except ValueError:
         raise UserError(f"unknown --lang {lang!r}; choose one of {', '.join(LANGS)}") from None
+    out_dir = (
+        None if no_figures else (out if out is not None else (None if json_out else DEFAULT_OUT))
+    )
+    if out_dir is not None and out_dir.exists() and not out_dir.is_dir():
+        raise UserError(f"cannot write figures to `--out` {str(out_dir)!r}: not a folder")
     if example not in EXAMPLES:
         raise UserError(f"unknown --example {example!r}; choose one of {', '.join(EXAMPLES)}")
     with user_input():
@@ -161,8 +165,7 @@ def walkthrough(
 
         output.show(*walkthrough_renderables(trace, lang))
 
-    out_dir = out if out is not None else (None if json_out else DEFAULT_OUT)
-    if out_dir is None or no_figures:
+    if out_dir is None:
         return
     from attnlab.explain.figures import save_walkthrough_figures
     from attnlab.explain.i18n import message
@@ -177,7 +180,28 @@ def walkthrough(
     if json_out:
         output.note(text)
     else:
-        output.show(text)
+        output.console.print(text, markup=False, soft_wrap=True)
+
+
+def _framework_errors() -> tuple[tuple[type[BaseException], ...], tuple[type[BaseException], ...]]:
+    """(usage-error types, abort types) of typer and of click, whichever are installed.
+
+    Recent typer vendors click (``typer.TyperException`` is the base of its usage
+    errors); older typer raises ``click`` exceptions.
+    """
+    errors: list[type[BaseException]] = []
+    aborts: list[type[BaseException]] = [KeyboardInterrupt]
+    if hasattr(typer, "TyperException"):
+        errors.append(typer.TyperException)
+    aborts.append(typer.Abort)
+    try:
+        import click
+    except ImportError:  # pragma: no cover - typer without click
+        pass
+    else:
+        errors.append(click.ClickException)
+        aborts.append(click.Abort)
+    return tuple(errors), tuple(aborts)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -186,20 +210,19 @@ def main(argv: list[str] | None = None) -> None:
     Exits with the command's status: 0 on success, 2 for a user error (one line on
     stderr, no traceback), 130 on Ctrl-C.
     """
+    usage_errors, aborts = _framework_errors()
     code: Any
     try:
         code = app(args=argv, prog_name="attnlab", standalone_mode=False)
     except UserError as e:
         output.error(str(e))
         code = EXIT_USER_ERROR
-    except click.UsageError as e:
-        hint = f" (see `{e.ctx.command_path} --help`)" if e.ctx is not None else ""
-        output.error(f"{e.format_message()}{hint}")
+    except usage_errors as e:
+        ctx = getattr(e, "ctx", None)
+        hint = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
+        output.error(f"{e.format_message()}{hint}")  # type: ignore[attr-defined]
         code = EXIT_USER_ERROR
-    except click.ClickException as e:
-        output.error(e.format_message())
-        code = e.exit_code
-    except click.Abort:
+    except aborts:
         output.error("aborted")
         code = 130
     raise SystemExit(code if isinstance(code, int) else 0)
