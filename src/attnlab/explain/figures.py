@@ -31,6 +31,12 @@ _ARROW = "#4a5568"
 _NOTE = "#4a5568"
 
 
+def _luminance(rgba: tuple[float, float, float, float]) -> float:
+    """WCAG relative luminance; below ~0.2 white text has the better contrast."""
+    r, g, b = (c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4 for c in rgba[:3])
+    return 0.2126 * r + 0.7152 * g + 0.0722 * b
+
+
 def _new_axes(ax: Axes | None, figsize: tuple[float, float]) -> tuple[Figure, Axes]:
     if ax is not None:
         fig = ax.get_figure()
@@ -93,8 +99,7 @@ def plot_attention_weights(
     for i in range(n_rows):
         for j in range(n_cols):
             v = float(w[i, j])
-            r, g, b, _ = im.cmap(im.norm(v))
-            dark = 0.2126 * r + 0.7152 * g + 0.0722 * b < 0.45  # relative luminance
+            dark = _luminance(im.cmap(v / vmax)) < 0.2  # the cell's colour (vmin is 0)
             ax.text(
                 j, i, f"{v:.4f}", ha="center", va="center", fontsize=font,
                 color="white" if dark else "#1a202c",
