@@ -62,9 +62,10 @@ MESSAGES: dict[str, dict[str, str]] = {
     },
     "scores.text": {
         "en": "Entry (i, j) is the dot product of token i's embedding with token j's: large "
-        "when the two point the same way. Row i holds token i's scores against every token.",
-        "zh-TW": "第 (i, j) 個元素是詞元 i 與詞元 j 嵌入向量的點積：兩者方向越接近，數值越大。"
-        "第 i 列是詞元 i 對所有詞元的分數。",
+        "when the two are long and point the same way. Row i holds token i's scores "
+        "against every token.",
+        "zh-TW": "第 (i, j) 個元素是詞元 i 與詞元 j 嵌入向量的點積："
+        "兩者越長、方向越接近，數值越大。第 i 列是詞元 i 對所有詞元的分數。",
     },
     "weights.title": {
         "en": "Attention weights = softmax(ω, dim=-1) ({n}×{n}), with row sums",
@@ -74,7 +75,7 @@ MESSAGES: dict[str, dict[str, str]] = {
         "en": "dim=-1 applies the softmax along the last dimension, across the columns of "
         "each row, so each token's weights over all tokens are positive and sum to 1; the "
         "last column checks it.",
-        "zh-TW": "dim=-1 表示沿著最後一個維度（每一列中的各行）做 softmax，"
+        "zh-TW": "dim=-1 表示沿著最後一個維度做 softmax，也就是在每一列中橫跨各行歸一化，"
         "因此每個詞元對所有詞元的權重皆為正數且加總為 1；最後一行即為驗證。",
     },
     "context.title": {
