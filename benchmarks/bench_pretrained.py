@@ -98,9 +98,8 @@ def bench_smollm2(reps: int, prompt_len: int, new_tokens: int) -> None:
     same = out["attnlab"].tolist() == out["transformers"].tolist()
     print(f"SmolLM2-135M greedy, prompt {ids.shape[1]} + {new_tokens} new tokens, fp32, KV cache:")
     print(f"  attnlab       {rate['attnlab']:7.1f} tokens/s")
-    print(
-        f"  transformers  {rate['transformers']:7.1f} tokens/s   (attn: {ref.config._attn_implementation})"
-    )
+    attn = ref.config._attn_implementation
+    print(f"  transformers  {rate['transformers']:7.1f} tokens/s   (attention: {attn})")
     print(f"  ratio         {rate['attnlab'] / rate['transformers']:7.2f}x   same tokens: {same}")
     print(f"  load_pretrained('smollm2-135m-instruct'): {load_s:.2f} s")
 

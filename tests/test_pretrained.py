@@ -20,7 +20,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from attnlab.backends import available_backends
-
 from attnlab.pretrained import (
     MINILM_INSTALL,
     SMOLLM2_INSTALL,

@@ -65,6 +65,11 @@ class Output:
         """A message for the human on stderr (keeps stdout clean for ``--json``)."""
         self.err_console.print(text, markup=False, highlight=False, soft_wrap=True)
 
+    def stream(self, text: str) -> None:
+        """Write ``text`` on stdout at once, without a newline (text generated token by token)."""
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
     def error(self, text: str) -> None:
         """One line on stderr, never wrapped."""
         line = " ".join(str(text).split())
@@ -181,6 +186,183 @@ def walkthrough(
         output.note(text)
     else:
         output.console.print(text, markup=False, soft_wrap=True)
+
+
+# ---------------------------------------------------------------- pretrained models (issue 5)
+
+
+def _load_pretrained(name: str, kind: str, backend: str) -> tuple[Any, Any]:
+    """``load_pretrained`` with its errors as user errors; ``kind`` is encoder/causal-lm."""
+    from attnlab.pretrained import PRETRAINED_MODELS, MissingPackageError, load_pretrained
+
+    key = name.lower()
+    fitting = sorted(n for n, (k, _) in PRETRAINED_MODELS.items() if k == kind)
+    if key not in PRETRAINED_MODELS or PRETRAINED_MODELS[key][0] != kind:
+        raise UserError(f"unknown --model {name!r} here; choose one of {', '.join(fitting)}")
+    try:
+        with user_input():
+            return load_pretrained(key, backend=backend)
+    except MissingPackageError as e:
+        raise UserError(str(e)) from e
+
+
+class _TextStream:
+    """Turn token ids, arriving one by one, into text pieces that are safe to print.
+
+    Byte-level BPE tokens can end inside a multi-byte character; the decoded text then
+    ends in U+FFFD, and that tail is held back until the next token completes it.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.shown = 0
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        text = self.tokenizer.decode(self.ids)
+        if text.endswith("\ufffd"):
+            return ""
+        piece, self.shown = text[self.shown :], len(text)
+        return piece
+
+    def flush(self) -> str:
+        text = self.tokenizer.decode(self.ids)
+        piece, self.shown = text[self.shown :], len(text)
+        return piece
+
+
+def _generate_pretrained(
+    name: str,
+    prompt: str,
+    *,
+    chat: bool,
+    backend: str,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    seed: int,
+    use_cache: bool,
+) -> None:
+    """Stream a pretrained causal LM's continuation of ``prompt`` (or its chat reply)."""
+    model, tok = _load_pretrained(name, "causal-lm", backend)
+    import torch
+
+    from attnlab.generation import generate_stream
+
+    text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
+    ids = tok.encode(text)[-model.context_length :]
+    gen = torch.Generator().manual_seed(seed)
+    stream = _TextStream(tok)
+    started = False
+    with user_input():
+        for nxt in generate_stream(
+            model,
+            torch.tensor([ids]),
+            max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            eos_id=tok.eos_id,
+            use_cache=use_cache,
+            generator=gen,
+        ):
+            if not started and not chat:
+                output.stream(prompt)  # after the first step: the arguments are valid
+            started = True
+            token = int(nxt[0, 0])
+            if token == tok.eos_id:
+                break
+            output.stream(stream.push(token))
+    output.stream(("" if started or chat else prompt) + stream.flush() + "\n")
+
+
+@app.command()
+def generate(
+    prompt: Annotated[str, typer.Argument(help="Text to continue (with --chat: the question).")],
+    model: Annotated[
+        str | None,
+        typer.Option("--model", "-m", help="A pretrained model: smollm2-135m-instruct."),
+    ] = None,
+    chat: Annotated[
+        bool,
+        typer.Option("--chat", help="Apply the model's chat template (a user turn) first."),
+    ] = False,
+    backend: Annotated[
+        str, typer.Option(help="Attention backend: auto, math, sdpa, ... (see `attnlab info`).")
+    ] = "auto",
+    max_new_tokens: Annotated[
+        int, typer.Option("--max-new-tokens", "-n", help="Tokens to generate.")
+    ] = 50,
+    temperature: Annotated[float, typer.Option(help="0 = greedy; > 0 samples.")] = 0.0,
+    top_k: Annotated[int | None, typer.Option("--top-k", help="Sample among the top k.")] = None,
+    top_p: Annotated[
+        float | None, typer.Option("--top-p", help="Nucleus sampling threshold.")
+    ] = None,
+    seed: Annotated[int, typer.Option(help="Seed for sampling.")] = 123,
+    no_cache: Annotated[
+        bool, typer.Option("--no-cache", help="Recompute the whole window for every token.")
+    ] = False,
+) -> None:
+    """Continue a prompt with a language model, streaming the text as it is produced."""
+    if not prompt:
+        raise UserError("the prompt is empty; give some text to continue")
+    if model is None:
+        raise UserError("give the model to use: --model smollm2-135m-instruct")
+    _generate_pretrained(
+        model,
+        prompt,
+        chat=chat,
+        backend=backend,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
+        use_cache=not no_cache,
+    )
+
+
+@app.command()
+def embed(
+    sentences: Annotated[list[str], typer.Argument(help="Two or more sentences to compare.")],
+    model: Annotated[
+        str, typer.Option("--model", "-m", help="A pretrained encoder: all-minilm-l6-v2.")
+    ] = "all-minilm-l6-v2",
+    backend: Annotated[
+        str, typer.Option(help="Attention backend: auto, math, sdpa, ... (see `attnlab info`).")
+    ] = "auto",
+    json_out: Annotated[
+        bool,
+        typer.Option("--json", help="Print sentences and similarities as JSON on stdout."),
+    ] = False,
+) -> None:
+    """Embed sentences (mean pooling, L2 norm) and print their cosine similarities."""
+    import json
+
+    from rich.table import Table
+
+    from attnlab.pretrained import cosine_similarity_matrix, sentence_embeddings
+
+    if len(sentences) < 2:
+        raise UserError(f"give at least two sentences to compare, got {len(sentences)}")
+    encoder, tok = _load_pretrained(model, "encoder", backend)
+    with user_input():
+        sim = cosine_similarity_matrix(sentence_embeddings(encoder, tok, sentences))
+    if json_out:
+        output.raw(
+            json.dumps({"model": model.lower(), "sentences": sentences, "cosine": sim.tolist()})
+        )
+        return
+    table = Table(title=f"cosine similarity, {model.lower()}", title_justify="left")
+    table.add_column("#", justify="right", no_wrap=True)
+    table.add_column("sentence")
+    for j in range(len(sentences)):
+        table.add_column(str(j + 1), justify="right", no_wrap=True)
+    for i, s in enumerate(sentences):
+        table.add_row(str(i + 1), s, *(f"{float(v):.3f}" for v in sim[i]))
+    output.show(table)
 
 
 def _framework_errors() -> tuple[tuple[type[BaseException], ...], tuple[type[BaseException], ...]]:
