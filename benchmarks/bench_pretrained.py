@@ -45,10 +45,11 @@ PASSAGE = (
 
 
 def best_of(reps: int, fns: dict[str, Callable[[], object]]) -> dict[str, float]:
-    """Run every function ``reps`` times, interleaved; best wall time of each."""
+    """Run every function ``reps`` times, interleaved (order alternating); best wall time."""
     best = {name: float("inf") for name in fns}
-    for _ in range(reps):
-        for name, fn in fns.items():
+    for rep in range(reps):
+        items = list(fns.items())
+        for name, fn in items if rep % 2 == 0 else reversed(items):
             t0 = time.perf_counter()
             fn()
             best[name] = min(best[name], time.perf_counter() - t0)

@@ -79,7 +79,7 @@ def smollm2_path() -> Path:
 
 
 def _fill(model: nn.Module, weights: dict[str, torch.Tensor], source: str) -> None:
-    """Copy ``weights`` into ``model`` by name; every parameter exactly once, shapes checked."""
+    """Put ``weights`` into ``model`` by name; every parameter exactly once, shapes checked."""
     params = dict(model.named_parameters())  # tied weights appear once
     missing = sorted(set(params) - set(weights))
     unused = sorted(set(weights) - set(params))
@@ -95,7 +95,8 @@ def _fill(model: nn.Module, weights: dict[str, torch.Tensor], source: str) -> No
                     f"{source}: {name} has shape {tuple(w.shape)}, the model expects "
                     f"{tuple(p.shape)}"
                 )
-            p.copy_(w)
+            # Take the loaded tensor itself (no 0.5 GB copy); tied weights share `p`.
+            p.data = w.to(dtype=p.dtype).contiguous()
 
 
 _INIT_FUNCTIONS = ("uniform_", "normal_", "kaiming_uniform_", "trunc_normal_", "zeros_", "ones_")
