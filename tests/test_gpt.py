@@ -5,6 +5,7 @@ import dataclasses
 import pytest
 import torch
 
+from attnlab.backends import available_backends
 from attnlab.models.gpt import (
     PRESETS,
     GPTConfig,
@@ -27,7 +28,7 @@ def _both(cfg: GPTConfig, seed: int = 123, backend: str = "auto"):
     return ours, book
 
 
-@pytest.mark.parametrize("backend", ["auto", "math", "sdpa", "blockwise"])
+@pytest.mark.parametrize("backend", available_backends())
 def test_same_seed_gives_the_books_weights_and_outputs(backend):
     ours, book = _both(SMALL, backend=backend)
     ours_sd = ours.state_dict()

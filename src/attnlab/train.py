@@ -76,10 +76,11 @@ class TrainConfig:
     Args:
         preset: GPT preset name (ignored when ``model`` is given).
         model: an explicit model config instead of the preset.
-        steps: optimizer steps; exclusive with ``epochs``. Default (both None): 300.
+        steps: optimizer steps; exclusive with ``epochs``. Default (both None): 200.
         epochs: passes over the training windows (``drop_last``); exclusive with ``steps``.
         batch_size: the global batch (split evenly over the ranks).
-        lr: peak learning rate of AdamW.
+        lr: peak learning rate of AdamW; default 2e-3 for the tiny preset and small custom
+            models (emb_dim <= 256), 4e-4 (the book's) for the GPT-2 sizes.
         min_lr_ratio: the cosine decay ends at ``lr * min_lr_ratio``.
         warmup_steps: linear warm-up steps; default 5% of the steps (at least 1).
         weight_decay: AdamW weight decay, applied to matrices and embeddings only.
@@ -100,7 +101,7 @@ class TrainConfig:
     steps: int | None = None
     epochs: int | None = None
     batch_size: int = 8
-    lr: float = 1e-3
+    lr: float | None = None
     min_lr_ratio: float = 0.1
     warmup_steps: int | None = None
     weight_decay: float = 0.1
@@ -128,7 +129,7 @@ class TrainConfig:
                 raise ValueError(f"`{name}` must be an int >= 1, got {v!r}")
         if self.save_interval < 0:
             raise ValueError(f"`save_interval` must be >= 0, got {self.save_interval}")
-        if not (self.lr > 0 and math.isfinite(self.lr)):
+        if self.lr is not None and not (self.lr > 0 and math.isfinite(self.lr)):
             raise ValueError(f"`lr` must be a positive number, got {self.lr!r}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"`min_lr_ratio` must be in [0, 1], got {self.min_lr_ratio}")
@@ -139,6 +140,12 @@ class TrainConfig:
 
     def model_config(self) -> GPTConfig:
         return self.model if self.model is not None else GPTConfig.preset(self.preset)
+
+    def peak_lr(self) -> float:
+        """``lr``, or its default for the model's size."""
+        if self.lr is not None:
+            return self.lr
+        return 2e-3 if self.model_config().emb_dim <= 256 else 4e-4
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -478,7 +485,7 @@ class Trainer:
         elif cfg.epochs is not None:
             self.total_steps = cfg.epochs * self.batches_per_epoch
         else:
-            self.total_steps = 300
+            self.total_steps = 200
         self.warmup = cfg.warmup_steps or max(1, self.total_steps // 20)
 
         # Model: seeded like the book, so the same seed gives the same initial weights.
@@ -497,7 +504,7 @@ class Trainer:
                 {"params": decay, "weight_decay": cfg.weight_decay},
                 {"params": no_decay, "weight_decay": 0.0},
             ],
-            lr=cfg.lr,
+            lr=cfg.peak_lr(),
             betas=(0.9, 0.95),
             **({"fused": True} if device.type == "cuda" else {}),
         )
@@ -705,7 +712,8 @@ class Trainer:
         while self.state.step < self.total_steps:
             t0 = time.perf_counter()
             step = self.state.step
-            lr = lr_at(step, self.total_steps, self.warmup, cfg.lr, cfg.lr * cfg.min_lr_ratio)
+            peak = cfg.peak_lr()
+            lr = lr_at(step, self.total_steps, self.warmup, peak, peak * cfg.min_lr_ratio)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             idx = self._batch_indices(step, dist_info)

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnlab.attention import Attention, KVCache
+from attnlab.backends import available_backends
 from attnlab.checkpoint import CheckpointError, check_state_dict, load_checkpoint
 from attnlab.generation import generate, generate_stream
 
@@ -40,8 +41,6 @@ __all__ = [
     "generate_stream",
     "parameter_report",
 ]
-
-_BACKENDS = ("auto", "math", "blockwise", "sdpa")
 
 
 @dataclass(frozen=True)
@@ -133,7 +132,7 @@ PRESETS: dict[str, GPTConfig] = {
     "gpt2-large": GPTConfig(50257, 1024, 1280, 20, 36, 0.1, False),
     "gpt2-xl": GPTConfig(50257, 1024, 1600, 25, 48, 0.1, False),
     # Small enough to train on "The Verdict" in a few minutes on 2 CPU cores.
-    "tiny": GPTConfig(50257, 128, 128, 4, 4, 0.1, False),
+    "tiny": GPTConfig(50257, 64, 128, 4, 4, 0.1, False),
 }
 
 
@@ -226,8 +225,8 @@ class GPTModel(nn.Module):
                 f"`cfg` must be a GPTConfig, got {type(cfg).__name__}; "
                 "fix: GPTConfig.preset('gpt2-124m') or GPTConfig(**fields)"
             )
-        if backend not in _BACKENDS:
-            raise ValueError(f"`backend` must be one of {_BACKENDS}, got {backend!r}")
+        if backend not in available_backends():
+            raise ValueError(f"`backend` must be one of {available_backends()}, got {backend!r}")
         self.cfg = cfg
         self.backend = backend
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.emb_dim)
