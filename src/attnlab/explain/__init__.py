@@ -1,0 +1,1 @@
+"""Explain attention: traces of what was computed, as text, figures and a web page."""
