@@ -16,9 +16,9 @@ close it. A Content-Security-Policy forbids every network request and every
 script but the page's own (by hash). Token text is only ever set with
 ``textContent`` in the page, so it shows as text and never runs.
 
-Weights are stored as 16-bit fixed point (``round(w * 65535)``, error below 1e-5),
-dense for short inputs and as each query's strongest keys for long ones, within an
-edge budget so that a 2,048-token page stays a few megabytes.
+Short inputs embed every weight exactly (float32). Long ones embed each query's
+strongest keys, with the weights in 16-bit fixed point (``round(w * 65535)``, error
+below 1e-5), within an edge budget so that a 2,048-token page stays a few megabytes.
 """
 
 from __future__ import annotations
@@ -100,9 +100,9 @@ STRINGS: dict[str, dict[str, str]] = {
         "inspector_hint": "將游標移到詞元上或以鍵盤聚焦，即可列出它的權重。",
         "attends_to": "注意到",
         "attended_by": "被以下查詢注意",
-        "matrix_caption": "第 {head} 個頭：列是查詢，欄是鍵。",
+        "matrix_caption": "第 {head} 個頭：列是查詢，行是鍵。",
         "model_hint": (
-            "每一格是一個注意力頭的注意力權重（列：查詢，欄：鍵；顏色越深越大）。"
+            "每一格是一個注意力頭的注意力權重（列：查詢，行：鍵；顏色越深越大）。"
             "點一格即可在注意力頭視圖中打開它。"
         ),
         "steps": "步驟",
@@ -194,7 +194,7 @@ def page_data(
         title: the page title (default: a generic one in ``lang``).
         layer: the layer shown first (model numbering; default the first captured).
         heads: the heads shown first (default the first captured head).
-        k: keys per query drawn first (default all for short inputs, else 4).
+        k: keys per query drawn first (default all up to 32 keys, else 4).
         view: the view shown first: ``"head"``, ``"model"`` or ``"walk"``.
         edge_budget: total weights embedded before switching to top keys per query.
 
@@ -221,7 +221,7 @@ def page_data(
         "initial_view": view,
     }
     if trace is not None:
-        data["attention"] = _attention_data(trace, layer, heads, k, edge_budget)
+        data["attention"] = _attention_data(trace, strings["layer"], layer, heads, k, edge_budget)
     if walkthrough is not None:
         data["walkthrough"] = {
             "intro": walkthrough.intro,
@@ -241,6 +241,7 @@ def page_data(
 
 def _attention_data(
     trace: ModelTrace,
+    strings_layer: str,
     layer: int | None,
     heads: tuple[int, ...] | list[int] | None,
     k: int | None,
@@ -256,7 +257,7 @@ def _attention_data(
         for h in trace.heads:
             if dense:
                 w = trace.head_weights(li, h).detach().float().cpu().numpy()  # (T, S)
-                row.append({"v": _b64(_quantize(w))})
+                row.append({"v": _b64(w.astype("<f4"))})
             else:
                 idx, val = trace.head_top_keys(li, h, K)  # (T, K) each
                 idx_np = idx.detach().cpu().numpy().astype("<u2" if index_bytes == 2 else "<u4")
@@ -277,13 +278,16 @@ def _attention_data(
         if h not in trace.heads:
             raise ValueError(f"`heads` must be among the traced heads {list(trace.heads)}, got {h}")
     if k is None:
-        k = K if K <= 16 else min(K, 4)
+        k = K if len(trace.key_tokens) <= 32 else min(K, 4)
     if k < 1:
         raise ValueError(f"`k` must be at least 1, got {k}")
     return {
         "tokens": list(trace.tokens),
         "key_tokens": list(trace.key_tokens),
         "layers": list(trace.layers),
+        "layer_names": list(trace.layer_names)
+        if trace.layer_names is not None
+        else [f"{strings_layer} {i}" for i in trace.layers],
         "heads": list(trace.heads),
         "num_layers": trace.num_layers,
         "num_heads": trace.num_heads,

@@ -54,6 +54,9 @@ class ModelTrace:
             captured, else None.
         token_ids: the token ids, when the input was tokenized.
         source: a short description of the model / example, for titles.
+        layer_names: a label per captured layer (e.g. the seed example's
+            "simplified" and "trainable" forms), or None for "Layer i".
+        meta: free-form facts about the capture (not compared).
     """
 
     tokens: tuple[str, ...]
@@ -69,6 +72,7 @@ class ModelTrace:
     keys: torch.Tensor | None = None
     token_ids: tuple[int, ...] | None = None
     source: str = ""
+    layer_names: tuple[str, ...] | None = None
     meta: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -124,6 +128,11 @@ class ModelTrace:
                     f"(L, H, T) = {(L, H, T)} and 1 <= K <= S={S}, got "
                     f"{shape} and {tuple(self.top_values.shape)}"
                 )
+        if self.layer_names is not None and len(self.layer_names) != L:
+            raise ValueError(
+                f"`layer_names` must have one name per captured layer ({L}), "
+                f"got {len(self.layer_names)}"
+            )
         if self.queries is not None and tuple(self.queries.shape[:3]) != (L, H, T):
             raise ValueError(
                 f"`queries` must have shape (L, H, T, D) with (L, H, T) = {(L, H, T)}, "

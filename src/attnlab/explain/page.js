@@ -55,6 +55,13 @@
     for (var i = 0; i < out.length; i++) out[i] = dv.getUint16(2 * i, true);
     return out;
   }
+  function f32(s) {
+    var b = b64bytes(s);
+    var dv = new DataView(b.buffer);
+    var out = new Float32Array(b.length / 4);
+    for (var i = 0; i < out.length; i++) out[i] = dv.getFloat32(4 * i, true);
+    return out;
+  }
   function u32(s) {
     var b = b64bytes(s);
     var dv = new DataView(b.buffer);
@@ -73,9 +80,14 @@
     var key = li + ":" + hi;
     if (cache[key]) return cache[key];
     var raw = A.data[li][hi];
-    var q = u16(raw.v);
-    var val = new Float32Array(q.length);
-    for (var i = 0; i < q.length; i++) val[i] = q[i] / 65535;
+    var val;
+    if (A.dense) {
+      val = f32(raw.v); // exact float32 weights
+    } else {
+      var q = u16(raw.v); // 16-bit fixed point
+      val = new Float32Array(q.length);
+      for (var i = 0; i < q.length; i++) val[i] = q[i] / 65535;
+    }
     var idx;
     if (A.dense) {
       // Dense rows: sort each row's keys by weight once.
@@ -170,10 +182,11 @@
     var panel = $("panel-head");
     var controls = el("div", "controls");
     var lab = el("label", null, S_.layer + " ");
+    lab.setAttribute("for", "layer");
     var sel = el("select");
     sel.id = "layer";
     A.layers.forEach(function (l, i) {
-      var o = el("option", null, String(l));
+      var o = el("option", null, A.layer_names[i]);
       o.value = String(i);
       sel.appendChild(o);
     });
@@ -430,8 +443,7 @@
     var f = state.focus;
     var insp = hv.insp;
     insp.textContent = "";
-    var layerNo = A.layers[state.layer];
-    insp.appendChild(el("h3", null, S_.layer + " " + layerNo + " \u00b7 " + S_.heads + " " +
+    insp.appendChild(el("h3", null, A.layer_names[state.layer] + " \u00b7 " + S_.heads + " " +
       (state.heads.length ? state.heads.map(function (hi) { return A.heads[hi]; }).join(", ")
         : "\u2013")));
     if (!f || !state.heads.length) {
@@ -578,7 +590,7 @@
     grid.appendChild(el("div", "mv-label", ""));
     A.heads.forEach(function (h) { grid.appendChild(el("div", "mv-label", S_.head + " " + h)); });
     A.layers.forEach(function (l, li) {
-      grid.appendChild(el("div", "mv-label", S_.layer + " " + l));
+      grid.appendChild(el("div", "mv-label", A.layer_names[li]));
       A.heads.forEach(function (h, hi) {
         var b = el("button", "thumb");
         b.type = "button";
@@ -586,8 +598,8 @@
         b.dataset.head = String(h);
         b.dataset.li = String(li);
         b.dataset.hi = String(hi);
-        b.setAttribute("aria-label", S_.layer + " " + l + ", " + S_.head + " " + h);
-        b.title = S_.layer + " " + l + ", " + S_.head + " " + h;
+        b.setAttribute("aria-label", A.layer_names[li] + ", " + S_.head + " " + h);
+        b.title = A.layer_names[li] + ", " + S_.head + " " + h;
         b.appendChild(el("canvas"));
         b.addEventListener("click", function () {
           state.layer = li;
