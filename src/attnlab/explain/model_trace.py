@@ -342,8 +342,8 @@ def trace_model(
         layers: the layers to keep (indices in module order; default all).
         heads: the query heads to keep (default all).
         top_k: keep only each query's ``top_k`` strongest keys (long inputs).
-        queries_and_keys: also keep each layer's queries and keys (when the capture
-            hook provides them).
+        queries_and_keys: also keep each layer's queries and keys as the layer used
+            them (after RoPE), taken from its projections (or its rotary embedding).
         forward: how to call the model, ``forward(model, input_ids (1, T))``; default
             ``model(input_ids)``.
         source: a description for titles (default: the model's class name).
@@ -375,17 +375,50 @@ def trace_model(
 
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     input_ids = torch.tensor([ids], dtype=torch.long, device=device)  # (1, T)
+    all_heads = head_sel == tuple(range(num_heads))
     head_index = torch.tensor(head_sel, dtype=torch.long)
+    request: Any = True
+    if not all_heads:
+        from attnlab.backends import WeightsRequest
+
+        # Only the chosen heads' weights are computed: (1, H', T, S), not (1, H, T, S).
+        request = WeightsRequest(heads=head_sel)
     kept: dict[int, dict[str, torch.Tensor]] = {}
-    hooks = []
-    saved = [(b, getattr(b, "capture", None)) for b in blocks]
+    projected: dict[str, torch.Tensor] = {}  # this layer's queries/keys, when asked
+    rope_calls: list[torch.Tensor] = []
+    hooks: list[Any] = []
+    saved = [(b, b.capture) for b in blocks]
+
+    def keep_projection(name: str) -> Callable[..., None]:
+        def hook(module: torch.nn.Module, args: Any, output: torch.Tensor) -> None:
+            projected[name] = output.detach()
+
+        return hook
+
+    def keep_rope(module: torch.nn.Module, args: Any, output: torch.Tensor) -> None:
+        rope_calls.append(output.detach())
+
+    def queries_keys(block: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's own queries (1, H, T, D) and keys (1, G, S, D), as it used them."""
+        if block.rope is not None:
+            # The layer rotates its queries, then its keys: the last two rope calls.
+            q, k = rope_calls[-2], rope_calls[-1]
+            rope_calls.clear()
+            return q, k
+        D = block.head_dim
+        q = projected.pop("q").view(1, T, block.num_heads, D).transpose(1, 2)  # (1, H, T, D)
+        k = projected.pop("k").view(1, T, block.num_kv_heads, D).transpose(1, 2)  # (1, G, S, D)
+        return q, k
 
     def make_hook(position: int) -> Callable[..., None]:
-        def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
-            captured = module.captured
-            weights = _weights_of(captured, f"layer {position}")  # (H, T', S)
+        def hook(module: Any, args: Any, output: Any) -> None:
+            weights = _weights_of(module.captured, f"layer {position}")  # (H', T, S)
             module.captured = None  # free this layer's weights now
-            weights = weights.detach().float().cpu().index_select(0, head_index)  # (H', T, S)
+            weights = weights.detach().float().cpu()
+            if all_heads and weights.shape[0] != len(head_sel):
+                raise RuntimeError(
+                    f"layer {position} captured {weights.shape[0]} heads, expected {num_heads}"
+                )
             entry: dict[str, torch.Tensor] = {}
             if top_k is None:
                 entry["weights"] = weights
@@ -394,16 +427,11 @@ def trace_model(
                 values, indices = torch.topk(weights, k, dim=-1)  # (H', T, K)
                 entry["top_values"], entry["top_indices"] = values, indices
             if queries_and_keys:
-                q = getattr(captured, "queries", None)
-                kk = getattr(captured, "keys", None)
-                if q is None or kk is None:
-                    raise ValueError(
-                        "`queries_and_keys=True` needs a capture hook that records queries "
-                        "and keys; this layer's `captured` has only weights"
-                    )
-                entry["queries"] = q[0].detach().float().cpu().index_select(0, head_index)
-                kk = kk[0].detach().float().cpu()  # (G, S, D)
+                q, kk = queries_keys(module)
+                q = q[0].float().cpu()  # (H, T, D)
+                kk = kk[0].float().cpu()  # (G, S, D)
                 kk = kk.repeat_interleave(num_heads // kk.shape[0], dim=0)  # (H, S, D)
+                entry["queries"] = q.index_select(0, head_index)
                 entry["keys"] = kk.index_select(0, head_index)
             kept[position] = entry
 
@@ -411,10 +439,19 @@ def trace_model(
 
     was_training = model.training
     try:
+        ropes: dict[int, torch.nn.Module] = {}
         for position in layer_sel:
             block = blocks[position]
-            block.capture = True
+            block.capture = request
+            if queries_and_keys:
+                if block.rope is not None:
+                    ropes[id(block.rope)] = block.rope  # may be shared between layers
+                else:
+                    hooks.append(block.W_query.register_forward_hook(keep_projection("q")))
+                    hooks.append(block.W_key.register_forward_hook(keep_projection("k")))
             hooks.append(block.register_forward_hook(make_hook(position)))
+        for rope in ropes.values():
+            hooks.append(rope.register_forward_hook(keep_rope))
         model.eval()
         with torch.no_grad():
             if forward is None:
@@ -426,8 +463,7 @@ def trace_model(
             h.remove()
         for block, previous in saved:
             block.capture = previous
-            if hasattr(block, "captured"):
-                block.captured = None
+            block.captured = None
         model.train(was_training)
 
     missing = [p for p in layer_sel if p not in kept]

@@ -637,20 +637,29 @@
     if (W.intro) panel.appendChild(el("p", "hint", W.intro));
     var nav = el("ol", "wt-nav");
     nav.setAttribute("aria-label", S_.steps);
+    var n = 0;
     W.steps.forEach(function (st, i) {
+      st.label = st.kind === "part" ? st.title : (++n) + ". " + st.title;
+      if (st.kind === "part") return;
       var li = el("li");
-      var a = el("a", null, (i + 1) + ". " + st.title);
+      var a = el("a", null, st.label);
       a.href = "#step-" + i;
       li.appendChild(a);
       nav.appendChild(li);
     });
     panel.appendChild(nav);
     W.steps.forEach(function (st, i) {
+      if (st.kind === "part") {
+        var h = el("h2", "wt-part", st.title);
+        h.id = "step-" + i;
+        panel.appendChild(h);
+        return;
+      }
       var sec = el("section", "wt-step");
       sec.id = "step-" + i;
       sec.dataset.step = st.id || String(i);
       sec.tabIndex = -1;
-      sec.appendChild(el("h3", null, (i + 1) + ". " + st.title));
+      sec.appendChild(el("h3", null, st.label));
       if (st.body) sec.appendChild(el("p", null, st.body));
       if (st.code) sec.appendChild(el("code", "wt-code", st.code));
       (st.tables || []).forEach(function (tb) { sec.appendChild(numTable(tb)); });
@@ -665,7 +674,7 @@
     var shade = tb.shade === true;
     if (tb.cols) {
       var hr = el("tr");
-      hr.appendChild(el("th", null, ""));
+      if (tb.rows) hr.appendChild(el("th", null, tb.corner || ""));
       tb.cols.forEach(function (c) {
         var th = el("th", null, c);
         th.scope = "col";
@@ -675,9 +684,11 @@
     }
     tb.cells.forEach(function (row, r) {
       var tr = el("tr");
-      var th = el("th", null, tb.rows ? tb.rows[r] : String(r));
-      th.scope = "row";
-      tr.appendChild(th);
+      if (tb.rows) {
+        var th = el("th", null, tb.rows[r]);
+        th.scope = "row";
+        tr.appendChild(th);
+      }
       row.forEach(function (cell) {
         var td = el("td", null, cell);
         var v = parseFloat(cell);
