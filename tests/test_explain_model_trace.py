@@ -162,5 +162,5 @@ def test_bad_input_names_the_argument(model, kwargs, error, match):
 
 
 def test_a_model_without_attnlab_attention_is_refused():
-    with pytest.raises(TypeError, match="has no attnlab.attention.Attention layers"):
+    with pytest.raises(TypeError, match=r"has no attnlab\.attention\.Attention layers"):
         trace_model(nn.Linear(2, 2), [1, 2])
