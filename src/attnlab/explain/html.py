@@ -501,4 +501,4 @@ def walkthrough_from_renderables(renderables: list[Any]) -> PageWalkthrough:
                 tables=tuple(tables),
             )
         )
-    return PageWalkthrough(steps=tuple(steps), intro=" ".join(intro))
+    return PageWalkthrough(steps=tuple(steps), intro=" \u2014 ".join(intro))

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ModelTrace", "trace_model"]
+__all__ = ["ModelTrace", "trace_from_walkthrough", "trace_model"]
 
 # Above this many dense weights (all captured layers x heads x T x S) trace_model
 # refuses dense mode and asks for top_k / layers / heads (4 bytes each: 256 MiB).
@@ -493,4 +493,31 @@ def trace_model(
         token_ids=tuple(ids),
         source=source or type(model).__name__,
         meta={"top_k": top_k},
+    )
+
+
+def trace_from_walkthrough(trace: Any) -> ModelTrace:
+    """The seed example's two forms of attention as a two-"layer", one-head trace.
+
+    "Layer" 0 is the simplified form (``softmax(X·Xᵀ)``), "layer" 1 the trainable
+    form (``softmax(Q·Kᵀ/√d_k)``), so the page's head and model views show the
+    walkthrough's own weights side by side.
+
+    Args:
+        trace: an :class:`attnlab.explain.trace.AttentionTrace`.
+
+    Returns:
+        A :class:`ModelTrace` holding the trace's weights (not recomputed).
+    """
+    weights = torch.stack([trace.simplified.weights, trace.trainable.weights])  # (2, T, T)
+    return ModelTrace(
+        tokens=tuple(trace.tokens),
+        key_tokens=tuple(trace.tokens),
+        layers=(0, 1),
+        heads=(0,),
+        num_layers=2,
+        num_heads=1,
+        weights=weights.detach().float().unsqueeze(1),  # (2, 1, T, T)
+        source=f"example {trace.example!r}",
+        layer_names=("simplified: softmax(X·Xᵀ)", "trainable: softmax(Q·Kᵀ/√d_k)"),
     )

@@ -647,7 +647,11 @@
       li.appendChild(a);
       nav.appendChild(li);
     });
-    panel.appendChild(nav);
+    var det = el("details", "wt-toc");
+    det.appendChild(el("summary", null, S_.steps + " (" + n + ")"));
+    det.appendChild(nav);
+    det.open = window.innerWidth > 760; // folded on phones
+    panel.appendChild(det);
     W.steps.forEach(function (st, i) {
       if (st.kind === "part") {
         var h = el("h2", "wt-part", st.title);
