@@ -91,7 +91,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, args, needle):
     if needle in ("no-such-model", "missing-dir"):
         module = "attnlab.pretrained" if needle == "no-such-model" else "attnlab.models.gpt"
         if not _importable(module):
-            needle = module  # this build lacks that source: still one line, exit 2
+            needle = "which is missing"  # a build without that source: one line, exit 2
     r = run(*args, cwd=tmp_path)
     assert r.returncode == 2, (r.stdout, r.stderr)
     lines = r.stderr.strip().splitlines()
