@@ -171,3 +171,29 @@ def test_topk_trace_scatters_back_to_dense():
     idx, val = sparse.head_top_keys(0, 1, 3)
     assert idx.shape == (8, 3)
     assert bool((val[:, :-1] >= val[:, 1:]).all())
+
+
+@pytest.mark.parametrize("lang", ["en", "zh-TW"])
+def test_walkthrough_view_has_the_terminal_tables(lang):
+    from attnlab.explain.html import walkthrough_from_renderables
+    from attnlab.explain.text import format_number, walkthrough_renderables
+    from attnlab.explain.trace import trace_example
+
+    trace = trace_example("journey")
+    walk = walkthrough_from_renderables(walkthrough_renderables(trace, lang))
+    parts = [s for s in walk.steps if s.kind == "part"]
+    steps = [s for s in walk.steps if s.kind == "step"]
+    assert len(parts) == 3 and len(steps) >= 12
+    tables = {t["name"]: t for s in steps for t in s.tables}
+    scores = tables["attn_scores"]
+    assert scores["rows"] == list(trace.tokens) and scores["cols"] == list(trace.tokens)
+    assert scores["cells"] == [
+        [format_number(v) for v in row] for row in trace.simplified.scores.tolist()
+    ]
+    weights = next(t for s in steps for t in s.tables if t["name"] == "attn_weights")
+    assert weights["shade"] and weights["cells"][0][:6] == [
+        format_number(v) for v in trace.simplified.weights[0].tolist()
+    ]
+    assert weights["cells"][0][6] == "1.0000"  # the row-sum column
+    assert any("attn_score_22 = " in s.code for s in steps)
+    assert walk.intro
