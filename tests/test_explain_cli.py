@@ -111,7 +111,9 @@ def test_trained_checkpoint(tmp_path):
         pytest.skip("GPTConfig.preset is not available")
     torch.manual_seed(0)
     model = gpt.GPTModel(cfg)
-    checkpoint.save_checkpoint(tmp_path / "ckpt", model=model, model_config=cfg.to_dict(), step=1)
+    checkpoint.save_checkpoint(
+        tmp_path / "ckpt", model.state_dict(), model_type="gpt", model_config=cfg.to_dict(), step=1
+    )
     r = run("--checkpoint", "ckpt", "Every effort moves you", "--png", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     data = page_data(tmp_path / "attnlab-out" / "attention.html")
