@@ -29,8 +29,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch
-from attnlab.generation import generate
 
+from attnlab.generation import generate
 from attnlab.pretrained import load_pretrained, sentence_embeddings
 from attnlab.pretrained.loaders import minilm_dir, smollm2_path
 

@@ -78,7 +78,11 @@ def test_cli_user_errors_are_one_line_exit_2(capsys, monkeypatch):
     code, _, err = run_main(capsys, "generate", "--model", "nope", "hi")
     assert code == 2 and "smollm2-135m-instruct" in err
     code, _, err = run_main(capsys, "generate", "hi")
-    assert code == 2 and "--model" in err
+    assert code == 2 and "--model" in err and "--checkpoint" in err
+    code, _, err = run_main(
+        capsys, "generate", "--model", "smollm2-135m-instruct", "--checkpoint", ".", "hi"
+    )
+    assert code == 2 and "one of the two" in err
     real = importlib.util.find_spec
     monkeypatch.setattr(
         importlib.util,

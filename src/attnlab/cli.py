@@ -206,6 +206,20 @@ def _load_pretrained(name: str, kind: str, backend: str) -> tuple[Any, Any]:
         raise UserError(str(e)) from e
 
 
+def _use_backend(model: Any, backend: str) -> None:
+    """Run every attention layer of ``model`` on ``backend`` (checked first)."""
+    from attnlab.attention import Attention
+    from attnlab.backends import available_backends
+
+    if backend not in available_backends():
+        raise UserError(f"unknown --backend {backend!r}; choose one of {available_backends()}")
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.backend = backend
+    if hasattr(model, "backend"):
+        model.backend = backend
+
+
 class _TextStream:
     """Turn token ids, arriving one by one, into text pieces that are safe to print.
 
@@ -278,19 +292,227 @@ def _generate_pretrained(
     output.stream(("" if started or chat else prompt) + stream.flush() + "\n")
 
 
+# ---------------------------------------------------------------------------- GPT (issue 4)
+
+DEFAULT_TRAIN_OUT = Path("runs/gpt")
+
+
+def _train_argv(**opts: Any) -> list[str]:
+    """The ``attnlab train`` arguments that reproduce ``opts`` (for the workers of --nproc)."""
+    argv = ["train"]
+    for name, value in opts.items():
+        if value is None:
+            continue
+        argv += [f"--{name.replace('_', '-')}", str(value)]
+    return argv
+
+
+class _TrainView:
+    """Renders training events: a progress bar (step, loss, tokens/s), evaluation lines."""
+
+    def __init__(self) -> None:
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
+
+        self.progress = Progress(
+            TextColumn("step"),
+            MofNCompleteColumn(),
+            BarColumn(),
+            TextColumn("loss {task.fields[loss]}"),
+            TextColumn("{task.fields[tps]} tok/s"),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+            console=output.console,
+            transient=False,
+        )
+        self.task: Any = None
+
+    def __call__(self, event: Any) -> None:
+        from attnlab.train import CheckpointSaved, EvalResult, StepResult, TrainStart
+
+        p = self.progress
+        if isinstance(event, TrainStart):
+            output.show(
+                f"training a {event.num_parameters / 1e6:.1f}M-parameter GPT on {event.device}"
+                f" x{event.world_size}: {event.train_windows} training / {event.val_windows} "
+                f"validation windows, {event.tokens_per_step} tokens per step"
+                + (f", resuming at step {event.start_step}" if event.start_step else "")
+            )
+            p.start()
+            self.task = p.add_task(
+                "train", total=event.total_steps, completed=event.start_step, loss="-", tps="-"
+            )
+        elif isinstance(event, StepResult):
+            p.update(
+                self.task,
+                completed=event.step,
+                loss=f"{event.loss:.3f}",
+                tps=f"{event.tokens_per_sec:,.0f}",
+            )
+        elif isinstance(event, EvalResult):
+            p.console.print(
+                f"step {event.step:>5}  tokens {event.tokens_seen:>9,}  "
+                f"train loss {event.train_loss:.3f}  val loss {event.val_loss:.3f}",
+                markup=False,
+            )
+            if event.sample:
+                p.console.print("  sample: " + " ".join(event.sample.split()), markup=False)
+        elif isinstance(event, CheckpointSaved) and event.reason in ("final", "interrupt"):
+            p.console.print(f"checkpoint saved: {event.path} (step {event.step})", markup=False)
+
+    def close(self) -> None:
+        if self.task is not None:
+            self.progress.stop()
+
+
+@app.command()
+def train(
+    preset: Annotated[
+        str, typer.Option(help="Model size: tiny, gpt2-124m, gpt2-medium, gpt2-large, gpt2-xl.")
+    ] = "tiny",
+    steps: Annotated[
+        int | None, typer.Option(help="Optimizer steps (default 200, or use --epochs).")
+    ] = None,
+    epochs: Annotated[int | None, typer.Option(help="Passes over the training text.")] = None,
+    batch_size: Annotated[
+        int, typer.Option("--batch-size", help="Global batch, split over the processes.")
+    ] = 8,
+    lr: Annotated[
+        float | None,
+        typer.Option(help="Peak learning rate (AdamW, warm-up, cosine); default by size."),
+    ] = None,
+    text: Annotated[
+        Path | None, typer.Option(help="UTF-8 text file (default: the embedded story).")
+    ] = None,
+    out: Annotated[
+        Path, typer.Option(help="Folder for the checkpoint, history.json and loss_curve.png.")
+    ] = DEFAULT_TRAIN_OUT,
+    seed: Annotated[int, typer.Option(help="Seed of the weights, dropout and batch order.")] = 123,
+    resume: Annotated[
+        Path | None, typer.Option(help="Continue the run saved in this checkpoint folder.")
+    ] = None,
+    eval_interval: Annotated[
+        int, typer.Option("--eval-interval", help="Evaluate and save every N steps.")
+    ] = 25,
+    backend: Annotated[
+        str, typer.Option(help="Attention backend: auto, math, sdpa (or any registered one).")
+    ] = "auto",
+    nproc: Annotated[
+        int | None,
+        typer.Option(help="Train with N processes (DDP; torchrun on 127.0.0.1)."),
+    ] = None,
+) -> None:
+    """Train a GPT on a text (default: the tiny preset on the embedded story)."""
+    import os
+
+    from attnlab.train import DistributedTrainingError, TrainConfig
+
+    if nproc is not None and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        if nproc < 1:
+            raise UserError(f"`--nproc` must be >= 1, got {nproc}")
+        argv = _train_argv(
+            preset=preset,
+            steps=steps,
+            epochs=epochs,
+            batch_size=batch_size,
+            lr=lr,
+            text=text,
+            out=out,
+            seed=seed,
+            resume=resume,
+            eval_interval=eval_interval,
+            backend=backend,
+        )
+        with user_input():
+            TrainConfig(preset=preset, steps=steps, epochs=epochs, batch_size=batch_size, lr=lr)
+            if text is not None:
+                from attnlab.data import load_text
+
+                load_text(text)
+        from attnlab.train import launch
+
+        try:
+            launch(nproc, argv)
+        except DistributedTrainingError as e:
+            output.error(str(e))
+            raise typer.Exit(1) from None
+        return
+
+    from attnlab.data import load_text
+    from attnlab.train import Trainer, stop_on_signals
+
+    with user_input():
+        config = TrainConfig(
+            preset=preset,
+            steps=steps,
+            epochs=epochs,
+            batch_size=batch_size,
+            lr=lr,
+            seed=seed,
+            eval_interval=eval_interval,
+            backend=backend,
+        )
+        corpus = load_text(text)
+    view = _TrainView()
+    try:
+        with user_input():
+            trainer = Trainer(config, out_dir=out, text=corpus, resume=resume, callback=view)
+            trainer.prepare()  # input errors (short text, bad checkpoint) surface here
+        with stop_on_signals(trainer):
+            result = _run_recorded(trainer)
+    except DistributedTrainingError as e:
+        output.error(str(e))
+        raise typer.Exit(1) from None
+    finally:
+        view.close()
+    if result.loss_png is None:
+        return
+    if result.interrupted:
+        output.note(
+            f"interrupted at step {result.steps_done}/{result.total_steps}; checkpoint saved in "
+            f"{out}; continue with: attnlab train --resume {out}"
+        )
+        raise typer.Exit(130)
+    last = result.evals[-1]
+    output.show(
+        f"done: {result.steps_done} steps, train loss {last.train_loss:.3f}, val loss "
+        f"{last.val_loss:.3f}\nwrote {out}/ (checkpoint), {result.loss_png}"
+    )
+
+
+def _run_recorded(trainer: Any) -> Any:
+    """Run the trainer; under torchrun, record a failure for the launcher's report."""
+    import os
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        from torch.distributed.elastic.multiprocessing.errors import record
+
+        return record(trainer.run)()
+    return trainer.run()
+
+
 @app.command()
 def generate(
     prompt: Annotated[str, typer.Argument(help="Text to continue (with --chat: the question).")],
+    checkpoint: Annotated[
+        Path | None, typer.Option(help="A checkpoint folder written by `attnlab train`.")
+    ] = None,
     model: Annotated[
         str | None,
-        typer.Option("--model", "-m", help="A pretrained model: smollm2-135m-instruct."),
+        typer.Option("--model", "-m", help="A pretrained model instead: smollm2-135m-instruct."),
     ] = None,
     chat: Annotated[
         bool,
-        typer.Option("--chat", help="Apply the model's chat template (a user turn) first."),
+        typer.Option("--chat", help="With --model: apply its chat template (a user turn)."),
     ] = False,
     backend: Annotated[
-        str, typer.Option(help="Attention backend: auto, math, sdpa, ... (see `attnlab info`).")
+        str, typer.Option(help="Attention backend: auto, math, sdpa, blockwise, ...")
     ] = "auto",
     max_new_tokens: Annotated[
         int, typer.Option("--max-new-tokens", "-n", help="Tokens to generate.")
@@ -305,23 +527,69 @@ def generate(
         bool, typer.Option("--no-cache", help="Recompute the whole window for every token.")
     ] = False,
 ) -> None:
-    """Continue a prompt with a language model, streaming the text as it is produced."""
+    """Continue a prompt with a trained GPT or a pretrained model, streaming the text."""
+    import codecs
+
+    import torch
+
+    from attnlab.checkpoint import CheckpointError
+    from attnlab.data import EOT_TOKEN_ID, get_tokenizer
+    from attnlab.generation import generate_stream
+
+    if (checkpoint is None) == (model is None):
+        raise UserError(
+            "give the model to use: --checkpoint DIR (a folder from `attnlab train`) or "
+            "--model smollm2-135m-instruct (one of the two)"
+        )
     if not prompt:
         raise UserError("the prompt is empty; give some text to continue")
-    if model is None:
-        raise UserError("give the model to use: --model smollm2-135m-instruct")
-    _generate_pretrained(
-        model,
-        prompt,
-        chat=chat,
-        backend=backend,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        seed=seed,
-        use_cache=not no_cache,
-    )
+    if model is not None:
+        _generate_pretrained(
+            model,
+            prompt,
+            chat=chat,
+            backend=backend,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            seed=seed,
+            use_cache=not no_cache,
+        )
+        return
+    if chat:
+        raise UserError("--chat needs --model (a chat model); a GPT checkpoint has no template")
+    try:
+        from attnlab.models.gpt import GPTModel
+
+        gpt = GPTModel.from_checkpoint(checkpoint)
+    except CheckpointError as e:
+        raise UserError(str(e)) from e
+    _use_backend(gpt, backend)
+    gpt.eval()
+    tok = get_tokenizer()
+    ids = tok.encode(prompt, allowed_special="all")[-gpt.context_length :]
+    gen = torch.Generator().manual_seed(seed)
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    output.stream(prompt)
+    with user_input():
+        stream = generate_stream(
+            gpt,
+            torch.tensor([ids]),
+            max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            eos_id=EOT_TOKEN_ID,
+            use_cache=not no_cache,
+            generator=gen,
+        )
+        for nxt in stream:
+            token = int(nxt[0, 0])
+            if token == EOT_TOKEN_ID:
+                break
+            output.stream(decoder.decode(tok.decode_single_token_bytes(token)))
+    output.stream(decoder.decode(b"", final=True) + "\n")
 
 
 @app.command()
@@ -331,7 +599,7 @@ def embed(
         str, typer.Option("--model", "-m", help="A pretrained encoder: all-minilm-l6-v2.")
     ] = "all-minilm-l6-v2",
     backend: Annotated[
-        str, typer.Option(help="Attention backend: auto, math, sdpa, ... (see `attnlab info`).")
+        str, typer.Option(help="Attention backend: auto, math, sdpa, blockwise, ...")
     ] = "auto",
     json_out: Annotated[
         bool,
@@ -363,6 +631,320 @@ def embed(
     for i, s in enumerate(sentences):
         table.add_row(str(i + 1), s, *(f"{float(v):.3f}" for v in sim[i]))
     output.show(table)
+
+
+def _preset_table(name: str) -> Any:
+    from rich.table import Table
+
+    from attnlab.models.gpt import parameter_report
+
+    r = parameter_report(name)
+    c = r.config
+    table = Table(
+        title=f"{name}: {c.n_layers} layers, emb_dim {c.emb_dim}, {c.n_heads} heads, "
+        f"context {c.context_length}, vocab {c.vocab_size}",
+        title_justify="left",
+    )
+    table.add_column("module", no_wrap=True)
+    table.add_column("parameters", justify="right", no_wrap=True)
+    for module, count in r.per_module:
+        table.add_row(module, f"{count:,}")
+    table.add_section()
+    table.add_row("total", f"{r.total:,}")
+    table.add_row("total with weight tying (head = tok_emb)", f"{r.total_tied:,}")
+    table.add_row("size in float32", f"{r.size_mb:,.2f} MB")
+    return table
+
+
+@app.command()
+def info(
+    preset: Annotated[
+        str | None,
+        typer.Option(
+            help="GPT preset whose parameter counts to report (tiny, gpt2-124m, gpt2-medium, "
+            "gpt2-large, gpt2-xl), or 'all'."
+        ),
+    ] = None,
+) -> None:
+    """Report what attnlab has: GPT presets' parameter counts and model sizes."""
+    from attnlab.models.gpt import PRESETS
+
+    if preset is not None:
+        if preset == "all":
+            names = list(PRESETS)
+        elif preset in PRESETS:
+            names = [preset]
+        else:
+            raise UserError(
+                f"unknown --preset {preset!r}; choose one of: {', '.join(PRESETS)}, all"
+            )
+        output.show(*(_preset_table(n) for n in names))
+        return
+    from rich.table import Table
+
+    from attnlab.models.gpt import parameter_report
+
+    table = Table(title="GPT presets (attnlab info --preset NAME for the details)")
+    for col in ("preset", "layers", "emb_dim", "heads", "context", "parameters", "fp32 size"):
+        table.add_column(col, justify="left" if col == "preset" else "right", no_wrap=True)
+    for name in PRESETS:
+        r = parameter_report(name)
+        c = r.config
+        table.add_row(
+            name,
+            str(c.n_layers),
+            str(c.emb_dim),
+            str(c.n_heads),
+            str(c.context_length),
+            f"{r.total:,}",
+            f"{r.size_mb:,.1f} MB",
+        )
+    output.show(table)
+
+
+# Above this many dense weights (layers x heads x T x T) `explain` keeps only the
+# strongest keys of each query (unless --top-k says otherwise).
+EXPLAIN_DENSE_LIMIT = 1 << 24
+EXPLAIN_AUTO_TOP_K = 32
+
+
+def _load_checkpoint_model(directory: Path) -> tuple[Any, Any, str]:
+    """A GPT trained with ``attnlab train``, its tokenizer, and a label."""
+    try:
+        from attnlab.checkpoint import load_checkpoint
+        from attnlab.data import get_tokenizer
+        from attnlab.models.gpt import GPTConfig, GPTModel
+    except ImportError as e:  # pragma: no cover - a partial install
+        raise UserError(f"--checkpoint needs attnlab's GPT model, which is missing: {e}") from e
+    with user_input():
+        ckpt = load_checkpoint(directory, model_type="gpt", with_training_state=False)
+        model = GPTModel(GPTConfig.from_dict(ckpt.model_config))
+        model.load_state_dict(ckpt.state_dict)
+    return model.eval(), get_tokenizer(), f"GPT checkpoint {directory} (step {ckpt.step})"
+
+
+def _load_pretrained_model(name: str) -> tuple[Any, Any, str]:
+    """A packaged pretrained model, its tokenizer, and a label."""
+    try:
+        from attnlab.pretrained import load_pretrained
+    except ImportError as e:  # pragma: no cover - a partial install
+        raise UserError(f"--model needs attnlab.pretrained, which is missing: {e}") from e
+    try:
+        with user_input():
+            model, tokenizer = load_pretrained(name)
+    except ImportError as e:  # the weights' package is not installed
+        raise UserError(str(e)) from e
+    return model, tokenizer, name
+
+
+@app.command()
+def explain(
+    text: Annotated[
+        str | None,
+        typer.Argument(help="Text to run through --checkpoint or --model (not for examples)."),
+    ] = None,
+    example: Annotated[
+        str,
+        typer.Option("--example", "-e", help="Embedded example when no model is given."),
+    ] = "journey",
+    checkpoint: Annotated[
+        Path | None,
+        typer.Option(help="A GPT checkpoint folder written by `attnlab train`."),
+    ] = None,
+    model: Annotated[
+        str | None,
+        typer.Option(
+            "--model", "-m", help="A pretrained model: all-minilm-l6-v2 or smollm2-135m-instruct."
+        ),
+    ] = None,
+    layer: Annotated[int, typer.Option(help="Layer shown first and in the terminal (from 0).")] = 0,
+    head: Annotated[int, typer.Option(help="Head shown first and in the terminal (from 0).")] = 0,
+    top_k: Annotated[
+        int | None,
+        typer.Option(
+            "--top-k",
+            help="Keep only each query's k strongest keys (default: all, or 32 for long inputs).",
+        ),
+    ] = None,
+    out: Annotated[Path, typer.Option(help="Folder for the page and the figures.")] = DEFAULT_OUT,
+    html: Annotated[
+        Path | None,
+        typer.Option("--html", help="Where to write the page (default OUT/attention.html)."),
+    ] = None,
+    png: Annotated[bool, typer.Option("--png", help="Also write PNG figures into OUT.")] = False,
+    svg: Annotated[bool, typer.Option("--svg", help="Also write SVG figures into OUT.")] = False,
+    lang: Annotated[
+        str, typer.Option("--lang", "-l", help="Language of the page and text: en or zh-TW.")
+    ] = "en",
+) -> None:
+    """Show what attention looked at: an interactive page (and figures) for an example or model.
+
+    With no model, the seed's example (--example journey|toy) with its walkthrough; with
+    --checkpoint DIR or --model NAME, the attention of that model on TEXT.
+    """
+    from attnlab.examples import EXAMPLES
+    from attnlab.explain.i18n import LANGS, message, normalize_lang
+
+    try:
+        lang = normalize_lang(lang)
+    except ValueError:
+        raise UserError(f"unknown --lang {lang!r}; choose one of {', '.join(LANGS)}") from None
+    if checkpoint is not None and model is not None:
+        raise UserError("give either --checkpoint or --model, not both")
+    page_path = html if html is not None else out / "attention.html"
+    for folder, what in ((out, "--out"), (page_path.parent, "--html")):
+        if folder.exists() and not folder.is_dir():
+            raise UserError(f"cannot write to `{what}` {str(folder)!r}: not a folder")
+    if top_k is not None and top_k < 1:
+        raise UserError(f"`--top-k` must be at least 1, got {top_k}")
+
+    walk = None
+    flow_trace = None
+    if checkpoint is None and model is None:
+        if text is not None:
+            raise UserError("TEXT needs a model: pass --checkpoint DIR or --model NAME")
+        if example not in EXAMPLES:
+            raise UserError(f"unknown --example {example!r}; choose one of {', '.join(EXAMPLES)}")
+        from attnlab.explain.html import walkthrough_from_renderables
+        from attnlab.explain.model_trace import trace_from_walkthrough
+        from attnlab.explain.text import walkthrough_renderables
+        from attnlab.explain.trace import trace_example
+
+        flow_trace = trace_example(example)
+        trace = trace_from_walkthrough(flow_trace)
+        walk = walkthrough_from_renderables(walkthrough_renderables(flow_trace, lang))
+    else:
+        if text is None or not text.strip():
+            raise UserError("TEXT must not be empty: give the text to run through the model")
+        if checkpoint is not None:
+            net, tokenizer, source = _load_checkpoint_model(checkpoint)
+        else:
+            assert model is not None
+            net, tokenizer, source = _load_pretrained_model(model)
+        from attnlab.explain.model_trace import attention_layers, trace_model
+
+        with user_input():
+            n_tokens = len(tokenizer.encode(text))
+            blocks = attention_layers(net)
+            dense = len(blocks) * int(blocks[0].num_heads) * n_tokens**2
+            if top_k is None and dense > EXPLAIN_DENSE_LIMIT:
+                top_k = EXPLAIN_AUTO_TOP_K
+            trace = trace_model(net, text, tokenizer=tokenizer, top_k=top_k, source=source)
+
+    if not 0 <= layer < trace.num_layers:
+        raise UserError(f"`--layer` must be in 0..{trace.num_layers - 1} here, got {layer}")
+    if not 0 <= head < trace.num_heads:
+        raise UserError(f"`--head` must be in 0..{trace.num_heads - 1} here, got {head}")
+
+    output.show(*_explain_renderables(trace, layer, head, lang))
+
+    from attnlab.explain.html import write_html
+
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        page_path.parent.mkdir(parents=True, exist_ok=True)
+        write_html(page_path, trace, walk, lang=lang, layer=layer, heads=[head])
+    except OSError as e:
+        raise UserError(f"cannot write the page {str(page_path)!r}: {e.strerror or e}") from e
+    output.console.print(
+        message("explain.page", lang, path=str(page_path)), markup=False, soft_wrap=True
+    )
+    if png or svg:
+        paths = _explain_figures(trace, flow_trace, layer, head, out, png=png, svg=svg)
+        listing = "\n".join(f"  {p}" for p in paths)
+        output.console.print(
+            f"{message('label.wrote', lang)}\n{listing}", markup=False, soft_wrap=True
+        )
+
+
+def _explain_renderables(trace: Any, layer: int, head: int, lang: str) -> list[RenderableType]:
+    """The terminal part of `explain`: a summary line and the chosen head's weights."""
+    from rich.table import Table
+    from rich.text import Text
+
+    from attnlab.explain.i18n import message
+    from attnlab.explain.text import format_number, matrix_table
+
+    mode = (
+        message("explain.dense", lang)
+        if trace.mode == "dense"
+        else message("explain.topk", lang, k=trace.top_k)
+    )
+    summary = message(
+        "explain.summary",
+        lang,
+        source=trace.source,
+        n=len(trace.tokens),
+        layers=trace.num_layers,
+        heads=trace.num_heads,
+        mode=mode,
+    )
+    name = (
+        trace.layer_names[trace.layers.index(layer)]
+        if trace.layer_names is not None
+        else f"layer {layer}"
+    )
+    tokens = list(trace.tokens)
+    out: list[RenderableType] = [Text(summary, style="bold"), Text("")]
+    if len(tokens) <= 12:
+        out.append(Text(message("explain.weights", lang, layer=name, head=head), style="bold"))
+        out.append(
+            matrix_table(
+                "attn_weights",
+                trace.head_weights(layer, head),
+                row_labels=tokens,
+                col_labels=tokens,
+            )
+        )
+        return out
+    shown = 12
+    indices, values = trace.head_top_keys(layer, head, 3)  # (T, 3) each
+    table = Table(title=message("explain.top", lang, layer=name, head=head), title_justify="left")
+    table.add_column("#", justify="right")
+    table.add_column(message("label.token", lang))
+    for j in range(indices.shape[1]):
+        table.add_column(f"{j + 1}")
+    for q in range(min(shown, len(tokens))):
+        cells = [
+            f"{trace.key_tokens[int(k)]!r} {format_number(float(v))}"
+            for k, v in zip(indices[q].tolist(), values[q].tolist(), strict=True)
+            if v > 0
+        ]
+        table.add_row(str(q), repr(tokens[q]), *cells)
+    out.append(table)
+    out.append(Text(message("explain.more", lang, n=len(tokens) - shown), style="dim"))
+    return out
+
+
+def _explain_figures(
+    trace: Any, flow_trace: Any, layer: int, head: int, out: Path, *, png: bool, svg: bool
+) -> list[Path]:
+    from attnlab.explain.figures import (
+        plot_attention_flow,
+        plot_heads,
+        plot_heatmap,
+        plot_model,
+    )
+
+    figures = {
+        f"attention-heatmap-L{layer}-H{head}": plot_heatmap(trace, layer, head),
+        f"attention-heads-L{layer}": plot_heads(trace, layer),
+        "attention-model": plot_model(trace),
+    }
+    if flow_trace is not None:
+        figures["attention-flow"] = plot_attention_flow(flow_trace)
+    exts = [e for e, on in (("png", png), ("svg", svg)) if on]
+    paths: list[Path] = []
+    try:
+        for stem, fig in figures.items():
+            for ext in exts:
+                path = out / f"{stem}.{ext}"
+                meta = {"Software": None} if ext == "png" else {"Date": None, "Creator": None}
+                fig.savefig(path, dpi=130, metadata=meta)
+                paths.append(path)
+    except OSError as e:
+        raise UserError(f"cannot write figures to `--out` {str(out)!r}: {e.strerror or e}") from e
+    return paths
 
 
 def _framework_errors() -> tuple[tuple[type[BaseException], ...], tuple[type[BaseException], ...]]:
