@@ -2,7 +2,7 @@
 
 The header is parsed here (the format is small: gguf.md in llama.cpp), tensor data is
 memory-mapped, and the block formats this project meets (Q4_0, Q4_1, Q8_0) are
-dequantised here, vectorised over every block of a tensor at once in torch. Any other
+dequantised here, vectorised over every block of a tensor at once (numpy). Any other
 quantisation type (the K-quants, ...) falls back to ``gguf.quants.dequantize``, which
 is vectorised numpy.
 
@@ -35,35 +35,41 @@ import torch
 QK = 32  # weights per block for Q4_0, Q4_1, Q8_0
 
 
-def _f16_columns(blocks: torch.Tensor, n: int) -> torch.Tensor:
+def _f16_columns(blocks: np.ndarray, n: int) -> np.ndarray:
     """The first ``n`` little-endian float16 values of every block, as (N, n) float32."""
-    return blocks[:, : 2 * n].contiguous().view(torch.float16).float()  # (N, n)
+    return np.ascontiguousarray(blocks[:, : 2 * n]).view(np.float16).astype(np.float32)
 
 
-def _unpack_nibbles(qs: torch.Tensor) -> torch.Tensor:
+def _unpack_nibbles(qs: np.ndarray) -> np.ndarray:
     """(N, 16) packed bytes -> (N, 32) float32 in 0..15: low nibbles first, then high."""
-    out = torch.empty(qs.shape[0], QK, dtype=torch.float32)  # (N, Q)
-    out[:, : QK // 2] = qs & 0x0F
-    out[:, QK // 2 :] = qs >> 4
+    out = np.empty((qs.shape[0], QK), dtype=np.float32)  # (N, Q)
+    np.bitwise_and(qs, 0x0F, out=out[:, : QK // 2], casting="unsafe")
+    np.right_shift(qs, 4, out=out[:, QK // 2 :], casting="unsafe")
     return out
 
 
-def dequantize_q4_0(blocks: torch.Tensor) -> torch.Tensor:
+def dequantize_q4_0(blocks: np.ndarray) -> np.ndarray:
     """Q4_0 blocks (N, 18) uint8 -> (N, 32) float32, ``(q - 8) * d``."""
-    d = _f16_columns(blocks, 1)  # (N, 1)
-    return _unpack_nibbles(blocks[:, 2:]).sub_(8.0).mul_(d)  # (N, Q)
+    out = _unpack_nibbles(blocks[:, 2:])
+    out -= 8.0
+    out *= _f16_columns(blocks, 1)  # (N, 1) broadcast
+    return out
 
 
-def dequantize_q4_1(blocks: torch.Tensor) -> torch.Tensor:
+def dequantize_q4_1(blocks: np.ndarray) -> np.ndarray:
     """Q4_1 blocks (N, 20) uint8 -> (N, 32) float32, ``q * d + m`` (two roundings, as ggml)."""
     dm = _f16_columns(blocks, 2)  # (N, 2): d, m
-    return _unpack_nibbles(blocks[:, 4:]).mul_(dm[:, :1]).add_(dm[:, 1:])  # (N, Q)
+    out = _unpack_nibbles(blocks[:, 4:])
+    out *= dm[:, :1]
+    out += dm[:, 1:]
+    return out
 
 
-def dequantize_q8_0(blocks: torch.Tensor) -> torch.Tensor:
+def dequantize_q8_0(blocks: np.ndarray) -> np.ndarray:
     """Q8_0 blocks (N, 34) uint8 -> (N, 32) float32, ``q * d``."""
-    d = _f16_columns(blocks, 1)  # (N, 1)
-    return blocks[:, 2:].contiguous().view(torch.int8).float().mul_(d)  # (N, Q)
+    out = np.ascontiguousarray(blocks[:, 2:]).view(np.int8).astype(np.float32)  # (N, Q)
+    out *= _f16_columns(blocks, 1)
+    return out
 
 
 _BLOCK_KERNELS = {
@@ -76,9 +82,12 @@ _BLOCK_KERNELS = {
 def dequantize(data: np.ndarray, type_name: str, shape: tuple[int, ...]) -> torch.Tensor:
     """Dequantise one GGUF tensor's raw data to a float32 torch tensor of ``shape``.
 
+    The kernels are numpy, not torch, on purpose: numpy's element-wise operations run on
+    one thread, while torch's split across its thread pool, and on a machine whose few
+    cores are shared that pool's waiting made loading 5-20x slower in our measurements.
+
     Args:
-        data: the tensor's data as the ``gguf`` reader exposes it (float array for F32/F16,
-            uint8 bytes for block formats).
+        data: the tensor's bytes as stored in the file (any numpy dtype; viewed as bytes).
         type_name: the GGML type name, e.g. ``"Q4_1"``.
         shape: the torch shape, outermost first (reverse of GGUF's ``ne`` order).
 
@@ -88,15 +97,17 @@ def dequantize(data: np.ndarray, type_name: str, shape: tuple[int, ...]) -> torc
     Raises:
         NotImplementedError: for a type neither this module nor ``gguf`` can dequantise.
     """
-    if type_name in ("F32", "F16", "BF16"):
-        if type_name == "BF16":
-            raw = torch.from_numpy(np.ascontiguousarray(data).view(np.int16).copy())
-            return raw.view(torch.bfloat16).float().reshape(shape)
-        return torch.from_numpy(np.array(data, dtype=np.float32)).reshape(shape)
+    if type_name in ("F32", "F16"):
+        raw = np.asarray(data).view(np.uint8)
+        out = np.array(raw.view(np.float32 if type_name == "F32" else np.float16))
+        return torch.from_numpy(out.astype(np.float32, copy=False)).reshape(shape)
+    if type_name == "BF16":
+        raw = np.asarray(data).view(np.uint8).view(np.uint16).astype(np.uint32) << 16
+        return torch.from_numpy(raw.view(np.float32)).reshape(shape)
     if type_name in _BLOCK_KERNELS:
         block_bytes, kernel = _BLOCK_KERNELS[type_name]
-        raw = torch.from_numpy(np.array(data, dtype=np.uint8).reshape(-1, block_bytes))
-        return kernel(raw).reshape(shape)  # (N, Q) -> shape
+        blocks = np.asarray(data).view(np.uint8).reshape(-1, block_bytes)  # (N, bytes)
+        return torch.from_numpy(kernel(blocks)).reshape(shape)  # (N, Q) -> shape
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize as gguf_dequantize
 
@@ -121,6 +132,10 @@ def unpermute_rotary(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
     """
     rows, cols = weight.shape
     head_dim = rows // n_heads
+    if weight.device.type == "cpu" and not weight.requires_grad:
+        # The same permutation copied by numpy (one thread; see `dequantize`).
+        w_np = weight.numpy().reshape(n_heads, head_dim // 2, 2, cols)  # (H, D/2, 2, C)
+        return torch.from_numpy(np.ascontiguousarray(w_np.swapaxes(1, 2)).reshape(rows, cols))
     w = weight.reshape(n_heads, head_dim // 2, 2, cols)  # (H, D/2, 2, C)
     return w.transpose(1, 2).reshape(rows, cols)  # (H, 2, D/2, C) -> (H*D, C)
 
@@ -171,16 +186,13 @@ class GGUFContents:
             raise KeyError(f"tensor {name!r} is not in {self.path.name}")
         info = self.tensor_infos[name]
         raw = self._data[info.offset : info.offset + info.nbytes]
-        return dequantize(
-            raw.view(_NUMPY_VIEW.get(info.type_name, np.uint8)), info.type_name, info.shape
-        )
+        return dequantize(raw, info.type_name, info.shape)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor dequantised to float32, by GGUF name, in file order."""
         return {name: self.tensor(name) for name in self.tensor_infos}
 
 
-_NUMPY_VIEW = {"F32": np.float32, "F16": np.float16}
 _BIG_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges")
 
 # GGUF value types (gguf.md): id -> struct format; 8 = string, 9 = array.
