@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from attnlab.backends import blockwise as _blockwise
 from attnlab.backends import math as _math
 from attnlab.backends import sdpa as _sdpa
 from attnlab.backends.base import AttentionRequest, Backend, BackendResult, WeightsRequest
@@ -181,4 +182,5 @@ def explain_dispatch(
 
 
 register_backend(_sdpa.BACKEND, auto_rank=0)
-register_backend(_math.BACKEND, auto_rank=1)
+register_backend(_blockwise.BACKEND, auto_rank=1)
+register_backend(_math.BACKEND, auto_rank=2)
