@@ -330,9 +330,7 @@ class _BlockwiseAttention(torch.autograd.Function):
         block_q: int | None,
         block_k: int | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        out, lse = attend_chunk(
-            query, key, value, mask, scale, block_q=block_q, block_k=block_k
-        )
+        out, lse = attend_chunk(query, key, value, mask, scale, block_q=block_q, block_k=block_k)
         out = out.to(query.dtype)
         ctx.save_for_backward(query, key, value, out, lse)
         ctx.mask, ctx.scale, ctx.blocks = mask, scale, (block_q, block_k)
