@@ -86,8 +86,15 @@ def make_call(name: str, T: int, backward: bool) -> Callable[[], object]:
 
 
 def bench(fns: dict[str, Callable[[], object]], reps: int) -> dict[str, float]:
-    for f in fns.values():  # warm up
+    """Minimum time of each call over interleaved repetitions (at least ``reps``, more for
+    fast calls so that each gets about half a second: a shared machine's noise only ever
+    adds time, so the minimum is the best estimate)."""
+    slowest = 0.0
+    for f in fns.values():  # warm up, and size the repetitions
+        t0 = time.perf_counter()
         f()
+        slowest = max(slowest, time.perf_counter() - t0)
+    reps = max(reps, min(40, int(0.5 / max(slowest, 1e-6))))
     best = dict.fromkeys(fns, math.inf)
     for _ in range(reps):
         for name, f in fns.items():
@@ -134,7 +141,7 @@ def main() -> None:
 
     Ts = []
     T = args.min_t
-    while T <= args.max_t:
+    while args.max_t >= T:
         Ts.append(T)
         T *= 2
     results: dict[str, dict[str, dict[int, dict[str, float]]]] = {"fwd": {}, "fwd+bwd": {}}
@@ -146,10 +153,12 @@ def main() -> None:
     for mode in ("fwd", "fwd+bwd"):
         backward = mode == "fwd+bwd"
         print(f"\n== {mode} ==")
-        header = f"{'T':>6} {'impl':<18} {'time ms':>10} {'x torch':>8} {'peak MiB':>10} {'x torch':>8}"
+        header = (
+            f"{'T':>6} {'impl':<18} {'time ms':>10} {'x torch':>8} {'peak MiB':>10} {'x torch':>8}"
+        )
         print(header)
         for T in Ts:
-            names = [n for n in IMPLS if n not in MATERIALISED or T <= args.materialised_max_t]
+            names = [n for n in IMPLS if n not in MATERIALISED or args.materialised_max_t >= T]
             fns = {n: make_call(n, T, backward) for n in names}
             times = bench(fns, args.reps if T <= 4096 else max(1, args.reps - 1))
             mems = {}
@@ -162,7 +171,11 @@ def main() -> None:
                     row["peak_bytes"] = mems[n]
                 results[mode].setdefault(n, {})[T] = row
                 t_ratio = times[n] / times["torch sdpa"]
-                mem = f"{mems[n] / 2**20:10.1f} {mems[n] / max(1, mems['torch sdpa']):8.2f}" if mems else ""
+                mem = (
+                    f"{mems[n] / 2**20:10.1f} {mems[n] / max(1, mems['torch sdpa']):8.2f}"
+                    if mems
+                    else ""
+                )
                 print(f"{T:>6} {n:<18} {times[n] * 1e3:10.1f} {t_ratio:8.2f} {mem}")
             skipped = [n for n in IMPLS if n not in names]
             if skipped:

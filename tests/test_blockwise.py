@@ -7,8 +7,6 @@ import math
 
 import pytest
 import torch
-from reference import reference_attention, tol
-from test_backends import MASK_KINDS, make_mask, reference_for
 
 from attnlab._memory import peak_allocated
 from attnlab.backends.blockwise import (
@@ -18,6 +16,8 @@ from attnlab.backends.blockwise import (
     merge_partials,
 )
 from attnlab.masks import AdditiveMask, CausalMask, as_mask
+from reference import reference_attention, tol
+from test_backends import MASK_KINDS, make_mask, reference_for
 
 F64 = tol(torch.float64)
 

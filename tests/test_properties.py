@@ -6,7 +6,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from reference import reference_attention, tol
 
 from attnlab.backends import available_backends
 from attnlab.backends.blockwise import attend_chunk, blockwise_attention, merge_partials
@@ -18,6 +17,7 @@ from attnlab.masks import (
     SlidingWindowMask,
     as_mask,
 )
+from reference import reference_attention, tol
 
 BACKENDS = [b for b in available_backends() if b not in ("auto", "ring")]
 F64 = tol(torch.float64)

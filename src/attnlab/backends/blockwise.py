@@ -34,6 +34,11 @@ log-sum-exp is ``-inf`` (its probabilities in the backward are 0).
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+
 import torch
 
 from attnlab.backends.base import AttentionRequest, Backend, BackendResult
@@ -73,18 +78,19 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
-def _apply_tile_mask(s: torch.Tensor, blk: MaskBlock, B: int, G: int, R: int) -> None:
-    """Apply a partial tile in place to scores ``s`` (B*G, R*tq, tk)."""
+def _apply_tile_mask(s: torch.Tensor, blk: MaskBlock, B: int, G: int, R: int, h0: int) -> None:
+    """Apply a partial tile in place to scores ``s`` (B*G, R*tq, tk) of query heads
+    ``h0 .. h0 + G*R`` (a head group)."""
     tq = s.shape[1] // R
     s5 = s.view(B, G, R, tq, s.shape[2])  # (B, G, R, tq, tk)
 
     def heads5(t: torch.Tensor) -> torch.Tensor:
         while t.ndim < 4:
             t = t.unsqueeze(0)
-        b, h = t.shape[0], t.shape[1]
-        if h == 1:
+        if t.shape[1] == 1:
             return t.unsqueeze(2)  # (b, 1, 1, tq, tk)
-        return t.reshape(b, G, R, t.shape[2], t.shape[3])  # (b, G, R, tq, tk)
+        t = t[:, h0 : h0 + G * R]  # this group's heads
+        return t.reshape(t.shape[0], G, R, t.shape[2], t.shape[3])  # (b, G, R, tq, tk)
 
     if blk.bias is not None:
         s5.add_(heads5(blk.bias).to(s.dtype))
@@ -118,6 +124,61 @@ def _key_range(
     lo, hi = mask.col_range(T_total, S_total, q0, q1)
     lo, hi = min(max(lo - k_offset, 0), S), min(max(hi - k_offset, 0), S)
     return lo, max(lo, hi)
+
+
+# -- Parallelism --------------------------------------------------------------------------
+# A tile is a handful of PyTorch ops. Run with intra-op threads, every op is a parallel
+# region ending in a barrier: hundreds per call, and on a shared, oversubscribed CPU each
+# barrier waits for the slowest descheduled thread (measured: 4-20x slower than PyTorch's
+# fused kernel, which forks once). So, like that kernel, attnlab forks once: the key/value
+# head groups are split over N Python threads (N = torch.get_num_threads()) and each runs
+# its ops single-threaded (the ops release the GIL). PyTorch's thread count is global, so
+# it is set to 1 for the duration (reference-counted, restored afterwards).
+_POOL_LOCK = threading.Lock()
+_POOL_STATE = {"users": 0, "saved": 1}
+_POOL: ThreadPoolExecutor | None = None
+
+
+@contextmanager
+def _one_thread_per_op() -> Iterator[int]:
+    """Set intra-op threads to 1; yield how many worker threads to use instead."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL_STATE["users"] == 0:
+            _POOL_STATE["saved"] = torch.get_num_threads()
+            torch.set_num_threads(1)
+        _POOL_STATE["users"] += 1
+        workers = _POOL_STATE["saved"]
+        if _POOL is None or _POOL._max_workers < workers:
+            _POOL = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="attnlab")
+    try:
+        yield workers
+    finally:
+        with _POOL_LOCK:
+            _POOL_STATE["users"] -= 1
+            if _POOL_STATE["users"] == 0:
+                torch.set_num_threads(_POOL_STATE["saved"])
+
+
+def _run_groups(G: int, work: Callable[[int, int], None]) -> None:
+    """Run ``work(g0, g1)`` over contiguous ranges of the G key/value heads."""
+    threads = torch.get_num_threads()
+    if threads <= 1 or G < 2 or threading.current_thread().name.startswith("attnlab"):
+        work(0, G)
+        return
+    grad_mode = torch.is_grad_enabled()  # thread-local: carry the caller's into workers
+
+    def run(g0: int, g1: int) -> None:
+        with torch.set_grad_enabled(grad_mode):
+            work(g0, g1)
+
+    with _one_thread_per_op() as workers:
+        n = min(workers, G)
+        cuts = [G * i // n for i in range(n + 1)]
+        assert _POOL is not None
+        futures = [_POOL.submit(run, cuts[i], cuts[i + 1]) for i in range(n)]
+        for f in futures:
+            f.result()  # re-raises a worker's exception
 
 
 def attend_chunk(
@@ -158,7 +219,6 @@ def attend_chunk(
     B, H, T, D = query.shape
     G, S, Dv = key.shape[1], key.shape[2], value.shape[3]
     R = H // G
-    BG = B * G
     T_total = T if T_total is None else T_total
     S_total = S if S_total is None else S_total
     bq, bk = default_blocks(B * H, T, S)
@@ -166,50 +226,56 @@ def attend_chunk(
     bk = block_k or bk
     cd = _compute_dtype(query.dtype)
     dev = query.device
-    q4 = query.reshape(BG, R, T, D)  # (BG, R, T, D)
-    k3 = key.reshape(BG, S, D).to(cd)  # (BG, S, D)
-    v3 = value.reshape(BG, S, Dv).to(cd)  # (BG, S, Dv)
-    out = torch.empty(BG, R, T, Dv, dtype=cd, device=dev)
-    lse = torch.empty(BG, R, T, dtype=cd, device=dev)
+    q5 = query.reshape(B, G, R, T, D)  # (B, G, R, T, D)
+    out = torch.empty(B, G, R, T, Dv, dtype=cd, device=dev)
+    lse = torch.empty(B, G, R, T, dtype=cd, device=dev)
 
-    for q0 in range(0, T, bq):
-        q1 = min(T, q0 + bq)
-        tq = q1 - q0
-        qb = q4[:, :, q0:q1].reshape(BG, R * tq, D).to(cd) * scale  # (BG, R*tq, D)
-        m: torch.Tensor | None = None  # running row max (BG, R*tq)
-        l: torch.Tensor | None = None  # running denominator (BG, R*tq)
-        acc: torch.Tensor | None = None  # running numerator (BG, R*tq, Dv)
-        lo, hi = _key_range(mask, T_total, S_total, q_offset + q0, q_offset + q1, k_offset, S)
-        for k0 in range(lo, hi, bk):
-            k1 = min(hi, k0 + bk)
-            blk = _tile(mask, T_total, S_total, q_offset + q0, q_offset + q1,
-                        k_offset + k0, k_offset + k1, dev)  # fmt: skip
-            if blk is not None and blk.status == "empty":
+    def work(g0: int, g1: int) -> None:
+        Gs = g1 - g0
+        BG = B * Gs
+        k3 = key[:, g0:g1].reshape(BG, S, D).to(cd)  # (B*Gs, S, D), a view when B == 1
+        v3 = value[:, g0:g1].reshape(BG, S, Dv).to(cd)  # (B*Gs, S, Dv)
+        for q0 in range(0, T, bq):
+            q1 = min(T, q0 + bq)
+            tq = q1 - q0
+            qb = q5[:, g0:g1, :, q0:q1].reshape(BG, R * tq, D).to(cd) * scale  # (BG, R*tq, D)
+            m: torch.Tensor | None = None  # running row max (BG, R*tq)
+            l: torch.Tensor | None = None  # running denominator (BG, R*tq)
+            acc: torch.Tensor | None = None  # running numerator (BG, R*tq, Dv)
+            lo, hi = _key_range(mask, T_total, S_total, q_offset + q0, q_offset + q1, k_offset, S)
+            for k0 in range(lo, hi, bk):
+                k1 = min(hi, k0 + bk)
+                blk = _tile(mask, T_total, S_total, q_offset + q0, q_offset + q1,
+                            k_offset + k0, k_offset + k1, dev)  # fmt: skip
+                if blk is not None and blk.status == "empty":
+                    continue
+                s = torch.bmm(qb, k3[:, k0:k1].transpose(1, 2))  # (BG, R*tq, tk)
+                if blk is not None:
+                    _apply_tile_mask(s, blk, B, Gs, R, g0 * R)
+                m_blk = s.amax(dim=-1)  # (BG, R*tq)
+                m_new = m_blk if m is None else torch.maximum(m, m_blk)
+                # A masked tile can leave a row at max -inf; subtract 0 there, not -inf.
+                m_use = m_new if blk is None else m_new.masked_fill(m_new == _NEG_INF, 0.0)
+                s.sub_(m_use.unsqueeze(-1)).exp_()  # p, in place
+                if m is None or acc is None or l is None:
+                    l = s.sum(dim=-1)
+                    acc = torch.bmm(s, v3[:, k0:k1])  # (BG, R*tq, Dv)
+                else:
+                    alpha = torch.exp_(m.sub_(m_use))  # rescales the old sums (in place on m)
+                    l.mul_(alpha).add_(s.sum(dim=-1))
+                    acc.mul_(alpha.unsqueeze(-1)).baddbmm_(s, v3[:, k0:k1])
+                m = m_new
+            if m is None or acc is None or l is None:  # every tile of these rows was empty
+                out[:, g0:g1, :, q0:q1] = 0
+                lse[:, g0:g1, :, q0:q1] = _NEG_INF
                 continue
-            s = torch.bmm(qb, k3[:, k0:k1].transpose(1, 2))  # (BG, R*tq, tk)
-            if blk is not None:
-                _apply_tile_mask(s, blk, B, G, R)
-            m_blk = s.amax(dim=-1)  # (BG, R*tq)
-            m_new = m_blk if m is None else torch.maximum(m, m_blk)
-            # A masked tile can leave a row at max -inf; subtract 0 there, not -inf (NaN).
-            m_use = m_new if blk is None else m_new.masked_fill(m_new == _NEG_INF, 0.0)
-            s.sub_(m_use.unsqueeze(-1)).exp_()  # p, in place
-            if m is None or acc is None or l is None:
-                l = s.sum(dim=-1)
-                acc = torch.bmm(s, v3[:, k0:k1])  # (BG, R*tq, Dv)
-            else:
-                alpha = torch.exp_(m.sub_(m_use))  # rescales the old sums (in place on m)
-                l.mul_(alpha).add_(s.sum(dim=-1))
-                acc.mul_(alpha.unsqueeze(-1)).baddbmm_(s, v3[:, k0:k1])
-            m = m_new
-        if m is None or acc is None or l is None:  # every tile of these rows was empty
-            out[:, :, q0:q1] = 0
-            lse[:, :, q0:q1] = _NEG_INF
-            continue
-        empty = l == 0
-        out[:, :, q0:q1] = acc.div_(l.masked_fill(empty, 1.0).unsqueeze(-1)).view(BG, R, tq, Dv)
-        row_lse = m.add_(torch.log(l)).masked_fill_(empty, _NEG_INF)
-        lse[:, :, q0:q1] = row_lse.view(BG, R, tq)
+            empty = l == 0
+            acc.div_(l.masked_fill(empty, 1.0).unsqueeze(-1))
+            out[:, g0:g1, :, q0:q1] = acc.view(B, Gs, R, tq, Dv)
+            row_lse = m.add_(torch.log(l)).masked_fill_(empty, _NEG_INF)
+            lse[:, g0:g1, :, q0:q1] = row_lse.view(B, Gs, R, tq)
+
+    _run_groups(G, work)
     return out.view(B, H, T, Dv), lse.view(B, H, T)
 
 
@@ -247,7 +313,6 @@ def attend_chunk_backward(
     B, H, T, D = query.shape
     G, S, Dv = key.shape[1], key.shape[2], value.shape[3]
     R = H // G
-    BG = B * G
     T_total = T if T_total is None else T_total
     S_total = S if S_total is None else S_total
     bq, bk = default_blocks(B * H, T, S)
@@ -255,47 +320,58 @@ def attend_chunk_backward(
     bk = block_k or bk
     cd = _compute_dtype(query.dtype)
     dev = query.device
-    q4 = query.reshape(BG, R, T, D)  # (BG, R, T, D)
-    do4 = grad_out.reshape(BG, R, T, Dv)  # (BG, R, T, Dv)
-    k3 = key.reshape(BG, S, D).to(cd)  # (BG, S, D)
-    v3 = value.reshape(BG, S, Dv).to(cd)  # (BG, S, Dv)
+    q5 = query.reshape(B, G, R, T, D)  # (B, G, R, T, D)
+    do5 = grad_out.reshape(B, G, R, T, Dv)  # (B, G, R, T, Dv)
     # A row that saw nothing has lse = -inf; +inf makes its probabilities exp(s - inf) = 0.
-    lse3 = lse.to(cd).masked_fill(lse == _NEG_INF, float("inf")).reshape(BG, R, T)
-    delta3 = delta.to(cd).reshape(BG, R, T)
-    dq = torch.zeros(BG, R, T, D, dtype=cd, device=dev)
-    dk = torch.zeros(BG, S, D, dtype=cd, device=dev)
-    dv = torch.zeros(BG, S, Dv, dtype=cd, device=dev)
+    lse4 = lse.to(cd).masked_fill(lse == _NEG_INF, float("inf")).reshape(B, G, R, T)
+    delta4 = delta.to(cd).reshape(B, G, R, T)
+    dq = torch.zeros(B, G, R, T, D, dtype=cd, device=dev)
+    dk = torch.zeros(B, G, S, D, dtype=cd, device=dev)
+    dv = torch.zeros(B, G, S, Dv, dtype=cd, device=dev)
 
-    for q0 in range(0, T, bq):
-        q1 = min(T, q0 + bq)
-        tq = q1 - q0
-        qb = q4[:, :, q0:q1].reshape(BG, R * tq, D).to(cd) * scale  # (BG, R*tq, D)
-        dob = do4[:, :, q0:q1].reshape(BG, R * tq, Dv).to(cd)  # (BG, R*tq, Dv)
-        lse_b = lse3[:, :, q0:q1].reshape(BG, R * tq, 1)
-        delta_b = delta3[:, :, q0:q1].reshape(BG, R * tq, 1)
-        dqb: torch.Tensor | None = None  # (BG, R*tq, D)
-        lo, hi = _key_range(mask, T_total, S_total, q_offset + q0, q_offset + q1, k_offset, S)
-        for k0 in range(lo, hi, bk):
-            k1 = min(hi, k0 + bk)
-            blk = _tile(mask, T_total, S_total, q_offset + q0, q_offset + q1,
-                        k_offset + k0, k_offset + k1, dev)  # fmt: skip
-            if blk is not None and blk.status == "empty":
-                continue
-            kb, vb = k3[:, k0:k1], v3[:, k0:k1]
-            s = torch.bmm(qb, kb.transpose(1, 2))  # (BG, R*tq, tk)
-            if blk is not None:
-                _apply_tile_mask(s, blk, B, G, R)
-            p = s.sub_(lse_b).exp_()  # probabilities, in place
-            # Accumulating into a strided slice with baddbmm_ falls back to one addmm per
-            # batch item (slow); a contiguous product plus add_ is much faster.
-            dv[:, k0:k1].add_(torch.bmm(p.transpose(1, 2), dob))  # dv += p^T dout
-            dp = torch.bmm(dob, vb.transpose(1, 2))  # (BG, R*tq, tk)
-            ds = p.mul_(dp.sub_(delta_b))  # dS = p * (dp - delta), in place on p
-            dqb = torch.bmm(ds, kb) if dqb is None else dqb.baddbmm_(ds, kb)
-            dk[:, k0:k1].add_(torch.bmm(ds.transpose(1, 2), qb))  # qb carries the scale
-        if dqb is not None:
-            dq[:, :, q0:q1] = dqb.mul_(scale).view(BG, R, tq, D)
-    return dq.view(B, H, T, D), dk.view(B, G, S, D), dv.view(B, G, S, Dv)
+    def work(g0: int, g1: int) -> None:
+        Gs = g1 - g0
+        BG = B * Gs
+        k3 = key[:, g0:g1].reshape(BG, S, D).to(cd)  # (B*Gs, S, D)
+        v3 = value[:, g0:g1].reshape(BG, S, Dv).to(cd)  # (B*Gs, S, Dv)
+        # Accumulate straight into dk/dv when the group's slice is contiguous (B == 1).
+        dk3 = dk[:, g0:g1].reshape(BG, S, D)  # (B*Gs, S, D)
+        dv3 = dv[:, g0:g1].reshape(BG, S, Dv)  # (B*Gs, S, Dv)
+        for q0 in range(0, T, bq):
+            q1 = min(T, q0 + bq)
+            tq = q1 - q0
+            qb = q5[:, g0:g1, :, q0:q1].reshape(BG, R * tq, D).to(cd) * scale  # (BG, R*tq, D)
+            dob = do5[:, g0:g1, :, q0:q1].reshape(BG, R * tq, Dv).to(cd)  # (BG, R*tq, Dv)
+            lse_b = lse4[:, g0:g1, :, q0:q1].reshape(BG, R * tq, 1)
+            delta_b = delta4[:, g0:g1, :, q0:q1].reshape(BG, R * tq, 1)
+            dqb: torch.Tensor | None = None  # (BG, R*tq, D)
+            lo, hi = _key_range(mask, T_total, S_total, q_offset + q0, q_offset + q1, k_offset, S)
+            for k0 in range(lo, hi, bk):
+                k1 = min(hi, k0 + bk)
+                blk = _tile(mask, T_total, S_total, q_offset + q0, q_offset + q1,
+                            k_offset + k0, k_offset + k1, dev)  # fmt: skip
+                if blk is not None and blk.status == "empty":
+                    continue
+                kb, vb = k3[:, k0:k1], v3[:, k0:k1]
+                s = torch.bmm(qb, kb.transpose(1, 2))  # (BG, R*tq, tk)
+                if blk is not None:
+                    _apply_tile_mask(s, blk, B, Gs, R, g0 * R)
+                p = s.sub_(lse_b).exp_()  # probabilities, in place
+                # Accumulating into a strided slice with baddbmm_ falls back to one addmm
+                # per batch item (slow); a contiguous product plus add_ is much faster.
+                dv3[:, k0:k1].add_(torch.bmm(p.transpose(1, 2), dob))  # dv += p^T dout
+                dp = torch.bmm(dob, vb.transpose(1, 2))  # (BG, R*tq, tk)
+                ds = p.mul_(dp.sub_(delta_b))  # dS = p * (dp - delta), in place on p
+                dqb = torch.bmm(ds, kb) if dqb is None else dqb.baddbmm_(ds, kb)
+                dk3[:, k0:k1].add_(torch.bmm(ds.transpose(1, 2), qb))  # qb carries the scale
+            if dqb is not None:
+                dq[:, g0:g1, :, q0:q1] = dqb.mul_(scale).view(B, Gs, R, tq, D)
+        if dk3.data_ptr() != dk[:, g0:g1].data_ptr() or B > 1:  # reshape had to copy
+            dk[:, g0:g1] = dk3.view(B, Gs, S, D)
+            dv[:, g0:g1] = dv3.view(B, Gs, S, Dv)
+
+    _run_groups(G, work)
+    return dq.view(B, H, T, D), dk, dv
 
 
 def merge_partials(
