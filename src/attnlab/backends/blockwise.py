@@ -163,7 +163,15 @@ def _one_thread_per_op() -> Iterator[int]:
 def _run_groups(G: int, work: Callable[[int, int], None]) -> None:
     """Run ``work(g0, g1)`` over contiguous ranges of the G key/value heads."""
     threads = torch.get_num_threads()
-    if threads <= 1 or G < 2 or threading.current_thread().name.startswith("attnlab"):
+    if (
+        threads <= 1
+        or G < 2
+        or threading.current_thread().name.startswith("attnlab")
+        # torch.profiler records allocations of the profiled thread only: run the groups
+        # there so that it sees them all. The scratch is the same either way: each
+        # group's tiles scale with its heads, so concurrent groups add up to one tile.
+        or torch._C._autograd._profiler_enabled()
+    ):
         work(0, G)
         return
     grad_mode = torch.is_grad_enabled()  # thread-local: carry the caller's into workers
