@@ -427,6 +427,7 @@ def _explain_figures(
         raise UserError(f"cannot write figures to `--out` {str(out)!r}: {e.strerror or e}") from e
     return paths
 
+
 _INFO_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16",
                 "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
                 "float64": "float64", "fp64": "float64"}  # fmt: skip
