@@ -103,11 +103,12 @@ def test_conformance(backend, dtype, is_causal, kind, shape):
     run_case(backend, dtype, is_causal, kind, *shape)
 
 
+# The rest of T x D, each with one key length S != T (longer for D = 8 and 64, shorter
+# for D = 59, so both directions of the bottom-right causal alignment are covered).
 SLOW_SHAPES = [
-    (T, S, D)
+    (T, T + 13 if D != 59 else max(1, T // 2 + 3), D)
     for T, D in itertools.product([1, 7, 97], [8, 59, 64])
-    for S in (T + 13, max(1, T // 2 + 3))
-    if (T, S, D) not in FAST_SHAPES
+    if (T, D) not in {(t, d) for t, _, d in FAST_SHAPES}
 ]
 
 

@@ -364,6 +364,8 @@ class CausalAttention(nn.Module):
         - output: ``(T, d_out)`` or ``(B, T, d_out)``
     """
 
+    mask: torch.Tensor  # the book's buffer: 1 marks the future
+
     def __init__(
         self,
         d_in: int,
@@ -506,6 +508,8 @@ class MultiHeadAttention(nn.Module):
         - x: ``(T, d_in)`` or ``(B, T, d_in)``
         - output: ``(T, d_out)`` or ``(B, T, d_out)``
     """
+
+    mask: torch.Tensor  # the book's buffer: 1 marks the future
 
     def __init__(
         self,

@@ -160,6 +160,11 @@ def _one_thread_per_op() -> Iterator[int]:
                 torch.set_num_threads(_POOL_STATE["saved"])
 
 
+def _profiler_enabled() -> bool:
+    check = getattr(getattr(torch._C, "_autograd", None), "_profiler_enabled", None)
+    return bool(check()) if check is not None else False
+
+
 def _run_groups(G: int, work: Callable[[int, int], None]) -> None:
     """Run ``work(g0, g1)`` over contiguous ranges of the G key/value heads."""
     threads = torch.get_num_threads()
@@ -170,7 +175,7 @@ def _run_groups(G: int, work: Callable[[int, int], None]) -> None:
         # torch.profiler records allocations of the profiled thread only: run the groups
         # there so that it sees them all. The scratch is the same either way: each
         # group's tiles scale with its heads, so concurrent groups add up to one tile.
-        or torch._C._autograd._profiler_enabled()
+        or _profiler_enabled()
     ):
         work(0, G)
         return
