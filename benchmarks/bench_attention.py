@@ -86,15 +86,15 @@ def make_call(name: str, T: int, backward: bool) -> Callable[[], object]:
 
 
 def bench(fns: dict[str, Callable[[], object]], reps: int) -> dict[str, float]:
-    """Minimum time of each call over interleaved repetitions (at least ``reps``, more for
-    fast calls so that each gets about half a second: a shared machine's noise only ever
-    adds time, so the minimum is the best estimate)."""
-    slowest = 0.0
+    """Minimum time of each call over interleaved repetitions (at least ``reps``; up to 20
+    while a round takes under 3 s): a shared machine's noise only ever adds time, so the
+    minimum is the best estimate."""
+    one_round = 0.0
     for f in fns.values():  # warm up, and size the repetitions
         t0 = time.perf_counter()
         f()
-        slowest = max(slowest, time.perf_counter() - t0)
-    reps = max(reps, min(40, int(0.5 / max(slowest, 1e-6))))
+        one_round += time.perf_counter() - t0
+    reps = max(reps, min(20, int(3.0 / max(one_round, 1e-6))))
     best = dict.fromkeys(fns, math.inf)
     for _ in range(reps):
         for name, f in fns.items():
