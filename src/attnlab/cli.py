@@ -656,17 +656,8 @@ def _preset_table(name: str) -> Any:
     return table
 
 
-@app.command()
-def info(
-    preset: Annotated[
-        str | None,
-        typer.Option(
-            help="GPT preset whose parameter counts to report (tiny, gpt2-124m, gpt2-medium, "
-            "gpt2-large, gpt2-xl), or 'all'."
-        ),
-    ] = None,
-) -> None:
-    """Report what attnlab has: GPT presets' parameter counts and model sizes."""
+def _info_presets(preset: str | None) -> list[RenderableType]:
+    """``attnlab info``'s model part: GPT presets' parameter counts and model sizes."""
     from attnlab.models.gpt import PRESETS
 
     if preset is not None:
@@ -678,8 +669,7 @@ def info(
             raise UserError(
                 f"unknown --preset {preset!r}; choose one of: {', '.join(PRESETS)}, all"
             )
-        output.show(*(_preset_table(n) for n in names))
-        return
+        return [_preset_table(n) for n in names]
     from rich.table import Table
 
     from attnlab.models.gpt import parameter_report
@@ -699,7 +689,7 @@ def info(
             f"{r.total:,}",
             f"{r.size_mb:,.1f} MB",
         )
-    output.show(table)
+    return [table]
 
 
 # Above this many dense weights (layers x heads x T x T) `explain` keeps only the
@@ -945,6 +935,102 @@ def _explain_figures(
     except OSError as e:
         raise UserError(f"cannot write figures to `--out` {str(out)!r}: {e.strerror or e}") from e
     return paths
+
+
+_INFO_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16",
+                "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
+                "float64": "float64", "fp64": "float64"}  # fmt: skip
+_INFO_MASKS = ("none", "causal", "padding", "window", "boolean")
+
+
+@app.command()
+def info(
+    seq_len: Annotated[int, typer.Option("--seq-len", "-t", help="Query length T.")] = 1024,
+    key_len: Annotated[
+        int | None, typer.Option("--key-len", "-s", help="Key length S (default T).")
+    ] = None,
+    batch: Annotated[int, typer.Option(help="Batch size B.")] = 1,
+    heads: Annotated[int, typer.Option(help="Query heads H.")] = 12,
+    kv_heads: Annotated[
+        int | None, typer.Option("--kv-heads", help="Key/value heads G (default H).")
+    ] = None,
+    head_dim: Annotated[int, typer.Option("--head-dim", help="Head dim D.")] = 64,
+    dtype: Annotated[str, typer.Option(help="float32, bfloat16, float16 or float64.")] = "float32",
+    mask: Annotated[str, typer.Option(help="none, causal, padding, window or boolean.")] = "causal",
+    dropout: Annotated[float, typer.Option(help="Attention dropout probability.")] = 0.0,
+    backend: Annotated[str, typer.Option(help="Backend to explain (default auto).")] = "auto",
+    preset: Annotated[
+        str | None,
+        typer.Option(
+            help="GPT preset whose parameter counts to report (tiny, gpt2-124m, gpt2-medium, "
+            "gpt2-large, gpt2-xl), or 'all'; shows only that."
+        ),
+    ] = None,
+) -> None:
+    """Report what attnlab has: the attention backends and which one a call of this shape
+    would run (and why not the others), and the GPT presets' parameter counts and sizes."""
+    if preset is not None:
+        output.show(*_info_presets(preset))
+        return
+    import torch
+    from rich.table import Table
+
+    from attnlab.backends import AUTO_ORDER, explain_dispatch, get_backend
+    from attnlab.backends import available_backends as names
+    from attnlab.masks import BooleanMask, CausalMask, PaddingMask, SlidingWindowMask
+
+    if dtype not in _INFO_DTYPES:
+        raise UserError(f"unknown --dtype {dtype!r}; choose one of {', '.join(_INFO_DTYPES)}")
+    if mask not in _INFO_MASKS:
+        raise UserError(f"unknown --mask {mask!r}; choose one of {', '.join(_INFO_MASKS)}")
+    for name, value in (("--seq-len", seq_len), ("--batch", batch), ("--heads", heads),
+                        ("--head-dim", head_dim), ("--key-len", key_len),
+                        ("--kv-heads", kv_heads)):  # fmt: skip
+        if value is not None and value < 1:
+            raise UserError(f"`{name}` must be a positive int, got {value}")
+    T, S, G = seq_len, key_len or seq_len, kv_heads or heads
+    tdtype = getattr(torch, _INFO_DTYPES[dtype])
+
+    def shaped(*shape: int) -> torch.Tensor:  # no memory: one element, expanded
+        return torch.zeros((1,) * len(shape), dtype=tdtype).expand(*shape)
+
+    attn_mask = {
+        "none": None,
+        "causal": CausalMask(),
+        "padding": PaddingMask(torch.ones(1, 1, dtype=torch.bool).expand(batch, S)),
+        "window": SlidingWindowMask(min(256, S)) if mask == "window" else None,
+        "boolean": BooleanMask(torch.ones(1, 1, 1, 1, dtype=torch.bool).expand(1, 1, T, S)),
+    }[mask]
+    with user_input():
+        exp = explain_dispatch(
+            shaped(batch, heads, T, head_dim),
+            shaped(batch, G, S, head_dim),
+            shaped(batch, G, S, head_dim),
+            attn_mask,
+            dropout,
+            backend=backend,
+        )
+
+    table = Table(title=f"attnlab {attnlab.__version__} attention backends (torch "
+                        f"{torch.__version__}, {torch.get_num_threads()} threads)")  # fmt: skip
+    table.add_column("backend")
+    table.add_column("auto rank")
+    table.add_column("what it is")
+    for name in names():
+        if name == "auto":
+            continue
+        rank = str(AUTO_ORDER.index(name) + 1) if name in AUTO_ORDER else "-"
+        table.add_row(name, rank, get_backend(name).summary)
+    call = (
+        f"B={batch} H={heads} G={G} T={T} S={S} D={head_dim} {_INFO_DTYPES[dtype]} "
+        f"mask={mask} dropout={dropout}"
+    )
+    verdict = Table(title=f"dispatch for {call}: backend={backend!r} -> {exp.chosen}")
+    verdict.add_column("backend")
+    verdict.add_column("verdict")
+    for name, why in exp.reasons:
+        verdict.add_row(name, "chosen" if why is None else why)
+    output.show(table, verdict, *_info_presets(None))
 
 
 def _framework_errors() -> tuple[tuple[type[BaseException], ...], tuple[type[BaseException], ...]]:
