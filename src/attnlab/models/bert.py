@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from attnlab.attention import Attention
+from attnlab.backends import available_backends
 from attnlab.masks import PaddingMask
 
 __all__ = ["BertConfig", "BertEncoder", "BertLayer"]
@@ -105,9 +106,16 @@ class BertEncoder(nn.Module):
         )
 
     def set_backend(self, backend: str) -> None:
-        """Use ``backend`` in every attention layer from now on."""
-        for layer in self.layers:
-            layer.attention.backend = backend
+        """Use ``backend`` in every attention layer from now on.
+
+        Raises:
+            ValueError: an unknown backend name.
+        """
+        if backend not in available_backends():
+            raise ValueError(f"`backend` must be one of {available_backends()}, got {backend!r}")
+        for module in self.modules():
+            if isinstance(module, Attention):
+                module.backend = backend
 
     def forward(
         self,

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from attnlab.attention import Attention, KVCache, RotaryEmbedding
+from attnlab.backends import available_backends
 
 __all__ = ["LlamaConfig", "LlamaForCausalLM", "RMSNorm"]
 
@@ -172,9 +173,16 @@ class LlamaForCausalLM(nn.Module):
         return [KVCache() for _ in self.blocks]
 
     def set_backend(self, backend: str) -> None:
-        """Use ``backend`` in every attention layer from now on."""
-        for block in self.blocks:
-            block.attention.backend = backend
+        """Use ``backend`` in every attention layer from now on.
+
+        Raises:
+            ValueError: an unknown backend name.
+        """
+        if backend not in available_backends():
+            raise ValueError(f"`backend` must be one of {available_backends()}, got {backend!r}")
+        for module in self.modules():
+            if isinstance(module, Attention):
+                module.backend = backend
 
     def forward(
         self,

@@ -102,8 +102,8 @@ def dequantize(data: np.ndarray, type_name: str, shape: tuple[int, ...]) -> torc
         out = np.array(raw.view(np.float32 if type_name == "F32" else np.float16))
         return torch.from_numpy(out.astype(np.float32, copy=False)).reshape(shape)
     if type_name == "BF16":
-        raw = np.asarray(data).view(np.uint8).view(np.uint16).astype(np.uint32) << 16
-        return torch.from_numpy(raw.view(np.float32)).reshape(shape)
+        bits = np.asarray(data).view(np.uint8).view(np.uint16).astype(np.uint32) << 16
+        return torch.from_numpy(bits.view(np.float32)).reshape(shape)
     if type_name in _BLOCK_KERNELS:
         block_bytes, kernel = _BLOCK_KERNELS[type_name]
         blocks = np.asarray(data).view(np.uint8).reshape(-1, block_bytes)  # (N, bytes)
@@ -266,7 +266,7 @@ def read_gguf(path: str | Path) -> GGUFContents:
 
     path = Path(path)
     data = np.memmap(path, dtype=np.uint8, mode="r")
-    cur = _Cursor(memoryview(data))
+    cur = _Cursor(data.data)
     magic = bytes(cur.buf[0:4])
     cur.pos = 4
     version = cur.scalar("<I")

@@ -187,7 +187,7 @@ def tokenizer_from_gguf(contents: GGUFContents) -> PretrainedTokenizer:
             f"GGUF tokenizer model {kind!r} is not supported; only byte-level BPE ('gpt2')"
         )
     vocab = {token: i for i, token in enumerate(contents.tokens)}
-    merges = [tuple(m.split(" ", 1)) for m in contents.merges]
+    merges = [(left, right) for left, right in (m.split(" ", 1) for m in contents.merges)]
     backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
     backend.pre_tokenizer = _pre_tokenizer(str(meta.get("tokenizer.ggml.pre", "default")))
     backend.decoder = decoders.ByteLevel()
