@@ -1,0 +1,573 @@
+"""Ring attention: exact attention over a sequence split across the ranks of a process group.
+
+Every rank holds query, key and value for the same positions (its shard, see
+:mod:`attnlab.distributed.sharding`). Key/value shards travel around the ring: at step
+``i`` rank ``r`` attends its queries over the shard of rank ``r - i`` while the next shard
+is already in flight (non-blocking sends/receives posted before the compute). Partial
+outputs merge by log-sum-exp with the blockwise kernel's merge, so the result equals
+single-process attention. The backward pass sends key/value around again, with their
+gradient accumulators travelling one hop behind, and each shard's dK/dV arrives home
+after ``N`` hops.
+
+Faults never hang: every wait on a transfer has a deadline (the process group's timeout
+unless ``timeout=`` is given); a rank that died or stalled makes the others raise
+:class:`RingAttentionError`. Ranks first agree on shapes, dtype and options with one small
+``all_gather``, so disagreements raise a clear ``ValueError`` before any key/value moves.
+
+Shape legend: B batch, H query heads, G key/value heads (H % G == 0), R = H/G query heads
+per key/value head, T local shard length, D head dim, Dv value head dim, N world size.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from attnlab.distributed._interim_blockwise import attend_block, merge_partials
+from attnlab.distributed.sharding import Segment, check_layout, local_segments
+
+__all__ = ["RingAttentionError", "RingStats", "ring_attention"]
+
+DEFAULT_BLOCK_SIZE = 512
+_KV_TAG, _GRAD_TAG = 10, 20
+_LAYOUT_CODES = {"contiguous": 0, "zigzag": 1}
+_DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
+
+
+class RingAttentionError(RuntimeError):
+    """A transfer between ranks failed or timed out (a rank died, stalled or left)."""
+
+
+@dataclass
+class RingStats:
+    """Where a rank's time went, accumulated over calls (forward and backward).
+
+    A mutable recorder, not a config: pass one as ``stats=`` to measure.
+    """
+
+    compute_s: float = 0.0  # in block kernels
+    wait_s: float = 0.0  # blocked on transfers: the communication the overlap did not hide
+    bytes_sent: int = 0
+    steps: int = 0
+    step_compute_s: list[float] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class _RingConfig:
+    group: dist.ProcessGroup | None
+    rank: int
+    world_size: int
+    prev_peer: int  # global ranks, for point-to-point ops
+    next_peer: int
+    layout: str
+    is_causal: bool
+    scale: float
+    timeout: timedelta
+    block_size: int
+    overlap: bool
+    stats: RingStats | None
+
+
+# --- communication --------------------------------------------------------------------
+
+
+class _Exchange:
+    """Sends to the next rank and receives from the previous one, in flight."""
+
+    def __init__(
+        self, cfg: _RingConfig, tensors: list[torch.Tensor], what: str, step: int, tag: int
+    ):
+        self.cfg, self.what, self.step = cfg, what, step
+        self.received = [torch.empty_like(t) for t in tensors]
+        # Tags keep key/value and gradient messages apart (gloo); both sides post in one order.
+        ops = [
+            dist.P2POp(dist.isend, t, cfg.next_peer, cfg.group, tag + i)
+            for i, t in enumerate(tensors)
+        ]
+        ops += [
+            dist.P2POp(dist.irecv, b, cfg.prev_peer, cfg.group, tag + i)
+            for i, b in enumerate(self.received)
+        ]
+        try:
+            self.works = dist.batch_isend_irecv(ops)
+        except RuntimeError as exc:
+            raise _comm_error(cfg, what, step, exc) from exc
+        if cfg.stats is not None:
+            cfg.stats.bytes_sent += sum(t.numel() * t.element_size() for t in tensors)
+
+    def wait(self) -> list[torch.Tensor]:
+        t0 = time.perf_counter()
+        for work in self.works:
+            _wait(work, self.cfg, self.what, self.step)
+        if self.cfg.stats is not None:
+            self.cfg.stats.wait_s += time.perf_counter() - t0
+        return self.received
+
+
+def _wait(work: dist.Work, cfg: _RingConfig, what: str, step: int) -> None:
+    try:
+        work.wait(cfg.timeout)
+    except RuntimeError as exc:
+        raise _comm_error(cfg, what, step, exc) from exc
+
+
+def _comm_error(cfg: _RingConfig, what: str, step: int, exc: Exception) -> RingAttentionError:
+    prev_rank = (cfg.rank - 1) % cfg.world_size
+    next_rank = (cfg.rank + 1) % cfg.world_size
+    return RingAttentionError(
+        f"ring attention on rank {cfg.rank} of {cfg.world_size}: {what} at step {step} "
+        f"(receiving from rank {prev_rank}, sending to rank {next_rank}) did not complete "
+        f"within the {cfg.timeout.total_seconds():g} s timeout: a rank died, stalled, or "
+        f"skipped the call. The process group is unusable now; restart the job. "
+        f"(transport said: {str(exc).splitlines()[0][:300]})"
+    )
+
+
+def _group_timeout(group: dist.ProcessGroup | None) -> timedelta:
+    pg = group if group is not None else dist.group.WORLD
+    try:
+        return pg._get_backend(torch.device("cpu")).options._timeout  # type: ignore[union-attr]
+    except (AttributeError, RuntimeError):
+        return dist.distributed_c10d.default_pg_timeout
+
+
+# --- validation -----------------------------------------------------------------------
+
+
+def _check_local(query: object, key: object, value: object) -> None:
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"`{name}` must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in _DTYPE_CODES:
+            raise TypeError(
+                f"`{name}` must be float16, bfloat16, float32 or float64, got {t.dtype}"
+            )
+        if t.ndim != 4:
+            raise ValueError(f"`{name}` must be 4-D (B, heads, T, D), got shape {tuple(t.shape)}")
+        if t.numel() == 0:
+            raise ValueError(f"`{name}` must not be empty, got shape {tuple(t.shape)}")
+    assert isinstance(query, torch.Tensor)
+    assert isinstance(key, torch.Tensor)
+    assert isinstance(value, torch.Tensor)
+    if key.dtype != query.dtype or value.dtype != query.dtype:
+        raise TypeError(
+            f"`key` and `value` must have the dtype of `query` ({query.dtype}), "
+            f"got {key.dtype} and {value.dtype}"
+        )
+    if key.device != query.device or value.device != query.device:
+        raise ValueError(
+            f"`query`, `key`, `value` must be on one device, got {query.device}, "
+            f"{key.device}, {value.device}"
+        )
+    b, h, t, d = query.shape
+    if key.shape[0] != b or value.shape[0] != b:
+        raise ValueError(f"`key`/`value` must have batch size {b} like `query`")
+    if key.shape[-1] != d:
+        raise ValueError(
+            f"`key` must have the same head dim as `query` (D={d}), got D={key.shape[-1]}"
+        )
+    if value.shape[:3] != key.shape[:3]:
+        raise ValueError(
+            f"`value` must match `key` in (B, G, S) = {tuple(key.shape[:3])}, "
+            f"got {tuple(value.shape[:3])}"
+        )
+    g = key.shape[1]
+    if h % g:
+        raise ValueError(f"query heads H={h} must be a multiple of key/value heads G={g}")
+    if key.shape[2] != t:
+        raise ValueError(
+            f"ring attention is self-attention over one sharded sequence: `key` must hold "
+            f"the same positions as `query` (T={t}), got S={key.shape[2]}"
+        )
+
+
+def _agree(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cfg: _RingConfig,
+) -> None:
+    """One small all_gather so that every rank sees every rank's shapes and options."""
+    mine = [
+        *query.shape,
+        *key.shape,
+        value.shape[-1],
+        _DTYPE_CODES[query.dtype],
+        int(cfg.is_causal),
+        _LAYOUT_CODES[cfg.layout],
+        cfg.scale,
+    ]
+    local = torch.tensor(mine, dtype=torch.float64, device=query.device)
+    everyone = [torch.empty_like(local) for _ in range(cfg.world_size)]
+    try:
+        work = dist.all_gather(everyone, local, group=cfg.group, async_op=True)
+    except RuntimeError as exc:
+        raise _comm_error(cfg, "checking shapes (all_gather)", 0, exc) from exc
+    assert work is not None
+    _wait(work, cfg, "checking shapes (all_gather)", 0)
+    rows = [e.tolist() for e in everyone]
+    if all(r == rows[0] for r in rows):
+        return
+    names = {v: k for k, v in _DTYPE_CODES.items()}
+    layouts = {v: k for k, v in _LAYOUT_CODES.items()}
+    desc = "; ".join(
+        f"rank {i}: query {tuple(int(x) for x in r[0:4])}, key {tuple(int(x) for x in r[4:8])}, "
+        f"Dv={int(r[8])}, {names[int(r[9])]}, is_causal={bool(r[10])}, "
+        f"layout={layouts[int(r[11])]!r}, scale={r[12]:g}"
+        for i, r in enumerate(rows)
+    )
+    raise ValueError(
+        "ring_attention: ranks disagree on shapes or options; every rank must pass an "
+        "equal-sized shard (use attnlab.distributed.shard_sequence) and the same "
+        f"is_causal/layout/scale. Got {desc}"
+    )
+
+
+# --- block loops ----------------------------------------------------------------------
+
+
+def _tiles(segments: list[Segment], block: int) -> list[tuple[int, int, int]]:
+    """(local start, local end, global start) of every tile of at most ``block`` positions."""
+    out = []
+    for s in segments:
+        for i in range(0, s.length, block):
+            n = min(block, s.length - i)
+            out.append((s.local_start + i, s.local_start + i + n, s.global_start + i))
+    return out
+
+
+def _causal_mask(
+    q_glob: int, q_len: int, k_glob: int, k_len: int, causal: bool, device: torch.device
+) -> tuple[bool, torch.Tensor | None]:
+    """(skip, mask) for a query tile against a key tile; mask None means attend to all."""
+    if not causal or k_glob + k_len - 1 <= q_glob:
+        return False, None
+    if k_glob > q_glob + q_len - 1:
+        return True, None
+    q_pos = torch.arange(q_glob, q_glob + q_len, device=device)
+    k_pos = torch.arange(k_glob, k_glob + k_len, device=device)
+    return False, k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)  # (Tq, Tk)
+
+
+def _forward_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    acc_out: torch.Tensor,
+    acc_lse: torch.Tensor,
+    src: int,
+    cfg: _RingConfig,
+) -> None:
+    """Merge the attention of local queries over rank ``src``'s key/value into the accumulators.
+
+    q ``(B, G, R, T, D)``; k ``(B, G, T, D)``; v ``(B, G, T, Dv)``;
+    acc_out ``(B, G, R, T, Dv)``; acc_lse ``(B, G, R, T)``.
+    """
+    t = q.shape[-2]
+    q_tiles = _tiles(local_segments(t, cfg.rank, cfg.world_size, cfg.layout), cfg.block_size)
+    k_tiles = _tiles(local_segments(t, src, cfg.world_size, cfg.layout), cfg.block_size)
+    for qa, qb, qg in q_tiles:
+        for ka, kb, kg in k_tiles:
+            skip, mask = _causal_mask(qg, qb - qa, kg, kb - ka, cfg.is_causal, q.device)
+            if skip:
+                continue
+            kt = k[:, :, ka:kb].unsqueeze(2)  # (B, G, 1, Tk, D)
+            vt = v[:, :, ka:kb].unsqueeze(2)  # (B, G, 1, Tk, Dv)
+            out, lse = attend_block(q[..., qa:qb, :], kt, vt, scale=cfg.scale, mask=mask)
+            merged = merge_partials(acc_out[..., qa:qb, :], acc_lse[..., qa:qb], out, lse)
+            acc_out[..., qa:qb, :], acc_lse[..., qa:qb] = merged
+
+
+def _block_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    scale: float,
+    mask: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of one (query tile, key tile) block, given the full rows' lse.
+
+    grad_out, q ``(B, G, R, Tq, ·)``; k, v ``(B, G, 1, Tk, ·)``; lse, delta ``(B, G, R, Tq)``.
+    Returns dq ``(B, G, R, Tq, D)``, dk ``(B, G, Tk, D)``, dv ``(B, G, Tk, Dv)``.
+    """
+    scores = (q @ k.transpose(-2, -1)) * scale  # (B, G, R, Tq, Tk)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    # Rows with nothing to attend to anywhere have lse -inf; their p is 0 either way.
+    safe_lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    p = torch.exp(scores - safe_lse.unsqueeze(-1))  # (B, G, R, Tq, Tk)
+    dv = (p.transpose(-2, -1) @ grad_out).sum(dim=2)  # (B, G, Tk, Dv)
+    dp = grad_out @ v.transpose(-2, -1)  # (B, G, R, Tq, Tk)
+    ds = p * (dp - delta.unsqueeze(-1))  # (B, G, R, Tq, Tk)
+    dq = (ds @ k) * scale  # (B, G, R, Tq, D)
+    dk = (ds.transpose(-2, -1) @ q).sum(dim=2) * scale  # (B, G, Tk, D)
+    return dq, dk, dv
+
+
+def _backward_step(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    dq: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    src: int,
+    cfg: _RingConfig,
+) -> None:
+    """Add this rank's gradient contributions for rank ``src``'s key/value block."""
+    t = q.shape[-2]
+    q_tiles = _tiles(local_segments(t, cfg.rank, cfg.world_size, cfg.layout), cfg.block_size)
+    k_tiles = _tiles(local_segments(t, src, cfg.world_size, cfg.layout), cfg.block_size)
+    for qa, qb, qg in q_tiles:
+        for ka, kb, kg in k_tiles:
+            skip, mask = _causal_mask(qg, qb - qa, kg, kb - ka, cfg.is_causal, q.device)
+            if skip:
+                continue
+            dq_t, dk_t, dv_t = _block_backward(
+                grad_out[..., qa:qb, :],
+                q[..., qa:qb, :],
+                k[:, :, ka:kb].unsqueeze(2),  # (B, G, 1, Tk, D)
+                v[:, :, ka:kb].unsqueeze(2),  # (B, G, 1, Tk, Dv)
+                lse[..., qa:qb],
+                delta[..., qa:qb],
+                cfg.scale,
+                mask,
+            )
+            dq[..., qa:qb, :] += dq_t
+            dk[:, :, ka:kb] += dk_t
+            dv[:, :, ka:kb] += dv_t
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def _timed(cfg: _RingConfig, fn, *args) -> None:  # type: ignore[no-untyped-def]
+    t0 = time.perf_counter()
+    fn(*args)
+    if cfg.stats is not None:
+        dt = time.perf_counter() - t0
+        cfg.stats.compute_s += dt
+        cfg.stats.step_compute_s.append(dt)
+        cfg.stats.steps += 1
+
+
+def _ring_forward(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cfg: _RingConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    b, h, t, d = query.shape
+    g, dv = key.shape[1], value.shape[-1]
+    cdt = _compute_dtype(query.dtype)
+    q = query.to(cdt).reshape(b, g, h // g, t, d)  # (B, G, R, T, D)
+    acc_out = q.new_zeros(b, g, h // g, t, dv)  # (B, G, R, T, Dv)
+    acc_lse = q.new_full((b, g, h // g, t), float("-inf"))  # (B, G, R, T)
+    kv = [key.contiguous(), value.contiguous()]
+    n = cfg.world_size
+    for step in range(n):
+        src = (cfg.rank - step) % n
+        pending = None
+        if step < n - 1:
+            pending = _Exchange(cfg, kv, "forward key/value transfer", step, _KV_TAG)
+            if not cfg.overlap:
+                nxt = pending.wait()
+        k_c, v_c = kv[0].to(cdt), kv[1].to(cdt)
+        _timed(cfg, _forward_step, q, k_c, v_c, acc_out, acc_lse, src, cfg)
+        if pending is not None:
+            kv = pending.wait() if cfg.overlap else nxt
+    out = acc_out.reshape(b, h, t, dv).to(query.dtype)  # (B, H, T, Dv)
+    return out, acc_lse.reshape(b, h, t)  # lse (B, H, T)
+
+
+def _ring_backward(
+    grad_out: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    cfg: _RingConfig,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    b, h, t, d = query.shape
+    g, dvd = key.shape[1], value.shape[-1]
+    r = h // g
+    cdt = _compute_dtype(query.dtype)
+    q = query.to(cdt).reshape(b, g, r, t, d)  # (B, G, R, T, D)
+    do = grad_out.to(cdt).reshape(b, g, r, t, dvd)  # (B, G, R, T, Dv)
+    o = out.to(cdt).reshape(b, g, r, t, dvd)  # (B, G, R, T, Dv)
+    lse5 = lse.reshape(b, g, r, t)  # (B, G, R, T)
+    delta = (do * o).sum(dim=-1)  # (B, G, R, T)
+    dq = torch.zeros_like(q)
+    kv = [key.contiguous(), value.contiguous()]
+    n = cfg.world_size
+    grads: list[torch.Tensor] | None = None  # dK, dV of the block in hand, from upstream
+    grad_pending: _Exchange | None = None
+    for step in range(n):
+        src = (cfg.rank - step) % n
+        kv_pending = None
+        if step < n - 1:
+            kv_pending = _Exchange(cfg, kv, "backward key/value transfer", step, _KV_TAG)
+        dk = key.new_zeros(key.shape, dtype=cdt)  # (B, G, T, D)
+        dv = value.new_zeros(value.shape, dtype=cdt)  # (B, G, T, Dv)
+        k_c, v_c = kv[0].to(cdt), kv[1].to(cdt)
+        _timed(cfg, _backward_step, do, q, k_c, v_c, lse5, delta, dq, dk, dv, src, cfg)
+        if grad_pending is not None:
+            grads = grad_pending.wait()
+            dk += grads[0]
+            dv += grads[1]
+        # Send this block's accumulated dK/dV one hop on; after N hops they are home.
+        grad_pending = _Exchange(cfg, [dk, dv], "backward dK/dV transfer", step, _GRAD_TAG)
+        if kv_pending is not None:
+            kv = kv_pending.wait()
+    assert grad_pending is not None
+    grads = grad_pending.wait()
+    return (
+        dq.reshape(b, h, t, d).to(query.dtype),  # (B, H, T, D)
+        grads[0].to(key.dtype),
+        grads[1].to(value.dtype),
+    )
+
+
+class _RingAttentionFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        cfg: _RingConfig,
+    ) -> torch.Tensor:
+        out, lse = _ring_forward(query, key, value, cfg)
+        ctx.save_for_backward(query, key, value, out, lse)
+        ctx.cfg = cfg  # type: ignore[attr-defined]
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out: torch.Tensor):  # type: ignore[no-untyped-def, override]
+        query, key, value, out, lse = ctx.saved_tensors
+        dq, dk, dv = _ring_backward(grad_out, query, key, value, out, lse, ctx.cfg)
+        return dq, dk, dv, None
+
+
+def _resolve_group(group: dist.ProcessGroup | None) -> None:
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            "ring_attention needs a torch.distributed process group, and none is "
+            "initialised: call torch.distributed.init_process_group('gloo' or 'nccl', ...) "
+            "on every rank first (or run under torchrun / `attnlab ring-demo`)"
+        )
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"`group` must be a torch.distributed.ProcessGroup or None, got {group!r}")
+    if group is not None and dist.get_rank(group) < 0:
+        raise ValueError("`group` does not contain this rank; call ring_attention only on members")
+
+
+def _global_rank(group: dist.ProcessGroup | None, group_rank: int) -> int:
+    return group_rank if group is None else dist.get_global_rank(group, group_rank)
+
+
+def ring_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    layout: str = "contiguous",
+    timeout: float | timedelta | None = None,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    overlap: bool = True,
+    check: bool = True,
+    stats: RingStats | None = None,
+) -> torch.Tensor:
+    """Exact scaled dot-product attention over a sequence sharded across a process group.
+
+    Every rank of ``group`` calls it with its own shard: query, key and value for the
+    same positions, laid out as ``layout`` says (see :func:`shard_sequence`). The result
+    is this rank's shard of ``softmax(Q K^T * scale + causal mask) V`` over the *whole*
+    sequence; gradients flow to every rank's query/key/value shard. Every rank must call
+    backward too when one does.
+
+    Args:
+        query: local queries ``(B, H, T, D)``.
+        key: local keys ``(B, G, T, D)``, ``H % G == 0`` (grouped-query attention).
+        value: local values ``(B, G, T, Dv)``.
+        group: the ring's process group (default: the default group).
+        is_causal: causal mask over global positions (position i sees j <= i).
+        scale: score scale, default ``1/sqrt(D)``.
+        layout: ``"contiguous"`` or ``"zigzag"`` (balances causal work across ranks).
+        timeout: seconds (or timedelta) to wait for any one transfer before raising
+            :class:`RingAttentionError`; default: the process group's timeout.
+        block_size: tile size of the local block kernel (bounds its memory).
+        overlap: post the next transfer before computing (False waits first; for
+            measuring what overlap hides).
+        check: agree on shapes/options across ranks with one small all_gather first.
+        stats: a :class:`RingStats` to accumulate compute/wait time and bytes sent.
+
+    Returns:
+        This rank's output shard ``(B, H, T, Dv)``.
+
+    Shape:
+        - query: ``(B, H, T, D)``; key: ``(B, G, T, D)``; value: ``(B, G, T, Dv)``
+        - output: ``(B, H, T, Dv)``
+
+    Raises:
+        RuntimeError: no process group is initialised.
+        TypeError: non-tensor or non-floating input, mixed dtypes.
+        ValueError: bad shapes, ranks that disagree on shapes/options, a shard length the
+            layout cannot use, bad scale/timeout/block_size.
+        RingAttentionError: a transfer failed or timed out (a rank died or stalled).
+    """
+    _resolve_group(group)
+    _check_local(query, key, value)
+    check_layout(layout)
+    if scale is None:
+        scale = 1.0 / math.sqrt(query.shape[-1])
+    if not isinstance(scale, (int, float)) or not (0 < scale < float("inf")):
+        raise ValueError(f"`scale` must be a positive finite number, got {scale!r}")
+    if not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"`block_size` must be a positive int, got {block_size!r}")
+    if timeout is None:
+        wait_for = _group_timeout(group)
+    elif isinstance(timeout, timedelta):
+        wait_for = timeout
+    elif isinstance(timeout, (int, float)) and timeout > 0:
+        wait_for = timedelta(seconds=float(timeout))
+    else:
+        raise ValueError(f"`timeout` must be positive seconds or a timedelta, got {timeout!r}")
+    n, rank = dist.get_world_size(group), dist.get_rank(group)
+    cfg = _RingConfig(
+        group=group,
+        rank=rank,
+        world_size=n,
+        prev_peer=_global_rank(group, (rank - 1) % n),
+        next_peer=_global_rank(group, (rank + 1) % n),
+        layout=layout,
+        is_causal=bool(is_causal),
+        scale=float(scale),
+        timeout=wait_for,
+        block_size=block_size,
+        overlap=overlap,
+        stats=stats,
+    )
+    if check:
+        _agree(query, key, value, cfg)
+    t = query.shape[-2]
+    if layout == "zigzag" and t % 2:
+        raise ValueError(
+            f"layout='zigzag' needs an even shard length (two equal chunks per rank), got "
+            f"T={t} on every rank; the full sequence length must be a multiple of 2*{n}"
+        )
+    return _RingAttentionFunction.apply(query, key, value, cfg)
