@@ -50,7 +50,9 @@ class RingStats:
     A mutable recorder, not a config: pass one as ``stats=`` to measure.
     """
 
-    compute_s: float = 0.0  # in block kernels
+    compute_s: float = 0.0  # wall time in block kernels
+    compute_cpu_s: float = 0.0  # CPU time of the calling thread in block kernels (the work
+    # itself, not stretched by other processes sharing the cores)
     wait_s: float = 0.0  # blocked on transfers: the communication the overlap did not hide
     bytes_sent: int = 0
     steps: int = 0
@@ -354,10 +356,11 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _timed(cfg: _RingConfig, fn, *args) -> None:  # type: ignore[no-untyped-def]
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.thread_time()
     fn(*args)
     if cfg.stats is not None:
         dt = time.perf_counter() - t0
+        cfg.stats.compute_cpu_s += time.thread_time() - c0
         cfg.stats.compute_s += dt
         cfg.stats.step_compute_s.append(dt)
         cfg.stats.steps += 1
