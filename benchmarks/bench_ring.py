@@ -99,7 +99,7 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--nproc", type=int, default=4)
-    ap.add_argument("--block-size", type=int, default=512)
+    ap.add_argument("--block-size", type=int, default=None)
     args = ap.parse_args()
     t, h, d, n, blk = args.seq_len, args.heads, args.head_dim, args.nproc, args.block_size
     print(f"T={t} H={h} D={d} causal fp32, N={n} ranks (gloo, 127.0.0.1, 1 thread per rank)")

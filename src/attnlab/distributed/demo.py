@@ -119,7 +119,7 @@ def _demo_worker(
     layout: str,
     dtype_name: str,
     backward: bool,
-    block_size: int,
+    block_size: int | None,
     overlap: bool,
     seed: int,
     compare: bool,
@@ -185,7 +185,7 @@ def run_ring_demo(
     layout: str = "zigzag",
     dtype: str = "float32",
     backward: bool = False,
-    block_size: int = 512,
+    block_size: int | None = None,
     overlap: bool = True,
     seed: int = 0,
     compare: bool = True,
@@ -202,7 +202,7 @@ def run_ring_demo(
         layout: ``"contiguous"`` or ``"zigzag"``.
         dtype: ``"float32"``, ``"float64"`` or ``"bfloat16"``.
         backward: also run the backward pass (timed and measured with the forward).
-        block_size: tile size of the block kernel.
+        block_size: tile size of the block kernel (default: the blockwise backend's).
         overlap: overlap transfers with compute.
         seed: seed of the random inputs.
         compare: gather the output and compare with single-process attention on rank 0.
@@ -222,7 +222,7 @@ def run_ring_demo(
         ("batch", batch),
         ("heads", heads),
         ("head_dim", head_dim),
-        ("block_size", block_size),
+        ("block_size", 1 if block_size is None else block_size),
     ):
         if not isinstance(val, int) or val < 1:
             raise ValueError(f"`{name}` must be a positive integer, got {val!r}")

@@ -28,13 +28,18 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from attnlab.distributed._interim_blockwise import attend_block, merge_partials
+from attnlab.distributed._interim_blockwise import (
+    CausalMask,
+    attend_chunk,
+    attend_chunk_backward,
+    merge_partials,
+)
 from attnlab.distributed.sharding import Segment, check_layout, local_segments
 
 __all__ = ["RingAttentionError", "RingStats", "ring_attention"]
 
-DEFAULT_BLOCK_SIZE = 512
 _KV_TAG, _GRAD_TAG = 10, 20
+_CAUSAL = CausalMask()
 _LAYOUT_CODES = {"contiguous": 0, "zigzag": 1}
 _DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
 
@@ -70,7 +75,7 @@ class _RingConfig:
     is_causal: bool
     scale: float
     timeout: timedelta
-    block_size: int
+    block_size: int | None
     overlap: bool
     stats: RingStats | None
 
@@ -233,33 +238,40 @@ def _agree(
 # --- block loops ----------------------------------------------------------------------
 
 
-def _tiles(segments: list[Segment], block: int) -> list[tuple[int, int, int]]:
-    """(local start, local end, global start) of every tile of at most ``block`` positions."""
-    out = []
-    for s in segments:
-        for i in range(0, s.length, block):
-            n = min(block, s.length - i)
-            out.append((s.local_start + i, s.local_start + i + n, s.global_start + i))
-    return out
+def _pairs(cfg: _RingConfig, t: int, src: int) -> list[tuple[Segment, Segment, bool]]:
+    """(query segment, key segment, needs mask) pairs this rank computes for ``src``'s block.
+
+    Pairs that the causal mask removes entirely are left out; a pair the mask allows
+    entirely runs without a mask.
+    """
+    pairs = []
+    for qs in local_segments(t, cfg.rank, cfg.world_size, cfg.layout):
+        for ks in local_segments(t, src, cfg.world_size, cfg.layout):
+            if not cfg.is_causal:
+                pairs.append((qs, ks, False))
+            elif ks.global_start <= qs.global_start + qs.length - 1:
+                needs_mask = ks.global_start + ks.length - 1 > qs.global_start
+                pairs.append((qs, ks, needs_mask))
+    return pairs
 
 
-def _causal_mask(
-    q_glob: int, q_len: int, k_glob: int, k_len: int, causal: bool, device: torch.device
-) -> tuple[bool, torch.Tensor | None]:
-    """(skip, mask) for a query tile against a key tile; mask None means attend to all."""
-    if not causal or k_glob + k_len - 1 <= q_glob:
-        return False, None
-    if k_glob > q_glob + q_len - 1:
-        return True, None
-    q_pos = torch.arange(q_glob, q_glob + q_len, device=device)
-    k_pos = torch.arange(k_glob, k_glob + k_len, device=device)
-    return False, k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)  # (Tq, Tk)
+def _kernel_args(cfg: _RingConfig, qs: Segment, ks: Segment, t_total: int, masked: bool) -> dict:
+    return {
+        "mask": _CAUSAL if masked else None,
+        "scale": cfg.scale,
+        "q_offset": qs.global_start,
+        "k_offset": ks.global_start,
+        "T_total": t_total,
+        "S_total": t_total,
+        "block_q": cfg.block_size,
+        "block_k": cfg.block_size,
+    }
 
 
 def _forward_step(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
     acc_out: torch.Tensor,
     acc_lse: torch.Tensor,
     src: int,
@@ -267,58 +279,26 @@ def _forward_step(
 ) -> None:
     """Merge the attention of local queries over rank ``src``'s key/value into the accumulators.
 
-    q ``(B, G, R, T, D)``; k ``(B, G, T, D)``; v ``(B, G, T, Dv)``;
-    acc_out ``(B, G, R, T, Dv)``; acc_lse ``(B, G, R, T)``.
+    query ``(B, H, T, D)``; key ``(B, G, T, D)``; value ``(B, G, T, Dv)``;
+    acc_out ``(B, H, T, Dv)``; acc_lse ``(B, H, T)`` (compute dtype).
     """
-    t = q.shape[-2]
-    q_tiles = _tiles(local_segments(t, cfg.rank, cfg.world_size, cfg.layout), cfg.block_size)
-    k_tiles = _tiles(local_segments(t, src, cfg.world_size, cfg.layout), cfg.block_size)
-    for qa, qb, qg in q_tiles:
-        for ka, kb, kg in k_tiles:
-            skip, mask = _causal_mask(qg, qb - qa, kg, kb - ka, cfg.is_causal, q.device)
-            if skip:
-                continue
-            kt = k[:, :, ka:kb].unsqueeze(2)  # (B, G, 1, Tk, D)
-            vt = v[:, :, ka:kb].unsqueeze(2)  # (B, G, 1, Tk, Dv)
-            out, lse = attend_block(q[..., qa:qb, :], kt, vt, scale=cfg.scale, mask=mask)
-            merged = merge_partials(acc_out[..., qa:qb, :], acc_lse[..., qa:qb], out, lse)
-            acc_out[..., qa:qb, :], acc_lse[..., qa:qb] = merged
-
-
-def _block_backward(
-    grad_out: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    lse: torch.Tensor,
-    delta: torch.Tensor,
-    scale: float,
-    mask: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of one (query tile, key tile) block, given the full rows' lse.
-
-    grad_out, q ``(B, G, R, Tq, ·)``; k, v ``(B, G, 1, Tk, ·)``; lse, delta ``(B, G, R, Tq)``.
-    Returns dq ``(B, G, R, Tq, D)``, dk ``(B, G, Tk, D)``, dv ``(B, G, Tk, Dv)``.
-    """
-    scores = (q @ k.transpose(-2, -1)) * scale  # (B, G, R, Tq, Tk)
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    # Rows with nothing to attend to anywhere have lse -inf; their p is 0 either way.
-    safe_lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    p = torch.exp(scores - safe_lse.unsqueeze(-1))  # (B, G, R, Tq, Tk)
-    dv = (p.transpose(-2, -1) @ grad_out).sum(dim=2)  # (B, G, Tk, Dv)
-    dp = grad_out @ v.transpose(-2, -1)  # (B, G, R, Tq, Tk)
-    ds = p * (dp - delta.unsqueeze(-1))  # (B, G, R, Tq, Tk)
-    dq = (ds @ k) * scale  # (B, G, R, Tq, D)
-    dk = (ds.transpose(-2, -1) @ q).sum(dim=2) * scale  # (B, G, Tk, D)
-    return dq, dk, dv
+    t = query.shape[-2]
+    for qs, ks, masked in _pairs(cfg, t, src):
+        qa, qb = qs.local_start, qs.local_start + qs.length
+        ka, kb = ks.local_start, ks.local_start + ks.length
+        out, lse = attend_chunk(
+            query[:, :, qa:qb], key[:, :, ka:kb], value[:, :, ka:kb],
+            **_kernel_args(cfg, qs, ks, t * cfg.world_size, masked),
+        )  # fmt: skip
+        merged = merge_partials(acc_out[:, :, qa:qb], acc_lse[:, :, qa:qb], out, lse)
+        acc_out[:, :, qa:qb], acc_lse[:, :, qa:qb] = merged
 
 
 def _backward_step(
     grad_out: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
     lse: torch.Tensor,
     delta: torch.Tensor,
     dq: torch.Tensor,
@@ -328,27 +308,18 @@ def _backward_step(
     cfg: _RingConfig,
 ) -> None:
     """Add this rank's gradient contributions for rank ``src``'s key/value block."""
-    t = q.shape[-2]
-    q_tiles = _tiles(local_segments(t, cfg.rank, cfg.world_size, cfg.layout), cfg.block_size)
-    k_tiles = _tiles(local_segments(t, src, cfg.world_size, cfg.layout), cfg.block_size)
-    for qa, qb, qg in q_tiles:
-        for ka, kb, kg in k_tiles:
-            skip, mask = _causal_mask(qg, qb - qa, kg, kb - ka, cfg.is_causal, q.device)
-            if skip:
-                continue
-            dq_t, dk_t, dv_t = _block_backward(
-                grad_out[..., qa:qb, :],
-                q[..., qa:qb, :],
-                k[:, :, ka:kb].unsqueeze(2),  # (B, G, 1, Tk, D)
-                v[:, :, ka:kb].unsqueeze(2),  # (B, G, 1, Tk, Dv)
-                lse[..., qa:qb],
-                delta[..., qa:qb],
-                cfg.scale,
-                mask,
-            )
-            dq[..., qa:qb, :] += dq_t
-            dk[:, :, ka:kb] += dk_t
-            dv[:, :, ka:kb] += dv_t
+    t = query.shape[-2]
+    for qs, ks, masked in _pairs(cfg, t, src):
+        qa, qb = qs.local_start, qs.local_start + qs.length
+        ka, kb = ks.local_start, ks.local_start + ks.length
+        dq_c, dk_c, dv_c = attend_chunk_backward(
+            query[:, :, qa:qb], key[:, :, ka:kb], value[:, :, ka:kb],
+            grad_out[:, :, qa:qb], lse[:, :, qa:qb], delta[:, :, qa:qb],
+            **_kernel_args(cfg, qs, ks, t * cfg.world_size, masked),
+        )  # fmt: skip
+        dq[:, :, qa:qb] += dq_c
+        dk[:, :, ka:kb] += dk_c
+        dv[:, :, ka:kb] += dv_c
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -369,12 +340,10 @@ def _timed(cfg: _RingConfig, fn, *args) -> None:  # type: ignore[no-untyped-def]
 def _ring_forward(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cfg: _RingConfig
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    b, h, t, d = query.shape
-    g, dv = key.shape[1], value.shape[-1]
+    b, h, t, _ = query.shape
     cdt = _compute_dtype(query.dtype)
-    q = query.to(cdt).reshape(b, g, h // g, t, d)  # (B, G, R, T, D)
-    acc_out = q.new_zeros(b, g, h // g, t, dv)  # (B, G, R, T, Dv)
-    acc_lse = q.new_full((b, g, h // g, t), float("-inf"))  # (B, G, R, T)
+    acc_out = query.new_zeros(b, h, t, value.shape[-1], dtype=cdt)  # (B, H, T, Dv)
+    acc_lse = query.new_full((b, h, t), float("-inf"), dtype=cdt)  # (B, H, T)
     kv = [key.contiguous(), value.contiguous()]
     n = cfg.world_size
     for step in range(n):
@@ -384,12 +353,10 @@ def _ring_forward(
             pending = _Exchange(cfg, kv, "forward key/value transfer", step, _KV_TAG)
             if not cfg.overlap:
                 nxt = pending.wait()
-        k_c, v_c = kv[0].to(cdt), kv[1].to(cdt)
-        _timed(cfg, _forward_step, q, k_c, v_c, acc_out, acc_lse, src, cfg)
+        _timed(cfg, _forward_step, query, kv[0], kv[1], acc_out, acc_lse, src, cfg)
         if pending is not None:
             kv = pending.wait() if cfg.overlap else nxt
-    out = acc_out.reshape(b, h, t, dv).to(query.dtype)  # (B, H, T, Dv)
-    return out, acc_lse.reshape(b, h, t)  # lse (B, H, T)
+    return acc_out.to(query.dtype), acc_lse
 
 
 def _ring_backward(
@@ -401,44 +368,32 @@ def _ring_backward(
     lse: torch.Tensor,
     cfg: _RingConfig,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    b, h, t, d = query.shape
-    g, dvd = key.shape[1], value.shape[-1]
-    r = h // g
     cdt = _compute_dtype(query.dtype)
-    q = query.to(cdt).reshape(b, g, r, t, d)  # (B, G, R, T, D)
-    do = grad_out.to(cdt).reshape(b, g, r, t, dvd)  # (B, G, R, T, Dv)
-    o = out.to(cdt).reshape(b, g, r, t, dvd)  # (B, G, R, T, Dv)
-    lse5 = lse.reshape(b, g, r, t)  # (B, G, R, T)
-    delta = (do * o).sum(dim=-1)  # (B, G, R, T)
-    dq = torch.zeros_like(q)
+    delta = (grad_out.to(cdt) * out.to(cdt)).sum(dim=-1)  # (B, H, T)
+    dq = torch.zeros_like(query, dtype=cdt)  # (B, H, T, D)
     kv = [key.contiguous(), value.contiguous()]
     n = cfg.world_size
-    grads: list[torch.Tensor] | None = None  # dK, dV of the block in hand, from upstream
     grad_pending: _Exchange | None = None
     for step in range(n):
         src = (cfg.rank - step) % n
         kv_pending = None
         if step < n - 1:
             kv_pending = _Exchange(cfg, kv, "backward key/value transfer", step, _KV_TAG)
-        dk = key.new_zeros(key.shape, dtype=cdt)  # (B, G, T, D)
-        dv = value.new_zeros(value.shape, dtype=cdt)  # (B, G, T, Dv)
-        k_c, v_c = kv[0].to(cdt), kv[1].to(cdt)
-        _timed(cfg, _backward_step, do, q, k_c, v_c, lse5, delta, dq, dk, dv, src, cfg)
+        dk = torch.zeros_like(key, dtype=cdt)  # (B, G, T, D)
+        dv = torch.zeros_like(value, dtype=cdt)  # (B, G, T, Dv)
+        args = (grad_out, query, kv[0], kv[1], lse, delta, dq, dk, dv, src, cfg)
+        _timed(cfg, _backward_step, *args)
         if grad_pending is not None:
-            grads = grad_pending.wait()
-            dk += grads[0]
-            dv += grads[1]
-        # Send this block's accumulated dK/dV one hop on; after N hops they are home.
+            upstream = grad_pending.wait()  # this block's dK/dV from the ranks before us
+            dk += upstream[0]
+            dv += upstream[1]
+        # Pass the block's accumulated dK/dV one hop on; after N hops they are home.
         grad_pending = _Exchange(cfg, [dk, dv], "backward dK/dV transfer", step, _GRAD_TAG)
         if kv_pending is not None:
             kv = kv_pending.wait()
     assert grad_pending is not None
-    grads = grad_pending.wait()
-    return (
-        dq.reshape(b, h, t, d).to(query.dtype),  # (B, H, T, D)
-        grads[0].to(key.dtype),
-        grads[1].to(value.dtype),
-    )
+    dk_home, dv_home = grad_pending.wait()
+    return dq.to(query.dtype), dk_home.to(key.dtype), dv_home.to(value.dtype)
 
 
 class _RingAttentionFunction(torch.autograd.Function):
@@ -490,7 +445,7 @@ def ring_attention(
     scale: float | None = None,
     layout: str = "contiguous",
     timeout: float | timedelta | None = None,
-    block_size: int = DEFAULT_BLOCK_SIZE,
+    block_size: int | None = None,
     overlap: bool = True,
     check: bool = True,
     stats: RingStats | None = None,
@@ -513,7 +468,7 @@ def ring_attention(
         layout: ``"contiguous"`` or ``"zigzag"`` (balances causal work across ranks).
         timeout: seconds (or timedelta) to wait for any one transfer before raising
             :class:`RingAttentionError`; default: the process group's timeout.
-        block_size: tile size of the local block kernel (bounds its memory).
+        block_size: tile size of the block kernel (default: the blockwise backend's).
         overlap: post the next transfer before computing (False waits first; for
             measuring what overlap hides).
         check: agree on shapes/options across ranks with one small all_gather first.
@@ -540,7 +495,7 @@ def ring_attention(
         scale = 1.0 / math.sqrt(query.shape[-1])
     if not isinstance(scale, (int, float)) or not (0 < scale < float("inf")):
         raise ValueError(f"`scale` must be a positive finite number, got {scale!r}")
-    if not isinstance(block_size, int) or block_size < 1:
+    if block_size is not None and (not isinstance(block_size, int) or block_size < 1):
         raise ValueError(f"`block_size` must be a positive int, got {block_size!r}")
     if timeout is None:
         wait_for = _group_timeout(group)
