@@ -5,6 +5,12 @@ See :func:`ring_attention` and the README's "Ring attention" section.
 
 from __future__ import annotations
 
+from attnlab.distributed.context import (
+    RingContext,
+    all_reduce_gradients,
+    context_parallel,
+    current_ring_context,
+)
 from attnlab.distributed.ring import RingAttentionError, RingStats, ring_attention
 from attnlab.distributed.sharding import (
     LAYOUTS,
@@ -16,7 +22,11 @@ from attnlab.distributed.sharding import (
 __all__ = [
     "LAYOUTS",
     "RingAttentionError",
+    "RingContext",
     "RingStats",
+    "all_reduce_gradients",
+    "context_parallel",
+    "current_ring_context",
     "gather_sequence",
     "ring_attention",
     "shard_positions",
