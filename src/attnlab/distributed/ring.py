@@ -135,10 +135,10 @@ def _comm_error(cfg: _RingConfig, what: str, step: int, exc: Exception) -> RingA
     )
 
 
-def _group_timeout(group: dist.ProcessGroup | None) -> timedelta:
+def _group_timeout(group: dist.ProcessGroup | None, device: torch.device) -> timedelta:
     pg = group if group is not None else dist.group.WORLD
     try:
-        return pg._get_backend(torch.device("cpu")).options._timeout  # type: ignore[union-attr]
+        return pg._get_backend(device).options._timeout  # type: ignore[union-attr]
     except (AttributeError, RuntimeError):
         return dist.distributed_c10d.default_pg_timeout
 
@@ -330,6 +330,8 @@ def _timed(cfg: _RingConfig, fn, *args) -> None:  # type: ignore[no-untyped-def]
     t0, c0 = time.perf_counter(), time.thread_time()
     fn(*args)
     if cfg.stats is not None:
+        if args[1].is_cuda:  # kernels run asynchronously: time them, not their launch
+            torch.cuda.synchronize(args[1].device)
         dt = time.perf_counter() - t0
         cfg.stats.compute_cpu_s += time.thread_time() - c0
         cfg.stats.compute_s += dt
@@ -498,7 +500,7 @@ def ring_attention(
     if block_size is not None and (not isinstance(block_size, int) or block_size < 1):
         raise ValueError(f"`block_size` must be a positive int, got {block_size!r}")
     if timeout is None:
-        wait_for = _group_timeout(group)
+        wait_for = _group_timeout(group, query.device)
     elif isinstance(timeout, timedelta):
         wait_for = timeout
     elif isinstance(timeout, (int, float)) and timeout > 0:
