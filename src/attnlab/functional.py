@@ -18,8 +18,13 @@ These are the seed text's steps, one function each:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from attnlab.backends.base import WeightsRequest
+    from attnlab.masks import AttentionMask
 
 __all__ = [
     "SimplifiedAttention",
@@ -27,6 +32,8 @@ __all__ = [
     "attention_weights",
     "check_tensor",
     "context_vectors",
+    "exact_attention_weights",
+    "scaled_dot_product_attention",
     "simplified_self_attention",
 ]
 
@@ -136,9 +143,10 @@ def attention_weights(scores: torch.Tensor, scale: float | None = None) -> torch
         ValueError: empty scores or a non-positive / non-finite scale.
     """
     check_tensor("scores", scores, finite=False)
-    if scale is not None:
-        if not isinstance(scale, (int, float)) or not (scale > 0) or scale == float("inf"):
-            raise ValueError(f"`scale` must be a positive finite number, got {scale!r}")
+    if scale is not None and (
+        not isinstance(scale, (int, float)) or not (scale > 0) or scale == float("inf")
+    ):
+        raise ValueError(f"`scale` must be a positive finite number, got {scale!r}")
     compute = scores.float() if scores.dtype in (torch.float16, torch.bfloat16) else scores
     if scale is not None:
         compute = compute * scale
@@ -167,9 +175,7 @@ def context_vectors(weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor
     check_tensor("weights", weights, finite=False)
     check_tensor("values", values, finite=False)
     if values.ndim < 2:
-        raise ValueError(
-            f"`values` must be at least 2-D (S, Dv), got shape {tuple(values.shape)}"
-        )
+        raise ValueError(f"`values` must be at least 2-D (S, Dv), got shape {tuple(values.shape)}")
     if weights.shape[-1] != values.shape[-2]:
         raise ValueError(
             f"`weights` must have one weight per value (S={values.shape[-2]}), "
@@ -214,3 +220,120 @@ def simplified_self_attention(inputs: torch.Tensor) -> SimplifiedAttention:
     weights = attention_weights(scores)  # (..., T, T)
     context = context_vectors(weights, inputs)  # (..., T, D)
     return SimplifiedAttention(scores=scores, weights=weights, context=context)
+
+
+def scaled_dot_product_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: AttentionMask | torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    *,
+    backend: str = "auto",
+    need_weights: bool | WeightsRequest = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Scaled dot-product attention, computed by a chosen (or the fastest capable) backend.
+
+    The math, for each batch item and query head h (served by key/value head
+    ``h // (H // G)``)::
+
+        scores  = query @ key^T * scale          # scale defaults to 1/sqrt(D)
+        scores += bias; scores[~allowed] = -inf  # from attn_mask (True = may attend)
+        weights = softmax(scores, dim=-1)        # a row with nothing allowed -> zeros
+        output  = dropout(weights, dropout_p) @ value
+
+    Args:
+        query: queries ``(B, H, T, D)``.
+        key: keys ``(B, G, S, D)``; ``H`` must be a multiple of ``G`` (grouped-query).
+        value: values ``(B, G, S, Dv)``.
+        attn_mask: None, an :class:`attnlab.masks.AttentionMask`, a bool tensor
+            broadcastable to ``(B, H, T, S)`` (True = may attend), or a float tensor
+            added to the scaled scores.
+        dropout_p: dropout probability on the attention weights (0 in evaluation).
+        is_causal: apply a causal mask; when ``T != S`` it aligns the last query with
+            the last key (bottom-right), as when decoding with a KV cache.
+        scale: score scale; None means ``1/sqrt(D)``.
+        backend: ``"auto"`` (the fastest backend that supports the call), ``"math"``,
+            ``"blockwise"``, ``"sdpa"``, or any registered backend.
+        need_weights: False; True for all weights; or a
+            :class:`attnlab.backends.WeightsRequest` selecting heads and query rows.
+            Fast backends return exact weights recomputed block by block from the
+            row log-sum-exp (detached); ``math`` returns its own (differentiable).
+            Weights are the pre-dropout softmax.
+
+    Returns:
+        ``output`` ``(B, H, T, Dv)``, or ``(output, weights)`` with weights
+        ``(B, h, t, S)`` for the selected h heads and t rows when ``need_weights``.
+
+    Shape:
+        - query: ``(B, H, T, D)``
+        - key: ``(B, G, S, D)``
+        - value: ``(B, G, S, Dv)``
+        - output: ``(B, H, T, Dv)``
+
+    Raises:
+        TypeError: non-tensor or non-floating input, mixed dtypes, a mask of the wrong
+            dtype.
+        ValueError: wrong rank, mismatched batch / head dim / lengths, ``H`` not a
+            multiple of ``G``, a mask that does not broadcast, ``dropout_p`` outside
+            [0, 1), an unknown backend, a backend that cannot serve the call (with its
+            reason), an unknown head or row in ``need_weights``.
+    """
+    from attnlab.backends import exact_weights, prepare_call, select_backend, select_weights
+
+    call = prepare_call(
+        query, key, value, attn_mask, dropout_p, is_causal, scale, backend, need_weights
+    )
+    chosen = select_backend(backend, call.request)
+    result = chosen.run(query, key, value, call.mask, dropout_p=dropout_p, scale=call.scale)
+    if call.weights is None:
+        return result.output
+    if result.weights is not None:
+        weights = select_weights(result.weights, call.weights)
+    else:
+        weights = exact_weights(query, key, call.mask, call.scale, call.weights, lse=result.lse)
+    return result.output, weights
+
+
+def exact_attention_weights(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    attn_mask: AttentionMask | torch.Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    *,
+    heads: list[int] | tuple[int, ...] | None = None,
+    rows: list[int] | tuple[int, ...] | slice | None = None,
+) -> torch.Tensor:
+    """Exact attention weights for chosen heads and query rows, without ``B x H x T x S``.
+
+    Computed block by block over the keys (one pass for the row log-sum-exp, one for the
+    weights); memory is the size of the result. This is the path ``need_weights`` takes
+    on the fast backends, without computing the attention output.
+
+    Args:
+        query: ``(B, H, T, D)``.
+        key: ``(B, G, S, D)``.
+        attn_mask: as for :func:`scaled_dot_product_attention`.
+        is_causal: as for :func:`scaled_dot_product_attention`.
+        scale: as for :func:`scaled_dot_product_attention`.
+        heads: query heads to return (None = all).
+        rows: query positions to return (None = all).
+
+    Returns:
+        Detached weights ``(B, h, t, S)``.
+
+    Shape:
+        - query: ``(B, H, T, D)``, key: ``(B, G, S, D)``, output: ``(B, h, t, S)``
+
+    Raises:
+        ValueError, TypeError: as :func:`scaled_dot_product_attention`.
+    """
+    from attnlab.backends import WeightsRequest, exact_weights, prepare_call
+
+    request = WeightsRequest(heads=heads, rows=rows)  # type: ignore[arg-type]
+    value = key[..., :1]  # shape-only stand-in: the weights never touch the values
+    call = prepare_call(query, key, value, attn_mask, 0.0, is_causal, scale, "math", request)
+    return exact_weights(query, key, call.mask, call.scale, request)

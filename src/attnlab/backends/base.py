@@ -1,0 +1,149 @@
+"""Types shared by every backend: the request a backend is asked to serve, its result,
+and the selection of attention weights a caller may ask for.
+
+Shape legend: B batch, H query heads, G key/value heads, T query length, S key length,
+D head dim (query/key), Dv value head dim.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from attnlab.masks import AttentionMask
+
+__all__ = ["AttentionRequest", "Backend", "BackendResult", "WeightsRequest"]
+
+
+@dataclass(frozen=True)
+class WeightsRequest:
+    """Which attention weights to return: a selection of heads and of query rows.
+
+    ``need_weights=True`` means all heads and all rows. Selecting one head of a long
+    sequence costs ``B x 1 x len(rows) x S`` memory, never ``B x H x T x S``.
+
+    Args:
+        heads: query-head indices (negative counts from the end), or None for all.
+        rows: query positions (a sequence of ints or a slice), or None for all.
+    """
+
+    heads: tuple[int, ...] | None = None
+    rows: tuple[int, ...] | slice | None = None
+
+    def __post_init__(self) -> None:
+        if self.heads is not None:
+            if isinstance(self.heads, int):
+                object.__setattr__(self, "heads", (self.heads,))
+            object.__setattr__(self, "heads", tuple(int(h) for h in self.heads))
+        if self.rows is not None and not isinstance(self.rows, slice):
+            if isinstance(self.rows, int):
+                object.__setattr__(self, "rows", (self.rows,))
+            object.__setattr__(self, "rows", tuple(int(r) for r in self.rows))
+
+    @staticmethod
+    def from_arg(need_weights: object, name: str = "need_weights") -> WeightsRequest | None:
+        """Normalise ``need_weights`` (bool or WeightsRequest) into a request or None."""
+        if isinstance(need_weights, WeightsRequest):
+            return need_weights
+        if isinstance(need_weights, bool):
+            return WeightsRequest() if need_weights else None
+        raise TypeError(
+            f"`{name}` must be a bool or an attnlab WeightsRequest(heads=..., rows=...), "
+            f"got {type(need_weights).__name__}"
+        )
+
+    def head_index(self, H: int, device: torch.device | str | None = None) -> torch.Tensor | None:
+        """Validated head indices as a long tensor (None = all heads)."""
+        if self.heads is None:
+            return None
+        bad = [h for h in self.heads if not -H <= h < H]
+        if bad or not self.heads:
+            raise ValueError(
+                f"`need_weights` asks for head(s) {list(self.heads)}, but the query has "
+                f"H={H} heads; use indices in 0..{H - 1}"
+            )
+        return torch.tensor([h % H for h in self.heads], dtype=torch.long, device=device)
+
+    def row_index(self, T: int, device: torch.device | str | None = None) -> torch.Tensor | None:
+        """Validated query-row positions as a long tensor (None = all rows)."""
+        if self.rows is None:
+            return None
+        if isinstance(self.rows, slice):
+            rows = torch.arange(T)[self.rows]
+            if rows.numel() == 0:
+                raise ValueError(f"`need_weights` rows {self.rows} select no row of T={T}")
+            return rows.to(device)
+        bad = [r for r in self.rows if not -T <= r < T]
+        if bad or not self.rows:
+            raise ValueError(
+                f"`need_weights` asks for query row(s) {list(self.rows)}, but T={T}; "
+                f"use positions in 0..{T - 1}"
+            )
+        return torch.tensor([r % T for r in self.rows], dtype=torch.long, device=device)
+
+
+@dataclass(frozen=True)
+class AttentionRequest:
+    """Everything a backend needs to know to say whether it can serve a call."""
+
+    B: int
+    H: int
+    G: int
+    T: int
+    S: int
+    D: int
+    Dv: int
+    dtype: torch.dtype
+    device_type: str
+    mask: AttentionMask | None
+    dropout_p: float
+    needs_grad: bool
+    weights: WeightsRequest | None
+
+
+@dataclass(frozen=True)
+class BackendResult:
+    """What a backend returns.
+
+    Attributes:
+        output: ``(B, H, T, Dv)`` in the query's dtype.
+        lse: per-row log-sum-exp of the scaled, masked scores ``(B, H, T)`` in fp32
+            (``-inf`` for a row with nothing to attend to), when the backend has it.
+        weights: the full ``(B, H, T, S)`` weights, when the backend materialised them.
+    """
+
+    output: torch.Tensor
+    lse: torch.Tensor | None = None
+    weights: torch.Tensor | None = None
+
+
+BackendFn = Callable[..., BackendResult]
+
+
+@dataclass(frozen=True)
+class Backend:
+    """A registered backend.
+
+    Attributes:
+        name: the name users pass as ``backend=``.
+        run: ``run(query, key, value, mask, *, dropout_p, scale) -> BackendResult``.
+        why_not: ``why_not(request) -> str | None``: None when the backend can serve the
+            request, else a human-readable reason.
+        why_not_auto: extra reasons to skip it under ``backend="auto"`` although it could
+            serve the request (e.g. it would materialise a large dense mask).
+        summary: one line for ``attnlab info``.
+    """
+
+    name: str
+    run: BackendFn
+    why_not: Callable[[AttentionRequest], str | None]
+    why_not_auto: Callable[[AttentionRequest], str | None] = field(default=lambda r: None)
+    summary: str = ""
+
+
+def check_weights_request(request: WeightsRequest, H: int, T: int) -> None:
+    """Raise ValueError for heads/rows outside the query's range."""
+    request.head_index(H)
+    request.row_index(T)

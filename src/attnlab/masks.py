@@ -1,0 +1,572 @@
+"""One mask type for every backend.
+
+Shape legend: B batch, H query heads, T query length, S key length.
+
+**Boolean semantics: True = may attend**, everywhere in attnlab. A mask describes which
+query positions (rows, ``0..T-1``) may look at which key positions (columns, ``0..S-1``)
+and, for :class:`AdditiveMask`, a float bias added to the scaled scores.
+
+A mask knows its *structure*. Backends never need the dense ``(B, H, T, S)`` tensor:
+
+* :meth:`AttentionMask.block` answers for one tile ``rows q0:q1`` x ``cols k0:k1``
+  whether it is ``"empty"`` (nothing may attend; skip the tile), ``"full"`` (everything
+  may attend and there is no bias; no masking work) or ``"partial"`` (here are the
+  boolean ``allowed`` and/or float ``bias`` tensors for the tile, broadcastable to
+  ``(B, H, q1-q0, k1-k0)``).
+* :meth:`AttentionMask.dense` materialises the mask (or any rows/columns of it) on demand.
+* :class:`CausalMask` is recognisable as such, so a backend can use PyTorch's ``is_causal``.
+
+When ``T != S`` (decoding with a KV cache), causal masks align the *last* query with the
+*last* key (``alignment="bottom_right"``, the default): query ``i`` sits at absolute
+position ``i + S - T``. ``alignment="top_left"`` aligns the first query with the first key
+(PyTorch's ``is_causal`` convention).
+
+Masks combine with ``&`` (both must allow; additive biases add up). A query row that may
+attend to nothing gets output 0 and weights 0 on every backend.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+__all__ = [
+    "AdditiveMask",
+    "AndMask",
+    "AttentionMask",
+    "BlockStatus",
+    "BooleanMask",
+    "CausalMask",
+    "Index",
+    "MaskBlock",
+    "PaddingMask",
+    "SlidingWindowMask",
+    "as_mask",
+]
+
+BlockStatus = Literal["empty", "full", "partial"]
+Alignment = Literal["bottom_right", "top_left"]
+# Rows or columns of a mask: a slice of positions, or a 1-D long tensor of positions.
+Index = slice | torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class MaskBlock:
+    """What a mask says about one tile of the ``(T, S)`` score matrix.
+
+    Attributes:
+        status: ``"empty"`` (no query may attend to any key of the tile), ``"full"``
+            (all may, no bias) or ``"partial"``.
+        allowed: bool tensor broadcastable to ``(B, H, rows, cols)``, True = may attend,
+            or None when the tile has no boolean restriction.
+        bias: float tensor broadcastable to ``(B, H, rows, cols)`` to add to the scaled
+            scores, or None.
+    """
+
+    status: BlockStatus
+    allowed: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+
+
+_FULL = MaskBlock("full")
+_EMPTY = MaskBlock("empty")
+
+
+def _positions(index: Index, n: int, device: torch.device | str | None) -> torch.Tensor:
+    """Absolute positions selected by ``index`` among ``0..n-1`` as a 1-D long tensor."""
+    if index is None:
+        return torch.arange(n, device=device)
+    if isinstance(index, slice):
+        start, stop, step = index.indices(n)
+        return torch.arange(start, stop, step, device=device)
+    return index.to(device=device, dtype=torch.long)
+
+
+def _span(index: Index, n: int) -> tuple[int, int] | None:
+    """``(start, stop)`` of a contiguous step-1 slice, else None."""
+    if index is None:
+        return 0, n
+    if isinstance(index, slice):
+        start, stop, step = index.indices(n)
+        return (start, stop) if step == 1 else None
+    return None
+
+
+def _select(t: torch.Tensor, dim: int, index: Index) -> torch.Tensor:
+    """Index one dim of a (possibly broadcast, size-1) mask tensor."""
+    if index is None or t.shape[dim] == 1:
+        return t
+    if isinstance(index, slice):
+        return t[(slice(None),) * (dim % t.ndim) + (index,)]
+    return t.index_select(dim, index.to(device=t.device, dtype=torch.long))
+
+
+def _as4d(t: torch.Tensor) -> torch.Tensor:
+    while t.ndim < 4:
+        t = t.unsqueeze(0)
+    return t
+
+
+def _check_broadcast(name: str, shape: tuple[int, ...], B: int, H: int, T: int, S: int) -> None:
+    target = (B, H, T, S)
+    padded = (1,) * (4 - len(shape)) + tuple(shape)
+    if len(shape) > 4 or any(d not in (1, t) for d, t in zip(padded, target, strict=True)):
+        raise ValueError(
+            f"`{name}` must broadcast to (B, H, T, S) = {target}, got shape {tuple(shape)}; "
+            "use size 1 for dimensions the mask does not depend on, e.g. (B, 1, 1, S) "
+            "for key padding or (T, S) for a per-position mask"
+        )
+
+
+class AttentionMask:
+    """Base class of attnlab's masks. True = may attend.
+
+    Subclasses implement :meth:`block` (and :meth:`validate` when they hold tensors).
+    """
+
+    #: Short name of the mask's structure, used in dispatch explanations.
+    kind: str = "mask"
+
+    def validate(self, B: int, H: int, T: int, S: int) -> None:
+        """Raise ``ValueError`` unless the mask fits query length T and key length S."""
+
+    def block(
+        self,
+        T: int,
+        S: int,
+        rows: Index = None,
+        cols: Index = None,
+        *,
+        device: torch.device | str | None = None,
+    ) -> MaskBlock:
+        """The mask restricted to ``rows`` x ``cols`` of the ``(T, S)`` score matrix.
+
+        Args:
+            T: query length.
+            S: key length.
+            rows: query positions (a slice or 1-D long tensor; None = all).
+            cols: key positions (a slice or 1-D long tensor; None = all).
+            device: device for tensors the mask has to create.
+
+        Returns:
+            A :class:`MaskBlock` whose tensors broadcast to ``(B, H, len(rows), len(cols))``.
+        """
+        raise NotImplementedError
+
+    @property
+    def is_causal_only(self) -> bool:
+        """True when the mask is exactly a causal mask (no other restriction)."""
+        return False
+
+    @property
+    def has_bias(self) -> bool:
+        """True when the mask carries an additive float bias."""
+        return False
+
+    @property
+    def bias_requires_grad(self) -> bool:
+        """True when the additive bias is a tensor that needs gradients."""
+        return False
+
+    def may_empty_rows(self, T: int, S: int) -> bool:
+        """Whether some query row may attend to nothing (conservative: True if unsure)."""
+        return True
+
+    def dense(
+        self,
+        T: int,
+        S: int,
+        rows: Index = None,
+        cols: Index = None,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        """Materialise the mask (or some rows/columns of it).
+
+        Returns a bool tensor (True = may attend) when the mask has no bias, else a float
+        tensor of ``dtype`` (default float32) holding the bias with ``-inf`` where
+        attending is not allowed. The result broadcasts to ``(B, H, rows, cols)``.
+        """
+        r = _positions(rows, T, "cpu").numel() if rows is not None else T
+        c = _positions(cols, S, "cpu").numel() if cols is not None else S
+        blk = self.block(T, S, rows, cols, device=device)
+        if not self.has_bias:
+            if blk.status == "empty":
+                return torch.zeros(1, 1, r, c, dtype=torch.bool, device=device)
+            if blk.allowed is None:
+                return torch.ones(1, 1, r, c, dtype=torch.bool, device=device)
+            return _as4d(blk.allowed).expand(*_as4d(blk.allowed).shape[:2], r, c)
+        ftype = dtype or torch.float32
+        out = torch.zeros(1, 1, r, c, dtype=ftype, device=device)
+        if blk.status == "empty":
+            return out.fill_(float("-inf"))
+        if blk.bias is not None:
+            out = out + _as4d(blk.bias).to(ftype)
+        if blk.allowed is not None:
+            out = out.masked_fill(~_as4d(blk.allowed), float("-inf"))
+        return out
+
+    def __and__(self, other: AttentionMask) -> AttentionMask:
+        if not isinstance(other, AttentionMask):
+            return NotImplemented
+        left = self.parts if isinstance(self, AndMask) else (self,)
+        right = other.parts if isinstance(other, AndMask) else (other,)
+        return AndMask(*left, *right)
+
+
+@dataclass(frozen=True, eq=False)
+class CausalMask(AttentionMask):
+    """Causal mask: query i may attend to key j when j is not in its future.
+
+    Args:
+        alignment: ``"bottom_right"`` (default; the last query lines up with the last key,
+            as when decoding with a cache: query i is at position ``i + S - T``) or
+            ``"top_left"`` (query i is at position i; PyTorch's ``is_causal``).
+    """
+
+    alignment: Alignment = "bottom_right"
+    kind = "causal"
+
+    def __post_init__(self) -> None:
+        if self.alignment not in ("bottom_right", "top_left"):
+            raise ValueError(
+                f"`alignment` must be 'bottom_right' or 'top_left', got {self.alignment!r}"
+            )
+
+    def offset(self, T: int, S: int) -> int:
+        """Absolute position of query 0."""
+        return S - T if self.alignment == "bottom_right" else 0
+
+    @property
+    def is_causal_only(self) -> bool:
+        return True
+
+    def may_empty_rows(self, T: int, S: int) -> bool:
+        return self.offset(T, S) < 0
+
+    def block(self, T, S, rows=None, cols=None, *, device=None):
+        off = self.offset(T, S)
+        rs, cs = _span(rows, T), _span(cols, S)
+        if rs is not None and cs is not None:
+            (q0, q1), (k0, k1) = rs, cs
+            if q1 <= q0 or k1 <= k0 or k0 > q1 - 1 + off:
+                return _EMPTY
+            if k1 - 1 <= q0 + off:
+                return _FULL
+        qpos = _positions(rows, T, device) + off
+        kpos = _positions(cols, S, device)
+        return MaskBlock("partial", allowed=(kpos[None, :] <= qpos[:, None])[None, None])
+
+
+@dataclass(frozen=True, eq=False)
+class SlidingWindowMask(AttentionMask):
+    """Each query attends only to keys within ``window`` positions of it.
+
+    With ``causal=True`` (default) query at position p attends to keys ``p-window+1 .. p``
+    (itself and the ``window-1`` before it, Mistral's convention); with ``causal=False``
+    to keys with ``|p - j| < window``. Positions align as in :class:`CausalMask`.
+
+    Args:
+        window: window size, >= 1.
+        causal: also forbid the future.
+        alignment: ``"bottom_right"`` (default) or ``"top_left"``.
+    """
+
+    window: int
+    causal: bool = True
+    alignment: Alignment = "bottom_right"
+    kind = "sliding_window"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
+            raise ValueError(f"`window` must be an int >= 1, got {self.window!r}")
+        if self.alignment not in ("bottom_right", "top_left"):
+            raise ValueError(
+                f"`alignment` must be 'bottom_right' or 'top_left', got {self.alignment!r}"
+            )
+
+    def offset(self, T: int, S: int) -> int:
+        return S - T if self.alignment == "bottom_right" else 0
+
+    def may_empty_rows(self, T: int, S: int) -> bool:
+        off = self.offset(T, S)
+        # A row is empty when its window lies entirely outside 0..S-1.
+        return off < 0 or (T - 1 + off) - self.window + 1 > S - 1
+
+    def block(self, T, S, rows=None, cols=None, *, device=None):
+        off, w = self.offset(T, S), self.window
+        rs, cs = _span(rows, T), _span(cols, S)
+        if rs is not None and cs is not None:
+            (q0, q1), (k0, k1) = rs, cs
+            p0, p1 = q0 + off, q1 - 1 + off  # first and last query position
+            hi = p1 if self.causal else p1 + w - 1  # largest key any row may see
+            lo = p0 - w + 1  # smallest key any row may see
+            if q1 <= q0 or k1 <= k0 or k0 > hi or k1 - 1 < lo:
+                return _EMPTY
+            # Every row sees every key of the tile?
+            row_hi = p0 if self.causal else p0 + w - 1  # the most restrictive row
+            if k1 - 1 <= row_hi and k0 >= p1 - w + 1:
+                return _FULL
+        qpos = (_positions(rows, T, device) + off)[:, None]
+        kpos = _positions(cols, S, device)[None, :]
+        d = qpos - kpos
+        allowed = (d >= 0) & (d < w) if self.causal else d.abs() < w
+        return MaskBlock("partial", allowed=allowed[None, None])
+
+
+class PaddingMask(AttentionMask):
+    """Key padding: keys marked False in ``valid`` are never attended to.
+
+    Args:
+        valid: bool tensor ``(B, S)``, True = a real token (may be attended to).
+
+    Raises:
+        TypeError: ``valid`` is not a bool tensor.
+        ValueError: ``valid`` is not 2-D.
+    """
+
+    kind = "padding"
+
+    def __init__(self, valid: torch.Tensor) -> None:
+        if not isinstance(valid, torch.Tensor):
+            raise TypeError(f"`valid` must be a bool torch.Tensor, got {type(valid).__name__}")
+        if valid.dtype != torch.bool:
+            raise TypeError(
+                f"`valid` must be a bool tensor (True = real token), got dtype {valid.dtype}; "
+                "use `lengths` with PaddingMask.from_lengths, or `valid.bool()`"
+            )
+        if valid.ndim != 2:
+            raise ValueError(f"`valid` must be 2-D (B, S), got shape {tuple(valid.shape)}")
+        self.valid = valid
+
+    @classmethod
+    def from_lengths(
+        cls, lengths: torch.Tensor | list[int], S: int, *, device: torch.device | str | None = None
+    ) -> PaddingMask:
+        """Padding mask where batch item b has ``lengths[b]`` real tokens, then padding.
+
+        Args:
+            lengths: number of real tokens per batch item, ``(B,)``.
+            S: key length (padded).
+            device: device of the mask.
+        """
+        lens = torch.as_tensor(lengths, device=device)
+        if lens.ndim != 1 or lens.is_floating_point():
+            raise ValueError(f"`lengths` must be a 1-D integer sequence (B,), got {lengths!r}")
+        if bool((lens < 0).any()) or bool((lens > S).any()):
+            raise ValueError(f"`lengths` must lie in 0..S={S}, got {lens.tolist()}")
+        return cls(torch.arange(S, device=lens.device)[None, :] < lens[:, None])
+
+    def validate(self, B: int, H: int, T: int, S: int) -> None:
+        if self.valid.shape[0] not in (1, B) or self.valid.shape[1] != S:
+            raise ValueError(
+                f"PaddingMask `valid` must have shape (B, S) = ({B}, {S}), "
+                f"got {tuple(self.valid.shape)}"
+            )
+
+    def block(self, T, S, rows=None, cols=None, *, device=None):
+        v = _select(self.valid, 1, cols).to(device)  # (B, cols)
+        if v.numel() == 0 or not bool(v.any()):
+            return _EMPTY
+        if bool(v.all()):
+            return _FULL
+        return MaskBlock("partial", allowed=v[:, None, None, :])
+
+
+class BooleanMask(AttentionMask):
+    """An arbitrary boolean mask, True = may attend.
+
+    Args:
+        mask: bool tensor broadcastable to ``(B, H, T, S)``.
+
+    Raises:
+        TypeError: not a bool tensor (a float tensor is an :class:`AdditiveMask`).
+    """
+
+    kind = "boolean"
+
+    def __init__(self, mask: torch.Tensor, *, name: str = "attn_mask") -> None:
+        if not isinstance(mask, torch.Tensor):
+            raise TypeError(f"`{name}` must be a torch.Tensor, got {type(mask).__name__}")
+        if mask.dtype != torch.bool:
+            raise TypeError(
+                f"`{name}` must be a bool tensor (True = may attend), got dtype {mask.dtype}; "
+                "pass `mask.bool()`, or a float tensor for an additive bias"
+            )
+        if mask.ndim > 4:
+            raise ValueError(
+                f"`{name}` must have at most 4 dims (B, H, T, S), got shape {tuple(mask.shape)}"
+            )
+        self.mask = _as4d(mask)
+        self.name = name
+
+    def validate(self, B: int, H: int, T: int, S: int) -> None:
+        _check_broadcast(self.name, tuple(self.mask.shape), B, H, T, S)
+
+    def block(self, T, S, rows=None, cols=None, *, device=None):
+        m = _select(_select(self.mask, 2, rows), 3, cols).to(device)
+        if not bool(m.any()):
+            return _EMPTY
+        if bool(m.all()):
+            return _FULL
+        return MaskBlock("partial", allowed=m)
+
+
+class AdditiveMask(AttentionMask):
+    """A float bias added to the scaled scores (e.g. ALiBi); ``-inf`` forbids attending.
+
+    Args:
+        bias: float tensor broadcastable to ``(B, H, T, S)``; no NaN or ``+inf``.
+
+    Raises:
+        TypeError: not a floating tensor.
+        ValueError: NaN or +inf entries.
+    """
+
+    kind = "additive"
+
+    def __init__(self, bias: torch.Tensor, *, name: str = "attn_mask") -> None:
+        if not isinstance(bias, torch.Tensor):
+            raise TypeError(f"`{name}` must be a torch.Tensor, got {type(bias).__name__}")
+        if not bias.is_floating_point():
+            raise TypeError(
+                f"`{name}` must be a bool mask or a float bias, got dtype {bias.dtype}; "
+                "use `mask.bool()` for True = may attend"
+            )
+        if bias.ndim > 4:
+            raise ValueError(
+                f"`{name}` must have at most 4 dims (B, H, T, S), got shape {tuple(bias.shape)}"
+            )
+        with torch.no_grad():
+            if bool(torch.isnan(bias).any()) or bool((bias == float("inf")).any()):
+                raise ValueError(f"`{name}` must not contain NaN or +inf; use -inf to forbid")
+        self.bias = _as4d(bias)
+        self.name = name
+
+    @property
+    def has_bias(self) -> bool:
+        return True
+
+    @property
+    def bias_requires_grad(self) -> bool:
+        return self.bias.requires_grad
+
+    def validate(self, B: int, H: int, T: int, S: int) -> None:
+        _check_broadcast(self.name, tuple(self.bias.shape), B, H, T, S)
+
+    def block(self, T, S, rows=None, cols=None, *, device=None):
+        return MaskBlock("partial", bias=_select(_select(self.bias, 2, rows), 3, cols).to(device))
+
+
+class AndMask(AttentionMask):
+    """Conjunction of masks (built with ``&``): a key is allowed when every part allows it;
+    additive biases add up."""
+
+    kind = "and"
+
+    def __init__(self, *parts: AttentionMask) -> None:
+        if not parts or not all(isinstance(p, AttentionMask) for p in parts):
+            raise TypeError("AndMask parts must be AttentionMask instances")
+        self.parts = tuple(parts)
+
+    @property
+    def is_causal_only(self) -> bool:
+        return all(p.is_causal_only for p in self.parts)
+
+    @property
+    def has_bias(self) -> bool:
+        return any(p.has_bias for p in self.parts)
+
+    @property
+    def bias_requires_grad(self) -> bool:
+        return any(p.bias_requires_grad for p in self.parts)
+
+    def may_empty_rows(self, T: int, S: int) -> bool:
+        if self.is_causal_only:
+            return any(p.may_empty_rows(T, S) for p in self.parts)
+        return True
+
+    def validate(self, B: int, H: int, T: int, S: int) -> None:
+        for p in self.parts:
+            p.validate(B, H, T, S)
+
+    def block(self, T, S, rows=None, cols=None, *, device=None):
+        allowed: torch.Tensor | None = None
+        bias: torch.Tensor | None = None
+        for p in self.parts:
+            b = p.block(T, S, rows, cols, device=device)
+            if b.status == "empty":
+                return _EMPTY
+            if b.allowed is not None:
+                allowed = b.allowed if allowed is None else allowed & b.allowed
+            if b.bias is not None:
+                bias = b.bias if bias is None else bias + b.bias
+        if allowed is None and bias is None:
+            return _FULL
+        if allowed is not None and bias is None and not bool(allowed.any()):
+            return _EMPTY
+        return MaskBlock("partial", allowed=allowed, bias=bias)
+
+    def __repr__(self) -> str:
+        return " & ".join(repr(p) for p in self.parts)
+
+
+def describe(mask: AttentionMask | None) -> str:
+    """Short human-readable name of a mask's structure (for dispatch explanations)."""
+    if mask is None:
+        return "no mask"
+    if isinstance(mask, AndMask):
+        return " & ".join(describe(p) for p in mask.parts)
+    if isinstance(mask, CausalMask):
+        return f"causal ({mask.alignment})"
+    return mask.kind
+
+
+def as_mask(
+    attn_mask: AttentionMask | torch.Tensor | None,
+    is_causal: bool = False,
+    *,
+    name: str = "attn_mask",
+) -> AttentionMask | None:
+    """Normalise user input into an :class:`AttentionMask` (or None for no mask).
+
+    Args:
+        attn_mask: None, an :class:`AttentionMask`, a bool tensor (True = may attend)
+            broadcastable to ``(B, H, T, S)``, or a float tensor (additive bias).
+        is_causal: also apply a bottom-right aligned :class:`CausalMask`.
+        name: argument name used in error messages.
+
+    Returns:
+        The mask, or None when nothing is masked.
+
+    Raises:
+        TypeError: anything else, e.g. an integer tensor.
+    """
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"`is_causal` must be a bool, got {type(is_causal).__name__}")
+    causal = CausalMask() if is_causal else None
+    if attn_mask is None:
+        mask: AttentionMask | None = None
+    elif isinstance(attn_mask, AttentionMask):
+        mask = attn_mask
+    elif isinstance(attn_mask, torch.Tensor):
+        if attn_mask.dtype == torch.bool:
+            mask = BooleanMask(attn_mask, name=name)
+        elif attn_mask.is_floating_point():
+            mask = AdditiveMask(attn_mask, name=name)
+        else:
+            raise TypeError(
+                f"`{name}` must be a bool tensor (True = may attend) or a float bias, "
+                f"got dtype {attn_mask.dtype}; use `{name}.bool()`"
+            )
+    else:
+        raise TypeError(
+            f"`{name}` must be None, an AttentionMask, or a bool/float tensor, "
+            f"got {type(attn_mask).__name__}"
+        )
+    if causal is None:
+        return mask
+    return causal if mask is None else mask & causal

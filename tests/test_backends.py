@@ -1,0 +1,238 @@
+"""Every backend against the one fp64 reference: outputs and gradients, every mask type,
+odd shapes, grouped-query heads, fully masked rows; exact weights; dispatch; bad input."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from attnlab._memory import peak_allocated
+from attnlab.backends import WeightsRequest, available_backends, explain_dispatch
+from attnlab.functional import exact_attention_weights, scaled_dot_product_attention
+from attnlab.masks import (
+    AdditiveMask,
+    BooleanMask,
+    CausalMask,
+    PaddingMask,
+    SlidingWindowMask,
+)
+from reference import reference_attention, tol
+
+BACKENDS = [b for b in available_backends() if b not in ("auto", "ring")]
+DTYPES = [torch.float32, torch.bfloat16, torch.float64]
+MASK_KINDS = ["none", "causal_top_left", "padding", "window", "boolean", "additive", "combined"]
+B, H, G = 2, 4, 2
+
+
+def make_mask(kind: str, T: int, S: int, gen: torch.Generator):
+    if kind == "none":
+        return None
+    if kind == "causal_top_left":
+        return CausalMask("top_left")
+    if kind == "padding":  # batch item 1 is all padding: every one of its rows is empty
+        return PaddingMask.from_lengths([max(1, S - 2), 0], S)
+    if kind == "window":
+        return SlidingWindowMask(4)
+    if kind == "boolean":
+        return BooleanMask(torch.rand(B, H, T, S, generator=gen) > 0.3)
+    if kind == "additive":
+        bias = torch.randn(1, H, T, S, generator=gen)
+        return AdditiveMask(
+            bias.masked_fill(torch.rand(1, H, T, S, generator=gen) > 0.8, -math.inf)
+        )
+    if kind == "combined":
+        return PaddingMask.from_lengths([S, max(1, S // 2)], S) & SlidingWindowMask(6, causal=False)
+    raise AssertionError(kind)
+
+
+def reference_for(mask, is_causal, T, S):
+    """Dense (bool mask, float bias) for tests/reference.py."""
+    m = mask
+    if is_causal:
+        m = CausalMask() if m is None else m & CausalMask()
+    if m is None:
+        return None, None
+    dense = m.dense(T, S, dtype=torch.float64)
+    return (dense, None) if dense.dtype == torch.bool else (None, dense)
+
+
+def grad_tol(dtype: torch.dtype) -> dict[str, float]:
+    # Gradients pass through two more products than outputs; half precision rounds each.
+    t = tol(dtype)
+    if dtype == torch.bfloat16:
+        return {"atol": 6e-2, "rtol": 6e-2}
+    return {"atol": 4 * t["atol"], "rtol": 4 * t["rtol"]}
+
+
+def run_case(backend, dtype, is_causal, kind, T, S, D, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, T, D, generator=gen).to(dtype).requires_grad_()
+    k = torch.randn(B, G, S, D, generator=gen).to(dtype).requires_grad_()
+    v = torch.randn(B, G, S, D, generator=gen).to(dtype).requires_grad_()
+    dout = torch.randn(B, H, T, D, generator=gen).to(dtype)
+    mask = make_mask(kind, T, S, gen)
+    out = scaled_dot_product_attention(q, k, v, mask, is_causal=is_causal, backend=backend)
+    out.backward(dout)
+
+    qr, kr, vr = (t.detach().double().requires_grad_() for t in (q, k, v))
+    dmask, dbias = reference_for(mask, is_causal, T, S)
+    ref, _ = reference_attention(qr, kr, vr, mask=dmask, bias=dbias)
+    ref.backward(dout.double())
+
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), ref, **tol(dtype))
+    for name, t, r in (("q", q, qr), ("k", k, kr), ("v", v, vr)):
+        assert t.grad is not None and torch.isfinite(t.grad).all(), name
+        torch.testing.assert_close(t.grad.double(), r.grad, **grad_tol(dtype), msg=name)
+
+
+# Fast grid: every backend x dtype x causal x mask kind, on three odd shapes (T, S, D)
+# that cover T in {1, 7, 97}, D in {8, 59, 64} and S != T.
+FAST_SHAPES = [(1, 5, 8), (7, 12, 59), (97, 70, 64)]
+
+
+@pytest.mark.parametrize("shape", FAST_SHAPES, ids=lambda s: "T{}S{}D{}".format(*s))
+@pytest.mark.parametrize("kind", MASK_KINDS)
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_conformance(backend, dtype, is_causal, kind, shape):
+    run_case(backend, dtype, is_causal, kind, *shape)
+
+
+SLOW_SHAPES = [
+    (T, S, D)
+    for T, D in itertools.product([1, 7, 97], [8, 59, 64])
+    for S in (T + 13, max(1, T // 2 + 3))
+    if (T, S, D) not in FAST_SHAPES
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", SLOW_SHAPES, ids=lambda s: "T{}S{}D{}".format(*s))
+@pytest.mark.parametrize("kind", MASK_KINDS)
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_conformance_full_grid(backend, dtype, is_causal, kind, shape):
+    run_case(backend, dtype, is_causal, kind, *shape, seed=1)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fully_masked_rows_zero_output_finite_grads(backend):
+    q = torch.randn(1, 2, 6, 16, requires_grad=True)
+    k = torch.randn(1, 2, 6, 16, requires_grad=True)
+    v = torch.randn(1, 2, 6, 16, requires_grad=True)
+    allowed = torch.ones(1, 1, 6, 6, dtype=torch.bool)
+    allowed[..., 2, :] = False
+    allowed[..., 4, :] = False
+    out, w = scaled_dot_product_attention(q, k, v, allowed, backend=backend, need_weights=True)
+    assert not torch.isnan(out).any() and not torch.isnan(w).any()
+    assert torch.equal(out[:, :, [2, 4]], torch.zeros_like(out[:, :, [2, 4]]))
+    assert torch.equal(w[:, :, [2, 4]], torch.zeros_like(w[:, :, [2, 4]]))
+    (out.square().sum()).backward()
+    for t in (q, k, v):
+        assert t.grad is not None and torch.isfinite(t.grad).all()
+    assert torch.equal(q.grad[:, :, [2, 4]], torch.zeros_like(q.grad[:, :, [2, 4]]))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_large_logits_half_precision(backend, dtype):
+    gen = torch.Generator().manual_seed(3)
+    q = (torch.randn(1, 2, 9, 32, generator=gen) * 30).to(dtype)
+    k = (torch.randn(1, 2, 9, 32, generator=gen) * 30).to(dtype)
+    v = torch.randn(1, 2, 9, 32, generator=gen).to(dtype)
+    out = scaled_dot_product_attention(q, k, v, is_causal=True, backend=backend)
+    assert torch.isfinite(out).all()
+    ref, _ = reference_attention(q, k, v, mask=CausalMask().dense(9, 9))
+    torch.testing.assert_close(out.double(), ref, **tol(dtype))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_exact_weights_for_chosen_heads_and_rows(backend):
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 4, 40, 16, generator=gen, dtype=torch.float64)
+    k = torch.randn(2, 2, 50, 16, generator=gen, dtype=torch.float64)
+    v = torch.randn(2, 2, 50, 16, generator=gen, dtype=torch.float64)
+    mask = PaddingMask.from_lengths([50, 31], 50) & CausalMask()
+    req = WeightsRequest(heads=(3, 0), rows=(39, 2, 17))
+    out, w = scaled_dot_product_attention(q, k, v, mask, backend=backend, need_weights=req)
+    _, ref_w = reference_attention(q, k, v, mask=mask.dense(40, 50))
+    assert w.shape == (2, 2, 3, 50)
+    torch.testing.assert_close(w, ref_w[:, [3, 0]][:, :, [39, 2, 17]], **tol(torch.float64))
+    full = scaled_dot_product_attention(q, k, v, mask, backend=backend)
+    torch.testing.assert_close(out, full, **tol(torch.float64))
+    direct = exact_attention_weights(q, k, mask, heads=[3, 0], rows=[39, 2, 17])
+    torch.testing.assert_close(direct, w, **tol(torch.float64))
+
+
+def test_exact_weights_memory_is_the_size_of_the_request():
+    """One head, one row of a 4096-key sequence: peak memory is that head's keys plus the
+    (1, 1, 1, S) result and one key block -- not B*H*T*S (512 MiB here)."""
+    T = S = 4096
+    D = 32
+    q, k = torch.randn(1, 8, T, D), torch.randn(1, 8, S, D)
+    w, peak = peak_allocated(
+        lambda: exact_attention_weights(q, k, is_causal=True, heads=[5], rows=[T - 1])
+    )
+    assert w.shape == (1, 1, 1, S)
+    one_head_keys = S * D * 4
+    assert peak < one_head_keys + 8 * S * 4 + 64 * 1024, peak
+
+
+def test_explain_dispatch_names_every_backend():
+    q = k = v = torch.randn(1, 2, 8, 16)
+    exp = explain_dispatch(q, k, v, is_causal=True)
+    assert exp.chosen in BACKENDS
+    names = [n for n, _ in exp.reasons]
+    assert sorted(names) == sorted(BACKENDS)
+    for name, why in exp.reasons:
+        assert (why is None) == (name == exp.chosen)
+    assert "chosen" in str(exp)
+    exp_math = explain_dispatch(q, k, v, backend="math")
+    assert exp_math.chosen == "math"
+
+
+def _qkv(Bq=1, Hq=4, T=5, D=8, Gk=2, S=6, Dv=8):
+    return torch.randn(Bq, Hq, T, D), torch.randn(Bq, Gk, S, D), torch.randn(Bq, Gk, S, Dv)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "exc", "match"),
+    [
+        ({"query": torch.randn(4, 5, 8)}, ValueError, r"`query` must be 4-D .* got a 3-D"),
+        ({"key": torch.randn(2, 2, 6, 8)}, ValueError, r"batch size as `query` \(B=1\)"),
+        (
+            {"key": torch.randn(1, 2, 6, 7)},
+            ValueError,
+            r"same head dim as `query` \(D=8\), got D=7",
+        ),
+        (
+            {"key": torch.randn(1, 3, 6, 8), "value": torch.randn(1, 3, 6, 8)},
+            ValueError,
+            r"H=4 query heads and G=3",
+        ),
+        ({"value": torch.randn(1, 2, 5, 8)}, ValueError, r"same heads and length as `key`"),
+        ({"attn_mask": torch.ones(5, 7, dtype=torch.bool)}, ValueError, r"attn_mask.*broadcast"),
+        ({"attn_mask": torch.ones(5, 6, dtype=torch.int64)}, TypeError, r"attn_mask.*dtype"),
+        ({"backend": "flash9"}, ValueError, r"`backend` must be one of .* got 'flash9'"),
+        ({"dropout_p": -0.1}, ValueError, r"`dropout_p` must be in \[0, 1\), got -0.1"),
+        ({"need_weights": WeightsRequest(heads=(4,))}, ValueError, r"head\(s\) \[4\].*H=4"),
+        ({"need_weights": WeightsRequest(rows=(9,))}, ValueError, r"row\(s\) \[9\].*T=5"),
+        ({"query": torch.randn(1, 4, 5, 8).long()}, TypeError, r"`query` must be a floating"),
+        ({"key": torch.randn(1, 2, 6, 8).double()}, TypeError, r"share one dtype"),
+        ({"scale": 0.0}, ValueError, r"`scale` must be a positive"),
+        ({"need_weights": "yes"}, TypeError, r"`need_weights` must be a bool"),
+    ],
+)
+def test_bad_input_raises_naming_the_argument(kwargs, exc, match):
+    q, k, v = _qkv()
+    args = {"query": q, "key": k, "value": v, **kwargs}
+    with pytest.raises(exc, match=match):
+        scaled_dot_product_attention(**args)
+    with pytest.raises(exc, match=match):
+        explain_dispatch(**args)
