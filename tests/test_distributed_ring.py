@@ -185,3 +185,56 @@ def test_dead_or_stalled_rank_raises_within_timeout(fault: str) -> None:
     last = outcomes[n - 1]
     assert not last.ok
     assert last.error_type == ("died" if fault == "die" else "SystemExit")
+
+
+# --- Attention(backend="ring"): context parallelism for a layer ------------------------
+
+
+def _attention_layer(backend: str) -> torch.nn.Module:
+    from attnlab.attention import Attention
+
+    torch.manual_seed(7)
+    return Attention(16, 4, num_kv_heads=2, rope=True, backend=backend).double()
+
+
+def _attention_worker(rank: int, n: int, layout: str) -> dict[str, torch.Tensor] | None:
+    import torch.distributed as dist
+
+    from attnlab.distributed import all_reduce_gradients, context_parallel
+
+    layer = _attention_layer("ring")
+    x = torch.randn(2, 8 * n, 16, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    x_local = shard_sequence(x, dim=1, layout=layout)
+    pos = shard_positions(x.shape[1], rank, n, layout)  # RoPE needs the global positions
+    with context_parallel(layout=layout):
+        out = layer(x_local, is_causal=True, position_ids=pos)
+    (out**2).mean().backward()
+    all_reduce_gradients(layer)
+    full = gather_sequence(out.detach(), dim=1, layout=layout)
+    grads = {name: p.grad for name, p in layer.named_parameters()}
+    dist.barrier()
+    return {"out": full, **grads} if rank == 0 else None
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_attention_layer_with_ring_backend_matches_one_process(layout: str) -> None:
+    outcomes = spawn_local(_attention_worker, 2, (layout,), timeout=120)
+    assert all(o.ok for o in outcomes), [o.traceback for o in outcomes]
+    got = outcomes[0].value
+    layer = _attention_layer("math")
+    x = torch.randn(2, 16, 16, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    out = layer(x, is_causal=True)
+    (out**2).mean().backward()
+    torch.testing.assert_close(got["out"], out.detach(), **tol(torch.float64))
+    for name, p in layer.named_parameters():
+        torch.testing.assert_close(got[name], p.grad, **tol(torch.float64), msg=name)
+
+
+def test_ring_backend_outside_a_process_group_says_why() -> None:
+    from attnlab.backends import explain_dispatch
+    from attnlab.functional import scaled_dot_product_attention
+
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(ValueError, match=r"ring needs a torch\.distributed process group"):
+        scaled_dot_product_attention(q, q, q, is_causal=True, backend="ring")
+    assert "ring: not chosen" in str(explain_dispatch(q, q, q))

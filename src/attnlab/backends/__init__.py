@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from attnlab.backends import math as _math
+from attnlab.backends import ring as _ring
 from attnlab.backends import sdpa as _sdpa
 from attnlab.backends.base import AttentionRequest, Backend, BackendResult, WeightsRequest
 from attnlab.backends.request import PreparedCall, prepare_call
@@ -182,3 +183,4 @@ def explain_dispatch(
 
 register_backend(_sdpa.BACKEND, auto_rank=0)
 register_backend(_math.BACKEND, auto_rank=1)
+register_backend(_ring.BACKEND)  # by name only, never chosen by auto

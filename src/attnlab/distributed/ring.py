@@ -90,6 +90,7 @@ class _Exchange:
         self, cfg: _RingConfig, tensors: list[torch.Tensor], what: str, step: int, tag: int
     ):
         self.cfg, self.what, self.step = cfg, what, step
+        tensors = [t.contiguous() for t in tensors]  # point-to-point ops need contiguous buffers
         self.received = [torch.empty_like(t) for t in tensors]
         # Tags keep key/value and gradient messages apart (gloo); both sides post in one order.
         ops = [
@@ -372,7 +373,7 @@ def _ring_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     cdt = _compute_dtype(query.dtype)
     delta = (grad_out.to(cdt) * out.to(cdt)).sum(dim=-1)  # (B, H, T)
-    dq = torch.zeros_like(query, dtype=cdt)  # (B, H, T, D)
+    dq = query.new_zeros(query.shape, dtype=cdt)  # (B, H, T, D)
     kv = [key.contiguous(), value.contiguous()]
     n = cfg.world_size
     grad_pending: _Exchange | None = None
@@ -381,8 +382,8 @@ def _ring_backward(
         kv_pending = None
         if step < n - 1:
             kv_pending = _Exchange(cfg, kv, "backward key/value transfer", step, _KV_TAG)
-        dk = torch.zeros_like(key, dtype=cdt)  # (B, G, T, D)
-        dv = torch.zeros_like(value, dtype=cdt)  # (B, G, T, Dv)
+        dk = key.new_zeros(key.shape, dtype=cdt)  # (B, G, T, D)
+        dv = value.new_zeros(value.shape, dtype=cdt)  # (B, G, T, Dv)
         args = (grad_out, query, kv[0], kv[1], lse, delta, dq, dk, dv, src, cfg)
         _timed(cfg, _backward_step, *args)
         if grad_pending is not None:
