@@ -29,7 +29,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from attnlab.distributed.demo import PeakMemory, RingDemoResult, run_ring_demo
+from attnlab.distributed.demo import PeakMemory, RingDemoResult, current_memory, run_ring_demo
 from attnlab.distributed.launch import spawn_local
 from attnlab.distributed.ring import RingStats, ring_attention
 
@@ -38,17 +38,19 @@ def _single_worker(
     rank: int, n: int, t: int, h: int, d: int, block: int
 ) -> tuple[str, float, float, int]:
     """Single-process blockwise attention: attnlab's blockwise backend when present."""
+    baseline = current_memory(torch.device("cpu"))  # the inputs count, as on the ranks
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, h, t, d, generator=g) for _ in range(3))
-    try:
+    from attnlab.backends import available_backends
+
+    if "blockwise" in available_backends():
         from attnlab.functional import scaled_dot_product_attention
 
-        def run() -> object:
+        def run_fn() -> object:
             return scaled_dot_product_attention(q, k, v, is_causal=True, backend="blockwise")
 
         name = "attnlab blockwise backend"
-        run_fn = run
-    except ImportError:
+    else:
         # The ring's block loop on one process is exactly tiled online-softmax attention.
         stats = RingStats()
 
@@ -56,7 +58,7 @@ def _single_worker(
             return ring_attention(q, k, v, is_causal=True, block_size=block, stats=stats)
 
         name = "ring block loop on 1 process (blockwise kernel)"
-    with PeakMemory(q.device) as mem:
+    with PeakMemory(q.device, baseline=baseline) as mem:
         t0, c0 = time.perf_counter(), time.thread_time()
         run_fn()
         wall, cpu = time.perf_counter() - t0, time.thread_time() - c0

@@ -25,24 +25,38 @@ from attnlab.distributed.sharding import (
     shard_sequence,
 )
 
-__all__ = ["PeakMemory", "RankReport", "RingDemoResult", "run_ring_demo"]
+__all__ = ["PeakMemory", "RankReport", "RingDemoResult", "current_memory", "run_ring_demo"]
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
 
+def current_memory(device: torch.device) -> int:
+    """Bytes in use now: the CUDA allocator's, or the process's resident set on CPU (0 if
+    unknown)."""
+    if device.type == "cuda":
+        return int(torch.cuda.memory_allocated(device))
+    try:
+        return PeakMemory._status("VmRSS")
+    except OSError:
+        return 0
+
+
 class PeakMemory:
-    """Peak memory a block of code added, in bytes.
+    """Peak memory above a baseline while a block of code runs, in bytes.
 
     CUDA: the allocator's peak. CPU: the process's peak resident set (Linux ``VmHWM``, reset
-    through ``/proc/self/clear_refs``) minus the resident set at the start. ``supported``
-    is False where the CPU peak cannot be reset; ``peak_bytes`` is then 0.
+    through ``/proc/self/clear_refs`` on entry). The baseline is the use at entry, or
+    ``baseline`` (from :func:`current_memory`) taken earlier, e.g. before the inputs were
+    made, so that the inputs count. ``supported`` is False where the CPU peak cannot be
+    reset; ``peak_bytes`` is then 0.
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, baseline: int | None = None) -> None:
         self.device = device
         self.peak_bytes = 0
         self.supported = True
         self._start = 0
+        self._baseline = baseline
 
     @staticmethod
     def _status(field: str) -> int:
@@ -58,11 +72,13 @@ class PeakMemory:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             self._start = torch.cuda.memory_allocated(self.device)
+            if self._baseline is not None:
+                self._start = self._baseline
             return self
         try:
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")  # reset VmHWM to the current RSS
-            self._start = self._status("VmRSS")
+            self._start = self._status("VmRSS") if self._baseline is None else self._baseline
         except OSError:
             self.supported = False
         return self
@@ -85,7 +101,7 @@ class RankReport:
     compute_cpu_s: float  # CPU time in block kernels (the work, independent of core sharing)
     wait_s: float  # blocked on transfers (communication not hidden by overlap)
     bytes_sent: int
-    peak_bytes: int  # memory the call added at its peak
+    peak_bytes: int  # peak memory from before the inputs were made: shards + the call
 
 
 @dataclass(frozen=True)
@@ -125,17 +141,16 @@ def _demo_worker(
     compare: bool,
 ) -> tuple[RankReport, bool, float, float]:
     dtype = DTYPES[dtype_name]
-    g = torch.Generator().manual_seed(seed)
-    full = [torch.randn(batch, heads, seq_len, head_dim, generator=g, dtype=dtype) for _ in "qkv"]
-    shards = [shard_sequence(x, layout=layout) for x in full]
-    if rank != 0 or not compare:
-        del full
-    for s in shards:
-        s.requires_grad_(backward)
+    device = torch.device("cpu")
+    gc.collect()
+    # Memory is counted from before the inputs exist: a rank's peak includes its shards.
+    baseline = current_memory(device)
+    full = _inputs(seed, batch, heads, seq_len, head_dim, dtype)
+    shards = [shard_sequence(x, layout=layout).requires_grad_(backward) for x in full]
+    del full
     stats = RingStats()
-    device = shards[0].device
     dist.barrier()
-    with PeakMemory(device) as mem:
+    with PeakMemory(device, baseline=baseline) as mem:
         t0 = time.perf_counter()
         out = ring_attention(
             *shards,
@@ -161,11 +176,19 @@ def _demo_worker(
     if compare:
         whole = gather_sequence(out.detach(), layout=layout)
         if rank == 0:
+            full = _inputs(seed, batch, heads, seq_len, head_dim, dtype)
             t0 = time.perf_counter()
             ref = _single_process(*full, causal=causal)
             ref_s = time.perf_counter() - t0
             max_error = (whole.double() - ref.double()).abs().max().item()
     return report, mem.supported, max_error, ref_s
+
+
+def _inputs(
+    seed: int, batch: int, heads: int, seq_len: int, head_dim: int, dtype: torch.dtype
+) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(batch, heads, seq_len, head_dim, generator=g, dtype=dtype) for _ in "qkv"]
 
 
 def _single_process(
