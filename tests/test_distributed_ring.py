@@ -238,3 +238,26 @@ def test_ring_backend_outside_a_process_group_says_why() -> None:
     with pytest.raises(ValueError, match=r"ring needs a torch\.distributed process group"):
         scaled_dot_product_attention(q, q, q, is_causal=True, backend="ring")
     assert "ring: not chosen" in str(explain_dispatch(q, q, q))
+
+
+# --- the ring-demo computation ----------------------------------------------------------
+
+
+def test_ring_demo_measures_and_matches_one_process() -> None:
+    from attnlab.distributed.demo import run_ring_demo
+
+    r = run_ring_demo(2, 64, heads=2, head_dim=8, dtype="float64", backward=True, timeout=120)
+    assert r.max_error < 1e-10
+    assert [x.rank for x in r.ranks] == [0, 1]
+    # K and V of one shard (32 positions x 2 heads x 8 dims x 8 bytes) travel one hop
+    # forward; backward sends K, V once more and dK, dV twice (2 ranks).
+    shard_bytes = 32 * 2 * 8 * 8
+    assert all(x.bytes_sent == shard_bytes * (2 + 2 + 4) for x in r.ranks)
+    assert all(x.seconds > 0 and x.compute_cpu_s > 0 for x in r.ranks)
+
+
+def test_ring_demo_rejects_a_length_the_layout_cannot_split() -> None:
+    from attnlab.distributed.demo import run_ring_demo
+
+    with pytest.raises(ValueError, match="multiple of 8; pad it to 16"):
+        run_ring_demo(4, 10, layout="zigzag")
