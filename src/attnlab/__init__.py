@@ -7,14 +7,18 @@ from __future__ import annotations
 
 from attnlab.attention import Attention, KVCache, RotaryEmbedding
 from attnlab.backends import WeightsRequest, explain_dispatch
+from attnlab.examples import EXAMPLES, Example, get_example
+from attnlab.explain.trace import AttentionTrace, trace_attention, trace_example
 from attnlab.functional import (
     attention_scores,
     attention_weights,
     context_vectors,
+    default_scale,
     exact_attention_weights,
     scaled_dot_product_attention,
     simplified_self_attention,
 )
+from attnlab.ladder import SelfAttentionV1, SelfAttentionV2, copy_v2_weights_to_v1
 from attnlab.masks import (
     AdditiveMask,
     AttentionMask,
@@ -28,14 +32,19 @@ from attnlab.masks import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "EXAMPLES",
     "AdditiveMask",
     "Attention",
     "AttentionMask",
+    "AttentionTrace",
     "BooleanMask",
     "CausalMask",
+    "Example",
     "KVCache",
     "PaddingMask",
     "RotaryEmbedding",
+    "SelfAttentionV1",
+    "SelfAttentionV2",
     "SlidingWindowMask",
     "WeightsRequest",
     "__version__",
@@ -43,8 +52,13 @@ __all__ = [
     "attention_scores",
     "attention_weights",
     "context_vectors",
+    "copy_v2_weights_to_v1",
+    "default_scale",
     "exact_attention_weights",
     "explain_dispatch",
+    "get_example",
     "scaled_dot_product_attention",
     "simplified_self_attention",
+    "trace_attention",
+    "trace_example",
 ]

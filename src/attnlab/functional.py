@@ -17,6 +17,7 @@ These are the seed text's steps, one function each:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -32,6 +33,7 @@ __all__ = [
     "attention_weights",
     "check_tensor",
     "context_vectors",
+    "default_scale",
     "exact_attention_weights",
     "scaled_dot_product_attention",
     "simplified_self_attention",
@@ -100,7 +102,7 @@ def attention_scores(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         - output: ``(S,)`` or ``(..., T, S)``
 
     Raises:
-        TypeError: non-tensor or non-floating input.
+        TypeError: non-tensor or non-floating input, or different dtypes.
         ValueError: keys not at least 2-D, or a different last dimension ``D``.
     """
     check_tensor("queries", queries, finite=False)
@@ -109,6 +111,11 @@ def attention_scores(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         raise ValueError(
             f"`keys` must be at least 2-D (S, D), got shape {tuple(keys.shape)}; "
             "for a single key use `keys.unsqueeze(0)`"
+        )
+    if queries.dtype != keys.dtype:
+        raise TypeError(
+            f"`keys` must have the same dtype as `queries` ({queries.dtype}), got {keys.dtype}; "
+            f"convert one of them, e.g. `keys.to({queries.dtype})`"
         )
     if queries.shape[-1] != keys.shape[-1]:
         raise ValueError(
@@ -139,18 +146,45 @@ def attention_weights(scores: torch.Tensor, scale: float | None = None) -> torch
         - output: ``(..., S)``
 
     Raises:
-        TypeError: non-floating scores.
+        TypeError: non-floating scores or a non-number scale.
         ValueError: empty scores or a non-positive / non-finite scale.
     """
     check_tensor("scores", scores, finite=False)
-    if scale is not None and (
-        not isinstance(scale, (int, float)) or not (scale > 0) or scale == float("inf")
-    ):
-        raise ValueError(f"`scale` must be a positive finite number, got {scale!r}")
+    if scale is not None:
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+            raise TypeError(
+                f"`scale` must be a Python float or None, got {type(scale).__name__}; "
+                "pass `float(scale)`"
+            )
+        if not (0 < scale < float("inf")):
+            raise ValueError(f"`scale` must be a positive finite number, got {scale!r}")
     compute = scores.float() if scores.dtype in (torch.float16, torch.bfloat16) else scores
     if scale is not None:
         compute = compute * scale
     return torch.softmax(compute, dim=-1).to(scores.dtype)
+
+
+def default_scale(head_dim: int) -> float:
+    """The scaled dot-product factor ``1 / sqrt(d_k)`` for keys of width ``head_dim``.
+
+    Dot products of ``d_k``-dimensional vectors grow like ``sqrt(d_k)``; dividing by
+    it keeps the softmax out of its flat, small-gradient regions.
+
+    Args:
+        head_dim: the key dimension ``d_k`` (``keys.shape[-1]``).
+
+    Returns:
+        ``1 / sqrt(head_dim)``.
+
+    Raises:
+        TypeError: ``head_dim`` is not an int.
+        ValueError: ``head_dim`` is not positive.
+    """
+    if isinstance(head_dim, bool) or not isinstance(head_dim, int):
+        raise TypeError(f"`head_dim` must be an int, got {type(head_dim).__name__}")
+    if head_dim < 1:
+        raise ValueError(f"`head_dim` must be positive, got {head_dim}")
+    return 1.0 / math.sqrt(head_dim)
 
 
 def context_vectors(weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -169,13 +203,18 @@ def context_vectors(weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor
         - output: ``(Dv,)`` or ``(..., T, Dv)``
 
     Raises:
-        TypeError: non-floating input.
+        TypeError: non-floating input or different dtypes.
         ValueError: the number of weights per row does not match the number of values.
     """
     check_tensor("weights", weights, finite=False)
     check_tensor("values", values, finite=False)
     if values.ndim < 2:
         raise ValueError(f"`values` must be at least 2-D (S, Dv), got shape {tuple(values.shape)}")
+    if weights.dtype != values.dtype:
+        raise TypeError(
+            f"`values` must have the same dtype as `weights` ({weights.dtype}), "
+            f"got {values.dtype}; convert one of them, e.g. `values.to({weights.dtype})`"
+        )
     if weights.shape[-1] != values.shape[-2]:
         raise ValueError(
             f"`weights` must have one weight per value (S={values.shape[-2]}), "

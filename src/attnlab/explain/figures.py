@@ -1,0 +1,314 @@
+"""Figures of a trace: the attention-weights heatmap and the flow diagram.
+
+matplotlib is imported lazily, inside each function, and figures are built with
+``matplotlib.figure.Figure`` directly (no pyplot, no GUI backend, nothing global
+changed); saving renders with Agg (PNG) or the SVG backend. Every plotting function
+takes ``ax=None`` and returns the Figure. Figure text is English on purpose: it
+must render with matplotlib's bundled DejaVu fonts on any machine, which have no CJK
+glyphs; the Chinese explanations live in the terminal walkthrough.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from attnlab.explain.trace import AttentionTrace
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
+__all__ = ["plot_attention_flow", "plot_attention_weights", "save_walkthrough_figures"]
+
+# Colours: tensors blue, operations amber; both readable in print and for colour-blind eyes.
+_TENSOR_FACE, _TENSOR_EDGE = "#dbe9f6", "#2b6cb0"
+_OP_FACE, _OP_EDGE = "#fde8c8", "#c05621"
+_ARROW = "#4a5568"
+_NOTE = "#4a5568"
+
+
+def _luminance(rgba: tuple[float, float, float, float]) -> float:
+    """WCAG relative luminance; below ~0.2 white text has the better contrast."""
+    r, g, b = (c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4 for c in rgba[:3])
+    return 0.2126 * r + 0.7152 * g + 0.0722 * b
+
+
+def _new_axes(ax: Axes | None, figsize: tuple[float, float]) -> tuple[Figure, Axes]:
+    if ax is not None:
+        fig = ax.get_figure()
+        assert fig is not None  # an Axes always belongs to a figure
+        return fig, ax  # type: ignore[return-value]
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=figsize, layout="constrained")
+    return fig, fig.add_subplot()
+
+
+def plot_attention_weights(
+    weights: torch.Tensor,
+    tokens: Sequence[str],
+    ax: Axes | None = None,
+    *,
+    key_tokens: Sequence[str] | None = None,
+    title: str = "Attention weights",
+    cmap: str = "Blues",
+) -> Figure:
+    """Heatmap of attention weights with the tokens on both axes and values in the cells.
+
+    Rows are queries (the token attending), columns keys (the token attended to);
+    each row sums to 1. Cell text is the weight to 4 decimals, as in the tables.
+
+    Args:
+        weights: ``(T, S)`` attention weights.
+        tokens: ``T`` query labels (also the key labels when ``key_tokens`` is None).
+        ax: draw into this Axes; by default a new Figure.
+        key_tokens: ``S`` key labels.
+        title: the axes title.
+        cmap: a matplotlib colormap name.
+
+    Returns:
+        The Figure.
+
+    Raises:
+        TypeError: ``weights`` is not a floating tensor.
+        ValueError: ``weights`` not 2-D, or label counts that do not match.
+
+    Shape:
+        - weights: ``(T, S)``
+    """
+    from attnlab.functional import check_tensor
+
+    w = check_tensor("weights", weights, ndims=(2,)).detach().float().cpu()
+    n_rows, n_cols = w.shape
+    keys = list(tokens if key_tokens is None else key_tokens)
+    if len(tokens) != n_rows:
+        raise ValueError(f"`tokens` must have {n_rows} labels (rows of weights), got {len(tokens)}")
+    if len(keys) != n_cols:
+        raise ValueError(
+            f"`key_tokens` must have {n_cols} labels (columns of weights), got {len(keys)}"
+        )
+    size = max(4.5, 0.9 * n_cols + 2.5)
+    fig, ax = _new_axes(ax, (size + 1.0, size))
+    vmax = max(float(w.max()), 1e-12)
+    im = ax.imshow(w.numpy(), cmap=cmap, vmin=0.0, vmax=vmax)
+    font = 10 if n_cols <= 8 else max(5, 10 - (n_cols - 8) // 2)
+    for i in range(n_rows):
+        for j in range(n_cols):
+            v = float(w[i, j])
+            dark = _luminance(im.cmap(v / vmax)) < 0.2  # the cell's colour (vmin is 0)
+            ax.text(
+                j, i, f"{v:.4f}", ha="center", va="center", fontsize=font,
+                color="white" if dark else "#1a202c",
+            )  # fmt: skip
+    ax.set_xticks(range(n_cols), keys, rotation=35, ha="right", rotation_mode="anchor")
+    ax.set_yticks(range(n_rows), list(tokens))
+    ax.set_xlabel("key (token attended to)")
+    ax.set_ylabel("query (token attending)")
+    ax.set_title(title, loc="left", fontsize=11)
+    ax.tick_params(length=0)
+    for spine in ax.spines.values():
+        spine.set_visible(False)
+    cbar = fig.colorbar(im, ax=ax, shrink=0.8, pad=0.03)
+    cbar.set_label("weight (each row sums to 1)")
+    return fig
+
+
+def _box(
+    ax: Axes,
+    xy: tuple[float, float],
+    lines: Sequence[str],
+    *,
+    op: bool,
+    width: float,
+    height: float,
+) -> None:
+    from matplotlib.patches import FancyBboxPatch
+
+    x, y = xy
+    face, edge = (_OP_FACE, _OP_EDGE) if op else (_TENSOR_FACE, _TENSOR_EDGE)
+    ax.add_patch(
+        FancyBboxPatch(
+            (x - width / 2, y - height / 2),
+            width,
+            height,
+            boxstyle="round,pad=0,rounding_size=1.2",
+            facecolor=face,
+            edgecolor=edge,
+            linewidth=1.4,
+            zorder=2,
+        )
+    )
+    n = len(lines)
+    step = min(2.6, (height - 1.6) / max(n - 1, 1))
+    top = y + step * (n - 1) / 2
+    for k, line in enumerate(lines):
+        ax.text(
+            x, top - k * step, line, ha="center", va="center", zorder=3,
+            fontsize=10.5 if k == 0 else 9.5,
+            fontweight="bold" if k == 0 else "normal",
+            color="#1a202c" if k == 0 else _NOTE,
+        )  # fmt: skip
+
+
+def _arrow(
+    ax: Axes,
+    start: tuple[float, float],
+    end: tuple[float, float],
+    *,
+    label: str | None = None,
+    label_xy: tuple[float, float] | None = None,
+    connection: str = "arc3",
+) -> None:
+    from matplotlib.patches import FancyArrowPatch
+
+    ax.add_patch(
+        FancyArrowPatch(
+            start, end, arrowstyle="-|>", mutation_scale=14, color=_ARROW, linewidth=1.3,
+            connectionstyle=connection, zorder=1, shrinkA=0, shrinkB=0,
+        )
+    )  # fmt: skip
+    if label:
+        lx, ly = label_xy if label_xy is not None else ((start[0] + end[0]) / 2, end[1] + 1.6)
+        ax.text(lx, ly, label, ha="center", va="bottom", fontsize=9, color=_NOTE, zorder=3)
+
+
+def plot_attention_flow(trace: AttentionTrace, ax: Axes | None = None) -> Figure:
+    """Diagram of scaled dot-product self-attention, annotated with the trace's shapes.
+
+    inputs X → Q, K, V → Q·Kᵀ → ÷√d_k → softmax → weights → weights·V → context.
+    Blue boxes are tensors (with their shapes), amber boxes operations.
+
+    Args:
+        trace: a computed trace (its trainable form gives the shapes).
+        ax: draw into this Axes; by default a new Figure.
+
+    Returns:
+        The Figure.
+    """
+    if not isinstance(trace, AttentionTrace):
+        raise TypeError(f"`trace` must be an AttentionTrace, got {type(trace).__name__}")
+    n, d_in, d = trace.n_tokens, trace.d_in, trace.d_out
+    d_k = trace.trainable.d_k
+    explicit = trace.projection.convention == "x @ W.T"
+    t = "^{\\top}" if explicit else ""
+
+    fig, ax = _new_axes(ax, (13.8, 5.4))
+    ax.set_xlim(0, 138)
+    ax.set_ylim(0, 54)
+    ax.set_aspect("equal")
+    ax.axis("off")
+
+    tw, th = 17.0, 10.0  # tensor box
+    ow, oh = 13.0, 8.0  # operation box
+    X, Q, K, V = (9.5, 27.0), (33.0, 43.0), (33.0, 27.0), (33.0, 8.0)
+    QK, SC, SM = (54.0, 35.0), (72.0, 35.0), (90.0, 35.0)
+    A, AV, Z = (110.0, 35.0), (110.0, 8.0), (128.5, 8.0)
+
+    _box(ax, X, ["inputs X", f"{n} × {d_in}"], op=False, width=tw - 2, height=th + 4)
+    for (label, sym, w), pos in zip(
+        (("queries Q", "Q", "q"), ("keys K", "K", "k"), ("values V", "V", "v")),
+        (Q, K, V),
+        strict=True,
+    ):
+        _box(ax, pos, [label, f"${sym} = X\\,W_{w}{t}$", f"{n} × {d}"], op=False, width=tw,
+             height=th + 2)  # fmt: skip
+        _arrow(ax, (X[0] + (tw - 2) / 2, X[1]), (pos[0] - tw / 2, pos[1]))
+
+    _box(ax, QK, ["$Q\\,K^{\\top}$", "scores", f"{n} × {n}"], op=True, width=ow, height=oh + 3)
+    _arrow(ax, (Q[0] + tw / 2, Q[1]), (QK[0] - ow / 2, QK[1] + 2), connection="arc3,rad=-0.15")
+    _arrow(ax, (K[0] + tw / 2, K[1]), (QK[0] - ow / 2, QK[1] - 2), connection="arc3,rad=0.15")
+
+    _box(ax, SC, ["$\\div\\sqrt{d_k}$", f"d_k = {d_k}", f"{n} × {n}"], op=True, width=ow,
+         height=oh + 3)  # fmt: skip
+    _arrow(ax, (QK[0] + ow / 2, QK[1]), (SC[0] - ow / 2, SC[1]))
+
+    _box(ax, SM, ["softmax", "dim = -1", f"{n} × {n}"], op=True, width=ow, height=oh + 3)
+    _arrow(ax, (SC[0] + ow / 2, SC[1]), (SM[0] - ow / 2, SM[1]))
+
+    _box(ax, A, ["weights A", f"{n} × {n}", "rows sum to 1"], op=False, width=tw, height=th + 2)
+    _arrow(ax, (SM[0] + ow / 2, SM[1]), (A[0] - tw / 2, A[1]))
+
+    _box(ax, AV, ["$A\\,V$", "weights · V", f"{n} × {d}"], op=True, width=ow, height=oh + 3)
+    _arrow(ax, (V[0] + tw / 2, V[1]), (AV[0] - ow / 2, AV[1]))
+    _arrow(ax, (A[0], A[1] - (th + 2) / 2), (AV[0], AV[1] + (oh + 3) / 2))
+
+    _box(ax, Z, ["context Z", f"{n} × {d}"], op=False, width=tw - 2, height=th)
+    _arrow(ax, (AV[0] + ow / 2, AV[1]), (Z[0] - (tw - 2) / 2, Z[1]))
+
+    conv = (
+        f"projection inputs @ W.T, W of shape (d_out, d_in) = ({d}, {d_in}) (nn.Linear)"
+        if explicit
+        else f"projection x @ W, W of shape (d_in, d_out) = ({d_in}, {d})"
+    )
+    ax.set_title(
+        f"Scaled dot-product self-attention: example '{trace.example}', "
+        f"T = {n} tokens, d_in = {d_in}, d_out = {d}",
+        loc="left",
+        fontsize=12,
+        fontweight="bold",
+    )
+    ax.text(0.5, 51.0, conv, ha="left", va="center", fontsize=9.5, color=_NOTE)
+    from matplotlib.patches import Patch
+
+    ax.legend(
+        handles=[
+            Patch(facecolor=_TENSOR_FACE, edgecolor=_TENSOR_EDGE, label="tensor (shape)"),
+            Patch(facecolor=_OP_FACE, edgecolor=_OP_EDGE, label="operation (output shape)"),
+        ],
+        loc="upper right",
+        bbox_to_anchor=(1.0, 1.02),
+        frameon=False,
+        fontsize=9,
+        ncols=2,
+    )
+    return fig
+
+
+def save_walkthrough_figures(trace: AttentionTrace, out_dir: str | Path) -> list[Path]:
+    """Write the walkthrough's figures as PNG and SVG into ``out_dir`` (created if needed).
+
+    Files: ``attention-weights-simplified``, ``attention-weights-trainable`` (heatmaps)
+    and ``attention-flow`` (diagram), each ``.png`` and ``.svg``.
+
+    Args:
+        trace: the computed trace.
+        out_dir: the folder.
+
+    Returns:
+        The paths written.
+
+    Raises:
+        OSError: the folder cannot be created or written.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokens = list(trace.tokens)
+    figures = {
+        "attention-weights-simplified": plot_attention_weights(
+            trace.simplified.weights,
+            tokens,
+            title="Simplified attention weights: softmax(X·Xᵀ, dim=-1)",
+        ),
+        "attention-weights-trainable": plot_attention_weights(
+            trace.trainable.weights,
+            tokens,
+            title=(
+                "Trainable attention weights: softmax(Q·Kᵀ / √d_k, dim=-1), "
+                f"d_k = {trace.trainable.d_k}"
+            ),
+        ),
+        "attention-flow": plot_attention_flow(trace),
+    }
+    paths: list[Path] = []
+    for stem, fig in figures.items():
+        for ext in ("png", "svg"):
+            path = out / f"{stem}.{ext}"
+            # Fixed metadata keeps the files reproducible (no creation dates).
+            meta = {"Software": None} if ext == "png" else {"Date": None, "Creator": None}
+            fig.savefig(path, dpi=150, metadata=meta)
+            paths.append(path)
+    return paths

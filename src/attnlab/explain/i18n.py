@@ -1,0 +1,240 @@
+"""Explanations of each walkthrough step, in English and Traditional Chinese.
+
+Messages are format strings; every number in them is filled in from a trace by the
+caller, never typed in here. Chinese follows Taiwan usage and the seed text's terms
+(注意力分數, 注意力權重, 上下文向量, 查詢/鍵/值); 列 is a row, 行 a column.
+"""
+
+from __future__ import annotations
+
+__all__ = ["DEFAULT_LANG", "LANGS", "MESSAGES", "message", "normalize_lang"]
+
+LANGS: tuple[str, ...] = ("en", "zh-TW")
+DEFAULT_LANG = "en"
+
+_ALIASES = {"en": "en", "zh-tw": "zh-TW", "zh_tw": "zh-TW", "zh-hant": "zh-TW"}
+
+# key -> {lang: format string}
+MESSAGES: dict[str, dict[str, str]] = {
+    "header": {
+        "en": "Self-attention, step by step: example {example!r}, {n} tokens, d_in = {d_in}",
+        "zh-TW": "自注意力機制逐步解說：範例 {example!r}，{n} 個詞元（token），d_in = {d_in}",
+    },
+    "example.journey": {
+        "en": 'The book\'s six tokens "Your journey starts with one step", each a 3-d embedding.',
+        "zh-TW": "書中的六個詞元「Your journey starts with one step」，每個是 3 維嵌入向量。",
+    },
+    "example.toy": {
+        "en": "The seed text's 2-D toy: six 2-d inputs and explicit 2x2 matrices W_q, W_k, W_v.",
+        "zh-TW": "原文中的二維小例子：六個 2 維輸入，以及明確給定的 2x2 矩陣 W_q、W_k、W_v。",
+    },
+    "example.custom": {
+        "en": "User-supplied inputs.",
+        "zh-TW": "使用者提供的輸入。",
+    },
+    "part.simplified": {
+        "en": "Part 1 · Simplified self-attention (section 3.3): no trainable weights",
+        "zh-TW": "第一部分 · 簡化的自注意力機制（3.3 節）：沒有可訓練權重",
+    },
+    "part.trainable": {
+        "en": "Part 2 · Self-attention with trainable weights (section 3.4), "
+        "walked through for token {pos} ({token!r})",
+        "zh-TW": "第二部分 · 具可訓練權重的自注意力機制（3.4 節），"
+        "以第 {pos} 個詞元（{token!r}）逐步示範",
+    },
+    "part.modules": {
+        "en": "Part 3 · The same computation as PyTorch modules",
+        "zh-TW": "第三部分 · 以 PyTorch 模組完成同樣的計算",
+    },
+    "inputs.title": {
+        "en": "Input embeddings X ({n}×{d_in})",
+        "zh-TW": "輸入嵌入向量 X（{n}×{d_in}）",
+    },
+    "inputs.text": {
+        "en": "Each row is one token's embedding. In the simplified form every embedding "
+        "serves as its own query, key and value.",
+        "zh-TW": "每一列是一個詞元的嵌入向量。"
+        "在簡化形式中，每個嵌入向量同時充當自己的查詢、鍵和值。",
+    },
+    "scores.title": {
+        "en": "Attention scores ω = X·Xᵀ ({n}×{n})",
+        "zh-TW": "注意力分數 ω = X·Xᵀ（{n}×{n}）",
+    },
+    "scores.text": {
+        "en": "Entry (i, j) is the dot product of token i's embedding with token j's: large "
+        "when the two are long and point the same way. Row i holds token i's scores "
+        "against every token.",
+        "zh-TW": "第 (i, j) 個元素是詞元 i 與詞元 j 嵌入向量的點積："
+        "兩者越長、方向越接近，數值越大。第 i 列是詞元 i 對所有詞元的分數。",
+    },
+    "weights.title": {
+        "en": "Attention weights = softmax(ω, dim=-1) ({n}×{n}), with row sums",
+        "zh-TW": "注意力權重 = softmax(ω, dim=-1)（{n}×{n}），附每列總和",
+    },
+    "weights.text": {
+        "en": "dim=-1 applies the softmax along the last dimension, across the columns of "
+        "each row, so each token's weights over all tokens are positive and sum to 1; the "
+        "last column checks it.",
+        "zh-TW": "dim=-1 表示沿著最後一個維度做 softmax，也就是在每一列中橫跨各行歸一化，"
+        "因此每個詞元對所有詞元的權重皆為正數且加總為 1；最後一行即為驗證。",
+    },
+    "context.title": {
+        "en": "Context vectors Z = weights·X ({n}×{d})",
+        "zh-TW": "上下文向量 Z = 權重·X（{n}×{d}）",
+    },
+    "context.text": {
+        "en": "Each context vector is a weighted average of all the embeddings, with that "
+        "token's row of weights: token i's summary of the whole sequence.",
+        "zh-TW": "每個上下文向量都是所有嵌入向量的加權平均，權重取自該詞元那一列："
+        "也就是詞元 i 對整個序列的摘要。",
+    },
+    "matrices.title": {
+        "en": "Trainable matrices W_query, W_key, W_value ({rows}×{cols} each)",
+        "zh-TW": "可訓練的權重矩陣 W_query、W_key、W_value（各為 {rows}×{cols}）",
+    },
+    "matrices.seeded": {
+        "en": "Drawn with torch.rand after torch.manual_seed({seed}), in the order W_query, "
+        "W_key, W_value, as the book does. Each has shape (d_in, d_out) and projects as "
+        "x @ W; training would update them.",
+        "zh-TW": "依照書中做法，在 torch.manual_seed({seed}) 之後以 torch.rand 依序產生 "
+        "W_query、W_key、W_value。每個矩陣的形狀為 (d_in, d_out)，投影方式為 x @ W；"
+        "訓練時會更新這些權重。",
+    },
+    "matrices.explicit": {
+        "en": "The toy's explicit matrices in the nn.Linear convention: each has shape "
+        "(d_out, d_in) and projects as inputs @ W.T (not x @ W).",
+        "zh-TW": "小例子中明確給定的矩陣，採用 nn.Linear 的慣例：每個矩陣的形狀為 "
+        "(d_out, d_in)，投影方式為 inputs @ W.T（而非 x @ W）。",
+    },
+    "token_qkv.title": {
+        "en": "Token {pos} ({token!r}) projected: query_{pos}, key_{pos}, value_{pos}",
+        "zh-TW": "投影第 {pos} 個詞元（{token!r}）：query_{pos}、key_{pos}、value_{pos}",
+    },
+    "token_qkv.text": {
+        "en": "The token's embedding is projected into a query (what it looks for), a key "
+        "(what it is matched on) and a value (what it passes on).",
+        "zh-TW": "把詞元的嵌入向量投影成查詢（它要找什麼）、"
+        "鍵（用來被比對的依據）和值（它實際傳遞的內容）。",
+    },
+    "keys_values.title": {
+        "en": "Keys and values of all tokens ({n}×{d} each)",
+        "zh-TW": "所有詞元的鍵與值（各為 {n}×{d}）",
+    },
+    "keys_values.text": {
+        "en": "To attend, token {pos} needs every token's key and value: "
+        "keys = inputs {op_k}, values = inputs {op_v}.",
+        "zh-TW": "為了計算注意力，第 {pos} 個詞元需要所有詞元的鍵和值："
+        "keys = inputs {op_k}，values = inputs {op_v}。",
+    },
+    "score_self.title": {
+        "en": "attn_score_{pos}{pos} = query_{pos} · key_{pos}",
+        "zh-TW": "attn_score_{pos}{pos} = query_{pos} · key_{pos}",
+    },
+    "score_self.text": {
+        "en": "The score of token {pos} with itself: the dot product of its query with its "
+        "own key. (The seed's code calls an undefined keys_2 here; it means key_2.)",
+        "zh-TW": "第 {pos} 個詞元對自己的分數：它的查詢向量與自己的鍵向量的點積。"
+        "（原文程式碼在此寫成未定義的 keys_2，應為 key_2。）",
+    },
+    "token_scores.title": {
+        "en": "attn_scores_{pos} = query_{pos} @ keys.T ({n},)",
+        "zh-TW": "attn_scores_{pos} = query_{pos} @ keys.T（{n},）",
+    },
+    "token_scores.text": {
+        "en": "One dot product per key; entry {pos} is the score above.",
+        "zh-TW": "每個鍵各一個點積；第 {pos} 個元素就是上面的分數。",
+    },
+    "token_weights.title": {
+        "en": "attn_weights_{pos} = softmax(attn_scores_{pos} / √d_k, dim=-1), d_k = {d_k}",
+        "zh-TW": "attn_weights_{pos} = softmax(attn_scores_{pos} / √d_k, dim=-1)，d_k = {d_k}",
+    },
+    "token_weights.text": {
+        "en": "The scores are divided by √d_k = {sqrt_dk:.4f} before the softmax. Dot "
+        "products grow with the dimension; large scores push the softmax towards one-hot, "
+        "where its gradients are tiny and training stalls.",
+        "zh-TW": "在 softmax 之前先把分數除以 √d_k = {sqrt_dk:.4f}。點積會隨維度增大；"
+        "分數過大時 softmax 會趨近 one-hot，梯度變得極小，訓練因而停滯。",
+    },
+    "token_context.title": {
+        "en": "context_vec_{pos} = attn_weights_{pos} @ values ({d},)",
+        "zh-TW": "context_vec_{pos} = attn_weights_{pos} @ values（{d},）",
+    },
+    "token_context.text": {
+        "en": "The context vector is the sum of the value vectors weighted by attention. "
+        "(The seed text omits this code; it is this one line.)",
+        "zh-TW": "上下文向量是以注意力權重對值向量加權求和的結果。"
+        "（原文省略了這段程式碼，其實就是這一行。）",
+    },
+    "all.title": {
+        "en": "All tokens at once: softmax(Q·Kᵀ/√d_k, dim=-1) ({n}×{n}) and context = weights·V",
+        "zh-TW": "一次計算所有詞元：softmax(Q·Kᵀ/√d_k, dim=-1)（{n}×{n}）與上下文 = 權重·V",
+    },
+    "all.text": {
+        "en": "The same steps as matrix products for every token. Row {pos} repeats the "
+        "single-token walk: max |difference| = {diff:.1e}.",
+        "zh-TW": "以矩陣乘法對所有詞元做同樣的步驟。第 {pos} 列與上面的單一詞元計算相同："
+        "最大絕對差 = {diff:.1e}。",
+    },
+    "v1.text.seeded": {
+        "en": "Its three nn.Parameter(torch.rand(d_in, d_out)) are drawn in the walk's "
+        "order, so after the same seed it holds the same matrices: row {pos} is "
+        "context_vec_{pos} (max |difference| = {diff:.1e}).",
+        "zh-TW": "它的三個 nn.Parameter(torch.rand(d_in, d_out)) 與逐步計算的產生順序相同，"
+        "因此在相同的種子下權重完全一樣："
+        "第 {pos} 列就是 context_vec_{pos}（最大絕對差 = {diff:.1e}）。",
+    },
+    "v2.text.seeded": {
+        "en": "nn.Linear computes x @ weight.T and starts from a better initialisation, so "
+        "these numbers differ from V1's: different weights, the same computation.",
+        "zh-TW": "nn.Linear 計算 x @ weight.T，並採用較佳的權重初始化方式，所以數值與 V1 不同："
+        "權重不同，計算方式相同。",
+    },
+    "v2.text.explicit": {
+        "en": "The toy's matrices loaded as nn.Linear weights: its output is the context "
+        "vectors of the walk above (max |difference| = {diff:.1e}).",
+        "zh-TW": "把小例子的矩陣載入為 nn.Linear 的權重：輸出就是上面逐步計算的上下文向量"
+        "（最大絕對差 = {diff:.1e}）。",
+    },
+    "copy.text": {
+        "en": "Copying each nn.Linear weight, transposed (W = weight.T), into a V1 makes V1 "
+        "compute what V2 computes: max |difference| = {diff:.1e}.",
+        "zh-TW": "把每個 nn.Linear 權重轉置後（W = weight.T）複製進 V1，V1 的輸出便與 V2 相同："
+        "最大絕對差 = {diff:.1e}。",
+    },
+    "label.token": {"en": "token", "zh-TW": "詞元"},
+    "label.row_sum": {"en": "row sum", "zh-TW": "列總和"},
+    "label.value": {"en": "value", "zh-TW": "數值"},
+    "label.vector": {"en": "vector", "zh-TW": "向量"},
+    "label.wrote": {"en": "Figures written:", "zh-TW": "已輸出圖檔："},
+}
+
+
+def normalize_lang(lang: str) -> str:
+    """The canonical language code for ``lang`` (case and ``_``/``-`` forgiving).
+
+    Args:
+        lang: ``"en"`` or ``"zh-TW"`` (also ``"zh_tw"``, ``"zh-Hant"``).
+
+    Returns:
+        ``"en"`` or ``"zh-TW"``.
+
+    Raises:
+        TypeError: ``lang`` is not a string.
+        ValueError: an unsupported language.
+    """
+    if not isinstance(lang, str):
+        raise TypeError(f"`lang` must be a str, got {type(lang).__name__}")
+    try:
+        return _ALIASES[lang.strip().lower()]
+    except KeyError:
+        raise ValueError(f"`lang` must be one of {', '.join(LANGS)}; got {lang!r}") from None
+
+
+def message(key: str, lang: str = DEFAULT_LANG, **values: object) -> str:
+    """The message ``key`` in ``lang``, formatted with ``values``.
+
+    Raises:
+        KeyError: an unknown key.
+        ValueError: an unsupported language.
+    """
+    return MESSAGES[key][normalize_lang(lang)].format(**values)

@@ -1,0 +1,351 @@
+"""Render an :class:`~attnlab.explain.trace.AttentionTrace` as terminal tables.
+
+Builds rich renderables (labelled tables, numbers to 4 decimals, one or two
+sentences per step) and returns them; printing is the caller's job (the CLI owns
+the one console). Every number comes from the trace.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from rich import box
+from rich.cells import cell_len
+from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderResult
+from rich.padding import Padding
+from rich.table import Table
+from rich.text import Text
+
+from attnlab.explain.i18n import DEFAULT_LANG, message, normalize_lang
+from attnlab.explain.trace import AttentionTrace
+
+__all__ = [
+    "DECIMALS",
+    "Paragraph",
+    "format_number",
+    "matrix_table",
+    "walkthrough_renderables",
+    "wrap_text",
+]
+
+DECIMALS = 4
+
+
+def format_number(value: float) -> str:
+    """A number as the book prints it: 4 decimals."""
+    return f"{value:.{DECIMALS}f}"
+
+
+def matrix_table(
+    title: str,
+    matrix: torch.Tensor,
+    *,
+    row_labels: Sequence[str] | None = None,
+    col_labels: Sequence[str] | None = None,
+    corner: str = "",
+    extra: tuple[str, torch.Tensor] | None = None,
+) -> Table:
+    """A labelled table of a 1-D or 2-D tensor, 4 decimals.
+
+    Args:
+        title: the table's label.
+        matrix: ``(R, C)``, or ``(C,)`` shown as one row.
+        row_labels: one per row; default none.
+        col_labels: one per column; default ``0, 1, ...``.
+        corner: header of the row-label column.
+        extra: ``(header, values (R,))`` appended as a last, highlighted column.
+
+    Returns:
+        The table.
+    """
+    m = matrix.detach().reshape(1, -1) if matrix.ndim == 1 else matrix.detach()  # (R, C)
+    n_rows, n_cols = m.shape
+    table = Table(
+        title=title,
+        title_justify="left",
+        title_style="bold",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+        show_edge=False,
+    )
+    if row_labels is not None:
+        table.add_column(corner, style="cyan", no_wrap=True)
+    for name in col_labels if col_labels is not None else [str(j) for j in range(n_cols)]:
+        table.add_column(name, justify="right", no_wrap=True)
+    if extra is not None:
+        table.add_column(extra[0], justify="right", style="green", no_wrap=True)
+    rows = m.tolist()
+    extra_values = extra[1].detach().reshape(-1).tolist() if extra is not None else None
+    for i in range(n_rows):
+        cells = [format_number(v) for v in rows[i]]
+        if row_labels is not None:
+            cells.insert(0, row_labels[i])
+        if extra_values is not None:
+            cells.append(format_number(extra_values[i]))
+        table.add_row(*cells)
+    return table
+
+
+def _is_wide(ch: str) -> bool:
+    return cell_len(ch) == 2
+
+
+def wrap_text(text: str, width: int) -> list[str]:
+    """Wrap ``text`` to ``width`` terminal cells, breaking at spaces or between CJK characters.
+
+    Chinese has no spaces between words, so a line may break after any CJK character
+    (but not before closing punctuation); Latin words and numbers are kept whole.
+    """
+    units: list[str] = []  # words, single CJK characters, and " " break points
+    word = ""
+    for ch in text:
+        if ch == " " or _is_wide(ch):
+            if word:
+                units.append(word)
+                word = ""
+            if ch != " " and ch in _NO_BREAK_BEFORE and units and units[-1] != " ":
+                units[-1] += ch  # keep closing punctuation on the line it closes
+            else:
+                units.append(ch)
+        else:
+            word += ch
+    if word:
+        units.append(word)
+    lines: list[str] = []
+    line = ""
+    for unit in units:
+        if unit == " ":
+            if line:
+                line += " "
+            continue
+        if line.strip() and cell_len(line + unit) > width:
+            lines.append(line.rstrip(" "))
+            line = ""
+        line += unit
+    if line.strip():
+        lines.append(line.rstrip(" "))
+    return lines
+
+
+_NO_BREAK_BEFORE = set("，。、；：？！）」』》〉")
+
+
+class Paragraph:
+    """Text wrapped to the console width (CJK-aware), indented, no trailing spaces."""
+
+    def __init__(self, text: str, indent: int = 2, style: str = "") -> None:
+        self.text = text
+        self.indent = indent
+        self.style = style
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        width = max(20, options.max_width - self.indent)
+        for line in wrap_text(self.text, width):
+            yield Text(" " * self.indent + line, style=self.style, no_wrap=True)
+
+
+def _step(title: str, text: str, *tables: RenderableType) -> RenderableType:
+    return Group(
+        Paragraph(title, indent=0, style="bold magenta"),
+        Paragraph(text),
+        *(Group(Text(""), Padding(t, (0, 0, 0, 2), expand=False)) for t in tables),
+        Text(""),
+    )
+
+
+def _part(title: str) -> RenderableType:
+    return Group(Paragraph(title, indent=0, style="bold underline"), Text(""))
+
+
+def walkthrough_renderables(
+    trace: AttentionTrace, lang: str = DEFAULT_LANG
+) -> list[RenderableType]:
+    """The walkthrough of ``trace`` as renderables, in the seed text's order.
+
+    Part 1 is the simplified form (scores, weights with row sums, context vectors),
+    part 2 the trainable walk for token ``trace.index`` then all tokens at once, part
+    3 the ``SelfAttentionV1`` / ``SelfAttentionV2`` outputs and the weight copy.
+
+    Args:
+        trace: the computed trace.
+        lang: ``"en"`` or ``"zh-TW"``.
+
+    Returns:
+        Renderables to print in order.
+
+    Raises:
+        ValueError: an unsupported language.
+    """
+    lang = normalize_lang(lang)
+
+    def msg(key: str, **values: object) -> str:
+        return message(key, lang, **values)
+
+    t = trace
+    n, d_in, d = t.n_tokens, t.d_in, t.d_out
+    tokens = list(t.tokens)
+    pos = t.index + 1  # the book counts tokens from 1 (x_2 is inputs[1])
+    token = t.tokens[t.index]
+    tok_label = msg("label.token")
+    row_sum = msg("label.row_sum")
+    in_cols = [f"x[{j}]" for j in range(d_in)]
+    out_cols = [f"[{j}]" for j in range(d)]
+    s, tr, tt, proj = t.simplified, t.trainable, t.trainable_token, t.projection
+    explicit = proj.convention == "x @ W.T"
+
+    def op(w: str) -> str:
+        return f"@ {w}.T" if explicit else f"@ {w}"
+
+    out: list[RenderableType] = [
+        Paragraph(msg("header", example=t.example, n=n, d_in=d_in), indent=0, style="bold"),
+        Paragraph(
+            msg(f"example.{t.example}" if t.example in ("journey", "toy") else "example.custom"),
+            indent=0,
+        ),
+        Text(""),
+        _part(msg("part.simplified")),
+        _step(
+            msg("inputs.title", n=n, d_in=d_in),
+            msg("inputs.text"),
+            matrix_table(
+                "inputs", t.inputs, row_labels=tokens, col_labels=in_cols, corner=tok_label
+            ),
+        ),
+        _step(
+            msg("scores.title", n=n),
+            msg("scores.text"),
+            matrix_table("attn_scores", s.scores, row_labels=tokens, col_labels=tokens),
+        ),
+        _step(
+            msg("weights.title", n=n),
+            msg("weights.text"),
+            matrix_table(
+                "attn_weights",
+                s.weights,
+                row_labels=tokens,
+                col_labels=tokens,
+                extra=(row_sum, s.row_sums),
+            ),
+        ),
+        _step(
+            msg("context.title", n=n, d=d_in),
+            msg("context.text"),
+            matrix_table("all_context_vecs", s.context, row_labels=tokens, col_labels=in_cols),
+        ),
+        _part(msg("part.trainable", pos=pos, token=token)),
+    ]
+
+    shape = tuple(proj.W_query.shape)
+    w_cols = [f"[{j}]" for j in range(shape[1])]
+    matrices_text = msg("matrices.explicit") if explicit else msg("matrices.seeded", seed=proj.seed)
+    out.append(
+        _step(
+            msg("matrices.title", rows=shape[0], cols=shape[1]),
+            matrices_text,
+            *(
+                matrix_table(name, w, col_labels=w_cols)
+                for name, w in (
+                    ("W_query", proj.W_query),
+                    ("W_key", proj.W_key),
+                    ("W_value", proj.W_value),
+                )
+            ),
+        )
+    )
+    qkv = torch.stack([tt.query, tt.key, tt.value])  # (3, d)
+    out.append(
+        _step(
+            msg("token_qkv.title", pos=pos, token=token),
+            msg("token_qkv.text"),
+            matrix_table(f"x_{pos}", tt.x, col_labels=in_cols),
+            matrix_table(
+                f"x_{pos} projected",
+                qkv,
+                row_labels=[
+                    f"query_{pos} = x_{pos} {op('W_query')}",
+                    f"key_{pos} = x_{pos} {op('W_key')}",
+                    f"value_{pos} = x_{pos} {op('W_value')}",
+                ],
+                col_labels=out_cols,
+            ),
+        )
+    )
+    out.append(
+        _step(
+            msg("keys_values.title", n=n, d=d),
+            msg("keys_values.text", pos=pos, op_k=op("W_key"), op_v=op("W_value")),
+            matrix_table("keys", tr.keys, row_labels=tokens, col_labels=out_cols),
+            matrix_table("values", tr.values, row_labels=tokens, col_labels=out_cols),
+        )
+    )
+    out.append(
+        _step(
+            msg("score_self.title", pos=pos),
+            msg("score_self.text", pos=pos),
+            Text(f"attn_score_{pos}{pos} = {format_number(tt.score_self)}", style="bold"),
+        )
+    )
+    out.append(
+        _step(
+            msg("token_scores.title", pos=pos, n=n),
+            msg("token_scores.text", pos=pos),
+            matrix_table(f"attn_scores_{pos}", tt.scores, col_labels=tokens),
+        )
+    )
+    scale = tr.scale if tr.scale is not None else 1.0
+    out.append(
+        _step(
+            msg("token_weights.title", pos=pos, d_k=tr.d_k),
+            msg("token_weights.text", sqrt_dk=1.0 / scale),
+            matrix_table(f"attn_scores_{pos} / √d_k", tt.scaled_scores, col_labels=tokens),
+            matrix_table(
+                f"attn_weights_{pos}",
+                tt.weights,
+                col_labels=tokens,
+                extra=(msg("label.row_sum"), torch.tensor([tt.weights_sum])),
+            ),
+        )
+    )
+    out.append(
+        _step(
+            msg("token_context.title", pos=pos, d=d),
+            msg("token_context.text"),
+            matrix_table(f"context_vec_{pos}", tt.context, col_labels=out_cols),
+        )
+    )
+    out.append(
+        _step(
+            msg("all.title", n=n),
+            msg("all.text", pos=pos, diff=t.checks.token_vs_all),
+            matrix_table(
+                "attn_weights",
+                tr.weights,
+                row_labels=tokens,
+                col_labels=tokens,
+                extra=(row_sum, tr.row_sums),
+            ),
+            matrix_table("context_vecs", tr.context, row_labels=tokens, col_labels=out_cols),
+        )
+    )
+
+    out.append(_part(msg("part.modules")))
+    for run in t.modules:
+        if run.role == "v1":
+            text = msg("v1.text.seeded", pos=pos, diff=t.checks.module_vs_walk)
+        elif run.role == "v2":
+            text = (
+                msg("v2.text.explicit", diff=t.checks.module_vs_walk)
+                if explicit
+                else msg("v2.text.seeded")
+            )
+        else:
+            text = msg("copy.text", diff=t.checks.v1_from_v2_vs_v2)
+        out.append(
+            _step(
+                f"{run.name}: {run.built}",
+                text,
+                matrix_table(run.name, run.output, row_labels=tokens, col_labels=out_cols),
+            )
+        )
+    return out

@@ -1,0 +1,148 @@
+"""The `attnlab` command, run for real: `python -m attnlab` in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from attnlab.cli import main
+from attnlab.explain.trace import trace_example
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+FIGURES = ("attention-weights-simplified", "attention-weights-trainable", "attention-flow")
+
+
+def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(SRC) + os.pathsep + env.get("PYTHONPATH", "")
+    env["COLUMNS"] = "100"
+    env["MPLBACKEND"] = "Agg"
+    return subprocess.run(
+        [sys.executable, "-m", "attnlab", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        encoding="utf-8",
+        timeout=120,
+    )
+
+
+def test_walkthrough_prints_the_tables_and_writes_figures(tmp_path):
+    result = run_cli("walkthrough", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    for label in ("attn_scores", "attn_weights", "row sum", "all_context_vecs", "query_2",
+                  "attn_score_22 = 1.8524", "attn_weights_2", "context_vec_2",
+                  "SelfAttentionV1", "SelfAttentionV2"):  # fmt: skip
+        assert label in out, label
+    # the seed's tables and the book's printed values, as computed
+    for number in ("0.2098", "0.4421", "0.5931", "0.4306", "1.4551", "0.2264", "0.8210",
+                   "0.2996", "0.8053", "-0.0739", "0.0713"):  # fmt: skip
+        assert number in out, number
+    assert "Attention weights = softmax" in out  # English explanations by default
+    assert result.stderr == ""
+    for stem in FIGURES:
+        for ext in ("png", "svg"):
+            path = tmp_path / "attnlab-out" / f"{stem}.{ext}"
+            assert path.stat().st_size > 1000, path
+            assert str(Path("attnlab-out") / f"{stem}.{ext}") in out
+
+
+def test_walkthrough_in_traditional_chinese(tmp_path):
+    result = run_cli("walkthrough", "--lang", "zh-TW", "--no-figures", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "注意力權重" in result.stdout and "上下文向量" in result.stdout
+    assert "√d_k" in result.stdout and "0.2098" in result.stdout
+    assert "Attention weights = softmax" not in result.stdout
+    assert not (tmp_path / "attnlab-out").exists()
+
+
+def test_json_is_the_trace_and_nothing_else(tmp_path):
+    result = run_cli("walkthrough", "--json", "--seed", "7", "--token", "5", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)  # stdout is exactly one JSON document
+    expected = trace_example("journey", index=4, seed=7)
+    assert data["schema"] == "attnlab.trace/1"
+    assert data["trainable_token"]["index"] == 4
+    assert data["projection"]["seed"] == 7
+    torch.testing.assert_close(
+        torch.tensor(data["trainable"]["context"]), expected.trainable.context
+    )
+    assert not (tmp_path / "attnlab-out").exists()  # --json writes figures only with --out
+
+
+@pytest.mark.parametrize(
+    ("args", "pattern"),
+    [
+        (("--example", "nope"), r"unknown --example 'nope'; choose one of journey, toy"),
+        (("--lang", "fr"), r"unknown --lang 'fr'; choose one of en, zh-TW"),
+    ],
+)
+def test_user_errors_are_one_line_and_exit_2(tmp_path, args, pattern):
+    result = run_cli("walkthrough", *args, cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    assert re.search(pattern, result.stderr), result.stderr
+    assert result.stderr.startswith("attnlab: error: ")
+
+
+# The same entry point in-process (faster: no interpreter and torch start-up per case).
+
+
+def run_main(capsys, *args: str) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as exit_info:
+        main(list(args))
+    captured = capsys.readouterr()
+    return int(exit_info.value.code), captured.out, captured.err
+
+
+@pytest.mark.parametrize(
+    ("args", "pattern"),
+    [
+        (("--example", "toy", "--seed", "1"), r"`seed` does not apply to example 'toy'"),
+        (("--token", "0"), r"`--token` must be between 1 and 6"),
+        (("--token", "x"), r"Invalid value for '--token'"),
+        (("--bogus",), r"No such option: --bogus"),
+        (("--out", "a-file"), r"cannot write figures to `--out` 'a-file': not a folder"),
+    ],
+)
+def test_more_user_errors_in_process(capsys, tmp_path, monkeypatch, args, pattern):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a-file").write_text("not a folder")
+    code, out, err = run_main(capsys, "walkthrough", *args)
+    assert code == 2
+    assert out == ""
+    assert err.count("\n") == 1 and err.startswith("attnlab: error: "), err
+    assert re.search(pattern, err), err
+
+
+def test_toy_example_in_process(capsys):
+    code, out, _ = run_main(capsys, "walkthrough", "-e", "toy", "--token", "3", "--no-figures")
+    assert code == 0
+    assert "query_3 = x_3 @ W_query.T" in out
+    assert "nn.Linear convention" in out
+
+
+def test_json_with_out_writes_figures_and_keeps_stdout_clean(capsys, tmp_path):
+    code, out, err = run_main(capsys, "walkthrough", "--json", "--out", str(tmp_path / "figs"))
+    assert code == 0
+    assert json.loads(out)["example"] == "journey"
+    assert "attention-flow.svg" in err
+    assert (tmp_path / "figs" / "attention-flow.png").stat().st_size > 1000
+
+
+def test_version_and_help(capsys):
+    code, out, _ = run_main(capsys, "--version")
+    assert code == 0 and re.fullmatch(r"attnlab \d+\.\d+\.\d+\n", out)
+    code, out, _ = run_main(capsys)
+    assert code == 0 and "walkthrough" in out
