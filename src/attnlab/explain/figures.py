@@ -1,5 +1,9 @@
 """Figures of a trace: the attention-weights heatmap and the flow diagram.
 
+For any model's :class:`~attnlab.explain.model_trace.ModelTrace`: one head
+(:func:`plot_heatmap`), one layer's heads (:func:`plot_heads`) and every layer and
+head as thumbnails (:func:`plot_model`).
+
 matplotlib is imported lazily, inside each function, and figures are built with
 ``matplotlib.figure.Figure`` directly (no pyplot, no GUI backend, nothing global
 changed); saving renders with Agg (PNG) or the SVG backend. Every plotting function
@@ -22,7 +26,16 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-__all__ = ["plot_attention_flow", "plot_attention_weights", "save_walkthrough_figures"]
+    from attnlab.explain.model_trace import ModelTrace
+
+__all__ = [
+    "plot_attention_flow",
+    "plot_attention_weights",
+    "plot_heads",
+    "plot_heatmap",
+    "plot_model",
+    "save_walkthrough_figures",
+]
 
 # Colours: tensors blue, operations amber; both readable in print and for colour-blind eyes.
 _TENSOR_FACE, _TENSOR_EDGE = "#dbe9f6", "#2b6cb0"
@@ -30,11 +43,29 @@ _OP_FACE, _OP_EDGE = "#fde8c8", "#c05621"
 _ARROW = "#4a5568"
 _NOTE = "#4a5568"
 
+# Heatmaps write each weight in its cell up to this many tokens a side.
+ANNOTATE_MAX = 12
+# At most this many token labels per heatmap axis (long inputs show every n-th).
+MAX_TICK_LABELS = 40
+# Thumbnails (plot_heads / plot_model) are max-pooled to at most this many bins a side.
+THUMB_BINS = 128
+
 
 def _luminance(rgba: tuple[float, float, float, float]) -> float:
     """WCAG relative luminance; below ~0.2 white text has the better contrast."""
     r, g, b = (c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4 for c in rgba[:3])
     return 0.2126 * r + 0.7152 * g + 0.0722 * b
+
+
+def _tick_positions(n: int) -> list[int]:
+    """Every position up to MAX_TICK_LABELS, else evenly spaced ones (first and last kept)."""
+    if n <= MAX_TICK_LABELS:
+        return list(range(n))
+    step = -(-n // MAX_TICK_LABELS)
+    ticks = list(range(0, n, step))
+    if n - 1 - ticks[-1] < step / 2:
+        ticks.pop()  # too close to the last label to be readable
+    return [*ticks, n - 1]
 
 
 def _new_axes(ax: Axes | None, figsize: tuple[float, float]) -> tuple[Figure, Axes]:
@@ -56,11 +87,14 @@ def plot_attention_weights(
     key_tokens: Sequence[str] | None = None,
     title: str = "Attention weights",
     cmap: str = "Blues",
+    annotate: bool | None = None,
 ) -> Figure:
     """Heatmap of attention weights with the tokens on both axes and values in the cells.
 
     Rows are queries (the token attending), columns keys (the token attended to);
     each row sums to 1. Cell text is the weight to 4 decimals, as in the tables.
+    Long inputs (more than :data:`ANNOTATE_MAX` tokens) get no cell text by default,
+    and at most :data:`MAX_TICK_LABELS` token labels per axis.
 
     Args:
         weights: ``(T, S)`` attention weights.
@@ -69,6 +103,8 @@ def plot_attention_weights(
         key_tokens: ``S`` key labels.
         title: the axes title.
         cmap: a matplotlib colormap name.
+        annotate: write the weights in the cells; default when both sides have at
+            most :data:`ANNOTATE_MAX` tokens.
 
     Returns:
         The Figure.
@@ -91,12 +127,14 @@ def plot_attention_weights(
         raise ValueError(
             f"`key_tokens` must have {n_cols} labels (columns of weights), got {len(keys)}"
         )
-    size = max(4.5, 0.9 * n_cols + 2.5)
+    if annotate is None:
+        annotate = max(n_rows, n_cols) <= ANNOTATE_MAX
+    size = min(12.0, max(4.5, 0.9 * n_cols + 2.5))
     fig, ax = _new_axes(ax, (size + 1.0, size))
     vmax = max(float(w.max()), 1e-12)
-    im = ax.imshow(w.numpy(), cmap=cmap, vmin=0.0, vmax=vmax)
+    im = ax.imshow(w.numpy(), cmap=cmap, vmin=0.0, vmax=vmax, interpolation="nearest")
     font = 10 if n_cols <= 8 else max(5, 10 - (n_cols - 8) // 2)
-    for i in range(n_rows):
+    for i in range(n_rows if annotate else 0):
         for j in range(n_cols):
             v = float(w[i, j])
             dark = _luminance(im.cmap(v / vmax)) < 0.2  # the cell's colour (vmin is 0)
@@ -104,8 +142,9 @@ def plot_attention_weights(
                 j, i, f"{v:.4f}", ha="center", va="center", fontsize=font,
                 color="white" if dark else "#1a202c",
             )  # fmt: skip
-    ax.set_xticks(range(n_cols), keys, rotation=35, ha="right", rotation_mode="anchor")
-    ax.set_yticks(range(n_rows), list(tokens))
+    xs, ys = _tick_positions(n_cols), _tick_positions(n_rows)
+    ax.set_xticks(xs, [keys[j] for j in xs], rotation=35, ha="right", rotation_mode="anchor")
+    ax.set_yticks(ys, [tokens[i] for i in ys])
     ax.set_xlabel("key (token attended to)")
     ax.set_ylabel("query (token attending)")
     ax.set_title(title, loc="left", fontsize=11)
@@ -312,3 +351,145 @@ def save_walkthrough_figures(trace: AttentionTrace, out_dir: str | Path) -> list
             fig.savefig(path, dpi=150, metadata=meta)
             paths.append(path)
     return paths
+
+
+# ------------------------------------------------------------- model traces (issue 6)
+
+
+def _trace_label(trace: ModelTrace, layer: int) -> str:
+    if trace.layer_names is not None:
+        return trace.layer_names[trace.layers.index(layer)]
+    return f"layer {layer}"
+
+
+def _pooled(weights: torch.Tensor, bins: int) -> torch.Tensor:
+    """Max-pool a ``(T, S)`` map to at most ``bins`` a side (exact when it fits)."""
+    T, S = weights.shape
+    if max(T, S) <= bins:
+        return weights
+    pooled = torch.nn.functional.adaptive_max_pool2d(
+        weights[None, None], (min(T, bins), min(S, bins))
+    )  # (1, 1, T', S')
+    return pooled[0, 0]
+
+
+def plot_heatmap(
+    trace: ModelTrace,
+    layer: int,
+    head: int,
+    ax: Axes | None = None,
+    *,
+    annotate: bool | None = None,
+) -> Figure:
+    """One head's attention weights as a heatmap, tokens on both axes.
+
+    Rows are queries, columns keys. Small matrices (up to 12 tokens) have each
+    weight written in its cell; long inputs show a subset of the token labels.
+
+    Args:
+        trace: a :class:`~attnlab.explain.model_trace.ModelTrace`.
+        layer: a captured layer (model numbering).
+        head: a captured head.
+        ax: draw into this Axes; by default a new Figure.
+        annotate: write the values in the cells (default: when at most 12 tokens).
+
+    Returns:
+        The Figure.
+
+    Raises:
+        ValueError: the layer or head is not in the trace.
+    """
+    weights = trace.head_weights(layer, head)  # (T, S)
+    title = f"{_trace_label(trace, layer)}, head {head}"
+    if trace.source:
+        title = f"{trace.source}: {title}"
+    return plot_attention_weights(
+        weights,
+        list(trace.tokens),
+        ax,
+        key_tokens=list(trace.key_tokens),
+        title=title,
+        annotate=annotate,
+    )
+
+
+def _thumb(ax: Axes, weights: torch.Tensor, vmax: float, cmap: str) -> None:
+    ax.imshow(_pooled(weights.float(), THUMB_BINS).numpy(), cmap=cmap, vmin=0.0, vmax=vmax,
+              interpolation="nearest", aspect="auto")  # fmt: skip
+    ax.set_xticks([])
+    ax.set_yticks([])
+
+
+def plot_heads(trace: ModelTrace, layer: int, *, cols: int = 4, cmap: str = "Blues") -> Figure:
+    """Every captured head of one layer, side by side (rows queries, columns keys).
+
+    Long inputs are max-pooled to 128 bins a side so that strong weights stay visible.
+
+    Args:
+        trace: the trace.
+        layer: a captured layer.
+        cols: heads per row of the grid.
+        cmap: a matplotlib colormap name.
+
+    Returns:
+        The Figure (one Axes per head, titled ``head h``).
+
+    Raises:
+        ValueError: the layer is not in the trace, or ``cols`` < 1.
+    """
+    from matplotlib.figure import Figure
+
+    if cols < 1:
+        raise ValueError(f"`cols` must be at least 1, got {cols}")
+    maps = [trace.head_weights(layer, h) for h in trace.heads]  # each (T, S)
+    n = len(maps)
+    ncols = min(cols, n)
+    nrows = -(-n // ncols)
+    fig = Figure(figsize=(2.6 * ncols + 0.6, 2.6 * nrows + 0.6), layout="constrained")
+    axes = fig.subplots(nrows, ncols, squeeze=False)
+    for i, ax in enumerate(axes.flat):
+        if i >= n:
+            ax.set_axis_off()
+            continue
+        _thumb(ax, maps[i], 1.0, cmap)
+        ax.set_title(f"head {trace.heads[i]}", fontsize=10)
+    axes[0, 0].set_ylabel("query")
+    axes[-1, 0].set_xlabel("key")
+    fig.suptitle(
+        f"{trace.source + ': ' if trace.source else ''}{_trace_label(trace, layer)}, "
+        f"{len(trace.tokens)} tokens",
+        fontsize=11,
+    )
+    return fig
+
+
+def plot_model(trace: ModelTrace, *, cmap: str = "Blues") -> Figure:
+    """Thumbnails of every captured layer (rows) and head (columns).
+
+    Args:
+        trace: the trace.
+        cmap: a matplotlib colormap name.
+
+    Returns:
+        The Figure, one Axes per (layer, head) in row-major order.
+    """
+    from matplotlib.figure import Figure
+
+    L, H = len(trace.layers), len(trace.heads)
+    size = 1.3 if L * H <= 64 else 0.8
+    fig = Figure(figsize=(size * H + 1.4, size * L + 0.9), layout="constrained")
+    axes = fig.subplots(L, H, squeeze=False)
+    for li, layer in enumerate(trace.layers):
+        for hi, head in enumerate(trace.heads):
+            ax = axes[li, hi]
+            _thumb(ax, trace.head_weights(layer, head), 1.0, cmap)
+            if li == 0:
+                ax.set_title(f"head {head}", fontsize=8)
+            if hi == 0:
+                ax.set_ylabel(_trace_label(trace, layer), fontsize=8)
+    fig.suptitle(
+        f"{trace.source + ': ' if trace.source else ''}attention weights, "
+        f"{L} layers x {H} heads, {len(trace.tokens)} tokens",
+        fontsize=10,
+    )
+    return fig

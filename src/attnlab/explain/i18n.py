@@ -206,6 +206,32 @@ MESSAGES: dict[str, dict[str, str]] = {
     "label.value": {"en": "value", "zh-TW": "數值"},
     "label.vector": {"en": "vector", "zh-TW": "向量"},
     "label.wrote": {"en": "Figures written:", "zh-TW": "已輸出圖檔："},
+    # attnlab explain
+    "explain.summary": {
+        "en": "{source}: {n} tokens, {layers} layers x {heads} heads ({mode})",
+        "zh-TW": "{source}：{n} 個詞元，{layers} 層 x {heads} 個注意力頭（{mode}）",
+    },
+    "explain.dense": {"en": "all weights", "zh-TW": "全部權重"},
+    "explain.topk": {
+        "en": "the {k} strongest keys of each query",
+        "zh-TW": "每個查詢最強的 {k} 個鍵",
+    },
+    "explain.weights": {
+        "en": "Attention weights of {layer}, head {head} (rows: queries, columns: keys)",
+        "zh-TW": "{layer}、第 {head} 個頭的注意力權重（列：查詢，行：鍵）",
+    },
+    "explain.top": {
+        "en": "Strongest keys of each query, {layer}, head {head}",
+        "zh-TW": "{layer}、第 {head} 個頭：每個查詢最強的鍵",
+    },
+    "explain.more": {
+        "en": "... {n} more queries in the page",
+        "zh-TW": "……其餘 {n} 個查詢請見網頁",
+    },
+    "explain.page": {
+        "en": "Interactive page (open it in a browser, works offline): {path}",
+        "zh-TW": "互動網頁（以瀏覽器開啟，可離線使用）：{path}",
+    },
 }
 
 

@@ -1,0 +1,523 @@
+"""Capture what a model built on :class:`attnlab.attention.Attention` attended to.
+
+Shape legend:
+    L layers captured, H heads captured, T query tokens, S key tokens,
+    K keys kept per query (top-k mode), D head dim.
+
+:func:`trace_model` runs a model once with every attention layer's ``capture`` hook
+switched on, and keeps what the layers themselves computed through the attention
+core's exact-weights path. Nothing here recomputes attention: what the trace holds
+is what the model computed.
+
+Long inputs are captured without holding all ``layers x heads x T x S`` weights at
+once: choose the layers (``layers=``), the heads (``heads=``), or keep only the
+``top_k`` strongest keys of every query. Each layer's weights are reduced (or
+dropped) as soon as that layer has run, so the peak is one layer's weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["ModelTrace", "trace_from_walkthrough", "trace_model"]
+
+# Above this many dense weights (all captured layers x heads x T x S) trace_model
+# refuses dense mode and asks for top_k / layers / heads (4 bytes each: 256 MiB).
+MAX_DENSE_ELEMENTS = 1 << 26
+
+
+@dataclass(frozen=True)
+class ModelTrace:
+    """The attention weights one forward pass of a model computed, as data.
+
+    Either ``weights`` (dense mode) or ``top_indices`` + ``top_values`` (top-k mode)
+    is set. Layers and heads are numbered as in the model; ``layers`` and ``heads``
+    say which of them the trace holds.
+
+    Attributes:
+        tokens: the query tokens, as text (one per row).
+        key_tokens: the key tokens (one per column); the same as ``tokens`` for
+            self-attention.
+        layers: the model's indices of the captured layers, ascending.
+        heads: the captured query heads, ascending (the same for every layer).
+        num_layers: attention layers in the model.
+        num_heads: query heads per layer in the model.
+        weights: dense weights ``(L, H, T, S)``, float32, or None.
+        top_indices: top-k key indices ``(L, H, T, K)``, strongest first, or None.
+        top_values: the weights at ``top_indices`` ``(L, H, T, K)``, or None.
+        queries: queries ``(L, H, T, D)`` when captured, else None.
+        keys: keys ``(L, H, S, D)`` (shared key heads repeated per query head) when
+            captured, else None.
+        token_ids: the token ids, when the input was tokenized.
+        source: a short description of the model / example, for titles.
+        layer_names: a label per captured layer (e.g. the seed example's
+            "simplified" and "trainable" forms), or None for "Layer i".
+        meta: free-form facts about the capture (not compared).
+    """
+
+    tokens: tuple[str, ...]
+    key_tokens: tuple[str, ...]
+    layers: tuple[int, ...]
+    heads: tuple[int, ...]
+    num_layers: int
+    num_heads: int
+    weights: torch.Tensor | None = None
+    top_indices: torch.Tensor | None = None
+    top_values: torch.Tensor | None = None
+    queries: torch.Tensor | None = None
+    keys: torch.Tensor | None = None
+    token_ids: tuple[int, ...] | None = None
+    source: str = ""
+    layer_names: tuple[str, ...] | None = None
+    meta: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        T, S = len(self.tokens), len(self.key_tokens)
+        L, H = len(self.layers), len(self.heads)
+        if T == 0 or S == 0:
+            raise ValueError("`tokens` must not be empty; a trace needs at least one token")
+        if L == 0 or H == 0:
+            raise ValueError(
+                f"a trace needs at least one layer and one head, got layers={self.layers}, "
+                f"heads={self.heads}"
+            )
+        if list(self.layers) != sorted(set(self.layers)) or not all(
+            0 <= i < self.num_layers for i in self.layers
+        ):
+            raise ValueError(
+                f"`layers` must be distinct ascending indices below num_layers="
+                f"{self.num_layers}, got {self.layers}"
+            )
+        if list(self.heads) != sorted(set(self.heads)) or not all(
+            0 <= h < self.num_heads for h in self.heads
+        ):
+            raise ValueError(
+                f"`heads` must be distinct ascending indices below num_heads="
+                f"{self.num_heads}, got {self.heads}"
+            )
+        dense = self.weights is not None
+        sparse = self.top_indices is not None or self.top_values is not None
+        if dense == sparse:
+            raise ValueError(
+                "a ModelTrace holds either `weights` (dense) or `top_indices` and "
+                "`top_values` (top-k), exactly one of the two"
+            )
+        if dense:
+            assert self.weights is not None
+            if tuple(self.weights.shape) != (L, H, T, S):
+                raise ValueError(
+                    f"`weights` must have shape (L, H, T, S) = {(L, H, T, S)}, "
+                    f"got {tuple(self.weights.shape)}"
+                )
+        else:
+            if self.top_indices is None or self.top_values is None:
+                raise ValueError("top-k mode needs both `top_indices` and `top_values`")
+            shape = tuple(self.top_indices.shape)
+            if (
+                len(shape) != 4
+                or shape[:3] != (L, H, T)
+                or not 1 <= shape[3] <= S
+                or tuple(self.top_values.shape) != shape
+            ):
+                raise ValueError(
+                    f"`top_indices` and `top_values` must both have shape (L, H, T, K) with "
+                    f"(L, H, T) = {(L, H, T)} and 1 <= K <= S={S}, got "
+                    f"{shape} and {tuple(self.top_values.shape)}"
+                )
+        if self.layer_names is not None and len(self.layer_names) != L:
+            raise ValueError(
+                f"`layer_names` must have one name per captured layer ({L}), "
+                f"got {len(self.layer_names)}"
+            )
+        if self.queries is not None and tuple(self.queries.shape[:3]) != (L, H, T):
+            raise ValueError(
+                f"`queries` must have shape (L, H, T, D) with (L, H, T) = {(L, H, T)}, "
+                f"got {tuple(self.queries.shape)}"
+            )
+        if self.keys is not None and tuple(self.keys.shape[:3]) != (L, H, S):
+            raise ValueError(
+                f"`keys` must have shape (L, H, S, D) with (L, H, S) = {(L, H, S)}, "
+                f"got {tuple(self.keys.shape)}"
+            )
+
+    # ------------------------------------------------------------------ access
+    @property
+    def mode(self) -> str:
+        """``"dense"`` or ``"topk"``."""
+        return "dense" if self.weights is not None else "topk"
+
+    @property
+    def top_k(self) -> int | None:
+        """Keys kept per query in top-k mode, else None."""
+        return None if self.top_indices is None else int(self.top_indices.shape[-1])
+
+    def _position(self, layer: int, head: int) -> tuple[int, int]:
+        if layer not in self.layers:
+            raise ValueError(
+                f"`layer` must be one of the captured layers {list(self.layers)}, got {layer}; "
+                f"the model has layers 0..{self.num_layers - 1}"
+            )
+        if head not in self.heads:
+            raise ValueError(
+                f"`head` must be one of the captured heads {list(self.heads)}, got {head}; "
+                f"the model has heads 0..{self.num_heads - 1}"
+            )
+        return self.layers.index(layer), self.heads.index(head)
+
+    def head_weights(self, layer: int, head: int) -> torch.Tensor:
+        """One head's weights as a dense ``(T, S)`` matrix.
+
+        In top-k mode the keys not kept are 0.
+
+        Args:
+            layer: a captured layer (model numbering).
+            head: a captured head (model numbering).
+
+        Returns:
+            float32 tensor ``(T, S)``.
+
+        Raises:
+            ValueError: the layer or head is not in the trace.
+        """
+        li, hi = self._position(layer, head)
+        if self.weights is not None:
+            return self.weights[li, hi]
+        assert self.top_indices is not None and self.top_values is not None
+        dense = torch.zeros(len(self.tokens), len(self.key_tokens), dtype=torch.float32)
+        dense.scatter_(1, self.top_indices[li, hi], self.top_values[li, hi].float())
+        return dense
+
+    def head_top_keys(self, layer: int, head: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``k`` strongest keys of every query of one head, strongest first.
+
+        Returns:
+            ``(indices, values)``, each ``(T, k')`` with ``k' = min(k, available)``.
+        """
+        li, hi = self._position(layer, head)
+        if k < 1:
+            raise ValueError(f"`k` must be at least 1, got {k}")
+        if self.weights is not None:
+            w = self.weights[li, hi]
+            values, indices = torch.topk(w, min(k, w.shape[-1]), dim=-1)
+            return indices, values
+        assert self.top_indices is not None and self.top_values is not None
+        kk = min(k, self.top_indices.shape[-1])
+        return self.top_indices[li, hi, :, :kk], self.top_values[li, hi, :, :kk]
+
+    def _repr_html_(self) -> str:
+        """Jupyter: the interactive page inline (an isolated iframe)."""
+        from attnlab.explain.html import render_iframe
+
+        return render_iframe(self)
+
+
+# --------------------------------------------------------------------------- capture
+
+
+def _encode(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of ``text`` for tiktoken, Hugging Face and ``tokenizers`` tokenizers."""
+    encoded = tokenizer.encode(text)
+    ids = getattr(encoded, "ids", encoded)  # tokenizers.Encoding has .ids
+    return [int(i) for i in ids]
+
+
+def _token_texts(tokenizer: Any | None, ids: Sequence[int]) -> list[str]:
+    """Each token's own text, as the tokenizer spells it (for display only)."""
+    if tokenizer is None:
+        return [str(i) for i in ids]
+    if hasattr(tokenizer, "decode_single_token_bytes"):  # tiktoken: exact bytes per token
+        return [
+            tokenizer.decode_single_token_bytes(i).decode("utf-8", errors="replace") for i in ids
+        ]
+    if hasattr(tokenizer, "decode"):
+        try:
+            return [str(tokenizer.decode([i])) for i in ids]
+        except Exception:  # some tokenizers refuse a lone special id
+            pass
+    if hasattr(tokenizer, "convert_ids_to_tokens"):
+        return [str(t) for t in tokenizer.convert_ids_to_tokens(list(ids))]
+    if hasattr(tokenizer, "id_to_token"):
+        return [str(tokenizer.id_to_token(i)) for i in ids]
+    return [str(i) for i in ids]
+
+
+def _resolve_input(
+    text_or_token_ids: str | Sequence[int] | torch.Tensor, tokenizer: Any | None
+) -> tuple[list[int], list[str]]:
+    if isinstance(text_or_token_ids, str):
+        if not text_or_token_ids.strip():
+            raise ValueError("`text_or_token_ids` must not be empty; give some text to trace")
+        if tokenizer is None:
+            raise ValueError(
+                "`tokenizer` is needed to trace text; pass tokenizer=... or token ids instead"
+            )
+        ids = _encode(tokenizer, text_or_token_ids)
+    elif isinstance(text_or_token_ids, torch.Tensor):
+        t = text_or_token_ids
+        if t.ndim == 2 and t.shape[0] == 1:
+            t = t[0]
+        if t.ndim != 1 or t.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+            raise ValueError(
+                "`text_or_token_ids` as a tensor must be integer token ids of shape (T,) or "
+                f"(1, T), got dtype {t.dtype} and shape {tuple(text_or_token_ids.shape)}"
+            )
+        ids = [int(i) for i in t.tolist()]
+    else:
+        ids = [int(i) for i in text_or_token_ids]
+    if not ids:
+        raise ValueError("`text_or_token_ids` gave no tokens; a trace needs at least one")
+    return ids, _token_texts(tokenizer, ids)
+
+
+def attention_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's :class:`attnlab.attention.Attention` layers, in module order.
+
+    Raises:
+        TypeError: the model has none.
+    """
+    from attnlab.attention import Attention
+
+    found = [m for m in model.modules() if isinstance(m, Attention)]
+    if not found:
+        raise TypeError(
+            f"`model` ({type(model).__name__}) has no attnlab.attention.Attention layers; "
+            "trace_model explains models built on attnlab's attention"
+        )
+    return found
+
+
+def _check_selection(name: str, chosen: Sequence[int] | None, count: int) -> tuple[int, ...]:
+    if chosen is None:
+        return tuple(range(count))
+    picked = sorted({int(i) for i in chosen})
+    if not picked or picked[0] < 0 or picked[-1] >= count:
+        raise ValueError(
+            f"`{name}` must be indices in 0..{count - 1}, got {list(chosen)}; "
+            f"the model has {count} {name}"
+        )
+    return tuple(picked)
+
+
+def _weights_of(captured: Any, name: str) -> torch.Tensor:
+    weights = getattr(captured, "weights", captured)
+    if not isinstance(weights, torch.Tensor) or weights.ndim != 4 or weights.shape[0] != 1:
+        got = tuple(weights.shape) if isinstance(weights, torch.Tensor) else type(weights)
+        raise RuntimeError(
+            f"{name}.captured must hold weights of shape (1, H, T, S) after a forward pass "
+            f"with capture on, got {got}"
+        )
+    return weights[0]  # (H, T, S)
+
+
+def trace_model(
+    model: torch.nn.Module,
+    text_or_token_ids: str | Sequence[int] | torch.Tensor,
+    *,
+    tokenizer: Any | None = None,
+    layers: Sequence[int] | None = None,
+    heads: Sequence[int] | None = None,
+    top_k: int | None = None,
+    queries_and_keys: bool = False,
+    forward: Callable[[torch.nn.Module, torch.Tensor], Any] | None = None,
+    source: str = "",
+    max_dense_elements: int = MAX_DENSE_ELEMENTS,
+) -> ModelTrace:
+    """Run ``model`` once on one sequence and keep what its attention layers computed.
+
+    Every traced layer's ``capture`` hook is switched on for the pass, so each layer
+    computes its exact weights through the attention core's exact-weights path and
+    stores them in ``layer.captured``. A forward hook takes them from there as soon
+    as the layer has run: it keeps the chosen heads (dense) or each query's ``top_k``
+    strongest keys and frees the rest, so the peak memory is one layer's weights
+    ``(H, T, S)``, not all layers'.
+
+    Args:
+        model: a module built on :class:`attnlab.attention.Attention` layers.
+        text_or_token_ids: text (needs ``tokenizer``) or token ids ``(T,)``/``(1, T)``.
+        tokenizer: encodes text and spells tokens (tiktoken or Hugging Face style).
+        layers: the layers to keep (indices in module order; default all).
+        heads: the query heads to keep (default all).
+        top_k: keep only each query's ``top_k`` strongest keys (long inputs).
+        queries_and_keys: also keep each layer's queries and keys as the layer used
+            them (after RoPE), taken from its projections (or its rotary embedding).
+        forward: how to call the model, ``forward(model, input_ids (1, T))``; default
+            ``model(input_ids)``.
+        source: a description for titles (default: the model's class name).
+        max_dense_elements: refuse dense capture above this many weights in total.
+
+    Returns:
+        A frozen :class:`ModelTrace`.
+
+    Raises:
+        TypeError: the model has no attnlab attention layers.
+        ValueError: empty input, text without a tokenizer, a layer or head out of
+            range, a bad ``top_k``, or a dense capture too large for memory.
+    """
+    blocks = attention_layers(model)
+    ids, tokens = _resolve_input(text_or_token_ids, tokenizer)
+    T = len(ids)
+    num_heads = int(blocks[0].num_heads)
+    layer_sel = _check_selection("layers", layers, len(blocks))
+    head_sel = _check_selection("heads", heads, num_heads)
+    if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"`top_k` must be a positive int or None, got {top_k!r}")
+    dense_elements = len(layer_sel) * len(head_sel) * T * T
+    if top_k is None and dense_elements > max_dense_elements:
+        raise ValueError(
+            f"dense capture of {len(layer_sel)} layers x {len(head_sel)} heads x {T} x {T} "
+            f"weights ({dense_elements:,}) exceeds max_dense_elements={max_dense_elements:,}; "
+            "pass top_k=..., or fewer layers=/heads="
+        )
+
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    input_ids = torch.tensor([ids], dtype=torch.long, device=device)  # (1, T)
+    all_heads = head_sel == tuple(range(num_heads))
+    head_index = torch.tensor(head_sel, dtype=torch.long)
+    request: Any = True
+    if not all_heads:
+        from attnlab.backends import WeightsRequest
+
+        # Only the chosen heads' weights are computed: (1, H', T, S), not (1, H, T, S).
+        request = WeightsRequest(heads=head_sel)
+    kept: dict[int, dict[str, torch.Tensor]] = {}
+    projected: dict[str, torch.Tensor] = {}  # this layer's queries/keys, when asked
+    rope_calls: list[torch.Tensor] = []
+    hooks: list[Any] = []
+    saved = [(b, b.capture) for b in blocks]
+
+    def keep_projection(name: str) -> Callable[..., None]:
+        def hook(module: torch.nn.Module, args: Any, output: torch.Tensor) -> None:
+            projected[name] = output.detach()
+
+        return hook
+
+    def keep_rope(module: torch.nn.Module, args: Any, output: torch.Tensor) -> None:
+        rope_calls.append(output.detach())
+
+    def queries_keys(block: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's own queries (1, H, T, D) and keys (1, G, S, D), as it used them."""
+        if block.rope is not None:
+            # The layer rotates its queries, then its keys: the last two rope calls.
+            q, k = rope_calls[-2], rope_calls[-1]
+            rope_calls.clear()
+            return q, k
+        D = block.head_dim
+        q = projected.pop("q").view(1, T, block.num_heads, D).transpose(1, 2)  # (1, H, T, D)
+        k = projected.pop("k").view(1, T, block.num_kv_heads, D).transpose(1, 2)  # (1, G, S, D)
+        return q, k
+
+    def make_hook(position: int) -> Callable[..., None]:
+        def hook(module: Any, args: Any, output: Any) -> None:
+            weights = _weights_of(module.captured, f"layer {position}")  # (H', T, S)
+            module.captured = None  # free this layer's weights now
+            weights = weights.detach().float().cpu()
+            if all_heads and weights.shape[0] != len(head_sel):
+                raise RuntimeError(
+                    f"layer {position} captured {weights.shape[0]} heads, expected {num_heads}"
+                )
+            entry: dict[str, torch.Tensor] = {}
+            if top_k is None:
+                entry["weights"] = weights
+            else:
+                k = min(top_k, weights.shape[-1])
+                values, indices = torch.topk(weights, k, dim=-1)  # (H', T, K)
+                entry["top_values"], entry["top_indices"] = values, indices
+            if queries_and_keys:
+                q, kk = queries_keys(module)
+                q = q[0].float().cpu()  # (H, T, D)
+                kk = kk[0].float().cpu()  # (G, S, D)
+                kk = kk.repeat_interleave(num_heads // kk.shape[0], dim=0)  # (H, S, D)
+                entry["queries"] = q.index_select(0, head_index)
+                entry["keys"] = kk.index_select(0, head_index)
+            kept[position] = entry
+
+        return hook
+
+    was_training = model.training
+    try:
+        ropes: dict[int, torch.nn.Module] = {}
+        for position in layer_sel:
+            block = blocks[position]
+            block.capture = request
+            if queries_and_keys:
+                if block.rope is not None:
+                    ropes[id(block.rope)] = block.rope  # may be shared between layers
+                else:
+                    hooks.append(block.W_query.register_forward_hook(keep_projection("q")))
+                    hooks.append(block.W_key.register_forward_hook(keep_projection("k")))
+            hooks.append(block.register_forward_hook(make_hook(position)))
+        for rope in ropes.values():
+            hooks.append(rope.register_forward_hook(keep_rope))
+        model.eval()
+        with torch.no_grad():
+            if forward is None:
+                model(input_ids)
+            else:
+                forward(model, input_ids)
+    finally:
+        for h in hooks:
+            h.remove()
+        for block, previous in saved:
+            block.capture = previous
+            block.captured = None
+        model.train(was_training)
+
+    missing = [p for p in layer_sel if p not in kept]
+    if missing:
+        raise RuntimeError(f"attention layers {missing} did not run during the forward pass")
+    S = next(iter(kept.values()))["weights" if top_k is None else "top_indices"].shape[-2]
+    if S != T:
+        raise RuntimeError(f"expected self-attention over {T} tokens, got {S} query rows")
+
+    def stack(name: str) -> torch.Tensor | None:
+        if name not in kept[layer_sel[0]]:
+            return None
+        return torch.stack([kept[p][name] for p in layer_sel])  # (L, H, ...)
+
+    return ModelTrace(
+        tokens=tuple(tokens),
+        key_tokens=tuple(tokens),
+        layers=layer_sel,
+        heads=head_sel,
+        num_layers=len(blocks),
+        num_heads=num_heads,
+        weights=stack("weights"),
+        top_indices=stack("top_indices"),
+        top_values=stack("top_values"),
+        queries=stack("queries"),
+        keys=stack("keys"),
+        token_ids=tuple(ids),
+        source=source or type(model).__name__,
+        meta={"top_k": top_k},
+    )
+
+
+def trace_from_walkthrough(trace: Any) -> ModelTrace:
+    """The seed example's two forms of attention as a two-"layer", one-head trace.
+
+    "Layer" 0 is the simplified form (``softmax(X·Xᵀ)``), "layer" 1 the trainable
+    form (``softmax(Q·Kᵀ/√d_k)``), so the page's head and model views show the
+    walkthrough's own weights side by side.
+
+    Args:
+        trace: an :class:`attnlab.explain.trace.AttentionTrace`.
+
+    Returns:
+        A :class:`ModelTrace` holding the trace's weights (not recomputed).
+    """
+    weights = torch.stack([trace.simplified.weights, trace.trainable.weights])  # (2, T, T)
+    return ModelTrace(
+        tokens=tuple(trace.tokens),
+        key_tokens=tuple(trace.tokens),
+        layers=(0, 1),
+        heads=(0,),
+        num_layers=2,
+        num_heads=1,
+        weights=weights.detach().float().unsqueeze(1),  # (2, 1, T, T)
+        source=f"example {trace.example!r}",
+        layer_names=("simplified: softmax(X·Xᵀ)", "trainable: softmax(Q·Kᵀ/√d_k)"),
+    )

@@ -1,0 +1,725 @@
+/* attnlab explainer page. Inlined into the HTML file at write time; no network.
+ *
+ * Everything shown comes from the JSON block #attnlab-data. Token text is data:
+ * it is only ever assigned with textContent, never parsed as markup.
+ */
+(function () {
+  "use strict";
+
+  var DATA = JSON.parse(document.getElementById("attnlab-data").textContent);
+  var S_ = DATA.strings;
+  var A = DATA.attention; // may be null (walkthrough only)
+  var W = DATA.walkthrough; // may be null
+  var PALETTE = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd",
+    "#8c564b", "#e377c2", "#17becf", "#bcbd22", "#7f7f7f"];
+  var ALPHA_LEVELS = 12;
+
+  function $(id) { return document.getElementById(id); }
+  function el(tag, cls, text) {
+    var e = document.createElement(tag);
+    if (cls) e.className = cls;
+    if (text !== undefined && text !== null) e.textContent = String(text);
+    return e;
+  }
+  function fmt(w) { return w.toFixed(4); }
+  function headColor(h) {
+    if (h < PALETTE.length) return PALETTE[h];
+    return "hsl(" + ((h * 137.508) % 360).toFixed(1) + ", 62%, 44%)";
+  }
+  function hexToRgb(c) {
+    if (c.charAt(0) === "#") {
+      return [parseInt(c.substr(1, 2), 16), parseInt(c.substr(3, 2), 16),
+        parseInt(c.substr(5, 2), 16)];
+    }
+    var probe = document.createElement("canvas").getContext("2d");
+    probe.fillStyle = c;
+    return hexToRgb(probe.fillStyle);
+  }
+  function tokLabel(t) {
+    // Make whitespace visible; the text itself stays text.
+    if (t === "") return "\u2205";
+    return t.replace(/\n/g, "\u21b5").replace(/\t/g, "\u21e5");
+  }
+
+  /* ---------------------------------------------------------------- decoding */
+  function b64bytes(s) {
+    var bin = atob(s);
+    var out = new Uint8Array(bin.length);
+    for (var i = 0; i < bin.length; i++) out[i] = bin.charCodeAt(i);
+    return out;
+  }
+  function u16(s) {
+    var b = b64bytes(s);
+    var dv = new DataView(b.buffer);
+    var out = new Uint16Array(b.length / 2);
+    for (var i = 0; i < out.length; i++) out[i] = dv.getUint16(2 * i, true);
+    return out;
+  }
+  function f32(s) {
+    var b = b64bytes(s);
+    var dv = new DataView(b.buffer);
+    var out = new Float32Array(b.length / 4);
+    for (var i = 0; i < out.length; i++) out[i] = dv.getFloat32(4 * i, true);
+    return out;
+  }
+  function u32(s) {
+    var b = b64bytes(s);
+    var dv = new DataView(b.buffer);
+    var out = new Uint32Array(b.length / 4);
+    for (var i = 0; i < out.length; i++) out[i] = dv.getUint32(4 * i, true);
+    return out;
+  }
+
+  var T = A ? A.tokens.length : 0;
+  var S = A ? A.key_tokens.length : 0;
+  var K = A ? A.k : 0;
+  var cache = {};
+
+  /* One head: rows of (key index, weight), strongest first, K per row. */
+  function head(li, hi) {
+    var key = li + ":" + hi;
+    if (cache[key]) return cache[key];
+    var raw = A.data[li][hi];
+    var val;
+    if (A.dense) {
+      val = f32(raw.v); // exact float32 weights
+    } else {
+      var q = u16(raw.v); // 16-bit fixed point
+      val = new Float32Array(q.length);
+      for (var i = 0; i < q.length; i++) val[i] = q[i] / 65535;
+    }
+    var idx;
+    if (A.dense) {
+      // Dense rows: sort each row's keys by weight once.
+      idx = new Uint32Array(T * S);
+      var sorted = new Float32Array(T * S);
+      var order = new Array(S);
+      for (var r = 0; r < T; r++) {
+        for (var c = 0; c < S; c++) order[c] = c;
+        var base = r * S;
+        order.sort(function (a, b) { return val[base + b] - val[base + a] || a - b; });
+        for (c = 0; c < S; c++) {
+          idx[base + c] = order[c];
+          sorted[base + c] = val[base + order[c]];
+        }
+      }
+      cache[key] = { idx: idx, val: sorted, dense: val };
+    } else {
+      idx = A.index_bytes === 2 ? u16(raw.i) : u32(raw.i);
+      cache[key] = { idx: idx, val: val, dense: null };
+    }
+    return cache[key];
+  }
+  function weightAt(hd, q, k) {
+    if (hd.dense) return hd.dense[q * S + k];
+    for (var j = 0; j < K; j++) if (hd.idx[q * K + j] === k) return hd.val[q * K + j];
+    return 0;
+  }
+
+  /* ------------------------------------------------------------------- state */
+  var state = {
+    view: "head",
+    layer: 0, // position in A.layers
+    heads: [], // positions in A.heads
+    k: 1,
+    focus: null, // {side: "q"|"k", i: index}
+  };
+  var api = { ready: false, drawn: [], state: state, renderMs: null };
+  window.attnlabPage = api;
+
+  /* --------------------------------------------------------------- the shell */
+  function buildShell() {
+    document.title = DATA.title;
+    $("title").textContent = DATA.title;
+    $("source").textContent = DATA.source || "";
+    var tabs = [];
+    if (A) tabs.push(["head", S_.head_view], ["model", S_.model_view]);
+    if (W) tabs.push(["walk", S_.walkthrough]);
+    var list = $("tabs");
+    tabs.forEach(function (t) {
+      var b = el("button", null, t[1]);
+      b.id = "tab-" + t[0];
+      b.setAttribute("role", "tab");
+      b.setAttribute("aria-controls", "panel-" + t[0]);
+      b.dataset.view = t[0];
+      b.addEventListener("click", function () { showView(t[0], true); });
+      b.addEventListener("keydown", function (ev) {
+        var i = tabs.findIndex(function (x) { return x[0] === t[0]; });
+        var j = -1;
+        if (ev.key === "ArrowRight") j = (i + 1) % tabs.length;
+        if (ev.key === "ArrowLeft") j = (i - 1 + tabs.length) % tabs.length;
+        if (ev.key === "Home") j = 0;
+        if (ev.key === "End") j = tabs.length - 1;
+        if (j >= 0) { ev.preventDefault(); showView(tabs[j][0], true); }
+      });
+      list.appendChild(b);
+    });
+    if (!A) { $("panel-head").remove(); $("panel-model").remove(); }
+    if (!W) $("panel-walk").remove();
+    state.view = DATA.initial_view && $("panel-" + DATA.initial_view) ? DATA.initial_view
+      : tabs[0][0];
+  }
+
+  function showView(v, focusTab) {
+    state.view = v;
+    document.querySelectorAll("[role=tab]").forEach(function (b) {
+      var on = b.dataset.view === v;
+      b.setAttribute("aria-selected", on ? "true" : "false");
+      b.tabIndex = on ? 0 : -1;
+      if (on && focusTab) b.focus();
+    });
+    document.querySelectorAll("[role=tabpanel]").forEach(function (p) {
+      p.hidden = p.id !== "panel-" + v;
+    });
+    if (v === "head") drawHead();
+    if (v === "model") drawModel();
+  }
+
+  /* --------------------------------------------------------------- head view */
+  var hv = {};
+
+  function buildHeadView() {
+    var panel = $("panel-head");
+    var controls = el("div", "controls");
+    var lab = el("label", null, S_.layer + " ");
+    lab.setAttribute("for", "layer");
+    var sel = el("select");
+    sel.id = "layer";
+    A.layers.forEach(function (l, i) {
+      var o = el("option", null, A.layer_names[i]);
+      o.value = String(i);
+      sel.appendChild(o);
+    });
+    sel.addEventListener("change", function () {
+      state.layer = +sel.value; state.focus = null; drawHead();
+    });
+    lab.appendChild(sel);
+    controls.appendChild(lab);
+
+    var fs = el("fieldset");
+    fs.id = "heads";
+    fs.appendChild(el("legend", null, S_.heads));
+    A.heads.forEach(function (h, i) {
+      var chip = el("label", "chip");
+      var cb = el("input");
+      cb.type = "checkbox";
+      cb.value = String(i);
+      cb.dataset.head = String(h);
+      cb.setAttribute("aria-label", S_.head + " " + h);
+      cb.addEventListener("change", function () {
+        state.heads = Array.prototype.filter.call(
+          fs.querySelectorAll("input"), function (x) { return x.checked; })
+          .map(function (x) { return +x.value; });
+        drawHead();
+      });
+      var sw = el("span", "swatch");
+      sw.style.background = headColor(h);
+      chip.appendChild(cb);
+      chip.appendChild(sw);
+      chip.appendChild(el("span", null, String(h)));
+      fs.appendChild(chip);
+    });
+    controls.appendChild(fs);
+
+    var kl = el("label", null, S_.top_k + " ");
+    var kin = el("input");
+    kin.type = "number";
+    kin.id = "topk";
+    kin.min = "1";
+    kin.max = String(K);
+    kin.addEventListener("input", function () {
+      var v = Math.round(+kin.value);
+      if (v >= 1 && v <= K) { state.k = v; refresh(); }
+    });
+    kl.appendChild(kin);
+    controls.appendChild(kl);
+    panel.appendChild(controls);
+    panel.appendChild(el("p", "hint", S_.head_hint));
+
+    var layout = el("div", "hv-layout");
+    var scroll = el("div", "hv-scroll");
+    scroll.id = "hv-scroll";
+    var inner = el("div", "hv-inner");
+    var canvas = el("canvas", "hv-canvas");
+    canvas.id = "hv-canvas";
+    canvas.setAttribute("aria-hidden", "true");
+    var qcol = el("div", "hv-col queries");
+    qcol.setAttribute("role", "listbox");
+    qcol.setAttribute("aria-label", S_.queries);
+    var kcol = el("div", "hv-col keys");
+    kcol.setAttribute("role", "listbox");
+    kcol.setAttribute("aria-label", S_.keys);
+    qcol.appendChild(el("div", "hv-colhead", S_.queries));
+    kcol.appendChild(el("div", "hv-colhead", S_.keys));
+    var qf = document.createDocumentFragment();
+    var kf = document.createDocumentFragment();
+    A.tokens.forEach(function (t, i) { qf.appendChild(makeTok(t, i, "q")); });
+    A.key_tokens.forEach(function (t, i) { kf.appendChild(makeTok(t, i, "k")); });
+    qcol.appendChild(qf);
+    kcol.appendChild(kf);
+    inner.appendChild(canvas);
+    inner.appendChild(qcol);
+    inner.appendChild(el("div"));
+    inner.appendChild(kcol);
+    scroll.appendChild(inner);
+    layout.appendChild(scroll);
+
+    var insp = el("aside", "inspector");
+    insp.id = "inspector";
+    insp.setAttribute("aria-live", "polite");
+    layout.appendChild(insp);
+    panel.appendChild(layout);
+
+    hv = { scroll: scroll, inner: inner, canvas: canvas, qcol: qcol, kcol: kcol,
+      insp: insp, sel: sel, kin: kin, fs: fs };
+    var pending = false;
+    scroll.addEventListener("scroll", function () {
+      if (pending) return;
+      pending = true;
+      requestAnimationFrame(function () { pending = false; paintEdges(); });
+    });
+    window.addEventListener("resize", function () { if (state.view === "head") drawHead(); });
+    [qcol, kcol].forEach(function (col) {
+      col.addEventListener("mouseleave", function () { setFocus(null); });
+    });
+  }
+
+  function makeTok(t, i, side) {
+    var d = el("div", "tok", tokLabel(t));
+    d.title = "#" + i + " " + t;
+    d.dataset.i = String(i);
+    d.dataset.side = side;
+    d.setAttribute("role", "option");
+    d.tabIndex = i === 0 ? 0 : -1;
+    d.addEventListener("mouseenter", function () { setFocus({ side: side, i: i }); });
+    d.addEventListener("focus", function () { setFocus({ side: side, i: i }); });
+    d.addEventListener("keydown", onTokKey);
+    return d;
+  }
+
+  function onTokKey(ev) {
+    var side = ev.currentTarget.dataset.side;
+    var i = +ev.currentTarget.dataset.i;
+    var n = side === "q" ? T : S;
+    var j = null;
+    if (ev.key === "ArrowDown") j = Math.min(n - 1, i + 1);
+    else if (ev.key === "ArrowUp") j = Math.max(0, i - 1);
+    else if (ev.key === "Home") j = 0;
+    else if (ev.key === "End") j = n - 1;
+    else if (ev.key === "PageDown") j = Math.min(n - 1, i + 10);
+    else if (ev.key === "PageUp") j = Math.max(0, i - 10);
+    else if (ev.key === "ArrowRight" && side === "q") { focusTok("k", Math.min(i, S - 1)); }
+    else if (ev.key === "ArrowLeft" && side === "k") { focusTok("q", Math.min(i, T - 1)); }
+    else if (ev.key === "Escape") { setFocus(null); ev.preventDefault(); return; }
+    else return;
+    ev.preventDefault();
+    if (j !== null) focusTok(side, j);
+  }
+
+  function tokEl(side, i) {
+    return (side === "q" ? hv.qcol : hv.kcol).children[i + 1];
+  }
+  function focusTok(side, i) {
+    var col = side === "q" ? hv.qcol : hv.kcol;
+    var old = col.querySelector(".tok[tabindex='0']");
+    if (old) old.tabIndex = -1;
+    var t = tokEl(side, i);
+    t.tabIndex = 0;
+    t.focus();
+  }
+
+  function setFocus(f) {
+    var same = (f === null && state.focus === null) || (f && state.focus &&
+      f.side === state.focus.side && f.i === state.focus.i);
+    if (same) return;
+    state.focus = f;
+    refresh();
+  }
+
+  /* Edges to draw: for every query, its k strongest keys, per selected head. */
+  function selectEdges() {
+    var edges = [];
+    var k = Math.min(state.k, K);
+    var f = state.focus;
+    state.heads.forEach(function (hi) {
+      var hd = head(state.layer, hi);
+      var q0 = 0, q1 = T;
+      if (f && f.side === "q") { q0 = f.i; q1 = f.i + 1; }
+      for (var q = q0; q < q1; q++) {
+        for (var j = 0; j < k; j++) {
+          var w = hd.val[q * K + j];
+          if (!(w > 0)) break; // sorted: the rest are 0 (masked)
+          var key = hd.idx[q * K + j];
+          if (f && f.side === "k" && key !== f.i) continue;
+          edges.push({ q: q, k: key, h: A.heads[hi], hi: hi, w: w });
+        }
+      }
+    });
+    return edges;
+  }
+
+  function rowH() {
+    var t = tokEl("q", 0);
+    return t ? t.getBoundingClientRect().height || 22 : 22;
+  }
+
+  /* Recompute which edges to draw, then the token shading and the canvas. */
+  function refresh() {
+    if (!A) return;
+    api.drawn = selectEdges();
+    updateTokens();
+    paintEdges();
+  }
+
+  function paintEdges() {
+    if (!A || state.view !== "head") return;
+    var t0 = performance.now();
+    var edges = api.drawn;
+    var sc = hv.scroll, cv = hv.canvas;
+    var dpr = window.devicePixelRatio || 1;
+    var width = hv.inner.clientWidth;
+    var viewH = sc.clientHeight;
+    var top = sc.scrollTop;
+    var rh = rowH();
+    var head0 = hv.qcol.children[0].getBoundingClientRect().height;
+    var qRect = hv.qcol.getBoundingClientRect();
+    var kRect = hv.kcol.getBoundingClientRect();
+    var iRect = hv.inner.getBoundingClientRect();
+    var x1 = qRect.right - iRect.left + 2;
+    var x2 = kRect.left - iRect.left - 2;
+    cv.style.top = top + "px";
+    cv.style.width = width + "px";
+    cv.style.height = viewH + "px";
+    if (cv.width !== Math.round(width * dpr) || cv.height !== Math.round(viewH * dpr)) {
+      cv.width = Math.round(width * dpr);
+      cv.height = Math.round(viewH * dpr);
+    }
+    var ctx = cv.getContext("2d");
+    ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
+    ctx.clearRect(0, 0, width, viewH);
+    // Bucket edges by head and opacity so each bucket is one path (fast at 2,048 tokens).
+    var buckets = {};
+    var shown = 0;
+    for (var e = 0; e < edges.length; e++) {
+      var ed = edges[e];
+      var ya = head0 + (ed.q + 0.5) * rh - top;
+      var yb = head0 + (ed.k + 0.5) * rh - top;
+      if (Math.max(ya, yb) < 0 || Math.min(ya, yb) > viewH) continue;
+      shown++;
+      var level = Math.min(ALPHA_LEVELS - 1, Math.floor(Math.sqrt(ed.w) * ALPHA_LEVELS));
+      var key = ed.hi + ":" + level;
+      (buckets[key] = buckets[key] || { hi: ed.hi, level: level, pts: [] }).pts.push(ya, yb);
+    }
+    Object.keys(buckets).forEach(function (key) {
+      var b = buckets[key];
+      var frac = (b.level + 1) / ALPHA_LEVELS;
+      ctx.strokeStyle = headColor(A.heads[b.hi]);
+      ctx.globalAlpha = Math.max(0.08, frac);
+      ctx.lineWidth = 0.6 + 3.4 * frac * frac;
+      ctx.beginPath();
+      for (var p = 0; p < b.pts.length; p += 2) {
+        ctx.moveTo(x1, b.pts[p]);
+        ctx.lineTo(x2, b.pts[p + 1]);
+      }
+      ctx.stroke();
+    });
+    ctx.globalAlpha = 1;
+    cv.dataset.edges = String(edges.length);
+    cv.dataset.visibleEdges = String(shown);
+    api.paintMs = performance.now() - t0;
+  }
+
+  /* Token highlighting and the inspector for the focused token. */
+  function updateTokens() {
+    if (!A) return;
+    hv.qcol.querySelectorAll(".tok.active, .tok.dim").forEach(function (t) {
+      t.classList.remove("active", "dim");
+    });
+    hv.kcol.querySelectorAll(".tok").forEach(function (t) {
+      t.classList.remove("active", "dim");
+      t.style.background = "";
+      delete t.dataset.w;
+    });
+    var f = state.focus;
+    var insp = hv.insp;
+    insp.textContent = "";
+    insp.appendChild(el("h3", null, A.layer_names[state.layer] + " \u00b7 " + S_.heads + " " +
+      (state.heads.length ? state.heads.map(function (hi) { return A.heads[hi]; }).join(", ")
+        : "\u2013")));
+    if (!f || !state.heads.length) {
+      insp.appendChild(el("p", "small", S_.inspector_hint));
+      drawMatrix(insp);
+      return;
+    }
+    var other = f.side === "q" ? hv.kcol : hv.qcol;
+    tokEl(f.side, f.i).classList.add("active");
+    var hi0 = state.heads[0];
+    var rgb = hexToRgb(headColor(A.heads[hi0]));
+    var label = f.side === "q" ? S_.attends_to : S_.attended_by;
+    var tokText = f.side === "q" ? A.tokens[f.i] : A.key_tokens[f.i];
+    var p = el("p");
+    p.appendChild(el("strong", null, "#" + f.i + " " + tokLabel(tokText)));
+    p.appendChild(document.createTextNode(" " + label + ":"));
+    insp.appendChild(p);
+    // Shade the other column by the first selected head's weights.
+    var n = f.side === "q" ? S : T;
+    var hd0 = head(state.layer, hi0);
+    for (var j = 0; j < n; j++) {
+      var w = f.side === "q" ? weightAt(hd0, f.i, j) : weightAt(hd0, j, f.i);
+      var t = other.children[j + 1];
+      if (w > 0) {
+        t.style.background = "rgba(" + rgb.join(",") + "," + Math.sqrt(w).toFixed(3) + ")";
+        t.dataset.w = fmt(w);
+      } else {
+        t.classList.add("dim");
+      }
+    }
+    // Table: the strongest links of this token, one column per selected head.
+    var rows = {};
+    api.drawn.forEach(function (e) {
+      var j2 = f.side === "q" ? e.k : e.q;
+      (rows[j2] = rows[j2] || {})[e.hi] = e.w;
+    });
+    var ids = Object.keys(rows).map(Number);
+    ids.sort(function (a, b) {
+      return (rows[b][hi0] || 0) - (rows[a][hi0] || 0) || a - b;
+    });
+    var tbl = el("table");
+    tbl.id = "inspector-table";
+    var hr = el("tr");
+    hr.appendChild(el("th", null, S_.token));
+    state.heads.forEach(function (hi) {
+      var th = el("th", null, S_.head + " " + A.heads[hi]);
+      th.style.color = headColor(A.heads[hi]);
+      hr.appendChild(th);
+    });
+    tbl.appendChild(hr);
+    ids.slice(0, 40).forEach(function (j2) {
+      var tr = el("tr");
+      tr.dataset.index = String(j2);
+      var tt = f.side === "q" ? A.key_tokens[j2] : A.tokens[j2];
+      tr.appendChild(el("td", null, "#" + j2 + " " + tokLabel(tt)));
+      state.heads.forEach(function (hi) {
+        var v = rows[j2][hi];
+        var td = el("td", "num", v === undefined ? "" : fmt(v));
+        td.dataset.head = String(A.heads[hi]);
+        tr.appendChild(td);
+      });
+      tbl.appendChild(tr);
+    });
+    insp.appendChild(tbl);
+    drawMatrix(insp);
+  }
+
+  /* The first selected head as a heatmap (binned when large). */
+  function drawMatrix(insp) {
+    if (!state.heads.length) return;
+    var hi = state.heads[0];
+    var wrap = el("div", "matrix-wrap");
+    wrap.appendChild(el("p", "small", S_.matrix_caption.replace("{head}", A.heads[hi])));
+    var cv = el("canvas", "matrix");
+    cv.id = "matrix";
+    var img = heatImage(hi, state.layer, 256);
+    cv.width = img.width;
+    cv.height = img.height;
+    cv.getContext("2d").putImageData(img, 0, 0);
+    cv.setAttribute("role", "img");
+    cv.setAttribute("aria-label", S_.matrix_caption.replace("{head}", A.heads[hi]));
+    var out = el("p", "small", "\u00a0");
+    cv.addEventListener("mousemove", function (ev) {
+      var r = cv.getBoundingClientRect();
+      var q = Math.min(T - 1, Math.floor((ev.clientY - r.top) / r.height * T));
+      var kk = Math.min(S - 1, Math.floor((ev.clientX - r.left) / r.width * S));
+      var w = weightAt(head(state.layer, hi), q, kk);
+      out.textContent = "#" + q + " " + tokLabel(A.tokens[q]) + " \u2192 #" + kk + " " +
+        tokLabel(A.key_tokens[kk]) + ": " + fmt(w);
+    });
+    wrap.appendChild(cv);
+    wrap.appendChild(out);
+    insp.appendChild(wrap);
+  }
+
+  function heatImage(hi, li, maxBins) {
+    var rows = Math.min(T, maxBins), cols = Math.min(S, maxBins);
+    var grid = new Float32Array(rows * cols);
+    var hd = head(li, hi);
+    for (var q = 0; q < T; q++) {
+      var r = Math.floor(q * rows / T);
+      for (var j = 0; j < K; j++) {
+        var w = hd.val[q * K + j];
+        if (!(w > 0)) break;
+        var c = Math.floor(hd.idx[q * K + j] * cols / S);
+        if (w > grid[r * cols + c]) grid[r * cols + c] = w;
+      }
+    }
+    var rgb = hexToRgb(headColor(A.heads[hi]));
+    var img = new ImageData(cols, rows);
+    for (var i = 0; i < rows * cols; i++) {
+      var a = Math.sqrt(grid[i]);
+      img.data[4 * i] = Math.round(255 + (rgb[0] - 255) * a);
+      img.data[4 * i + 1] = Math.round(255 + (rgb[1] - 255) * a);
+      img.data[4 * i + 2] = Math.round(255 + (rgb[2] - 255) * a);
+      img.data[4 * i + 3] = 255;
+    }
+    return img;
+  }
+
+  function syncControls() {
+    hv.sel.value = String(state.layer);
+    hv.fs.querySelectorAll("input").forEach(function (cb) {
+      cb.checked = state.heads.indexOf(+cb.value) >= 0;
+    });
+    hv.kin.value = String(state.k);
+  }
+
+  function drawHead() {
+    if (!A) return;
+    syncControls();
+    refresh();
+  }
+
+  /* -------------------------------------------------------------- model view */
+  var mvBuilt = false;
+  function buildModelView() {
+    var panel = $("panel-model");
+    panel.appendChild(el("p", "hint", S_.model_hint));
+    var scroll = el("div", "mv-scroll");
+    var grid = el("div", "mv-grid");
+    grid.id = "mv-grid";
+    grid.style.gridTemplateColumns = "auto repeat(" + A.heads.length + ", auto)";
+    grid.appendChild(el("div", "mv-label", ""));
+    A.heads.forEach(function (h) { grid.appendChild(el("div", "mv-label", S_.head + " " + h)); });
+    A.layers.forEach(function (l, li) {
+      grid.appendChild(el("div", "mv-label", A.layer_names[li]));
+      A.heads.forEach(function (h, hi) {
+        var b = el("button", "thumb");
+        b.type = "button";
+        b.dataset.layer = String(l);
+        b.dataset.head = String(h);
+        b.dataset.li = String(li);
+        b.dataset.hi = String(hi);
+        b.setAttribute("aria-label", A.layer_names[li] + ", " + S_.head + " " + h);
+        b.title = A.layer_names[li] + ", " + S_.head + " " + h;
+        b.appendChild(el("canvas"));
+        b.addEventListener("click", function () {
+          state.layer = li;
+          state.heads = [hi];
+          state.focus = null;
+          showView("head", true);
+        });
+        grid.appendChild(b);
+      });
+    });
+    scroll.appendChild(grid);
+    panel.appendChild(scroll);
+  }
+  function drawModel() {
+    if (!A) return;
+    if (!mvBuilt) {
+      mvBuilt = true;
+      document.querySelectorAll("#mv-grid .thumb").forEach(function (b) {
+        var img = heatImage(+b.dataset.hi, +b.dataset.li, 64);
+        var cv = b.firstChild;
+        cv.width = img.width;
+        cv.height = img.height;
+        cv.getContext("2d").putImageData(img, 0, 0);
+      });
+    }
+    document.querySelectorAll("#mv-grid .thumb").forEach(function (b) {
+      b.classList.toggle("current", +b.dataset.li === state.layer &&
+        state.heads.indexOf(+b.dataset.hi) >= 0);
+    });
+  }
+
+  /* ------------------------------------------------------------- walkthrough */
+  function buildWalkthrough() {
+    var panel = $("panel-walk");
+    if (W.intro) panel.appendChild(el("p", "hint", W.intro));
+    var nav = el("ol", "wt-nav");
+    nav.setAttribute("aria-label", S_.steps);
+    var n = 0;
+    W.steps.forEach(function (st, i) {
+      st.label = st.kind === "part" ? st.title : (++n) + ". " + st.title;
+      if (st.kind === "part") return;
+      var li = el("li");
+      var a = el("a", null, st.label);
+      a.href = "#step-" + i;
+      li.appendChild(a);
+      nav.appendChild(li);
+    });
+    var det = el("details", "wt-toc");
+    det.appendChild(el("summary", null, S_.steps + " (" + n + ")"));
+    det.appendChild(nav);
+    det.open = window.innerWidth > 760; // folded on phones
+    panel.appendChild(det);
+    W.steps.forEach(function (st, i) {
+      if (st.kind === "part") {
+        var h = el("h2", "wt-part", st.title);
+        h.id = "step-" + i;
+        panel.appendChild(h);
+        return;
+      }
+      var sec = el("section", "wt-step");
+      sec.id = "step-" + i;
+      sec.dataset.step = st.id || String(i);
+      sec.tabIndex = -1;
+      sec.appendChild(el("h3", null, st.label));
+      if (st.body) sec.appendChild(el("p", null, st.body));
+      if (st.code) sec.appendChild(el("code", "wt-code", st.code));
+      (st.tables || []).forEach(function (tb) { sec.appendChild(numTable(tb)); });
+      panel.appendChild(sec);
+    });
+  }
+  function numTable(tb) {
+    var wrap = el("div", "tbl-wrap");
+    var t = el("table", "nums");
+    t.dataset.name = tb.name || "";
+    if (tb.caption) t.appendChild(el("caption", null, tb.caption));
+    var shade = tb.shade === true;
+    if (tb.cols) {
+      var hr = el("tr");
+      if (tb.rows) hr.appendChild(el("th", null, tb.corner || ""));
+      tb.cols.forEach(function (c) {
+        var th = el("th", null, c);
+        th.scope = "col";
+        hr.appendChild(th);
+      });
+      t.appendChild(hr);
+    }
+    tb.cells.forEach(function (row, r) {
+      var tr = el("tr");
+      if (tb.rows) {
+        var th = el("th", null, tb.rows[r]);
+        th.scope = "row";
+        tr.appendChild(th);
+      }
+      row.forEach(function (cell) {
+        var td = el("td", null, cell);
+        var v = parseFloat(cell);
+        if (shade && v > 0 && v <= 1) td.style.background = "rgba(31,95,168," +
+          (0.6 * v).toFixed(3) + ")";
+        tr.appendChild(td);
+      });
+      t.appendChild(tr);
+    });
+    wrap.appendChild(t);
+    return wrap;
+  }
+
+  /* -------------------------------------------------------------------- main */
+  var t0 = performance.now();
+  buildShell();
+  if (A) {
+    var init = A.initial;
+    state.layer = init.layer;
+    state.heads = init.heads.slice();
+    state.k = init.k;
+    buildHeadView();
+    buildModelView();
+  }
+  if (W) buildWalkthrough();
+  showView(state.view, false);
+  api.renderMs = performance.now() - t0;
+  api.ready = true;
+  document.body.dataset.ready = "1";
+})();
