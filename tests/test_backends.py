@@ -103,11 +103,12 @@ def test_conformance(backend, dtype, is_causal, kind, shape):
     run_case(backend, dtype, is_causal, kind, *shape)
 
 
+# The rest of T x D, each with one key length S != T (longer for D = 8 and 64, shorter
+# for D = 59, so both directions of the bottom-right causal alignment are covered).
 SLOW_SHAPES = [
-    (T, S, D)
+    (T, T + 13 if D != 59 else max(1, T // 2 + 3), D)
     for T, D in itertools.product([1, 7, 97], [8, 59, 64])
-    for S in (T + 13, max(1, T // 2 + 3))
-    if (T, S, D) not in FAST_SHAPES
+    if (T, D) not in {(t, d) for t, _, d in FAST_SHAPES}
 ]
 
 
@@ -236,3 +237,30 @@ def test_bad_input_raises_naming_the_argument(kwargs, exc, match):
         scaled_dot_product_attention(**args)
     with pytest.raises(exc, match=match):
         explain_dispatch(**args)
+
+
+def test_auto_dispatch_choices_and_refusals():
+    small = torch.randn(1, 2, 8, 16)
+    assert explain_dispatch(small, small, small, is_causal=True).chosen == "sdpa"
+    # A big padding mask has no PyTorch fast path: auto applies it tile by tile instead.
+    big = torch.zeros(1, 1, 1, 1).expand(1, 2, 8192, 16)
+    pad = PaddingMask(torch.ones(1, 8192, dtype=torch.bool))
+    exp = explain_dispatch(big, big, big, pad)
+    assert exp.chosen == "blockwise"
+    assert "materialised" in dict(exp.reasons)["sdpa"]
+    # ... unless blockwise cannot serve it (dropout): then sdpa, never the O(T*S) reference.
+    assert explain_dispatch(big, big, big, pad, dropout_p=0.1).chosen == "sdpa"
+    with pytest.raises(ValueError, match="blockwise does not implement attention dropout"):
+        scaled_dot_product_attention(small, small, small, dropout_p=0.1, backend="blockwise")
+    bias = AdditiveMask(torch.zeros(8, 8, requires_grad=True))
+    with pytest.raises(ValueError, match="gradients for an additive mask"):
+        scaled_dot_product_attention(small, small, small, bias, backend="blockwise")
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "math"])
+def test_dropout_backends_drop_in_training(backend):
+    torch.manual_seed(0)
+    q = k = v = torch.randn(1, 2, 16, 8)
+    a = scaled_dot_product_attention(q, k, v, dropout_p=0.5, backend=backend)
+    b = scaled_dot_product_attention(q, k, v, backend=backend)
+    assert a.shape == b.shape and not torch.allclose(a, b)

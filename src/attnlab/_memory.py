@@ -4,7 +4,10 @@
 PyTorch's CPU allocator while profiling (size and time). Sorting them by time and taking
 the maximum of the running sum gives the peak number of bytes live at once *above what
 was live before the call*: tensors created by the call, scratch included, freed or not.
-Memory outside PyTorch's allocator (e.g. a BLAS library's private buffers) is not seen.
+Memory outside PyTorch's allocator (e.g. a BLAS library's private buffers) is not seen,
+and only the calling thread's allocations are recorded: attnlab's blockwise backend, which
+otherwise spreads head groups over worker threads, runs them in the calling thread while
+the profiler is on (same scratch: each group's tiles scale with its share of the heads).
 """
 
 from __future__ import annotations

@@ -65,6 +65,11 @@ class Output:
         """A message for the human on stderr (keeps stdout clean for ``--json``)."""
         self.err_console.print(text, markup=False, highlight=False, soft_wrap=True)
 
+    def stream(self, text: str) -> None:
+        """Write ``text`` on stdout at once, without a newline (text generated token by token)."""
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
     def error(self, text: str) -> None:
         """One line on stderr, never wrapped."""
         line = " ".join(str(text).split())
@@ -181,6 +186,334 @@ def walkthrough(
         output.note(text)
     else:
         output.console.print(text, markup=False, soft_wrap=True)
+
+
+# ---------------------------------------------------------------------------- GPT (issue 4)
+
+DEFAULT_TRAIN_OUT = Path("runs/gpt")
+
+
+def _train_argv(**opts: Any) -> list[str]:
+    """The ``attnlab train`` arguments that reproduce ``opts`` (for the workers of --nproc)."""
+    argv = ["train"]
+    for name, value in opts.items():
+        if value is None:
+            continue
+        argv += [f"--{name.replace('_', '-')}", str(value)]
+    return argv
+
+
+class _TrainView:
+    """Renders training events: a progress bar (step, loss, tokens/s), evaluation lines."""
+
+    def __init__(self) -> None:
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
+
+        self.progress = Progress(
+            TextColumn("step"),
+            MofNCompleteColumn(),
+            BarColumn(),
+            TextColumn("loss {task.fields[loss]}"),
+            TextColumn("{task.fields[tps]} tok/s"),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+            console=output.console,
+            transient=False,
+        )
+        self.task: Any = None
+
+    def __call__(self, event: Any) -> None:
+        from attnlab.train import CheckpointSaved, EvalResult, StepResult, TrainStart
+
+        p = self.progress
+        if isinstance(event, TrainStart):
+            output.show(
+                f"training a {event.num_parameters / 1e6:.1f}M-parameter GPT on {event.device}"
+                f" x{event.world_size}: {event.train_windows} training / {event.val_windows} "
+                f"validation windows, {event.tokens_per_step} tokens per step"
+                + (f", resuming at step {event.start_step}" if event.start_step else "")
+            )
+            p.start()
+            self.task = p.add_task(
+                "train", total=event.total_steps, completed=event.start_step, loss="-", tps="-"
+            )
+        elif isinstance(event, StepResult):
+            p.update(
+                self.task,
+                completed=event.step,
+                loss=f"{event.loss:.3f}",
+                tps=f"{event.tokens_per_sec:,.0f}",
+            )
+        elif isinstance(event, EvalResult):
+            p.console.print(
+                f"step {event.step:>5}  tokens {event.tokens_seen:>9,}  "
+                f"train loss {event.train_loss:.3f}  val loss {event.val_loss:.3f}",
+                markup=False,
+            )
+            if event.sample:
+                p.console.print("  sample: " + " ".join(event.sample.split()), markup=False)
+        elif isinstance(event, CheckpointSaved) and event.reason in ("final", "interrupt"):
+            p.console.print(f"checkpoint saved: {event.path} (step {event.step})", markup=False)
+
+    def close(self) -> None:
+        if self.task is not None:
+            self.progress.stop()
+
+
+@app.command()
+def train(
+    preset: Annotated[
+        str, typer.Option(help="Model size: tiny, gpt2-124m, gpt2-medium, gpt2-large, gpt2-xl.")
+    ] = "tiny",
+    steps: Annotated[
+        int | None, typer.Option(help="Optimizer steps (default 200, or use --epochs).")
+    ] = None,
+    epochs: Annotated[int | None, typer.Option(help="Passes over the training text.")] = None,
+    batch_size: Annotated[
+        int, typer.Option("--batch-size", help="Global batch, split over the processes.")
+    ] = 8,
+    lr: Annotated[
+        float | None,
+        typer.Option(help="Peak learning rate (AdamW, warm-up, cosine); default by size."),
+    ] = None,
+    text: Annotated[
+        Path | None, typer.Option(help="UTF-8 text file (default: the embedded story).")
+    ] = None,
+    out: Annotated[
+        Path, typer.Option(help="Folder for the checkpoint, history.json and loss_curve.png.")
+    ] = DEFAULT_TRAIN_OUT,
+    seed: Annotated[int, typer.Option(help="Seed of the weights, dropout and batch order.")] = 123,
+    resume: Annotated[
+        Path | None, typer.Option(help="Continue the run saved in this checkpoint folder.")
+    ] = None,
+    eval_interval: Annotated[
+        int, typer.Option("--eval-interval", help="Evaluate and save every N steps.")
+    ] = 25,
+    backend: Annotated[
+        str, typer.Option(help="Attention backend: auto, math, sdpa (or any registered one).")
+    ] = "auto",
+    nproc: Annotated[
+        int | None,
+        typer.Option(help="Train with N processes (DDP; torchrun on 127.0.0.1)."),
+    ] = None,
+) -> None:
+    """Train a GPT on a text (default: the tiny preset on the embedded story)."""
+    import os
+
+    from attnlab.train import DistributedTrainingError, TrainConfig
+
+    if nproc is not None and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        if nproc < 1:
+            raise UserError(f"`--nproc` must be >= 1, got {nproc}")
+        argv = _train_argv(
+            preset=preset,
+            steps=steps,
+            epochs=epochs,
+            batch_size=batch_size,
+            lr=lr,
+            text=text,
+            out=out,
+            seed=seed,
+            resume=resume,
+            eval_interval=eval_interval,
+            backend=backend,
+        )
+        with user_input():
+            TrainConfig(preset=preset, steps=steps, epochs=epochs, batch_size=batch_size, lr=lr)
+            if text is not None:
+                from attnlab.data import load_text
+
+                load_text(text)
+        from attnlab.train import launch
+
+        try:
+            launch(nproc, argv)
+        except DistributedTrainingError as e:
+            output.error(str(e))
+            raise typer.Exit(1) from None
+        return
+
+    from attnlab.data import load_text
+    from attnlab.train import Trainer, stop_on_signals
+
+    with user_input():
+        config = TrainConfig(
+            preset=preset,
+            steps=steps,
+            epochs=epochs,
+            batch_size=batch_size,
+            lr=lr,
+            seed=seed,
+            eval_interval=eval_interval,
+            backend=backend,
+        )
+        corpus = load_text(text)
+    view = _TrainView()
+    try:
+        with user_input():
+            trainer = Trainer(config, out_dir=out, text=corpus, resume=resume, callback=view)
+            trainer.prepare()  # input errors (short text, bad checkpoint) surface here
+        with stop_on_signals(trainer):
+            result = _run_recorded(trainer)
+    except DistributedTrainingError as e:
+        output.error(str(e))
+        raise typer.Exit(1) from None
+    finally:
+        view.close()
+    if result.loss_png is None:
+        return
+    if result.interrupted:
+        output.note(
+            f"interrupted at step {result.steps_done}/{result.total_steps}; checkpoint saved in "
+            f"{out}; continue with: attnlab train --resume {out}"
+        )
+        raise typer.Exit(130)
+    last = result.evals[-1]
+    output.show(
+        f"done: {result.steps_done} steps, train loss {last.train_loss:.3f}, val loss "
+        f"{last.val_loss:.3f}\nwrote {out}/ (checkpoint), {result.loss_png}"
+    )
+
+
+def _run_recorded(trainer: Any) -> Any:
+    """Run the trainer; under torchrun, record a failure for the launcher's report."""
+    import os
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        from torch.distributed.elastic.multiprocessing.errors import record
+
+        return record(trainer.run)()
+    return trainer.run()
+
+
+@app.command()
+def generate(
+    prompt: Annotated[str, typer.Argument(help="Text to continue.")],
+    checkpoint: Annotated[
+        Path | None, typer.Option(help="A checkpoint folder written by `attnlab train`.")
+    ] = None,
+    max_new_tokens: Annotated[
+        int, typer.Option("--max-new-tokens", "-n", help="Tokens to generate.")
+    ] = 50,
+    temperature: Annotated[float, typer.Option(help="0 = greedy; > 0 samples.")] = 0.0,
+    top_k: Annotated[int | None, typer.Option("--top-k", help="Sample among the top k.")] = None,
+    top_p: Annotated[
+        float | None, typer.Option("--top-p", help="Nucleus sampling threshold.")
+    ] = None,
+    seed: Annotated[int, typer.Option(help="Seed for sampling.")] = 123,
+    no_cache: Annotated[
+        bool, typer.Option("--no-cache", help="Recompute the whole window for every token.")
+    ] = False,
+) -> None:
+    """Continue a prompt with a trained model, streaming the text as it is produced."""
+    import codecs
+
+    import torch
+
+    from attnlab.checkpoint import CheckpointError
+    from attnlab.data import EOT_TOKEN_ID, get_tokenizer
+    from attnlab.generation import generate_stream
+
+    if checkpoint is None:
+        raise UserError("give the model to use: --checkpoint DIR (a folder from `attnlab train`)")
+    if not prompt:
+        raise UserError("the prompt is empty; give some text to continue")
+    try:
+        from attnlab.models.gpt import GPTModel
+
+        model = GPTModel.from_checkpoint(checkpoint)
+    except CheckpointError as e:
+        raise UserError(str(e)) from e
+    model.eval()
+    tok = get_tokenizer()
+    ids = tok.encode(prompt, allowed_special="all")[-model.context_length :]
+    gen = torch.Generator().manual_seed(seed)
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    output.stream(prompt)
+    with user_input():
+        stream = generate_stream(
+            model,
+            torch.tensor([ids]),
+            max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            eos_id=EOT_TOKEN_ID,
+            use_cache=not no_cache,
+            generator=gen,
+        )
+        for nxt in stream:
+            token = int(nxt[0, 0])
+            if token == EOT_TOKEN_ID:
+                break
+            output.stream(decoder.decode(tok.decode_single_token_bytes(token)))
+    output.stream(decoder.decode(b"", final=True) + "\n")
+
+
+def _preset_table(name: str) -> Any:
+    from rich.table import Table
+
+    from attnlab.models.gpt import parameter_report
+
+    r = parameter_report(name)
+    c = r.config
+    table = Table(
+        title=f"{name}: {c.n_layers} layers, emb_dim {c.emb_dim}, {c.n_heads} heads, "
+        f"context {c.context_length}, vocab {c.vocab_size}",
+        title_justify="left",
+    )
+    table.add_column("module", no_wrap=True)
+    table.add_column("parameters", justify="right", no_wrap=True)
+    for module, count in r.per_module:
+        table.add_row(module, f"{count:,}")
+    table.add_section()
+    table.add_row("total", f"{r.total:,}")
+    table.add_row("total with weight tying (head = tok_emb)", f"{r.total_tied:,}")
+    table.add_row("size in float32", f"{r.size_mb:,.2f} MB")
+    return table
+
+
+def _info_presets(preset: str | None) -> list[RenderableType]:
+    """``attnlab info``'s model part: GPT presets' parameter counts and model sizes."""
+    from attnlab.models.gpt import PRESETS
+
+    if preset is not None:
+        if preset == "all":
+            names = list(PRESETS)
+        elif preset in PRESETS:
+            names = [preset]
+        else:
+            raise UserError(
+                f"unknown --preset {preset!r}; choose one of: {', '.join(PRESETS)}, all"
+            )
+        return [_preset_table(n) for n in names]
+    from rich.table import Table
+
+    from attnlab.models.gpt import parameter_report
+
+    table = Table(title="GPT presets (attnlab info --preset NAME for the details)")
+    for col in ("preset", "layers", "emb_dim", "heads", "context", "parameters", "fp32 size"):
+        table.add_column(col, justify="left" if col == "preset" else "right", no_wrap=True)
+    for name in PRESETS:
+        r = parameter_report(name)
+        c = r.config
+        table.add_row(
+            name,
+            str(c.n_layers),
+            str(c.emb_dim),
+            str(c.n_heads),
+            str(c.context_length),
+            f"{r.total:,}",
+            f"{r.size_mb:,.1f} MB",
+        )
+    return [table]
 
 
 # Above this many dense weights (layers x heads x T x T) `explain` keeps only the
@@ -484,6 +817,102 @@ def ring_demo(
         markup=False,
         soft_wrap=True,
     )
+
+
+_INFO_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16",
+                "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
+                "float64": "float64", "fp64": "float64"}  # fmt: skip
+_INFO_MASKS = ("none", "causal", "padding", "window", "boolean")
+
+
+@app.command()
+def info(
+    seq_len: Annotated[int, typer.Option("--seq-len", "-t", help="Query length T.")] = 1024,
+    key_len: Annotated[
+        int | None, typer.Option("--key-len", "-s", help="Key length S (default T).")
+    ] = None,
+    batch: Annotated[int, typer.Option(help="Batch size B.")] = 1,
+    heads: Annotated[int, typer.Option(help="Query heads H.")] = 12,
+    kv_heads: Annotated[
+        int | None, typer.Option("--kv-heads", help="Key/value heads G (default H).")
+    ] = None,
+    head_dim: Annotated[int, typer.Option("--head-dim", help="Head dim D.")] = 64,
+    dtype: Annotated[str, typer.Option(help="float32, bfloat16, float16 or float64.")] = "float32",
+    mask: Annotated[str, typer.Option(help="none, causal, padding, window or boolean.")] = "causal",
+    dropout: Annotated[float, typer.Option(help="Attention dropout probability.")] = 0.0,
+    backend: Annotated[str, typer.Option(help="Backend to explain (default auto).")] = "auto",
+    preset: Annotated[
+        str | None,
+        typer.Option(
+            help="GPT preset whose parameter counts to report (tiny, gpt2-124m, gpt2-medium, "
+            "gpt2-large, gpt2-xl), or 'all'; shows only that."
+        ),
+    ] = None,
+) -> None:
+    """Report what attnlab has: the attention backends and which one a call of this shape
+    would run (and why not the others), and the GPT presets' parameter counts and sizes."""
+    if preset is not None:
+        output.show(*_info_presets(preset))
+        return
+    import torch
+    from rich.table import Table
+
+    from attnlab.backends import AUTO_ORDER, explain_dispatch, get_backend
+    from attnlab.backends import available_backends as names
+    from attnlab.masks import BooleanMask, CausalMask, PaddingMask, SlidingWindowMask
+
+    if dtype not in _INFO_DTYPES:
+        raise UserError(f"unknown --dtype {dtype!r}; choose one of {', '.join(_INFO_DTYPES)}")
+    if mask not in _INFO_MASKS:
+        raise UserError(f"unknown --mask {mask!r}; choose one of {', '.join(_INFO_MASKS)}")
+    for name, value in (("--seq-len", seq_len), ("--batch", batch), ("--heads", heads),
+                        ("--head-dim", head_dim), ("--key-len", key_len),
+                        ("--kv-heads", kv_heads)):  # fmt: skip
+        if value is not None and value < 1:
+            raise UserError(f"`{name}` must be a positive int, got {value}")
+    T, S, G = seq_len, key_len or seq_len, kv_heads or heads
+    tdtype = getattr(torch, _INFO_DTYPES[dtype])
+
+    def shaped(*shape: int) -> torch.Tensor:  # no memory: one element, expanded
+        return torch.zeros((1,) * len(shape), dtype=tdtype).expand(*shape)
+
+    attn_mask = {
+        "none": None,
+        "causal": CausalMask(),
+        "padding": PaddingMask(torch.ones(1, 1, dtype=torch.bool).expand(batch, S)),
+        "window": SlidingWindowMask(min(256, S)) if mask == "window" else None,
+        "boolean": BooleanMask(torch.ones(1, 1, 1, 1, dtype=torch.bool).expand(1, 1, T, S)),
+    }[mask]
+    with user_input():
+        exp = explain_dispatch(
+            shaped(batch, heads, T, head_dim),
+            shaped(batch, G, S, head_dim),
+            shaped(batch, G, S, head_dim),
+            attn_mask,
+            dropout,
+            backend=backend,
+        )
+
+    table = Table(title=f"attnlab {attnlab.__version__} attention backends (torch "
+                        f"{torch.__version__}, {torch.get_num_threads()} threads)")  # fmt: skip
+    table.add_column("backend")
+    table.add_column("auto rank")
+    table.add_column("what it is")
+    for name in names():
+        if name == "auto":
+            continue
+        rank = str(AUTO_ORDER.index(name) + 1) if name in AUTO_ORDER else "-"
+        table.add_row(name, rank, get_backend(name).summary)
+    call = (
+        f"B={batch} H={heads} G={G} T={T} S={S} D={head_dim} {_INFO_DTYPES[dtype]} "
+        f"mask={mask} dropout={dropout}"
+    )
+    verdict = Table(title=f"dispatch for {call}: backend={backend!r} -> {exp.chosen}")
+    verdict.add_column("backend")
+    verdict.add_column("verdict")
+    for name, why in exp.reasons:
+        verdict.add_row(name, "chosen" if why is None else why)
+    output.show(table, verdict, *_info_presets(None))
 
 
 def _framework_errors() -> tuple[tuple[type[BaseException], ...], tuple[type[BaseException], ...]]:

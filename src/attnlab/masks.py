@@ -155,6 +155,14 @@ class AttentionMask:
         """
         raise NotImplementedError
 
+    def col_range(self, T: int, S: int, q0: int, q1: int) -> tuple[int, int]:
+        """Columns ``[lo, hi)`` outside which rows ``q0:q1`` may attend to nothing.
+
+        Backends loop over keys only in this range (e.g. up to the causal diagonal), so
+        a tile crossing the diagonal is trimmed instead of computed whole.
+        """
+        return 0, S
+
     @property
     def is_causal_only(self) -> bool:
         """True when the mask is exactly a causal mask (no other restriction)."""
@@ -244,6 +252,9 @@ class CausalMask(AttentionMask):
     def is_causal_only(self) -> bool:
         return True
 
+    def col_range(self, T: int, S: int, q0: int, q1: int) -> tuple[int, int]:
+        return 0, max(0, min(S, q1 + self.offset(T, S)))
+
     def may_empty_rows(self, T: int, S: int) -> bool:
         return self.offset(T, S) < 0
 
@@ -290,6 +301,12 @@ class SlidingWindowMask(AttentionMask):
 
     def offset(self, T: int, S: int) -> int:
         return S - T if self.alignment == "bottom_right" else 0
+
+    def col_range(self, T: int, S: int, q0: int, q1: int) -> tuple[int, int]:
+        off = self.offset(T, S)
+        hi = q1 - 1 + off if self.causal else q1 - 1 + off + self.window - 1
+        lo = max(0, q0 + off - self.window + 1)
+        return min(lo, S), max(0, min(S, hi + 1))
 
     def may_empty_rows(self, T: int, S: int) -> bool:
         off = self.offset(T, S)
@@ -492,6 +509,13 @@ class AndMask(AttentionMask):
     def validate(self, B: int, H: int, T: int, S: int) -> None:
         for p in self.parts:
             p.validate(B, H, T, S)
+
+    def col_range(self, T: int, S: int, q0: int, q1: int) -> tuple[int, int]:
+        lo, hi = 0, S
+        for p in self.parts:
+            a, b = p.col_range(T, S, q0, q1)
+            lo, hi = max(lo, a), min(hi, b)
+        return lo, max(lo, hi)
 
     def block(self, T, S, rows=None, cols=None, *, device=None):
         allowed: torch.Tensor | None = None

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from attnlab.backends import blockwise as _blockwise
 from attnlab.backends import math as _math
 from attnlab.backends import ring as _ring
 from attnlab.backends import sdpa as _sdpa
@@ -95,10 +96,16 @@ def select_backend(name: str, request: AttentionRequest) -> Backend:
     if not isinstance(name, str):
         raise TypeError(f"`backend` must be a str, got {type(name).__name__}")
     if name == "auto":
-        for candidate in AUTO_ORDER:
-            be = _REGISTRY[candidate]
-            if be.why_not(request) is None and be.why_not_auto(request) is None:
+        capable = [
+            _REGISTRY[n]
+            for n in AUTO_ORDER
+            if not _REGISTRY[n].last_resort and _REGISTRY[n].why_not(request) is None
+        ]
+        for be in capable:  # fastest first, unless it has a reason to step aside ...
+            if be.why_not_auto(request) is None:
                 return be
+        if capable:  # ... which it does not when only slower backends are left
+            return capable[0]
         return _REGISTRY["math"]  # the reference serves every request
     be = get_backend(name)
     why = be.why_not(request)
@@ -131,8 +138,9 @@ class DispatchExplanation:
 
 def explain(request: AttentionRequest, backend: str = "auto") -> DispatchExplanation:
     """Explain dispatch for an already-built request."""
-    chosen = select_backend(backend, request) if backend == "auto" else get_backend(backend)
+    chosen = select_backend(backend, request)  # raises with the reason if it cannot serve
     raw = _reasons(request, for_auto=backend == "auto")
+    ranked = AUTO_ORDER.index
     reasons: list[tuple[str, str | None]] = []
     for name in _REGISTRY:
         if name == chosen.name:
@@ -141,13 +149,12 @@ def explain(request: AttentionRequest, backend: str = "auto") -> DispatchExplana
             reasons.append((name, f"not chosen: {raw[name]}"))
         elif backend != "auto":
             reasons.append((name, f"capable, but backend={backend!r} was asked for"))
-        elif name in AUTO_ORDER and AUTO_ORDER.index(name) > AUTO_ORDER.index(chosen.name):
+        elif (
+            name in AUTO_ORDER and chosen.name in AUTO_ORDER and ranked(name) > ranked(chosen.name)
+        ):
             reasons.append((name, f"capable, but {chosen.name} is faster and ranks first"))
         else:
             reasons.append((name, "capable, but slower; chosen only when nothing else can"))
-    why_chosen = chosen.why_not(request)
-    if why_chosen is not None:
-        raise ValueError(f"backend={backend!r} cannot serve this call: {why_chosen}")
     return DispatchExplanation(requested=backend, chosen=chosen.name, reasons=tuple(reasons))
 
 
@@ -182,5 +189,6 @@ def explain_dispatch(
 
 
 register_backend(_sdpa.BACKEND, auto_rank=0)
-register_backend(_math.BACKEND, auto_rank=1)
+register_backend(_blockwise.BACKEND, auto_rank=1)
+register_backend(_math.BACKEND, auto_rank=2)
 register_backend(_ring.BACKEND)  # by name only, never chosen by auto

@@ -134,6 +134,8 @@ class Backend:
         why_not_auto: extra reasons to skip it under ``backend="auto"`` although it could
             serve the request (e.g. it would materialise a large dense mask).
         summary: one line for ``attnlab info``.
+        last_resort: ``auto`` picks it only when no other backend can serve the request
+            (the materialising reference).
     """
 
     name: str
@@ -141,6 +143,7 @@ class Backend:
     why_not: Callable[[AttentionRequest], str | None]
     why_not_auto: Callable[[AttentionRequest], str | None] = field(default=lambda r: None)
     summary: str = ""
+    last_resort: bool = False
 
 
 def check_weights_request(request: WeightsRequest, H: int, T: int) -> None:

@@ -88,4 +88,5 @@ BACKEND = Backend(
     run=math_attention,
     why_not=_why_not,
     summary="readable reference; materialises scores and weights (O(T*S) memory)",
+    last_resort=True,
 )

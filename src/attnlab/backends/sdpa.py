@@ -111,5 +111,6 @@ BACKEND = Backend(
     name="sdpa",
     run=sdpa_attention,
     why_not=_why_not,
+    why_not_auto=_why_not_auto,
     summary="torch.nn.functional.scaled_dot_product_attention (fused kernels, is_causal fast path)",
 )

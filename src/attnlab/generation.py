@@ -1,0 +1,222 @@
+"""Text generation for any causal language model that follows attnlab's protocol.
+
+The protocol (shared by ``attnlab.models``):
+
+- ``model(input_ids, *, kv_cache=None) -> logits``: ``input_ids`` (B, T) long, logits (B, T, V).
+  With ``kv_cache`` (a list of per-layer ``KVCache``), the new keys/values are appended and the
+  positions of ``input_ids`` continue after what the cache already holds.
+- ``model.new_kv_cache() -> list[KVCache]``: an empty cache, one entry per layer.
+- ``model.context_length``: the longest sequence the model accepts (int), or None.
+
+Greedy decoding (``temperature == 0``) with and without the cache gives identical tokens: with
+the cache, the prompt is encoded once and each new token costs one step over the cache; when the
+sequence outgrows the context the window slides, and the cache is rebuilt from the cropped
+window so that the logits are exactly those the uncached model sees.
+
+Shape legend: ``B`` batch, ``T`` sequence length, ``V`` vocabulary size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+__all__ = ["generate", "generate_stream", "sample_next_token"]
+
+
+def _check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
+    if not isinstance(temperature, (int, float)) or temperature < 0:
+        raise ValueError(f"`temperature` must be a number >= 0 (0 = greedy), got {temperature!r}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"`top_k` must be an int >= 1 or None, got {top_k!r}")
+    if top_p is not None and not (0.0 < float(top_p) <= 1.0):
+        raise ValueError(f"`top_p` must be in (0, 1] or None, got {top_p!r}")
+
+
+def sample_next_token(
+    logits: torch.Tensor,
+    *,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Choose the next token from the last position's logits.
+
+    Args:
+        logits: scores over the vocabulary.
+        temperature: 0 picks the most likely token (greedy); > 0 samples from
+            ``softmax(logits / temperature)``.
+        top_k: when sampling, keep only the ``top_k`` most likely tokens.
+        top_p: when sampling, keep the smallest set of most likely tokens whose probability
+            reaches ``top_p`` (nucleus sampling); the most likely token is always kept.
+        generator: the random generator for sampling (default: torch's global one).
+
+    Returns:
+        The chosen token ids.
+
+    Raises:
+        ValueError: on a negative temperature, ``top_k < 1`` or ``top_p`` outside (0, 1].
+
+    Shape:
+        logits ``(B, V)`` -> ``(B, 1)`` long.
+    """
+    _check_sampling(temperature, top_k, top_p)
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)  # (B, 1)
+    logits = logits.float() / temperature  # (B, V)
+    if top_k is not None and top_k < logits.size(-1):
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, sorted_idx = torch.sort(logits, dim=-1, descending=True)  # (B, V)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # Drop a token when the tokens before it already reach top_p; the first always stays.
+        drop_sorted = (probs.cumsum(dim=-1) - probs) >= top_p  # (B, V)
+        drop = drop_sorted.scatter(-1, sorted_idx, drop_sorted)  # back to vocabulary order
+        logits = logits.masked_fill(drop, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)  # (B, V)
+    return torch.multinomial(probs, num_samples=1, generator=generator)  # (B, 1)
+
+
+def _check_inputs(model: Any, idx: Any, max_new_tokens: Any, context_size: Any) -> int | None:
+    if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.dtype != torch.long:
+        if isinstance(idx, torch.Tensor):
+            got = f"{tuple(idx.shape)} {idx.dtype}"
+        else:
+            got = type(idx).__name__
+        raise TypeError(
+            f"`idx` must be a (B, T) torch.long tensor of token ids, got {got}; "
+            "fix: torch.tensor([ids]) or ids.unsqueeze(0)"
+        )
+    if idx.size(1) < 1:
+        raise ValueError("`idx` must hold at least one token per row (T >= 1), got T = 0")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
+        raise TypeError(f"`max_new_tokens` must be an int, got {type(max_new_tokens).__name__}")
+    if max_new_tokens < 0:
+        raise ValueError(f"`max_new_tokens` must be >= 0, got {max_new_tokens}")
+    limit = getattr(model, "context_length", None)
+    if context_size is None:
+        return limit
+    if isinstance(context_size, bool) or not isinstance(context_size, int) or context_size < 1:
+        raise ValueError(f"`context_size` must be an int >= 1 or None, got {context_size!r}")
+    if limit is not None and context_size > limit:
+        raise ValueError(
+            f"`context_size` ({context_size}) exceeds the model's context length ({limit}); "
+            f"use context_size <= {limit}"
+        )
+    return context_size
+
+
+@torch.no_grad()
+def generate_stream(
+    model: Any,
+    idx: torch.Tensor,
+    max_new_tokens: int,
+    context_size: int | None = None,
+    *,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    eos_id: int | None = None,
+    use_cache: bool = True,
+    generator: torch.Generator | None = None,
+) -> Iterator[torch.Tensor]:
+    """Yield new tokens one step at a time (see :func:`generate` for the arguments).
+
+    The model's mode is left as it is: call ``model.eval()`` first to turn dropout off.
+
+    Yields:
+        The next token of every row, ``(B, 1)`` long. After a row emits ``eos_id`` it keeps
+        emitting ``eos_id``; the stream stops when every row has emitted it.
+    """
+    window = _check_inputs(model, idx, max_new_tokens, context_size)
+    _check_sampling(temperature, top_k, top_p)
+    if max_new_tokens == 0:
+        return
+    seq = idx
+    cache: list[Any] | None = None
+    start = 0  # index in `seq` of the first token the cache holds
+    n_cached = 0  # how many tokens, from `start` on, the cache holds
+    finished = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)  # (B,)
+    for _ in range(max_new_tokens):
+        if not use_cache:
+            inp = seq if window is None else seq[:, -window:]  # (B, <=window)
+            logits = model(inp)
+        else:
+            if cache is None or (window is not None and seq.size(1) - start > window):
+                # First step, or the window slid past the cache's first position: (re)build the
+                # cache from the cropped window, so positions match what the uncached model sees.
+                start = 0 if window is None else max(0, seq.size(1) - window)
+                cache = model.new_kv_cache()
+                n_cached = 0
+            inp = seq[:, start + n_cached :]  # (B, new tokens)
+            logits = model(inp, kv_cache=cache)
+            n_cached += inp.size(1)
+        nxt = sample_next_token(
+            logits[:, -1, :], temperature=temperature, top_k=top_k, top_p=top_p, generator=generator
+        )  # (B, 1)
+        if eos_id is not None:
+            nxt = nxt.masked_fill(finished[:, None], eos_id)
+            finished |= nxt[:, 0] == eos_id
+        seq = torch.cat([seq, nxt], dim=1)  # (B, T+1)
+        yield nxt
+        if eos_id is not None and bool(finished.all()):
+            return
+
+
+def generate(
+    model: Any,
+    idx: torch.Tensor,
+    max_new_tokens: int,
+    context_size: int | None = None,
+    *,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    eos_id: int | None = None,
+    use_cache: bool = True,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Continue each row of ``idx`` by up to ``max_new_tokens`` tokens.
+
+    Args:
+        model: a causal language model following attnlab's protocol (module docstring).
+        idx: the prompt token ids.
+        max_new_tokens: how many tokens to add (fewer if every row reaches ``eos_id``).
+        context_size: the longest window the model is shown; defaults to
+            ``model.context_length``; older tokens are cropped from the left.
+        temperature: 0 is greedy decoding; > 0 samples.
+        top_k: sample only among the ``top_k`` most likely tokens.
+        top_p: nucleus sampling threshold in (0, 1].
+        eos_id: stop a row when it emits this token (the token is kept in the output).
+        use_cache: keep a KV cache, so each new token costs one step over the cache.
+        generator: random generator used for sampling.
+
+    Returns:
+        The prompt followed by the new tokens.
+
+    Raises:
+        TypeError: if ``idx`` is not a (B, T) long tensor.
+        ValueError: on an invalid count, window or sampling setting.
+
+    Shape:
+        idx ``(B, T)`` -> ``(B, T + n)`` with ``n <= max_new_tokens``.
+    """
+    new = list(
+        generate_stream(
+            model,
+            idx,
+            max_new_tokens,
+            context_size,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            eos_id=eos_id,
+            use_cache=use_cache,
+            generator=generator,
+        )
+    )
+    return torch.cat([idx, *new], dim=1) if new else idx.clone()

@@ -1,0 +1,145 @@
+"""`attnlab train`, `attnlab generate`, `attnlab info --preset`: real commands, real exit codes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from attnlab.cli import main
+from attnlab.models.gpt import GPTConfig
+from attnlab.train import TrainConfig, train
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def run_main(capsys, *args: str) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as info:
+        main(list(args))
+    out, err = capsys.readouterr()
+    return int(info.value.code), out, err
+
+
+def _one_error_line(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("attnlab: error: ")
+    assert "Traceback" not in err
+    return lines[0]
+
+
+def test_train_bad_input_is_one_line_and_exit_2(capsys, tmp_path):
+    code, _, err = run_main(capsys, "train", "--text", str(tmp_path / "missing.txt"))
+    assert code == 2 and "does not exist" in _one_error_line(err)
+
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n \n", encoding="utf-8")
+    code, _, err = run_main(capsys, "train", "--text", str(empty), "--out", str(tmp_path / "o"))
+    assert code == 2 and "is empty" in _one_error_line(err)
+
+    short = tmp_path / "short.txt"
+    short.write_text("A very short story. " * 5, encoding="utf-8")
+    code, out, err = run_main(capsys, "train", "--text", str(short), "--out", str(tmp_path / "o"))
+    assert code == 2 and "too short for one window" in _one_error_line(err)
+    assert out.strip() == ""
+
+    code, _, err = run_main(capsys, "train", "--preset", "gpt5")
+    assert code == 2 and "unknown preset 'gpt5'" in _one_error_line(err)
+
+    code, _, err = run_main(capsys, "train", "--resume", str(tmp_path / "nowhere"))
+    assert code == 2 and "does not exist" in _one_error_line(err)
+
+
+def test_info_reports_the_preset_parameter_counts(capsys):
+    code, out, err = run_main(capsys, "info", "--preset", "gpt2-124m")
+    assert code == 0, err
+    for text in ("163,009,536", "124,412,160", "621.83 MB", "38,597,376", "trf_blocks (x12)"):
+        assert text in out, text
+    code, out, _ = run_main(capsys, "info", "--preset", "all")
+    assert code == 0 and "1,637,792,000" in out and "406,212,608" in out
+    code, _, err = run_main(capsys, "info", "--preset", "gpt-7")
+    assert code == 2 and "unknown --preset" in _one_error_line(err)
+
+
+@pytest.fixture(scope="module")
+def micro_checkpoint(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("ckpt")
+    cfg = GPTConfig(vocab_size=50257, context_length=16, emb_dim=16, n_heads=2, n_layers=1)
+    train(TrainConfig(model=cfg, steps=2, batch_size=2, eval_batches=1, sample_tokens=2),
+          out_dir=out)  # fmt: skip
+    return out
+
+
+def test_generate_streams_from_a_checkpoint(capsys, micro_checkpoint):
+    code, out, err = run_main(
+        capsys, "generate", "--checkpoint", str(micro_checkpoint), "-n", "5", "Every effort"
+    )
+    assert code == 0, err
+    assert out.startswith("Every effort") and len(out) > len("Every effort\n")
+    # greedy, with and without the cache: the same text
+    code2, out2, _ = run_main(
+        capsys, "generate", "--checkpoint", str(micro_checkpoint), "-n", "5", "--no-cache",
+        "Every effort",
+    )  # fmt: skip
+    assert code2 == 0 and out2 == out
+
+
+def test_generate_bad_input(capsys, micro_checkpoint, tmp_path):
+    code, _, err = run_main(capsys, "generate", "hello")
+    assert code == 2 and "--checkpoint" in _one_error_line(err)
+    code, _, err = run_main(capsys, "generate", "--checkpoint", str(tmp_path), "hello")
+    assert code == 2 and "holds no checkpoint" in _one_error_line(err)
+    code, _, err = run_main(
+        capsys, "generate", "--checkpoint", str(micro_checkpoint), "--top-p", "2", "--temperature",
+        "1", "hello",
+    )  # fmt: skip
+    assert code == 2 and "top_p" in _one_error_line(err)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for p in micro_checkpoint.iterdir():
+        (bad / p.name).write_bytes(p.read_bytes())
+    manifest = json.loads((bad / "config.json").read_text())
+    manifest["model_config"]["n_heads"] = 4
+    manifest["model_config"]["emb_dim"] = 32
+    (bad / "config.json").write_text(json.dumps(manifest))
+    code, _, err = run_main(capsys, "generate", "--checkpoint", str(bad), "hello")
+    assert code == 2 and "does not match its weights" in _one_error_line(err)
+
+
+@pytest.mark.slow
+def test_ctrl_c_saves_a_checkpoint_and_resume_finishes(tmp_path):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(SRC) + os.pathsep + env.get("PYTHONPATH", "")
+    env["MPLBACKEND"] = "Agg"
+    out = tmp_path / "run"
+    args = [sys.executable, "-m", "attnlab", "train", "--steps", "40", "--batch-size", "2",
+            "--eval-interval", "100", "--out", str(out)]  # fmt: skip
+    proc = subprocess.Popen(
+        args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path
+    )
+    assert proc.stdout is not None
+    for line in proc.stdout:  # the step-0 evaluation: training is under way
+        if line.startswith("step"):
+            break
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr
+    assert "interrupted at step" in stderr and "--resume" in stderr
+    manifest = json.loads((out / "config.json").read_text())
+    done = manifest["step"]
+    assert 1 <= done < 40
+    resumed = subprocess.run(
+        [*args[:3], "train", "--resume", str(out), "--out", str(out)],
+        env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path,
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resuming at step {done}" in resumed.stdout
+    assert json.loads((out / "config.json").read_text())["step"] == 40

@@ -1,0 +1,169 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnlab.generation import generate, generate_stream, sample_next_token
+
+
+class _ToyCache:
+    def __init__(self) -> None:
+        self.tokens: list[torch.Tensor] = []
+
+    @property
+    def seq_len(self) -> int:
+        return sum(t.size(1) for t in self.tokens)
+
+
+class ToyLM(torch.nn.Module):
+    """A causal LM whose logits depend on every visible token and its position (from 0 at the
+    window start), so a wrong crop, position or cache use changes the output."""
+
+    def __init__(self, vocab: int = 11, context_length: int | None = 6) -> None:
+        super().__init__()
+        self.vocab, self.context_length = vocab, context_length
+        self.calls: list[int] = []  # tokens fed per call
+
+    def new_kv_cache(self) -> list[_ToyCache]:
+        return [_ToyCache()]
+
+    def forward(self, input_ids, *, kv_cache=None):
+        self.calls.append(input_ids.size(1))
+        past = torch.zeros(input_ids.size(0), 0, dtype=torch.long)
+        if kv_cache is not None:
+            if kv_cache[0].tokens:
+                past = torch.cat(kv_cache[0].tokens, dim=1)
+            kv_cache[0].tokens.append(input_ids)
+        seq = torch.cat([past, input_ids], dim=1)  # (B, S)
+        S = seq.size(1)
+        if self.context_length is not None:
+            assert self.context_length >= S
+        pos = torch.arange(S) + 1
+        mix = torch.cumsum(seq * pos * 7 + pos * pos, dim=1)[:, -input_ids.size(1) :]  # (B, T)
+        v = torch.arange(self.vocab)
+        return -(((mix[..., None] + v * 3) % self.vocab) - 0.5 * v).float()  # (B, T, V)
+
+
+@pytest.mark.parametrize("context", [6, None])
+def test_cache_and_no_cache_give_identical_greedy_tokens(context):
+    prompt = torch.tensor([[1, 2, 3], [4, 5, 9]])
+    a = generate(ToyLM(context_length=context), prompt, 12, use_cache=False)
+    model = ToyLM(context_length=context)
+    b = generate(model, prompt, 12, use_cache=True)
+    assert torch.equal(a, b)
+    assert a.shape == (2, 15)
+    if context is None:
+        assert model.calls == [3] + [1] * 11  # one step per new token over the cache
+    else:
+        # One prefill; one-token steps while the window fits; rebuilds once it slides.
+        assert model.calls[:4] == [3, 1, 1, 1] and max(model.calls) <= 6
+
+
+def test_context_size_crops_the_window():
+    model = ToyLM(context_length=None)
+    out = generate(model, torch.tensor([[1, 2, 3, 4, 5]]), 3, context_size=2, use_cache=False)
+    assert model.calls == [2, 2, 2]
+    model2 = ToyLM(context_length=None)
+    assert torch.equal(
+        generate(model2, torch.tensor([[4, 5]]), 1, use_cache=False)[0, -1:], out[0, 5:6]
+    )
+
+
+def test_greedy_picks_the_argmax_and_sampling_is_seeded():
+    logits = torch.tensor([[0.1, 3.0, 0.2], [5.0, 0.0, 4.9]])
+    assert sample_next_token(logits).tolist() == [[1], [0]]
+    # top_k=1 and a tiny top_p leave only the argmax, whatever the temperature.
+    g = torch.Generator().manual_seed(0)
+    for _ in range(5):
+        assert sample_next_token(logits, temperature=5.0, top_k=1, generator=g).tolist() == [
+            [1],
+            [0],
+        ]
+        assert sample_next_token(logits, temperature=5.0, top_p=0.01, generator=g).tolist() == [
+            [1],
+            [0],
+        ]
+    draws = [
+        sample_next_token(logits, temperature=1.0, generator=torch.Generator().manual_seed(s))
+        for s in range(40)
+    ]
+    assert {int(d[1, 0]) for d in draws} == {0, 2}  # close logits: both are drawn
+    again = sample_next_token(logits, temperature=1.0, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(again, draws[3])
+
+
+def test_top_p_keeps_the_nucleus():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    logits = probs.log()
+    seen = set()
+    g = torch.Generator().manual_seed(1)
+    for _ in range(300):
+        seen.add(int(sample_next_token(logits, temperature=1.0, top_p=0.8, generator=g)))
+    assert seen == {0, 1}  # 0.5 + 0.3 reaches 0.8; 2 and 3 are cut
+
+
+def test_eos_stops_each_row():
+    model = ToyLM(context_length=None)
+    full = generate(model, torch.tensor([[1, 2]]), 10)
+    eos = int(full[0, 4])
+    out = generate(ToyLM(context_length=None), torch.tensor([[1, 2]]), 10, eos_id=eos)
+    first = int((full[0, 2:] == eos).nonzero()[0]) + 3
+    assert out.shape[1] == first and int(out[0, -1]) == eos
+
+
+def test_stream_yields_the_same_tokens_as_generate():
+    prompt = torch.tensor([[3, 1, 4]])
+    streamed = list(generate_stream(ToyLM(), prompt, 5))
+    assert all(t.shape == (1, 1) for t in streamed)
+    assert torch.cat([prompt, *streamed], dim=1).tolist() == generate(ToyLM(), prompt, 5).tolist()
+
+
+def test_bad_arguments_are_named():
+    model = ToyLM()
+    with pytest.raises(TypeError, match=r"`idx` must be a \(B, T\) torch\.long"):
+        generate(model, torch.tensor([1, 2]), 3)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        generate(model, torch.tensor([[1]]), -1)
+    with pytest.raises(ValueError, match="temperature"):
+        generate(model, torch.tensor([[1]]), 2, temperature=-1.0)
+    with pytest.raises(ValueError, match="top_p"):
+        generate(model, torch.tensor([[1]]), 2, temperature=1.0, top_p=0.0)
+    with pytest.raises(ValueError, match="top_k"):
+        generate(model, torch.tensor([[1]]), 2, temperature=1.0, top_k=0)
+    with pytest.raises(ValueError, match="exceeds the model's context length"):
+        generate(model, torch.tensor([[1]]), 2, context_size=7)
+    assert torch.equal(generate(model, torch.tensor([[1]]), 0), torch.tensor([[1]]))
+
+
+def test_gpt_greedy_with_and_without_cache_identical():
+    from attnlab.models.gpt import GPTConfig, GPTModel
+
+    cfg = GPTConfig(vocab_size=101, context_length=10, emb_dim=16, n_heads=4, n_layers=2)
+    torch.manual_seed(5)
+    model = GPTModel(cfg).eval()
+    prompt = torch.randint(0, 101, (2, 4))
+    # 14 new tokens: past the 10-token context, so the window slides too.
+    a = generate(model, prompt, 14, use_cache=False)
+    b = generate(model, prompt, 14, use_cache=True)
+    assert torch.equal(a, b)
+    torch.manual_seed(0)
+    s1 = generate(
+        model,
+        prompt,
+        8,
+        temperature=0.8,
+        top_k=20,
+        top_p=0.9,
+        generator=torch.Generator().manual_seed(9),
+    )
+    s2 = generate(
+        model,
+        prompt,
+        8,
+        temperature=0.8,
+        top_k=20,
+        top_p=0.9,
+        use_cache=False,
+        generator=torch.Generator().manual_seed(9),
+    )
+    assert torch.equal(s1, s2)

@@ -1,0 +1,49 @@
+"""Two processes on 127.0.0.1 (gloo) against one: torch's elastic launcher, real DDP."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from attnlab.train import DistributedTrainingError, Trainer, launch
+
+WORKER = str(Path(__file__).with_name("ddp_worker.py"))
+pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+def test_two_processes_match_one(tmp_path):
+    from ddp_worker import CONFIG
+
+    launch(2, [str(tmp_path / "ddp"), "6"], entry=(WORKER,))
+    ddp = json.loads((tmp_path / "ddp" / "history.json").read_text())
+    single = Trainer(dataclasses.replace(CONFIG, steps=6), out_dir=tmp_path / "one").run()
+    # Same global batch of 4: each rank computes 2 windows, DDP averages the gradients.
+    torch.testing.assert_close(
+        torch.tensor(ddp["step_losses"]), torch.tensor(single.step_losses), rtol=1e-4, atol=1e-5
+    )
+    assert single.step_losses[-1] < single.step_losses[0]
+    val = [e["val_loss"] for e in ddp["evals"]]
+    torch.testing.assert_close(
+        torch.tensor(val), torch.tensor([e.val_loss for e in single.evals]), rtol=1e-4, atol=1e-5
+    )
+    # Only rank 0 writes: one checkpoint, one history, one figure.
+    names = sorted(p.name for p in (tmp_path / "ddp").iterdir())
+    assert names == [
+        "config.json",
+        "history.json",
+        "loss_curve.png",
+        "model-000006.safetensors",
+        "training-000006.pt",
+    ]
+
+
+def test_a_failing_rank_stops_the_others_with_a_clear_error(tmp_path):
+    with pytest.raises(DistributedTrainingError) as info:
+        launch(2, [str(tmp_path / "ddp"), "6", "1", "3"], entry=(WORKER,))
+    msg = str(info.value)
+    assert "rank 1 failed" in msg and "injected failure on rank 1" in msg
+    assert "other processes were stopped" in msg
