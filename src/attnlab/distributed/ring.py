@@ -28,18 +28,14 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from attnlab.distributed._interim_blockwise import (
-    CausalMask,
-    attend_chunk,
-    attend_chunk_backward,
-    merge_partials,
-)
+from attnlab.backends.blockwise import attend_chunk, attend_chunk_backward, merge_partials
 from attnlab.distributed.sharding import Segment, check_layout, local_segments
+from attnlab.masks import CausalMask
 
 __all__ = ["RingAttentionError", "RingStats", "ring_attention"]
 
 _KV_TAG, _GRAD_TAG = 10, 20
-_CAUSAL = CausalMask()
+_CAUSAL = CausalMask(alignment="top_left")  # over global positions (T_total == S_total)
 _LAYOUT_CODES = {"contiguous": 0, "zigzag": 1}
 _DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
 
