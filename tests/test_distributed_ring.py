@@ -43,6 +43,10 @@ def _inputs(n: int, dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, ..
 
 
 def _grid_worker(rank: int, n: int) -> dict[tuple[bool, str, str], dict[str, torch.Tensor]]:
+    from attnlab.distributed import ring
+
+    # Forward merges query pieces of 3 rows (across tile and chunk edges) into the output.
+    ring._PIECE_ELEMENTS = 3 * B * H * DV
     results = {}
     for causal, layout, dtype in CONFIGS:
         q, k, v, dout = _inputs(n, dtype)

@@ -35,6 +35,8 @@ from attnlab.masks import CausalMask
 __all__ = ["RingAttentionError", "RingStats", "ring_attention"]
 
 _KV_TAG, _GRAD_TAG = 10, 20
+# Elements of one transient partial output (query rows x B*H*Dv) in the forward: 2 MiB fp32.
+_PIECE_ELEMENTS = 1 << 19
 _CAUSAL = CausalMask(alignment="top_left")  # over global positions (T_total == S_total)
 _LAYOUT_CODES = {"contiguous": 0, "zigzag": 1}
 _DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
@@ -280,15 +282,22 @@ def _forward_step(
     acc_out ``(B, H, T, Dv)``; acc_lse ``(B, H, T)`` (compute dtype).
     """
     t = query.shape[-2]
+    b, h, _, dv = acc_out.shape
+    rows = max(1, _PIECE_ELEMENTS // max(1, b * h * dv))  # query rows per piece
     for qs, ks, masked in _pairs(cfg, t, src):
-        qa, qb = qs.local_start, qs.local_start + qs.length
         ka, kb = ks.local_start, ks.local_start + ks.length
-        out, lse = attend_chunk(
-            query[:, :, qa:qb], key[:, :, ka:kb], value[:, :, ka:kb],
-            **_kernel_args(cfg, qs, ks, t * cfg.world_size, masked),
-        )  # fmt: skip
-        merged = merge_partials(acc_out[:, :, qa:qb], acc_lse[:, :, qa:qb], out, lse)
-        acc_out[:, :, qa:qb], acc_lse[:, :, qa:qb] = merged
+        # Query rows in pieces, each merged in place into the accumulators: the transient
+        # partial output is one piece, not a shard.
+        for p0 in range(0, qs.length, rows):
+            piece = Segment(qs.local_start + p0, qs.global_start + p0, min(rows, qs.length - p0))
+            qa, qb = piece.local_start, piece.local_start + piece.length
+            masked_piece = masked and ks.global_start + ks.length - 1 > piece.global_start
+            out, lse = attend_chunk(
+                query[:, :, qa:qb], key[:, :, ka:kb], value[:, :, ka:kb],
+                **_kernel_args(cfg, piece, ks, t * cfg.world_size, masked_piece),
+            )  # fmt: skip
+            merge_partials(acc_out[:, :, qa:qb], acc_lse[:, :, qa:qb], out, lse, inplace=True)
+            del out, lse
 
 
 def _backward_step(
@@ -347,14 +356,19 @@ def _ring_forward(
     n = cfg.world_size
     for step in range(n):
         src = (cfg.rank - step) % n
-        pending = None
+        pending: _Exchange | None = None
+        nxt: list[torch.Tensor] | None = None
         if step < n - 1:
             pending = _Exchange(cfg, kv, "forward key/value transfer", step, _KV_TAG)
             if not cfg.overlap:
                 nxt = pending.wait()
         _timed(cfg, _forward_step, query, kv[0], kv[1], acc_out, acc_lse, src, cfg)
         if pending is not None:
-            kv = pending.wait() if cfg.overlap else nxt
+            kv = nxt if nxt is not None else pending.wait()
+            # Drop the exchange (it references the block just sent) before the next one
+            # allocates its receive buffers: live K/V stay at the inputs, the block being
+            # computed and the one in flight.
+            pending = nxt = None
     return acc_out.to(query.dtype), acc_lse
 
 
