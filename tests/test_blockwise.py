@@ -82,6 +82,20 @@ def test_chunks_merged_by_lse_equal_the_whole():
         out, lse = part if out is None else merge_partials(out, lse, *part)
     torch.testing.assert_close(out, full, **F64)
     torch.testing.assert_close(lse, full_lse, **F64)
+    # In place, into row slices of accumulators (as ring attention merges): the same.
+    acc = torch.zeros_like(full)
+    acc_lse = torch.full_like(full_lse, float("-inf"))
+    for k0 in range(0, S, 11):
+        for q0 in (0, 7):  # two row pieces: the accumulator slices are views
+            rows = slice(q0, 7 if q0 == 0 else T)
+            part = attend_chunk(
+                q[:, :, rows], k[:, :, k0 : k0 + 11], v[:, :, k0 : k0 + 11], mask, 0.5,
+                q_offset=q0, k_offset=k0, T_total=T, S_total=S,
+            )  # fmt: skip
+            got = merge_partials(acc[:, :, rows], acc_lse[:, :, rows], *part, inplace=True)
+            assert got[0].data_ptr() == acc[:, :, rows].data_ptr()
+    torch.testing.assert_close(acc, full, **F64)
+    torch.testing.assert_close(acc_lse, full_lse, **F64)
     # And the backward pieces add up to the whole.
     dout = torch.randn_like(full)
     delta = (dout * full).sum(-1)

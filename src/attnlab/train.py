@@ -310,9 +310,14 @@ def plot_losses(
         )
         if evals[-1].step > 0 and evals[-1].tokens_seen > 0:
             per_step = evals[-1].tokens_seen / evals[-1].step
-            top = ax.secondary_xaxis(
-                "top", functions=(lambda s: s * per_step, lambda t: t / per_step)
-            )
+
+            def to_tokens(step: Any) -> Any:
+                return step * per_step
+
+            def to_steps(tokens: Any) -> Any:
+                return tokens / per_step
+
+            top = ax.secondary_xaxis("top", functions=(to_tokens, to_steps))
             top.set_xlabel("tokens seen")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("cross-entropy loss (nats/token)")
@@ -428,10 +433,8 @@ class Trainer:
                 )
             saved = TrainConfig.from_dict(ckpt.extra["train_config"])
             # The run's shape comes from the checkpoint; only its length may change.
-            length = {"steps": cfg.steps, "epochs": cfg.epochs}
-            if cfg.steps is None and cfg.epochs is None:
-                length = {"steps": saved.steps, "epochs": saved.epochs}
-            cfg = dataclasses.replace(saved, **length)
+            length_from = saved if cfg.steps is None and cfg.epochs is None else cfg
+            cfg = dataclasses.replace(saved, steps=length_from.steps, epochs=length_from.epochs)
             self.config = cfg
             text_sha = hashlib.sha256(self.text.encode("utf-8")).hexdigest()
             if ckpt.extra.get("text_sha256") not in (None, text_sha):
@@ -787,7 +790,7 @@ class Trainer:
 def stop_on_signals(trainer: Trainer) -> Iterator[None]:
     """While active, the first SIGINT/SIGTERM asks ``trainer`` to stop after the current step
     (it then saves a checkpoint); a second one interrupts at once."""
-    previous: dict[int, Any] = {}
+    previous: dict[signal.Signals, Any] = {}
 
     def handler(signum: int, frame: Any) -> None:
         if trainer._stop_requested:

@@ -15,6 +15,7 @@ import torch
 
 from attnlab.backends import blockwise as _blockwise
 from attnlab.backends import math as _math
+from attnlab.backends import ring as _ring
 from attnlab.backends import sdpa as _sdpa
 from attnlab.backends.base import AttentionRequest, Backend, BackendResult, WeightsRequest
 from attnlab.backends.request import PreparedCall, prepare_call
@@ -190,3 +191,4 @@ def explain_dispatch(
 register_backend(_sdpa.BACKEND, auto_rank=0)
 register_backend(_blockwise.BACKEND, auto_rank=1)
 register_backend(_math.BACKEND, auto_rank=2)
+register_backend(_ring.BACKEND)  # by name only, never chosen by auto

@@ -388,12 +388,28 @@ def attend_chunk_backward(
 
 
 def merge_partials(
-    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+    out_a: torch.Tensor,
+    lse_a: torch.Tensor,
+    out_b: torch.Tensor,
+    lse_b: torch.Tensor,
+    *,
+    inplace: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Combine two partial attentions over disjoint key sets by their log-sum-exp.
 
     ``out = (exp(lse_a) * out_a + exp(lse_b) * out_b) / (exp(lse_a) + exp(lse_b))``,
     computed stably; a side with ``lse = -inf`` (saw nothing) contributes nothing.
+
+    Args:
+        out_a, lse_a: the first partial (with ``inplace``, the accumulator: may be views,
+            e.g. row slices of a larger output).
+        out_b, lse_b: the second partial.
+        inplace: write the result into ``out_a`` and ``lse_a`` and use ``out_b`` as
+            scratch (it is overwritten), so that merging allocates nothing of ``out``'s
+            size; ring attention merges each chunk into its accumulators this way.
+
+    Returns:
+        ``(out, lse)``; with ``inplace``, ``out_a`` and ``lse_a`` themselves.
 
     Shape:
         - out_a, out_b: ``(..., T, Dv)``; lse_a, lse_b: ``(..., T)``; returns the same.
@@ -402,7 +418,11 @@ def merge_partials(
     safe = lse.masked_fill(lse == _NEG_INF, 0.0)
     wa = torch.exp(lse_a - safe).unsqueeze(-1)  # exp(-inf) = 0 for an empty side
     wb = torch.exp(lse_b - safe).unsqueeze(-1)
-    return out_a * wa + out_b * wb, lse
+    if not inplace:
+        return out_a * wa + out_b * wb, lse
+    out_a.mul_(wa).add_(out_b.mul_(wb))
+    lse_a.copy_(lse)
+    return out_a, lse_a
 
 
 class _BlockwiseAttention(torch.autograd.Function):

@@ -19,9 +19,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from attnlab.attention import Attention
 
 __all__ = ["ModelTrace", "trace_from_walkthrough", "trace_model"]
 
@@ -273,7 +276,7 @@ def _resolve_input(
     return ids, _token_texts(tokenizer, ids)
 
 
-def attention_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+def attention_layers(model: torch.nn.Module) -> list[Attention]:
     """The model's :class:`attnlab.attention.Attention` layers, in module order.
 
     Raises:

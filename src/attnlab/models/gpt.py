@@ -6,7 +6,8 @@ embeddings, embedding dropout, ``n_layers`` pre-LayerNorm transformer blocks (at
 LayerNorm and an output head without bias. Creating parameters in that order means that
 ``torch.manual_seed(123); GPTModel(GPTConfig.preset("gpt2-124m"))`` draws the same initial
 weights as the book. Attention runs through :class:`attnlab.attention.Attention`, so the
-backend choice (``math``, ``blockwise``, ``sdpa``, ``auto``) and the KV cache come from there.
+backend choice (``math``, ``blockwise``, ``sdpa``, ``auto``; ``ring`` for context
+parallelism across ranks) and the KV cache come from there.
 
 Shape legend: ``B`` batch, ``T`` new tokens, ``S`` tokens seen so far (cache + new),
 ``C`` embedding width (``emb_dim``), ``V`` vocabulary size.
@@ -211,7 +212,9 @@ class GPTModel(nn.Module):
 
     Args:
         cfg: the configuration (see :class:`GPTConfig` and ``GPTConfig.preset``).
-        backend: attention backend for every block ("auto", "math", "blockwise", "sdpa").
+        backend: attention backend for every block ("auto", "math", "blockwise", "sdpa", or
+            "ring" for context parallelism: inside ``attnlab.distributed.context_parallel``,
+            each rank passes its shard of the sequence and its ``position_ids``).
 
     Raises:
         TypeError: if ``cfg`` is not a GPTConfig.
@@ -273,7 +276,11 @@ class GPTModel(nn.Module):
         return [KVCache() for _ in self.trf_blocks]
 
     def forward(
-        self, input_ids: torch.Tensor, *, kv_cache: list[KVCache] | None = None
+        self,
+        input_ids: torch.Tensor,
+        *,
+        kv_cache: list[KVCache] | None = None,
+        position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Next-token logits for every position.
 
@@ -281,17 +288,22 @@ class GPTModel(nn.Module):
             input_ids: token ids.
             kv_cache: from :meth:`new_kv_cache`; the new tokens' keys and values are appended
                 and their positions continue after the ones the cache holds.
+            position_ids: the tokens' positions in the full sequence, ``(T,)`` or ``(B, T)``
+                integers (default: ``past + arange(T)``). Context parallelism passes each
+                rank's global positions (``attnlab.distributed.shard_positions``), so a
+                shard's learned position embeddings are those of the whole sequence.
 
         Returns:
             Logits over the vocabulary.
 
         Raises:
             TypeError: if ``input_ids`` is not a 2-D integer tensor.
-            ValueError: if the sequence would exceed ``context_length``, or the cache has the
-                wrong number of layers.
+            ValueError: if the sequence would exceed ``context_length``, the cache has the
+                wrong number of layers, or ``position_ids`` has the wrong shape or a position
+                outside ``[0, context_length)``.
 
         Shape:
-            input_ids ``(B, T)`` -> logits ``(B, T, V)``.
+            input_ids ``(B, T)``, position_ids ``(T,)`` or ``(B, T)`` -> logits ``(B, T, V)``.
         """
         if (
             not isinstance(input_ids, torch.Tensor)
@@ -313,19 +325,47 @@ class GPTModel(nn.Module):
                 )
             past = kv_cache[0].seq_len
         T = input_ids.size(1)
-        if past + T > self.cfg.context_length:
+        if position_ids is not None:
+            positions = self._check_positions(position_ids, input_ids)  # (T,) or (B, T)
+        elif past + T > self.cfg.context_length:
             raise ValueError(
                 f"sequence of {past + T} tokens ({past} cached + {T} new) exceeds the "
                 f"context length {self.cfg.context_length}; crop the input to the last "
                 f"{self.cfg.context_length} tokens"
             )
-        positions = torch.arange(past, past + T, device=input_ids.device)  # (T,)
+        else:
+            positions = torch.arange(past, past + T, device=input_ids.device)  # (T,)
         x = self.tok_emb(input_ids) + self.pos_emb(positions)  # (B, T, C)
         x = self.drop_emb(x)
         for i, block in enumerate(self.trf_blocks):
             x = block(x, None if kv_cache is None else kv_cache[i])  # (B, T, C)
         x = self.final_norm(x)
         return self.out_head(x)  # (B, T, V)
+
+    def _check_positions(self, position_ids: object, input_ids: torch.Tensor) -> torch.Tensor:
+        B, T = input_ids.shape
+        if (
+            not isinstance(position_ids, torch.Tensor)
+            or position_ids.dtype not in (torch.long, torch.int32)
+            or tuple(position_ids.shape) not in ((T,), (B, T))
+        ):
+            got = (
+                f"{tuple(position_ids.shape)} {position_ids.dtype}"
+                if isinstance(position_ids, torch.Tensor)
+                else type(position_ids).__name__
+            )
+            raise ValueError(
+                f"`position_ids` must be an integer tensor of shape ({T},) or ({B}, {T}) like "
+                f"`input_ids`, got {got}"
+            )
+        if position_ids.numel() and (
+            int(position_ids.min()) < 0 or int(position_ids.max()) >= self.cfg.context_length
+        ):
+            raise ValueError(
+                f"`position_ids` must lie in [0, {self.cfg.context_length}) (the context "
+                f"length), got [{int(position_ids.min())}, {int(position_ids.max())}]"
+            )
+        return position_ids.to(input_ids.device)
 
     def num_parameters(self, *, exclude_tied_head: bool = False) -> int:
         """Total parameters; ``exclude_tied_head`` leaves out the output head, as GPT-2
