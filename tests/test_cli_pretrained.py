@@ -77,6 +77,10 @@ def test_cli_user_errors_are_one_line_exit_2(capsys, monkeypatch):
     assert code == 2 and "all-minilm-l6-v2" in err
     code, _, err = run_main(capsys, "generate", "--model", "nope", "hi")
     assert code == 2 and "smollm2-135m-instruct" in err
+    code, _, err = run_main(capsys, "embed", "--backend", "ring", "a", "b")
+    assert code == 2 and "process group" in err and err.count("\n") == 1
+    code, _, err = run_main(capsys, "embed", "--backend", "nope", "a", "b")
+    assert code == 2 and "unknown --backend 'nope'" in err
     code, _, err = run_main(capsys, "generate", "hi")
     assert code == 2 and "--model" in err and "--checkpoint" in err
     code, _, err = run_main(

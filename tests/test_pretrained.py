@@ -62,7 +62,8 @@ PROMPTS = [
     "def fibonacci(n):",
     "Once upon a time, in a small village by the sea, there lived",
 ]
-BACKENDS = available_backends()
+# "ring" needs a torch.distributed process group; every other backend runs here.
+BACKENDS = [b for b in available_backends() if b != "ring"]
 
 
 # --------------------------------------------------------------------------- fixtures

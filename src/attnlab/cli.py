@@ -195,6 +195,7 @@ def _load_pretrained(name: str, kind: str, backend: str) -> tuple[Any, Any]:
     """``load_pretrained`` with its errors as user errors; ``kind`` is encoder/causal-lm."""
     from attnlab.pretrained import PRETRAINED_MODELS, MissingPackageError, load_pretrained
 
+    _check_local_backend(backend)
     key = name.lower()
     fitting = sorted(n for n, (k, _) in PRETRAINED_MODELS.items() if k == kind)
     if key not in PRETRAINED_MODELS or PRETRAINED_MODELS[key][0] != kind:
@@ -206,13 +207,25 @@ def _load_pretrained(name: str, kind: str, backend: str) -> tuple[Any, Any]:
         raise UserError(str(e)) from e
 
 
+def _check_local_backend(backend: str) -> None:
+    """``--backend`` must name a backend that runs in this one process."""
+    from attnlab.backends import available_backends
+
+    local = [b for b in available_backends() if b != "ring"]
+    if backend == "ring":
+        raise UserError(
+            "--backend ring needs a torch.distributed process group (see `attnlab ring-demo`); "
+            f"choose one of {', '.join(local)}"
+        )
+    if backend not in local:
+        raise UserError(f"unknown --backend {backend!r}; choose one of {', '.join(local)}")
+
+
 def _use_backend(model: Any, backend: str) -> None:
     """Run every attention layer of ``model`` on ``backend`` (checked first)."""
     from attnlab.attention import Attention
-    from attnlab.backends import available_backends
 
-    if backend not in available_backends():
-        raise UserError(f"unknown --backend {backend!r}; choose one of {available_backends()}")
+    _check_local_backend(backend)
     for module in model.modules():
         if isinstance(module, Attention):
             module.backend = backend
@@ -559,6 +572,7 @@ def generate(
         return
     if chat:
         raise UserError("--chat needs --model (a chat model); a GPT checkpoint has no template")
+    assert checkpoint is not None  # exactly one of the two was given
     try:
         from attnlab.models.gpt import GPTModel
 
