@@ -890,8 +890,7 @@ def launch(
         elastic_launch(config, sys.executable)(*entry, *argv)
     except ChildFailedError as exc:
         _restore_env(saved_env)
-        # The first failure in time is the root cause; the others were stopped because of it.
-        rank, failure = min(exc.failures.items(), key=lambda kv: (kv[1].timestamp, kv[0]))
+        rank, failure = min(exc.failures.items(), key=_root_cause_order)
         why = _failure_message(failure.message)
         raise DistributedTrainingError(
             f"training process rank {rank} failed (exit code {failure.exitcode})"
@@ -908,6 +907,24 @@ def _restore_env(saved: dict[str, str | None]) -> None:
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
+
+# Errors a rank raises because a *peer* went away: symptoms, not the root cause.
+_PEER_ERROR_MARKERS = ("gloo", "nccl", "connection closed", "connection reset", "remote worker")
+
+
+def _root_cause_order(item: tuple[int, Any]) -> tuple[bool, bool, float, int]:
+    """Sort key that puts the rank that failed by itself first.
+
+    Failure timestamps have a resolution of one second, so a rank that died and the peer
+    whose collective broke because of it often tie. The root cause is the rank that was not
+    stopped by the launcher (SIGTERM) and whose error is not a lost-peer error; among those,
+    the earliest, then the lowest rank.
+    """
+    rank, failure = item
+    stopped = failure.exitcode == -signal.SIGTERM
+    peer = any(m in _failure_message(failure.message).lower() for m in _PEER_ERROR_MARKERS)
+    return (stopped, peer, float(failure.timestamp), rank)
 
 
 def _failure_message(message: Any) -> str:
