@@ -119,6 +119,8 @@ def test_trained_checkpoint(tmp_path):
     data = page_data(tmp_path / "attnlab-out" / "attention.html")
     assert data["attention"]["num_layers"] == cfg.n_layers
     assert "".join(data["attention"]["tokens"]) == "Every effort moves you"
+    # The flow diagram is written for the model too, with its layer's shapes.
+    assert (tmp_path / "attnlab-out" / "attention-flow.png").stat().st_size > 0
 
 
 @pytest.mark.pretrained

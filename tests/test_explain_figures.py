@@ -84,3 +84,34 @@ def test_save_writes_png_and_svg(journey, tmp_path):
             assert data[:8] == b"\x89PNG\r\n\x1a\n"
         else:
             assert b"<svg" in data[:2000]
+
+
+def test_flow_diagram_for_a_model_layer_shows_its_head_layout():
+    from attnlab.attention import Attention
+    from attnlab.explain.figures import FlowShapes, flow_shapes
+
+    layer = Attention(64, 8, num_kv_heads=2, rope=True)
+    shapes = flow_shapes(layer, n_tokens=5, batch=3)
+    assert isinstance(shapes, FlowShapes)
+    texts = _texts(plot_attention_flow(shapes))
+    # (B, T, C) in; queries (B, H, T, D); grouped keys/values (B, G, T, D); (B, H, T, T) scores.
+    assert "3×5×64" in texts
+    assert "3×8×5×8" in texts
+    assert texts.count("3×2×5×8") == 2
+    assert "3×8×5×5" in texts
+    assert "d_k = 8" in texts
+    assert "out_proj → 3×5×64" in texts
+    joined = " ".join(texts)
+    assert "G = 2 key/value heads" in joined and "RoPE" in joined
+
+
+def test_flow_shapes_refuses_bad_sources():
+    from attnlab.attention import Attention
+    from attnlab.explain.figures import flow_shapes
+
+    with pytest.raises(TypeError, match="`source` must be an AttentionTrace"):
+        flow_shapes("journey")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="`n_tokens` must be a positive int"):
+        flow_shapes(Attention(16, 2), n_tokens=0)
+    with pytest.raises(TypeError, match="`trace` must be an AttentionTrace or FlowShapes"):
+        plot_attention_flow(42)  # type: ignore[arg-type]

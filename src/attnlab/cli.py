@@ -803,7 +803,7 @@ def explain(
         raise UserError(f"`--top-k` must be at least 1, got {top_k}")
 
     walk = None
-    flow_trace = None
+    flow_source: Any = None
     if checkpoint is None and model is None:
         if text is not None:
             raise UserError("TEXT needs a model: pass --checkpoint DIR or --model NAME")
@@ -814,9 +814,10 @@ def explain(
         from attnlab.explain.text import walkthrough_renderables
         from attnlab.explain.trace import trace_example
 
-        flow_trace = trace_example(example)
-        trace = trace_from_walkthrough(flow_trace)
-        walk = walkthrough_from_renderables(walkthrough_renderables(flow_trace, lang))
+        example_trace = trace_example(example)
+        flow_source = example_trace
+        trace = trace_from_walkthrough(example_trace)
+        walk = walkthrough_from_renderables(walkthrough_renderables(example_trace, lang))
     else:
         if text is None or not text.strip():
             raise UserError("TEXT must not be empty: give the text to run through the model")
@@ -834,6 +835,11 @@ def explain(
             if top_k is None and dense > EXPLAIN_DENSE_LIMIT:
                 top_k = EXPLAIN_AUTO_TOP_K
             trace = trace_model(net, text, tokenizer=tokenizer, top_k=top_k, source=source)
+        from attnlab.explain.figures import flow_shapes
+
+        flow_source = flow_shapes(
+            blocks[layer if 0 <= layer < len(blocks) else 0], n_tokens=n_tokens
+        )
 
     if not 0 <= layer < trace.num_layers:
         raise UserError(f"`--layer` must be in 0..{trace.num_layers - 1} here, got {layer}")
@@ -854,7 +860,7 @@ def explain(
         message("explain.page", lang, path=str(page_path)), markup=False, soft_wrap=True
     )
     if png or svg:
-        paths = _explain_figures(trace, flow_trace, layer, head, out, png=png, svg=svg)
+        paths = _explain_figures(trace, flow_source, layer, head, out, png=png, svg=svg)
         listing = "\n".join(f"  {p}" for p in paths)
         output.console.print(
             f"{message('label.wrote', lang)}\n{listing}", markup=False, soft_wrap=True
@@ -921,7 +927,7 @@ def _explain_renderables(trace: Any, layer: int, head: int, lang: str) -> list[R
 
 
 def _explain_figures(
-    trace: Any, flow_trace: Any, layer: int, head: int, out: Path, *, png: bool, svg: bool
+    trace: Any, flow_source: Any, layer: int, head: int, out: Path, *, png: bool, svg: bool
 ) -> list[Path]:
     from attnlab.explain.figures import (
         plot_attention_flow,
@@ -935,8 +941,8 @@ def _explain_figures(
         f"attention-heads-L{layer}": plot_heads(trace, layer),
         "attention-model": plot_model(trace),
     }
-    if flow_trace is not None:
-        figures["attention-flow"] = plot_attention_flow(flow_trace)
+    if flow_source is not None:
+        figures["attention-flow"] = plot_attention_flow(flow_source)
     exts = [e for e, on in (("png", png), ("svg", svg)) if on]
     paths: list[Path] = []
     try:

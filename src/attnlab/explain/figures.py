@@ -15,6 +15,7 @@ glyphs; the Chinese explanations live in the terminal walkthrough.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -26,9 +27,12 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
+    from attnlab.attention import Attention
     from attnlab.explain.model_trace import ModelTrace
 
 __all__ = [
+    "FlowShapes",
+    "flow_shapes",
     "plot_attention_flow",
     "plot_attention_weights",
     "plot_heads",
@@ -215,25 +219,130 @@ def _arrow(
         ax.text(lx, ly, label, ha="center", va="bottom", fontsize=9, color=_NOTE, zorder=3)
 
 
-def plot_attention_flow(trace: AttentionTrace, ax: Axes | None = None) -> Figure:
-    """Diagram of scaled dot-product self-attention, annotated with the trace's shapes.
+@dataclass(frozen=True)
+class FlowShapes:
+    """What the flow diagram writes in its boxes: the shapes of one attention computation.
+
+    Build it with :func:`flow_shapes` from the seed example's trace or from any model's
+    :class:`~attnlab.attention.Attention` layer and an input length.
+    """
+
+    title: str
+    note: str  # the projection convention / head layout, under the title
+    inputs: str
+    projections: tuple[str, str, str]  # formula per box: Q, K, V
+    q: str
+    k: str
+    v: str
+    scores: str
+    d_k: int
+    weights: str
+    context: str
+    output: str | None = None  # the layer's output after out_proj, when there is one
+
+
+def _dims(*sizes: int) -> str:
+    # Tight for 3-D and 4-D shapes, so that they fit the operation boxes.
+    return (" × " if len(sizes) <= 2 else "×").join(str(n) for n in sizes)
+
+
+def flow_shapes(
+    source: AttentionTrace | Attention, *, n_tokens: int | None = None, batch: int = 1
+) -> FlowShapes:
+    """The shapes of one attention computation, for :func:`plot_attention_flow`.
+
+    Args:
+        source: the seed example's trace, or a model's attention layer.
+        n_tokens: with a layer: the number of tokens T (keys S = T, self-attention).
+        batch: with a layer: the batch size B.
+
+    Returns:
+        The shapes, as the diagram writes them.
+
+    Raises:
+        TypeError: ``source`` is neither.
+        ValueError: a layer without a positive ``n_tokens``, or a batch below 1.
+    """
+    from attnlab.attention import Attention
+
+    if isinstance(source, AttentionTrace):
+        n, d_in, d = source.n_tokens, source.d_in, source.d_out
+        explicit = source.projection.convention == "x @ W.T"
+        t = "^{\\top}" if explicit else ""
+        note = (
+            f"projection inputs @ W.T, W of shape (d_out, d_in) = ({d}, {d_in}) (nn.Linear)"
+            if explicit
+            else f"projection x @ W, W of shape (d_in, d_out) = ({d_in}, {d})"
+        )
+        return FlowShapes(
+            title=(
+                f"Scaled dot-product self-attention: example '{source.example}', "
+                f"T = {n} tokens, d_in = {d_in}, d_out = {d}"
+            ),
+            note=note,
+            inputs=_dims(n, d_in),
+            projections=(f"$Q = X\\,W_q{t}$", f"$K = X\\,W_k{t}$", f"$V = X\\,W_v{t}$"),
+            q=_dims(n, d),
+            k=_dims(n, d),
+            v=_dims(n, d),
+            scores=_dims(n, n),
+            d_k=source.trainable.d_k,
+            weights=_dims(n, n),
+            context=_dims(n, d),
+        )
+    if not isinstance(source, Attention):
+        raise TypeError(
+            f"`source` must be an AttentionTrace or an attnlab.attention.Attention layer, "
+            f"got {type(source).__name__}"
+        )
+    if not isinstance(n_tokens, int) or isinstance(n_tokens, bool) or n_tokens < 1:
+        raise ValueError(f"`n_tokens` must be a positive int for a layer, got {n_tokens!r}")
+    if not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"`batch` must be a positive int, got {batch!r}")
+    B, T, C = batch, n_tokens, source.embed_dim
+    H, G, D = source.num_heads, source.num_kv_heads, source.head_dim
+    heads = f"H = {H} query heads" + (f", G = {G} key/value heads" if G != H else "")
+    rope = ", RoPE on Q and K" if source.rope is not None else ""
+    return FlowShapes(
+        title=f"Attention layer: B = {B}, T = {T} tokens, width C = {C}, head dim D = {D}",
+        note=f"shapes (B, heads, T, D); {heads}{rope}; output projection back to C",
+        inputs=_dims(B, T, C),
+        projections=("$Q = X\\,W_q$", "$K = X\\,W_k$", "$V = X\\,W_v$"),
+        q=_dims(B, H, T, D),
+        k=_dims(B, G, T, D),
+        v=_dims(B, G, T, D),
+        scores=_dims(B, H, T, T),
+        d_k=D,
+        weights=_dims(B, H, T, T),
+        context=_dims(B, H, T, D),
+        output=_dims(B, T, C),
+    )
+
+
+def plot_attention_flow(source: AttentionTrace | FlowShapes, ax: Axes | None = None) -> Figure:
+    """Diagram of scaled dot-product self-attention, annotated with real shapes.
 
     inputs X → Q, K, V → Q·Kᵀ → ÷√d_k → softmax → weights → weights·V → context.
     Blue boxes are tensors (with their shapes), amber boxes operations.
 
     Args:
-        trace: a computed trace (its trainable form gives the shapes).
+        source: the seed example's trace, or :class:`FlowShapes` (e.g. from a model's
+            layer via :func:`flow_shapes`).
         ax: draw into this Axes; by default a new Figure.
 
     Returns:
         The Figure.
+
+    Raises:
+        TypeError: ``source`` is neither.
     """
-    if not isinstance(trace, AttentionTrace):
-        raise TypeError(f"`trace` must be an AttentionTrace, got {type(trace).__name__}")
-    n, d_in, d = trace.n_tokens, trace.d_in, trace.d_out
-    d_k = trace.trainable.d_k
-    explicit = trace.projection.convention == "x @ W.T"
-    t = "^{\\top}" if explicit else ""
+    if isinstance(source, AttentionTrace):
+        source = flow_shapes(source)
+    if not isinstance(source, FlowShapes):
+        raise TypeError(
+            f"`trace` must be an AttentionTrace or FlowShapes, got {type(source).__name__}"
+        )
+    fs = source
 
     fig, ax = _new_axes(ax, (13.8, 5.4))
     ax.set_xlim(0, 138)
@@ -247,50 +356,41 @@ def plot_attention_flow(trace: AttentionTrace, ax: Axes | None = None) -> Figure
     QK, SC, SM = (54.0, 35.0), (72.0, 35.0), (90.0, 35.0)
     A, AV, Z = (110.0, 35.0), (110.0, 8.0), (128.5, 8.0)
 
-    _box(ax, X, ["inputs X", f"{n} × {d_in}"], op=False, width=tw - 2, height=th + 4)
-    for (label, sym, w), pos in zip(
-        (("queries Q", "Q", "q"), ("keys K", "K", "k"), ("values V", "V", "v")),
-        (Q, K, V),
+    _box(ax, X, ["inputs X", fs.inputs], op=False, width=tw - 2, height=th + 4)
+    for label, formula, shape, pos in zip(
+        ("queries Q", "keys K", "values V"), fs.projections, (fs.q, fs.k, fs.v), (Q, K, V),
         strict=True,
-    ):
-        _box(ax, pos, [label, f"${sym} = X\\,W_{w}{t}$", f"{n} × {d}"], op=False, width=tw,
-             height=th + 2)  # fmt: skip
+    ):  # fmt: skip
+        _box(ax, pos, [label, formula, shape], op=False, width=tw, height=th + 2)
         _arrow(ax, (X[0] + (tw - 2) / 2, X[1]), (pos[0] - tw / 2, pos[1]))
 
-    _box(ax, QK, ["$Q\\,K^{\\top}$", "scores", f"{n} × {n}"], op=True, width=ow, height=oh + 3)
+    _box(ax, QK, ["$Q\\,K^{\\top}$", "scores", fs.scores], op=True, width=ow, height=oh + 3)
     _arrow(ax, (Q[0] + tw / 2, Q[1]), (QK[0] - ow / 2, QK[1] + 2), connection="arc3,rad=-0.15")
     _arrow(ax, (K[0] + tw / 2, K[1]), (QK[0] - ow / 2, QK[1] - 2), connection="arc3,rad=0.15")
 
-    _box(ax, SC, ["$\\div\\sqrt{d_k}$", f"d_k = {d_k}", f"{n} × {n}"], op=True, width=ow,
+    _box(ax, SC, ["$\\div\\sqrt{d_k}$", f"d_k = {fs.d_k}", fs.scores], op=True, width=ow,
          height=oh + 3)  # fmt: skip
     _arrow(ax, (QK[0] + ow / 2, QK[1]), (SC[0] - ow / 2, SC[1]))
 
-    _box(ax, SM, ["softmax", "dim = -1", f"{n} × {n}"], op=True, width=ow, height=oh + 3)
+    _box(ax, SM, ["softmax", "dim = -1", fs.weights], op=True, width=ow, height=oh + 3)
     _arrow(ax, (SC[0] + ow / 2, SC[1]), (SM[0] - ow / 2, SM[1]))
 
-    _box(ax, A, ["weights A", f"{n} × {n}", "rows sum to 1"], op=False, width=tw, height=th + 2)
+    _box(ax, A, ["weights A", fs.weights, "rows sum to 1"], op=False, width=tw, height=th + 2)
     _arrow(ax, (SM[0] + ow / 2, SM[1]), (A[0] - tw / 2, A[1]))
 
-    _box(ax, AV, ["$A\\,V$", "weights · V", f"{n} × {d}"], op=True, width=ow, height=oh + 3)
+    _box(ax, AV, ["$A\\,V$", "weights · V", fs.context], op=True, width=ow, height=oh + 3)
     _arrow(ax, (V[0] + tw / 2, V[1]), (AV[0] - ow / 2, AV[1]))
     _arrow(ax, (A[0], A[1] - (th + 2) / 2), (AV[0], AV[1] + (oh + 3) / 2))
 
-    _box(ax, Z, ["context Z", f"{n} × {d}"], op=False, width=tw - 2, height=th)
-    _arrow(ax, (AV[0] + ow / 2, AV[1]), (Z[0] - (tw - 2) / 2, Z[1]))
+    z_lines = ["context Z", fs.context]
+    if fs.output is not None:
+        z_lines.append(f"out_proj → {fs.output}")
+    zw = tw - 2 if fs.output is None else tw
+    _box(ax, Z, z_lines, op=False, width=zw, height=th + 2)
+    _arrow(ax, (AV[0] + ow / 2, AV[1]), (Z[0] - zw / 2, Z[1]))
 
-    conv = (
-        f"projection inputs @ W.T, W of shape (d_out, d_in) = ({d}, {d_in}) (nn.Linear)"
-        if explicit
-        else f"projection x @ W, W of shape (d_in, d_out) = ({d_in}, {d})"
-    )
-    ax.set_title(
-        f"Scaled dot-product self-attention: example '{trace.example}', "
-        f"T = {n} tokens, d_in = {d_in}, d_out = {d}",
-        loc="left",
-        fontsize=12,
-        fontweight="bold",
-    )
-    ax.text(0.5, 51.0, conv, ha="left", va="center", fontsize=9.5, color=_NOTE)
+    ax.set_title(fs.title, loc="left", fontsize=12, fontweight="bold")
+    ax.text(0.5, 51.0, fs.note, ha="left", va="center", fontsize=9.5, color=_NOTE)
     from matplotlib.patches import Patch
 
     ax.legend(
