@@ -163,6 +163,36 @@ def test_forward_with_cache_matches_full_forward():
     torch.testing.assert_close(torch.cat(parts, dim=1), full, **tol(torch.float32))
 
 
+def test_logits_to_keep_gives_the_last_positions_of_the_full_logits():
+    torch.manual_seed(0)
+    model = GPTModel(SMALL).eval()
+    x = torch.randint(0, SMALL.vocab_size, (2, 9))
+    with torch.no_grad():
+        full = model(x)  # (2, 9, V)
+        last = model(x, logits_to_keep=1)  # (2, 1, V)
+        three = model(x, logits_to_keep=3)
+        more = model(x, logits_to_keep=50)  # more than T: all of them
+    assert last.shape == (2, 1, SMALL.vocab_size)
+    torch.testing.assert_close(last, full[:, -1:], **tol(torch.float32))
+    torch.testing.assert_close(three, full[:, -3:], **tol(torch.float32))
+    torch.testing.assert_close(more, full, **tol(torch.float32))
+    with pytest.raises(ValueError, match="`logits_to_keep` must be >= 1"):
+        model(x, logits_to_keep=0)
+    with pytest.raises(TypeError, match="`logits_to_keep` must be an int"):
+        model(x, logits_to_keep=1.5)  # type: ignore[arg-type]
+
+
+def test_generation_asks_for_the_last_logits_only():
+    from attnlab.generation import generate
+
+    torch.manual_seed(0)
+    model = GPTModel(SMALL).eval()
+    widths: list[int] = []
+    model.out_head.register_forward_hook(lambda m, i, o: widths.append(o.shape[1]))
+    generate(model, torch.randint(0, SMALL.vocab_size, (1, 6)), 3)
+    assert widths == [1, 1, 1]  # the 6-token prompt never runs the head on 6 positions
+
+
 def test_forward_errors_are_clear():
     model = GPTModel(SMALL)
     with pytest.raises(ValueError, match="exceeds the context length 12"):

@@ -7,6 +7,9 @@ The protocol (shared by ``attnlab.models``):
   positions of ``input_ids`` continue after what the cache already holds.
 - ``model.new_kv_cache() -> list[KVCache]``: an empty cache, one entry per layer.
 - ``model.context_length``: the longest sequence the model accepts (int), or None.
+- optional: ``model(..., logits_to_keep=1)`` computes logits for the last position only.
+  Generation uses it when the model's ``forward`` takes it (attnlab's GPT and Llama do), so
+  encoding a prompt skips the output head over all but its last token.
 
 Greedy decoding (``temperature == 0``) with and without the cache gives identical tokens: with
 the cache, the prompt is encoded once and each new token costs one step over the cache; when the
@@ -18,6 +21,7 @@ Shape legend: ``B`` batch, ``T`` sequence length, ``V`` vocabulary size.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator
 from typing import Any
 
@@ -110,6 +114,16 @@ def _check_inputs(model: Any, idx: Any, max_new_tokens: Any, context_size: Any) 
     return context_size
 
 
+def _takes_logits_to_keep(model: Any) -> bool:
+    forward = getattr(model, "forward", None)
+    if forward is None:
+        return False
+    try:
+        return "logits_to_keep" in inspect.signature(forward).parameters
+    except (TypeError, ValueError):  # builtins or C extensions without a signature
+        return False
+
+
 @torch.no_grad()
 def generate_stream(
     model: Any,
@@ -136,6 +150,7 @@ def generate_stream(
     _check_sampling(temperature, top_k, top_p)
     if max_new_tokens == 0:
         return
+    keep = {"logits_to_keep": 1} if _takes_logits_to_keep(model) else {}
     seq = idx
     cache: list[Any] | None = None
     start = 0  # index in `seq` of the first token the cache holds
@@ -144,7 +159,7 @@ def generate_stream(
     for _ in range(max_new_tokens):
         if not use_cache:
             inp = seq if window is None else seq[:, -window:]  # (B, <=window)
-            logits = model(inp)
+            logits = model(inp, **keep)
         else:
             if cache is None or (window is not None and seq.size(1) - start > window):
                 # First step, or the window slid past the cache's first position: (re)build the
@@ -153,7 +168,7 @@ def generate_stream(
                 cache = model.new_kv_cache()
                 n_cached = 0
             inp = seq[:, start + n_cached :]  # (B, new tokens)
-            logits = model(inp, kv_cache=cache)
+            logits = model(inp, kv_cache=cache, **keep)
             n_cached += inp.size(1)
         nxt = sample_next_token(
             logits[:, -1, :], temperature=temperature, top_k=top_k, top_p=top_p, generator=generator

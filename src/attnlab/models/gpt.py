@@ -28,6 +28,7 @@ from attnlab.attention import Attention, KVCache
 from attnlab.backends import available_backends
 from attnlab.checkpoint import CheckpointError, check_state_dict, load_checkpoint
 from attnlab.generation import generate, generate_stream
+from attnlab.models._lm import keep_last
 
 __all__ = [
     "PRESETS",
@@ -281,8 +282,9 @@ class GPTModel(nn.Module):
         *,
         kv_cache: list[KVCache] | None = None,
         position_ids: torch.Tensor | None = None,
+        logits_to_keep: int | None = None,
     ) -> torch.Tensor:
-        """Next-token logits for every position.
+        """Next-token logits for every position (or the last ``logits_to_keep``).
 
         Args:
             input_ids: token ids.
@@ -292,6 +294,8 @@ class GPTModel(nn.Module):
                 integers (default: ``past + arange(T)``). Context parallelism passes each
                 rank's global positions (``attnlab.distributed.shard_positions``), so a
                 shard's learned position embeddings are those of the whole sequence.
+            logits_to_keep: compute logits for the last this many positions only (generation
+                needs one: it skips the output head over the rest of the prompt).
 
         Returns:
             Logits over the vocabulary.
@@ -339,6 +343,7 @@ class GPTModel(nn.Module):
         x = self.drop_emb(x)
         for i, block in enumerate(self.trf_blocks):
             x = block(x, None if kv_cache is None else kv_cache[i])  # (B, T, C)
+        x = keep_last(x, logits_to_keep)  # (B, T or logits_to_keep, C)
         x = self.final_norm(x)
         return self.out_head(x)  # (B, T, V)
 

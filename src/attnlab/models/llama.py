@@ -27,6 +27,7 @@ from torch import nn
 
 from attnlab.attention import Attention, KVCache, RotaryEmbedding
 from attnlab.backends import available_backends
+from attnlab.models._lm import keep_last
 
 __all__ = ["LlamaConfig", "LlamaForCausalLM", "RMSNorm"]
 
@@ -190,13 +191,16 @@ class LlamaForCausalLM(nn.Module):
         *,
         kv_cache: list[KVCache] | None = None,
         need_weights: bool = False,
+        logits_to_keep: int | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
-        """Logits for every position of ``input_ids``.
+        """Logits for every position of ``input_ids`` (or the last ``logits_to_keep``).
 
         Args:
             input_ids: (B, T) long token ids; with ``kv_cache`` they follow the cached ones.
             kv_cache: from :meth:`new_kv_cache`; updated in place.
             need_weights: also return every layer's attention weights.
+            logits_to_keep: compute logits for the last this many positions only
+                (generation needs one: it skips the head over the rest of the prompt).
 
         Returns:
             Logits (B, T, V), or ``(logits, [weights (B, H, T, S)] * num_layers)``.
@@ -232,5 +236,6 @@ class LlamaForCausalLM(nn.Module):
             )
             if w is not None:
                 all_weights.append(w)
+        x = keep_last(x, logits_to_keep)  # (B, T or logits_to_keep, C)
         logits = self.lm_head(self.norm(x))  # (B, T, V)
         return (logits, all_weights) if need_weights else logits
