@@ -1,4 +1,4 @@
-"""Pieces shared by attnlab's causal language models (GPT, Llama).
+"""Pieces shared by attnlab's models (GPT, BERT, Llama).
 
 Shape legend: B batch, T sequence length, C model width.
 """
@@ -6,8 +6,25 @@ Shape legend: B batch, T sequence length, C model width.
 from __future__ import annotations
 
 import torch
+from torch import nn
 
-__all__ = ["keep_last"]
+from attnlab.attention import Attention
+from attnlab.backends import available_backends
+
+__all__ = ["keep_last", "set_attention_backend"]
+
+
+def set_attention_backend(model: nn.Module, backend: str) -> None:
+    """Make every :class:`~attnlab.attention.Attention` layer of ``model`` use ``backend``.
+
+    Raises:
+        ValueError: an unknown backend name.
+    """
+    if backend not in available_backends():
+        raise ValueError(f"`backend` must be one of {available_backends()}, got {backend!r}")
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.backend = backend
 
 
 def keep_last(x: torch.Tensor, logits_to_keep: int | None) -> torch.Tensor:

@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 from attnlab.attention import Attention
-from attnlab.backends import available_backends
 from attnlab.masks import PaddingMask
+from attnlab.models._lm import set_attention_backend
 
 __all__ = ["BertConfig", "BertEncoder", "BertLayer"]
 
@@ -111,11 +111,7 @@ class BertEncoder(nn.Module):
         Raises:
             ValueError: an unknown backend name.
         """
-        if backend not in available_backends():
-            raise ValueError(f"`backend` must be one of {available_backends()}, got {backend!r}")
-        for module in self.modules():
-            if isinstance(module, Attention):
-                module.backend = backend
+        set_attention_backend(self, backend)
 
     def forward(
         self,

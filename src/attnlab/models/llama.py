@@ -26,8 +26,7 @@ import torch
 from torch import nn
 
 from attnlab.attention import Attention, KVCache, RotaryEmbedding
-from attnlab.backends import available_backends
-from attnlab.models._lm import keep_last
+from attnlab.models._lm import keep_last, set_attention_backend
 
 __all__ = ["LlamaConfig", "LlamaForCausalLM", "RMSNorm"]
 
@@ -179,11 +178,7 @@ class LlamaForCausalLM(nn.Module):
         Raises:
             ValueError: an unknown backend name.
         """
-        if backend not in available_backends():
-            raise ValueError(f"`backend` must be one of {available_backends()}, got {backend!r}")
-        for module in self.modules():
-            if isinstance(module, Attention):
-                module.backend = backend
+        set_attention_backend(self, backend)
 
     def forward(
         self,
