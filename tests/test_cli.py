@@ -3,36 +3,16 @@
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from attnlab.cli import main
 from attnlab.explain.trace import trace_example
+from cli_runner import run_cli, run_main
 
-SRC = Path(__file__).resolve().parents[1] / "src"
 FIGURES = ("attention-weights-simplified", "attention-weights-trainable", "attention-flow")
-
-
-def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(SRC) + os.pathsep + env.get("PYTHONPATH", "")
-    env["COLUMNS"] = "100"
-    env["MPLBACKEND"] = "Agg"
-    return subprocess.run(
-        [sys.executable, "-m", "attnlab", *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        encoding="utf-8",
-        timeout=120,
-    )
 
 
 def test_walkthrough_prints_the_tables_and_writes_figures(tmp_path):
@@ -97,13 +77,6 @@ def test_user_errors_are_one_line_and_exit_2(tmp_path, args, pattern):
 
 
 # The same entry point in-process (faster: no interpreter and torch start-up per case).
-
-
-def run_main(capsys, *args: str) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as exit_info:
-        main(list(args))
-    captured = capsys.readouterr()
-    return int(exit_info.value.code), captured.out, captured.err
 
 
 @pytest.mark.parametrize(

@@ -12,18 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from attnlab.cli import main
 from attnlab.models.gpt import GPTConfig
 from attnlab.train import TrainConfig, train
+from cli_runner import run_main
 
 SRC = Path(__file__).resolve().parents[1] / "src"
-
-
-def run_main(capsys, *args: str) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as info:
-        main(list(args))
-    out, err = capsys.readouterr()
-    return int(info.value.code), out, err
 
 
 def _one_error_line(err: str) -> str:

