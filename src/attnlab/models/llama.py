@@ -25,8 +25,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from attnlab.attention import Attention, KVCache, RotaryEmbedding
+from attnlab.attention import Attention, KVCache, RotaryEmbedding, StaticKVCache
 from attnlab.models._lm import keep_last, set_attention_backend
+from attnlab.models.fast_decode import DecodePlan, all_static
 
 __all__ = ["LlamaConfig", "LlamaForCausalLM", "RMSNorm"]
 
@@ -162,15 +163,34 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(C, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.tok_embeddings.weight
+        self._decode_plan: DecodePlan | None = None
 
     @property
     def context_length(self) -> int:
         """Longest window the model accepts (the protocol's ``context_length``)."""
         return self.config.context_length
 
-    def new_kv_cache(self) -> list[KVCache]:
-        """An empty cache, one :class:`KVCache` per layer."""
-        return [KVCache() for _ in self.blocks]
+    def new_kv_cache(self, max_len: int | None = None) -> list[KVCache]:
+        """An empty cache, one per layer.
+
+        Args:
+            max_len: None for growing :class:`KVCache` s; a length for
+                :class:`StaticKVCache` s allocated once for that many positions, which
+                also turns on the fast one-token decode step (:meth:`prepare_decode`).
+        """
+        if max_len is None:
+            return [KVCache() for _ in self.blocks]
+        return [StaticKVCache(max_len) for _ in self.blocks]
+
+    def prepare_decode(self) -> DecodePlan:
+        """Build (once) the fused products and tables of the fast one-token step.
+
+        Called by the first step over a :class:`StaticKVCache`; call it again after
+        replacing modules (:func:`attnlab.quant.quantize_model` resets it).
+        """
+        if self._decode_plan is None or self._decode_plan.model is not self:
+            self._decode_plan = DecodePlan(self)
+        return self._decode_plan
 
     def set_backend(self, backend: str) -> None:
         """Use ``backend`` in every attention layer from now on.
@@ -223,6 +243,10 @@ class LlamaForCausalLM(nn.Module):
                 f"sequence of {past + input_ids.shape[1]} tokens exceeds the context length "
                 f"{self.context_length}; crop the input"
             )
+        fast = input_ids.shape[1] == 1 and not need_weights and not torch.is_grad_enabled()
+        if fast and all_static(kv_cache):
+            # Decoding: one query row, the fused fast step (prefill stays below).
+            return self.prepare_decode().step(input_ids, kv_cache)  # type: ignore[arg-type]
         x = self.tok_embeddings(input_ids)  # (B, T, C)
         all_weights: list[torch.Tensor] = []
         for i, block in enumerate(self.blocks):

