@@ -7,15 +7,34 @@ Shape legend: B batch, H query heads, G key/value heads, T query length, S key l
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Protocol
+
 import torch
 from torch import nn
 
 from attnlab.backends import WeightsRequest, available_backends
-from attnlab.functional import exact_attention_weights, scaled_dot_product_attention
+from attnlab.functional import (
+    default_scale,
+    exact_attention_weights,
+    scaled_dot_product_attention,
+)
 from attnlab.masks import AttentionMask, as_mask
 from attnlab.rope import RopeConfig, RotaryEmbedding, rotate_half
 
-__all__ = ["Attention", "KVCache", "RopeConfig", "RotaryEmbedding", "rotate_half"]
+__all__ = [
+    "Attention",
+    "AttentionCall",
+    "AttentionRecorder",
+    "KVCache",
+    "RopeConfig",
+    "RotaryEmbedding",
+    "record_attention",
+    "rotate_half",
+]
 
 
 class KVCache:
@@ -86,6 +105,72 @@ class KVCache:
         self._v[:, :, self._len : need] = value.to(self._v.dtype)
         self._len = need
         return self._k[:, :, :need], self._v[:, :, :need]
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """What one forward of one :class:`Attention` layer computed, given to a recorder.
+
+    The tensors are the layer's own (not copies): keep what you need, detached.
+
+    Attributes:
+        layer: the layer that ran.
+        x: its input ``(B, T, C)``.
+        queries_projected: ``W_query(x)`` per head ``(B, H, T, D)``, before RoPE.
+        keys_projected: the new keys per head ``(B, G, S_new, D)``, before RoPE.
+        queries: the queries the attention used ``(B, H, T, D)`` (after RoPE).
+        keys: the keys it used ``(B, G, S, D)`` (after RoPE, cached + new).
+        values: the values it used ``(B, G, S, Dv)``.
+        mask: the attention mask of the call (an ``AttentionMask``) or None.
+        scale: the score scale the call used.
+        weights: the weights the recorder asked for ``(B, h, t, S)``, or None.
+        context: the heads' outputs side by side ``(B, T, H*Dv)``, before ``out_proj``.
+        output: the layer's output ``(B, T, C)``.
+    """
+
+    layer: Attention
+    x: torch.Tensor
+    queries_projected: torch.Tensor
+    keys_projected: torch.Tensor
+    queries: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+    mask: AttentionMask | None
+    scale: float
+    weights: torch.Tensor | None
+    context: torch.Tensor
+    output: torch.Tensor
+
+
+class AttentionRecorder(Protocol):
+    """Receives the :class:`AttentionCall` of every layer that runs in :func:`record_attention`."""
+
+    def request(self, layer: Attention) -> bool | WeightsRequest | None:
+        """None: do not record this layer; False: record it without weights; True or a
+        ``WeightsRequest``: record it with (those) exact weights."""
+
+    def record(self, call: AttentionCall) -> None:
+        """Called once per forward of a recorded layer, before it returns."""
+
+
+_RECORDER: ContextVar[AttentionRecorder | None] = ContextVar("attnlab_recorder", default=None)
+
+
+@contextmanager
+def record_attention(recorder: AttentionRecorder) -> Iterator[None]:
+    """Record every :class:`Attention` forward run inside the block, in this call only.
+
+    The recorder travels with the call (a context variable), not in the layers: two
+    threads recording on one shared model each see only their own forwards.
+
+    Args:
+        recorder: an :class:`AttentionRecorder`.
+    """
+    token = _RECORDER.set(recorder)
+    try:
+        yield
+    finally:
+        _RECORDER.reset(token)
 
 
 class Attention(nn.Module):
@@ -260,6 +345,7 @@ class Attention(nn.Module):
         queries = self.W_query(x).view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
         keys = self.W_key(src).view(B, S_new, G, D).transpose(1, 2)  # (B, G, S_new, D)
         values = self.W_value(src).view(B, S_new, G, D).transpose(1, 2)  # (B, G, S_new, D)
+        queries_projected, keys_projected = queries, keys
 
         if self.rope is not None:
             pos = self._positions(position_ids, B, T, kv_cache, x.device)
@@ -274,8 +360,11 @@ class Attention(nn.Module):
         dropout_p = self.dropout if self.training else 0.0
 
         capture = WeightsRequest.from_arg(self.capture, "capture") if self.capture else None
+        recorder = _RECORDER.get()
+        wanted = recorder.request(self) if recorder is not None else None
+        recorded = WeightsRequest.from_arg(wanted, "recorder") if wanted else None
         asked = WeightsRequest.from_arg(need_weights)
-        request = asked if asked is not None else capture
+        request = next((r for r in (asked, capture, recorded) if r is not None), None)
         result = scaled_dot_product_attention(
             queries,
             keys,
@@ -290,15 +379,33 @@ class Attention(nn.Module):
             out, weights = result  # type: ignore[misc]
         else:
             out, weights = result, None  # type: ignore[assignment]
+
+        def weights_for(req: WeightsRequest) -> torch.Tensor | None:
+            if req == request:
+                return weights.detach() if weights is not None else None
+            return exact_attention_weights(queries, keys, mask, heads=req.heads, rows=req.rows)
+
         if capture is not None:
-            if capture == request:
-                self.captured = weights.detach() if weights is not None else None
-            else:
-                self.captured = exact_attention_weights(
-                    queries, keys, mask, heads=capture.heads, rows=capture.rows
+            self.captured = weights_for(capture)
+        context = out.transpose(1, 2).reshape(B, T, H * D)  # (B, T, C)
+        out = self.out_proj(context)  # (B, T, C)
+        if recorder is not None and wanted is not None:
+            recorder.record(
+                AttentionCall(
+                    layer=self,
+                    x=x,
+                    queries_projected=queries_projected,
+                    keys_projected=keys_projected,
+                    queries=queries,
+                    keys=keys,
+                    values=values,
+                    mask=mask,
+                    scale=default_scale(D),
+                    weights=weights_for(recorded) if recorded is not None else None,
+                    context=context,
+                    output=out,
                 )
-        out = out.transpose(1, 2).reshape(B, T, H * D)  # (B, T, C)
-        out = self.out_proj(out)  # (B, T, C)
+            )
         if asked is not None:
             return out, weights  # type: ignore[return-value]
         return out

@@ -57,6 +57,18 @@ def explain(
     lang: Annotated[
         str, typer.Option("--lang", "-l", help="Language of the page and text: en or zh-TW.")
     ] = "en",
+    steps: Annotated[
+        bool,
+        typer.Option(
+            "--steps",
+            help="Step into --layer/--head for the query --token: every step of the "
+            "computation with the layer's own numbers (needs a model).",
+        ),
+    ] = False,
+    token: Annotated[
+        int | None,
+        typer.Option(help="Query token of --steps (from 0; default the last token)."),
+    ] = None,
 ) -> None:
     """Show what attention looked at: an interactive page (and figures) for an example or model.
 
@@ -78,6 +90,13 @@ def explain(
             raise UserError(f"cannot write to `{what}` {str(folder)!r}: not a folder")
     if top_k is not None and top_k < 1:
         raise UserError(f"`--top-k` must be at least 1, got {top_k}")
+    if (steps or token is not None) and checkpoint is None and model is None:
+        raise UserError(
+            "--steps/--token need a model (--checkpoint DIR or --model NAME); for the "
+            "examples, `attnlab walkthrough` is the step-by-step walk"
+        )
+    if token is not None and not steps:
+        raise UserError("--token chooses the query of --steps; add --steps")
 
     walk = None
     flow_source: Any = None
@@ -124,6 +143,8 @@ def explain(
         raise UserError(f"`--head` must be in 0..{trace.num_heads - 1} here, got {head}")
 
     output.show(*_explain_renderables(trace, layer, head, lang))
+    if steps:
+        output.show(*_step_renderables(net, text, tokenizer, source, layer, head, token, lang))
 
     from attnlab.explain.html import write_html
 
@@ -201,6 +222,33 @@ def _explain_renderables(trace: Any, layer: int, head: int, lang: str) -> list[R
     out.append(table)
     out.append(Text(message("explain.more", lang, n=len(tokens) - shown), style="dim"))
     return out
+
+
+def _step_renderables(
+    net: Any,
+    text: Any,
+    tokenizer: Any,
+    source: str,
+    layer: int,
+    head: int,
+    token: int | None,
+    lang: str,
+) -> list[RenderableType]:
+    """The terminal part of `explain --steps`: the walk into one head for one query."""
+    from attnlab.explain.model_trace import _encode
+    from attnlab.explain.steps import head_steps, step_sections, step_summary
+    from attnlab.explain.text import step_renderables
+
+    n = len(_encode(tokenizer, text))
+    if token is None:
+        token = n - 1
+    if not 0 <= token < n:
+        raise UserError(f"`--token` must be in 0..{n - 1} (the text's tokens), got {token}")
+    with user_input():
+        walk = head_steps(
+            net, text, layer=layer, head=head, token=token, tokenizer=tokenizer, source=source
+        )
+    return step_renderables(step_summary(walk, lang), step_sections(walk, lang), lang)
 
 
 def _explain_figures(
