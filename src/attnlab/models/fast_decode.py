@@ -28,8 +28,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from attnlab.attention import KVCache, RotaryEmbedding, StaticKVCache
+from attnlab.attention import KVCache, StaticKVCache, recording_attention
 from attnlab.quant import fuse_rows
+from attnlab.rope import DynamicNTKScaling, RotaryEmbedding
 
 __all__ = ["DecodePlan", "why_not_fast_decode"]
 
@@ -109,6 +110,15 @@ class DecodePlan:
         self.H, self.G, self.D = att0.num_heads, att0.num_kv_heads, att0.head_dim
         self.scale = 1.0 / math.sqrt(self.D)
         self.rope: RotaryEmbedding | None = att0.rope
+        rope = self.rope
+        # Full-width "rotate half" RoPE with fixed frequencies: tables once, two products.
+        # Any other variant (partial, interleaved, dynamic NTK) is applied by the module.
+        self.rope_tables = (
+            rope is not None
+            and rope.rotary_dims == self.D
+            and not rope.config.interleaved
+            and not isinstance(rope.config.scaling, DynamicNTKScaling)
+        )
         self.layers = [self._layer(block) for block in model.blocks]
         self.final_norm = _norm_fn(model.norm)
         self._cos: torch.Tensor | None = None  # (L, D) fp32
@@ -164,9 +174,11 @@ class DecodePlan:
         pos_emb = getattr(model, "pos_embeddings", None)
         if pos_emb is not None:
             x = x + pos_emb.weight[pos]  # (B, 1, C)
-        if self.rope is not None:
+        if self.rope_tables:
             cos_t, sin_t = self._rope_tables(pos + 1, x.device)
             cos, sin = cos_t[pos], sin_t[pos]  # (D,)
+        elif self.rope is not None:
+            positions = torch.full((1,), pos, dtype=torch.long, device=x.device)
         nq, nk = H * D, G * D
         for layer, cache in zip(self.layers, kv_cache, strict=True):
             h = layer.norm1(x)  # (B, 1, C)
@@ -177,8 +189,10 @@ class DecodePlan:
             else:
                 qk = torch.cat((layer.q(h), layer.k(h)), dim=-1).view(B, H + G, D)
                 v = layer.v(h).view(B, G, 1, D)
-            if self.rope is not None:
+            if self.rope_tables:
                 qk = qk * cos + qk.roll(D // 2, dims=-1) * sin  # (B, H + G, D)
+            elif self.rope is not None:
+                qk = self.rope(qk.unsqueeze(2), positions).squeeze(2)  # (B, H + G, D)
             q = qk[:, :H].view(B, G, H // G, D)  # (B, G, H/G, D): a group's queries together
             keys, values = cache.update(qk[:, H:].unsqueeze(2), v)  # (B, G, S, D)
             scores = torch.matmul(q, keys.transpose(-1, -2)).mul_(self.scale)  # (B, G, H/G, S)
@@ -198,6 +212,16 @@ class DecodePlan:
         return model.lm_head(self.final_norm(x))  # (B, 1, V)
 
 
-def all_static(kv_cache: Sequence[KVCache] | None) -> bool:
-    """True when every layer's cache is a :class:`StaticKVCache`."""
-    return bool(kv_cache) and all(isinstance(c, StaticKVCache) for c in kv_cache)  # type: ignore[union-attr]
+def takes_fast_step(model: Any, input_ids: torch.Tensor, kv_cache: Any, need_weights: bool) -> bool:
+    """Whether ``model(input_ids, kv_cache=...)`` may take :meth:`DecodePlan.step`.
+
+    One new token per row, every layer's cache a :class:`StaticKVCache`, no gradients, no
+    weights asked for or recorded (:func:`attnlab.attention.record_attention`, ``capture``).
+    """
+    if input_ids.shape[1] != 1 or need_weights or torch.is_grad_enabled() or not kv_cache:
+        return False
+    if not all(isinstance(c, StaticKVCache) for c in kv_cache):
+        return False
+    if recording_attention():
+        return False
+    return not any(block.attention.capture for block in model.blocks)

@@ -27,7 +27,7 @@ from torch import nn
 
 from attnlab.attention import Attention, KVCache, RotaryEmbedding, StaticKVCache
 from attnlab.models._lm import keep_last, set_attention_backend
-from attnlab.models.fast_decode import DecodePlan, all_static
+from attnlab.models.fast_decode import DecodePlan, takes_fast_step
 
 __all__ = ["LlamaConfig", "LlamaForCausalLM", "RMSNorm"]
 
@@ -243,8 +243,7 @@ class LlamaForCausalLM(nn.Module):
                 f"sequence of {past + input_ids.shape[1]} tokens exceeds the context length "
                 f"{self.context_length}; crop the input"
             )
-        fast = input_ids.shape[1] == 1 and not need_weights and not torch.is_grad_enabled()
-        if fast and all_static(kv_cache):
+        if takes_fast_step(self, input_ids, kv_cache, need_weights):
             # Decoding: one query row, the fused fast step (prefill stays below).
             return self.prepare_decode().step(input_ids, kv_cache)  # type: ignore[arg-type]
         x = self.tok_embeddings(input_ids)  # (B, T, C)
