@@ -90,7 +90,8 @@ def test_fast_step_logits_equal_the_module_path():
 
 def test_fused_qkv_and_gate_up_equal_the_separate_products():
     model = _model()
-    plan = model.prepare_decode()
+    assert model.prepare_decode().layers[0].qkv is None  # float weights: fused only if asked
+    plan = model.prepare_decode(share_float=True)
     h = torch.randn(2, 1, CONFIG.hidden_size)
     for layer, block in zip(plan.layers, model.blocks, strict=True):
         att, mlp = block.attention, block.mlp
@@ -101,10 +102,16 @@ def test_fused_qkv_and_gate_up_equal_the_separate_products():
         # The book's names still hold the weights, as views of the fused rows.
         rows_k = layer.qkv.weight[att.W_query.out_features :]
         assert att.W_key.weight.data_ptr() == rows_k.data_ptr()
+    # Still the same Parameter objects (an optimizer holding them keeps working).
+    assert all(isinstance(p, torch.nn.Parameter) for p in model.parameters())
+    assert len(list(model.parameters())) == len(dict(model.named_parameters()))
 
 
-def test_fp32_greedy_tokens_equal_the_full_recompute_even_as_the_window_slides():
+@pytest.mark.slow
+@pytest.mark.parametrize("share_float", [False, True])
+def test_fp32_greedy_tokens_equal_the_full_recompute_even_as_the_window_slides(share_float):
     model = _model()
+    model.prepare_decode(share_float=share_float)
     ids = torch.randint(0, CONFIG.vocab_size, (1, 30), generator=torch.Generator().manual_seed(2))
     cached = generate(model, ids, 40)  # 70 tokens > context 48: the window slides
     assert torch.equal(cached, generate(model, ids, 40, use_cache=False))
@@ -141,3 +148,46 @@ def test_each_precision_decodes_through_the_fast_step_as_its_module_path(dtype):
     rel = ((fast - slow).norm() / slow.norm()).item()
     assert rel < 1e-2, rel
     assert torch.equal(fast.argmax(-1), slow.argmax(-1))
+
+
+def test_gpt_decodes_through_the_fast_step_with_the_same_logits():
+    from attnlab.models.gpt import GPTConfig, GPTModel
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=64, context_length=24, emb_dim=32, n_heads=4, n_layers=2)
+    model = GPTModel(cfg).eval()
+    ids = torch.randint(0, 64, (2, 7))
+    slow, fast = model.new_kv_cache(), model.new_kv_cache(max_len=12)
+    with torch.no_grad():
+        model(ids, kv_cache=slow), model(ids, kv_cache=fast)
+        for _ in range(4):
+            a, b = model(ids[:, -1:], kv_cache=slow), model(ids[:, -1:], kv_cache=fast)
+            torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+    assert "_decode_plan" in model.__dict__
+    out = generate(model, ids, 30)  # slides past the 24-token window
+    assert torch.equal(out, generate(model, ids, 30, use_cache=False))
+
+
+def test_recording_or_capturing_takes_the_module_path():
+    from attnlab.attention import record_attention
+
+    model = _model()
+    calls = []
+
+    class Recorder:
+        def request(self, layer):
+            return False
+
+        def record(self, call):
+            calls.append(call)
+
+    cache = model.new_kv_cache(max_len=8)
+    with torch.no_grad():
+        model(torch.zeros(1, 3, dtype=torch.long), kv_cache=cache)
+        with record_attention(Recorder()):
+            model(torch.zeros(1, 1, dtype=torch.long), kv_cache=cache)
+    assert len(calls) == CONFIG.num_layers  # the step ran through every layer
+    model.blocks[1].attention.capture = True
+    with torch.no_grad():
+        model(torch.zeros(1, 1, dtype=torch.long), kv_cache=cache)
+    assert model.blocks[1].attention.captured is not None

@@ -312,43 +312,49 @@ def quantize_model(
         this = "int8" if dtype == "int4" and name in int8_names else dtype
         new = prepared.get(name) or quantize_linear(linear, this, group_size=group_size)
         setattr(parent, leaf, new)
-    if getattr(model, "_decode_plan", None) is not None:
-        model._decode_plan = None  # type: ignore[assignment]  # it holds the old modules
+    model.__dict__.pop("_decode_plan", None)  # a fast decode plan holds the old modules
     return model
 
 
-def fuse_rows(linears: Sequence[Any]) -> nn.Module | None:
+def fuse_rows(linears: Sequence[Any], *, share_float: bool = False) -> nn.Module | None:
     """One product for several linears of the same input: their rows stacked.
 
-    For ``nn.Linear``, :class:`BF16Linear` and :class:`Int8Linear` the parts then become
-    views of the fused storage (no second copy, in-place updates stay shared). For
-    :class:`Int4Linear` the packed codes concatenate when every part has a multiple of 64
-    rows (the packing's tile); the parts keep their own packs.
+    For :class:`BF16Linear` and :class:`Int8Linear` the parts' buffers then become views
+    of the fused storage (no second copy). For :class:`Int4Linear` the packed codes
+    concatenate when every part has a multiple of 64 rows (the packing's tile); the parts
+    keep their own packs (int4 is small). ``nn.Linear`` parts are fused only with
+    ``share_float=True``: their parameters (the same ``nn.Parameter`` objects, so an
+    optimizer holding them still works) then hold views of the fused weight, so in-place
+    updates stay shared, but the parameters share one storage (safetensors refuses to save
+    shared tensors: clone them first). Without it a float copy could go stale.
 
     Returns:
         The fused module, or None when the parts cannot be fused (mixed types, int4 parts
-        not aligned to the tile, different input widths or group sizes).
+        not aligned to the tile, different input widths or group sizes, float parts
+        without ``share_float``).
     """
     first: Any = linears[0]
     if any(type(m) is not type(first) for m in linears):
         return None
-    if len({m.in_features for m in linears}) != 1:  # type: ignore[attr-defined]
+    if len({m.in_features for m in linears}) != 1:
         return None
     biases = [getattr(m, "bias", None) for m in linears]
     has_bias = [b is not None for b in biases]
     if any(has_bias) and not all(has_bias):
         return None
     bias = torch.cat([b.detach() for b in biases]) if all(has_bias) else None  # type: ignore[union-attr]
-    rows = [m.out_features for m in linears]  # type: ignore[attr-defined]
+    rows = [m.out_features for m in linears]
     starts = [sum(rows[:i]) for i in range(len(rows))]
     with torch.no_grad():
         if isinstance(first, nn.Linear):
+            if not share_float:
+                return None
             w = torch.cat([m.weight.detach() for m in linears])  # (sum N, K)
             fused: Any = _FusedLinear(w, bias)
             for m, s, n in zip(linears, starts, rows, strict=True):
-                m.weight = nn.Parameter(w[s : s + n], requires_grad=m.weight.requires_grad)
+                m.weight.data = w[s : s + n]  # the same Parameter, now a view
                 if bias is not None:
-                    m.bias = nn.Parameter(bias[s : s + n], requires_grad=m.bias.requires_grad)
+                    m.bias.data = bias[s : s + n]
             return fused
         if isinstance(first, BF16Linear):
             fused = BF16Linear.__new__(BF16Linear)

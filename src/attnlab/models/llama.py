@@ -25,9 +25,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from attnlab.attention import Attention, KVCache, RotaryEmbedding, StaticKVCache
+from attnlab.attention import Attention, KVCache, RotaryEmbedding
 from attnlab.models._lm import keep_last, set_attention_backend
-from attnlab.models.fast_decode import DecodePlan, takes_fast_step
+from attnlab.models.fast_decode import DecodePlan, decode_plan, fast_step, new_caches
 
 __all__ = ["LlamaConfig", "LlamaForCausalLM", "RMSNorm"]
 
@@ -163,7 +163,6 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(C, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.tok_embeddings.weight
-        self._decode_plan: DecodePlan | None = None
 
     @property
     def context_length(self) -> int:
@@ -178,19 +177,21 @@ class LlamaForCausalLM(nn.Module):
                 :class:`StaticKVCache` s allocated once for that many positions, which
                 also turns on the fast one-token decode step (:meth:`prepare_decode`).
         """
-        if max_len is None:
-            return [KVCache() for _ in self.blocks]
-        return [StaticKVCache(max_len) for _ in self.blocks]
+        return new_caches(len(self.blocks), max_len)
 
-    def prepare_decode(self) -> DecodePlan:
+    def prepare_decode(self, *, share_float: bool = False) -> DecodePlan:
         """Build (once) the fused products and tables of the fast one-token step.
 
-        Called by the first step over a :class:`StaticKVCache`; call it again after
-        replacing modules (:func:`attnlab.quant.quantize_model` resets it).
+        Called by the first step over a :class:`StaticKVCache`;
+        :func:`attnlab.quant.quantize_model` resets it.
+
+        Args:
+            share_float: fuse float Q/K/V and gate/up weights too, the parameters becoming
+                views of the fused ones (loaders of inference models ask for it; see
+                :func:`attnlab.quant.fuse_rows`). Rebuilds the plan when it was built
+                without.
         """
-        if self._decode_plan is None or self._decode_plan.model is not self:
-            self._decode_plan = DecodePlan(self)
-        return self._decode_plan
+        return decode_plan(self, share_float=share_float)
 
     def set_backend(self, backend: str) -> None:
         """Use ``backend`` in every attention layer from now on.
@@ -243,9 +244,9 @@ class LlamaForCausalLM(nn.Module):
                 f"sequence of {past + input_ids.shape[1]} tokens exceeds the context length "
                 f"{self.context_length}; crop the input"
             )
-        if takes_fast_step(self, input_ids, kv_cache, need_weights):
-            # Decoding: one query row, the fused fast step (prefill stays below).
-            return self.prepare_decode().step(input_ids, kv_cache)  # type: ignore[arg-type]
+        logits = fast_step(self, input_ids, kv_cache, need_weights)
+        if logits is not None:  # one new token over a static cache: the fused step
+            return logits
         x = self.tok_embeddings(input_ids)  # (B, T, C)
         all_weights: list[torch.Tensor] = []
         for i, block in enumerate(self.blocks):

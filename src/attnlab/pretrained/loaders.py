@@ -341,5 +341,5 @@ def load_llama_gguf(
     if dtype != "float32":
         prepared = llama_int4_from_gguf(contents, config) if dtype == "int4" else {}
         quantize_model(model, dtype, prepared=dict(prepared))
-    model.prepare_decode()  # fuse the QKV and gate/up products once, at load
+    model.prepare_decode(share_float=True)  # fuse the QKV and gate/up products once, at load
     return model.eval(), tokenizer_from_gguf(contents)
