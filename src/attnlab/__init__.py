@@ -30,6 +30,7 @@ from attnlab.masks import (
     SlidingWindowMask,
     as_mask,
 )
+from attnlab.rope import RopeConfig
 
 __version__ = "0.1.0"
 
@@ -47,6 +48,7 @@ __all__ = [
     "KVCache",
     "PaddingMask",
     "RelativePositionBias",
+    "RopeConfig",
     "RotaryEmbedding",
     "SelfAttentionV1",
     "SelfAttentionV2",
