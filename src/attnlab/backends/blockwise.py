@@ -829,6 +829,8 @@ def blockwise_attention(
     *,
     dropout_p: float,
     scale: float,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
     block_q: int | None = None,
     block_k: int | None = None,
     tile_path: TilePath | None = None,
@@ -848,6 +850,8 @@ def blockwise_attention(
     """
     if dropout_p > 0:
         raise ValueError(_why_not_dropout(dropout_p))
+    if softcap is not None or sinks is not None:
+        raise ValueError("blockwise does not implement softcap or sinks yet; use 'math'")
     out, lse = _BlockwiseAttention.apply(
         query, key, value, mask, scale, block_q, block_k, tile_path
     )
@@ -869,6 +873,10 @@ def _why_not(request: AttentionRequest) -> str | None:
             "blockwise does not compute gradients for an additive mask (the attn_mask "
             "tensor requires grad); use 'math' or 'sdpa'"
         )
+    if request.softcap is not None:
+        return "blockwise does not implement logit soft-capping yet; use 'math'"
+    if request.sinks:
+        return "blockwise does not implement attention sinks yet; use 'math'"
     return None
 
 
