@@ -49,8 +49,6 @@ def save_hf(family: str, overrides: dict, folder, dtype: torch.dtype, *, encoder
     return folder
 
 
-
-
 # --------------------------------------------------------------------------- GGUF
 
 # Hugging Face module -> llama.cpp tensor (per layer {i}); the llama layout.

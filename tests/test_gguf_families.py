@@ -19,11 +19,10 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 if not all(importlib.util.find_spec(m) for m in ("transformers", "tokenizers", "gguf")):
     pytest.skip("needs transformers, tokenizers and gguf", allow_module_level=True)
 
-from model_files import CORPUS, save_hf, write_gguf
-
 from attnlab.generation import generate
 from attnlab.models.decoder import Decoder
 from attnlab.pretrained import load_pretrained
+from model_files import CORPUS, save_hf, write_gguf
 
 CONFIGS = {
     "llama": {

@@ -388,8 +388,9 @@ def read_gguf(path: str | Path) -> GGUFContents:
             )
         if ne[0] % block_size:
             raise ModelFileError(
-                path, f"{where}: row length {ne[0]} is not a multiple of {qtype.name}'s "
-                f"block of {block_size}"
+                path,
+                f"{where}: row length {ne[0]} is not a multiple of {qtype.name}'s "
+                f"block of {block_size}",
             )
         nbytes = n_elements // block_size * type_size
         start = data_start + offset
