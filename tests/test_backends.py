@@ -11,6 +11,7 @@ import torch
 
 from attnlab._memory import peak_allocated
 from attnlab.backends import WeightsRequest, available_backends, explain_dispatch
+from attnlab.backends.blockwise import force_tile_path, fused_tiles_available
 from attnlab.functional import exact_attention_weights, scaled_dot_product_attention
 from attnlab.masks import (
     AdditiveMask,
@@ -22,6 +23,13 @@ from attnlab.masks import (
 from reference import reference_attention, tol
 
 BACKENDS = [b for b in available_backends() if b not in ("auto", "ring")]
+# blockwise once per tile path: PyTorch's fused op and the pure-PyTorch tiles.
+TILE_PATHS = ["fused", "pure"] if fused_tiles_available() else ["pure"]
+BACKEND_CASES = [
+    f"{b}:{p}" if b == "blockwise" else b
+    for b in BACKENDS
+    for p in (TILE_PATHS if b == "blockwise" else [None])
+]
 DTYPES = [torch.float32, torch.bfloat16, torch.float64]
 MASK_KINDS = ["none", "causal_top_left", "padding", "window", "boolean", "additive", "combined"]
 B, H, G = 2, 4, 2
@@ -67,7 +75,20 @@ def grad_tol(dtype: torch.dtype) -> dict[str, float]:
     return {"atol": 4 * t["atol"], "rtol": 4 * t["rtol"]}
 
 
+def split_case(case: str) -> tuple[str, str | None]:
+    """``"blockwise:pure"`` -> ``("blockwise", "pure")``; a plain name -> ``(name, None)``."""
+    name, _, path = case.partition(":")
+    return name, path or None
+
+
 def run_case(backend, dtype, is_causal, kind, T, S, D, seed=0):
+    """``backend`` is a backend name, or ``blockwise:<tile path>``."""
+    backend, path = split_case(backend)
+    with force_tile_path(path):
+        _run_case(backend, dtype, is_causal, kind, T, S, D, seed)
+
+
+def _run_case(backend, dtype, is_causal, kind, T, S, D, seed):
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(B, H, T, D, generator=gen).to(dtype).requires_grad_()
     k = torch.randn(B, G, S, D, generator=gen).to(dtype).requires_grad_()
@@ -98,7 +119,7 @@ FAST_SHAPES = [(1, 5, 8), (7, 12, 59), (97, 70, 64)]
 @pytest.mark.parametrize("kind", MASK_KINDS)
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKEND_CASES)
 def test_conformance(backend, dtype, is_causal, kind, shape):
     run_case(backend, dtype, is_causal, kind, *shape)
 
@@ -117,20 +138,22 @@ SLOW_SHAPES = [
 @pytest.mark.parametrize("kind", MASK_KINDS)
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKEND_CASES)
 def test_conformance_full_grid(backend, dtype, is_causal, kind, shape):
     run_case(backend, dtype, is_causal, kind, *shape, seed=1)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKEND_CASES)
 def test_fully_masked_rows_zero_output_finite_grads(backend):
+    backend, path = split_case(backend)
     q = torch.randn(1, 2, 6, 16, requires_grad=True)
     k = torch.randn(1, 2, 6, 16, requires_grad=True)
     v = torch.randn(1, 2, 6, 16, requires_grad=True)
     allowed = torch.ones(1, 1, 6, 6, dtype=torch.bool)
     allowed[..., 2, :] = False
     allowed[..., 4, :] = False
-    out, w = scaled_dot_product_attention(q, k, v, allowed, backend=backend, need_weights=True)
+    with force_tile_path(path):
+        out, w = scaled_dot_product_attention(q, k, v, allowed, backend=backend, need_weights=True)
     assert not torch.isnan(out).any() and not torch.isnan(w).any()
     assert torch.equal(out[:, :, [2, 4]], torch.zeros_like(out[:, :, [2, 4]]))
     assert torch.equal(w[:, :, [2, 4]], torch.zeros_like(w[:, :, [2, 4]]))
@@ -140,32 +163,36 @@ def test_fully_masked_rows_zero_output_finite_grads(backend):
     assert torch.equal(q.grad[:, :, [2, 4]], torch.zeros_like(q.grad[:, :, [2, 4]]))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKEND_CASES)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_large_logits_half_precision(backend, dtype):
+    backend, path = split_case(backend)
     gen = torch.Generator().manual_seed(3)
     q = (torch.randn(1, 2, 9, 32, generator=gen) * 30).to(dtype)
     k = (torch.randn(1, 2, 9, 32, generator=gen) * 30).to(dtype)
     v = torch.randn(1, 2, 9, 32, generator=gen).to(dtype)
-    out = scaled_dot_product_attention(q, k, v, is_causal=True, backend=backend)
+    with force_tile_path(path):
+        out = scaled_dot_product_attention(q, k, v, is_causal=True, backend=backend)
     assert torch.isfinite(out).all()
     ref, _ = reference_attention(q, k, v, mask=CausalMask().dense(9, 9))
     torch.testing.assert_close(out.double(), ref, **tol(dtype))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKEND_CASES)
 def test_exact_weights_for_chosen_heads_and_rows(backend):
+    backend, path = split_case(backend)
     gen = torch.Generator().manual_seed(5)
     q = torch.randn(2, 4, 40, 16, generator=gen, dtype=torch.float64)
     k = torch.randn(2, 2, 50, 16, generator=gen, dtype=torch.float64)
     v = torch.randn(2, 2, 50, 16, generator=gen, dtype=torch.float64)
     mask = PaddingMask.from_lengths([50, 31], 50) & CausalMask()
     req = WeightsRequest(heads=(3, 0), rows=(39, 2, 17))
-    out, w = scaled_dot_product_attention(q, k, v, mask, backend=backend, need_weights=req)
+    with force_tile_path(path):
+        out, w = scaled_dot_product_attention(q, k, v, mask, backend=backend, need_weights=req)
+        full = scaled_dot_product_attention(q, k, v, mask, backend=backend)
     _, ref_w = reference_attention(q, k, v, mask=mask.dense(40, 50))
     assert w.shape == (2, 2, 3, 50)
     torch.testing.assert_close(w, ref_w[:, [3, 0]][:, :, [39, 2, 17]], **tol(torch.float64))
-    full = scaled_dot_product_attention(q, k, v, mask, backend=backend)
     torch.testing.assert_close(out, full, **tol(torch.float64))
     direct = exact_attention_weights(q, k, mask, heads=[3, 0], rows=[39, 2, 17])
     torch.testing.assert_close(direct, w, **tol(torch.float64))

@@ -28,6 +28,7 @@ from attnlab.masks import (
     SlidingWindowMask,
     as_mask,
 )
+from attnlab.rope import RopeConfig
 
 __version__ = "0.1.0"
 
@@ -42,6 +43,7 @@ __all__ = [
     "Example",
     "KVCache",
     "PaddingMask",
+    "RopeConfig",
     "RotaryEmbedding",
     "SelfAttentionV1",
     "SelfAttentionV2",
