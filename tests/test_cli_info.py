@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from cli_runner import run_main
+from cli_runner import run_cli, run_main
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
@@ -56,3 +56,21 @@ def test_info_user_errors(capsys, args, pattern):
 def test_info_default_is_sdpa_for_causal(capsys):
     code, out, _ = run_main(capsys, "info")
     assert code == 0 and "backend='auto' -> sdpa" in out.replace("\n", " ").replace("  ", " ")
+
+
+def test_info_lists_the_variants_and_which_backend_serves_them():
+    result = run_cli("info", "--mask", "document", "--softcap", "30", columns=240, timeout=120)
+    flat = " ".join(result.stdout.split())
+    assert result.returncode == 0, result.stderr
+    for variant in ("AlibiBias", "RelativePositionBias", "DocumentMask", "softcap=", "sinks="):
+        assert variant in flat
+    assert "PyTorch's kernel has no logit soft-capping" in flat  # sdpa's reason, verbatim
+    assert "backend='auto' -> sdpa" not in flat  # softcap: sdpa cannot serve this call
+
+
+def test_info_sinks_and_bias_masks(capsys):
+    for args in (("--mask", "alibi"), ("--mask", "relbias"), ("--sinks",)):
+        code, _, err = run_main(capsys, "info", *args)
+        assert code == 0, err
+    code, _, err = run_main(capsys, "info", "--softcap", "0")
+    assert code == 2 and "`softcap` must be a positive" in err

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from attnlab.attention import Attention, KVCache, RollingKVCache, RotaryEmbedding
 from attnlab.backends import WeightsRequest, explain_dispatch
+from attnlab.biases import AlibiBias, RelativePositionBias
 from attnlab.examples import EXAMPLES, Example, get_example
 from attnlab.explain.trace import AttentionTrace, trace_attention, trace_example
 from attnlab.functional import (
@@ -24,6 +25,7 @@ from attnlab.masks import (
     AttentionMask,
     BooleanMask,
     CausalMask,
+    DocumentMask,
     PaddingMask,
     SlidingWindowMask,
     as_mask,
@@ -36,15 +38,18 @@ __version__ = "0.1.0"
 __all__ = [
     "EXAMPLES",
     "AdditiveMask",
+    "AlibiBias",
     "Attention",
     "AttentionMask",
     "AttentionTrace",
     "BooleanMask",
     "CausalMask",
+    "DocumentMask",
     "Example",
     "KVCache",
     "PaddingMask",
     "QKNorm",
+    "RelativePositionBias",
     "RollingKVCache",
     "RopeConfig",
     "RotaryEmbedding",

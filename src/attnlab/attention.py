@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from attnlab.backends import WeightsRequest, available_backends
+from attnlab.backends.request import check_sinks, check_softcap
 from attnlab.functional import (
     default_scale,
     exact_attention_weights,
@@ -287,6 +288,11 @@ class Attention(nn.Module):
         sliding_window: each query sees only itself and the ``sliding_window - 1`` keys
             before it (Mistral, Gemma 2's local layers; with ``is_causal=False``, keys
             within that distance on both sides); combined with any ``attn_mask``.
+        softcap: logit soft-capping ``softcap * tanh(s / softcap)`` of the scaled scores
+            (Gemma 2 uses 50.0), or None.
+        sinks: attention sinks (gpt-oss): True for a learned per-head logit
+            :attr:`sinks` (an ``nn.Parameter`` ``(H,)``, initialised to 0), a tensor
+            ``(H,)`` for its initial value, or None/False for none.
 
     Attributes:
         capture: None by default. Set to True (all weights) or to a
@@ -320,6 +326,8 @@ class Attention(nn.Module):
         scale: float | None = None,
         qk_norm: QKNorm | None = None,
         sliding_window: int | None = None,
+        softcap: float | None = None,
+        sinks: bool | torch.Tensor | None = None,
     ) -> None:
         super().__init__()
         for name, val in (
@@ -394,6 +402,19 @@ class Attention(nn.Module):
                 f"`rope` must be None, True, a float base, a RopeConfig or a RotaryEmbedding, "
                 f"got {type(rope).__name__}"
             )
+        self.softcap = check_softcap(softcap)
+        if sinks is None or sinks is False:
+            self.sinks: nn.Parameter | None = None
+        elif sinks is True:
+            self.sinks = nn.Parameter(torch.zeros(num_heads))
+        else:
+            init = check_sinks(
+                sinks,
+                num_heads,
+                sinks.device if isinstance(sinks, torch.Tensor) else torch.device("cpu"),
+            )
+            assert init is not None
+            self.sinks = nn.Parameter(init.detach().clone())
         self.capture: bool | WeightsRequest | None = None
         self.captured: torch.Tensor | None = None
 
@@ -514,6 +535,8 @@ class Attention(nn.Module):
             scale=scale,
             backend=self.backend,
             need_weights=request if request is not None else False,
+            softcap=self.softcap,
+            sinks=self.sinks,
         )
         if request is not None:
             out, weights = result  # type: ignore[misc]
@@ -524,8 +547,9 @@ class Attention(nn.Module):
             if req == request:
                 return weights.detach() if weights is not None else None
             return exact_attention_weights(
-                queries, keys, mask, scale=scale, heads=req.heads, rows=req.rows
-            )
+                queries, keys, mask, scale=scale, heads=req.heads, rows=req.rows,
+                softcap=self.softcap, sinks=self.sinks,
+            )  # fmt: skip
 
         if capture is not None:
             self.captured = weights_for(capture)
@@ -605,6 +629,8 @@ class Attention(nn.Module):
             f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
             f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
             f"backend={self.backend!r}, rope={self.rope is not None}{extra}"
+            + (f", softcap={self.softcap}" if self.softcap is not None else "")
+            + (", sinks=True" if self.sinks is not None else "")
         )
 
 

@@ -15,8 +15,7 @@ __all__ = ["QKNorm", "RMSNorm"]
 
 
 class RMSNorm(nn.Module):
-    """``x / sqrt(mean(x^2) + eps) * weight`` over the last dim, computed in fp32 (fp64 for
-    fp64 input).
+    """``x / sqrt(mean(x^2) + eps) * weight`` over the last dim, computed in fp32.
 
     Args:
         dim: width of the last dim.
@@ -30,7 +29,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(..., C) -> (..., C)."""
-        xf = x.float() if x.dtype != torch.float64 else x  # no copy for fp32 input
+        xf = x.float()  # no copy for fp32 input
         xf = xf * torch.rsqrt(xf.square().mean(dim=-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
 

@@ -38,6 +38,7 @@ __all__ = [
     "register_backend",
     "select_backend",
     "select_weights",
+    "variant_support",
 ]
 
 _REGISTRY: dict[str, Backend] = {}
@@ -169,6 +170,8 @@ def explain_dispatch(
     *,
     backend: str = "auto",
     need_weights: bool | WeightsRequest = False,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> DispatchExplanation:
     """Say which backend ``scaled_dot_product_attention`` would run, and why not the others.
 
@@ -182,10 +185,50 @@ def explain_dispatch(
         ValueError, TypeError: the same as ``scaled_dot_product_attention``.
     """
     call = prepare_call(
-        query, key, value, attn_mask, dropout_p, is_causal, scale, backend, need_weights
-    )
+        query, key, value, attn_mask, dropout_p, is_causal, scale, backend, need_weights,
+        softcap=softcap, sinks=sinks,
+    )  # fmt: skip
     request = call.request
     return explain(request, backend)
+
+
+def _variant_calls() -> list[tuple[str, dict[str, object]]]:
+    from attnlab.biases import AlibiBias, RelativePositionBias
+    from attnlab.masks import CausalMask, DocumentMask, PaddingMask, SlidingWindowMask
+
+    H, T = 2, 4
+    ids = torch.tensor([[0, 0, 1, 1]])
+    return [
+        ("causal", {"is_causal": True}),
+        ("PaddingMask", {"attn_mask": PaddingMask(torch.ones(1, T).bool())}),
+        ("SlidingWindowMask", {"attn_mask": SlidingWindowMask(2)}),
+        ("AlibiBias (ALiBi)", {"attn_mask": AlibiBias(H), "is_causal": True}),
+        (
+            "RelativePositionBias (T5), learned",
+            {"attn_mask": RelativePositionBias(torch.zeros(32, H, requires_grad=True))},
+        ),
+        (
+            "DocumentMask & CausalMask",
+            {"attn_mask": DocumentMask(ids) & CausalMask()},
+        ),
+        ("softcap= (Gemma 2)", {"softcap": 30.0, "is_causal": True}),
+        ("sinks= (gpt-oss)", {"sinks": torch.zeros(H), "is_causal": True}),
+    ]
+
+
+def variant_support() -> list[tuple[str, dict[str, str | None]]]:
+    """Which backend serves which attention variant: ``(variant, {backend: reason})``,
+    reason None where the backend serves it (for ``attnlab info`` and the README)."""
+    rows = []
+    for label, kwargs in _variant_calls():
+        x = torch.zeros(1, 2, 4, 8, requires_grad=True)
+        with torch.enable_grad():
+            call = prepare_call(
+                x, x, x, kwargs.get("attn_mask"), 0.0, kwargs.get("is_causal", False), None,
+                "auto", False, softcap=kwargs.get("softcap"), sinks=kwargs.get("sinks"),
+            )  # fmt: skip
+        rows.append((label, {n: be.why_not(call.request) for n, be in _REGISTRY.items()}))
+    return rows
 
 
 register_backend(_sdpa.BACKEND, auto_rank=0)

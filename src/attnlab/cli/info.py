@@ -14,7 +14,7 @@ from attnlab.cli.output import UserError, output, user_input
 _INFO_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16",
                 "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
                 "float64": "float64", "fp64": "float64"}  # fmt: skip
-_INFO_MASKS = ("none", "causal", "padding", "window", "boolean")
+_INFO_MASKS = ("none", "causal", "padding", "window", "boolean", "alibi", "relbias", "document")
 
 
 @app.command()
@@ -30,8 +30,18 @@ def info(
     ] = None,
     head_dim: Annotated[int, typer.Option("--head-dim", help="Head dim D.")] = 64,
     dtype: Annotated[str, typer.Option(help="float32, bfloat16, float16 or float64.")] = "float32",
-    mask: Annotated[str, typer.Option(help="none, causal, padding, window or boolean.")] = "causal",
+    mask: Annotated[
+        str,
+        typer.Option(
+            help="none, causal, padding, window, boolean, alibi (causal ALiBi), relbias "
+            "(T5 relative position bias, learned table) or document (packed, causal)."
+        ),
+    ] = "causal",
     dropout: Annotated[float, typer.Option(help="Attention dropout probability.")] = 0.0,
+    softcap: Annotated[
+        float | None, typer.Option(help="Logit soft-capping value (Gemma 2: 50).")
+    ] = None,
+    sinks: Annotated[bool, typer.Option("--sinks", help="Learned attention sinks.")] = False,
     backend: Annotated[str, typer.Option(help="Backend to explain (default auto).")] = "auto",
     preset: Annotated[
         str | None,
@@ -41,17 +51,25 @@ def info(
         ),
     ] = None,
 ) -> None:
-    """Report what attnlab has: the attention backends and which one a call of this shape
-    would run (and why not the others), and the GPT presets' parameter counts and sizes."""
+    """Report what attnlab has: the attention backends, which one a call of this shape
+    would run (and why not the others), which backend serves which attention variant, and
+    the GPT presets' parameter counts and sizes."""
     if preset is not None:
         output.show(*_info_presets(preset))
         return
     import torch
     from rich.table import Table
 
-    from attnlab.backends import AUTO_ORDER, explain_dispatch, get_backend
+    from attnlab.backends import AUTO_ORDER, explain_dispatch, get_backend, variant_support
     from attnlab.backends import available_backends as names
-    from attnlab.masks import BooleanMask, CausalMask, PaddingMask, SlidingWindowMask
+    from attnlab.biases import AlibiBias, RelativePositionBias
+    from attnlab.masks import (
+        BooleanMask,
+        CausalMask,
+        DocumentMask,
+        PaddingMask,
+        SlidingWindowMask,
+    )
 
     if dtype not in _INFO_DTYPES:
         raise UserError(f"unknown --dtype {dtype!r}; choose one of {', '.join(_INFO_DTYPES)}")
@@ -74,7 +92,17 @@ def info(
         "padding": PaddingMask(torch.ones(1, 1, dtype=torch.bool).expand(batch, S)),
         "window": SlidingWindowMask(min(256, S)) if mask == "window" else None,
         "boolean": BooleanMask(torch.ones(1, 1, 1, 1, dtype=torch.bool).expand(1, 1, T, S)),
+        "alibi": AlibiBias(heads) & CausalMask() if mask == "alibi" else None,
+        "relbias": RelativePositionBias(torch.zeros(32, heads, requires_grad=True))
+        if mask == "relbias"
+        else None,
+        "document": DocumentMask(torch.zeros(1, 1, dtype=torch.long).expand(batch, T))
+        & CausalMask()
+        if mask == "document" and T == S
+        else None,
     }[mask]
+    if mask == "document" and T != S:
+        raise UserError("--mask document is self-attention over packed documents; omit --key-len")
     with user_input():
         exp = explain_dispatch(
             shaped(batch, heads, T, head_dim),
@@ -83,6 +111,8 @@ def info(
             attn_mask,
             dropout,
             backend=backend,
+            softcap=softcap,
+            sinks=torch.zeros(heads) if sinks else None,
         )
 
     table = Table(title=f"attnlab {attnlab.__version__} attention backends (torch "
@@ -98,13 +128,22 @@ def info(
     call = (
         f"B={batch} H={heads} G={G} T={T} S={S} D={head_dim} {_INFO_DTYPES[dtype]} "
         f"mask={mask} dropout={dropout}"
+        + (f" softcap={softcap}" if softcap is not None else "")
+        + (" sinks" if sinks else "")
     )
     verdict = Table(title=f"dispatch for {call}: backend={backend!r} -> {exp.chosen}")
     verdict.add_column("backend")
     verdict.add_column("verdict")
     for name, why in exp.reasons:
         verdict.add_row(name, "chosen" if why is None else why)
-    output.show(table, verdict, *_info_presets(None))
+    variants = Table(title="attention variants: which backend serves which (yes, or why not)")
+    variants.add_column("variant")
+    served_by = [n for n in names() if n != "auto"]
+    for name in served_by:
+        variants.add_column(name)
+    for label, reasons in variant_support():
+        variants.add_row(label, *("yes" if reasons[n] is None else reasons[n] for n in served_by))
+    output.show(table, verdict, variants, *_info_presets(None))
 
 
 def _preset_table(name: str) -> Any:
