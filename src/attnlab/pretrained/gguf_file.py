@@ -330,7 +330,7 @@ def read_gguf(path: str | Path) -> GGUFContents:
         raise ModelFileError(path, f"is {path.stat().st_size} bytes, too short for a GGUF header")
     data = np.memmap(path, dtype=np.uint8, mode="r")
     size = len(data)
-    cur = _Cursor(memoryview(data).cast("B"), path)
+    cur = _Cursor(memoryview(data.data).cast("B"), path)
     magic = bytes(cur.buf[0:4])
     cur.pos = 4
     version = cur.scalar("<I", "version")

@@ -132,8 +132,8 @@ def load_gguf(
     path = Path(path)
     contents = read_gguf(path)
     meta = contents.metadata
-    arch = meta.get("general.architecture")
-    family = find_family(arch, path)
+    family = find_family(meta.get("general.architecture"), path)
+    arch = family.name
     if not family.gguf_weights:
         raise ModelFileError(path, f"GGUF files of architecture {arch!r} are not supported yet")
     keys = {
