@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 import torch
@@ -320,20 +321,31 @@ def scaled_dot_product_attention(
             [0, 1), an unknown backend, a backend that cannot serve the call (with its
             reason), an unknown head or row in ``need_weights``.
     """
-    from attnlab.backends import exact_weights, prepare_call, select_backend, select_weights
-
-    call = prepare_call(
+    backends = _backends()
+    chosen, mask, scale_f, wanted = backends.resolve_call(
         query, key, value, attn_mask, dropout_p, is_causal, scale, backend, need_weights
-    )
-    chosen = select_backend(backend, call.request)
-    result = chosen.run(query, key, value, call.mask, dropout_p=dropout_p, scale=call.scale)
-    if call.weights is None:
+    )  # validated and chosen once per call signature, then cached
+    result = chosen.run(query, key, value, mask, dropout_p=dropout_p, scale=scale_f)
+    if wanted is None:
         return result.output
     if result.weights is not None:
-        weights = select_weights(result.weights, call.weights)
+        weights = backends.select_weights(result.weights, wanted)
     else:
-        weights = exact_weights(query, key, call.mask, call.scale, call.weights, lse=result.lse)
+        weights = backends.exact_weights(query, key, mask, scale_f, wanted, lse=result.lse)
     return result.output, weights
+
+
+_BACKENDS: ModuleType | None = None
+
+
+def _backends() -> ModuleType:
+    """``attnlab.backends``, imported on first use (it imports this module's callers)."""
+    global _BACKENDS
+    if _BACKENDS is None:
+        import attnlab.backends
+
+        _BACKENDS = attnlab.backends
+    return _BACKENDS
 
 
 def exact_attention_weights(
