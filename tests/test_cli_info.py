@@ -118,3 +118,21 @@ def test_info_with_a_malformed_table_is_a_user_error(capsys, table_env, tmp_path
     code, out, err = run_main(capsys, "info")
     assert code == 2 and out == ""
     assert err.count("\n") == 1 and "is malformed: `rows[0].pass` must be one of" in err
+
+
+def test_info_lists_the_variants_and_which_backend_serves_them():
+    result = run_cli("info", "--mask", "document", "--softcap", "30", columns=240, timeout=120)
+    flat = " ".join(result.stdout.split())
+    assert result.returncode == 0, result.stderr
+    for variant in ("AlibiBias", "RelativePositionBias", "DocumentMask", "softcap=", "sinks="):
+        assert variant in flat
+    assert "PyTorch's kernel has no logit soft-capping" in flat  # sdpa's reason, verbatim
+    assert "backend='auto' -> sdpa" not in flat  # softcap: sdpa cannot serve this call
+
+
+def test_info_sinks_and_bias_masks(capsys):
+    for args in (("--mask", "alibi"), ("--mask", "relbias"), ("--sinks",)):
+        code, _, err = run_main(capsys, "info", *args)
+        assert code == 0, err
+    code, _, err = run_main(capsys, "info", "--softcap", "0")
+    assert code == 2 and "`softcap` must be a positive" in err

@@ -74,6 +74,8 @@ def test_toy_example_in_traditional_chinese_to_a_chosen_file(tmp_path):
         (["--checkpoint", "missing-dir", "hello"], "missing-dir"),
         (["--checkpoint", "a", "--model", "b", "hi"], "either --checkpoint or --model"),
         (["--top-k", "0", "--model", "x", "hi"], "`--top-k` must be at least 1"),
+        (["--steps"], "--steps/--token need a model"),
+        (["--checkpoint", "c", "hi", "--token", "1"], "add --steps"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(tmp_path, args, needle):
@@ -124,3 +126,40 @@ def test_pretrained_model(tmp_path):
     assert att["num_layers"] == 6 and att["num_heads"] == 12
     assert att["initial"]["heads"] == [3]
     assert att["tokens"][0].strip().lower() in ("[cls]", "")
+
+
+@pytest.mark.slow
+def test_steps_walk_into_a_head_of_a_checkpoint(tmp_path):
+    gpt = pytest.importorskip("attnlab.models.gpt", reason="needs the GPT model")
+    checkpoint = pytest.importorskip("attnlab.checkpoint", reason="needs GPT checkpoints")
+    import torch
+
+    cfg = gpt.GPTConfig.preset("tiny")
+    torch.manual_seed(0)
+    model = gpt.GPTModel(cfg)
+    checkpoint.save_checkpoint(
+        tmp_path / "ckpt", model.state_dict(), model_type="gpt", model_config=cfg.to_dict(), step=1
+    )
+    text = "Every effort moves you forward"
+    r = run_explain("--checkpoint", "ckpt", text, "--layer", "1", "--head", "2", "--token", "3",
+                    "--steps", cwd=tmp_path)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    for needle in ("query_3 = x_3 @ W_query.T, head 2", "attn_scores_3 = query_3 @ keys.T",
+                   "mask: 1 of 5 keys hidden", "context_vec_3 = attn_weights_3 @ values",
+                   "output_3 = out_proj"):  # fmt: skip
+        assert needle in r.stdout, needle
+    # The weights printed by the walk are the page's head-view weights (another path).
+    want = page_data(tmp_path / "attnlab-out" / "attention.html")["attention"]
+    import base64
+
+    import numpy as np
+
+    row = np.frombuffer(base64.b64decode(want["data"][1][2]["v"]), "<f4").reshape(5, 5)[3]
+    block = r.stdout.split("attn_weights_3 = softmax")[1].split("8. ")[0]
+    printed = [float(x) for x in re.findall(r"'\s+(-?\d\.\d{4})$", block, re.M)]
+    assert printed == pytest.approx(row.tolist(), abs=6e-5)
+    zh = run_explain("--checkpoint", "ckpt", text, "--steps", "--lang", "zh-TW", cwd=tmp_path)
+    assert zh.returncode == 0, zh.stderr
+    assert "查詢詞元 4" in zh.stdout and "遮罩" not in zh.stdout  # the last token sees all
+    bad = run_explain("--checkpoint", "ckpt", text, "--steps", "--token", "9", cwd=tmp_path)
+    assert bad.returncode == 2 and "`--token` must be in 0..4" in bad.stderr

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import gc
 import math
+import threading
+import warnings
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -129,8 +133,15 @@ def test_long_input_in_top_k_mode_never_holds_all_layers(model):
     ids = torch.randint(0, 40, (T,))
     peak: list[int] = []
 
+    def live_weights() -> int:
+        """(1, H, T, T) or (H, T, T) weight tensors alive right now, anywhere."""
+        with warnings.catch_warnings():  # isinstance on deprecated module attributes
+            warnings.simplefilter("ignore")
+            tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+        return sum(1 for o in tensors if tuple(o.shape[-3:]) == (4, T, T))
+
     def spy(module, args, output):
-        peak.append(sum(b.captured is not None for b in model.blocks))
+        peak.append(live_weights())
 
     handles = [b.register_forward_hook(spy) for b in model.blocks]
     try:
@@ -139,9 +150,31 @@ def test_long_input_in_top_k_mode_never_holds_all_layers(model):
         for h in handles:
             h.remove()
     assert trace.top_indices is not None and trace.top_indices.shape == (3, 4, T, 8)
-    assert max(peak) <= 1  # one layer's weights alive at a time
+    assert len(peak) == 3 and max(peak) <= 1  # one layer's weights alive at a time
+    dense = trace_model(model, ids[:1000])  # the spy would count these: (3, 4, T, T) kept
+    assert dense.weights is not None and dense.weights.shape == (3, 4, 1000, 1000)
     with pytest.raises(ValueError, match="exceeds max_dense_elements"):
         trace_model(model, ids, max_dense_elements=1_000_000)
+
+
+def test_concurrent_traces_of_one_model_do_not_meet(model):
+    """Traces of different texts on one shared model, from many threads at once."""
+    texts = [[(i * 7 + j) % 40 for j in range(5 + i % 9)] for i in range(24)]
+    want = [trace_model(model, ids, queries_and_keys=True) for ids in texts]
+    barrier = threading.Barrier(8)
+
+    def run(i: int) -> ModelTrace:
+        if i < 8:
+            barrier.wait()
+        return trace_model(model, texts[i], queries_and_keys=True)
+
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(run, range(len(texts))))
+    for g, w in zip(got, want, strict=True):
+        assert g.token_ids == w.token_ids
+        torch.testing.assert_close(g.weights, w.weights)
+        torch.testing.assert_close(g.queries, w.queries)
+    assert all(b.capture is None and b.captured is None for b in model.blocks)
 
 
 @pytest.mark.parametrize(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from attnlab.attention import Attention, KVCache, RotaryEmbedding
 from attnlab.backends import WeightsRequest, explain_dispatch
+from attnlab.biases import AlibiBias, RelativePositionBias
 from attnlab.examples import EXAMPLES, Example, get_example
 from attnlab.explain.trace import AttentionTrace, trace_attention, trace_example
 from attnlab.functional import (
@@ -24,24 +25,30 @@ from attnlab.masks import (
     AttentionMask,
     BooleanMask,
     CausalMask,
+    DocumentMask,
     PaddingMask,
     SlidingWindowMask,
     as_mask,
 )
+from attnlab.rope import RopeConfig
 
 __version__ = "0.1.0"
 
 __all__ = [
     "EXAMPLES",
     "AdditiveMask",
+    "AlibiBias",
     "Attention",
     "AttentionMask",
     "AttentionTrace",
     "BooleanMask",
     "CausalMask",
+    "DocumentMask",
     "Example",
     "KVCache",
     "PaddingMask",
+    "RelativePositionBias",
+    "RopeConfig",
     "RotaryEmbedding",
     "SelfAttentionV1",
     "SelfAttentionV2",

@@ -7,97 +7,35 @@ Shape legend: B batch, H query heads, G key/value heads, T query length, S key l
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Protocol
+
 import torch
 from torch import nn
 
 from attnlab.backends import WeightsRequest, available_backends
-from attnlab.functional import exact_attention_weights, scaled_dot_product_attention
+from attnlab.backends.request import check_sinks, check_softcap
+from attnlab.functional import (
+    default_scale,
+    exact_attention_weights,
+    scaled_dot_product_attention,
+)
 from attnlab.masks import AttentionMask, as_mask
+from attnlab.rope import RopeConfig, RotaryEmbedding, rotate_half
 
-__all__ = ["Attention", "KVCache", "RotaryEmbedding", "rotate_half"]
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """``[x1, x2] -> [-x2, x1]`` on the last dim (the "rotate half" RoPE convention)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-class RotaryEmbedding(nn.Module):
-    """Rotary position embedding (RoPE), "rotate half" convention (as Hugging Face Llama).
-
-    Dimension pair ``(i, i + D/2)`` of a head vector at position p is rotated by the angle
-    ``p * base^(-2i/D)``. The cos/sin tables are cached and grown on demand; they are not
-    saved in the state dict.
-
-    Args:
-        head_dim: D, even.
-        base: the frequency base (10000 in the RoPE paper, 500000 in Llama 3).
-
-    Raises:
-        ValueError: odd or non-positive ``head_dim``, non-positive ``base``.
-    """
-
-    def __init__(self, head_dim: int, base: float = 10000.0) -> None:
-        super().__init__()
-        if not isinstance(head_dim, int) or head_dim <= 0 or head_dim % 2:
-            raise ValueError(f"`head_dim` must be a positive even int, got {head_dim!r}")
-        if not base > 0:
-            raise ValueError(f"`base` must be positive, got {base!r}")
-        self.head_dim = head_dim
-        self.base = float(base)
-        inv_freq = 1.0 / (
-            self.base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-        )
-        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
-        self._cos: torch.Tensor | None = None  # (L, D) float64
-        self._sin: torch.Tensor | None = None
-
-    def _tables(self, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._cos is None or self._cos.shape[0] < length or self._cos.device != device:
-            n = max(length, 2 * (self._cos.shape[0] if self._cos is not None else 0), 256)
-            # Angles in fp64 so that long positions keep their precision, then fp32.
-            steps = torch.arange(0, self.head_dim, 2, dtype=torch.float64, device=device)
-            inv = 1.0 / self.base ** (steps / self.head_dim)  # (D/2,)
-            freqs = torch.arange(n, device=device, dtype=torch.float64)[:, None] * inv  # (L, D/2)
-            emb = torch.cat((freqs, freqs), dim=-1)  # (L, D)
-            self._cos, self._sin = emb.cos(), emb.sin()  # float64; cast per use
-        assert self._sin is not None
-        return self._cos, self._sin
-
-    def cos_sin(
-        self, position_ids: torch.Tensor, device: torch.device | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin for the given positions, float64, shape ``position_ids.shape + (D,)``."""
-        dev = device if device is not None else position_ids.device
-        cos, sin = self._tables(int(position_ids.max()) + 1, dev)
-        idx = position_ids.to(dev)
-        return cos[idx], sin[idx]
-
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        """Rotate ``x`` by the positions.
-
-        Args:
-            x: ``(B, H, T, D)``.
-            position_ids: ``(T,)`` or ``(B, T)`` integer positions.
-
-        Returns:
-            The rotated tensor, same shape and dtype as ``x`` (computed in fp32 or fp64).
-
-        Shape:
-            - x: ``(B, H, T, D)``; position_ids: ``(T,)`` or ``(B, T)``; output: like x.
-        """
-        if x.shape[-1] != self.head_dim:
-            raise ValueError(
-                f"`x` must have head dim {self.head_dim} for this RotaryEmbedding, "
-                f"got {x.shape[-1]}"
-            )
-        cos, sin = self.cos_sin(position_ids, x.device)  # (T, D) or (B, T, D)
-        if cos.ndim == 3:
-            cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, D)
-        cd = torch.float64 if x.dtype == torch.float64 else torch.float32
-        xc = x.to(cd)
-        return (xc * cos.to(cd) + rotate_half(xc) * sin.to(cd)).to(x.dtype)
+__all__ = [
+    "Attention",
+    "AttentionCall",
+    "AttentionRecorder",
+    "KVCache",
+    "RopeConfig",
+    "RotaryEmbedding",
+    "record_attention",
+    "rotate_half",
+]
 
 
 class KVCache:
@@ -170,6 +108,72 @@ class KVCache:
         return self._k[:, :, :need], self._v[:, :, :need]
 
 
+@dataclass(frozen=True)
+class AttentionCall:
+    """What one forward of one :class:`Attention` layer computed, given to a recorder.
+
+    The tensors are the layer's own (not copies): keep what you need, detached.
+
+    Attributes:
+        layer: the layer that ran.
+        x: its input ``(B, T, C)``.
+        queries_projected: ``W_query(x)`` per head ``(B, H, T, D)``, before RoPE.
+        keys_projected: the new keys per head ``(B, G, S_new, D)``, before RoPE.
+        queries: the queries the attention used ``(B, H, T, D)`` (after RoPE).
+        keys: the keys it used ``(B, G, S, D)`` (after RoPE, cached + new).
+        values: the values it used ``(B, G, S, Dv)``.
+        mask: the attention mask of the call (an ``AttentionMask``) or None.
+        scale: the score scale the call used.
+        weights: the weights the recorder asked for ``(B, h, t, S)``, or None.
+        context: the heads' outputs side by side ``(B, T, H*Dv)``, before ``out_proj``.
+        output: the layer's output ``(B, T, C)``.
+    """
+
+    layer: Attention
+    x: torch.Tensor
+    queries_projected: torch.Tensor
+    keys_projected: torch.Tensor
+    queries: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+    mask: AttentionMask | None
+    scale: float
+    weights: torch.Tensor | None
+    context: torch.Tensor
+    output: torch.Tensor
+
+
+class AttentionRecorder(Protocol):
+    """Receives the :class:`AttentionCall` of every layer that runs in :func:`record_attention`."""
+
+    def request(self, layer: Attention) -> bool | WeightsRequest | None:
+        """None: do not record this layer; False: record it without weights; True or a
+        ``WeightsRequest``: record it with (those) exact weights."""
+
+    def record(self, call: AttentionCall) -> None:
+        """Called once per forward of a recorded layer, before it returns."""
+
+
+_RECORDER: ContextVar[AttentionRecorder | None] = ContextVar("attnlab_recorder", default=None)
+
+
+@contextmanager
+def record_attention(recorder: AttentionRecorder) -> Iterator[None]:
+    """Record every :class:`Attention` forward run inside the block, in this call only.
+
+    The recorder travels with the call (a context variable), not in the layers: two
+    threads recording on one shared model each see only their own forwards.
+
+    Args:
+        recorder: an :class:`AttentionRecorder`.
+    """
+    token = _RECORDER.set(recorder)
+    try:
+        yield
+    finally:
+        _RECORDER.reset(token)
+
+
 class Attention(nn.Module):
     """Multi-head attention as real models use it.
 
@@ -189,9 +193,15 @@ class Attention(nn.Module):
         bias: bias in the Q/K/V projections.
         out_bias: bias in the output projection.
         dropout: dropout on the attention weights, in training mode.
-        rope: None, True (RoPE with base 10000), a float base, or a
-            :class:`RotaryEmbedding` of head dim ``head_dim``.
+        rope: None, True (RoPE with base 10000), a float base, a
+            :class:`attnlab.rope.RopeConfig` (partial, interleaved, scaled RoPE), or a
+            :class:`RotaryEmbedding` of head dim ``head_dim`` (to share one between layers).
         backend: the attention backend (``"auto"``, ``"math"``, ``"blockwise"``, ``"sdpa"``).
+        softcap: logit soft-capping ``softcap * tanh(s / softcap)`` of the scaled scores
+            (Gemma 2 uses 50.0), or None.
+        sinks: attention sinks (gpt-oss): True for a learned per-head logit
+            :attr:`sinks` (an ``nn.Parameter`` ``(H,)``, initialised to 0), a tensor
+            ``(H,)`` for its initial value, or None/False for none.
 
     Attributes:
         capture: None by default. Set to True (all weights) or to a
@@ -217,8 +227,10 @@ class Attention(nn.Module):
         bias: bool = False,
         out_bias: bool = True,
         dropout: float = 0.0,
-        rope: RotaryEmbedding | bool | float | None = None,
+        rope: RotaryEmbedding | RopeConfig | bool | float | None = None,
         backend: str = "auto",
+        softcap: float | None = None,
+        sinks: bool | torch.Tensor | None = None,
     ) -> None:
         super().__init__()
         for name, val in (("embed_dim", embed_dim), ("num_heads", num_heads)):
@@ -261,13 +273,28 @@ class Attention(nn.Module):
                     f"`rope` has head_dim={rope.head_dim}, but this layer's head_dim is {D}"
                 )
             self.rope = rope
+        elif isinstance(rope, RopeConfig):
+            self.rope = RotaryEmbedding.from_config(D, rope)
         elif isinstance(rope, (int, float)):
             self.rope = RotaryEmbedding(D, base=float(rope))
         else:
             raise TypeError(
-                f"`rope` must be None, True, a float base or a RotaryEmbedding, got "
-                f"{type(rope).__name__}"
+                f"`rope` must be None, True, a float base, a RopeConfig or a RotaryEmbedding, "
+                f"got {type(rope).__name__}"
             )
+        self.softcap = check_softcap(softcap)
+        if sinks is None or sinks is False:
+            self.sinks: nn.Parameter | None = None
+        elif sinks is True:
+            self.sinks = nn.Parameter(torch.zeros(num_heads))
+        else:
+            init = check_sinks(
+                sinks,
+                num_heads,
+                sinks.device if isinstance(sinks, torch.Tensor) else torch.device("cpu"),
+            )
+            assert init is not None
+            self.sinks = nn.Parameter(init.detach().clone())
         self.capture: bool | WeightsRequest | None = None
         self.captured: torch.Tensor | None = None
 
@@ -339,6 +366,7 @@ class Attention(nn.Module):
         queries = self.W_query(x).view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
         keys = self.W_key(src).view(B, S_new, G, D).transpose(1, 2)  # (B, G, S_new, D)
         values = self.W_value(src).view(B, S_new, G, D).transpose(1, 2)  # (B, G, S_new, D)
+        queries_projected, keys_projected = queries, keys
 
         if self.rope is not None:
             pos = self._positions(position_ids, B, T, kv_cache, x.device)
@@ -353,8 +381,11 @@ class Attention(nn.Module):
         dropout_p = self.dropout if self.training else 0.0
 
         capture = WeightsRequest.from_arg(self.capture, "capture") if self.capture else None
+        recorder = _RECORDER.get()
+        wanted = recorder.request(self) if recorder is not None else None
+        recorded = WeightsRequest.from_arg(wanted, "recorder") if wanted else None
         asked = WeightsRequest.from_arg(need_weights)
-        request = asked if asked is not None else capture
+        request = next((r for r in (asked, capture, recorded) if r is not None), None)
         result = scaled_dot_product_attention(
             queries,
             keys,
@@ -364,20 +395,43 @@ class Attention(nn.Module):
             scale=None,
             backend=self.backend,
             need_weights=request if request is not None else False,
+            softcap=self.softcap,
+            sinks=self.sinks,
         )
         if request is not None:
             out, weights = result  # type: ignore[misc]
         else:
             out, weights = result, None  # type: ignore[assignment]
+
+        def weights_for(req: WeightsRequest) -> torch.Tensor | None:
+            if req == request:
+                return weights.detach() if weights is not None else None
+            return exact_attention_weights(
+                queries, keys, mask, heads=req.heads, rows=req.rows,
+                softcap=self.softcap, sinks=self.sinks,
+            )  # fmt: skip
+
         if capture is not None:
-            if capture == request:
-                self.captured = weights.detach() if weights is not None else None
-            else:
-                self.captured = exact_attention_weights(
-                    queries, keys, mask, heads=capture.heads, rows=capture.rows
+            self.captured = weights_for(capture)
+        context = out.transpose(1, 2).reshape(B, T, H * D)  # (B, T, C)
+        out = self.out_proj(context)  # (B, T, C)
+        if recorder is not None and wanted is not None:
+            recorder.record(
+                AttentionCall(
+                    layer=self,
+                    x=x,
+                    queries_projected=queries_projected,
+                    keys_projected=keys_projected,
+                    queries=queries,
+                    keys=keys,
+                    values=values,
+                    mask=mask,
+                    scale=default_scale(D),
+                    weights=weights_for(recorded) if recorded is not None else None,
+                    context=context,
+                    output=out,
                 )
-        out = out.transpose(1, 2).reshape(B, T, H * D)  # (B, T, C)
-        out = self.out_proj(out)  # (B, T, C)
+            )
         if asked is not None:
             return out, weights  # type: ignore[return-value]
         return out
@@ -409,6 +463,8 @@ class Attention(nn.Module):
             f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
             f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
             f"backend={self.backend!r}, rope={self.rope is not None}"
+            + (f", softcap={self.softcap}" if self.softcap is not None else "")
+            + (", sinks=True" if self.sinks is not None else "")
         )
 
 

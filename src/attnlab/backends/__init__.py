@@ -67,6 +67,7 @@ __all__ = [
     "select_backend",
     "select_weights",
     "set_dispatch_table",
+    "variant_support",
 ]
 
 _REGISTRY: dict[str, Backend] = {}
@@ -226,7 +227,10 @@ def select_backend(name: str, request: AttentionRequest) -> Backend:
 # --- the decision cache -------------------------------------------------------------------
 
 _CACHE_LIMIT = 4096
-_cache: dict[tuple, tuple[Backend, AttentionMask | None, float, WeightsRequest | None]] = {}
+# key -> (backend, mask, scale, weights, softcap); the mask only when the call had no
+# attn_mask (None or a CausalMask: no tensors), so the cache never keeps a tensor alive.
+_Decision = tuple[Backend, AttentionMask | None, float, WeightsRequest | None, float | None]
+_cache: dict[tuple, _Decision] = {}
 _hits = 0
 _misses = 0
 
@@ -263,7 +267,11 @@ def _value_key(v: object) -> object:
     if isinstance(v, torch.Tensor):
         return (v.shape, v.dtype, v.device, v.requires_grad)
     if isinstance(v, AttentionMask):
-        return (type(v), tuple((k, _value_key(x)) for k, x in vars(v).items()))
+        try:
+            fields = vars(v)
+        except TypeError:  # __slots__: no way to see its structure
+            raise _UncacheableError from None
+        return (type(v), tuple((k, _value_key(x)) for k, x in fields.items()))
     if type(v) in _SCALARS:
         return (type(v), v)
     if isinstance(v, tuple):
@@ -281,6 +289,7 @@ def _call_key(
     scale: object,
     backend: object,
     need_weights: object,
+    softcap: object,
 ) -> tuple | None:
     """Everything validation and selection depend on, or None when a call is not cached.
 
@@ -310,6 +319,7 @@ def _call_key(
         query.device, key.device, value.device,
         grad, mask_key, is_causal,
         type(dropout_p), dropout_p, type(scale), scale, backend, need_weights,
+        type(softcap), softcap,
     )  # fmt: skip
 
 
@@ -323,18 +333,32 @@ def resolve_call(
     scale: float | None,
     backend: str,
     need_weights: bool | WeightsRequest,
-) -> tuple[Backend, AttentionMask | None, float, WeightsRequest | None]:
+    *,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> tuple[
+    Backend, AttentionMask | None, float, WeightsRequest | None, float | None, torch.Tensor | None
+]:
     """Validate a call and choose its backend, from the cache when the call was seen.
 
+    Calls with ``sinks`` (whose values are validated), a ``WeightsRequest`` or arguments
+    of unusual types are validated every time.
+
     Returns:
-        ``(backend, mask, scale, weights)``: the backend to run, the call's attnlab mask,
-        the score scale and the weights request (None: no weights).
+        ``(backend, mask, scale, weights, softcap, sinks)``: the backend to run, the call's
+        attnlab mask, the score scale, the weights request (None: no weights), the
+        soft-cap and the sinks.
 
     Raises:
         TypeError, ValueError: as :func:`prepare_call` and :func:`select_backend`.
     """
     global _hits, _misses
-    ck = _call_key(query, key, value, attn_mask, dropout_p, is_causal, scale, backend, need_weights)
+    ck = None
+    if sinks is None:
+        ck = _call_key(
+            query, key, value, attn_mask, dropout_p, is_causal, scale, backend, need_weights,
+            softcap,
+        )  # fmt: skip
     if ck is not None:
         try:
             hit = _cache.get(ck)
@@ -342,20 +366,22 @@ def resolve_call(
             ck, hit = None, None
         if hit is not None:
             _hits += 1
-            be, mask, scale_f, weights = hit
+            be, mask, scale_f, weights, softcap_f = hit
             if attn_mask is not None:  # the same structure, but this call's tensors
                 mask = as_mask(attn_mask, is_causal)  # type: ignore[arg-type]
-            return be, mask, scale_f, weights
+            return be, mask, scale_f, weights, softcap_f, None
     call = prepare_call(
-        query, key, value, attn_mask, dropout_p, is_causal, scale, backend, need_weights
-    )
+        query, key, value, attn_mask, dropout_p, is_causal, scale, backend, need_weights,
+        softcap=softcap, sinks=sinks,
+    )  # fmt: skip
     be = select_backend(backend, call.request)
     if ck is not None:
         _misses += 1
         if len(_cache) >= _CACHE_LIMIT:
             _cache.clear()
-        _cache[ck] = (be, call.mask, call.scale, call.weights)
-    return be, call.mask, call.scale, call.weights
+        kept = call.mask if attn_mask is None else None
+        _cache[ck] = (be, kept, call.scale, call.weights, call.softcap)
+    return be, call.mask, call.scale, call.weights, call.softcap, call.sinks
 
 
 # --- explanations -------------------------------------------------------------------------
@@ -440,6 +466,8 @@ def explain_dispatch(
     *,
     backend: str = "auto",
     need_weights: bool | WeightsRequest = False,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> DispatchExplanation:
     """Say which backend ``scaled_dot_product_attention`` would run, and why not the others.
 
@@ -455,9 +483,50 @@ def explain_dispatch(
         ValueError, TypeError: the same as ``scaled_dot_product_attention``.
     """
     call = prepare_call(
-        query, key, value, attn_mask, dropout_p, is_causal, scale, backend, need_weights
-    )
-    return explain(call.request, backend)
+        query, key, value, attn_mask, dropout_p, is_causal, scale, backend, need_weights,
+        softcap=softcap, sinks=sinks,
+    )  # fmt: skip
+    request = call.request
+    return explain(request, backend)
+
+
+def _variant_calls() -> list[tuple[str, dict[str, object]]]:
+    from attnlab.biases import AlibiBias, RelativePositionBias
+    from attnlab.masks import CausalMask, DocumentMask, PaddingMask, SlidingWindowMask
+
+    H, T = 2, 4
+    ids = torch.tensor([[0, 0, 1, 1]])
+    return [
+        ("causal", {"is_causal": True}),
+        ("PaddingMask", {"attn_mask": PaddingMask(torch.ones(1, T).bool())}),
+        ("SlidingWindowMask", {"attn_mask": SlidingWindowMask(2)}),
+        ("AlibiBias (ALiBi)", {"attn_mask": AlibiBias(H), "is_causal": True}),
+        (
+            "RelativePositionBias (T5), learned",
+            {"attn_mask": RelativePositionBias(torch.zeros(32, H, requires_grad=True))},
+        ),
+        (
+            "DocumentMask & CausalMask",
+            {"attn_mask": DocumentMask(ids) & CausalMask()},
+        ),
+        ("softcap= (Gemma 2)", {"softcap": 30.0, "is_causal": True}),
+        ("sinks= (gpt-oss)", {"sinks": torch.zeros(H), "is_causal": True}),
+    ]
+
+
+def variant_support() -> list[tuple[str, dict[str, str | None]]]:
+    """Which backend serves which attention variant: ``(variant, {backend: reason})``,
+    reason None where the backend serves it (for ``attnlab info`` and the README)."""
+    rows = []
+    for label, kwargs in _variant_calls():
+        x = torch.zeros(1, 2, 4, 8, requires_grad=True)
+        with torch.enable_grad():
+            call = prepare_call(
+                x, x, x, kwargs.get("attn_mask"), 0.0, kwargs.get("is_causal", False), None,
+                "auto", False, softcap=kwargs.get("softcap"), sinks=kwargs.get("sinks"),
+            )  # fmt: skip
+        rows.append((label, {n: be.why_not(call.request) for n, be in _REGISTRY.items()}))
+    return rows
 
 
 register_backend(_sdpa.BACKEND, auto_rank=0)

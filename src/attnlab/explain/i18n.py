@@ -232,6 +232,140 @@ MESSAGES: dict[str, dict[str, str]] = {
         "en": "Interactive page (open it in a browser, works offline): {path}",
         "zh-TW": "互動網頁（以瀏覽器開啟，可離線使用）：{path}",
     },
+    # step into a head (attnlab explain --steps, the server's step view)
+    "step.header": {
+        "en": "Step into {source}: layer {layer}, head {head}, query token {pos} ({token!r}) "
+        "of {n}",
+        "zh-TW": "走進 {source}：第 {layer} 層、第 {head} 個頭，查詢詞元 {pos}（{token!r}），"
+        "共 {n} 個詞元",
+    },
+    "step.input.title": {
+        "en": "x_{pos}: the layer's input for token {pos} ({c},)",
+        "zh-TW": "x_{pos}：這一層對詞元 {pos} 的輸入（{c},）",
+    },
+    "step.input.text": {
+        "en": "The token's vector as it enters this attention layer: its embedding after "
+        "the layers before and this block's normalisation.",
+        "zh-TW": "詞元進入這個注意力層時的向量：經過前面各層與本區塊的正規化之後的嵌入向量。",
+    },
+    "step.query.title": {
+        "en": "query_{pos} = x_{pos} @ W_query.T, head {head} ({d},)",
+        "zh-TW": "query_{pos} = x_{pos} @ W_query.T，第 {head} 個頭（{d},）",
+    },
+    "step.query.text": {
+        "en": "The head's slice of the query projection: what token {pos} looks for.",
+        "zh-TW": "查詢投影中屬於這個頭的部分：詞元 {pos} 要找什麼。",
+    },
+    "step.rope.title": {
+        "en": "query_{pos} after RoPE (position {pos})",
+        "zh-TW": "經過 RoPE 旋轉後的 query_{pos}（位置 {pos}）",
+    },
+    "step.rope.text": {
+        "en": "Rotary position embedding turns each pair of dimensions by an angle that "
+        "grows with the position; the keys are turned the same way, so a dot product "
+        "depends on how far apart two tokens are.",
+        "zh-TW": "旋轉位置嵌入（RoPE）把每一對維度旋轉一個隨位置增大的角度；"
+        "鍵也以同樣方式旋轉，因此點積取決於兩個詞元相隔多遠。",
+    },
+    "step.keys.title": {
+        "en": "keys = x @ W_key.T of all {n} tokens, key head {kv} ({n}×{d})",
+        "zh-TW": "所有 {n} 個詞元的鍵 keys = x @ W_key.T，鍵頭 {kv}（{n}×{d}）",
+    },
+    "step.keys.text": {
+        "en": "One key per token: what each token is matched on.",
+        "zh-TW": "每個詞元一個鍵：用來被比對的依據。",
+    },
+    "step.keys.rope": {
+        "en": "One key per token: what each token is matched on (rotated by RoPE like the query).",
+        "zh-TW": "每個詞元一個鍵：用來被比對的依據（與查詢一樣經過 RoPE 旋轉）。",
+    },
+    "step.keys.gqa": {
+        "en": "Grouped-query attention: {share} query heads share this key/value head.",
+        "zh-TW": "分組查詢注意力：{share} 個查詢頭共用這個鍵／值頭。",
+    },
+    "step.scores.title": {
+        "en": "attn_scores_{pos} = query_{pos} @ keys.T ({n},)",
+        "zh-TW": "attn_scores_{pos} = query_{pos} @ keys.T（{n},）",
+    },
+    "step.scores.text": {
+        "en": "One dot product per key: large when the key points the same way as the query.",
+        "zh-TW": "每個鍵各一個點積：鍵與查詢方向越接近，數值越大。",
+    },
+    "step.scale.title": {
+        "en": "scaled = attn_scores_{pos} × {scale:.4f} (= 1/√d_k, d_k = {d})",
+        "zh-TW": "scaled = attn_scores_{pos} × {scale:.4f}（= 1/√d_k，d_k = {d}）",
+    },
+    "step.scale.text": {
+        "en": "The scores are divided by √d_k = {sqrt_dk:.4f} before the softmax. Dot "
+        "products grow with the dimension; large scores push the softmax towards one-hot.",
+        "zh-TW": "在 softmax 之前先把分數除以 √d_k = {sqrt_dk:.4f}。點積會隨維度增大；"
+        "分數過大時 softmax 會趨近 one-hot。",
+    },
+    "step.bias.title": {
+        "en": "+ position bias ({n},)",
+        "zh-TW": "加上位置偏差（{n},）",
+    },
+    "step.bias.text": {
+        "en": "This model adds a bias to the scaled scores (ALiBi or relative position).",
+        "zh-TW": "這個模型會在縮放後的分數上加一個偏差（ALiBi 或相對位置）。",
+    },
+    "step.mask.title": {
+        "en": "mask: {hidden} of {n} keys hidden (−inf)",
+        "zh-TW": "遮罩：{n} 個鍵中有 {hidden} 個被遮住（−inf）",
+    },
+    "step.mask.text": {
+        "en": "Keys the query may not see get −inf, so the softmax gives them weight 0 "
+        "(a causal model hides the tokens after the query).",
+        "zh-TW": "查詢不能看到的鍵設為 −inf，softmax 後權重為 0（因果模型會遮住查詢之後的詞元）。",
+    },
+    "step.weights.title": {
+        "en": "attn_weights_{pos} = softmax(…, dim=-1) ({n},), sum = {total:.4f}",
+        "zh-TW": "attn_weights_{pos} = softmax(…, dim=-1)（{n},），總和 = {total:.4f}",
+    },
+    "step.weights.text": {
+        "en": "The weights are positive and sum to 1. They are the head view's weights: the "
+        "layer itself computed them (max |difference| = {diff:.1e}).",
+        "zh-TW": "權重皆為正數且加總為 1，與注意力頭視圖中的權重相同："
+        "由這一層自己計算（最大絕對差 = {diff:.1e}）。",
+    },
+    "step.values.title": {
+        "en": "values = x @ W_value.T of all {n} tokens ({n}×{d})",
+        "zh-TW": "所有 {n} 個詞元的值 values = x @ W_value.T（{n}×{d}）",
+    },
+    "step.values.text": {
+        "en": "One value per token: what each token passes on.",
+        "zh-TW": "每個詞元一個值：它實際傳遞的內容。",
+    },
+    "step.context.title": {
+        "en": "context_vec_{pos} = attn_weights_{pos} @ values ({d},)",
+        "zh-TW": "context_vec_{pos} = attn_weights_{pos} @ values（{d},）",
+    },
+    "step.context.text": {
+        "en": "The sum of the value vectors weighted by attention: this head's output for "
+        "token {pos} (the layer's own: max |difference| = {diff:.1e}).",
+        "zh-TW": "以注意力權重對值向量加權求和：這個頭對詞元 {pos} 的輸出"
+        "（與這一層自己的結果相同：最大絕對差 = {diff:.1e}）。",
+    },
+    "step.out.title": {
+        "en": "output_{pos} = out_proj(context of all {h} heads) ({c},)",
+        "zh-TW": "output_{pos} = out_proj（全部 {h} 個頭的上下文向量）（{c},）",
+    },
+    "step.out.text": {
+        "en": "The output projection mixes the heads: this head's share is context_vec_{pos} "
+        "@ W_o[:, head {head}].T (first row); the layer's output adds every head's share "
+        "and the bias (second row; max |difference| = {diff:.1e}).",
+        "zh-TW": "輸出投影把各個頭混合起來：這個頭的貢獻是 context_vec_{pos} @ "
+        "W_o[:, 第 {head} 個頭].T（第一列）；這一層的輸出是所有頭的貢獻加上偏差"
+        "（第二列；最大絕對差 = {diff:.1e}）。",
+    },
+    "step.more": {
+        "en": "{n} of {total} shown",
+        "zh-TW": "顯示 {total} 個中的 {n} 個",
+    },
+    "label.head_share": {"en": "this head's share", "zh-TW": "這個頭的貢獻"},
+    "label.output": {"en": "layer output", "zh-TW": "層的輸出"},
+    "label.before_rope": {"en": "before RoPE", "zh-TW": "RoPE 之前"},
+    "label.after_rope": {"en": "after RoPE", "zh-TW": "RoPE 之後"},
 }
 
 

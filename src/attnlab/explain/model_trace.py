@@ -4,9 +4,10 @@ Shape legend:
     L layers captured, H heads captured, T query tokens, S key tokens,
     K keys kept per query (top-k mode), D head dim.
 
-:func:`trace_model` runs a model once with every attention layer's ``capture`` hook
-switched on, and keeps what the layers themselves computed through the attention
-core's exact-weights path. Nothing here recomputes attention: what the trace holds
+:func:`trace_model` runs a model once inside :func:`attnlab.attention.record_attention`
+(a per-call recorder: nothing is set on the shared layers, so concurrent traces of one
+model do not meet), and keeps what the layers themselves computed through the
+attention core's exact-weights path. Nothing here recomputes attention: what the trace holds
 is what the model computed.
 
 Long inputs are captured without holding all ``layers x heads x T x S`` weights at
@@ -24,13 +25,28 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from attnlab.attention import Attention
+    from attnlab.attention import Attention, AttentionCall
 
-__all__ = ["ModelTrace", "trace_from_walkthrough", "trace_model"]
+__all__ = ["ModelTrace", "attention_layers", "auto_top_k", "trace_from_walkthrough", "trace_model"]
 
 # Above this many dense weights (all captured layers x heads x T x S) trace_model
 # refuses dense mode and asks for top_k / layers / heads (4 bytes each: 256 MiB).
 MAX_DENSE_ELEMENTS = 1 << 26
+
+# Above this many dense weights (layers x heads x T x T) explainers (``attnlab explain``,
+# ``attnlab serve``) keep only each query's strongest keys unless told otherwise.
+AUTO_DENSE_LIMIT = 1 << 24
+AUTO_TOP_K = 32
+
+
+def auto_top_k(model: torch.nn.Module, n_tokens: int, top_k: int | None = None) -> int | None:
+    """``top_k`` as asked, or :data:`AUTO_TOP_K` when a dense trace of ``model`` over
+    ``n_tokens`` tokens would hold more than :data:`AUTO_DENSE_LIMIT` weights, else None."""
+    if top_k is not None:
+        return top_k
+    blocks = attention_layers(model)
+    dense = len(blocks) * int(blocks[0].num_heads) * n_tokens**2
+    return AUTO_TOP_K if dense > AUTO_DENSE_LIMIT else None
 
 
 @dataclass(frozen=True)
@@ -331,12 +347,12 @@ def trace_model(
 ) -> ModelTrace:
     """Run ``model`` once on one sequence and keep what its attention layers computed.
 
-    Every traced layer's ``capture`` hook is switched on for the pass, so each layer
-    computes its exact weights through the attention core's exact-weights path and
-    stores them in ``layer.captured``. A forward hook takes them from there as soon
-    as the layer has run: it keeps the chosen heads (dense) or each query's ``top_k``
-    strongest keys and frees the rest, so the peak memory is one layer's weights
-    ``(H, T, S)``, not all layers'.
+    The pass runs under a per-call recorder (:func:`attnlab.attention.record_attention`):
+    each traced layer computes its exact weights through the attention core's
+    exact-weights path and hands them to the recorder, which keeps the chosen heads
+    (dense) or each query's ``top_k`` strongest keys at once, so the peak memory is one
+    layer's weights ``(H, T, S)``, not all layers'. Nothing is set on the model's
+    layers: concurrent traces of one shared model (threads of a server) are safe.
 
     Args:
         model: a module built on :class:`attnlab.attention.Attention` layers.
@@ -346,7 +362,7 @@ def trace_model(
         heads: the query heads to keep (default all).
         top_k: keep only each query's ``top_k`` strongest keys (long inputs).
         queries_and_keys: also keep each layer's queries and keys as the layer used
-            them (after RoPE), taken from its projections (or its rotary embedding).
+            them (after RoPE).
         forward: how to call the model, ``forward(model, input_ids (1, T))``; default
             ``model(input_ids)``.
         source: a description for titles (default: the model's class name).
@@ -376,6 +392,8 @@ def trace_model(
             "pass top_k=..., or fewer layers=/heads="
         )
 
+    from attnlab.attention import record_attention
+
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     input_ids = torch.tensor([ids], dtype=torch.long, device=device)  # (1, T)
     all_heads = head_sel == tuple(range(num_heads))
@@ -386,37 +404,18 @@ def trace_model(
 
         # Only the chosen heads' weights are computed: (1, H', T, S), not (1, H, T, S).
         request = WeightsRequest(heads=head_sel)
+    position_of = {id(blocks[p]): p for p in layer_sel}
     kept: dict[int, dict[str, torch.Tensor]] = {}
-    projected: dict[str, torch.Tensor] = {}  # this layer's queries/keys, when asked
-    rope_calls: list[torch.Tensor] = []
-    hooks: list[Any] = []
-    saved = [(b, b.capture) for b in blocks]
 
-    def keep_projection(name: str) -> Callable[..., None]:
-        def hook(module: torch.nn.Module, args: Any, output: torch.Tensor) -> None:
-            projected[name] = output.detach()
+    class Keep:
+        """Per-call recorder: reduces each traced layer's weights as soon as it has run."""
 
-        return hook
+        def request(self, layer: Attention) -> Any:
+            return request if id(layer) in position_of else None
 
-    def keep_rope(module: torch.nn.Module, args: Any, output: torch.Tensor) -> None:
-        rope_calls.append(output.detach())
-
-    def queries_keys(block: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer's own queries (1, H, T, D) and keys (1, G, S, D), as it used them."""
-        if block.rope is not None:
-            # The layer rotates its queries, then its keys: the last two rope calls.
-            q, k = rope_calls[-2], rope_calls[-1]
-            rope_calls.clear()
-            return q, k
-        D = block.head_dim
-        q = projected.pop("q").view(1, T, block.num_heads, D).transpose(1, 2)  # (1, H, T, D)
-        k = projected.pop("k").view(1, T, block.num_kv_heads, D).transpose(1, 2)  # (1, G, S, D)
-        return q, k
-
-    def make_hook(position: int) -> Callable[..., None]:
-        def hook(module: Any, args: Any, output: Any) -> None:
-            weights = _weights_of(module.captured, f"layer {position}")  # (H', T, S)
-            module.captured = None  # free this layer's weights now
+        def record(self, call: AttentionCall) -> None:
+            position = position_of[id(call.layer)]
+            weights = _weights_of(call.weights, f"layer {position}")  # (H', T, S)
             weights = weights.detach().float().cpu()
             if all_heads and weights.shape[0] != len(head_sel):
                 raise RuntimeError(
@@ -427,47 +426,29 @@ def trace_model(
                 entry["weights"] = weights
             else:
                 k = min(top_k, weights.shape[-1])
-                values, indices = torch.topk(weights, k, dim=-1)  # (H', T, K)
+                values, indices = torch.topk(weights, k, dim=-1)  # (H', K)
                 entry["top_values"], entry["top_indices"] = values, indices
             if queries_and_keys:
-                q, kk = queries_keys(module)
-                q = q[0].float().cpu()  # (H, T, D)
-                kk = kk[0].float().cpu()  # (G, S, D)
+                q = call.queries[0].detach().float().cpu()  # (H, T, D)
+                kk = call.keys[0].detach().float().cpu()  # (G, S, D)
                 kk = kk.repeat_interleave(num_heads // kk.shape[0], dim=0)  # (H, S, D)
                 entry["queries"] = q.index_select(0, head_index)
                 entry["keys"] = kk.index_select(0, head_index)
             kept[position] = entry
 
-        return hook
-
+    # Only switch to eval mode when needed: a shared model in eval mode is not touched.
     was_training = model.training
     try:
-        ropes: dict[int, torch.nn.Module] = {}
-        for position in layer_sel:
-            block = blocks[position]
-            block.capture = request
-            if queries_and_keys:
-                if block.rope is not None:
-                    ropes[id(block.rope)] = block.rope  # may be shared between layers
-                else:
-                    hooks.append(block.W_query.register_forward_hook(keep_projection("q")))
-                    hooks.append(block.W_key.register_forward_hook(keep_projection("k")))
-            hooks.append(block.register_forward_hook(make_hook(position)))
-        for rope in ropes.values():
-            hooks.append(rope.register_forward_hook(keep_rope))
-        model.eval()
-        with torch.no_grad():
+        if was_training:
+            model.eval()
+        with torch.no_grad(), record_attention(Keep()):
             if forward is None:
                 model(input_ids)
             else:
                 forward(model, input_ids)
     finally:
-        for h in hooks:
-            h.remove()
-        for block, previous in saved:
-            block.capture = previous
-            block.captured = None
-        model.train(was_training)
+        if was_training:
+            model.train(True)
 
     missing = [p for p in layer_sel if p not in kept]
     if missing:

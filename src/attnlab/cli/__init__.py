@@ -1,0 +1,26 @@
+"""The ``attnlab`` command: parse, call the library, render. No math here.
+
+One typer app (:mod:`attnlab.cli.app`), one module per command, all output through
+one :class:`Output` object and user errors turned into one line on stderr with exit
+status 2 in one place (:mod:`attnlab.cli.output`). A command signals a user error by
+raising :class:`UserError` (or by letting a library ``ValueError``/``TypeError`` pass
+through :func:`user_input`).
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+
+from attnlab.cli.app import app, main
+from attnlab.cli.output import Output, UserError, output, user_input
+
+# The command modules register themselves on `app` when imported; this order is the
+# order of `attnlab --help`.
+COMMAND_MODULES = (
+    "walkthrough", "train", "generate", "embed", "explain", "ring_demo", "info", "serve",
+)  # fmt: skip
+for _name in COMMAND_MODULES:
+    import_module(f"attnlab.cli.{_name}")
+
+
+__all__ = ["Output", "UserError", "app", "main", "output", "user_input"]

@@ -1,0 +1,63 @@
+"""The ``attnlab`` typer app, its root options, and :func:`main`, the entry point."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import typer
+
+import attnlab
+from attnlab.cli.output import EXIT_USER_ERROR, UserError, framework_errors, output
+
+__all__ = ["app", "main"]
+
+app = typer.Typer(
+    name="attnlab",
+    help="Self-attention from the dot product to real models, showing its work.",
+    add_completion=False,
+    rich_markup_mode=None,
+    pretty_exceptions_enable=False,
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        output.raw(f"attnlab {attnlab.__version__}")
+        raise typer.Exit()
+
+
+@app.callback(invoke_without_command=True)
+def _root(
+    ctx: typer.Context,
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_version, is_eager=True, help="Print the version."),
+    ] = False,
+) -> None:
+    """Self-attention from the dot product to real models, showing its work."""
+    if ctx.invoked_subcommand is None:
+        output.raw(ctx.get_help())
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the ``attnlab`` console script and ``python -m attnlab``.
+
+    Exits with the command's status: 0 on success, 2 for a user error (one line on
+    stderr, no traceback), 130 on Ctrl-C.
+    """
+    usage_errors, aborts = framework_errors()
+    code: Any
+    try:
+        code = app(args=argv, prog_name="attnlab", standalone_mode=False)
+    except UserError as e:
+        output.error(str(e))
+        code = EXIT_USER_ERROR
+    except usage_errors as e:
+        ctx = getattr(e, "ctx", None)
+        hint = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
+        output.error(f"{e.format_message()}{hint}")  # type: ignore[attr-defined]
+        code = EXIT_USER_ERROR
+    except aborts:
+        output.error("aborted")
+        code = 130
+    raise SystemExit(code if isinstance(code, int) else 0)

@@ -1,0 +1,90 @@
+"""Loading the models a command names (pretrained names, checkpoint folders, backends).
+
+Shared by the commands (and the server): the library's errors become :class:`UserError`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from attnlab.cli.output import UserError, user_input
+
+__all__ = [
+    "check_local_backend",
+    "load_checkpoint_model",
+    "load_pretrained_kind",
+    "load_pretrained_model",
+    "use_backend",
+]
+
+
+def load_pretrained_kind(name: str, kind: str, backend: str) -> tuple[Any, Any]:
+    """``load_pretrained`` with its errors as user errors; ``kind`` is encoder/causal-lm."""
+    from attnlab.pretrained import PRETRAINED_MODELS, MissingPackageError, load_pretrained
+
+    check_local_backend(backend)
+    key = name.lower()
+    fitting = sorted(n for n, (k, _) in PRETRAINED_MODELS.items() if k == kind)
+    if key not in PRETRAINED_MODELS or PRETRAINED_MODELS[key][0] != kind:
+        raise UserError(f"unknown --model {name!r} here; choose one of {', '.join(fitting)}")
+    try:
+        with user_input():
+            return load_pretrained(key, backend=backend)
+    except MissingPackageError as e:
+        raise UserError(str(e)) from e
+
+
+def check_local_backend(backend: str) -> None:
+    """``--backend`` must name a backend that runs in this one process."""
+    from attnlab.backends import available_backends
+
+    local = [b for b in available_backends() if b != "ring"]
+    if backend == "ring":
+        raise UserError(
+            "--backend ring needs a torch.distributed process group (see `attnlab ring-demo`); "
+            f"choose one of {', '.join(local)}"
+        )
+    if backend not in local:
+        raise UserError(f"unknown --backend {backend!r}; choose one of {', '.join(local)}")
+
+
+def use_backend(model: Any, backend: str) -> None:
+    """Run every attention layer of ``model`` on ``backend`` (checked first)."""
+    from attnlab.attention import Attention
+
+    check_local_backend(backend)
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.backend = backend
+    if hasattr(model, "backend"):
+        model.backend = backend
+
+
+def load_checkpoint_model(directory: Path) -> tuple[Any, Any, str]:
+    """A GPT trained with ``attnlab train``, its tokenizer, and a label."""
+    try:
+        from attnlab.checkpoint import load_checkpoint
+        from attnlab.data import get_tokenizer
+        from attnlab.models.gpt import GPTConfig, GPTModel
+    except ImportError as e:  # pragma: no cover - a partial install
+        raise UserError(f"--checkpoint needs attnlab's GPT model, which is missing: {e}") from e
+    with user_input():
+        ckpt = load_checkpoint(directory, model_type="gpt", with_training_state=False)
+        model = GPTModel(GPTConfig.from_dict(ckpt.model_config))
+        model.load_state_dict(ckpt.state_dict)
+    return model.eval(), get_tokenizer(), f"GPT checkpoint {directory} (step {ckpt.step})"
+
+
+def load_pretrained_model(name: str) -> tuple[Any, Any, str]:
+    """A packaged pretrained model, its tokenizer, and a label."""
+    try:
+        from attnlab.pretrained import load_pretrained
+    except ImportError as e:  # pragma: no cover - a partial install
+        raise UserError(f"--model needs attnlab.pretrained, which is missing: {e}") from e
+    try:
+        with user_input():
+            model, tokenizer = load_pretrained(name)
+    except ImportError as e:  # the weights' package is not installed
+        raise UserError(str(e)) from e
+    return model, tokenizer, name

@@ -1,0 +1,213 @@
+"""`attnlab train`: train a GPT (one process, or DDP with --nproc)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from attnlab.cli.app import app
+from attnlab.cli.output import UserError, output, user_input
+
+DEFAULT_TRAIN_OUT = Path("runs/gpt")
+
+
+def _train_argv(**opts: Any) -> list[str]:
+    """The ``attnlab train`` arguments that reproduce ``opts`` (for the workers of --nproc)."""
+    argv = ["train"]
+    for name, value in opts.items():
+        if value is None:
+            continue
+        argv += [f"--{name.replace('_', '-')}", str(value)]
+    return argv
+
+
+class _TrainView:
+    """Renders training events: a progress bar (step, loss, tokens/s), evaluation lines."""
+
+    def __init__(self) -> None:
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
+
+        self.progress = Progress(
+            TextColumn("step"),
+            MofNCompleteColumn(),
+            BarColumn(),
+            TextColumn("loss {task.fields[loss]}"),
+            TextColumn("{task.fields[tps]} tok/s"),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+            console=output.console,
+            transient=False,
+        )
+        self.task: Any = None
+
+    def __call__(self, event: Any) -> None:
+        from attnlab.train import CheckpointSaved, EvalResult, StepResult, TrainStart
+
+        p = self.progress
+        if isinstance(event, TrainStart):
+            output.show(
+                f"training a {event.num_parameters / 1e6:.1f}M-parameter GPT on {event.device}"
+                f" x{event.world_size}: {event.train_windows} training / {event.val_windows} "
+                f"validation windows, {event.tokens_per_step} tokens per step"
+                + (f", resuming at step {event.start_step}" if event.start_step else "")
+            )
+            p.start()
+            self.task = p.add_task(
+                "train", total=event.total_steps, completed=event.start_step, loss="-", tps="-"
+            )
+        elif isinstance(event, StepResult):
+            p.update(
+                self.task,
+                completed=event.step,
+                loss=f"{event.loss:.3f}",
+                tps=f"{event.tokens_per_sec:,.0f}",
+            )
+        elif isinstance(event, EvalResult):
+            p.console.print(
+                f"step {event.step:>5}  tokens {event.tokens_seen:>9,}  "
+                f"train loss {event.train_loss:.3f}  val loss {event.val_loss:.3f}",
+                markup=False,
+            )
+            if event.sample:
+                p.console.print("  sample: " + " ".join(event.sample.split()), markup=False)
+        elif isinstance(event, CheckpointSaved) and event.reason in ("final", "interrupt"):
+            p.console.print(f"checkpoint saved: {event.path} (step {event.step})", markup=False)
+
+    def close(self) -> None:
+        if self.task is not None:
+            self.progress.stop()
+
+
+@app.command()
+def train(
+    preset: Annotated[
+        str, typer.Option(help="Model size: tiny, gpt2-124m, gpt2-medium, gpt2-large, gpt2-xl.")
+    ] = "tiny",
+    steps: Annotated[
+        int | None, typer.Option(help="Optimizer steps (default 200, or use --epochs).")
+    ] = None,
+    epochs: Annotated[int | None, typer.Option(help="Passes over the training text.")] = None,
+    batch_size: Annotated[
+        int, typer.Option("--batch-size", help="Global batch, split over the processes.")
+    ] = 8,
+    lr: Annotated[
+        float | None,
+        typer.Option(help="Peak learning rate (AdamW, warm-up, cosine); default by size."),
+    ] = None,
+    text: Annotated[
+        Path | None, typer.Option(help="UTF-8 text file (default: the embedded story).")
+    ] = None,
+    out: Annotated[
+        Path, typer.Option(help="Folder for the checkpoint, history.json and loss_curve.png.")
+    ] = DEFAULT_TRAIN_OUT,
+    seed: Annotated[int, typer.Option(help="Seed of the weights, dropout and batch order.")] = 123,
+    resume: Annotated[
+        Path | None, typer.Option(help="Continue the run saved in this checkpoint folder.")
+    ] = None,
+    eval_interval: Annotated[
+        int, typer.Option("--eval-interval", help="Evaluate and save every N steps.")
+    ] = 25,
+    backend: Annotated[
+        str, typer.Option(help="Attention backend: auto, math, sdpa (or any registered one).")
+    ] = "auto",
+    nproc: Annotated[
+        int | None,
+        typer.Option(help="Train with N processes (DDP; torchrun on 127.0.0.1)."),
+    ] = None,
+) -> None:
+    """Train a GPT on a text (default: the tiny preset on the embedded story)."""
+    import os
+
+    from attnlab.train import DistributedTrainingError, TrainConfig
+
+    if nproc is not None and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        if nproc < 1:
+            raise UserError(f"`--nproc` must be >= 1, got {nproc}")
+        argv = _train_argv(
+            preset=preset,
+            steps=steps,
+            epochs=epochs,
+            batch_size=batch_size,
+            lr=lr,
+            text=text,
+            out=out,
+            seed=seed,
+            resume=resume,
+            eval_interval=eval_interval,
+            backend=backend,
+        )
+        with user_input():
+            TrainConfig(preset=preset, steps=steps, epochs=epochs, batch_size=batch_size, lr=lr)
+            if text is not None:
+                from attnlab.data import load_text
+
+                load_text(text)
+        from attnlab.train import launch
+
+        try:
+            launch(nproc, argv)
+        except DistributedTrainingError as e:
+            output.error(str(e))
+            raise typer.Exit(1) from None
+        return
+
+    from attnlab.data import load_text
+    from attnlab.train import Trainer, stop_on_signals
+
+    with user_input():
+        config = TrainConfig(
+            preset=preset,
+            steps=steps,
+            epochs=epochs,
+            batch_size=batch_size,
+            lr=lr,
+            seed=seed,
+            eval_interval=eval_interval,
+            backend=backend,
+        )
+        corpus = load_text(text)
+    view = _TrainView()
+    try:
+        with user_input():
+            trainer = Trainer(config, out_dir=out, text=corpus, resume=resume, callback=view)
+            trainer.prepare()  # input errors (short text, bad checkpoint) surface here
+        with stop_on_signals(trainer):
+            result = _run_recorded(trainer)
+    except DistributedTrainingError as e:
+        output.error(str(e))
+        raise typer.Exit(1) from None
+    finally:
+        view.close()
+    if result.loss_png is None:
+        return
+    if result.interrupted:
+        output.note(
+            f"interrupted at step {result.steps_done}/{result.total_steps}; checkpoint saved in "
+            f"{out}; continue with: attnlab train --resume {out}"
+        )
+        raise typer.Exit(130)
+    last = result.evals[-1]
+    output.show(
+        f"done: {result.steps_done} steps, train loss {last.train_loss:.3f}, val loss "
+        f"{last.val_loss:.3f}\nwrote {out}/ (checkpoint), {result.loss_png}"
+    )
+
+
+def _run_recorded(trainer: Any) -> Any:
+    """Run the trainer; under torchrun, record a failure for the launcher's report."""
+    import os
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        from torch.distributed.elastic.multiprocessing.errors import record
+
+        return record(trainer.run)()
+    return trainer.run()

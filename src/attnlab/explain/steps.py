@@ -1,0 +1,377 @@
+"""Step into one head of a real model: the seed's walk, on the layer's own numbers.
+
+Shape legend: T tokens, S keys (``S == T`` here), D head dim, C model width.
+
+:func:`head_steps` runs the model once under a per-call recorder
+(:func:`attnlab.attention.record_attention`) and takes, for one layer, what that
+layer computed: its input, its queries before and after RoPE, its keys and values,
+its mask, its exact attention weights, its per-head outputs and its output. It then
+walks one query of one head through the seed text's steps with the library's own
+functions (:func:`attnlab.functional.attention_scores`, ``attention_weights``,
+``context_vectors``) on those tensors, and checks that the walk lands on what the
+layer itself computed (the weights and the head's context vector), so every number
+shown is the model's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from attnlab.functional import attention_scores, attention_weights, context_vectors
+
+if TYPE_CHECKING:
+    from attnlab.attention import Attention, AttentionCall
+
+__all__ = ["HeadSteps", "head_steps", "step_sections", "step_summary"]
+
+
+@dataclass(frozen=True)
+class HeadSteps:
+    """One query of one head, walked step by step (all tensors float32, on the CPU).
+
+    Attributes:
+        tokens: every token's text (queries and keys).
+        token_ids: the token ids.
+        layer: the attention layer (model numbering, from 0).
+        head: the query head.
+        kv_head: the key/value head it reads (grouped-query attention shares them).
+        token: the query position.
+        num_layers: attention layers in the model.
+        num_heads: query heads per layer.
+        num_kv_heads: key/value heads per layer.
+        x: the layer's input for the query token ``(C,)``.
+        query_projected: ``W_query(x)`` for this head ``(D,)``, before RoPE.
+        query: the query the attention used ``(D,)`` (after RoPE; equal without RoPE).
+        rope: whether the layer rotates queries and keys (RoPE).
+        keys: the keys of every token for this head ``(S, D)``, as used.
+        values: the values ``(S, Dv)``.
+        scores: ``query · keys`` ``(S,)``.
+        scale: the score scale (``1/√D``).
+        scaled: ``scores * scale`` ``(S,)``.
+        bias: the additive bias on the scaled scores (ALiBi, relative position) ``(S,)``,
+            or None.
+        allowed: which keys the mask lets the query see ``(S,)`` (True = may attend).
+        masked: the scaled (and biased) scores with ``-inf`` where not allowed ``(S,)``.
+        weights: ``softmax(masked)`` ``(S,)``.
+        context: ``weights @ values`` ``(Dv,)``: this head's output for the token.
+        out_proj_part: this head's share of the output projection ``(C,)``:
+            ``context @ W_o[:, head].T``.
+        output: the layer's output for the token ``(C,)`` (all heads, plus bias).
+        layer_weights: the weights the layer itself computed for this row ``(S,)``.
+        checks: max |difference| between the walk and the layer: ``weights``,
+            ``context`` (this head's slice of the layer's context), ``output``
+            (the heads' shares plus the bias against the layer's output).
+        source: a description of the model.
+    """
+
+    tokens: tuple[str, ...]
+    token_ids: tuple[int, ...]
+    layer: int
+    head: int
+    kv_head: int
+    token: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    x: torch.Tensor
+    query_projected: torch.Tensor
+    query: torch.Tensor
+    rope: bool
+    keys: torch.Tensor
+    values: torch.Tensor
+    scores: torch.Tensor
+    scale: float
+    scaled: torch.Tensor
+    bias: torch.Tensor | None
+    allowed: torch.Tensor
+    masked: torch.Tensor
+    weights: torch.Tensor
+    context: torch.Tensor
+    out_proj_part: torch.Tensor
+    output: torch.Tensor
+    layer_weights: torch.Tensor
+    checks: dict[str, float] = field(default_factory=dict)
+    source: str = ""
+
+    @property
+    def head_dim(self) -> int:
+        """D, the width of a query/key."""
+        return int(self.query.shape[-1])
+
+
+def _check_index(name: str, value: object, count: int, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"`{name}` must be an int, got {type(value).__name__}")
+    if not 0 <= value < count:
+        raise ValueError(
+            f"`{name}` must be in 0..{count - 1} (the model has {count} {what}), got {value}"
+        )
+    return value
+
+
+def head_steps(
+    model: torch.nn.Module,
+    text_or_token_ids: str | Sequence[int] | torch.Tensor,
+    *,
+    layer: int,
+    head: int,
+    token: int,
+    tokenizer: Any | None = None,
+    forward: Callable[[torch.nn.Module, torch.Tensor], Any] | None = None,
+    source: str = "",
+) -> HeadSteps:
+    """Walk one query token through one head of ``model``, on the layer's real numbers.
+
+    Args:
+        model: a module built on :class:`attnlab.attention.Attention` layers.
+        text_or_token_ids: text (needs ``tokenizer``) or token ids ``(T,)``/``(1, T)``.
+        layer: the attention layer (module order, from 0).
+        head: the query head (from 0).
+        token: the query position (from 0).
+        tokenizer: encodes text and spells tokens.
+        forward: how to call the model, ``forward(model, input_ids (1, T))``.
+        source: a description for titles (default: the model's class name).
+
+    Returns:
+        A frozen :class:`HeadSteps`.
+
+    Raises:
+        TypeError: the model has no attnlab attention layers; a non-int index.
+        ValueError: empty input, text without a tokenizer, an index out of range.
+    """
+    from attnlab.attention import record_attention
+    from attnlab.backends import WeightsRequest
+    from attnlab.explain.model_trace import _resolve_input, attention_layers
+
+    blocks = attention_layers(model)
+    _check_index("layer", layer, len(blocks), "attention layers")
+    block = blocks[layer]
+    _check_index("head", head, int(block.num_heads), "heads in this layer")
+    ids, tokens = _resolve_input(text_or_token_ids, tokenizer)
+    _check_index("token", token, len(ids), "tokens in this text")
+    calls: list[AttentionCall] = []
+
+    class One:
+        def request(self, layer_: Attention) -> Any:
+            return WeightsRequest(heads=(head,), rows=(token,)) if layer_ is block else None
+
+        def record(self, call: AttentionCall) -> None:
+            calls.append(call)
+
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    input_ids = torch.tensor([ids], dtype=torch.long, device=device)  # (1, T)
+    was_training = model.training
+    try:
+        if was_training:
+            model.eval()
+        with torch.no_grad(), record_attention(One()):
+            if forward is None:
+                model(input_ids)
+            else:
+                forward(model, input_ids)
+    finally:
+        if was_training:
+            model.train(True)
+    if len(calls) != 1:
+        raise RuntimeError(f"attention layer {layer} ran {len(calls)} times in one forward pass")
+    return _walk(
+        calls[0], tokens, ids, layer, head, token, len(blocks), source or type(model).__name__
+    )
+
+
+def _walk(
+    call: AttentionCall,
+    tokens: list[str],
+    ids: list[int],
+    layer: int,
+    head: int,
+    token: int,
+    num_layers: int,
+    source: str,
+) -> HeadSteps:
+    block = call.layer
+    H, G = int(block.num_heads), int(block.num_kv_heads)
+    g = head // (H // G)  # the key/value head this query head reads
+    T, S = call.queries.shape[2], call.keys.shape[2]
+
+    def cpu(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().float().cpu()
+
+    q = cpu(call.queries[0, head, token])  # (D,)
+    keys = cpu(call.keys[0, g])  # (S, D)
+    values = cpu(call.values[0, g])  # (S, Dv)
+    # The seed's steps, with the library's functions, on the layer's own tensors.
+    scores = attention_scores(q, keys)  # (S,)
+    scaled = scores * call.scale  # (S,)
+    bias: torch.Tensor | None = None
+    allowed = torch.ones(S, dtype=torch.bool)
+    masked = scaled.clone()
+    if call.mask is not None:
+        blk = call.mask.block(T, S, torch.tensor([token]), None, device=call.queries.device)
+        if blk.status == "empty":
+            allowed[:] = False
+        if blk.bias is not None:
+            b = cpu(blk.bias)
+            b = b[0, head if b.shape[1] > 1 else 0] if b.ndim == 4 else b
+            bias = b.reshape(-1, S)[-1].expand(S).clone()  # (S,)
+            masked = masked + bias
+        if blk.allowed is not None:
+            a = blk.allowed.detach().cpu()
+            a = a[0, head if a.shape[1] > 1 else 0] if a.ndim == 4 else a
+            allowed = a.reshape(-1, S)[-1].expand(S).clone()
+    masked = masked.masked_fill(~allowed, float("-inf"))
+    weights = attention_weights(masked)  # (S,)
+    if not bool(allowed.any()):
+        weights = torch.zeros_like(weights)  # a row with nothing to attend to: zeros
+    context = context_vectors(weights, values)  # (Dv,)
+    Dv = context.shape[-1]
+    w_o = cpu(block.out_proj.weight)  # (C, H*Dv)
+    out_part = context @ w_o[:, head * Dv : (head + 1) * Dv].T  # (C,)
+
+    layer_weights = cpu(call.weights[0, 0, 0]) if call.weights is not None else weights
+    layer_context = cpu(call.context[0, token, head * Dv : (head + 1) * Dv])  # (Dv,)
+    output = cpu(call.output[0, token])  # (C,)
+    heads_ctx = cpu(call.context[0, token]).view(H, Dv)  # (H, Dv)
+    shares = torch.einsum("hd,chd->c", heads_ctx, w_o.view(-1, H, Dv))  # (C,)
+    if block.out_proj.bias is not None:
+        shares = shares + cpu(block.out_proj.bias)
+    checks = {
+        "weights": float((weights - layer_weights).abs().max()),
+        "context": float((context - layer_context).abs().max()),
+        "output": float((shares - output).abs().max()),
+    }
+    return HeadSteps(
+        tokens=tuple(tokens),
+        token_ids=tuple(ids),
+        layer=layer,
+        head=head,
+        kv_head=g,
+        token=token,
+        num_layers=num_layers,
+        num_heads=H,
+        num_kv_heads=G,
+        x=cpu(call.x[0, token]),
+        query_projected=cpu(call.queries_projected[0, head, token]),
+        query=q,
+        rope=block.rope is not None,
+        keys=keys,
+        values=values,
+        scores=scores,
+        scale=float(call.scale),
+        scaled=scaled,
+        bias=bias,
+        allowed=allowed,
+        masked=masked,
+        weights=weights,
+        context=context,
+        out_proj_part=out_part,
+        output=output,
+        layer_weights=layer_weights,
+        checks=checks,
+        source=source,
+    )
+
+
+# ------------------------------------------------------------------ the steps as data
+
+
+def _table(
+    name: str,
+    values: torch.Tensor,
+    *,
+    rows: Sequence[str] | None = None,
+    cols: Sequence[str] | None = None,
+    shade: bool = False,
+    corner: str | None = None,
+) -> dict[str, Any]:
+    m = values.detach().float().reshape(1, -1) if values.ndim == 1 else values.detach().float()
+    cells = [[v if v == v and abs(v) != float("inf") else None for v in r] for r in m.tolist()]
+    return {
+        "name": name,
+        "rows": list(rows) if rows is not None else None,
+        "cols": list(cols) if cols is not None else [str(j) for j in range(m.shape[1])],
+        "values": cells,  # None where -inf (masked) or not a number
+        "shade": shade,
+        "corner": corner,  # header of the row labels; None: "token"
+    }
+
+
+def step_sections(steps: HeadSteps, lang: str = "en") -> list[dict[str, Any]]:
+    """The walk as titled sections with full numbers: what the terminal and the page show.
+
+    Each section is ``{"id", "title", "body", "tables"}``; a table is ``{"name",
+    "rows" (labels or None), "cols", "values" (rows of floats, None for -inf),
+    "shade"}``. The words are the walkthrough's (``attnlab.explain.i18n``), in ``lang``.
+
+    Raises:
+        ValueError: an unsupported language.
+    """
+    from attnlab.explain.i18n import message, normalize_lang
+
+    lang = normalize_lang(lang)
+
+    def msg(key: str, **values: object) -> str:
+        return message(key, lang, **values)
+
+    s = steps
+    pos, n, d = s.token, len(s.tokens), s.head_dim
+    c = int(s.x.shape[-1])
+    dv = int(s.values.shape[-1])
+    labels = [f"{j} {t!r}" for j, t in enumerate(s.tokens)]
+    dims = [str(j) for j in range(d)]
+    out: list[dict[str, Any]] = []
+
+    def add(id_: str, title: str, body: str, *tables: dict[str, Any]) -> None:
+        out.append({"id": id_, "title": title, "body": body, "tables": list(tables)})
+
+    add("input", msg("step.input.title", pos=pos, c=c), msg("step.input.text"),
+        _table(f"x_{pos}", s.x))  # fmt: skip
+    add("query", msg("step.query.title", pos=pos, head=s.head, d=d),
+        msg("step.query.text", pos=pos), _table(f"query_{pos}", s.query_projected))  # fmt: skip
+    if s.rope:
+        add("rope", msg("step.rope.title", pos=pos), msg("step.rope.text"),
+            _table(f"query_{pos} ({msg('label.after_rope')})", s.query))  # fmt: skip
+    keys_text = msg("step.keys.rope" if s.rope else "step.keys.text")
+    if s.num_kv_heads != s.num_heads:
+        keys_text += " " + msg("step.keys.gqa", share=s.num_heads // s.num_kv_heads)
+    add("keys", msg("step.keys.title", n=n, kv=s.kv_head, d=d), keys_text,
+        _table("keys", s.keys, rows=labels, cols=dims))  # fmt: skip
+    add("scores", msg("step.scores.title", pos=pos, n=n), msg("step.scores.text"),
+        _table(f"attn_scores_{pos}", s.scores, cols=labels))  # fmt: skip
+    add("scale", msg("step.scale.title", pos=pos, scale=s.scale, d=d),
+        msg("step.scale.text", sqrt_dk=1.0 / s.scale),
+        _table("scaled", s.scaled, cols=labels))  # fmt: skip
+    if s.bias is not None:
+        add("bias", msg("step.bias.title", n=n), msg("step.bias.text"),
+            _table("bias", s.bias, cols=labels))  # fmt: skip
+    hidden = int((~s.allowed).sum())
+    if hidden:
+        add("mask", msg("step.mask.title", hidden=hidden, n=n), msg("step.mask.text"),
+            _table("masked", s.masked, cols=labels))  # fmt: skip
+    add("weights", msg("step.weights.title", pos=pos, n=n, total=float(s.weights.sum())),
+        msg("step.weights.text", diff=s.checks["weights"]),
+        _table(f"attn_weights_{pos}", s.weights, cols=labels, shade=True))  # fmt: skip
+    add("values", msg("step.values.title", n=n, d=dv), msg("step.values.text"),
+        _table("values", s.values, rows=labels, cols=[str(j) for j in range(dv)]))  # fmt: skip
+    add("context", msg("step.context.title", pos=pos, d=dv),
+        msg("step.context.text", pos=pos, diff=s.checks["context"]),
+        _table(f"context_vec_{pos}", s.context))  # fmt: skip
+    add("out", msg("step.out.title", pos=pos, h=s.num_heads, c=c),
+        msg("step.out.text", pos=pos, head=s.head, diff=s.checks["output"]),
+        _table(f"output_{pos}", torch.stack([s.out_proj_part, s.output]),
+               rows=[msg("label.head_share"), msg("label.output")], corner=""))  # fmt: skip
+    return out
+
+
+def step_summary(steps: HeadSteps, lang: str = "en") -> str:
+    """The walk's one-line header (model, layer, head, token)."""
+    from attnlab.explain.i18n import message
+
+    return message(
+        "step.header", lang, source=steps.source, layer=steps.layer, head=steps.head,
+        pos=steps.token, token=steps.tokens[steps.token], n=len(steps.tokens),
+    )  # fmt: skip

@@ -1,0 +1,113 @@
+"""Step into a head: the walk's numbers are the layer's own, checked against PyTorch."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from attnlab.attention import Attention
+from attnlab.explain.model_trace import trace_model
+from attnlab.explain.steps import head_steps, step_sections, step_summary
+from attnlab.explain.text import step_renderables
+
+
+class TinyModel(nn.Module):
+    def __init__(self, *, rope: bool, kv_heads: int | None = None) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(40, 16)
+        self.blocks = nn.ModuleList(
+            Attention(16, 4, num_kv_heads=kv_heads, rope=rope, out_bias=True) for _ in range(3)
+        )
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(input_ids)
+        for block in self.blocks:
+            x = x + block(x, is_causal=True)
+        return x
+
+    def layer_input(self, input_ids: torch.Tensor, layer: int) -> torch.Tensor:
+        x = self.emb(input_ids)
+        for block in self.blocks[:layer]:
+            x = x + block(x, is_causal=True)
+        return x  # (1, T, C)
+
+
+IDS = [3, 14, 15, 9, 2, 6, 5, 35]
+
+
+@pytest.mark.parametrize(("rope", "kv_heads"), [(False, None), (True, 2)])
+def test_the_walk_is_what_pytorch_computes(rope, kv_heads):
+    torch.manual_seed(0)
+    model = TinyModel(rope=rope, kv_heads=kv_heads).eval()
+    layer, head, tok = 1, 3, 5
+    s = head_steps(model, IDS, layer=layer, head=head, token=tok)
+    block = model.blocks[layer]
+    with torch.no_grad():
+        x = model.layer_input(torch.tensor([IDS]), layer)  # (1, T, C)
+        D, T = block.head_dim, len(IDS)
+        q = block.W_query(x).view(1, T, 4, D).transpose(1, 2)  # (1, H, T, D)
+        k = block.W_key(x).view(1, T, block.num_kv_heads, D).transpose(1, 2)
+        v = block.W_value(x).view(1, T, block.num_kv_heads, D).transpose(1, 2)
+        q_pre = q[0, head, tok].clone()
+        if rope:
+            pos = torch.arange(T)
+            q, k = block.rope(q, pos), block.rope(k, pos)
+        g = head // (4 // block.num_kv_heads)
+        want_ctx = F.scaled_dot_product_attention(
+            q[:, head : head + 1], k[:, g : g + 1], v[:, g : g + 1], is_causal=True
+        )[0, 0, tok]  # PyTorch's kernel
+        scores = q[0, head, tok] @ k[0, g].T / math.sqrt(D)
+        want_w = torch.softmax(scores.masked_fill(torch.arange(T) > tok, -math.inf), -1)
+        want_out = block(x, is_causal=True)[0, tok]
+    assert s.kv_head == g and s.rope == rope
+    torch.testing.assert_close(s.x, x[0, tok])
+    torch.testing.assert_close(s.query_projected, q_pre)
+    torch.testing.assert_close(s.query, q[0, head, tok])
+    torch.testing.assert_close(s.weights, want_w)
+    torch.testing.assert_close(s.context, want_ctx)
+    torch.testing.assert_close(s.output, want_out)
+    assert s.allowed.tolist() == [j <= tok for j in range(T)]
+    assert s.masked[tok + 1 :].eq(-math.inf).all()
+    assert max(s.checks.values()) < 1e-5
+    # The head view's weights (trace_model, the layer's exact-weights path) are the same.
+    trace = trace_model(model, IDS)
+    torch.testing.assert_close(s.weights, trace.head_weights(layer, head)[tok])
+
+
+def test_sections_have_every_step_in_both_languages():
+    torch.manual_seed(1)
+    model = TinyModel(rope=True, kv_heads=2).eval()
+    s = head_steps(model, IDS, layer=0, head=1, token=3, source="tiny")
+    en = step_sections(s, "en")
+    ids = [x["id"] for x in en]
+    assert ids == ["input", "query", "rope", "keys", "scores", "scale", "mask", "weights",
+                   "values", "context", "out"]  # fmt: skip
+    zh = step_sections(s, "zh-TW")
+    assert [x["id"] for x in zh] == ids
+    assert "鍵" in zh[3]["title"] and "softmax" in zh[7]["title"]
+    weights = next(t for x in en if x["id"] == "weights" for t in x["tables"])
+    assert weights["values"][0] == pytest.approx(s.weights.tolist())
+    masked = next(t for x in en if x["id"] == "mask" for t in x["tables"])
+    assert masked["values"][0][4:] == [None] * 4  # -inf travels as null
+    assert "tiny" in step_summary(s, "en") and "查詢詞元" in step_summary(s, "zh-TW")
+    assert len(step_renderables(step_summary(s), en)) == len(en) + 2
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"layer": 3}, ValueError, r"`layer` must be in 0\.\.2"),
+        ({"head": -1}, ValueError, r"`head` must be in 0\.\.3"),
+        ({"token": 8}, ValueError, r"`token` must be in 0\.\.7"),
+        ({"token": "1"}, TypeError, "`token` must be an int"),
+    ],
+)
+def test_bad_indices_name_the_argument(kwargs, error, match):
+    model = TinyModel(rope=False).eval()
+    args = {"layer": 0, "head": 0, "token": 0, **kwargs}
+    with pytest.raises(error, match=match):
+        head_steps(model, IDS, **args)
