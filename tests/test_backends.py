@@ -292,9 +292,9 @@ def test_auto_dispatch_choices_and_refusals(fixed_order):
     assert explain_dispatch(big, big, big, pad, dropout_p=0.1).chosen == "sdpa"
     with pytest.raises(ValueError, match="blockwise does not implement attention dropout"):
         scaled_dot_product_attention(small, small, small, dropout_p=0.1, backend="blockwise")
+    # A bias that needs gradients is served by blockwise too (on its pure tiles).
     bias = AdditiveMask(torch.zeros(8, 8, requires_grad=True))
-    with pytest.raises(ValueError, match="gradients for an additive mask"):
-        scaled_dot_product_attention(small, small, small, bias, backend="blockwise")
+    assert explain_dispatch(small, small, small, bias, backend="blockwise").chosen == "blockwise"
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "math"])
@@ -422,11 +422,19 @@ VARIANTS = [
 REFUSES = {
     "math": {},
     "sdpa": {"softcap": "soft-capping", "sinks": "sinks"},
-    "blockwise": {"softcap": "soft-capping", "sinks": "sinks", "bias_grad": "gradients"},
+    "blockwise": {},
 }
 
 
 def run_variant(backend, dtype, name, T, S, D, seed=0):
+    """``backend`` is a backend name, or ``blockwise:<tile path>`` (soft-capping and bias
+    gradients take the pure tiles whatever path is forced)."""
+    backend, path = split_case(backend)
+    with force_tile_path(path):
+        _run_variant(backend, dtype, name, T, S, D, seed)
+
+
+def _run_variant(backend, dtype, name, T, S, D, seed):
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(B, H, T, D, generator=gen).to(dtype).requires_grad_()
     k = torch.randn(B, G, S, D, generator=gen).to(dtype).requires_grad_()
@@ -468,7 +476,7 @@ def run_variant(backend, dtype, name, T, S, D, seed=0):
 @pytest.mark.parametrize("shape", FAST_SHAPES, ids=lambda s: "T{}S{}D{}".format(*s))
 @pytest.mark.parametrize("name", VARIANTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKEND_CASES)
 def test_conformance_variants(backend, dtype, name, shape):
     run_variant(backend, dtype, name, *shape)
 
@@ -477,6 +485,6 @@ def test_conformance_variants(backend, dtype, name, shape):
 @pytest.mark.parametrize("shape", SLOW_SHAPES, ids=lambda s: "T{}S{}D{}".format(*s))
 @pytest.mark.parametrize("name", VARIANTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKEND_CASES)
 def test_conformance_variants_full_grid(backend, dtype, name, shape):
     run_variant(backend, dtype, name, *shape, seed=1)

@@ -17,7 +17,7 @@ from attnlab.functional import exact_attention_weights, scaled_dot_product_atten
 from attnlab.masks import AdditiveMask, CausalMask, DocumentMask
 from reference import reference_attention, tol
 
-SERVES_SOFTCAP_AND_SINKS = {"math"}
+SERVES_SOFTCAP_AND_SINKS = {"math", "blockwise"}
 
 
 def test_alibi_slopes_published_values():
@@ -206,7 +206,9 @@ def test_fully_masked_rows_with_sinks_and_documents_give_zero_and_finite_grads()
     sinks = torch.randn(2, requires_grad=True)
     # queries of document 9 find no key of their document
     m = DocumentMask(torch.tensor([[0, 0, 9, 1, 9, 1]]), torch.tensor([[0, 0, 1, 1]]))
-    for backend in ("math",):
+    for backend in ("math", "blockwise"):
+        for t in (q, k, v, sinks):
+            t.grad = None
         out, w = scaled_dot_product_attention(
             q, k, v, m, sinks=sinks, softcap=5.0, backend=backend, need_weights=True
         )
@@ -284,8 +286,9 @@ def test_additive_mask_gradient_on_every_backend_that_serves_it():
     q = torch.randn(1, 2, 7, 8, dtype=torch.float64)
     bias0 = torch.randn(1, 2, 7, 7, dtype=torch.float64)
     grads = {}
-    for backend in ("math", "sdpa"):
+    for backend in ("math", "sdpa", "blockwise"):
         b = bias0.clone().requires_grad_()
         scaled_dot_product_attention(q, q, q, AdditiveMask(b), backend=backend).sum().backward()
         grads[backend] = b.grad
     torch.testing.assert_close(grads["math"], grads["sdpa"], **tol(torch.float64))
+    torch.testing.assert_close(grads["math"], grads["blockwise"], **tol(torch.float64))
