@@ -26,7 +26,7 @@ from attnlab.backends import (
 )
 from attnlab.backends.table import DEFAULT_TABLE_PATH, load_dispatch_table, mask_kind
 from attnlab.functional import scaled_dot_product_attention
-from attnlab.masks import AdditiveMask, CausalMask, PaddingMask, SlidingWindowMask
+from attnlab.masks import CausalMask, PaddingMask, SlidingWindowMask
 from reference import reference_attention, tol
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -267,11 +267,11 @@ def test_capability_reasons_win_over_the_table(use_table):
     exp = explain_dispatch(q, k, v, is_causal=True, dropout_p=0.1)
     assert exp.chosen == "math"
     assert "not chosen: blockwise does not implement attention dropout" in str(exp)
-    bias = AdditiveMask(torch.zeros(8, 8, requires_grad=True)) & CausalMask()
-    exp = explain_dispatch(q, k, v, bias)  # mask kind 'and': no row, fixed order
-    assert (
-        exp.chosen == "sdpa" and "gradients for an additive mask" in dict(exp.reasons)["blockwise"]
-    )
+    # sdpa ranks first for padding but has no soft-capping: the row's next, math.
+    small_pad = PaddingMask.from_lengths([6], 8)
+    assert explain_dispatch(q, k, v, small_pad).chosen == "sdpa"
+    exp = explain_dispatch(q, k, v, small_pad, softcap=30.0)
+    assert exp.chosen == "math" and "no logit soft-capping" in dict(exp.reasons)["sdpa"]
     # sdpa ranks first for padding, but would materialise a huge dense mask: it steps
     # aside for blockwise, and the O(T*S) math is not chosen either.
     big = torch.zeros(1, 1, 1, 1).expand(1, 2, 8192, 16)
