@@ -245,10 +245,10 @@ def test_rolling_cache_generates_four_windows_with_bounded_memory(backend):
         assert isinstance(cache, RollingKVCache) and cache.window == W
         bound = 2 * B * 2 * W * D * 8  # keys + values, (B, G, W, D) fp64
         outs = [layer(x[:, :12], is_causal=True, kv_cache=cache)]
-        assert cache.cached_len == W and cache.nbytes <= bound
+        assert cache.cached_len == W - 1 and cache.nbytes < bound
         for t in range(12, x.shape[1]):
             outs.append(layer(x[:, t : t + 1], is_causal=True, kv_cache=cache))
-            assert cache.cached_len == W and cache.nbytes <= bound
+            assert cache.cached_len == W - 1 and cache.nbytes < bound
             assert cache.seq_len == t + 1
     torch.testing.assert_close(torch.cat(outs, dim=1), full, **F64)
     # the unbounded cache grows with every token
@@ -257,6 +257,18 @@ def test_rolling_cache_generates_four_windows_with_bounded_memory(backend):
         for t in range(0, x.shape[1], 4):
             layer(x[:, t : t + 4], is_causal=True, kv_cache=plain)
     assert plain.nbytes > 4 * bound
+
+
+def test_window_of_one_sees_only_itself():
+    torch.manual_seed(8)
+    layer = Attention(16, 2, sliding_window=1, rope=True, backend="math").double()
+    x = torch.randn(1, 6, 16, dtype=torch.float64)
+    v = layer.W_value(x)  # with one key per query the weights are 1: output = out_proj(v)
+    torch.testing.assert_close(layer(x, is_causal=True), layer.out_proj(v), **F64)
+    cache = layer.new_kv_cache()
+    steps = [layer(x[:, t : t + 1], is_causal=True, kv_cache=cache) for t in range(6)]
+    assert cache.cached_len == 0
+    torch.testing.assert_close(torch.cat(steps, dim=1), layer.out_proj(v), **F64)
 
 
 def test_rolling_cache_keeps_gradients_in_training():
