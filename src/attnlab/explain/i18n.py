@@ -309,6 +309,20 @@ MESSAGES: dict[str, dict[str, str]] = {
         "zh-TW": "旋轉位置嵌入（RoPE）把每一對維度旋轉一個隨位置增大的角度；"
         "鍵也以同樣方式旋轉，因此點積取決於兩個詞元相隔多遠。",
     },
+    "step.qknorm.title": {
+        "en": "query_{pos} after QK-norm",
+        "zh-TW": "經過 QK 正規化後的 query_{pos}",
+    },
+    "step.qknorm_rope.title": {
+        "en": "query_{pos} after QK-norm and RoPE (position {pos})",
+        "zh-TW": "經過 QK 正規化與 RoPE 旋轉後的 query_{pos}（位置 {pos}）",
+    },
+    "step.qknorm.text": {
+        "en": "QK-norm (Qwen3, Gemma 3, OLMo 2) normalises the query (and every key) with "
+        "learned weights, which keeps the dot products in range.",
+        "zh-TW": "QK 正規化（Qwen3、Gemma 3、OLMo 2）以學習到的權重把查詢（以及每個鍵）正規化，"
+        "讓點積保持在合理範圍。",
+    },
     "step.keys.title": {
         "en": "keys = x @ W_key.T of all {n} tokens, key head {kv} ({n}×{d})",
         "zh-TW": "所有 {n} 個詞元的鍵 keys = x @ W_key.T，鍵頭 {kv}（{n}×{d}）",
