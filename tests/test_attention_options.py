@@ -332,8 +332,6 @@ def test_all_options_together_fp32_forward_and_backward(backend):
     """Every option at once (partial interleaved YaRN RoPE, QK-norm across heads, head_dim,
     scale, biases, sliding window, GQA) in fp32 against the same layer in fp64, gradients
     of the input and of every parameter (the norms' included); bf16 runs and stays close."""
-    import copy
-
     torch.manual_seed(9)
     rope = RopeConfig(
         fraction=0.5,
