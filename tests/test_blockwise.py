@@ -7,33 +7,40 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from attnlab._memory import peak_allocated
+from attnlab.backends import blockwise
 from attnlab.backends.blockwise import (
     attend_chunk,
     attend_chunk_backward,
     blockwise_attention,
+    force_tile_path,
     merge_partials,
 )
-from attnlab.masks import AdditiveMask, CausalMask, as_mask
+from attnlab.masks import AdditiveMask, CausalMask, PaddingMask, SlidingWindowMask, as_mask
 from reference import reference_attention, tol
-from test_backends import MASK_KINDS, make_mask, reference_for
+from test_backends import MASK_KINDS, TILE_PATHS, make_mask, reference_for
 
 F64 = tol(torch.float64)
 
 
+@pytest.mark.parametrize("path", TILE_PATHS)
 @pytest.mark.parametrize("kind", MASK_KINDS)
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize(("T", "S"), [(23, 31), (31, 17)])
-def test_many_small_tiles_match_reference(kind, is_causal, T, S):
+def test_many_small_tiles_match_reference(kind, is_causal, T, S, path):
     gen = torch.Generator().manual_seed(11)
+    Dv = 6 if path == "pure" else 9  # the fused op needs Dv == D
     q = torch.randn(2, 4, T, 9, generator=gen, dtype=torch.float64, requires_grad=True)
     k = torch.randn(2, 2, S, 9, generator=gen, dtype=torch.float64, requires_grad=True)
-    v = torch.randn(2, 2, S, 6, generator=gen, dtype=torch.float64, requires_grad=True)
-    dout = torch.randn(2, 4, T, 6, generator=gen, dtype=torch.float64)
+    v = torch.randn(2, 2, S, Dv, generator=gen, dtype=torch.float64, requires_grad=True)
+    dout = torch.randn(2, 4, T, Dv, generator=gen, dtype=torch.float64)
     user_mask = make_mask(kind, T, S, gen)
     mask = as_mask(user_mask, is_causal)
-    res = blockwise_attention(q, k, v, mask, dropout_p=0.0, scale=0.3, block_q=5, block_k=7)
+    res = blockwise_attention(
+        q, k, v, mask, dropout_p=0.0, scale=0.3, block_q=5, block_k=7, tile_path=path
+    )
     res.output.backward(dout)
     grads = [t.grad.clone() for t in (q, k, v)]
     dmask, dbias = reference_for(user_mask, is_causal, T, S)
@@ -50,7 +57,8 @@ def test_many_small_tiles_match_reference(kind, is_causal, T, S):
     assert torch.equal(res.lse == -math.inf, empty)
 
 
-def test_very_negative_bias_is_not_flushed_to_zero():
+@pytest.mark.parametrize("path", TILE_PATHS)
+def test_very_negative_bias_is_not_flushed_to_zero(path):
     """A row whose scores are all around -1e4 (a soft mask) still gets a softmax."""
     q = torch.randn(1, 1, 12, 8, dtype=torch.float64)
     k = torch.randn(1, 1, 12, 8, dtype=torch.float64)
@@ -59,12 +67,15 @@ def test_very_negative_bias_is_not_flushed_to_zero():
     bias[:, :4] = -math.inf
     bias[:, 4:] = -1e4
     mask = AdditiveMask(bias)
-    res = blockwise_attention(q, k, v, mask, dropout_p=0.0, scale=1.0, block_q=4, block_k=4)
+    res = blockwise_attention(
+        q, k, v, mask, dropout_p=0.0, scale=1.0, block_q=4, block_k=4, tile_path=path
+    )
     ref, _ = reference_attention(q, k, v, bias=bias, scale=1.0)
     torch.testing.assert_close(res.output, ref, **F64)
 
 
-def test_chunks_merged_by_lse_equal_the_whole():
+@pytest.mark.parametrize("path", TILE_PATHS)
+def test_chunks_merged_by_lse_equal_the_whole(path):
     """What ring attention does: attend to key chunks separately, merge by log-sum-exp."""
     gen = torch.Generator().manual_seed(12)
     T, S = 20, 30
@@ -72,12 +83,12 @@ def test_chunks_merged_by_lse_equal_the_whole():
     k = torch.randn(1, 2, S, 8, generator=gen, dtype=torch.float64)
     v = torch.randn(1, 2, S, 8, generator=gen, dtype=torch.float64)
     mask = CausalMask()
-    full, full_lse = attend_chunk(q, k, v, mask, 0.5)
+    full, full_lse = attend_chunk(q, k, v, mask, 0.5, tile_path=path)
     out, lse = None, None
     for k0 in range(0, S, 11):
         part = attend_chunk(
             q, k[:, :, k0 : k0 + 11], v[:, :, k0 : k0 + 11], mask, 0.5,
-            k_offset=k0, S_total=S, block_q=6, block_k=4,
+            k_offset=k0, S_total=S, block_q=6, block_k=4, tile_path=path,
         )  # fmt: skip
         out, lse = part if out is None else merge_partials(out, lse, *part)
     torch.testing.assert_close(out, full, **F64)
@@ -90,7 +101,7 @@ def test_chunks_merged_by_lse_equal_the_whole():
             rows = slice(q0, 7 if q0 == 0 else T)
             part = attend_chunk(
                 q[:, :, rows], k[:, :, k0 : k0 + 11], v[:, :, k0 : k0 + 11], mask, 0.5,
-                q_offset=q0, k_offset=k0, T_total=T, S_total=S,
+                q_offset=q0, k_offset=k0, T_total=T, S_total=S, tile_path=path,
             )  # fmt: skip
             got = merge_partials(acc[:, :, rows], acc_lse[:, :, rows], *part, inplace=True)
             assert got[0].data_ptr() == acc[:, :, rows].data_ptr()
@@ -98,51 +109,143 @@ def test_chunks_merged_by_lse_equal_the_whole():
     torch.testing.assert_close(acc_lse, full_lse, **F64)
     # And the backward pieces add up to the whole.
     dout = torch.randn_like(full)
-    delta = (dout * full).sum(-1)
-    whole = attend_chunk_backward(q, k, v, dout, full_lse, delta, mask, 0.5)
+    whole = attend_chunk_backward(q, k, v, dout, full, full_lse, mask, 0.5, tile_path=path)
     dk_parts, dq_sum = [], torch.zeros_like(q)
     for k0 in range(0, S, 11):
         dq, dk, _ = attend_chunk_backward(
-            q, k[:, :, k0 : k0 + 11], v[:, :, k0 : k0 + 11], dout, full_lse, delta, mask, 0.5,
-            k_offset=k0, S_total=S,
+            q, k[:, :, k0 : k0 + 11], v[:, :, k0 : k0 + 11], dout, full, full_lse, mask, 0.5,
+            k_offset=k0, S_total=S, tile_path=path,
         )  # fmt: skip
         dq_sum += dq
         dk_parts.append(dk)
     torch.testing.assert_close(dq_sum, whole[0], **F64)
     torch.testing.assert_close(torch.cat(dk_parts, dim=2), whole[1], **F64)
+    # ... and equal the reference's gradients.
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    ref, _ = reference_attention(qr, kr, vr, mask=mask.dense(T, S), scale=0.5)
+    ref.backward(dout)
+    torch.testing.assert_close(whole[0], qr.grad, **F64)
+    torch.testing.assert_close(whole[1], kr.grad, **F64)
+    torch.testing.assert_close(whole[2], vr.grad, **F64)
 
 
-def test_causal_tiles_above_the_diagonal_are_skipped(monkeypatch):
+def _count_tiles(monkeypatch) -> list[tuple[str, str, tuple[int, ...]]]:
+    """Record (path, tile kind, key shape) of every tile the forward computes."""
     calls = []
-    real_bmm = torch.bmm
+    real = blockwise._tile_forward
 
-    def counting_bmm(a, b):
-        if a.shape[-1] == 8:  # a score tile (q @ k^T, D = 8), not p @ v (tk = 16)
-            calls.append(a.shape)
-        return real_bmm(a, b)
+    def counting(path, q, k, v, tile, scale, h0, softcap=None):
+        calls.append((path, tile.kind, tuple(k.shape)))
+        return real(path, q, k, v, tile, scale, h0, softcap)
 
+    monkeypatch.setattr(blockwise, "_tile_forward", counting)
+    return calls
+
+
+@pytest.mark.parametrize("path", TILE_PATHS)
+def test_causal_tiles_above_the_diagonal_are_skipped(monkeypatch, path):
+    calls = _count_tiles(monkeypatch)
     q = k = v = torch.randn(1, 1, 64, 8)
-    monkeypatch.setattr(torch, "bmm", counting_bmm)
-    blockwise_attention(q, k, v, CausalMask(), dropout_p=0.0, scale=1.0, block_q=16, block_k=16)
-    causal_calls = len(calls)
+    kw = {"dropout_p": 0.0, "scale": 1.0, "block_q": 16, "block_k": 16, "tile_path": path}
+    blockwise_attention(q, k, v, CausalMask(), **kw)
+    causal = list(calls)
     calls.clear()
-    blockwise_attention(q, k, v, None, dropout_p=0.0, scale=1.0, block_q=16, block_k=16)
+    blockwise_attention(q, k, v, None, **kw)
     # 4 x 4 tiles without a mask, 4 + 3 + 2 + 1 = 10 on and below the diagonal.
-    assert (causal_calls, len(calls)) == (10, 16)
+    assert (len(causal), len(calls)) == (10, 16)
+    assert all(c[0] == path for c in causal + calls)
+    # The fused path computes diagonal tiles with the op's is_causal, the pure one with a
+    # partial tile from the mask.
+    diagonal = "causal" if path == "fused" else "partial"
+    assert sorted(c[1] for c in causal) == sorted(["full"] * 6 + [diagonal] * 4)
 
 
-def test_training_memory_grows_linearly():
+@pytest.mark.skipif("fused" not in TILE_PATHS, reason="no fused tile op in this PyTorch")
+def test_fused_unmasked_and_causal_are_one_op_call_equal_to_torch(monkeypatch):
+    """Without a mask or with a plain causal one (T == S), the fused path is one call of
+    PyTorch's own kernel: bit-identical to F.scaled_dot_product_attention, gradients too;
+    bottom-right causal with T < S is two tiles (keys before the diagonal, the diagonal)."""
+    calls = _count_tiles(monkeypatch)
+    gen = torch.Generator().manual_seed(4)
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k, v = (torch.randn(1, 4, 300, 64, generator=gen).to(dtype) for _ in range(3))
+        for causal in (False, True):
+            qa, ka, va = (t.clone().requires_grad_() for t in (q, k, v))
+            qb, kb, vb = (t.clone().requires_grad_() for t in (q, k, v))
+            calls.clear()
+            mask = CausalMask() if causal else None
+            ours = blockwise_attention(qa, ka, va, mask, dropout_p=0.0, scale=0.125).output
+            theirs = F.scaled_dot_product_attention(qb, kb, vb, is_causal=causal, scale=0.125)
+            assert [c[1] for c in calls] == ["causal" if causal else "full"]
+            assert torch.equal(ours, theirs)
+            dout = torch.randn(ours.shape, generator=gen).to(dtype)
+            ours.backward(dout)
+            theirs.backward(dout)
+            for a, b in ((qa, qb), (ka, kb), (va, vb)):
+                assert torch.equal(a.grad, b.grad)
+    calls.clear()
+    q = torch.randn(1, 2, 40, 16, dtype=torch.float64)
+    k = v = torch.randn(1, 2, 100, 16, dtype=torch.float64)
+    res = blockwise_attention(q, k, v, CausalMask(), dropout_p=0.0, scale=0.25)
+    assert [(c[1], c[2][2]) for c in calls] == [("full", 60), ("causal", 40)]
+    ref, _ = reference_attention(q, k, v, mask=CausalMask().dense(40, 100), scale=0.25)
+    torch.testing.assert_close(res.output, ref, **F64)
+
+
+@pytest.mark.parametrize("path", TILE_PATHS)
+@pytest.mark.parametrize("kind", ["window", "padding_causal"])
+def test_default_tiles_with_structured_masks_match_reference(path, kind):
+    """Default tile sizes (runs of full fused tiles coalesce), T != S, GQA, fp64."""
+    gen = torch.Generator().manual_seed(8)
+    T, S = 530, 600
+    q = torch.randn(2, 4, T, 16, generator=gen, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 2, S, 16, generator=gen, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, 2, S, 16, generator=gen, dtype=torch.float64, requires_grad=True)
+    if kind == "window":
+        mask = SlidingWindowMask(300)
+    else:
+        mask = PaddingMask.from_lengths([S, 410], S) & CausalMask()
+    res = blockwise_attention(q, k, v, mask, dropout_p=0.0, scale=0.25, tile_path=path)
+    dout = torch.randn(res.output.shape, generator=gen, dtype=torch.float64)
+    res.output.backward(dout)
+    qr, kr, vr = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    ref, _ = reference_attention(qr, kr, vr, mask=mask.dense(T, S), scale=0.25)
+    ref.backward(dout)
+    torch.testing.assert_close(res.output, ref, **F64)
+    for a, b in ((q, qr), (k, kr), (v, vr)):
+        torch.testing.assert_close(a.grad, b.grad, **F64)
+
+
+def test_tile_path_choice_and_refusal():
+    q = torch.randn(1, 2, 8, 16)
+    k = torch.randn(1, 2, 8, 16)
+    v = torch.randn(1, 2, 8, 12)  # Dv != D: the op cannot take it
+    with pytest.raises(ValueError, match=r"tile_path='fused' cannot serve.*Dv=12"):
+        blockwise_attention(q, k, v, None, dropout_p=0.0, scale=0.25, tile_path="fused")
+    with pytest.raises(ValueError, match=r"`path` must be 'fused', 'pure' or None"):
+        force_tile_path("flash")  # type: ignore[arg-type]
+    # Unforced, such a call falls back to the pure tiles (and is right).
+    res = blockwise_attention(q, k, v, None, dropout_p=0.0, scale=0.25)
+    ref, _ = reference_attention(q, k, v, scale=0.25)
+    torch.testing.assert_close(res.output.double(), ref, **tol(torch.float32))
+
+
+@pytest.mark.parametrize("path", TILE_PATHS)
+@pytest.mark.parametrize("mask", [CausalMask(), SlidingWindowMask(200)], ids=["causal", "window"])
+def test_training_memory_grows_linearly(path, mask):
     """Forward + backward peak memory: doubling T at most doubles it (no T x S)."""
 
     def peak(T: int) -> int:
         q, k, v = (torch.randn(1, 2, T, 32, requires_grad=True) for _ in range(3))
 
         def step():
-            res = blockwise_attention(q, k, v, CausalMask(), dropout_p=0.0, scale=0.2)
+            # Pure tiles grow with T up to 2048 rows for 2 heads: fix them at 512.
+            res = blockwise_attention(q, k, v, mask, dropout_p=0.0, scale=0.2, tile_path=path,
+                                      block_q=512 if path == "pure" else None)  # fmt: skip
             res.output.sum().backward()
 
         return peak_allocated(step)[1]
 
     p1, p2 = peak(1024), peak(2048)
     assert p2 <= 2.1 * p1, (p1, p2)
-    assert p2 < 2 * 2048 * 2048 * 4  # far below one fp32 T x S matrix per head
+    assert p2 < 2 * 2048 * 2048 * 4 / 4  # far below one fp32 T x S matrix per head

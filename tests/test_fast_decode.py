@@ -2,29 +2,30 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from attnlab.attention import KVCache, StaticKVCache
 from attnlab.generation import generate
-from attnlab.models.llama import LlamaConfig, LlamaForCausalLM
+from attnlab.models.decoder import Decoder, DecoderConfig
 from attnlab.quant import quantize_model
 
-CONFIG = LlamaConfig(
+CONFIG = DecoderConfig(  # a Llama
     vocab_size=96,
     hidden_size=128,  # k/v rows 2 * 32 = 64: the int4 tile, so int4 fuses too
     num_layers=3,
     num_heads=4,
     num_kv_heads=2,
     intermediate_size=128,
-    rope_theta=10000.0,
     context_length=48,
 )
 
 
-def _model(seed: int = 0) -> LlamaForCausalLM:
+def _model(seed: int = 0, **options: object) -> Decoder:
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(CONFIG).eval()
+    model = Decoder(dataclasses.replace(CONFIG, **options)).eval()
     with torch.no_grad():  # larger weights than the default init: logits far from ties
         for p in model.parameters():
             if p.ndim == 2:
@@ -191,3 +192,33 @@ def test_recording_or_capturing_takes_the_module_path():
     with torch.no_grad():
         model(torch.zeros(1, 1, dtype=torch.long), kv_cache=cache)
     assert model.blocks[1].attention.captured is not None
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {
+            "norm": "layer",
+            "norm_bias": True,
+            "mlp": "plain",
+            "activation": "gelu_tanh",
+            "positions": "learned",
+            "qkv_bias": True,
+            "out_bias": True,
+            "mlp_bias": True,
+        },
+        {"norm_placement": "post"},  # not a layout of the fast step: the modules decode
+    ],
+    ids=["gpt2-like", "post-norm"],
+)
+def test_other_families_decode_with_the_same_logits(options):
+    model = _model(**options)
+    ids = torch.randint(0, CONFIG.vocab_size, (1, 6), generator=torch.Generator().manual_seed(4))
+    slow, fast = model.new_kv_cache(), model.new_kv_cache(max_len=10)
+    with torch.no_grad():
+        model(ids, kv_cache=slow), model(ids, kv_cache=fast)
+        for _ in range(3):
+            a, b = model(ids[:, -1:], kv_cache=slow), model(ids[:, -1:], kv_cache=fast)
+            torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+    took_fast = "_decode_plan" in model.__dict__
+    assert took_fast == ("norm_placement" not in options)

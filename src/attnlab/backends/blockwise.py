@@ -1,35 +1,51 @@
-"""The ``blockwise`` backend: online softmax over key blocks (the FlashAttention
-algorithm) in plain PyTorch.
+"""The ``blockwise`` backend: attention tile by tile in linear memory (the FlashAttention
+algorithm), each tile computed by PyTorch's fused CPU kernel or by plain PyTorch.
 
 Shape legend: B batch, H query heads, G key/value heads, R = H // G query heads per
 key/value head, T query length, S key length, D head dim, Dv value head dim;
 tq/tk the rows/keys of one tile.
 
-Forward, for each block of query rows, walking over blocks of keys::
+The score matrix is cut into row blocks, and each row block into key tiles. A tile is
+``"full"`` (nothing masked), ``"causal"`` (a square on the diagonal of a causal mask,
+top-left aligned within the tile) or ``"partial"`` (the mask's :class:`MaskBlock` for
+the tile: a small dense ``allowed`` and/or ``bias``); tiles the mask removes entirely
+(``status == "empty"``) are never computed. **One tile step, two implementations:**
 
-    s     = (q * scale) @ k_blk^T  (+ bias, -inf where not allowed)   one (rows, tk) tile
-    m'    = max(m, rowmax(s))                                         running row max
-    p     = exp(s - m')
-    l     = l * exp(m - m') + rowsum(p)                               running denominator
-    acc   = acc * exp(m - m') + p @ v_blk
-    out   = acc / l,   lse = m + log(l)
+* ``"fused"``: PyTorch's CPU flash-attention kernel as an op that returns the row
+  log-sum-exp beside the output
+  (``aten._scaled_dot_product_flash_attention_for_cpu`` and its ``_backward``), with
+  ``is_causal`` for diagonal tiles and a dense additive mask of the tile only for partial
+  ones. It handles grouped-query heads itself and keeps fp32 softmax statistics for
+  bf16/fp16. Its tiles are big: an unmasked or causal call is one or two op calls for the
+  whole problem (the op blocks and parallelises internally); other masks use 256 x 256
+  tiles whose runs of full tiles coalesce into one call.
+* ``"pure"``: the same tile in plain PyTorch (``bmm``, ``exp``; fp32 statistics), the
+  fallback for what the op cannot express (value head dim != query head dim, non-CPU
+  tensors, a missing op) and the tested reference of the fused one.
 
-Nothing of size ``T x S`` is ever allocated: the scratch is one tile. Tiles that the mask
-removes entirely (``MaskBlock.status == "empty"``, e.g. above a causal diagonal) are
-skipped; tiles it allows entirely skip the masking work. The backward pass (a custom
-autograd function) recomputes each tile's probabilities from the saved per-row
-log-sum-exp instead of storing them, so training memory stays linear in the sequence
-length::
+Per tile, both return the output normalised within the tile and the row log-sum-exp
+``lse``; the tiles of a row block merge by log-sum-exp, in place (:func:`merge_partials`)::
 
-    p  = exp(s - lse);  dv += p^T @ dout;  dp = dout @ v_blk^T
-    ds = p * (dp - rowsum(dout * out));    dq += ds @ k_blk * scale;  dk += ds^T @ (q * scale)
+    s     = (q * scale) @ k_tile^T  (+ bias, -inf where not allowed)   one (tq, tk) tile
+    out_t = softmax(s) @ v_tile,    lse_t = logsumexp(s)
+    out   = (exp(lse_a) out_a + exp(lse_t) out_t) / (exp(lse_a) + exp(lse_t))
+
+The backward pass (a custom autograd function) recomputes each tile's probabilities from
+the final per-row log-sum-exp instead of storing them, so training memory stays linear::
+
+    p  = exp(s - lse);  dv += p^T @ dout;  dp = dout @ v_tile^T
+    ds = p * (dp - rowsum(dout * out));    dq += ds @ k_tile * scale;  dk += ds^T @ (q * scale)
 
 :func:`attend_chunk`, :func:`attend_chunk_backward` and :func:`merge_partials` are the
 reusable pieces: ring attention runs them on the key/value chunk each process holds and
-merges partial results by their log-sum-exp (one copy of this logic).
+the exact-weights path reads the log-sum-exp (one copy of this logic).
 
-A query row that may attend to nothing ends with ``l = 0``: its output is 0 and its
-log-sum-exp is ``-inf`` (its probabilities in the backward are 0).
+A query row that may attend to nothing has output 0 and log-sum-exp ``-inf`` (its
+probabilities in the backward are 0); never NaN.
+
+Choosing the path: ``tile_path=`` on :func:`blockwise_attention` / :func:`attend_chunk`,
+else :func:`force_tile_path` (a context manager, for tests and benchmarks), else
+``"fused"`` whenever the op can serve the call.
 """
 
 from __future__ import annotations
@@ -37,33 +53,142 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 
-from attnlab.backends.base import AttentionRequest, Backend, BackendResult
-from attnlab.masks import AttentionMask, MaskBlock
+from attnlab.backends.base import (
+    AttentionRequest,
+    Backend,
+    BackendResult,
+    add_sinks,
+    softcap_scores,
+)
+from attnlab.masks import AttentionMask, CausalMask, MaskBlock
 
 __all__ = [
     "BACKEND",
+    "TilePath",
     "attend_chunk",
     "attend_chunk_backward",
     "blockwise_attention",
     "default_blocks",
+    "force_tile_path",
+    "fused_tiles_available",
     "merge_partials",
+    "why_not_fused",
 ]
 
+TilePath = Literal["fused", "pure"]
+TileKind = Literal["full", "causal", "partial"]
+_PATHS = ("fused", "pure")
 _NEG_INF = float("-inf")
-# Elements per score tile: 2**20 fp32 = 4 MiB, large enough that the matmuls run
-# efficiently and Python overhead is amortised, small enough to stay cache-friendly and far
-# below the T x S matrix. 256 keys per tile: smaller tiles waste less work on the causal
-# diagonal, larger ones amortise overhead; 256 measured best for B*H = 12, D = 64 on CPU.
+# Pure tiles: elements per score tile: 2**20 fp32 = 4 MiB, large enough that the matmuls
+# run efficiently and Python overhead is amortised, small enough to stay cache-friendly.
+# 256 keys per tile: smaller tiles waste less work on the causal diagonal, larger ones
+# amortise overhead; 256 measured best for B*H = 12, D = 64 on CPU.
 _TILE_ELEMENTS = 1 << 20
 _BLOCK_K = 256
+# Fused tiles under a mask other than plain causal: the op's per-call cost is small, so
+# tiles can be small enough to skip most masked work (a window's edges, padding).
+_FUSED_BLOCK_Q = 256
+_FUSED_BLOCK_K = 256
+
+
+def _find_fused_ops() -> tuple[Any, Any] | None:
+    """PyTorch's CPU flash-attention forward/backward ops, or None if this build lacks them."""
+    try:
+        aten = torch.ops.aten
+        return (
+            aten._scaled_dot_product_flash_attention_for_cpu.default,
+            aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+        )
+    except (AttributeError, RuntimeError):
+        return None
+
+
+_FUSED_OPS = _find_fused_ops()  # checked once
+_FORCED: list[TilePath | None] = [None]
+
+
+def fused_tiles_available() -> bool:
+    """Whether this PyTorch build has the fused CPU tile ops."""
+    return _FUSED_OPS is not None
+
+
+def force_tile_path(path: TilePath | None) -> AbstractContextManager[None]:
+    """Run every blockwise tile with ``path`` (``"fused"`` or ``"pure"``; None = choose)
+    inside the ``with`` block, e.g. to test or benchmark one path through the public API.
+
+    Raises:
+        ValueError: an unknown path.
+    """
+    if path is not None and path not in _PATHS:
+        raise ValueError(f"`path` must be 'fused', 'pure' or None, got {path!r}")
+    return _forced(path)
+
+
+@contextmanager
+def _forced(path: TilePath | None) -> Iterator[None]:
+    saved = _FORCED[0]
+    _FORCED[0] = path
+    try:
+        yield
+    finally:
+        _FORCED[0] = saved
+
+
+def _pure_because(softcap: float | None, bias_grad: bool) -> str | None:
+    if softcap is not None:
+        return "the fused tile op has no logit soft-capping"
+    if bias_grad:
+        return "the fused tile op computes no gradient for an additive bias"
+    return None
+
+
+def why_not_fused(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> str | None:
+    """Why the fused tile op cannot serve these inputs, or None when it can."""
+    if _FUSED_OPS is None:
+        return "this PyTorch build has no aten._scaled_dot_product_flash_attention_for_cpu"
+    if query.device.type != "cpu":
+        return f"the fused tile op runs on CPU, the tensors are on {query.device.type}"
+    if value.shape[-1] != query.shape[-1]:
+        return (
+            f"the fused tile op needs the value head dim equal to the query head dim "
+            f"(D={query.shape[-1]}), got Dv={value.shape[-1]}"
+        )
+    if query.dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        return f"the fused tile op does not take dtype {query.dtype}"
+    return None
+
+
+def _choose_path(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    tile_path: TilePath | None,
+    pure_because: str | None = None,
+) -> TilePath:
+    """The tile path; ``pure_because`` says why the call needs the pure tiles (softcap,
+    bias gradients), or None: then a path forced by :func:`force_tile_path` yields to
+    it, an explicit ``tile_path="fused"`` is an error."""
+    path = tile_path if tile_path is not None else _FORCED[0]
+    if pure_because is not None and tile_path is None:
+        path = "pure"
+    if path is not None and path not in _PATHS:
+        raise ValueError(f"`tile_path` must be 'fused', 'pure' or None, got {path!r}")
+    why = pure_because or why_not_fused(query, key, value)
+    if path == "fused" and why is not None:
+        raise ValueError(f"tile_path='fused' cannot serve this call: {why}; use 'pure'")
+    if path is not None:
+        return path
+    return "pure" if why is not None else "fused"
 
 
 def default_blocks(BH: int, T: int, S: int) -> tuple[int, int]:
-    """Query rows and keys per tile for ``BH = B * H`` query heads in the batch.
+    """Query rows and keys per *pure* tile for ``BH = B * H`` query heads in the batch.
 
     Keys per tile are fixed (256); rows per tile are the power of two (64 to 4096)
     that keeps a tile near ``_TILE_ELEMENTS`` elements.
@@ -78,56 +203,297 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
-def _apply_tile_mask(s: torch.Tensor, blk: MaskBlock, B: int, G: int, R: int, h0: int) -> None:
-    """Apply a partial tile in place to scores ``s`` (B*G, R*tq, tk) of query heads
-    ``h0 .. h0 + G*R`` (a head group)."""
-    tq = s.shape[1] // R
-    s5 = s.view(B, G, R, tq, s.shape[2])  # (B, G, R, tq, tk)
-
-    def heads5(t: torch.Tensor) -> torch.Tensor:
-        while t.ndim < 4:
-            t = t.unsqueeze(0)
-        if t.shape[1] == 1:
-            return t.unsqueeze(2)  # (b, 1, 1, tq, tk)
-        t = t[:, h0 : h0 + G * R]  # this group's heads
-        return t.reshape(t.shape[0], G, R, t.shape[2], t.shape[3])  # (b, G, R, tq, tk)
-
-    if blk.bias is not None:
-        s5.add_(heads5(blk.bias).to(s.dtype))
-    if blk.allowed is not None:
-        s5.masked_fill_(~heads5(blk.allowed), _NEG_INF)
+# -- The plan: row blocks and their tiles -------------------------------------------------
 
 
-def _tile(
+@dataclass(frozen=True)
+class _Tile:
+    """Keys ``c0:c1`` (local to the chunk) of one row block, and what masks them."""
+
+    c0: int
+    c1: int
+    kind: TileKind
+    blk: MaskBlock | None = None
+    # A biased tile's MaskBlock is not kept in the plan (every tile of a bias is partial:
+    # keeping them all would hold H x T x S numbers); it is recomputed when the tile runs.
+    lazy: bool = False
+
+
+@dataclass(frozen=True)
+class _RowBlock:
+    """Rows ``r0:r1`` (local) and their non-empty tiles, left to right."""
+
+    r0: int
+    r1: int
+    tiles: tuple[_Tile, ...]
+
+
+def _full_tiles(c0: int, c1: int, bk: int | None) -> list[_Tile]:
+    """Keys ``c0:c1`` as full tiles of ``bk`` keys (one tile when ``bk`` is None)."""
+    if c1 <= c0:
+        return []
+    step = c1 - c0 if bk is None else bk
+    return [_Tile(k0, min(c1, k0 + step), "full") for k0 in range(c0, c1, step)]
+
+
+def _plan(
     mask: AttentionMask | None,
+    T: int,
+    S: int,
+    *,
+    q_offset: int,
+    k_offset: int,
     T_total: int,
     S_total: int,
-    q0: int,
-    q1: int,
-    k0: int,
-    k1: int,
+    bq: int,
+    bk: int,
+    coalesce: bool,
+    causal_tiles: bool,
     device: torch.device,
-) -> MaskBlock | None:
-    """The mask's tile, or None when nothing in it is masked."""
+) -> list[_RowBlock]:
+    """Row blocks of ``bq`` rows and their tiles of ``bk`` keys; rows in no block (or in a
+    block without tiles) may attend to nothing.
+
+    ``coalesce`` joins each run of adjacent full tiles into one tile. ``causal_tiles``
+    plans a plain causal mask as full tiles left of the diagonal and one ``"causal"``
+    square on it (top-left aligned, as the op's ``is_causal``) per row block.
+    """
+    blocks: list[_RowBlock] = []
     if mask is None:
-        return None
-    blk = mask.block(T_total, S_total, slice(q0, q1), slice(k0, k1), device=device)
-    return None if blk.status == "full" else blk
+        for r0 in range(0, T, bq):
+            tiles = _full_tiles(0, S, None if coalesce else bk)
+            blocks.append(_RowBlock(r0, min(T, r0 + bq), tuple(tiles)))
+        return blocks
+    if causal_tiles and isinstance(mask, CausalMask):
+        # Local row i may see local keys j <= i + d.
+        d = q_offset + mask.offset(T_total, S_total) - k_offset
+        for r0 in range(max(0, -d), T, bq):  # rows before -d see nothing
+            r1 = min(T, r0 + bq)
+            c_diag = min(S, r0 + d)  # keys every row of the block sees
+            c_end = min(S, r1 + d)  # the block's last row sees keys < c_end
+            tiles = _full_tiles(0, c_diag, None if coalesce else bk)
+            if c_end > c_diag:
+                tiles.append(_Tile(c_diag, c_end, "causal"))
+            blocks.append(_RowBlock(r0, r1, tuple(tiles)))
+        return blocks
+    for r0 in range(0, T, bq):
+        r1 = min(T, r0 + bq)
+        lo, hi = mask.col_range(T_total, S_total, q_offset + r0, q_offset + r1)
+        lo, hi = min(max(lo - k_offset, 0), S), min(max(hi - k_offset, 0), S)
+        tiles = []
+        run = -1  # start of the current run of full tiles, or -1
+        for k0 in range(lo, hi, bk):
+            k1 = min(hi, k0 + bk)
+            blk = mask.block(T_total, S_total, slice(q_offset + r0, q_offset + r1),
+                             slice(k_offset + k0, k_offset + k1), device=device)  # fmt: skip
+            if blk.status == "full" and coalesce:
+                run = k0 if run < 0 else run
+                continue
+            if run >= 0:
+                tiles.append(_Tile(run, k0, "full"))
+                run = -1
+            if blk.status == "full":
+                tiles.append(_Tile(k0, k1, "full"))
+            elif blk.status == "partial" and blk.bias is not None:
+                tiles.append(_Tile(k0, k1, "partial", lazy=True))
+            elif blk.status == "partial":
+                tiles.append(_Tile(k0, k1, "partial", blk))
+        if run >= 0:
+            tiles.append(_Tile(run, hi, "full"))
+        if tiles:
+            blocks.append(_RowBlock(r0, r1, tuple(tiles)))
+    return blocks
 
 
-def _key_range(
-    mask: AttentionMask | None, T_total: int, S_total: int, q0: int, q1: int, k_offset: int, S: int
-) -> tuple[int, int]:
-    """Local key range ``[lo, hi)`` of this chunk that global rows ``q0:q1`` may see."""
-    if mask is None:
-        return 0, S
-    lo, hi = mask.col_range(T_total, S_total, q0, q1)
-    lo, hi = min(max(lo - k_offset, 0), S), min(max(hi - k_offset, 0), S)
-    return lo, max(lo, hi)
+@dataclass(frozen=True)
+class _Geometry:
+    """Where a chunk sits in the full problem the mask is defined on."""
+
+    mask: AttentionMask | None
+    q_offset: int
+    k_offset: int
+    T_total: int
+    S_total: int
+    device: torch.device
+
+
+def _resolve(tile: _Tile, rb: _RowBlock, geo: _Geometry) -> _Tile:
+    """The tile with its MaskBlock (recomputed for a lazy, biased tile)."""
+    if not tile.lazy:
+        return tile
+    assert geo.mask is not None
+    q0, k0 = geo.q_offset, geo.k_offset
+    blk = geo.mask.block(geo.T_total, geo.S_total, slice(q0 + rb.r0, q0 + rb.r1),
+                         slice(k0 + tile.c0, k0 + tile.c1), device=geo.device)  # fmt: skip
+    return _Tile(tile.c0, tile.c1, "partial", blk)
+
+
+# A tile's bias gradient: called with dL/d(bias) of the tile's query heads h0:h0+Hs.
+BiasGrad = Callable[[torch.Tensor, _Tile, int], None]
+
+
+# -- One tile, two implementations --------------------------------------------------------
+
+
+def _heads(t: torch.Tensor, h0: int, h1: int) -> torch.Tensor:
+    """A mask tensor as 4-D ``(b, h, tq, tk)``, restricted to query heads ``h0:h1``."""
+    while t.ndim < 4:
+        t = t.unsqueeze(0)
+    return t if t.shape[1] == 1 else t[:, h0:h1]
+
+
+def _dense_tile(blk: MaskBlock, h0: int, h1: int, dtype: torch.dtype) -> torch.Tensor:
+    """The tile's mask as one additive float tensor (``-inf`` = not allowed), 4-D."""
+    if blk.bias is not None:
+        dense = _heads(blk.bias, h0, h1).to(dtype)
+        if blk.allowed is not None:
+            dense = dense.masked_fill(~_heads(blk.allowed, h0, h1), _NEG_INF)
+        return dense
+    assert blk.allowed is not None, "a partial tile carries allowed and/or bias"
+    allowed = _heads(blk.allowed, h0, h1)
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
+        ~allowed, _NEG_INF
+    )
+
+
+def _mask_scores(s: torch.Tensor, tile: _Tile, h0: int, h1: int) -> None:
+    """Apply a tile's mask in place to scores ``s`` (B, Hs, tq, tk)."""
+    if tile.kind == "causal":
+        tq, tk = s.shape[-2:]
+        above = torch.ones(tq, tk, dtype=torch.bool, device=s.device).triu_(1)
+        s.masked_fill_(above, _NEG_INF)
+    elif tile.kind == "partial":
+        assert tile.blk is not None
+        if tile.blk.bias is not None:
+            s.add_(_heads(tile.blk.bias, h0, h1).to(s.dtype))
+        if tile.blk.allowed is not None:
+            s.masked_fill_(~_heads(tile.blk.allowed, h0, h1), _NEG_INF)
+
+
+def _gqa(q: torch.Tensor, Gs: int) -> torch.Tensor:
+    """(B, Gs*R, tq, D) -> (B, Gs, R*tq, D): a key/value head's query heads stacked as rows."""
+    B, Hs, tq, D = q.shape
+    return q.reshape(B, Gs, (Hs // Gs) * tq, D)
+
+
+def _tile_forward(
+    path: TilePath,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    tile: _Tile,
+    scale: float,
+    h0: int,
+    softcap: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One tile: ``(out, lse)`` of queries ``q`` over keys ``k``/values ``v`` under the
+    tile's mask, ``out`` normalised within the tile.
+
+    q ``(B, Hs, tq, D)`` (query heads ``h0:h0+Hs``), k ``(B, Gs, tk, D)``, v
+    ``(B, Gs, tk, Dv)``; returns out ``(B, Hs, tq, Dv)`` (fused: the input dtype; pure:
+    the compute dtype) and lse ``(B, Hs, tq)`` (compute dtype; ``-inf`` for rows that see
+    nothing in the tile). ``softcap`` (pure path only) caps the scaled scores before the
+    mask.
+    """
+    B, Hs, tq, _ = q.shape
+    if path == "fused":
+        assert softcap is None, "the fused op has no soft-capping"
+        assert _FUSED_OPS is not None
+        dense = None
+        if tile.kind == "partial":
+            assert tile.blk is not None
+            dense = _dense_tile(tile.blk, h0, h0 + Hs, _compute_dtype(q.dtype))
+        out, lse = _FUSED_OPS[0](
+            q, k, v, 0.0, tile.kind == "causal", attn_mask=dense, scale=scale
+        )  # (B, Hs, tq, Dv), (B, Hs, tq)
+        if dense is not None:
+            # The op gives a row that sees nothing lse 0 (and out 0); attnlab's is -inf.
+            lse = lse.masked_fill((dense == _NEG_INF).all(dim=-1), _NEG_INF)
+        return out, lse
+    Gs, tk = k.shape[1], k.shape[2]
+    cd = _compute_dtype(q.dtype)
+    qg = _gqa(q.to(cd) * scale, Gs)  # (B, Gs, R*tq, D)
+    s = qg @ k.to(cd).transpose(-2, -1)  # (B, Gs, R*tq, tk)
+    softcap_scores(s, softcap, inplace=True)
+    masked = tile.kind != "full"
+    if masked:
+        _mask_scores(s.view(B, Hs, tq, tk), tile, h0, h0 + Hs)
+    m = s.amax(dim=-1, keepdim=True)  # (B, Gs, R*tq, 1)
+    if masked:  # a row that sees nothing has max -inf: subtract 0 there, not -inf
+        m.masked_fill_(m == _NEG_INF, 0.0)
+    p = s.sub_(m).exp_()  # in place
+    l = p.sum(dim=-1, keepdim=True)  # (B, Gs, R*tq, 1)
+    out = (p @ v.to(cd)).div_(l.clamp(min=torch.finfo(cd).tiny))  # 0 where l == 0
+    lse = m.add_(l.log_())  # -inf where l == 0
+    return out.view(B, Hs, tq, -1), lse.view(B, Hs, tq)
+
+
+def _tile_backward(
+    path: TilePath,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dout: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor | None,
+    tile: _Tile,
+    scale: float,
+    h0: int,
+    softcap: float | None = None,
+    bias_grad: BiasGrad | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One tile's gradient contributions ``(dq, dk, dv)``, shaped as q, k, v.
+
+    dout, out: rows of the final output's gradient and of the final output; lse: the
+    final rows' log-sum-exp with ``+inf`` for rows that see nothing (probabilities 0);
+    delta: ``rowsum(dout * out)`` (pure path only). Pure path only: ``softcap`` as in the
+    forward (its derivative ``1 - tanh^2`` joins dS), ``bias_grad`` receives dS of a
+    biased tile (the gradient of the bias, before the soft-cap's derivative).
+    """
+    Hs = q.shape[1]
+    if path == "fused":
+        assert softcap is None and bias_grad is None, "the fused op has neither"
+        assert _FUSED_OPS is not None
+        dense = None
+        if tile.kind == "partial":
+            assert tile.blk is not None
+            dense = _dense_tile(tile.blk, h0, h0 + Hs, _compute_dtype(q.dtype))
+        dq, dk, dv = _FUSED_OPS[1](
+            dout, q, k, v, out, lse, 0.0, tile.kind == "causal", attn_mask=dense, scale=scale
+        )
+        return dq, dk, dv
+    assert delta is not None
+    B, _, tq, D = q.shape
+    Gs, tk = k.shape[1], k.shape[2]
+    cd = _compute_dtype(q.dtype)
+    qg = _gqa(q.to(cd) * scale, Gs)  # (B, Gs, R*tq, D)
+    dog = _gqa(dout.to(cd), Gs)  # (B, Gs, R*tq, Dv)
+    kc, vc = k.to(cd), v.to(cd)
+    s = qg @ kc.transpose(-2, -1)  # (B, Gs, R*tq, tk)
+    tanh = None
+    if softcap is not None:  # keep tanh(s / c) for the derivative
+        tanh = s.div_(softcap).tanh_()
+        s = tanh * softcap
+    if tile.kind != "full":
+        _mask_scores(s.view(B, Hs, tq, tk), tile, h0, h0 + Hs)
+    p = s.sub_(_gqa(lse.unsqueeze(-1), Gs)).exp_()  # probabilities, in place
+    dv = p.transpose(-2, -1) @ dog  # (B, Gs, tk, Dv)
+    dp = dog @ vc.transpose(-2, -1)  # (B, Gs, R*tq, tk)
+    ds = p.mul_(dp.sub_(_gqa(delta.unsqueeze(-1), Gs)))  # dS = p * (dp - delta)
+    if bias_grad is not None and tile.blk is not None and tile.blk.bias is not None:
+        bias_grad(ds.view(B, Hs, tq, tk), tile, h0)
+    if tanh is not None:  # d(c tanh(x / c))/dx = 1 - tanh^2
+        ds.mul_(tanh.square_().neg_().add_(1.0))
+    dq = (ds @ kc).mul_(scale)  # (B, Gs, R*tq, D)
+    dk = ds.transpose(-2, -1) @ qg  # (B, Gs, tk, D); qg carries the scale
+    return dq.view(B, Hs, tq, D), dk, dv
 
 
 # -- Parallelism --------------------------------------------------------------------------
-# A tile is a handful of PyTorch ops. Run with intra-op threads, every op is a parallel
+# A fused tile is one op that forks once over (batch, head, row block) itself: fused tiles
+# run on the caller's thread with PyTorch's intra-op threads. A pure tile is a handful of
+# PyTorch ops. Run with intra-op threads, every op is a parallel
 # region ending in a barrier: hundreds per call, and on a shared, oversubscribed CPU each
 # barrier waits for the slowest descheduled thread (measured: 4-20x slower than PyTorch's
 # fused kernel, which forks once). So, like that kernel, attnlab forks once: the key/value
@@ -165,11 +531,13 @@ def _profiler_enabled() -> bool:
     return bool(check()) if check is not None else False
 
 
-def _run_groups(G: int, work: Callable[[int, int], None]) -> None:
-    """Run ``work(g0, g1)`` over contiguous ranges of the G key/value heads."""
+def _run_groups(G: int, work: Callable[[int, int], None], *, fork: bool = True) -> None:
+    """Run ``work(g0, g1)`` over contiguous ranges of the G key/value heads (on this
+    thread, with PyTorch's own intra-op threads, unless ``fork``)."""
     threads = torch.get_num_threads()
     if (
-        threads <= 1
+        not fork
+        or threads <= 1
         or G < 2
         or threading.current_thread().name.startswith("attnlab")
         # torch.profiler records allocations of the profiled thread only: run the groups
@@ -194,6 +562,112 @@ def _run_groups(G: int, work: Callable[[int, int], None]) -> None:
             f.result()  # re-raises a worker's exception
 
 
+def _blocks(
+    path: TilePath,
+    mask: AttentionMask | None,
+    BH: int,
+    T: int,
+    S: int,
+    block_q: int | None,
+    block_k: int | None,
+) -> tuple[int, int, bool]:
+    """``(rows, keys, coalesce)`` per tile for this path; explicit sizes are kept as given
+    (tests use them to get many tiles of each kind)."""
+    if path == "pure":
+        bq, bk = default_blocks(BH, T, S)
+        return block_q or bq, block_k or bk, False
+    if mask is None or isinstance(mask, CausalMask):
+        # The op blocks the whole problem itself (and skips above its causal diagonal).
+        return block_q or max(1, T), block_k or max(1, S), block_k is None
+    return block_q or _FUSED_BLOCK_Q, block_k or _FUSED_BLOCK_K, block_k is None
+
+
+def _prepare(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: AttentionMask | None,
+    q_offset: int,
+    k_offset: int,
+    T_total: int | None,
+    S_total: int | None,
+    block_q: int | None,
+    block_k: int | None,
+    tile_path: TilePath | None,
+    pure_because: str | None = None,
+) -> tuple[TilePath, list[_RowBlock], _Tile | None, _Geometry]:
+    """The call's tile path, its plan, the plan's one tile when a single fused tile
+    covers the whole chunk (then the op's results are used as they are), and where the
+    chunk sits in the mask's problem."""
+    B, H, T, _ = query.shape
+    S = key.shape[2]
+    path = _choose_path(query, key, value, tile_path, pure_because)
+    geo = _Geometry(mask, q_offset, k_offset, T if T_total is None else T_total,
+                    S if S_total is None else S_total, query.device)  # fmt: skip
+    bq, bk, coalesce = _blocks(path, mask, B * H, T, S, block_q, block_k)
+    plan = _plan(mask, T, S, q_offset=q_offset, k_offset=k_offset,
+                 T_total=T if T_total is None else T_total,
+                 S_total=S if S_total is None else S_total,
+                 bq=bq, bk=bk, coalesce=coalesce, causal_tiles=path == "fused",
+                 device=query.device)  # fmt: skip
+    if path == "fused" and len(plan) == 1 and len(plan[0].tiles) == 1:
+        rb, tile = plan[0], plan[0].tiles[0]
+        if (rb.r0, rb.r1, tile.c0, tile.c1) == (0, T, 0, S):
+            return path, plan, _resolve(tile, rb, geo), geo
+    return path, plan, None, geo
+
+
+def _forward(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: AttentionMask | None,
+    scale: float,
+    *,
+    q_offset: int,
+    k_offset: int,
+    T_total: int | None,
+    S_total: int | None,
+    block_q: int | None,
+    block_k: int | None,
+    tile_path: TilePath | None,
+    softcap: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`attend_chunk`, except that ``out`` is in the input dtype when one fused
+    tile covers the whole chunk (no conversion round trip)."""
+    B, H, T, _ = query.shape
+    G, Dv = key.shape[1], value.shape[3]
+    R = H // G
+    cd = _compute_dtype(query.dtype)
+    path, plan, whole, geo = _prepare(query, key, value, mask, q_offset, k_offset, T_total,
+                                      S_total, block_q, block_k, tile_path,
+                                      _pure_because(softcap, False))  # fmt: skip
+    if whole is not None:  # one tile: the op's own result (PyTorch's kernel, nothing more)
+        return _tile_forward(path, query, key, value, whole, scale, 0, softcap)
+    out = torch.zeros(B, H, T, Dv, dtype=cd, device=query.device)
+    lse = torch.full((B, H, T), _NEG_INF, dtype=cd, device=query.device)
+
+    def work(g0: int, g1: int) -> None:
+        h0, h1 = g0 * R, g1 * R
+        k, v = key[:, g0:g1], value[:, g0:g1]
+        for rb in plan:
+            q = query[:, h0:h1, rb.r0 : rb.r1]  # (B, Hs, tq, D)
+            acc, acc_lse = out[:, h0:h1, rb.r0 : rb.r1], lse[:, h0:h1, rb.r0 : rb.r1]
+            for i, lazy in enumerate(rb.tiles):
+                tile = _resolve(lazy, rb, geo)
+                o, l = _tile_forward(path, q, k[:, :, tile.c0 : tile.c1],
+                                     v[:, :, tile.c0 : tile.c1], tile, scale, h0,
+                                     softcap)  # fmt: skip
+                if i == 0:
+                    acc.copy_(o)
+                    acc_lse.copy_(l)
+                else:
+                    merge_partials(acc, acc_lse, o.to(cd), l, inplace=True)
+
+    _run_groups(G, work, fork=path == "pure")
+    return out, lse
+
+
 def attend_chunk(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -207,6 +681,8 @@ def attend_chunk(
     S_total: int | None = None,
     block_q: int | None = None,
     block_k: int | None = None,
+    tile_path: TilePath | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of a chunk of queries to a chunk of keys/values, tile by tile.
 
@@ -222,74 +698,110 @@ def attend_chunk(
         scale: score scale.
         q_offset, k_offset: absolute position of the chunks' first row/column.
         T_total, S_total: size of the full problem.
-        block_q, block_k: tile size (default :func:`default_blocks`).
+        block_q, block_k: tile size (default: per path, see :func:`default_blocks`).
+        tile_path: ``"fused"``, ``"pure"`` or None (the module's choice).
+        softcap: logit soft-cap of the scaled scores (pure tiles), or None.
 
     Returns:
         ``(out, lse)``: the output normalised within this chunk ``(B, H, T, Dv)`` and the
         per-row log-sum-exp ``(B, H, T)`` (``-inf`` where a row saw nothing), both in the
         compute dtype (fp32 for fp16/bf16). Merge chunks with :func:`merge_partials`.
+
+    Raises:
+        ValueError: ``tile_path="fused"`` for inputs the op cannot take.
     """
+    out, lse = _forward(query, key, value, mask, scale, q_offset=q_offset, k_offset=k_offset,
+                        T_total=T_total, S_total=S_total, block_q=block_q, block_k=block_k,
+                        tile_path=tile_path, softcap=softcap)  # fmt: skip
+    cd = _compute_dtype(query.dtype)
+    return out.to(cd), lse.to(cd)
+
+
+def _backward(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    grad_out: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    mask: AttentionMask | None,
+    scale: float,
+    *,
+    q_offset: int,
+    k_offset: int,
+    T_total: int | None,
+    S_total: int | None,
+    block_q: int | None,
+    block_k: int | None,
+    tile_path: TilePath | None,
+    softcap: float | None = None,
+    bias_params: tuple[torch.Tensor, ...] = (),
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """:func:`attend_chunk_backward`, except that the gradients are in the input dtype
+    when one fused tile covers the whole chunk, plus the gradients of ``bias_params``
+    (the mask's :meth:`~attnlab.masks.AttentionMask.grad_tensors`)."""
     B, H, T, D = query.shape
     G, S, Dv = key.shape[1], key.shape[2], value.shape[3]
     R = H // G
-    T_total = T if T_total is None else T_total
-    S_total = S if S_total is None else S_total
-    bq, bk = default_blocks(B * H, T, S)
-    bq = block_q or bq
-    bk = block_k or bk
     cd = _compute_dtype(query.dtype)
-    dev = query.device
-    q5 = query.reshape(B, G, R, T, D)  # (B, G, R, T, D)
-    out = torch.empty(B, G, R, T, Dv, dtype=cd, device=dev)
-    lse = torch.empty(B, G, R, T, dtype=cd, device=dev)
+    path, plan, whole, geo = _prepare(query, key, value, mask, q_offset, k_offset, T_total,
+                                      S_total, block_q, block_k, tile_path,
+                                      _pure_because(softcap, bool(bias_params)))  # fmt: skip
+    # A row that saw nothing has lse = -inf; +inf makes its probabilities exp(s - inf) = 0.
+    lse_use = lse.to(cd).masked_fill(lse == _NEG_INF, float("inf"))  # (B, H, T)
+    # BLAS needs real strides (the gradient of .sum() is an expanded, stride-0 tensor).
+    grad_out = grad_out.contiguous()
+    if path == "fused":
+        out = out.to(query.dtype)
+        delta = None  # the op computes rowsum(dout * out) itself
+    else:
+        delta = (grad_out.to(cd) * out.to(cd)).sum(dim=-1)  # (B, H, T)
+    if whole is not None:
+        return (*_tile_backward(path, query, key, value, grad_out, out, lse_use, None, whole,
+                                scale, 0), [])  # fmt: skip
+    dparams = [torch.zeros_like(p) for p in bias_params]
+    bias_lock = threading.Lock()
+
+    def bias_grad(ds: torch.Tensor, tile: _Tile, h0: int) -> None:
+        """Route a tile's dL/d(bias) ``(B, Hs, tq, tk)`` to the tensors it came from."""
+        assert tile.blk is not None and tile.blk.bias is not None
+        with torch.enable_grad():
+            bias = _heads(tile.blk.bias, h0, h0 + ds.shape[1])  # (b, h, tq, tk), in the graph
+        dims = [d for d in range(4) if bias.shape[d] == 1 and ds.shape[d] != 1]
+        g = ds.sum(dim=dims, keepdim=True) if dims else ds
+        with bias_lock:
+            grads = torch.autograd.grad(bias, bias_params, g.to(bias.dtype),
+                                        retain_graph=True, allow_unused=True)  # fmt: skip
+            for acc, gi in zip(dparams, grads, strict=True):
+                if gi is not None:
+                    acc.add_(gi)
+
+    dq = torch.zeros(B, H, T, D, dtype=cd, device=query.device)
+    dk = torch.zeros(B, G, S, D, dtype=cd, device=query.device)
+    dv = torch.zeros(B, G, S, Dv, dtype=cd, device=query.device)
 
     def work(g0: int, g1: int) -> None:
-        Gs = g1 - g0
-        BG = B * Gs
-        k3 = key[:, g0:g1].reshape(BG, S, D).to(cd)  # (B*Gs, S, D), a view when B == 1
-        v3 = value[:, g0:g1].reshape(BG, S, Dv).to(cd)  # (B*Gs, S, Dv)
-        for q0 in range(0, T, bq):
-            q1 = min(T, q0 + bq)
-            tq = q1 - q0
-            qb = q5[:, g0:g1, :, q0:q1].reshape(BG, R * tq, D).to(cd) * scale  # (BG, R*tq, D)
-            m: torch.Tensor | None = None  # running row max (BG, R*tq)
-            l: torch.Tensor | None = None  # running denominator (BG, R*tq)
-            acc: torch.Tensor | None = None  # running numerator (BG, R*tq, Dv)
-            lo, hi = _key_range(mask, T_total, S_total, q_offset + q0, q_offset + q1, k_offset, S)
-            for k0 in range(lo, hi, bk):
-                k1 = min(hi, k0 + bk)
-                blk = _tile(mask, T_total, S_total, q_offset + q0, q_offset + q1,
-                            k_offset + k0, k_offset + k1, dev)  # fmt: skip
-                if blk is not None and blk.status == "empty":
-                    continue
-                s = torch.bmm(qb, k3[:, k0:k1].transpose(1, 2))  # (BG, R*tq, tk)
-                if blk is not None:
-                    _apply_tile_mask(s, blk, B, Gs, R, g0 * R)
-                m_blk = s.amax(dim=-1)  # (BG, R*tq)
-                m_new = m_blk if m is None else torch.maximum(m, m_blk)
-                # A masked tile can leave a row at max -inf; subtract 0 there, not -inf.
-                m_use = m_new if blk is None else m_new.masked_fill(m_new == _NEG_INF, 0.0)
-                s.sub_(m_use.unsqueeze(-1)).exp_()  # p, in place
-                if m is None or acc is None or l is None:
-                    l = s.sum(dim=-1)
-                    acc = torch.bmm(s, v3[:, k0:k1])  # (BG, R*tq, Dv)
-                else:
-                    alpha = torch.exp_(m.sub_(m_use))  # rescales the old sums (in place on m)
-                    l.mul_(alpha).add_(s.sum(dim=-1))
-                    acc.mul_(alpha.unsqueeze(-1)).baddbmm_(s, v3[:, k0:k1])
-                m = m_new
-            if m is None or acc is None or l is None:  # every tile of these rows was empty
-                out[:, g0:g1, :, q0:q1] = 0
-                lse[:, g0:g1, :, q0:q1] = _NEG_INF
-                continue
-            empty = l == 0
-            acc.div_(l.masked_fill(empty, 1.0).unsqueeze(-1))
-            out[:, g0:g1, :, q0:q1] = acc.view(B, Gs, R, tq, Dv)
-            row_lse = m.add_(torch.log(l)).masked_fill_(empty, _NEG_INF)
-            lse[:, g0:g1, :, q0:q1] = row_lse.view(B, Gs, R, tq)
+        h0, h1 = g0 * R, g1 * R
+        k, v = key[:, g0:g1], value[:, g0:g1]
+        for rb in plan:
+            rows = slice(rb.r0, rb.r1)
+            q, do, o = query[:, h0:h1, rows], grad_out[:, h0:h1, rows], out[:, h0:h1, rows]
+            l_b = lse_use[:, h0:h1, rows]
+            d_b = None if delta is None else delta[:, h0:h1, rows]
+            dq_b = dq[:, h0:h1, rows]
+            for lazy in rb.tiles:
+                with torch.set_grad_enabled(bool(bias_params)):  # the bias in its graph
+                    tile = _resolve(lazy, rb, geo)
+                cols = slice(tile.c0, tile.c1)
+                dq_t, dk_t, dv_t = _tile_backward(path, q, k[:, :, cols], v[:, :, cols], do, o,
+                                                  l_b, d_b, tile, scale, h0, softcap,
+                                                  bias_grad if bias_params else None)  # fmt: skip
+                dq_b.add_(dq_t)
+                dk[:, g0:g1, cols].add_(dk_t)
+                dv[:, g0:g1, cols].add_(dv_t)
 
-    _run_groups(G, work)
-    return out.view(B, H, T, Dv), lse.view(B, H, T)
+    _run_groups(G, work, fork=path == "pure")
+    return dq, dk, dv, dparams
 
 
 def attend_chunk_backward(
@@ -297,8 +809,8 @@ def attend_chunk_backward(
     key: torch.Tensor,
     value: torch.Tensor,
     grad_out: torch.Tensor,
+    out: torch.Tensor,
     lse: torch.Tensor,
-    delta: torch.Tensor,
     mask: AttentionMask | None,
     scale: float,
     *,
@@ -308,83 +820,29 @@ def attend_chunk_backward(
     S_total: int | None = None,
     block_q: int | None = None,
     block_k: int | None = None,
+    tile_path: TilePath | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of a chunk pair, recomputing each tile from the row log-sum-exp.
 
     Args:
         query, key, value: as :func:`attend_chunk`.
         grad_out: gradient of the (final, merged) output ``(B, H, T, Dv)``.
+        out: the final, merged output ``(B, H, T, Dv)`` (its ``rowsum(grad_out * out)``
+            enters every tile's gradient).
         lse: the final per-row log-sum-exp ``(B, H, T)`` over *all* keys.
-        delta: ``rowsum(grad_out * out)`` of the final output, ``(B, H, T)``.
-        mask, scale, q_offset, k_offset, T_total, S_total, block_q, block_k: as
-            :func:`attend_chunk`.
+        mask, scale, q_offset, k_offset, T_total, S_total, block_q, block_k, tile_path,
+            softcap: as :func:`attend_chunk`.
 
     Returns:
         ``(dq, dk, dv)`` contributions of this chunk pair in the compute dtype, shaped as
         query, key and value.
     """
-    B, H, T, D = query.shape
-    G, S, Dv = key.shape[1], key.shape[2], value.shape[3]
-    R = H // G
-    T_total = T if T_total is None else T_total
-    S_total = S if S_total is None else S_total
-    bq, bk = default_blocks(B * H, T, S)
-    bq = block_q or bq
-    bk = block_k or bk
+    grads = _backward(query, key, value, grad_out, out, lse, mask, scale, q_offset=q_offset,
+                      k_offset=k_offset, T_total=T_total, S_total=S_total, block_q=block_q,
+                      block_k=block_k, tile_path=tile_path, softcap=softcap)  # fmt: skip
     cd = _compute_dtype(query.dtype)
-    dev = query.device
-    q5 = query.reshape(B, G, R, T, D)  # (B, G, R, T, D)
-    do5 = grad_out.reshape(B, G, R, T, Dv)  # (B, G, R, T, Dv)
-    # A row that saw nothing has lse = -inf; +inf makes its probabilities exp(s - inf) = 0.
-    lse4 = lse.to(cd).masked_fill(lse == _NEG_INF, float("inf")).reshape(B, G, R, T)
-    delta4 = delta.to(cd).reshape(B, G, R, T)
-    dq = torch.zeros(B, G, R, T, D, dtype=cd, device=dev)
-    dk = torch.zeros(B, G, S, D, dtype=cd, device=dev)
-    dv = torch.zeros(B, G, S, Dv, dtype=cd, device=dev)
-
-    def work(g0: int, g1: int) -> None:
-        Gs = g1 - g0
-        BG = B * Gs
-        k3 = key[:, g0:g1].reshape(BG, S, D).to(cd)  # (B*Gs, S, D)
-        v3 = value[:, g0:g1].reshape(BG, S, Dv).to(cd)  # (B*Gs, S, Dv)
-        # Accumulate straight into dk/dv when the group's slice is contiguous (B == 1).
-        dk3 = dk[:, g0:g1].reshape(BG, S, D)  # (B*Gs, S, D)
-        dv3 = dv[:, g0:g1].reshape(BG, S, Dv)  # (B*Gs, S, Dv)
-        for q0 in range(0, T, bq):
-            q1 = min(T, q0 + bq)
-            tq = q1 - q0
-            qb = q5[:, g0:g1, :, q0:q1].reshape(BG, R * tq, D).to(cd) * scale  # (BG, R*tq, D)
-            dob = do5[:, g0:g1, :, q0:q1].reshape(BG, R * tq, Dv).to(cd)  # (BG, R*tq, Dv)
-            lse_b = lse4[:, g0:g1, :, q0:q1].reshape(BG, R * tq, 1)
-            delta_b = delta4[:, g0:g1, :, q0:q1].reshape(BG, R * tq, 1)
-            dqb: torch.Tensor | None = None  # (BG, R*tq, D)
-            lo, hi = _key_range(mask, T_total, S_total, q_offset + q0, q_offset + q1, k_offset, S)
-            for k0 in range(lo, hi, bk):
-                k1 = min(hi, k0 + bk)
-                blk = _tile(mask, T_total, S_total, q_offset + q0, q_offset + q1,
-                            k_offset + k0, k_offset + k1, dev)  # fmt: skip
-                if blk is not None and blk.status == "empty":
-                    continue
-                kb, vb = k3[:, k0:k1], v3[:, k0:k1]
-                s = torch.bmm(qb, kb.transpose(1, 2))  # (BG, R*tq, tk)
-                if blk is not None:
-                    _apply_tile_mask(s, blk, B, Gs, R, g0 * R)
-                p = s.sub_(lse_b).exp_()  # probabilities, in place
-                # Accumulating into a strided slice with baddbmm_ falls back to one addmm
-                # per batch item (slow); a contiguous product plus add_ is much faster.
-                dv3[:, k0:k1].add_(torch.bmm(p.transpose(1, 2), dob))  # dv += p^T dout
-                dp = torch.bmm(dob, vb.transpose(1, 2))  # (BG, R*tq, tk)
-                ds = p.mul_(dp.sub_(delta_b))  # dS = p * (dp - delta), in place on p
-                dqb = torch.bmm(ds, kb) if dqb is None else dqb.baddbmm_(ds, kb)
-                dk3[:, k0:k1].add_(torch.bmm(ds.transpose(1, 2), qb))  # qb carries the scale
-            if dqb is not None:
-                dq[:, g0:g1, :, q0:q1] = dqb.mul_(scale).view(B, Gs, R, tq, D)
-        if dk3.data_ptr() != dk[:, g0:g1].data_ptr() or B > 1:  # reshape had to copy
-            dk[:, g0:g1] = dk3.view(B, Gs, S, D)
-            dv[:, g0:g1] = dv3.view(B, Gs, S, Dv)
-
-    _run_groups(G, work)
-    return dq.view(B, H, T, D), dk, dv
+    return grads[0].to(cd), grads[1].to(cd), grads[2].to(cd)
 
 
 def merge_partials(
@@ -426,7 +884,13 @@ def merge_partials(
 
 
 class _BlockwiseAttention(torch.autograd.Function):
-    """Blockwise forward; backward recomputes tiles from the saved log-sum-exp."""
+    """Blockwise forward; backward recomputes tiles from the saved log-sum-exp.
+
+    Attention sinks join at the end, in log-sum-exp form: ``lse' = logaddexp(lse, sink)``
+    and ``out' = out * exp(lse - lse')``. The tile backward with ``out'`` and ``lse'`` is
+    then exactly the gradient of the softmax with the sink column (whose value is 0), and
+    ``d sink = -sum over rows of exp(sink - lse') * rowsum(dout * out')``.
+    """
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -438,26 +902,46 @@ class _BlockwiseAttention(torch.autograd.Function):
         scale: float,
         block_q: int | None,
         block_k: int | None,
+        tile_path: TilePath | None,
+        softcap: float | None,
+        sinks: torch.Tensor | None,
+        *bias_params: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        out, lse = attend_chunk(query, key, value, mask, scale, block_q=block_q, block_k=block_k)
+        # Decide the path now: the backward runs outside any force_tile_path block. Bias
+        # gradients need the pure tiles in the backward, so both passes take them.
+        path = _choose_path(query, key, value, tile_path,
+                            _pure_because(softcap, bool(bias_params)))  # fmt: skip
+        out, lse = _forward(query, key, value, mask, scale, q_offset=0, k_offset=0,
+                            T_total=None, S_total=None, block_q=block_q, block_k=block_k,
+                            tile_path=path, softcap=softcap)  # fmt: skip
+        if sinks is not None:
+            cd = _compute_dtype(query.dtype)
+            lse = lse.to(cd)
+            with_sinks = add_sinks(lse, sinks.to(cd))  # (B, H, T)
+            out = out.to(cd) * torch.exp(lse - with_sinks).unsqueeze(-1)  # 0 where lse = -inf
+            lse = with_sinks
         out = out.to(query.dtype)
-        ctx.save_for_backward(query, key, value, out, lse)
-        ctx.mask, ctx.scale, ctx.blocks = mask, scale, (block_q, block_k)
+        ctx.save_for_backward(query, key, value, out, lse, sinks, *bias_params)
+        ctx.mask, ctx.scale, ctx.blocks, ctx.path = mask, scale, (block_q, block_k), path
+        ctx.softcap = softcap
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor, grad_lse: torch.Tensor | None):  # type: ignore[override]
-        query, key, value, out, lse = ctx.saved_tensors
-        # e.g. the gradient of .sum() is an expanded (stride 0) tensor: BLAS needs real
-        # strides, else bmm falls back to a slow per-batch loop.
-        grad_out = grad_out.contiguous()
-        cd = _compute_dtype(query.dtype)
-        delta = (grad_out.to(cd) * out.to(cd)).sum(dim=-1)  # (B, H, T)
-        dq, dk, dv = attend_chunk_backward(
-            query, key, value, grad_out, lse, delta, ctx.mask, ctx.scale,
-            block_q=ctx.blocks[0], block_k=ctx.blocks[1],
+        query, key, value, out, lse, sinks, *bias_params = ctx.saved_tensors
+        dq, dk, dv, dparams = _backward(
+            query, key, value, grad_out, out, lse, ctx.mask, ctx.scale,
+            q_offset=0, k_offset=0, T_total=None, S_total=None, block_q=ctx.blocks[0],
+            block_k=ctx.blocks[1], tile_path=ctx.path, softcap=ctx.softcap,
+            bias_params=tuple(bias_params),
         )  # fmt: skip
+        dsinks = None
+        if sinks is not None and ctx.needs_input_grad[9]:
+            cd = _compute_dtype(query.dtype)
+            delta = (grad_out.to(cd) * out.to(cd)).sum(dim=-1)  # (B, H, T)
+            share = torch.exp(sinks.to(cd)[None, :, None] - lse.to(cd))  # the sink's weight
+            dsinks = -(share * delta).sum(dim=(0, 2)).to(sinks.dtype)  # (H,)
         return (
             dq.to(query.dtype),
             dk.to(key.dtype),
@@ -466,6 +950,10 @@ class _BlockwiseAttention(torch.autograd.Function):
             None,
             None,
             None,
+            None,
+            None,
+            dsinks,
+            *(g.to(p.dtype) for g, p in zip(dparams, bias_params, strict=True)),
         )
 
 
@@ -477,18 +965,37 @@ def blockwise_attention(
     *,
     dropout_p: float,
     scale: float,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
     block_q: int | None = None,
     block_k: int | None = None,
+    tile_path: TilePath | None = None,
 ) -> BackendResult:
-    """Online-softmax attention with linear memory; returns the output and the row LSE.
+    """Tiled attention with linear memory; returns the output and the row LSE.
+
+    Args:
+        query, key, value, mask, dropout_p, scale: as every backend.
+        softcap: logit soft-cap (computed on the pure tiles), or None.
+        sinks: per-head sink logits ``(H,)`` joining every row's softmax, or None.
+        block_q, block_k: tile size (default: per path).
+        tile_path: ``"fused"`` (PyTorch's flash op per tile), ``"pure"`` (plain PyTorch)
+            or None (fused whenever the op can serve the call; see
+            :func:`force_tile_path`). Soft-capping and gradients of a bias (a learned
+            relative-position table, an additive mask that requires grad) take the pure
+            tiles: the op has neither.
 
     Shape:
         - query ``(B, H, T, D)``, key ``(B, G, S, D)``, value ``(B, G, S, Dv)``
-        - output ``(B, H, T, Dv)``, lse ``(B, H, T)``
+        - output ``(B, H, T, Dv)``, lse ``(B, H, T)`` (with sinks: including them)
     """
     if dropout_p > 0:
         raise ValueError(_why_not_dropout(dropout_p))
-    out, lse = _BlockwiseAttention.apply(query, key, value, mask, scale, block_q, block_k)
+    grad_on = torch.is_grad_enabled()
+    bias_params = mask.grad_tensors() if (mask is not None and grad_on) else ()
+    out, lse = _BlockwiseAttention.apply(
+        query, key, value, mask, scale, block_q, block_k, tile_path, softcap, sinks,
+        *bias_params,
+    )  # fmt: skip
     return BackendResult(output=out, lse=lse)
 
 
@@ -502,11 +1009,6 @@ def _why_not_dropout(p: float) -> str:
 def _why_not(request: AttentionRequest) -> str | None:
     if request.dropout_p > 0:
         return _why_not_dropout(request.dropout_p)
-    if request.mask is not None and request.mask.bias_requires_grad:
-        return (
-            "blockwise does not compute gradients for an additive mask (the attn_mask "
-            "tensor requires grad); use 'math' or 'sdpa'"
-        )
     return None
 
 
@@ -515,7 +1017,7 @@ BACKEND = Backend(
     run=blockwise_attention,
     why_not=_why_not,
     summary=(
-        "online softmax over key tiles (FlashAttention in plain PyTorch); O(T) memory, "
-        "skips masked tiles, returns log-sum-exp, recomputing backward"
+        "attention tile by tile, each tile by PyTorch's fused flash op (or plain PyTorch); "
+        "O(T) memory, skips masked tiles, returns log-sum-exp, recomputing backward"
     ),
 )

@@ -305,8 +305,8 @@ def _backward_step(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
+    out: torch.Tensor,
     lse: torch.Tensor,
-    delta: torch.Tensor,
     dq: torch.Tensor,
     dk: torch.Tensor,
     dv: torch.Tensor,
@@ -320,7 +320,7 @@ def _backward_step(
         ka, kb = ks.local_start, ks.local_start + ks.length
         dq_c, dk_c, dv_c = attend_chunk_backward(
             query[:, :, qa:qb], key[:, :, ka:kb], value[:, :, ka:kb],
-            grad_out[:, :, qa:qb], lse[:, :, qa:qb], delta[:, :, qa:qb],
+            grad_out[:, :, qa:qb], out[:, :, qa:qb], lse[:, :, qa:qb],
             **_kernel_args(cfg, qs, ks, t * cfg.world_size, masked),
         )  # fmt: skip
         dq[:, :, qa:qb] += dq_c
@@ -382,7 +382,6 @@ def _ring_backward(
     cfg: _RingConfig,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     cdt = _compute_dtype(query.dtype)
-    delta = (grad_out.to(cdt) * out.to(cdt)).sum(dim=-1)  # (B, H, T)
     dq = query.new_zeros(query.shape, dtype=cdt)  # (B, H, T, D)
     kv = [key.contiguous(), value.contiguous()]
     n = cfg.world_size
@@ -394,7 +393,7 @@ def _ring_backward(
             kv_pending = _Exchange(cfg, kv, "backward key/value transfer", step, _KV_TAG)
         dk = key.new_zeros(key.shape, dtype=cdt)  # (B, G, T, D)
         dv = value.new_zeros(value.shape, dtype=cdt)  # (B, G, T, Dv)
-        args = (grad_out, query, kv[0], kv[1], lse, delta, dq, dk, dv, src, cfg)
+        args = (grad_out, query, kv[0], kv[1], out, lse, dq, dk, dv, src, cfg)
         _timed(cfg, _backward_step, *args)
         if grad_pending is not None:
             upstream = grad_pending.wait()  # this block's dK/dV from the ranks before us

@@ -112,6 +112,11 @@ def why_not_fast_decode(model: Any) -> str | None:
         norm, att = _block_parts(block)[:2]
         if att.kdim != att.embed_dim or att.vdim != att.embed_dim:
             return "cross-attention widths"
+        for option in ("sliding_window", "qk_norm", "softcap", "sinks"):
+            if getattr(att, option, None) not in (None, False):
+                return f"attention option {option}"
+        if getattr(block, "attn_post_norm", None) is not None:
+            return "post-attention norms"
         if not isinstance(norm, nn.LayerNorm) and not hasattr(norm, "eps"):
             return f"norm {type(norm).__name__}"
     return None
@@ -163,7 +168,8 @@ class DecodePlan:
         self.parts = parts
         att0 = _block_parts(parts.blocks[0])[1]
         self.H, self.G, self.D = att0.num_heads, att0.num_kv_heads, att0.head_dim
-        self.scale = 1.0 / math.sqrt(self.D)
+        scale = getattr(att0, "scale", None)
+        self.scale = 1.0 / math.sqrt(self.D) if scale is None else float(scale)
         self.rope: RotaryEmbedding | None = att0.rope
         rope = self.rope
         # Full-width "rotate half" RoPE with fixed frequencies: tables once, two products.
@@ -311,5 +317,9 @@ def fast_step(
     no layer captures its weights; None: run the model's modules instead."""
     if not takes_fast_step(model, input_ids, kv_cache, need_weights):
         return None
-    plan = decode_plan(model)
+    plan: DecodePlan | None = model.__dict__.get("_decode_plan")
+    if plan is None:
+        if why_not_fast_decode(model) is not None:
+            return None  # checked per call only for layouts that stay on their modules
+        plan = decode_plan(model)
     return None if plan.capturing() else plan.step(input_ids, kv_cache)
