@@ -273,7 +273,8 @@ class DecodePlan:
             else:
                 m = layer.act(layer.up.forward(h))
             x = x + layer.down.forward(m)  # (B, C)
-        return parts.head.forward(self.final_norm(x)).unsqueeze(1)  # (B, 1, V)
+        # Called as a module (hooks on the output head still see each step's (B, 1, C)).
+        return parts.head(self.final_norm(x).unsqueeze(1))  # (B, 1, V)
 
 
 def takes_fast_step(
