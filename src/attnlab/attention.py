@@ -125,18 +125,20 @@ class KVCache:
 
 
 class RollingKVCache(KVCache):
-    """A KV cache for a sliding-window layer: it holds only the last ``window`` positions.
+    """A KV cache for a sliding-window layer: it holds only the last ``window - 1``
+    positions, all that a later query may still see besides itself.
 
-    Memory stays at ``window`` positions however many tokens are generated. ``update``
+    Memory stays below ``window`` positions however many tokens are generated. ``update``
     returns the held keys followed by the new ones (``S = cached_len + T``, contiguous
     positions ending at the newest token), so a bottom-right aligned
     :class:`attnlab.masks.SlidingWindowMask` over them is exactly the full pass's window,
-    also for a chunk longer than the window. Keys are stored after RoPE, so their
-    positions travel with them. Use it with ``Attention(sliding_window=w)`` and a
-    ``window >= w`` (``Attention.new_kv_cache()`` builds the right one).
+    also for a chunk longer than the window; for one new token ``S <= window`` and the
+    window masks nothing. Keys are stored after RoPE, so their positions travel with them.
+    Use it with ``Attention(sliding_window=w)`` and a ``window >= w``
+    (``Attention.new_kv_cache()`` builds the right one).
 
     Args:
-        window: positions to keep, >= 1.
+        window: the layer's sliding window, >= 1.
 
     Raises:
         ValueError: ``window`` not a positive int.
@@ -160,7 +162,7 @@ class RollingKVCache(KVCache):
         self._seen = 0
 
     def update(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return the held keys/values followed by the new ones; keep the last ``window``.
+        """Return the held keys/values followed by the new ones; keep the last ``window - 1``.
 
         Shape:
             - key ``(B, G, T, D)``, value ``(B, G, T, Dv)``; returns ``(B, G, S, D)`` and
@@ -175,8 +177,9 @@ class RollingKVCache(KVCache):
         else:
             k_all = torch.cat([self._k, key.to(self._k.dtype)], dim=2)  # (B, G, S, D)
             v_all = torch.cat([self._v, value.to(self._v.dtype)], dim=2)  # (B, G, S, Dv)
-        keep = min(self.window, k_all.shape[2])
-        k_keep, v_keep = k_all[:, :, -keep:], v_all[:, :, -keep:]
+        keep = min(self.window - 1, k_all.shape[2])
+        first = k_all.shape[2] - keep
+        k_keep, v_keep = k_all[:, :, first:], v_all[:, :, first:]
         if not (k_keep.requires_grad or v_keep.requires_grad):
             # A copy, so that the held tensors do not pin the (window + T) buffer.
             k_keep, v_keep = k_keep.clone(), v_keep.clone()
@@ -516,7 +519,7 @@ class Attention(nn.Module):
 
         if kv_cache is not None:
             keys, values = kv_cache.update(keys, values)  # (B, G, S, D)
-        mask = self._mask(attn_mask, is_causal)
+        mask = self._mask(attn_mask, is_causal, keys.shape[2])
         scale = self.scale if self.scale is not None else default_scale(D)
         dropout_p = self.dropout if self.training else 0.0
 
@@ -577,10 +580,11 @@ class Attention(nn.Module):
         return out
 
     def _mask(
-        self, attn_mask: AttentionMask | torch.Tensor | None, is_causal: bool
+        self, attn_mask: AttentionMask | torch.Tensor | None, is_causal: bool, S: int
     ) -> AttentionMask | None:
-        """The call's mask: the user's, causal, and this layer's sliding window."""
-        if self.sliding_window is None:
+        """The call's mask: the user's, causal, and this layer's sliding window (left out
+        when it cannot remove a key, S <= window, so fused kernels keep their fast path)."""
+        if self.sliding_window is None or self.sliding_window >= S:
             return as_mask(attn_mask, is_causal)
         window = SlidingWindowMask(self.sliding_window, causal=is_causal)
         user = as_mask(attn_mask)  # the window already forbids the future when causal
