@@ -32,12 +32,17 @@ def reference_attention(
     mask: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     scale: float | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """fp64 attention. query (B, H, T, D), key/value (B, G, S, D), H % G == 0.
 
     ``mask`` is boolean, True = may attend, broadcastable to (B, H, T, S);
-    ``bias`` is an additive float tensor broadcastable to (B, H, T, S).
-    Returns (output (B, H, T, Dv), weights (B, H, T, S)) in float64.
+    ``bias`` is an additive float tensor broadcastable to (B, H, T, S);
+    ``softcap`` c replaces the scaled scores s by c * tanh(s / c) before bias and mask;
+    ``sinks`` (H,) is one more logit per head in every row's softmax, with no value.
+    Returns (output (B, H, T, Dv), weights (B, H, T, S)) in float64; with sinks the
+    weights of a row sum to less than 1.
     """
     q, k, v = query.double(), key.double(), value.double()
     h, g = q.shape[1], k.shape[1]
@@ -46,13 +51,20 @@ def reference_attention(
         v = v.repeat_interleave(h // g, dim=1)  # (B, H, S, Dv)
     s = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     scores = (q @ k.transpose(-2, -1)) * s  # (B, H, T, S)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     if bias is not None:
         scores = scores + bias.double()
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     row_max = scores.amax(dim=-1, keepdim=True)
+    if sinks is not None:
+        sink = sinks.double()[None, :, None, None]  # (1, H, 1, 1)
+        row_max = torch.maximum(row_max, sink)
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
     e = torch.exp(scores - row_max)
     denom = e.sum(dim=-1, keepdim=True)
+    if sinks is not None:
+        denom = denom + torch.exp(sink - row_max)
     weights = torch.where(denom > 0, e / denom.clamp_min(1e-300), torch.zeros_like(e))
     return weights @ v, weights

@@ -10,7 +10,12 @@ import pytest
 import torch
 
 from attnlab._memory import peak_allocated
-from attnlab.backends import WeightsRequest, available_backends, explain_dispatch
+from attnlab.backends import (
+    WeightsRequest,
+    available_backends,
+    explain_dispatch,
+    set_dispatch_table,
+)
 from attnlab.backends.blockwise import force_tile_path, fused_tiles_available
 from attnlab.functional import exact_attention_weights, scaled_dot_product_attention
 from attnlab.masks import (
@@ -266,7 +271,15 @@ def test_bad_input_raises_naming_the_argument(kwargs, exc, match):
         explain_dispatch(**args)
 
 
-def test_auto_dispatch_choices_and_refusals():
+@pytest.fixture
+def fixed_order():
+    """auto by the fixed order (no crossover table: its measured ranking may differ)."""
+    set_dispatch_table(None)
+    yield
+    set_dispatch_table()
+
+
+def test_auto_dispatch_choices_and_refusals(fixed_order):
     small = torch.randn(1, 2, 8, 16)
     assert explain_dispatch(small, small, small, is_causal=True).chosen == "sdpa"
     # A big padding mask has no PyTorch fast path: auto applies it tile by tile instead.
@@ -279,9 +292,9 @@ def test_auto_dispatch_choices_and_refusals():
     assert explain_dispatch(big, big, big, pad, dropout_p=0.1).chosen == "sdpa"
     with pytest.raises(ValueError, match="blockwise does not implement attention dropout"):
         scaled_dot_product_attention(small, small, small, dropout_p=0.1, backend="blockwise")
+    # A bias that needs gradients is served by blockwise too (on its pure tiles).
     bias = AdditiveMask(torch.zeros(8, 8, requires_grad=True))
-    with pytest.raises(ValueError, match="gradients for an additive mask"):
-        scaled_dot_product_attention(small, small, small, bias, backend="blockwise")
+    assert explain_dispatch(small, small, small, bias, backend="blockwise").chosen == "blockwise"
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "math"])
@@ -291,3 +304,187 @@ def test_dropout_backends_drop_in_training(backend):
     a = scaled_dot_product_attention(q, k, v, dropout_p=0.5, backend=backend)
     b = scaled_dot_product_attention(q, k, v, backend=backend)
     assert a.shape == b.shape and not torch.allclose(a, b)
+
+
+# -- Score and mask kinds of today's open models (issue 10) --------------------------------
+# Each variant's reference numbers come from outside attnlab: ALiBi slopes from the
+# published formula, T5 buckets from transformers' own function, document masks from id
+# equality, softcap and sinks from tests/reference.py.
+
+
+def _t5_bucket(rel: torch.Tensor, bidirectional: bool, num_buckets: int, max_distance: int):
+    from transformers.models.t5.modeling_t5 import T5Attention
+
+    return T5Attention._relative_position_bucket(
+        rel, bidirectional=bidirectional, num_buckets=num_buckets, max_distance=max_distance
+    )
+
+
+def _positions(T: int, S: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absolute query and key positions, bottom-right aligned: (T, 1) and (1, S)."""
+    return (torch.arange(T) + S - T)[:, None], torch.arange(S)[None, :]
+
+
+def _doc_ids(n: int, gen: torch.Generator) -> torch.Tensor:
+    """(B, n) sorted document ids: random document lengths, packed one after another."""
+    return torch.stack(
+        [torch.sort(torch.randint(0, 3, (n,), generator=gen)).values for _ in range(B)]
+    )
+
+
+class Variant:
+    """One row of the grid: the attnlab arguments and the dense reference inputs."""
+
+    def __init__(self, name: str, T: int, S: int, gen: torch.Generator, dtype: torch.dtype) -> None:
+        from attnlab.biases import AlibiBias, RelativePositionBias
+        from attnlab.masks import DocumentMask
+
+        self.mask = None
+        self.softcap = None
+        self.sinks = None
+        self.params: dict[str, torch.Tensor] = {}  # extra leaves whose gradients we check
+        qpos, kpos = _positions(T, S)
+        pdt = torch.float64 if dtype == torch.float64 else torch.float32  # learned params
+        allowed = torch.ones(B, H, T, S, dtype=torch.bool)
+        bias = torch.zeros(1, H, T, S, dtype=torch.float64)
+        parts = set(name.split("+"))
+        if "causal" in parts:
+            self.add(CausalMask())
+            allowed &= kpos <= qpos
+        if "alibi" in parts:
+            # Published slopes for a power-of-two head count: 2^(-8 h / H), h = 1..H.
+            slopes = torch.tensor([2.0 ** (-8 * (h + 1) / H) for h in range(H)])
+            self.add(AlibiBias(H))
+            bias = bias - slopes.double()[:, None, None] * (qpos - kpos)
+        if "relbias" in parts or "relbias_dec" in parts:
+            bidir = "relbias" in parts
+            table = torch.randn(8, H, generator=gen).to(pdt).requires_grad_()
+            self.params["table"] = table
+            self.add(
+                RelativePositionBias(table, bidirectional=bidir, num_buckets=8, max_distance=20)
+            )
+            self.bucket = _t5_bucket(kpos - qpos, bidir, 8, 20)  # (T, S)
+        if "doc" in parts:
+            qid = _doc_ids(T, gen)
+            kid = _doc_ids(S, gen) if S != T else None
+            self.add(DocumentMask(qid, kid))
+            kk = qid if kid is None else kid
+            allowed &= (qid[:, :, None] == kk[:, None, :])[:, None]
+        if "window" in parts:
+            self.add(SlidingWindowMask(4))
+            allowed &= (kpos <= qpos) & (kpos > qpos - 4)
+        if "padding" in parts:  # batch item 1 is all padding: every one of its rows is empty
+            self.add(PaddingMask.from_lengths([max(1, S - 2), 0], S))
+            allowed &= (kpos < torch.tensor([max(1, S - 2), 0])[:, None, None])[:, None]
+        if "softcap" in parts:
+            self.softcap = 1.5
+        if "sinks" in parts:
+            self.sinks = torch.randn(H, generator=gen).to(pdt).requires_grad_()
+            self.params["sinks"] = self.sinks
+        self.ref_mask, self._bias = allowed, bias
+
+    def ref_bias(self, leaves: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The dense fp64 bias, differentiable in the fp64 ``leaves`` (e.g. the table)."""
+        if "table" not in leaves:
+            return self._bias
+        return self._bias + leaves["table"][self.bucket].permute(2, 0, 1)  # (1, H, T, S)
+
+    def add(self, m):
+        self.mask = m if self.mask is None else self.mask & m
+
+    @property
+    def features(self) -> set[str]:
+        f = set()
+        if self.softcap is not None:
+            f.add("softcap")
+        if self.sinks is not None:
+            f.add("sinks")
+        if self.mask is not None and self.mask.bias_requires_grad:
+            f.add("bias_grad")
+        return f
+
+
+VARIANTS = [
+    "alibi+causal",
+    "relbias",
+    "relbias_dec+causal",
+    "doc",
+    "doc+causal",
+    "doc+causal+alibi",
+    "softcap",
+    "softcap+window",
+    "sinks+causal",
+    "sinks+padding",
+    "softcap+sinks+relbias+causal",
+    "doc+causal+softcap+sinks",
+]
+# What each backend refuses (and a word its reason must contain). Everything else it serves.
+REFUSES = {
+    "math": {},
+    "sdpa": {"softcap": "soft-capping", "sinks": "sinks"},
+    "blockwise": {},
+}
+
+
+def run_variant(backend, dtype, name, T, S, D, seed=0):
+    """``backend`` is a backend name, or ``blockwise:<tile path>`` (soft-capping and bias
+    gradients take the pure tiles whatever path is forced)."""
+    backend, path = split_case(backend)
+    with force_tile_path(path):
+        _run_variant(backend, dtype, name, T, S, D, seed)
+
+
+def _run_variant(backend, dtype, name, T, S, D, seed):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, T, D, generator=gen).to(dtype).requires_grad_()
+    k = torch.randn(B, G, S, D, generator=gen).to(dtype).requires_grad_()
+    v = torch.randn(B, G, S, D, generator=gen).to(dtype).requires_grad_()
+    dout = torch.randn(B, H, T, D, generator=gen).to(dtype)
+    var = Variant(name, T, S, gen, dtype)
+    kw = {"softcap": var.softcap, "sinks": var.sinks, "backend": backend}
+    refused = [REFUSES[backend][f] for f in var.features if f in REFUSES[backend]]
+    if refused:
+        exp = explain_dispatch(q, k, v, var.mask, **{**kw, "backend": "auto"})
+        reason = dict(exp.reasons)[backend]
+        assert reason is not None and any(word in reason for word in refused), reason
+        with pytest.raises(ValueError, match="cannot serve"):
+            scaled_dot_product_attention(q, k, v, var.mask, **kw)
+        return
+    out = scaled_dot_product_attention(q, k, v, var.mask, **kw)
+    out.backward(dout)
+
+    qr, kr, vr = (t.detach().double().requires_grad_() for t in (q, k, v))
+    pr = {n: t.detach().double().requires_grad_() for n, t in var.params.items()}
+    ref, _ = reference_attention(
+        qr, kr, vr, mask=var.ref_mask, bias=var.ref_bias(pr), softcap=var.softcap,
+        sinks=pr.get("sinks"),
+    )  # fmt: skip
+    ref.backward(dout.double())
+
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), ref, **tol(dtype))
+    if "padding" in name:  # batch item 1 attends to nothing: exactly 0
+        assert torch.equal(out[1], torch.zeros_like(out[1]))
+    for n, t, r in (("q", q, qr), ("k", k, kr), ("v", v, vr)):
+        assert t.grad is not None and torch.isfinite(t.grad).all(), n
+        torch.testing.assert_close(t.grad.double(), r.grad, **grad_tol(dtype), msg=n)
+    for n, t in var.params.items():
+        assert t.grad is not None and torch.isfinite(t.grad).all(), n
+        torch.testing.assert_close(t.grad.double(), pr[n].grad, **grad_tol(dtype), msg=n)
+
+
+@pytest.mark.parametrize("shape", FAST_SHAPES, ids=lambda s: "T{}S{}D{}".format(*s))
+@pytest.mark.parametrize("name", VARIANTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("backend", BACKEND_CASES)
+def test_conformance_variants(backend, dtype, name, shape):
+    run_variant(backend, dtype, name, *shape)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", SLOW_SHAPES, ids=lambda s: "T{}S{}D{}".format(*s))
+@pytest.mark.parametrize("name", VARIANTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("backend", BACKEND_CASES)
+def test_conformance_variants_full_grid(backend, dtype, name, shape):
+    run_variant(backend, dtype, name, *shape, seed=1)

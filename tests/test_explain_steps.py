@@ -111,3 +111,22 @@ def test_bad_indices_name_the_argument(kwargs, error, match):
     args = {"layer": 0, "head": 0, "token": 0, **kwargs}
     with pytest.raises(error, match=match):
         head_steps(model, IDS, **args)
+
+
+def test_softcap_and_sinks_are_steps_and_still_land_on_the_layer():
+    torch.manual_seed(2)
+    model = TinyModel(rope=False).eval()
+    block = model.blocks[1]
+    block.softcap = 0.5  # small, so that the cap matters
+    block.sinks = nn.Parameter(torch.tensor([0.3, -1.0, 2.0, 0.0]))
+    s = head_steps(model, IDS, layer=1, head=2, token=6)
+    assert s.softcap == 0.5 and s.sink == pytest.approx(2.0)
+    torch.testing.assert_close(s.capped, 0.5 * torch.tanh(s.scaled / 0.5))
+    assert float(s.capped.abs().max()) < 0.5
+    # PyTorch: softmax over [capped scores, sink], the sink's column dropped.
+    logits = torch.cat([s.capped.masked_fill(~s.allowed, -math.inf), torch.tensor([2.0])])
+    torch.testing.assert_close(s.weights, torch.softmax(logits, -1)[:-1])
+    assert float(s.weights.sum()) < 0.9 and max(s.checks.values()) < 1e-5
+    ids = [x["id"] for x in step_sections(s)]
+    assert ids.index("scale") < ids.index("softcap") < ids.index("mask")
+    assert "attention sink" in next(x for x in step_sections(s) if x["id"] == "weights")["body"]

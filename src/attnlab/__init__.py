@@ -5,8 +5,9 @@ Public API, re-exported names only. See the README for a tour.
 
 from __future__ import annotations
 
-from attnlab.attention import Attention, KVCache, RotaryEmbedding
+from attnlab.attention import Attention, KVCache, RollingKVCache, RotaryEmbedding
 from attnlab.backends import WeightsRequest, explain_dispatch
+from attnlab.biases import AlibiBias, RelativePositionBias
 from attnlab.examples import EXAMPLES, Example, get_example
 from attnlab.explain.trace import AttentionTrace, trace_attention, trace_example
 from attnlab.functional import (
@@ -24,10 +25,12 @@ from attnlab.masks import (
     AttentionMask,
     BooleanMask,
     CausalMask,
+    DocumentMask,
     PaddingMask,
     SlidingWindowMask,
     as_mask,
 )
+from attnlab.norms import QKNorm
 from attnlab.rope import RopeConfig
 
 __version__ = "0.1.0"
@@ -35,14 +38,19 @@ __version__ = "0.1.0"
 __all__ = [
     "EXAMPLES",
     "AdditiveMask",
+    "AlibiBias",
     "Attention",
     "AttentionMask",
     "AttentionTrace",
     "BooleanMask",
     "CausalMask",
+    "DocumentMask",
     "Example",
     "KVCache",
     "PaddingMask",
+    "QKNorm",
+    "RelativePositionBias",
+    "RollingKVCache",
     "RopeConfig",
     "RotaryEmbedding",
     "SelfAttentionV1",

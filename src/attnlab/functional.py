@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 import torch
@@ -272,6 +273,8 @@ def scaled_dot_product_attention(
     *,
     backend: str = "auto",
     need_weights: bool | WeightsRequest = False,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Scaled dot-product attention, computed by a chosen (or the fastest capable) backend.
 
@@ -279,8 +282,10 @@ def scaled_dot_product_attention(
     ``h // (H // G)``)::
 
         scores  = query @ key^T * scale          # scale defaults to 1/sqrt(D)
+        scores  = softcap * tanh(scores / softcap)   # only with softcap=
         scores += bias; scores[~allowed] = -inf  # from attn_mask (True = may attend)
         weights = softmax(scores, dim=-1)        # a row with nothing allowed -> zeros
+        # with sinks=: softmax over [scores, sinks[h]], the sink column then dropped
         output  = dropout(weights, dropout_p) @ value
 
     Args:
@@ -301,6 +306,11 @@ def scaled_dot_product_attention(
             Fast backends return exact weights recomputed block by block from the
             row log-sum-exp (detached); ``math`` returns its own (differentiable).
             Weights are the pre-dropout softmax.
+        softcap: logit soft-capping (Gemma 2): ``softcap * tanh(s / softcap)`` on the
+            scaled scores, before masks and biases; None for none. Must be > 0.
+        sinks: attention sinks (gpt-oss): a float tensor ``(H,)``, one learned logit per
+            query head that joins every row's softmax denominator (it takes probability
+            mass and contributes no value); gradients reach it. None for none.
 
     Returns:
         ``output`` ``(B, H, T, Dv)``, or ``(output, weights)`` with weights
@@ -310,6 +320,7 @@ def scaled_dot_product_attention(
         - query: ``(B, H, T, D)``
         - key: ``(B, G, S, D)``
         - value: ``(B, G, S, Dv)``
+        - sinks: ``(H,)``
         - output: ``(B, H, T, Dv)``
 
     Raises:
@@ -318,22 +329,42 @@ def scaled_dot_product_attention(
         ValueError: wrong rank, mismatched batch / head dim / lengths, ``H`` not a
             multiple of ``G``, a mask that does not broadcast, ``dropout_p`` outside
             [0, 1), an unknown backend, a backend that cannot serve the call (with its
-            reason), an unknown head or row in ``need_weights``.
+            reason), an unknown head or row in ``need_weights``, ``softcap <= 0``,
+            ``sinks`` not a float tensor ``(H,)``.
     """
-    from attnlab.backends import exact_weights, prepare_call, select_backend, select_weights
-
-    call = prepare_call(
-        query, key, value, attn_mask, dropout_p, is_causal, scale, backend, need_weights
-    )
-    chosen = select_backend(backend, call.request)
-    result = chosen.run(query, key, value, call.mask, dropout_p=dropout_p, scale=call.scale)
-    if call.weights is None:
+    backends = _backends()
+    # validated and chosen once per call signature, then cached
+    chosen, mask, scale_f, wanted, softcap_f, sinks_t = backends.resolve_call(
+        query, key, value, attn_mask, dropout_p, is_causal, scale, backend, need_weights,
+        softcap=softcap, sinks=sinks,
+    )  # fmt: skip
+    result = chosen.run(
+        query, key, value, mask, dropout_p=dropout_p, scale=scale_f,
+        softcap=softcap_f, sinks=sinks_t,
+    )  # fmt: skip
+    if wanted is None:
         return result.output
     if result.weights is not None:
-        weights = select_weights(result.weights, call.weights)
+        weights = backends.select_weights(result.weights, wanted)
     else:
-        weights = exact_weights(query, key, call.mask, call.scale, call.weights, lse=result.lse)
+        weights = backends.exact_weights(
+            query, key, mask, scale_f, wanted, lse=result.lse,
+            softcap=softcap_f, sinks=sinks_t,
+        )  # fmt: skip
     return result.output, weights
+
+
+_BACKENDS: ModuleType | None = None
+
+
+def _backends() -> ModuleType:
+    """``attnlab.backends``, imported on first use (it imports this module's callers)."""
+    global _BACKENDS
+    if _BACKENDS is None:
+        import attnlab.backends
+
+        _BACKENDS = attnlab.backends
+    return _BACKENDS
 
 
 def exact_attention_weights(
@@ -345,6 +376,8 @@ def exact_attention_weights(
     *,
     heads: list[int] | tuple[int, ...] | None = None,
     rows: list[int] | tuple[int, ...] | slice | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact attention weights for chosen heads and query rows, without ``B x H x T x S``.
 
@@ -360,6 +393,8 @@ def exact_attention_weights(
         scale: as for :func:`scaled_dot_product_attention`.
         heads: query heads to return (None = all).
         rows: query positions to return (None = all).
+        softcap: as for :func:`scaled_dot_product_attention`.
+        sinks: as for :func:`scaled_dot_product_attention`.
 
     Returns:
         Detached weights ``(B, h, t, S)``.
@@ -374,5 +409,10 @@ def exact_attention_weights(
 
     request = WeightsRequest(heads=heads, rows=rows)  # type: ignore[arg-type]
     value = key[..., :1]  # shape-only stand-in: the weights never touch the values
-    call = prepare_call(query, key, value, attn_mask, 0.0, is_causal, scale, "math", request)
-    return exact_weights(query, key, call.mask, call.scale, request)
+    call = prepare_call(
+        query, key, value, attn_mask, 0.0, is_causal, scale, "math", request,
+        softcap=softcap, sinks=sinks,
+    )  # fmt: skip
+    return exact_weights(
+        query, key, call.mask, call.scale, request, softcap=call.softcap, sinks=call.sinks
+    )

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["generate", "generate_stream", "sample_next_token"]
+__all__ = ["TextStream", "generate", "generate_stream", "sample_next_token"]
 
 
 def _check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
@@ -235,3 +235,35 @@ def generate(
         )
     )
     return torch.cat([idx, *new], dim=1) if new else idx.clone()
+
+
+class TextStream:
+    """Turn token ids, arriving one by one, into text pieces that are safe to show.
+
+    Byte-level BPE tokens can end inside a multi-byte character; the decoded text then
+    ends in U+FFFD, and that tail is held back until the next token completes it.
+
+    Args:
+        tokenizer: anything with ``decode(ids) -> str`` (tiktoken, attnlab's pretrained
+            tokenizers).
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.shown = 0
+
+    def push(self, token: int) -> str:
+        """Add one token; return the new text that is complete (may be ``""``)."""
+        self.ids.append(token)
+        text = self.tokenizer.decode(self.ids)
+        if text.endswith("\ufffd"):
+            return ""
+        piece, self.shown = text[self.shown :], len(text)
+        return piece
+
+    def flush(self) -> str:
+        """The text still held back (at the end of the stream)."""
+        text = self.tokenizer.decode(self.ids)
+        piece, self.shown = text[self.shown :], len(text)
+        return piece

@@ -39,6 +39,7 @@ __all__ = [
     "BlockStatus",
     "BooleanMask",
     "CausalMask",
+    "DocumentMask",
     "Index",
     "MaskBlock",
     "PaddingMask",
@@ -175,8 +176,14 @@ class AttentionMask:
 
     @property
     def bias_requires_grad(self) -> bool:
-        """True when the additive bias is a tensor that needs gradients."""
-        return False
+        """True when the additive bias depends on a tensor that needs gradients."""
+        return bool(self.grad_tensors())
+
+    def grad_tensors(self) -> tuple[torch.Tensor, ...]:
+        """The tensors requiring gradients that :meth:`block`'s bias is computed from
+        (an additive mask, a relative-position table, ALiBi slopes), for backends that
+        recompute tiles and must route the bias gradient to them."""
+        return ()
 
     def may_empty_rows(self, T: int, S: int) -> bool:
         """Whether some query row may attend to nothing (conservative: True if unsure)."""
@@ -393,6 +400,112 @@ class PaddingMask(AttentionMask):
         return MaskBlock("partial", allowed=v[:, None, None, :])
 
 
+def _check_ids(name: str, ids: object, expect: str) -> torch.Tensor:
+    if not isinstance(ids, torch.Tensor):
+        raise TypeError(
+            f"`{name}` must be an integer torch.Tensor {expect}, got {type(ids).__name__}"
+        )
+    if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
+        raise ValueError(
+            f"`{name}` must be an integer tensor {expect} of document ids, got dtype "
+            f"{ids.dtype}; use `{name}.long()`"
+        )
+    if ids.ndim != 2 or ids.numel() == 0:
+        raise ValueError(
+            f"`{name}` must be a non-empty 2-D tensor {expect}, got shape {tuple(ids.shape)}; "
+            f"for one sequence use `{name}[None]`"
+        )
+    return ids.long()
+
+
+class DocumentMask(AttentionMask):
+    """Packed sequences: a token attends only to tokens of its own document.
+
+    ``segment_ids[b, i]`` is the document of query i; ``key_segment_ids[b, j]`` that of
+    key j (default: the same ids, for self-attention with ``T == S``). Combine with
+    ``& CausalMask()`` for packed causal training. Tiles whose query and key documents
+    never meet are reported ``"empty"`` and skipped by tiling backends, so the cost is
+    the sum of the documents' squares, not ``T**2``; when the key ids are sorted
+    (documents packed one after another) :meth:`col_range` narrows each block of
+    queries to the keys of its own documents.
+
+    Args:
+        segment_ids: integer tensor ``(B, T)``.
+        key_segment_ids: integer tensor ``(B, S)``, or None to use ``segment_ids``.
+
+    Raises:
+        TypeError: not a tensor.
+        ValueError: not 2-D integer tensors, or batch sizes that differ.
+    """
+
+    kind = "document"
+
+    def __init__(
+        self, segment_ids: torch.Tensor, key_segment_ids: torch.Tensor | None = None
+    ) -> None:
+        self.segment_ids = _check_ids("segment_ids", segment_ids, "(B, T)")
+        if key_segment_ids is None:
+            self.key_segment_ids = self.segment_ids
+            self._shared = True
+        else:
+            self.key_segment_ids = _check_ids("key_segment_ids", key_segment_ids, "(B, S)")
+            self._shared = False
+            if self.key_segment_ids.shape[0] != self.segment_ids.shape[0]:
+                raise ValueError(
+                    "`key_segment_ids` must have the batch size of `segment_ids` "
+                    f"({self.segment_ids.shape[0]}), got shape "
+                    f"{tuple(self.key_segment_ids.shape)}"
+                )
+        k = self.key_segment_ids
+        # Sorted key ids (documents packed in order) let col_range cut each query block
+        # down to its documents' keys with a binary search.
+        self._keys_sorted = bool((k[:, 1:] >= k[:, :-1]).all()) if k.shape[1] > 1 else True
+
+    def validate(self, B: int, H: int, T: int, S: int) -> None:
+        q, k = self.segment_ids, self.key_segment_ids
+        if q.shape[0] not in (1, B) or q.shape[1] != T:
+            raise ValueError(
+                f"`segment_ids` must have shape (B, T) = ({B}, {T}), got {tuple(q.shape)}"
+            )
+        if k.shape[1] != S:
+            if self._shared:
+                raise ValueError(
+                    f"`segment_ids` has T={T} ids but there are S={S} keys; pass "
+                    "`key_segment_ids` of shape (B, S) when the keys are not the queries"
+                )
+            raise ValueError(
+                f"`key_segment_ids` must have shape (B, S) = ({B}, {S}), got {tuple(k.shape)}"
+            )
+
+    def may_empty_rows(self, T: int, S: int) -> bool:
+        return not self._shared
+
+    def col_range(self, T: int, S: int, q0: int, q1: int) -> tuple[int, int]:
+        if not self._keys_sorted or q1 <= q0:
+            return 0, S
+        q = self.segment_ids[:, q0:q1]
+        k = self.key_segment_ids.contiguous()
+        lo = torch.searchsorted(k, q.amin(dim=1, keepdim=True).contiguous(), right=False)
+        hi = torch.searchsorted(k, q.amax(dim=1, keepdim=True).contiguous(), right=True)
+        return int(lo.min()), int(hi.max())
+
+    def block(self, T, S, rows=None, cols=None, *, device=None):
+        q = _select(self.segment_ids, 1, rows)  # (B, rows)
+        k = _select(self.key_segment_ids, 1, cols)  # (B, cols)
+        if q.numel() == 0 or k.numel() == 0:
+            return _EMPTY
+        qmin, qmax = q.amin(dim=1), q.amax(dim=1)  # (B,)
+        kmin, kmax = k.amin(dim=1), k.amax(dim=1)
+        if not bool(((qmin <= kmax) & (kmin <= qmax)).any()):
+            return _EMPTY  # the id ranges do not even overlap: no document meets
+        if bool(((qmin == qmax) & (kmin == kmax) & (qmin == kmin)).all()):
+            return _FULL  # one document on both sides, in every batch item
+        allowed = (q[:, :, None] == k[:, None, :]).to(device)  # (B, rows, cols)
+        if not bool(allowed.any()):
+            return _EMPTY
+        return MaskBlock("partial", allowed=allowed[:, None])
+
+
 class BooleanMask(AttentionMask):
     """An arbitrary boolean mask, True = may attend.
 
@@ -467,9 +580,8 @@ class AdditiveMask(AttentionMask):
     def has_bias(self) -> bool:
         return True
 
-    @property
-    def bias_requires_grad(self) -> bool:
-        return self.bias.requires_grad
+    def grad_tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.bias,) if self.bias.requires_grad else ()
 
     def validate(self, B: int, H: int, T: int, S: int) -> None:
         _check_broadcast(self.name, tuple(self.bias.shape), B, H, T, S)
@@ -497,9 +609,8 @@ class AndMask(AttentionMask):
     def has_bias(self) -> bool:
         return any(p.has_bias for p in self.parts)
 
-    @property
-    def bias_requires_grad(self) -> bool:
-        return any(p.bias_requires_grad for p in self.parts)
+    def grad_tensors(self) -> tuple[torch.Tensor, ...]:
+        return tuple(t for p in self.parts for t in p.grad_tensors())
 
     def may_empty_rows(self, T: int, S: int) -> bool:
         if self.is_causal_only:

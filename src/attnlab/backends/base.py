@@ -14,7 +14,43 @@ import torch
 
 from attnlab.masks import AttentionMask
 
-__all__ = ["AttentionRequest", "Backend", "BackendResult", "WeightsRequest"]
+__all__ = [
+    "AttentionRequest",
+    "Backend",
+    "BackendResult",
+    "WeightsRequest",
+    "add_sinks",
+    "softcap_scores",
+]
+
+
+def softcap_scores(
+    scores: torch.Tensor, softcap: float | None, *, inplace: bool = False
+) -> torch.Tensor:
+    """Gemma 2's logit soft-capping ``softcap * tanh(scores / softcap)`` of the scaled
+    scores (before masks and biases); ``softcap=None`` returns ``scores`` unchanged.
+
+    ``inplace`` overwrites ``scores`` (tiling backends, outside autograd).
+    """
+    if softcap is None:
+        return scores
+    if inplace:
+        return scores.div_(softcap).tanh_().mul_(softcap)
+    return torch.tanh(scores / softcap) * softcap
+
+
+def add_sinks(lse: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """The row log-sum-exp with each head's sink logit joining the denominator.
+
+    ``log(exp(lse) + exp(sink_h))``; a row that saw nothing (``lse = -inf``) gets
+    ``sink_h``, so all its mass goes to the sink and its output is 0.
+
+    Shape:
+        - lse: ``(B, H, T)``; sinks: ``(H,)``; output: ``(B, H, T)``
+    """
+    if sinks is None:
+        return lse
+    return torch.logaddexp(lse, sinks.to(lse.dtype)[None, :, None])
 
 
 @dataclass(frozen=True)
@@ -101,6 +137,8 @@ class AttentionRequest:
     dropout_p: float
     needs_grad: bool
     weights: WeightsRequest | None
+    softcap: float | None = None
+    sinks: bool = False
 
 
 @dataclass(frozen=True)
@@ -110,7 +148,8 @@ class BackendResult:
     Attributes:
         output: ``(B, H, T, Dv)`` in the query's dtype.
         lse: per-row log-sum-exp of the scaled, masked scores ``(B, H, T)`` in fp32
-            (``-inf`` for a row with nothing to attend to), when the backend has it.
+            (``-inf`` for a row with nothing to attend to), when the backend has it. With
+            attention sinks it includes the sink logit (it is the softmax's denominator).
         weights: the full ``(B, H, T, S)`` weights, when the backend materialised them.
     """
 
@@ -128,7 +167,8 @@ class Backend:
 
     Attributes:
         name: the name users pass as ``backend=``.
-        run: ``run(query, key, value, mask, *, dropout_p, scale) -> BackendResult``.
+        run: ``run(query, key, value, mask, *, dropout_p, scale, softcap, sinks)
+            -> BackendResult``.
         why_not: ``why_not(request) -> str | None``: None when the backend can serve the
             request, else a human-readable reason.
         why_not_auto: extra reasons to skip it under ``backend="auto"`` although it could

@@ -60,7 +60,13 @@ from typing import Any, Literal
 
 import torch
 
-from attnlab.backends.base import AttentionRequest, Backend, BackendResult
+from attnlab.backends.base import (
+    AttentionRequest,
+    Backend,
+    BackendResult,
+    add_sinks,
+    softcap_scores,
+)
 from attnlab.backends.math import compute_dtype as _compute_dtype
 from attnlab.masks import AndMask, AttentionMask, CausalMask, MaskBlock
 
@@ -137,6 +143,14 @@ def _forced(path: TilePath | None) -> Iterator[None]:
         _FORCED[0] = saved
 
 
+def _pure_because(softcap: float | None, bias_grad: bool) -> str | None:
+    if softcap is not None:
+        return "the fused tile op has no logit soft-capping"
+    if bias_grad:
+        return "the fused tile op computes no gradient for an additive bias"
+    return None
+
+
 def why_not_fused(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> str | None:
     """Why the fused tile op cannot serve these inputs, or None when it can."""
     if _FUSED_OPS is None:
@@ -154,12 +168,21 @@ def why_not_fused(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -
 
 
 def _choose_path(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, tile_path: TilePath | None
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    tile_path: TilePath | None,
+    pure_because: str | None = None,
 ) -> TilePath:
+    """The tile path; ``pure_because`` says why the call needs the pure tiles (softcap,
+    bias gradients), or None: then a path forced by :func:`force_tile_path` yields to
+    it, an explicit ``tile_path="fused"`` is an error."""
     path = tile_path if tile_path is not None else _FORCED[0]
+    if pure_because is not None and tile_path is None:
+        path = "pure"
     if path is not None and path not in _PATHS:
         raise ValueError(f"`tile_path` must be 'fused', 'pure' or None, got {path!r}")
-    why = why_not_fused(query, key, value)
+    why = pure_because or why_not_fused(query, key, value)
     if path == "fused" and why is not None:
         raise ValueError(f"tile_path='fused' cannot serve this call: {why}; use 'pure'")
     if path is not None:
@@ -190,6 +213,9 @@ class _Tile:
     c1: int
     kind: TileKind
     blk: MaskBlock | None = None
+    # A biased tile's MaskBlock is not kept in the plan (every tile of a bias is partial:
+    # keeping them all would hold H x T x S numbers); it is recomputed when the tile runs.
+    lazy: bool = False
 
 
 @dataclass(frozen=True)
@@ -265,7 +291,7 @@ def _plan(
             cuts = {c for c in range(d0, lo, -bk)} | {c for c in range(d1, hi, bk)}
             cuts = {c for c in cuts if lo < c < hi} | {lo, hi}
         edges = sorted(cuts)
-        tiles: list[_Tile] = []
+        tiles = []
         run = -1  # start of the current run of full tiles, or -1
         for k0, k1 in itertools.pairwise(edges):
             blk = mask.block(T_total, S_total, slice(q_offset + r0, q_offset + r1),
@@ -278,6 +304,8 @@ def _plan(
                 run = -1
             if blk.status == "full":
                 tiles.append(_Tile(k0, k1, "full"))
+            elif blk.status == "partial" and blk.bias is not None:
+                tiles.append(_Tile(k0, k1, "partial", lazy=True))
             elif blk.status == "partial":
                 causal = (k0, k1) == (d0, d1) and _is_causal_square(blk)
                 tiles.append(_Tile(k0, k1, "causal") if causal else _Tile(k0, k1, "partial", blk))
@@ -308,6 +336,33 @@ def _is_causal_square(blk: MaskBlock) -> bool:
         return False
     tril = torch.ones(n, n, dtype=torch.bool, device=allowed.device).tril_()
     return bool((allowed == tril).all())
+
+
+@dataclass(frozen=True)
+class _Geometry:
+    """Where a chunk sits in the full problem the mask is defined on."""
+
+    mask: AttentionMask | None
+    q_offset: int
+    k_offset: int
+    T_total: int
+    S_total: int
+    device: torch.device
+
+
+def _resolve(tile: _Tile, rb: _RowBlock, geo: _Geometry) -> _Tile:
+    """The tile with its MaskBlock (recomputed for a lazy, biased tile)."""
+    if not tile.lazy:
+        return tile
+    assert geo.mask is not None
+    q0, k0 = geo.q_offset, geo.k_offset
+    blk = geo.mask.block(geo.T_total, geo.S_total, slice(q0 + rb.r0, q0 + rb.r1),
+                         slice(k0 + tile.c0, k0 + tile.c1), device=geo.device)  # fmt: skip
+    return _Tile(tile.c0, tile.c1, "partial", blk)
+
+
+# A tile's bias gradient: called with dL/d(bias) of the tile's query heads h0:h0+Hs.
+BiasGrad = Callable[[torch.Tensor, _Tile, int], None]
 
 
 # -- One tile, two implementations --------------------------------------------------------
@@ -362,6 +417,7 @@ def _tile_forward(
     tile: _Tile,
     scale: float,
     h0: int,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One tile: ``(out, lse)`` of queries ``q`` over keys ``k``/values ``v`` under the
     tile's mask, ``out`` normalised within the tile.
@@ -369,10 +425,12 @@ def _tile_forward(
     q ``(B, Hs, tq, D)`` (query heads ``h0:h0+Hs``), k ``(B, Gs, tk, D)``, v
     ``(B, Gs, tk, Dv)``; returns out ``(B, Hs, tq, Dv)`` (fused: the input dtype; pure:
     the compute dtype) and lse ``(B, Hs, tq)`` (compute dtype; ``-inf`` for rows that see
-    nothing in the tile).
+    nothing in the tile). ``softcap`` (pure path only) caps the scaled scores before the
+    mask.
     """
     B, Hs, tq, _ = q.shape
     if path == "fused":
+        assert softcap is None, "the fused op has no soft-capping"
         assert _FUSED_OPS is not None
         dense = None
         if tile.kind == "partial":
@@ -389,6 +447,7 @@ def _tile_forward(
     cd = _compute_dtype(q.dtype)
     qg = _gqa(q.to(cd) * scale, Gs)  # (B, Gs, R*tq, D)
     s = qg @ k.to(cd).transpose(-2, -1)  # (B, Gs, R*tq, tk)
+    softcap_scores(s, softcap, inplace=True)
     masked = tile.kind != "full"
     if masked:
         _mask_scores(s.view(B, Hs, tq, tk), tile, h0, h0 + Hs)
@@ -414,15 +473,20 @@ def _tile_backward(
     tile: _Tile,
     scale: float,
     h0: int,
+    softcap: float | None = None,
+    bias_grad: BiasGrad | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One tile's gradient contributions ``(dq, dk, dv)``, shaped as q, k, v.
 
     dout, out: rows of the final output's gradient and of the final output; lse: the
     final rows' log-sum-exp with ``+inf`` for rows that see nothing (probabilities 0);
-    delta: ``rowsum(dout * out)`` (pure path only).
+    delta: ``rowsum(dout * out)`` (pure path only). Pure path only: ``softcap`` as in the
+    forward (its derivative ``1 - tanh^2`` joins dS), ``bias_grad`` receives dS of a
+    biased tile (the gradient of the bias, before the soft-cap's derivative).
     """
     Hs = q.shape[1]
     if path == "fused":
+        assert softcap is None and bias_grad is None, "the fused op has neither"
         assert _FUSED_OPS is not None
         dense = None
         if tile.kind == "partial":
@@ -440,12 +504,20 @@ def _tile_backward(
     dog = _gqa(dout.to(cd), Gs)  # (B, Gs, R*tq, Dv)
     kc, vc = k.to(cd), v.to(cd)
     s = qg @ kc.transpose(-2, -1)  # (B, Gs, R*tq, tk)
+    tanh = None
+    if softcap is not None:  # keep tanh(s / c) for the derivative
+        tanh = s.div_(softcap).tanh_()
+        s = tanh * softcap
     if tile.kind != "full":
         _mask_scores(s.view(B, Hs, tq, tk), tile, h0, h0 + Hs)
     p = s.sub_(_gqa(lse.unsqueeze(-1), Gs)).exp_()  # probabilities, in place
     dv = p.transpose(-2, -1) @ dog  # (B, Gs, tk, Dv)
     dp = dog @ vc.transpose(-2, -1)  # (B, Gs, R*tq, tk)
     ds = p.mul_(dp.sub_(_gqa(delta.unsqueeze(-1), Gs)))  # dS = p * (dp - delta)
+    if bias_grad is not None and tile.blk is not None and tile.blk.bias is not None:
+        bias_grad(ds.view(B, Hs, tq, tk), tile, h0)
+    if tanh is not None:  # d(c tanh(x / c))/dx = 1 - tanh^2
+        ds.mul_(tanh.square_().neg_().add_(1.0))
     dq = (ds @ kc).mul_(scale)  # (B, Gs, R*tq, D)
     dk = ds.transpose(-2, -1) @ qg  # (B, Gs, tk, D); qg carries the scale
     return dq.view(B, Hs, tq, D), dk, dv
@@ -555,12 +627,16 @@ def _prepare(
     block_q: int | None,
     block_k: int | None,
     tile_path: TilePath | None,
-) -> tuple[TilePath, list[_RowBlock], _Tile | None]:
-    """The call's tile path, its plan, and the plan's one tile when a single fused tile
-    covers the whole chunk (then the op's results are used as they are)."""
+    pure_because: str | None = None,
+) -> tuple[TilePath, list[_RowBlock], _Tile | None, _Geometry]:
+    """The call's tile path, its plan, the plan's one tile when a single fused tile
+    covers the whole chunk (then the op's results are used as they are), and where the
+    chunk sits in the mask's problem."""
     B, H, T, _ = query.shape
     S = key.shape[2]
-    path = _choose_path(query, key, value, tile_path)
+    path = _choose_path(query, key, value, tile_path, pure_because)
+    geo = _Geometry(mask, q_offset, k_offset, T if T_total is None else T_total,
+                    S if S_total is None else S_total, query.device)  # fmt: skip
     bq, bk, coalesce = _blocks(path, mask, B * H, T, S, block_q, block_k)
     plan = _plan(mask, T, S, q_offset=q_offset, k_offset=k_offset,
                  T_total=T if T_total is None else T_total,
@@ -570,8 +646,8 @@ def _prepare(
     if path == "fused" and len(plan) == 1 and len(plan[0].tiles) == 1:
         rb, tile = plan[0], plan[0].tiles[0]
         if (rb.r0, rb.r1, tile.c0, tile.c1) == (0, T, 0, S):
-            return path, plan, tile
-    return path, plan, None
+            return path, plan, _resolve(tile, rb, geo), geo
+    return path, plan, None, geo
 
 
 def _forward(
@@ -588,6 +664,7 @@ def _forward(
     block_q: int | None,
     block_k: int | None,
     tile_path: TilePath | None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`attend_chunk`, except that ``out`` is in the input dtype when one fused
     tile covers the whole chunk (no conversion round trip)."""
@@ -595,10 +672,11 @@ def _forward(
     G, Dv = key.shape[1], value.shape[3]
     R = H // G
     cd = _compute_dtype(query.dtype)
-    path, plan, whole = _prepare(query, key, value, mask, q_offset, k_offset, T_total,
-                                 S_total, block_q, block_k, tile_path)  # fmt: skip
+    path, plan, whole, geo = _prepare(query, key, value, mask, q_offset, k_offset, T_total,
+                                      S_total, block_q, block_k, tile_path,
+                                      _pure_because(softcap, False))  # fmt: skip
     if whole is not None:  # one tile: the op's own result (PyTorch's kernel, nothing more)
-        return _tile_forward(path, query, key, value, whole, scale, 0)
+        return _tile_forward(path, query, key, value, whole, scale, 0, softcap)
     out = torch.zeros(B, H, T, Dv, dtype=cd, device=query.device)
     lse = torch.full((B, H, T), _NEG_INF, dtype=cd, device=query.device)
 
@@ -608,9 +686,11 @@ def _forward(
         for rb in plan:
             q = query[:, h0:h1, rb.r0 : rb.r1]  # (B, Hs, tq, D)
             acc, acc_lse = out[:, h0:h1, rb.r0 : rb.r1], lse[:, h0:h1, rb.r0 : rb.r1]
-            for i, tile in enumerate(rb.tiles):
+            for i, lazy in enumerate(rb.tiles):
+                tile = _resolve(lazy, rb, geo)
                 o, l = _tile_forward(path, q, k[:, :, tile.c0 : tile.c1],
-                                     v[:, :, tile.c0 : tile.c1], tile, scale, h0)  # fmt: skip
+                                     v[:, :, tile.c0 : tile.c1], tile, scale, h0,
+                                     softcap)  # fmt: skip
                 if i == 0:
                     acc.copy_(o)
                     acc_lse.copy_(l)
@@ -635,6 +715,7 @@ def attend_chunk(
     block_q: int | None = None,
     block_k: int | None = None,
     tile_path: TilePath | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of a chunk of queries to a chunk of keys/values, tile by tile.
 
@@ -652,6 +733,7 @@ def attend_chunk(
         T_total, S_total: size of the full problem.
         block_q, block_k: tile size (default: per path, see :func:`default_blocks`).
         tile_path: ``"fused"``, ``"pure"`` or None (the module's choice).
+        softcap: logit soft-cap of the scaled scores (pure tiles), or None.
 
     Returns:
         ``(out, lse)``: the output normalised within this chunk ``(B, H, T, Dv)`` and the
@@ -663,7 +745,7 @@ def attend_chunk(
     """
     out, lse = _forward(query, key, value, mask, scale, q_offset=q_offset, k_offset=k_offset,
                         T_total=T_total, S_total=S_total, block_q=block_q, block_k=block_k,
-                        tile_path=tile_path)  # fmt: skip
+                        tile_path=tile_path, softcap=softcap)  # fmt: skip
     cd = _compute_dtype(query.dtype)
     return out.to(cd), lse.to(cd)
 
@@ -685,15 +767,19 @@ def _backward(
     block_q: int | None,
     block_k: int | None,
     tile_path: TilePath | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    softcap: float | None = None,
+    bias_params: tuple[torch.Tensor, ...] = (),
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """:func:`attend_chunk_backward`, except that the gradients are in the input dtype
-    when one fused tile covers the whole chunk."""
+    when one fused tile covers the whole chunk, plus the gradients of ``bias_params``
+    (the mask's :meth:`~attnlab.masks.AttentionMask.grad_tensors`)."""
     B, H, T, D = query.shape
     G, S, Dv = key.shape[1], key.shape[2], value.shape[3]
     R = H // G
     cd = _compute_dtype(query.dtype)
-    path, plan, whole = _prepare(query, key, value, mask, q_offset, k_offset, T_total,
-                                 S_total, block_q, block_k, tile_path)  # fmt: skip
+    path, plan, whole, geo = _prepare(query, key, value, mask, q_offset, k_offset, T_total,
+                                      S_total, block_q, block_k, tile_path,
+                                      _pure_because(softcap, bool(bias_params)))  # fmt: skip
     # A row that saw nothing has lse = -inf; +inf makes its probabilities exp(s - inf) = 0.
     lse_use = lse.to(cd).masked_fill(lse == _NEG_INF, float("inf"))  # (B, H, T)
     # BLAS needs real strides (the gradient of .sum() is an expanded, stride-0 tensor).
@@ -704,8 +790,25 @@ def _backward(
     else:
         delta = (grad_out.to(cd) * out.to(cd)).sum(dim=-1)  # (B, H, T)
     if whole is not None:
-        return _tile_backward(path, query, key, value, grad_out, out, lse_use, None, whole,
-                              scale, 0)  # fmt: skip
+        return (*_tile_backward(path, query, key, value, grad_out, out, lse_use, None, whole,
+                                scale, 0), [])  # fmt: skip
+    dparams = [torch.zeros_like(p) for p in bias_params]
+    bias_lock = threading.Lock()
+
+    def bias_grad(ds: torch.Tensor, tile: _Tile, h0: int) -> None:
+        """Route a tile's dL/d(bias) ``(B, Hs, tq, tk)`` to the tensors it came from."""
+        assert tile.blk is not None and tile.blk.bias is not None
+        with torch.enable_grad():
+            bias = _heads(tile.blk.bias, h0, h0 + ds.shape[1])  # (b, h, tq, tk), in the graph
+        dims = [d for d in range(4) if bias.shape[d] == 1 and ds.shape[d] != 1]
+        g = ds.sum(dim=dims, keepdim=True) if dims else ds
+        with bias_lock:
+            grads = torch.autograd.grad(bias, bias_params, g.to(bias.dtype),
+                                        retain_graph=True, allow_unused=True)  # fmt: skip
+            for acc, gi in zip(dparams, grads, strict=True):
+                if gi is not None:
+                    acc.add_(gi)
+
     dq = torch.zeros(B, H, T, D, dtype=cd, device=query.device)
     dk = torch.zeros(B, G, S, D, dtype=cd, device=query.device)
     dv = torch.zeros(B, G, S, Dv, dtype=cd, device=query.device)
@@ -719,16 +822,19 @@ def _backward(
             l_b = lse_use[:, h0:h1, rows]
             d_b = None if delta is None else delta[:, h0:h1, rows]
             dq_b = dq[:, h0:h1, rows]
-            for tile in rb.tiles:
+            for lazy in rb.tiles:
+                with torch.set_grad_enabled(bool(bias_params)):  # the bias in its graph
+                    tile = _resolve(lazy, rb, geo)
                 cols = slice(tile.c0, tile.c1)
                 dq_t, dk_t, dv_t = _tile_backward(path, q, k[:, :, cols], v[:, :, cols], do, o,
-                                                  l_b, d_b, tile, scale, h0)  # fmt: skip
+                                                  l_b, d_b, tile, scale, h0, softcap,
+                                                  bias_grad if bias_params else None)  # fmt: skip
                 dq_b.add_(dq_t)
                 dk[:, g0:g1, cols].add_(dk_t)
                 dv[:, g0:g1, cols].add_(dv_t)
 
     _run_groups(G, work)
-    return dq, dk, dv
+    return dq, dk, dv, dparams
 
 
 def attend_chunk_backward(
@@ -748,6 +854,7 @@ def attend_chunk_backward(
     block_q: int | None = None,
     block_k: int | None = None,
     tile_path: TilePath | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of a chunk pair, recomputing each tile from the row log-sum-exp.
 
@@ -757,8 +864,8 @@ def attend_chunk_backward(
         out: the final, merged output ``(B, H, T, Dv)`` (its ``rowsum(grad_out * out)``
             enters every tile's gradient).
         lse: the final per-row log-sum-exp ``(B, H, T)`` over *all* keys.
-        mask, scale, q_offset, k_offset, T_total, S_total, block_q, block_k, tile_path:
-            as :func:`attend_chunk`.
+        mask, scale, q_offset, k_offset, T_total, S_total, block_q, block_k, tile_path,
+            softcap: as :func:`attend_chunk`.
 
     Returns:
         ``(dq, dk, dv)`` contributions of this chunk pair in the compute dtype, shaped as
@@ -766,7 +873,7 @@ def attend_chunk_backward(
     """
     grads = _backward(query, key, value, grad_out, out, lse, mask, scale, q_offset=q_offset,
                       k_offset=k_offset, T_total=T_total, S_total=S_total, block_q=block_q,
-                      block_k=block_k, tile_path=tile_path)  # fmt: skip
+                      block_k=block_k, tile_path=tile_path, softcap=softcap)  # fmt: skip
     cd = _compute_dtype(query.dtype)
     return grads[0].to(cd), grads[1].to(cd), grads[2].to(cd)
 
@@ -810,7 +917,13 @@ def merge_partials(
 
 
 class _BlockwiseAttention(torch.autograd.Function):
-    """Blockwise forward; backward recomputes tiles from the saved log-sum-exp."""
+    """Blockwise forward; backward recomputes tiles from the saved log-sum-exp.
+
+    Attention sinks join at the end, in log-sum-exp form: ``lse' = logaddexp(lse, sink)``
+    and ``out' = out * exp(lse - lse')``. The tile backward with ``out'`` and ``lse'`` is
+    then exactly the gradient of the softmax with the sink column (whose value is 0), and
+    ``d sink = -sum over rows of exp(sink - lse') * rowsum(dout * out')``.
+    """
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -823,25 +936,45 @@ class _BlockwiseAttention(torch.autograd.Function):
         block_q: int | None,
         block_k: int | None,
         tile_path: TilePath | None,
+        softcap: float | None,
+        sinks: torch.Tensor | None,
+        *bias_params: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # Decide the path now: the backward runs outside any force_tile_path block.
-        path = _choose_path(query, key, value, tile_path)
+        # Decide the path now: the backward runs outside any force_tile_path block. Bias
+        # gradients need the pure tiles in the backward, so both passes take them.
+        path = _choose_path(query, key, value, tile_path,
+                            _pure_because(softcap, bool(bias_params)))  # fmt: skip
         out, lse = _forward(query, key, value, mask, scale, q_offset=0, k_offset=0,
                             T_total=None, S_total=None, block_q=block_q, block_k=block_k,
-                            tile_path=path)  # fmt: skip
+                            tile_path=path, softcap=softcap)  # fmt: skip
+        if sinks is not None:
+            cd = _compute_dtype(query.dtype)
+            lse = lse.to(cd)
+            with_sinks = add_sinks(lse, sinks.to(cd))  # (B, H, T)
+            out = out.to(cd) * torch.exp(lse - with_sinks).unsqueeze(-1)  # 0 where lse = -inf
+            lse = with_sinks
         out = out.to(query.dtype)
-        ctx.save_for_backward(query, key, value, out, lse)
+        ctx.save_for_backward(query, key, value, out, lse, sinks, *bias_params)
         ctx.mask, ctx.scale, ctx.blocks, ctx.path = mask, scale, (block_q, block_k), path
+        ctx.softcap = softcap
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor, grad_lse: torch.Tensor | None):  # type: ignore[override]
-        query, key, value, out, lse = ctx.saved_tensors
-        dq, dk, dv = _backward(query, key, value, grad_out, out, lse, ctx.mask, ctx.scale,
-                               q_offset=0, k_offset=0, T_total=None, S_total=None,
-                               block_q=ctx.blocks[0], block_k=ctx.blocks[1],
-                               tile_path=ctx.path)  # fmt: skip
+        query, key, value, out, lse, sinks, *bias_params = ctx.saved_tensors
+        dq, dk, dv, dparams = _backward(
+            query, key, value, grad_out, out, lse, ctx.mask, ctx.scale,
+            q_offset=0, k_offset=0, T_total=None, S_total=None, block_q=ctx.blocks[0],
+            block_k=ctx.blocks[1], tile_path=ctx.path, softcap=ctx.softcap,
+            bias_params=tuple(bias_params),
+        )  # fmt: skip
+        dsinks = None
+        if sinks is not None and ctx.needs_input_grad[9]:
+            cd = _compute_dtype(query.dtype)
+            delta = (grad_out.to(cd) * out.to(cd)).sum(dim=-1)  # (B, H, T)
+            share = torch.exp(sinks.to(cd)[None, :, None] - lse.to(cd))  # the sink's weight
+            dsinks = -(share * delta).sum(dim=(0, 2)).to(sinks.dtype)  # (H,)
         return (
             dq.to(query.dtype),
             dk.to(key.dtype),
@@ -851,6 +984,9 @@ class _BlockwiseAttention(torch.autograd.Function):
             None,
             None,
             None,
+            None,
+            dsinks,
+            *(g.to(p.dtype) for g, p in zip(dparams, bias_params, strict=True)),
         )
 
 
@@ -862,6 +998,8 @@ def blockwise_attention(
     *,
     dropout_p: float,
     scale: float,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
     block_q: int | None = None,
     block_k: int | None = None,
     tile_path: TilePath | None = None,
@@ -870,20 +1008,27 @@ def blockwise_attention(
 
     Args:
         query, key, value, mask, dropout_p, scale: as every backend.
+        softcap: logit soft-cap (computed on the pure tiles), or None.
+        sinks: per-head sink logits ``(H,)`` joining every row's softmax, or None.
         block_q, block_k: tile size (default: per path).
         tile_path: ``"fused"`` (PyTorch's flash op per tile), ``"pure"`` (plain PyTorch)
             or None (fused whenever the op can serve the call; see
-            :func:`force_tile_path`).
+            :func:`force_tile_path`). Soft-capping and gradients of a bias (a learned
+            relative-position table, an additive mask that requires grad) take the pure
+            tiles: the op has neither.
 
     Shape:
         - query ``(B, H, T, D)``, key ``(B, G, S, D)``, value ``(B, G, S, Dv)``
-        - output ``(B, H, T, Dv)``, lse ``(B, H, T)``
+        - output ``(B, H, T, Dv)``, lse ``(B, H, T)`` (with sinks: including them)
     """
     if dropout_p > 0:
         raise ValueError(_why_not_dropout(dropout_p))
+    grad_on = torch.is_grad_enabled()
+    bias_params = mask.grad_tensors() if (mask is not None and grad_on) else ()
     out, lse = _BlockwiseAttention.apply(
-        query, key, value, mask, scale, block_q, block_k, tile_path
-    )
+        query, key, value, mask, scale, block_q, block_k, tile_path, softcap, sinks,
+        *bias_params,
+    )  # fmt: skip
     return BackendResult(output=out, lse=lse)
 
 
@@ -897,11 +1042,6 @@ def _why_not_dropout(p: float) -> str:
 def _why_not(request: AttentionRequest) -> str | None:
     if request.dropout_p > 0:
         return _why_not_dropout(request.dropout_p)
-    if request.mask is not None and request.mask.bias_requires_grad:
-        return (
-            "blockwise does not compute gradients for an additive mask (the attn_mask "
-            "tensor requires grad); use 'math' or 'sdpa'"
-        )
     return None
 
 

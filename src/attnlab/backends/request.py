@@ -18,17 +18,20 @@ import torch
 from attnlab.backends.base import AttentionRequest, WeightsRequest
 from attnlab.masks import AttentionMask, as_mask
 
-__all__ = ["PreparedCall", "prepare_call"]
+__all__ = ["PreparedCall", "check_sinks", "check_softcap", "prepare_call"]
 
 
 @dataclass(frozen=True)
 class PreparedCall:
-    """A validated call: the request, the normalised mask, the scale, the weights ask."""
+    """A validated call: the request, the normalised mask, the scale, the weights ask,
+    the soft-cap and the sinks."""
 
     request: AttentionRequest
     mask: AttentionMask | None
     scale: float
     weights: WeightsRequest | None
+    softcap: float | None = None
+    sinks: torch.Tensor | None = None
 
 
 def _check_4d(name: str, t: object, layout: str) -> torch.Tensor:
@@ -60,6 +63,9 @@ def prepare_call(
     scale: object,
     backend: object,
     need_weights: object,
+    *,
+    softcap: object = None,
+    sinks: object = None,
 ) -> PreparedCall:
     """Validate the public arguments of an attention call.
 
@@ -68,7 +74,8 @@ def prepare_call(
             of the wrong dtype, a non-bool ``is_causal``/``need_weights``.
         ValueError: wrong ranks, mismatched batch / head dim / key length, ``H`` not a
             multiple of ``G``, a mask that does not broadcast, ``dropout_p`` outside
-            [0, 1), a non-positive ``scale``, an unknown backend, unknown heads/rows.
+            [0, 1), a non-positive ``scale``, an unknown backend, unknown heads/rows,
+            ``softcap <= 0``, ``sinks`` not a float tensor ``(H,)``.
     """
     q = _check_4d("query", query, "(B, H, T, D)")
     k = _check_4d("key", key, "(B, G, S, D)")
@@ -125,6 +132,8 @@ def prepare_call(
     mask = as_mask(attn_mask, is_causal)  # type: ignore[arg-type]
     if mask is not None:
         mask.validate(B, H, T, S)
+    softcap_f = check_softcap(softcap)
+    sinks_t = check_sinks(sinks, H, q.device)
     weights = WeightsRequest.from_arg(need_weights)
     if weights is not None:
         weights.head_index(H)
@@ -142,7 +151,59 @@ def prepare_call(
         mask=mask,
         dropout_p=float(dropout_p),
         needs_grad=torch.is_grad_enabled()
-        and (q.requires_grad or k.requires_grad or v.requires_grad),
+        and (
+            q.requires_grad
+            or k.requires_grad
+            or v.requires_grad
+            or (sinks_t is not None and sinks_t.requires_grad)
+            or (mask is not None and mask.bias_requires_grad)
+        ),
         weights=weights,
+        softcap=softcap_f,
+        sinks=sinks_t is not None,
     )
-    return PreparedCall(request=request, mask=mask, scale=scale_f, weights=weights)
+    return PreparedCall(
+        request=request,
+        mask=mask,
+        scale=scale_f,
+        weights=weights,
+        softcap=softcap_f,
+        sinks=sinks_t,
+    )
+
+
+def check_softcap(softcap: object) -> float | None:
+    """``softcap`` as a float (None stays None); ValueError unless positive and finite."""
+    if softcap is None:
+        return None
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"`softcap` must be a float or None, got {type(softcap).__name__}")
+    if not (softcap > 0 and math.isfinite(softcap)):
+        raise ValueError(
+            f"`softcap` must be a positive finite number (Gemma 2 uses 50.0), got {softcap!r}; "
+            "pass None for no soft-capping"
+        )
+    return float(softcap)
+
+
+def check_sinks(sinks: object, H: int, device: torch.device) -> torch.Tensor | None:
+    """``sinks`` checked to be a finite float tensor ``(H,)`` on ``device`` (or None)."""
+    if sinks is None:
+        return None
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"`sinks` must be a float torch.Tensor (H,), got {type(sinks).__name__}")
+    if not sinks.is_floating_point():
+        raise ValueError(
+            f"`sinks` must be a float tensor (H,), got dtype {sinks.dtype}; use `sinks.float()`"
+        )
+    if sinks.shape != (H,):
+        raise ValueError(
+            f"`sinks` must have one logit per query head, shape (H,) = ({H},), got "
+            f"{tuple(sinks.shape)}"
+        )
+    if sinks.device != device:
+        raise ValueError(f"`sinks` must be on the query's device ({device}), got {sinks.device}")
+    with torch.no_grad():
+        if not bool(torch.isfinite(sinks).all()):
+            raise ValueError("`sinks` must be finite (a learned logit per head)")
+    return sinks

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from attnlab.backends.base import AttentionRequest, Backend, BackendResult
-from attnlab.masks import AttentionMask
+from attnlab.masks import AttentionMask, describe
 
 __all__ = ["BACKEND", "ring_backend"]
 
@@ -27,6 +27,8 @@ def ring_backend(
     *,
     dropout_p: float,
     scale: float,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> BackendResult:
     """Run :func:`attnlab.distributed.ring_attention` with the current ring context.
 
@@ -37,7 +39,7 @@ def ring_backend(
     # Imported here: attnlab.distributed reuses the blockwise kernel of this package.
     from attnlab.distributed import current_ring_context, ring_attention
 
-    why = _why_not_mask(mask, dropout_p)
+    why = _why_not_mask(mask, dropout_p) or _why_not_scores(softcap, sinks is not None)
     if why is not None:
         raise ValueError(why)
     ctx = current_ring_context()
@@ -61,12 +63,25 @@ def _why_not_mask(mask: AttentionMask | None, dropout_p: float) -> str | None:
     if mask is not None and not mask.is_causal_only:
         return (
             "ring supports no mask or a causal mask (is_causal=True) over the whole "
-            f"sequence, got {type(mask).__name__}"
+            f"sequence, got {describe(mask)}"
         )
     return None
 
 
+def _why_not_scores(softcap: float | None, sinks: bool) -> str | None:
+    if softcap is not None:
+        return f"ring does not implement logit soft-capping (softcap={softcap}); use 'blockwise'"
+    if sinks:
+        return "ring does not implement attention sinks; use 'blockwise'"
+    return None
+
+
 def _why_not(request: AttentionRequest) -> str | None:
+    why = _why_not_mask(request.mask, request.dropout_p) or _why_not_scores(
+        request.softcap, request.sinks
+    )
+    if why is not None:
+        return why
     if not (dist.is_available() and dist.is_initialized()):
         return (
             "ring needs a torch.distributed process group (init_process_group, torchrun or "
@@ -79,7 +94,7 @@ def _why_not(request: AttentionRequest) -> str | None:
         )
     if request.weights is not None:
         return "ring cannot return attention weights (each rank holds only its shard of keys)"
-    return _why_not_mask(request.mask, request.dropout_p)
+    return None
 
 
 def _why_not_auto(request: AttentionRequest) -> str | None:

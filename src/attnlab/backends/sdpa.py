@@ -65,6 +65,8 @@ def sdpa_attention(
     *,
     dropout_p: float,
     scale: float,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> BackendResult:
     """Attention through PyTorch's fused kernels.
 
@@ -72,8 +74,16 @@ def sdpa_attention(
         - query ``(B, H, T, D)``, key ``(B, G, S, D)``, value ``(B, G, S, Dv)``
         - output ``(B, H, T, Dv)``
     """
+    if softcap is not None or sinks is not None:
+        raise ValueError(_why_not_scores(softcap, sinks is not None))
     T, S = query.shape[2], key.shape[2]
-    attn_mask, is_causal, row_ok = torch_mask(mask, T, S, device=query.device, dtype=query.dtype)
+    if mask is None or (isinstance(mask, CausalMask) and mask.offset(T, S) == 0):
+        # the common calls, without torch_mask's call: this path's cost is per call
+        attn_mask, is_causal, row_ok = None, mask is not None, None
+    else:
+        attn_mask, is_causal, row_ok = torch_mask(
+            mask, T, S, device=query.device, dtype=query.dtype
+        )
     out = F.scaled_dot_product_attention(
         query,
         key,
@@ -89,8 +99,22 @@ def sdpa_attention(
     return BackendResult(output=out)
 
 
-def _why_not(request: AttentionRequest) -> str | None:
+def _why_not_scores(softcap: float | None, sinks: bool) -> str | None:
+    if softcap is not None:
+        return (
+            f"PyTorch's kernel has no logit soft-capping (softcap={softcap}); "
+            "use 'blockwise' or 'math'"
+        )
+    if sinks:
+        return (
+            "PyTorch's kernel does not return the row log-sum-exp that attention sinks "
+            "join; use 'blockwise' or 'math'"
+        )
     return None
+
+
+def _why_not(request: AttentionRequest) -> str | None:
+    return _why_not_scores(request.softcap, request.sinks)
 
 
 def _why_not_auto(request: AttentionRequest) -> str | None:

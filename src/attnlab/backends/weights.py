@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from attnlab.backends.base import WeightsRequest
+from attnlab.backends.base import WeightsRequest, add_sinks, softcap_scores
 from attnlab.masks import AttentionMask
 
 __all__ = ["exact_weights", "select_weights"]
@@ -37,8 +37,11 @@ def _apply_mask(
     k0: int,
     k1: int,
     heads: torch.Tensor | None,
+    softcap: float | None,
 ) -> torch.Tensor:
-    """Apply the mask's tile ``rows x k0:k1`` to scores ``s`` (B, h, t, k1-k0) in place."""
+    """Soft-cap scores ``s`` (B, h, t, k1-k0) and apply the mask's tile ``rows x k0:k1``,
+    in place."""
+    softcap_scores(s, softcap, inplace=True)
     if mask is None:
         return s
     blk = mask.block(T, S, rows, slice(k0, k1), device=s.device)
@@ -72,6 +75,8 @@ def exact_weights(
     lse: torch.Tensor | None = None,
     *,
     block_k: int = _BLOCK_K,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact softmax weights for the requested heads and rows, block by block.
 
@@ -81,9 +86,12 @@ def exact_weights(
         mask: the attnlab mask of the call, or None.
         scale: the score scale.
         request: which heads and rows.
-        lse: per-row log-sum-exp ``(B, H, T)`` saved by the backend, or None to
-            recompute it for the selected rows only.
+        lse: per-row log-sum-exp ``(B, H, T)`` saved by the backend (including the
+            sinks), or None to recompute it for the selected rows only.
         block_k: keys per block.
+        softcap: the call's logit soft-cap, or None.
+        sinks: the call's per-head sink logits ``(H,)``, or None; they take their share
+            of each row's mass, so the returned rows sum to less than 1.
 
     Returns:
         Detached weights ``(B, h, t, S)`` in the query's dtype; rows that may attend to
@@ -108,12 +116,16 @@ def exact_weights(
         acc = torch.zeros((B, h, t), dtype=cd, device=dev)
         for k0 in range(0, S, block_k):
             k1 = min(S, k0 + block_k)
-            s = _apply_mask(q @ k[:, :, k0:k1].transpose(-2, -1), mask, T, S, rows, k0, k1, heads)
+            s = q @ k[:, :, k0:k1].transpose(-2, -1)  # (B, h, t, tk)
+            s = _apply_mask(s, mask, T, S, rows, k0, k1, heads, softcap)
             m_new = torch.maximum(m, s.amax(dim=-1))
             m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
             acc = acc * torch.exp(m - m_safe) + torch.exp(s - m_safe[..., None]).sum(-1)
             m = m_new
         lse_sel = torch.where(acc > 0, m + torch.log(acc), torch.full_like(m, float("-inf")))
+        if sinks is not None:
+            sel = sinks if heads is None else sinks.index_select(0, heads)
+            lse_sel = add_sinks(lse_sel, sel)
     else:
         lse_sel = lse if heads is None else lse.index_select(1, heads)
         lse_sel = lse_sel if rows is None else lse_sel.index_select(2, rows)  # (B, h, t)
@@ -124,6 +136,7 @@ def exact_weights(
     out = torch.empty((B, h, t, S), dtype=cd, device=dev)
     for k0 in range(0, S, block_k):
         k1 = min(S, k0 + block_k)
-        s = _apply_mask(q @ k[:, :, k0:k1].transpose(-2, -1), mask, T, S, rows, k0, k1, heads)
+        s = q @ k[:, :, k0:k1].transpose(-2, -1)  # (B, h, t, tk)
+        s = _apply_mask(s, mask, T, S, rows, k0, k1, heads, softcap)
         out[..., k0:k1] = s.sub_(lse_use[..., None]).exp_()
     return out.to(query.dtype)

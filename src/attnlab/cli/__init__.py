@@ -16,7 +16,9 @@ from attnlab.cli.output import Output, UserError, output, user_input
 
 # The command modules register themselves on `app` when imported; this order is the
 # order of `attnlab --help`.
-COMMAND_MODULES = ("walkthrough", "train", "generate", "embed", "explain", "ring_demo", "info")
+COMMAND_MODULES = (
+    "walkthrough", "train", "generate", "embed", "explain", "ring_demo", "info", "serve",
+)  # fmt: skip
 for _name in COMMAND_MODULES:
     import_module(f"attnlab.cli.{_name}")
 

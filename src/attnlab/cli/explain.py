@@ -12,11 +12,6 @@ from attnlab.cli.app import app
 from attnlab.cli.models import load_checkpoint_model, load_pretrained_model
 from attnlab.cli.output import DEFAULT_OUT, UserError, output, user_input
 
-# Above this many dense weights (layers x heads x T x T) `explain` keeps only the
-# strongest keys of each query (unless --top-k says otherwise).
-EXPLAIN_DENSE_LIMIT = 1 << 24
-EXPLAIN_AUTO_TOP_K = 32
-
 
 @app.command()
 def explain(
@@ -122,14 +117,12 @@ def explain(
         else:
             assert model is not None
             net, tokenizer, source = load_pretrained_model(model)
-        from attnlab.explain.model_trace import attention_layers, trace_model
+        from attnlab.explain.model_trace import attention_layers, auto_top_k, trace_model
 
         with user_input():
             n_tokens = len(tokenizer.encode(text))
             blocks = attention_layers(net)
-            dense = len(blocks) * int(blocks[0].num_heads) * n_tokens**2
-            if top_k is None and dense > EXPLAIN_DENSE_LIMIT:
-                top_k = EXPLAIN_AUTO_TOP_K
+            top_k = auto_top_k(net, n_tokens, top_k)
             trace = trace_model(net, text, tokenizer=tokenizer, top_k=top_k, source=source)
         from attnlab.explain.figures import flow_shapes
 

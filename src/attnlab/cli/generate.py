@@ -3,39 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
 from attnlab.cli.app import app
 from attnlab.cli.models import load_pretrained_kind, use_backend
 from attnlab.cli.output import UserError, output, user_input
-
-
-class _TextStream:
-    """Turn token ids, arriving one by one, into text pieces that are safe to print.
-
-    Byte-level BPE tokens can end inside a multi-byte character; the decoded text then
-    ends in U+FFFD, and that tail is held back until the next token completes it.
-    """
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-        self.ids: list[int] = []
-        self.shown = 0
-
-    def push(self, token: int) -> str:
-        self.ids.append(token)
-        text = self.tokenizer.decode(self.ids)
-        if text.endswith("\ufffd"):
-            return ""
-        piece, self.shown = text[self.shown :], len(text)
-        return piece
-
-    def flush(self) -> str:
-        text = self.tokenizer.decode(self.ids)
-        piece, self.shown = text[self.shown :], len(text)
-        return piece
 
 
 def _generate_pretrained(
@@ -55,12 +29,12 @@ def _generate_pretrained(
     model, tok = load_pretrained_kind(name, "causal-lm", backend)
     import torch
 
-    from attnlab.generation import generate_stream
+    from attnlab.generation import TextStream, generate_stream
 
     text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
     ids = tok.encode(text)[-model.context_length :]
     gen = torch.Generator().manual_seed(seed)
-    stream = _TextStream(tok)
+    stream = TextStream(tok)
     started = False
     with user_input():
         for nxt in generate_stream(

@@ -14,7 +14,7 @@ from attnlab.cli.output import UserError, output, user_input
 _INFO_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16",
                 "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
                 "float64": "float64", "fp64": "float64"}  # fmt: skip
-_INFO_MASKS = ("none", "causal", "padding", "window", "boolean")
+_INFO_MASKS = ("none", "causal", "padding", "window", "boolean", "alibi", "relbias", "document")
 
 
 @app.command()
@@ -30,9 +30,25 @@ def info(
     ] = None,
     head_dim: Annotated[int, typer.Option("--head-dim", help="Head dim D.")] = 64,
     dtype: Annotated[str, typer.Option(help="float32, bfloat16, float16 or float64.")] = "float32",
-    mask: Annotated[str, typer.Option(help="none, causal, padding, window or boolean.")] = "causal",
+    mask: Annotated[
+        str,
+        typer.Option(
+            help="none, causal, padding, window, boolean, alibi (causal ALiBi), relbias "
+            "(T5 relative position bias, learned table) or document (packed, causal)."
+        ),
+    ] = "causal",
     dropout: Annotated[float, typer.Option(help="Attention dropout probability.")] = 0.0,
+    softcap: Annotated[
+        float | None, typer.Option(help="Logit soft-capping value (Gemma 2: 50).")
+    ] = None,
+    sinks: Annotated[bool, typer.Option("--sinks", help="Learned attention sinks.")] = False,
     backend: Annotated[str, typer.Option(help="Backend to explain (default auto).")] = "auto",
+    backward: Annotated[
+        bool, typer.Option("--backward", help="Explain a training call (forward+backward).")
+    ] = False,
+    show_table: Annotated[
+        bool, typer.Option("--table", help="Show every row of auto's crossover table.")
+    ] = False,
     preset: Annotated[
         str | None,
         typer.Option(
@@ -41,17 +57,25 @@ def info(
         ),
     ] = None,
 ) -> None:
-    """Report what attnlab has: the attention backends and which one a call of this shape
-    would run (and why not the others), and the GPT presets' parameter counts and sizes."""
+    """Report what attnlab has: the attention backends, the crossover table auto chooses
+    by, which one a call of this shape would run (and why not the others), which backend
+    serves which attention variant, and the GPT presets' parameter counts and sizes."""
     if preset is not None:
         output.show(*_info_presets(preset))
         return
     import torch
     from rich.table import Table
 
-    from attnlab.backends import AUTO_ORDER, explain_dispatch, get_backend
+    from attnlab.backends import AUTO_ORDER, explain_dispatch, get_backend, variant_support
     from attnlab.backends import available_backends as names
-    from attnlab.masks import BooleanMask, CausalMask, PaddingMask, SlidingWindowMask
+    from attnlab.biases import AlibiBias, RelativePositionBias
+    from attnlab.masks import (
+        BooleanMask,
+        CausalMask,
+        DocumentMask,
+        PaddingMask,
+        SlidingWindowMask,
+    )
 
     if dtype not in _INFO_DTYPES:
         raise UserError(f"unknown --dtype {dtype!r}; choose one of {', '.join(_INFO_DTYPES)}")
@@ -66,7 +90,8 @@ def info(
     tdtype = getattr(torch, _INFO_DTYPES[dtype])
 
     def shaped(*shape: int) -> torch.Tensor:  # no memory: one element, expanded
-        return torch.zeros((1,) * len(shape), dtype=tdtype).expand(*shape)
+        one = torch.zeros((1,) * len(shape), dtype=tdtype).requires_grad_(backward)
+        return one.expand(*shape)
 
     attn_mask = {
         "none": None,
@@ -74,7 +99,17 @@ def info(
         "padding": PaddingMask(torch.ones(1, 1, dtype=torch.bool).expand(batch, S)),
         "window": SlidingWindowMask(min(256, S)) if mask == "window" else None,
         "boolean": BooleanMask(torch.ones(1, 1, 1, 1, dtype=torch.bool).expand(1, 1, T, S)),
+        "alibi": AlibiBias(heads) & CausalMask() if mask == "alibi" else None,
+        "relbias": RelativePositionBias(torch.zeros(32, heads, requires_grad=True))
+        if mask == "relbias"
+        else None,
+        "document": DocumentMask(torch.zeros(1, 1, dtype=torch.long).expand(batch, T))
+        & CausalMask()
+        if mask == "document" and T == S
+        else None,
     }[mask]
+    if mask == "document" and T != S:
+        raise UserError("--mask document is self-attention over packed documents; omit --key-len")
     with user_input():
         exp = explain_dispatch(
             shaped(batch, heads, T, head_dim),
@@ -83,6 +118,8 @@ def info(
             attn_mask,
             dropout,
             backend=backend,
+            softcap=softcap,
+            sinks=torch.zeros(heads) if sinks else None,
         )
 
     table = Table(title=f"attnlab {attnlab.__version__} attention backends (torch "
@@ -98,13 +135,67 @@ def info(
     call = (
         f"B={batch} H={heads} G={G} T={T} S={S} D={head_dim} {_INFO_DTYPES[dtype]} "
         f"mask={mask} dropout={dropout}"
+        + (f" softcap={softcap}" if softcap is not None else "")
+        + (" sinks" if sinks else "")
     )
-    verdict = Table(title=f"dispatch for {call}: backend={backend!r} -> {exp.chosen}")
+    pass_ = "forward+backward" if backward else "forward"
+    verdict = Table(
+        title=f"dispatch for {call} {pass_}: backend={backend!r} -> {exp.chosen}",
+        caption=f"decided by {exp.decided_by}" if exp.decided_by else None,
+    )
     verdict.add_column("backend")
     verdict.add_column("verdict")
     for name, why in exp.reasons:
         verdict.add_row(name, "chosen" if why is None else why)
-    output.show(table, verdict, *_info_presets(None))
+    variants = Table(title="attention variants: which backend serves which (yes, or why not)")
+    variants.add_column("variant")
+    served_by = [n for n in names() if n != "auto"]
+    for name in served_by:
+        variants.add_column(name)
+    for label, reasons in variant_support():
+        variants.add_row(label, *("yes" if reasons[n] is None else reasons[n] for n in served_by))
+    output.show(table, _info_dispatch_table(show_table), verdict, variants, *_info_presets(None))
+
+
+def _info_dispatch_table(full: bool) -> RenderableType:
+    """``attnlab info``'s crossover table: where it was measured, how quiet, its rows."""
+    from rich.table import Table
+    from rich.text import Text
+
+    from attnlab.backends import dispatch_table
+
+    with user_input():
+        table = dispatch_table()
+    if table is None:
+        return Text("auto's crossover table: none; auto uses the fixed order")
+    m = table.machine
+    busy = m.get("others_busy_during", m.get("others_busy_before"))
+    quiet = (
+        f"other processes used {busy:.0%} of the machine"
+        if isinstance(busy, (int, float))
+        else "quietness not recorded"
+    )
+    title = (
+        f"auto's crossover table ({len(table.rows)} rows, {table.path}): measured "
+        f"{m.get('date', '?')} on {m.get('cpu', '?')}, torch {m.get('torch', '?')}, "
+        f"{m.get('threads', '?')} threads; {quiet}"
+        + ("" if m.get("quiet", True) else " (NOT QUIET: provisional)")
+    )
+    if not full:
+        return Text(title + "; `attnlab info --table` lists the rows")
+    out = Table(title=title)
+    for col in ("row", "dtype", "pass", "mask", "sqrt(T*S)", "fastest first", "ms (T: times)"):
+        out.add_column(col)
+    for r in table.rows:
+        hi = "inf" if r.t_below is None else f"{r.t_below:g}"
+        ms = "; ".join(
+            f"{t}: " + " ".join(f"{per[n]:.3g}" for n in r.order if n in per)
+            for t, per in sorted(r.ms.items())
+        )
+        out.add_row(
+            str(r.index), r.dtype, r.pass_, r.mask, f"{r.t_from:g}..{hi}", " < ".join(r.order), ms
+        )
+    return out
 
 
 def _preset_table(name: str) -> Any:

@@ -301,6 +301,22 @@ MESSAGES: dict[str, dict[str, str]] = {
         "zh-TW": "在 softmax 之前先把分數除以 √d_k = {sqrt_dk:.4f}。點積會隨維度增大；"
         "分數過大時 softmax 會趨近 one-hot。",
     },
+    "step.softcap.title": {
+        "en": "capped = {c} · tanh(scaled / {c}) ({n},)",
+        "zh-TW": "capped = {c} · tanh(scaled / {c})（{n},）",
+    },
+    "step.softcap.text": {
+        "en": "Logit soft-capping (Gemma 2) squeezes the scaled scores smoothly into "
+        "(−{c}, {c}) so that no score can run away.".replace("{c}", "c"),
+        "zh-TW": "對數軟上限（Gemma 2）把縮放後的分數平滑地壓進 (−c, c)，避免分數失控。",
+    },
+    "step.sink": {
+        "en": "This head has an attention sink (logit {sink:.4f}): one more softmax column "
+        "with no value, which took {mass:.4f} of the weight, so the keys' weights sum to "
+        "less than 1.",
+        "zh-TW": "這個頭有注意力匯點（logit {sink:.4f}）：softmax 多一行但沒有值，"
+        "它拿走了 {mass:.4f} 的權重，因此各鍵的權重總和小於 1。",
+    },
     "step.bias.title": {
         "en": "+ position bias ({n},)",
         "zh-TW": "加上位置偏差（{n},）",

@@ -27,11 +27,26 @@ import torch
 if TYPE_CHECKING:
     from attnlab.attention import Attention, AttentionCall
 
-__all__ = ["ModelTrace", "trace_from_walkthrough", "trace_model"]
+__all__ = ["ModelTrace", "attention_layers", "auto_top_k", "trace_from_walkthrough", "trace_model"]
 
 # Above this many dense weights (all captured layers x heads x T x S) trace_model
 # refuses dense mode and asks for top_k / layers / heads (4 bytes each: 256 MiB).
 MAX_DENSE_ELEMENTS = 1 << 26
+
+# Above this many dense weights (layers x heads x T x T) explainers (``attnlab explain``,
+# ``attnlab serve``) keep only each query's strongest keys unless told otherwise.
+AUTO_DENSE_LIMIT = 1 << 24
+AUTO_TOP_K = 32
+
+
+def auto_top_k(model: torch.nn.Module, n_tokens: int, top_k: int | None = None) -> int | None:
+    """``top_k`` as asked, or :data:`AUTO_TOP_K` when a dense trace of ``model`` over
+    ``n_tokens`` tokens would hold more than :data:`AUTO_DENSE_LIMIT` weights, else None."""
+    if top_k is not None:
+        return top_k
+    blocks = attention_layers(model)
+    dense = len(blocks) * int(blocks[0].num_heads) * n_tokens**2
+    return AUTO_TOP_K if dense > AUTO_DENSE_LIMIT else None
 
 
 @dataclass(frozen=True)

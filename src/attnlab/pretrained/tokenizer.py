@@ -134,17 +134,125 @@ class PretrainedTokenizer:
         )
 
 
-def tokenizer_from_json(path: str | Path, *, max_length: int | None) -> PretrainedTokenizer:
-    """Load a ``tokenizer.json`` (MiniLM's WordPiece) as a :class:`PretrainedTokenizer`."""
+def _token_text(value: Any) -> str | None:
+    """A special token from ``tokenizer_config.json``: a string or ``{"content": ...}``."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def tokenizer_from_json(
+    path: str | Path,
+    *,
+    max_length: int | None,
+    special: dict[str, Any] | None = None,
+    chat_template: str | None = None,
+) -> PretrainedTokenizer:
+    """Load a ``tokenizer.json`` as a :class:`PretrainedTokenizer`.
+
+    Args:
+        path: the ``tokenizer.json``.
+        max_length: longest sequence :meth:`PretrainedTokenizer.batch` returns.
+        special: ``tokenizer_config.json``'s contents (``bos_token``, ``eos_token``,
+            ``pad_token``); without them BERT's ``[CLS]``/``[SEP]``/``[PAD]`` are used.
+        chat_template: a Jinja chat template, or None.
+
+    Raises:
+        ModelFileError: a file the ``tokenizers`` library cannot read.
+    """
     from tokenizers import Tokenizer
 
-    backend = Tokenizer.from_file(str(path))
-    pad = backend.token_to_id("[PAD]")
-    sep = backend.token_to_id("[SEP]")
-    cls = backend.token_to_id("[CLS]")
+    from attnlab.pretrained.errors import ModelFileError
+
+    path = Path(path)
+    if not path.is_file():
+        raise ModelFileError(path, "is missing (the tokenizer)")
+    try:
+        backend = Tokenizer.from_file(str(path))
+    except Exception as e:  # the Rust side reports every problem as one exception type
+        raise ModelFileError(path, f"is not a tokenizers file ({e})") from None
+    special = special or {}
+
+    def find(key: str, *fallbacks: str) -> int | None:
+        for text in (_token_text(special.get(key)), *fallbacks):
+            found = backend.token_to_id(text) if text is not None else None
+            if found is not None:
+                return int(found)
+        return None
+
+    bos = find("bos_token", "[CLS]", "<s>")
+    eos = find("eos_token", "[SEP]", "</s>")
+    pad = find("pad_token", "[PAD]", "<pad>")
     return PretrainedTokenizer(
-        backend, pad_id=0 if pad is None else pad, eos_id=sep, bos_id=cls, max_length=max_length
+        backend,
+        pad_id=pad if pad is not None else (eos if eos is not None else 0),
+        eos_id=eos,
+        bos_id=bos,
+        max_length=max_length,
+        chat_template=chat_template,
     )
+
+
+def tokenizer_from_hf_dir(folder: str | Path, *, max_length: int | None) -> PretrainedTokenizer:
+    """A Hugging Face directory's ``tokenizer.json``, special tokens and chat template.
+
+    The chat template is ``tokenizer_config.json``'s ``chat_template`` (a string, or the
+    ``"default"`` entry of a list) or the file ``chat_template.jinja``.
+
+    Raises:
+        ModelFileError: a missing ``tokenizer.json`` or a broken ``tokenizer_config.json``.
+    """
+    from attnlab.pretrained.hf import read_json
+
+    folder = Path(folder)
+    config_path = folder / "tokenizer_config.json"
+    config = read_json(config_path, what="the tokenizer config") if config_path.is_file() else {}
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    jinja = folder / "chat_template.jinja"
+    if template is None and jinja.is_file() and jinja.stat().st_size < 1 << 20:
+        template = jinja.read_text(encoding="utf-8", errors="replace")
+    limit = config.get("model_max_length")
+    if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0:
+        max_length = min(limit, max_length) if max_length is not None else limit
+    return tokenizer_from_json(
+        folder / "tokenizer.json",
+        max_length=max_length,
+        special=config,
+        chat_template=template if isinstance(template, str) else None,
+    )
+
+
+# llama.cpp's pre-tokenizer regexes (llama-vocab.cpp), applied before byte-level BPE.
+_LLAMA3_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
+    r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_REGEX = _LLAMA3_REGEX.replace(r"\p{N}{1,3}", r"\p{N}")
+# llama.cpp's `tokenizer.ggml.pre` names -> the split they stand for.
+PRE_TOKENIZERS = {
+    "default": "gpt2",
+    "gpt2": "gpt2",
+    "gpt-2": "gpt2",
+    "phi-2": "gpt2",
+    "roberta-bpe": "gpt2",
+    "jais": "gpt2",
+    "smollm": "digits+gpt2",
+    "starcoder": "digits+gpt2",
+    "refact": "digits+gpt2",
+    "codeshell": "digits+gpt2",
+    "llama3": "llama3",
+    "llama-bpe": "llama3",
+    "falcon3": "llama3",
+    "pixtral": "llama3",
+    "dbrx": "llama3",
+    "smaug-bpe": "llama3",
+    "qwen2": "qwen2",
+    "deepseek-r1-qwen": "qwen2",
+    "megrez": "qwen2",
+}
 
 
 def _pre_tokenizer(pre: str) -> Any:
@@ -152,17 +260,29 @@ def _pre_tokenizer(pre: str) -> Any:
 
     llama.cpp's "smollm" pre-tokenizer splits every digit on its own (``\\p{N}``) and then
     applies the GPT-2 regex; that is ``Digits(individual_digits=True)`` followed by
-    byte-level splitting, as in SmolLM2's original ``tokenizer.json``.
+    byte-level splitting, as in SmolLM2's original ``tokenizer.json``. "llama-bpe" (Llama 3)
+    and "qwen2" split with their own regexes (numbers in runs of up to 3 digits, or single
+    digits), then map bytes without the GPT-2 regex.
     """
-    from tokenizers import pre_tokenizers
+    from tokenizers import Regex, pre_tokenizers
 
+    kind = PRE_TOKENIZERS.get(pre)
+    if kind is None:
+        raise NotImplementedError(
+            f"GGUF pre-tokenizer {pre!r} is not supported; supported: "
+            f"{', '.join(sorted(PRE_TOKENIZERS))}"
+        )
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre in ("smollm", "starcoder", "refact", "codeshell"):
-        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    if pre in ("gpt2", "default"):
+    if kind == "gpt2":
         return byte_level
-    raise NotImplementedError(
-        f"GGUF pre-tokenizer {pre!r} is not supported; supported: smollm, starcoder, gpt2"
+    if kind == "digits+gpt2":
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    regex = _LLAMA3_REGEX if kind == "llama3" else _QWEN2_REGEX
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
     )
 
 

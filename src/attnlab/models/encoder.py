@@ -1,14 +1,19 @@
-"""A BERT encoder on attnlab's attention (the layout of all-MiniLM-L6-v2).
+"""The one encoder: BERT-style families (BERT, RoBERTa, MiniLM) on attnlab's attention,
+configured by an :class:`EncoderConfig`.
 
 Embeddings are the sum of a word, a token-type and an absolute position embedding,
 then LayerNorm. Each block is post-LayerNorm::
 
     x = LayerNorm(x + Attention(x, key padding mask))
-    x = LayerNorm(x + W_out · gelu(W_in · x))
+    x = LayerNorm(x + W_out · act(W_in · x))
 
-with the exact (erf) GELU. Attention is bidirectional; padded keys are masked with
-:class:`attnlab.masks.PaddingMask`, so real tokens never look at padding (padded query
-rows still attend to the real tokens; their outputs are simply ignored downstream).
+Attention is bidirectional; padded keys are masked with :class:`attnlab.masks.PaddingMask`,
+so real tokens never look at padding (padded query rows still attend to the real tokens;
+their outputs are simply ignored downstream).
+
+Positions: BERT numbers tokens ``0..T-1``. RoBERTa (``positions_from_padding``) numbers the
+non-padding tokens from ``pad_token_id + 1`` and gives padding the position
+``pad_token_id`` (``position_offset`` = ``pad_token_id + 1``).
 
 Shape legend: B batch, T tokens, C = H*D width, I intermediate (feed-forward) width.
 """
@@ -23,13 +28,14 @@ from torch import nn
 from attnlab.attention import Attention
 from attnlab.masks import PaddingMask
 from attnlab.models._lm import set_attention_backend
+from attnlab.models.decoder import ACTIVATIONS
 
-__all__ = ["BertConfig", "BertEncoder", "BertLayer"]
+__all__ = ["Encoder", "EncoderConfig", "EncoderLayer"]
 
 
 @dataclass(frozen=True)
-class BertConfig:
-    """Sizes of a BERT encoder (defaults: all-MiniLM-L6-v2).
+class EncoderConfig:
+    """Sizes and options of a BERT-style encoder (defaults: all-MiniLM-L6-v2).
 
     Attributes:
         vocab_size: word-piece vocabulary size.
@@ -37,10 +43,13 @@ class BertConfig:
         num_layers: number of encoder blocks.
         num_heads: attention heads H (C % H == 0).
         intermediate_size: feed-forward width I.
-        max_position_embeddings: longest sequence (learned absolute positions).
+        max_position_embeddings: rows of the position table.
         type_vocab_size: number of token types (segments).
         layer_norm_eps: LayerNorm epsilon.
         pad_token_id: id of the padding token.
+        activation: feed-forward activation (a key of ``ACTIVATIONS``).
+        positions_from_padding: RoBERTa's positions (module docstring).
+        family: the family name this config came from.
     """
 
     vocab_size: int = 30522
@@ -52,9 +61,19 @@ class BertConfig:
     type_vocab_size: int = 2
     layer_norm_eps: float = 1e-12
     pad_token_id: int = 0
+    activation: str = "gelu"
+    positions_from_padding: bool = False
+    family: str = "bert"
+
+    @property
+    def max_tokens(self) -> int:
+        """Longest input: the position table, less RoBERTa's offset."""
+        if self.positions_from_padding:
+            return self.max_position_embeddings - self.pad_token_id - 1
+        return self.max_position_embeddings
 
 
-class BertLayer(nn.Module):
+class EncoderLayer(nn.Module):
     """One post-LayerNorm encoder block.
 
     Args:
@@ -62,7 +81,7 @@ class BertLayer(nn.Module):
         backend: attnlab attention backend.
     """
 
-    def __init__(self, config: BertConfig, *, backend: str = "auto") -> None:
+    def __init__(self, config: EncoderConfig, *, backend: str = "auto") -> None:
         super().__init__()
         C, eps = config.hidden_size, config.layer_norm_eps
         self.attention = Attention(C, config.num_heads, bias=True, out_bias=True, backend=backend)
@@ -70,6 +89,7 @@ class BertLayer(nn.Module):
         self.ffn_in = nn.Linear(C, config.intermediate_size)
         self.ffn_out = nn.Linear(config.intermediate_size, C)
         self.ffn_norm = nn.LayerNorm(C, eps=eps)
+        self.act = ACTIVATIONS[config.activation]
 
     def forward(
         self, x: torch.Tensor, mask: PaddingMask | None, *, need_weights: bool = False
@@ -81,20 +101,24 @@ class BertLayer(nn.Module):
         else:
             a = self.attention(x, attn_mask=mask)
         x = self.attn_norm(x + a)  # (B, T, C)
-        h = nn.functional.gelu(self.ffn_in(x))  # (B, T, I), exact erf GELU
+        h = self.act(self.ffn_in(x))  # type: ignore[operator]  # (B, T, I)
         return self.ffn_norm(x + self.ffn_out(h)), weights  # (B, T, C)
 
 
-class BertEncoder(nn.Module):
-    """BERT encoder: embeddings, then ``num_layers`` post-LN blocks; no pooler.
+class Encoder(nn.Module):
+    """BERT-style encoder: embeddings, then ``num_layers`` post-LN blocks; no pooler.
 
     Args:
         config: the sizes.
         backend: attnlab attention backend for every layer (``"auto"``, ``"math"``, ...).
     """
 
-    def __init__(self, config: BertConfig, *, backend: str = "auto") -> None:
+    def __init__(self, config: EncoderConfig, *, backend: str = "auto") -> None:
         super().__init__()
+        if config.activation not in ACTIVATIONS:
+            raise ValueError(
+                f"`activation` must be one of {sorted(ACTIVATIONS)}, got {config.activation!r}"
+            )
         self.config = config
         C = config.hidden_size
         self.word_embeddings = nn.Embedding(config.vocab_size, C)
@@ -102,7 +126,7 @@ class BertEncoder(nn.Module):
         self.token_type_embeddings = nn.Embedding(config.type_vocab_size, C)
         self.embed_norm = nn.LayerNorm(C, eps=config.layer_norm_eps)
         self.layers = nn.ModuleList(
-            BertLayer(config, backend=backend) for _ in range(config.num_layers)
+            EncoderLayer(config, backend=backend) for _ in range(config.num_layers)
         )
 
     def set_backend(self, backend: str) -> None:
@@ -144,10 +168,10 @@ class BertEncoder(nn.Module):
         if input_ids.is_floating_point():
             raise TypeError(f"`input_ids` must be an integer tensor, got {input_ids.dtype}")
         B, T = input_ids.shape
-        if self.config.max_position_embeddings < T:
+        if self.config.max_tokens < T:
             raise ValueError(
                 f"`input_ids` has T={T} tokens, more than the model's "
-                f"{self.config.max_position_embeddings} positions; truncate the input"
+                f"{self.config.max_tokens} positions; truncate the input"
             )
         if valid is not None and (valid.shape != (B, T) or valid.dtype != torch.bool):
             raise ValueError(
@@ -156,12 +180,16 @@ class BertEncoder(nn.Module):
             )
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
-        positions = torch.arange(T, device=input_ids.device)  # (T,)
+        if self.config.positions_from_padding:
+            pad = self.config.pad_token_id
+            real = (input_ids != pad).long()  # (B, T)
+            positions = torch.cumsum(real, dim=1) * real + pad  # (B, T)
+            pos_emb = self.position_embeddings(positions)  # (B, T, C)
+        else:
+            pos_emb = self.position_embeddings(torch.arange(T, device=input_ids.device))[None]
         # Summed in this order (word, type, position) so fp32 rounding matches the reference.
         x = (
-            self.word_embeddings(input_ids)
-            + self.token_type_embeddings(token_type_ids)
-            + self.position_embeddings(positions)[None]
+            self.word_embeddings(input_ids) + self.token_type_embeddings(token_type_ids) + pos_emb
         )  # (B, T, C)
         x = self.embed_norm(x)
         mask = PaddingMask(valid) if valid is not None and not bool(valid.all()) else None

@@ -1,0 +1,354 @@
+"""The one decoder: every causal-LM family (Llama, Mistral, Qwen2, GPT-2, ...) on attnlab's
+attention, configured by a :class:`DecoderConfig`.
+
+A family does not get its own module: it is a description
+(:class:`attnlab.models.families.Family`) that turns a checkpoint's config into a
+:class:`DecoderConfig` and names its weights. The options here are the ones real decoders
+differ in:
+
+- ``norm``: ``"rms"`` (RMSNorm, computed in fp32) or ``"layer"`` (LayerNorm, ``norm_bias``);
+- ``norm_placement``: ``"pre"`` ``x + f(norm(x))`` (Llama, GPT-2), ``"post"``
+  ``x + norm(f(x))`` (OLMo 2) or ``"sandwich"`` ``x + norm2(f(norm1(x)))`` (Gemma 2);
+- ``mlp``: ``"gated"`` ``down(act(gate(h)) * up(h))`` (SwiGLU) or ``"plain"``
+  ``down(act(up(h)))`` (GPT-2), with ``activation`` and ``mlp_bias``;
+- ``parallel_residual``: ``x + attn(norm1(x)) + mlp(norm2(x))`` (GPT-NeoX) instead of
+  the sequential form;
+- ``positions``: ``"rope"`` (:class:`attnlab.attention.RotaryEmbedding`, base
+  ``rope_theta``) or ``"learned"`` (an absolute position table, GPT-2);
+- attention: query/key/value heads, ``qkv_bias`` / ``out_bias``, ``sliding_window``
+  (:class:`attnlab.masks.SlidingWindowMask`, Mistral's convention: a query sees itself
+  and the ``window - 1`` keys before it);
+- ``tie_embeddings``: the output projection is the token embedding.
+
+The model follows attnlab's causal-LM protocol: ``model(input_ids, kv_cache=...)``
+returns logits, ``model.new_kv_cache()`` gives one :class:`KVCache` per layer,
+``model.context_length`` bounds the window.
+
+Shape legend: B batch, T new tokens, S keys (cached + new), C width, V vocabulary,
+H query heads, G key/value heads, D head dim, F feed-forward width.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+from attnlab.attention import Attention, KVCache, RotaryEmbedding
+from attnlab.masks import SlidingWindowMask
+from attnlab.models._lm import keep_last, set_attention_backend
+from attnlab.norms import RMSNorm
+
+__all__ = [
+    "ACTIVATIONS",
+    "MLP",
+    "Decoder",
+    "DecoderBlock",
+    "DecoderConfig",
+    "RMSNorm",
+    "make_norm",
+]
+
+Activation = Literal["silu", "gelu", "gelu_tanh", "relu"]
+ACTIVATIONS: dict[str, object] = {
+    "silu": nn.functional.silu,
+    "gelu": nn.functional.gelu,  # exact (erf)
+    "gelu_tanh": lambda x: nn.functional.gelu(x, approximate="tanh"),
+    "relu": nn.functional.relu,
+}
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    """Sizes and architecture options of a decoder (defaults: SmolLM2-135M, a Llama).
+
+    Attributes:
+        vocab_size: V.
+        hidden_size: model width C.
+        num_layers: decoder blocks.
+        num_heads: query heads H.
+        num_kv_heads: key/value heads G (H % G == 0).
+        intermediate_size: feed-forward width F.
+        context_length: longest sequence the model accepts.
+        norm_eps: epsilon of every norm.
+        tie_embeddings: output projection shares the token embedding's weight.
+        norm: ``"rms"`` or ``"layer"``.
+        norm_bias: LayerNorms have a bias.
+        norm_placement: ``"pre"``, ``"post"`` or ``"sandwich"`` (module docstring).
+        mlp: ``"gated"`` or ``"plain"``.
+        activation: ``"silu"``, ``"gelu"``, ``"gelu_tanh"`` or ``"relu"``.
+        mlp_bias: biases in the feed-forward projections.
+        parallel_residual: attention and MLP read the same input and add together.
+        positions: ``"rope"`` or ``"learned"``.
+        rope_theta: RoPE frequency base.
+        qkv_bias: biases on the query/key/value projections.
+        out_bias: bias on the attention output projection.
+        sliding_window: each query sees at most this many keys (itself included); None = all.
+        family: the family name this config came from (for messages and ``info``).
+    """
+
+    vocab_size: int = 49152
+    hidden_size: int = 576
+    num_layers: int = 30
+    num_heads: int = 9
+    num_kv_heads: int = 3
+    intermediate_size: int = 1536
+    context_length: int = 8192
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+    norm: Literal["rms", "layer"] = "rms"
+    norm_bias: bool = False
+    norm_placement: Literal["pre", "post", "sandwich"] = "pre"
+    mlp: Literal["gated", "plain"] = "gated"
+    activation: Activation = "silu"
+    mlp_bias: bool = False
+    parallel_residual: bool = False
+    positions: Literal["rope", "learned"] = "rope"
+    rope_theta: float = 100000.0
+    qkv_bias: bool = False
+    out_bias: bool = False
+    sliding_window: int | None = None
+    family: str = "llama"
+
+    @property
+    def head_dim(self) -> int:
+        """D = C / H."""
+        return self.hidden_size // self.num_heads
+
+
+def make_norm(config: DecoderConfig) -> nn.Module:
+    """The config's norm over width C."""
+    if config.norm == "rms":
+        return RMSNorm(config.hidden_size, config.norm_eps)
+    return nn.LayerNorm(config.hidden_size, eps=config.norm_eps, bias=config.norm_bias)
+
+
+class MLP(nn.Module):
+    """The feed-forward block: ``down(act(gate(x)) * up(x))`` (gated) or ``down(act(up(x)))``.
+
+    Args:
+        dim: width C.
+        hidden: width F.
+        gated: SwiGLU-style gate.
+        activation: a key of :data:`ACTIVATIONS`.
+        bias: biases on the projections.
+    """
+
+    def __init__(self, dim: int, hidden: int, *, gated: bool, activation: str, bias: bool) -> None:
+        super().__init__()
+        if gated:
+            self.gate: nn.Linear | None = nn.Linear(dim, hidden, bias=bias)
+        else:
+            self.gate = None
+        self.up = nn.Linear(dim, hidden, bias=bias)
+        self.down = nn.Linear(hidden, dim, bias=bias)
+        self.act = ACTIVATIONS[activation]
+        self.activation = activation
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, T, C) -> (B, T, C)."""
+        if self.gate is not None:
+            return self.down(self.act(self.gate(x)) * self.up(x))  # type: ignore[operator]
+        return self.down(self.act(self.up(x)))  # type: ignore[operator]
+
+    def extra_repr(self) -> str:
+        return f"gated={self.gate is not None}, activation={self.activation!r}"
+
+
+class DecoderBlock(nn.Module):
+    """One decoder block (norm placement and residual style from the config).
+
+    Args:
+        config: the sizes and options.
+        rope: the rotary embedding shared by all layers, or None.
+        backend: attnlab attention backend.
+    """
+
+    def __init__(
+        self, config: DecoderConfig, rope: RotaryEmbedding | None, *, backend: str
+    ) -> None:
+        super().__init__()
+        C = config.hidden_size
+        self.placement = config.norm_placement
+        self.parallel = config.parallel_residual
+        self.sliding_window = config.sliding_window
+        self.attn_norm = make_norm(config)
+        self.attention = Attention(
+            C,
+            config.num_heads,
+            num_kv_heads=config.num_kv_heads,
+            bias=config.qkv_bias,
+            out_bias=config.out_bias,
+            rope=rope,
+            backend=backend,
+        )
+        self.mlp_norm = make_norm(config)
+        self.mlp = MLP(
+            C,
+            config.intermediate_size,
+            gated=config.mlp == "gated",
+            activation=config.activation,
+            bias=config.mlp_bias,
+        )
+        if self.placement == "sandwich":
+            self.attn_post_norm: nn.Module | None = make_norm(config)
+            self.mlp_post_norm: nn.Module | None = make_norm(config)
+        else:
+            self.attn_post_norm = self.mlp_post_norm = None
+
+    def _attend(
+        self, h: torch.Tensor, kv_cache: KVCache | None, need_weights: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        T = h.shape[1]
+        S = T + (kv_cache.seq_len if kv_cache is not None else 0)
+        if self.sliding_window is not None and self.sliding_window < S:
+            mask = SlidingWindowMask(self.sliding_window)  # causal, aligned bottom-right
+            kwargs: dict[str, object] = {"attn_mask": mask}
+        else:
+            # One new token (decoding) is the last position: it may see every key, so the
+            # causal mask is all True and is left out (fused kernels then need no mask).
+            kwargs = {"is_causal": T > 1}
+        if need_weights:
+            a, w = self.attention(h, kv_cache=kv_cache, need_weights=True, **kwargs)
+            return a, w
+        return self.attention(h, kv_cache=kv_cache, **kwargs), None  # type: ignore[return-value]
+
+    def forward(
+        self, x: torch.Tensor, kv_cache: KVCache | None, *, need_weights: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(B, T, C) -> ((B, T, C), weights (B, H, T, S) or None)."""
+        if self.placement == "post":
+            a, weights = self._attend(x, kv_cache, need_weights)
+            x = x + self.attn_norm(a)  # (B, T, C)
+            return x + self.mlp_norm(self.mlp(x)), weights
+        a, weights = self._attend(self.attn_norm(x), kv_cache, need_weights)
+        if self.attn_post_norm is not None:
+            a = self.attn_post_norm(a)
+        if self.parallel:
+            return x + a + self.mlp(self.mlp_norm(x)), weights  # (B, T, C)
+        x = x + a  # (B, T, C)
+        m = self.mlp(self.mlp_norm(x))
+        if self.mlp_post_norm is not None:
+            m = self.mlp_post_norm(m)
+        return x + m, weights  # (B, T, C)
+
+
+class Decoder(nn.Module):
+    """A decoder-only language model, any family, configured by ``config``.
+
+    Args:
+        config: the sizes and options.
+        backend: attnlab attention backend for every layer.
+
+    Raises:
+        ValueError: ``hidden_size`` not divisible by ``num_heads``, or options this
+            decoder does not know.
+    """
+
+    def __init__(self, config: DecoderConfig, *, backend: str = "auto") -> None:
+        super().__init__()
+        if config.hidden_size % config.num_heads:
+            raise ValueError(
+                f"`hidden_size` ({config.hidden_size}) must be divisible by `num_heads` "
+                f"({config.num_heads})"
+            )
+        if config.activation not in ACTIVATIONS:
+            raise ValueError(
+                f"`activation` must be one of {sorted(ACTIVATIONS)}, got {config.activation!r}"
+            )
+        self.config = config
+        C = config.hidden_size
+        self.rope = (
+            RotaryEmbedding(config.head_dim, base=config.rope_theta)
+            if config.positions == "rope"
+            else None
+        )
+        self.tok_embeddings = nn.Embedding(config.vocab_size, C)
+        self.pos_embeddings = (
+            nn.Embedding(config.context_length, C) if config.positions == "learned" else None
+        )
+        self.blocks = nn.ModuleList(
+            DecoderBlock(config, self.rope, backend=backend) for _ in range(config.num_layers)
+        )
+        self.norm = make_norm(config)
+        self.lm_head = nn.Linear(C, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.tok_embeddings.weight
+
+    @property
+    def context_length(self) -> int:
+        """Longest window the model accepts (the protocol's ``context_length``)."""
+        return self.config.context_length
+
+    def new_kv_cache(self) -> list[KVCache]:
+        """An empty cache, one :class:`KVCache` per layer."""
+        return [KVCache() for _ in self.blocks]
+
+    def set_backend(self, backend: str) -> None:
+        """Use ``backend`` in every attention layer from now on.
+
+        Raises:
+            ValueError: an unknown backend name.
+        """
+        set_attention_backend(self, backend)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        kv_cache: list[KVCache] | None = None,
+        need_weights: bool = False,
+        logits_to_keep: int | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
+        """Logits for every position of ``input_ids`` (or the last ``logits_to_keep``).
+
+        Args:
+            input_ids: (B, T) long token ids; with ``kv_cache`` they follow the cached ones.
+            kv_cache: from :meth:`new_kv_cache`; updated in place.
+            need_weights: also return every layer's attention weights.
+            logits_to_keep: compute logits for the last this many positions only
+                (generation needs one: it skips the head over the rest of the prompt).
+
+        Returns:
+            Logits (B, T, V), or ``(logits, [weights (B, H, T, S)] * num_layers)``.
+
+        Raises:
+            TypeError: non-integer ids.
+            ValueError: wrong shapes, a cache of the wrong length, or a sequence longer
+                than ``context_length``.
+
+        Shape:
+            input_ids (B, T) -> (B, T, V).
+        """
+        if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2:
+            raise ValueError("`input_ids` must be a (B, T) tensor of token ids")
+        if input_ids.is_floating_point():
+            raise TypeError(f"`input_ids` must be an integer tensor, got {input_ids.dtype}")
+        if kv_cache is not None and len(kv_cache) != len(self.blocks):
+            raise ValueError(
+                f"`kv_cache` must hold one KVCache per layer ({len(self.blocks)}), got "
+                f"{len(kv_cache)}; use model.new_kv_cache()"
+            )
+        past = kv_cache[0].seq_len if kv_cache is not None else 0
+        T = input_ids.shape[1]
+        if past + T > self.context_length:
+            raise ValueError(
+                f"sequence of {past + T} tokens exceeds the context length "
+                f"{self.context_length}; crop the input"
+            )
+        x = self.tok_embeddings(input_ids)  # (B, T, C)
+        if self.pos_embeddings is not None:
+            positions = torch.arange(past, past + T, device=input_ids.device)  # (T,)
+            x = x + self.pos_embeddings(positions)  # (B, T, C)
+        all_weights: list[torch.Tensor] = []
+        for i, block in enumerate(self.blocks):
+            x, w = block(
+                x, kv_cache[i] if kv_cache is not None else None, need_weights=need_weights
+            )
+            if w is not None:
+                all_weights.append(w)
+        x = keep_last(x, logits_to_keep)  # (B, T or logits_to_keep, C)
+        logits = self.lm_head(self.norm(x))  # (B, T, V)
+        return (logits, all_weights) if need_weights else logits

@@ -1,0 +1,332 @@
+"""Model families as data: one page each, read by the one decoder and the one encoder.
+
+A :class:`Family` says, for one ``model_type`` (Hugging Face ``config.json``) or
+``general.architecture`` (GGUF):
+
+- ``fixed``: the architecture options that never vary in this family (norm kind and
+  placement, MLP kind, residual style, position scheme, biases), as fields of
+  :class:`attnlab.models.decoder.DecoderConfig` / :class:`attnlab.models.encoder.EncoderConfig`;
+- ``keys``: where each remaining field is read in ``config.json`` (the first key present
+  wins; ``a.b`` reads a nested dict) and ``defaults`` when none is (a callable default gets
+  the fields read so far);
+- ``refuse``: config keys whose value this family cannot express unless it is one of the
+  given values (the loader then names the field);
+- ``weights``: ``(source module, our module, transform)`` with ``{i}`` for the layer index;
+  ``.weight``/``.bias`` follow the module name. Transforms: ``""`` as is, ``"T"`` transpose
+  (GPT-2's ``Conv1D``), ``"qkv"`` split a fused query/key/value projection into ours,
+  ``"T+qkv"`` both, ``"rope_q"``/``"rope_k"`` undo llama.cpp's q/k row permutation;
+- ``prefixes`` stripped from source names and ``ignore`` (regexes) for tensors that carry
+  nothing the model uses (a pooler, a masked-LM head, buffers);
+- the same for GGUF: ``gguf_keys`` (``{arch}`` is the architecture) and ``gguf_weights``
+  under llama.cpp's tensor names.
+
+This is the llama.cpp ``LLM_ARCH`` idea: a new family is a page here, not a module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from attnlab.models.decoder import DecoderConfig
+from attnlab.models.encoder import EncoderConfig
+
+__all__ = ["ACTIVATION_NAMES", "FAMILIES", "Family", "WeightRule", "family_for"]
+
+# (source module pattern, our module pattern, transform)
+WeightRule = tuple[str, str, str]
+
+# Hugging Face activation names -> attnlab's.
+ACTIVATION_NAMES = {
+    "silu": "silu",
+    "swish": "silu",
+    "gelu": "gelu",
+    "gelu_new": "gelu_tanh",
+    "gelu_fast": "gelu_tanh",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "relu": "relu",
+}
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family, as data (see the module docstring for every field)."""
+
+    name: str
+    kind: Literal["decoder", "encoder"]
+    fixed: Mapping[str, Any]
+    keys: Mapping[str, tuple[str, ...]]
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+    refuse: Mapping[str, tuple[Any, ...]] = field(default_factory=dict)
+    weights: tuple[WeightRule, ...] = ()
+    prefixes: tuple[str, ...] = ()
+    ignore: tuple[str, ...] = ()
+    gguf_keys: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    gguf_weights: tuple[WeightRule, ...] = ()
+
+    @property
+    def config_class(self) -> type[DecoderConfig] | type[EncoderConfig]:
+        """:class:`DecoderConfig` or :class:`EncoderConfig`."""
+        return DecoderConfig if self.kind == "decoder" else EncoderConfig
+
+    def field_names(self) -> set[str]:
+        """The config fields this family's config class has."""
+        return {f.name for f in dataclasses.fields(self.config_class)}
+
+
+def _same_as(name: str) -> Callable[[dict[str, Any]], Any]:
+    return lambda fields: fields[name]
+
+
+# --------------------------------------------------------------------------- decoders
+
+# Hugging Face Llama-layout names (Llama, Mistral, Qwen2, ...), after "model." is stripped.
+_LLAMA_WEIGHTS: tuple[WeightRule, ...] = (
+    ("embed_tokens", "tok_embeddings", ""),
+    ("norm", "norm", ""),
+    ("lm_head", "lm_head", ""),
+    ("layers.{i}.input_layernorm", "blocks.{i}.attn_norm", ""),
+    ("layers.{i}.self_attn.q_proj", "blocks.{i}.attention.W_query", ""),
+    ("layers.{i}.self_attn.k_proj", "blocks.{i}.attention.W_key", ""),
+    ("layers.{i}.self_attn.v_proj", "blocks.{i}.attention.W_value", ""),
+    ("layers.{i}.self_attn.o_proj", "blocks.{i}.attention.out_proj", ""),
+    ("layers.{i}.post_attention_layernorm", "blocks.{i}.mlp_norm", ""),
+    ("layers.{i}.mlp.gate_proj", "blocks.{i}.mlp.gate", ""),
+    ("layers.{i}.mlp.up_proj", "blocks.{i}.mlp.up", ""),
+    ("layers.{i}.mlp.down_proj", "blocks.{i}.mlp.down", ""),
+)
+
+# llama.cpp's names for the same layout (llama, qwen2, mistral in GGUF).
+_LLAMA_GGUF: tuple[WeightRule, ...] = (
+    ("token_embd", "tok_embeddings", ""),
+    ("output_norm", "norm", ""),
+    ("output", "lm_head", ""),
+    ("blk.{i}.attn_norm", "blocks.{i}.attn_norm", ""),
+    ("blk.{i}.attn_q", "blocks.{i}.attention.W_query", ""),
+    ("blk.{i}.attn_k", "blocks.{i}.attention.W_key", ""),
+    ("blk.{i}.attn_v", "blocks.{i}.attention.W_value", ""),
+    ("blk.{i}.attn_output", "blocks.{i}.attention.out_proj", ""),
+    ("blk.{i}.ffn_norm", "blocks.{i}.mlp_norm", ""),
+    ("blk.{i}.ffn_gate", "blocks.{i}.mlp.gate", ""),
+    ("blk.{i}.ffn_up", "blocks.{i}.mlp.up", ""),
+    ("blk.{i}.ffn_down", "blocks.{i}.mlp.down", ""),
+)
+# llama.cpp's converter permutes the q/k rows of the "llama" architecture (only).
+_LLAMA_GGUF_PERMUTED = tuple(
+    (src, ours, {"blk.{i}.attn_q": "rope_q", "blk.{i}.attn_k": "rope_k"}.get(src, t))
+    for src, ours, t in _LLAMA_GGUF
+)
+
+_LLAMA_KEYS: dict[str, tuple[str, ...]] = {
+    "vocab_size": ("vocab_size",),
+    "hidden_size": ("hidden_size",),
+    "num_layers": ("num_hidden_layers",),
+    "num_heads": ("num_attention_heads",),
+    "num_kv_heads": ("num_key_value_heads",),
+    "intermediate_size": ("intermediate_size",),
+    "context_length": ("max_position_embeddings",),
+    "norm_eps": ("rms_norm_eps",),
+    "tie_embeddings": ("tie_word_embeddings",),
+    "activation": ("hidden_act",),
+    "rope_theta": ("rope_parameters.rope_theta", "rope_theta"),
+}
+_LLAMA_DEFAULTS: dict[str, Any] = {
+    "num_kv_heads": _same_as("num_heads"),
+    "tie_embeddings": False,
+    "activation": "silu",
+    "rope_theta": 10000.0,
+}
+_GGUF_KEYS: dict[str, tuple[str, ...]] = {
+    "hidden_size": ("{arch}.embedding_length",),
+    "num_layers": ("{arch}.block_count",),
+    "num_heads": ("{arch}.attention.head_count",),
+    "num_kv_heads": ("{arch}.attention.head_count_kv",),
+    "intermediate_size": ("{arch}.feed_forward_length",),
+    "context_length": ("{arch}.context_length",),
+    "norm_eps": ("{arch}.attention.layer_norm_rms_epsilon", "{arch}.attention.layer_norm_epsilon"),
+    "rope_theta": ("{arch}.rope.freq_base",),
+    "vocab_size": ("{arch}.vocab_size",),
+}
+# Rotary options that need RoPE scaling (attention variants); refused until then.
+_ROPE_PLAIN = {
+    "rope_parameters.rope_type": (None, "default"),
+    "rope_scaling": (None,),
+}
+
+LLAMA = Family(
+    name="llama",
+    kind="decoder",
+    fixed={"norm": "rms", "mlp": "gated", "positions": "rope", "family": "llama"},
+    keys={
+        **_LLAMA_KEYS,
+        "qkv_bias": ("attention_bias",),
+        "out_bias": ("attention_bias",),
+        "mlp_bias": ("mlp_bias",),
+    },
+    defaults={**_LLAMA_DEFAULTS, "qkv_bias": False, "out_bias": False, "mlp_bias": False},
+    refuse={**_ROPE_PLAIN, "pretraining_tp": (None, 1)},
+    weights=_LLAMA_WEIGHTS,
+    prefixes=("model.",),
+    ignore=(r".*rotary_emb\.inv_freq$",),
+    gguf_keys=_GGUF_KEYS,
+    gguf_weights=_LLAMA_GGUF_PERMUTED,
+)
+
+MISTRAL = dataclasses.replace(
+    LLAMA,
+    name="mistral",
+    fixed={**LLAMA.fixed, "family": "mistral"},
+    keys={**_LLAMA_KEYS, "sliding_window": ("sliding_window",)},
+    defaults={**_LLAMA_DEFAULTS, "sliding_window": None},
+    refuse=_ROPE_PLAIN,
+)
+
+QWEN2 = dataclasses.replace(
+    LLAMA,
+    name="qwen2",
+    fixed={**LLAMA.fixed, "family": "qwen2", "qkv_bias": True, "out_bias": False},
+    keys=_LLAMA_KEYS,
+    defaults=_LLAMA_DEFAULTS,
+    # Qwen2's per-layer windows (use_sliding_window + max_window_layers) need per-layer
+    # window support in the attention layer; refused until then.
+    refuse={**_ROPE_PLAIN, "use_sliding_window": (None, False)},
+    gguf_weights=_LLAMA_GGUF,  # the qwen2 converter does not permute q/k
+)
+
+GPT2 = Family(
+    name="gpt2",
+    kind="decoder",
+    fixed={
+        "norm": "layer",
+        "norm_bias": True,
+        "mlp": "plain",
+        "positions": "learned",
+        "qkv_bias": True,
+        "out_bias": True,
+        "mlp_bias": True,
+        "family": "gpt2",
+    },
+    keys={
+        "vocab_size": ("vocab_size",),
+        "hidden_size": ("n_embd",),
+        "num_layers": ("n_layer",),
+        "num_heads": ("n_head",),
+        "intermediate_size": ("n_inner",),
+        "context_length": ("n_positions",),
+        "norm_eps": ("layer_norm_epsilon",),
+        "tie_embeddings": ("tie_word_embeddings",),
+        "activation": ("activation_function",),
+    },
+    defaults={
+        "num_kv_heads": _same_as("num_heads"),
+        "intermediate_size": lambda f: 4 * f["hidden_size"],
+        "tie_embeddings": True,
+        "activation": "gelu_new",
+        "norm_eps": 1e-5,
+    },
+    refuse={
+        "scale_attn_weights": (None, True),
+        "scale_attn_by_inverse_layer_idx": (None, False),
+        "reorder_and_upcast_attn": (None, False),
+        "add_cross_attention": (None, False),
+    },
+    weights=(
+        ("wte", "tok_embeddings", ""),
+        ("wpe", "pos_embeddings", ""),
+        ("ln_f", "norm", ""),
+        ("lm_head", "lm_head", ""),
+        ("h.{i}.ln_1", "blocks.{i}.attn_norm", ""),
+        ("h.{i}.attn.c_attn", "blocks.{i}.attention.{qkv}", "T+qkv"),
+        ("h.{i}.attn.c_proj", "blocks.{i}.attention.out_proj", "T"),
+        ("h.{i}.ln_2", "blocks.{i}.mlp_norm", ""),
+        ("h.{i}.mlp.c_fc", "blocks.{i}.mlp.up", "T"),
+        ("h.{i}.mlp.c_proj", "blocks.{i}.mlp.down", "T"),
+    ),
+    prefixes=("transformer.",),
+    ignore=(r".*\.attn\.(masked_)?bias$",),
+    gguf_keys={
+        **_GGUF_KEYS,
+        "norm_eps": ("{arch}.attention.layer_norm_epsilon",),
+    },
+    gguf_weights=(
+        ("token_embd", "tok_embeddings", ""),
+        ("position_embd", "pos_embeddings", ""),
+        ("output_norm", "norm", ""),
+        ("output", "lm_head", ""),
+        ("blk.{i}.attn_norm", "blocks.{i}.attn_norm", ""),
+        ("blk.{i}.attn_qkv", "blocks.{i}.attention.{qkv}", "qkv"),
+        ("blk.{i}.attn_output", "blocks.{i}.attention.out_proj", ""),
+        ("blk.{i}.ffn_norm", "blocks.{i}.mlp_norm", ""),
+        ("blk.{i}.ffn_up", "blocks.{i}.mlp.up", ""),
+        ("blk.{i}.ffn_down", "blocks.{i}.mlp.down", ""),
+    ),
+)
+
+# --------------------------------------------------------------------------- encoders
+
+BERT = Family(
+    name="bert",
+    kind="encoder",
+    fixed={"family": "bert"},
+    keys={
+        "vocab_size": ("vocab_size",),
+        "hidden_size": ("hidden_size",),
+        "num_layers": ("num_hidden_layers",),
+        "num_heads": ("num_attention_heads",),
+        "intermediate_size": ("intermediate_size",),
+        "max_position_embeddings": ("max_position_embeddings",),
+        "type_vocab_size": ("type_vocab_size",),
+        "layer_norm_eps": ("layer_norm_eps",),
+        "pad_token_id": ("pad_token_id",),
+        "activation": ("hidden_act",),
+    },
+    defaults={"pad_token_id": 0, "activation": "gelu", "type_vocab_size": 2},
+    refuse={
+        "position_embedding_type": (None, "absolute"),
+        "is_decoder": (None, False),
+        "add_cross_attention": (None, False),
+    },
+    weights=(
+        ("embeddings.word_embeddings", "word_embeddings", ""),
+        ("embeddings.position_embeddings", "position_embeddings", ""),
+        ("embeddings.token_type_embeddings", "token_type_embeddings", ""),
+        ("embeddings.LayerNorm", "embed_norm", ""),
+        ("encoder.layer.{i}.attention.self.query", "layers.{i}.attention.W_query", ""),
+        ("encoder.layer.{i}.attention.self.key", "layers.{i}.attention.W_key", ""),
+        ("encoder.layer.{i}.attention.self.value", "layers.{i}.attention.W_value", ""),
+        ("encoder.layer.{i}.attention.output.dense", "layers.{i}.attention.out_proj", ""),
+        ("encoder.layer.{i}.attention.output.LayerNorm", "layers.{i}.attn_norm", ""),
+        ("encoder.layer.{i}.intermediate.dense", "layers.{i}.ffn_in", ""),
+        ("encoder.layer.{i}.output.dense", "layers.{i}.ffn_out", ""),
+        ("encoder.layer.{i}.output.LayerNorm", "layers.{i}.ffn_norm", ""),
+    ),
+    prefixes=("bert.",),
+    ignore=(r"^pooler\..*", r"^cls\..*", r".*position_ids$"),
+)
+
+ROBERTA = dataclasses.replace(
+    BERT,
+    name="roberta",
+    fixed={"family": "roberta", "positions_from_padding": True},
+    defaults={**BERT.defaults, "pad_token_id": 1},
+    prefixes=("roberta.",),
+    ignore=(r"^pooler\..*", r"^lm_head\..*", r".*position_ids$"),
+)
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (LLAMA, MISTRAL, QWEN2, GPT2, BERT, ROBERTA)}
+
+
+def family_for(name: str, *, source: str) -> Family:
+    """The family for a ``model_type`` / GGUF architecture.
+
+    Raises:
+        ValueError: an unknown name; the message lists the supported ones.
+    """
+    if name not in FAMILIES:
+        raise ValueError(
+            f"{source}: model type {name!r} is not supported; supported: "
+            f"{', '.join(sorted(FAMILIES))}"
+        )
+    return FAMILIES[name]

@@ -1,0 +1,431 @@
+"""From a family description and a file's config and tensors to a loaded attnlab model.
+
+Shared by every source (Hugging Face directories, GGUF files, the packaged models):
+
+- :func:`build_config` reads a :class:`~attnlab.models.decoder.DecoderConfig` /
+  :class:`~attnlab.models.encoder.EncoderConfig` out of a config (``config.json`` or GGUF
+  metadata) through the family's key map, and refuses what the family cannot express and
+  any size that is not a sane positive integer, naming the field;
+- :func:`plan_weights` maps source tensor names to ours with the family's weight rules;
+- :func:`build_model` checks that the weights on disk can hold what the config asks for
+  (before allocating anything), builds the model without random initialisation and fills
+  every parameter exactly once, shapes checked.
+
+No math here: only names, shapes and checks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import typing
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from attnlab.models.decoder import Decoder, DecoderConfig
+from attnlab.models.encoder import Encoder, EncoderConfig
+from attnlab.models.families import ACTIVATION_NAMES, Family, WeightRule
+from attnlab.pretrained.errors import ModelFileError
+
+__all__ = [
+    "LIMITS",
+    "build_config",
+    "build_model",
+    "find_family",
+    "plan_weights",
+    "skip_random_init",
+]
+
+# The largest value any size field may take; anything larger is refused before allocation
+# (the largest public models are well inside: width 16k-25k, 126 layers, 256k vocabulary).
+LIMITS = {
+    "vocab_size": 1 << 22,
+    "hidden_size": 1 << 16,
+    "num_layers": 512,
+    "num_heads": 1024,
+    "num_kv_heads": 1024,
+    "intermediate_size": 1 << 18,
+    "context_length": 1 << 24,
+    "max_position_embeddings": 1 << 20,
+    "type_vocab_size": 1 << 10,
+    "pad_token_id": 1 << 22,
+    "sliding_window": 1 << 24,
+}
+_MISSING = object()
+
+
+def lookup(source: Mapping[str, Any], key: str) -> Any:
+    """``source[key]`` (GGUF's flat dotted keys), else ``a.b`` read as a nested dict;
+    ``_MISSING`` when absent."""
+    if key in source:
+        return source[key]
+    value: Any = source
+    for part in key.split("."):
+        if not isinstance(value, Mapping) or part not in value:
+            return _MISSING
+        value = value[part]
+    return value
+
+
+def _check_field(name: str, value: Any, kind: Any, where: str) -> Any:
+    """Type- and range-check one config field; return it (ints stay ints)."""
+    if name in LIMITS:
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ModelFileError(where, f"`{name}` must be an integer, got {value!r}")
+        low = 0 if name == "pad_token_id" else 1
+        if not low <= value <= LIMITS[name]:
+            raise ModelFileError(
+                where,
+                f"`{name}` = {value} is outside the sane range {low}..{LIMITS[name]}; "
+                "refusing to allocate it",
+            )
+        return value
+    if kind is float or name in ("norm_eps", "layer_norm_eps", "rope_theta"):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ModelFileError(where, f"`{name}` must be a positive number, got {value!r}")
+        if not math.isfinite(float(value)):
+            raise ModelFileError(where, f"`{name}` must be finite, got {value!r}")
+        return float(value)
+    if kind is bool and not isinstance(value, bool):
+        raise ModelFileError(where, f"`{name}` must be true or false, got {value!r}")
+    return value
+
+
+def find_family(name: object, where: str | Path) -> Family:
+    """The family for ``model_type`` / ``general.architecture`` ``name``.
+
+    Raises:
+        ModelFileError: a missing or unknown name (the message lists the supported ones).
+    """
+    from attnlab.models.families import FAMILIES
+
+    if not isinstance(name, str):
+        raise ModelFileError(where, f"lacks the model type (which family this is), got {name!r}")
+    if name not in FAMILIES:
+        raise ModelFileError(
+            where,
+            f"model type {name!r} is not supported; supported: {', '.join(sorted(FAMILIES))}",
+        )
+    return FAMILIES[name]
+
+
+def build_config(
+    family: Family,
+    source: Mapping[str, Any],
+    *,
+    where: str | Path,
+    keys: Mapping[str, tuple[str, ...]] | None = None,
+    extra: Mapping[str, Any] | None = None,
+) -> DecoderConfig | EncoderConfig:
+    """Read a family's config from ``source`` (``config.json`` or GGUF metadata).
+
+    Args:
+        family: the family description.
+        source: the parsed config (a dict).
+        where: the file, for messages.
+        keys: the key map (default ``family.keys``; GGUF passes ``family.gguf_keys``
+            with ``{arch}`` already filled in).
+        extra: fields known from elsewhere (GGUF: tied embeddings, vocabulary size).
+
+    Returns:
+        The config, every size checked against :data:`LIMITS`.
+
+    Raises:
+        ModelFileError: a missing required key, a value of the wrong type or size, an
+            option this family cannot express yet, an unknown activation.
+    """
+    where = str(where)
+    keys = family.keys if keys is None else keys
+    cls = family.config_class
+    hints = typing.get_type_hints(cls)
+    fields: dict[str, Any] = dict(family.fixed)
+    for key, allowed in family.refuse.items():
+        value = lookup(source, key)
+        if value is not _MISSING and value not in allowed:
+            shown = [a for a in allowed if a is not None] or [None]
+            raise ModelFileError(
+                where,
+                f"`{key}` = {value!r} is not supported for {family.name} yet "
+                f"(supported: {', '.join(repr(a) for a in shown)})",
+            )
+    for name, candidates in keys.items():
+        for key in candidates:
+            value = lookup(source, key)
+            if value is not _MISSING and value is not None:
+                fields[name] = value
+                break
+    for name, value in (extra or {}).items():
+        fields.setdefault(name, value)
+    for name, default in family.defaults.items():
+        if name not in fields:
+            fields[name] = default(fields) if callable(default) else default
+    required = {f.name for f in dataclasses.fields(cls)} - {"family"}
+    missing = sorted(required - set(fields) - _optional(cls))
+    if missing:
+        wanted = [keys.get(m, (m,))[0] for m in missing]
+        raise ModelFileError(where, f"lacks the required key(s) {wanted} for {family.name}")
+    if "activation" in fields:
+        act = fields["activation"]
+        if act not in ACTIVATION_NAMES:
+            raise ModelFileError(
+                where,
+                f"activation {act!r} is not supported; supported: {sorted(ACTIVATION_NAMES)}",
+            )
+        fields["activation"] = ACTIVATION_NAMES[act]
+    for name in list(fields):
+        if fields[name] is not None:
+            fields[name] = _check_field(name, fields[name], hints.get(name), where)
+    config = cls(**fields)
+    heads = config.num_heads
+    if config.hidden_size % heads:
+        raise ModelFileError(
+            where, f"hidden size {config.hidden_size} is not divisible by {heads} heads"
+        )
+    head_dim = lookup(source, "head_dim")
+    if head_dim not in (_MISSING, None, config.hidden_size // heads):
+        raise ModelFileError(
+            where,
+            f"`head_dim` = {head_dim!r} differs from hidden_size / num_attention_heads = "
+            f"{config.hidden_size // heads}; not supported for {family.name} yet",
+        )
+    if isinstance(config, DecoderConfig) and heads % config.num_kv_heads:
+        raise ModelFileError(
+            where, f"{heads} query heads are not divisible by {config.num_kv_heads} kv heads"
+        )
+    return config
+
+
+def _optional(cls: type) -> set[str]:
+    """Fields with a default in ``cls`` that a source may leave out."""
+    ok = {"norm", "norm_bias", "norm_placement", "mlp", "mlp_bias", "parallel_residual"}
+    ok |= {"positions", "qkv_bias", "out_bias", "sliding_window", "rope_theta"}
+    ok |= {"positions_from_padding", "pad_token_id", "activation", "type_vocab_size"}
+    ok |= {"tie_embeddings", "num_kv_heads", "norm_eps", "context_length"}
+    return ok & {f.name for f in dataclasses.fields(cls)}
+
+
+# --------------------------------------------------------------------------- weights
+
+_QKV = ("W_query", "W_key", "W_value")
+
+
+def _rule_regex(pattern: str) -> re.Pattern[str]:
+    body = re.escape(pattern).replace(r"\{i\}", r"(?P<i>\d+)")
+    return re.compile(rf"^{body}\.(?P<leaf>weight|bias)$")
+
+
+def plan_weights(
+    names: Iterable[str],
+    rules: tuple[WeightRule, ...],
+    *,
+    prefixes: tuple[str, ...] = (),
+    ignore: tuple[str, ...] = (),
+    num_layers: int,
+    where: str | Path,
+) -> dict[str, tuple[tuple[str, ...], str]]:
+    """Map source tensor names to ours.
+
+    Returns:
+        source name -> (our parameter name(s), transform). Names matching ``ignore`` are
+        left out.
+
+    Raises:
+        ModelFileError: a tensor no rule knows, or a layer index beyond ``num_layers``.
+    """
+    compiled = [(_rule_regex(src), ours, t) for src, ours, t in rules]
+    dropped = [re.compile(p) for p in ignore]
+    plan: dict[str, tuple[tuple[str, ...], str]] = {}
+    for name in names:
+        key = name
+        for prefix in prefixes:
+            if key.startswith(prefix):
+                key = key[len(prefix) :]
+                break
+        if any(p.match(key) for p in dropped):
+            continue
+        for regex, ours, transform in compiled:
+            m = regex.match(key)
+            if m is None:
+                continue
+            layer = m.groupdict().get("i")
+            if layer is not None and int(layer) >= num_layers:
+                raise ModelFileError(
+                    where, f"tensor {name!r} is for layer {layer}, the config has {num_layers}"
+                )
+            target = ours.replace("{i}", layer or "")
+            targets = tuple(
+                f"{target.replace('{qkv}', q)}.{m['leaf']}"
+                for q in (_QKV if "{qkv}" in ours else ("",))
+            )
+            plan[name] = (targets, transform)
+            break
+        else:
+            raise ModelFileError(where, f"tensor {name!r} is not part of this model family")
+    return plan
+
+
+def apply_transform(
+    tensor: torch.Tensor, transform: str, config: DecoderConfig | EncoderConfig
+) -> tuple[torch.Tensor, ...]:
+    """One source tensor -> our tensor(s); see :mod:`attnlab.models.families`."""
+    from attnlab.pretrained.gguf_file import unpermute_rotary
+
+    parts = transform.split("+") if transform else []
+    out: tuple[torch.Tensor, ...] = (tensor,)
+    for part in parts:
+        t = out[0]
+        if part == "T":
+            out = (t.T,) if t.ndim == 2 else (t,)
+        elif part == "qkv":
+            D = config.hidden_size // config.num_heads
+            G = getattr(config, "num_kv_heads", config.num_heads)
+            out = tuple(torch.split(t, [config.num_heads * D, G * D, G * D], dim=0))
+        elif part in ("rope_q", "rope_k") and t.ndim == 2:
+            heads = config.num_heads if part == "rope_q" else config.num_kv_heads  # type: ignore[union-attr]
+            out = (unpermute_rotary(t, heads),)
+        elif part in ("rope_q", "rope_k"):  # a bias: (H*D,) rows, same permutation
+            heads = config.num_heads if part == "rope_q" else config.num_kv_heads  # type: ignore[union-attr]
+            out = (unpermute_rotary(t[:, None], heads)[:, 0],)
+        else:  # pragma: no cover - the families are data checked by the tests
+            raise AssertionError(f"unknown transform {part!r}")
+    return out
+
+
+# --------------------------------------------------------------------------- the model
+
+_INIT_FUNCTIONS = ("uniform_", "normal_", "kaiming_uniform_", "trunc_normal_", "zeros_", "ones_")
+
+
+@contextmanager
+def skip_random_init() -> Iterator[None]:
+    """Build modules without their random initialisation (every weight is overwritten next).
+
+    ``nn.Linear``/``nn.Embedding``/``nn.LayerNorm`` call ``torch.nn.init`` functions in
+    their constructors; for 135M parameters that costs seconds. :func:`fill` then checks
+    that every parameter is loaded, so no uninitialised value can survive.
+    """
+    saved = {name: getattr(nn.init, name) for name in _INIT_FUNCTIONS}
+
+    def keep(tensor: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        return tensor
+
+    try:
+        for name in _INIT_FUNCTIONS:
+            setattr(nn.init, name, keep)
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(nn.init, name, fn)
+
+
+def fill(
+    model: nn.Module,
+    weights: Mapping[str, torch.Tensor],
+    where: str | Path,
+    dtype: torch.dtype | None = None,
+) -> None:
+    """Put ``weights`` into ``model`` by name; every parameter exactly once, shapes checked.
+
+    Raises:
+        ModelFileError: a missing or unused tensor, or a shape that disagrees.
+    """
+    params = dict(model.named_parameters())  # tied weights appear once
+    missing = sorted(set(params) - set(weights))
+    unused = sorted(set(weights) - set(params))
+    if missing or unused:
+        raise ModelFileError(
+            where, f"tensors do not match the model: missing {missing[:5]}, unused {unused[:5]}"
+        )
+    with torch.no_grad():
+        for name, p in params.items():
+            w = weights[name]
+            if w.shape != p.shape:
+                raise ModelFileError(
+                    where,
+                    f"{name} has shape {tuple(w.shape)}, the config (config.json / metadata) "
+                    f"implies {tuple(p.shape)}",
+                )
+            # Take the loaded tensor itself (no copy when the dtype already fits).
+            p.data = w.to(dtype=dtype or p.dtype).contiguous()
+
+
+def model_class(config: DecoderConfig | EncoderConfig) -> type[Decoder] | type[Encoder]:
+    """:class:`Decoder` or :class:`Encoder`, by config type."""
+    return Decoder if isinstance(config, DecoderConfig) else Encoder
+
+
+def parameter_count(config: DecoderConfig | EncoderConfig) -> int:
+    """Parameters the config implies (counted on the meta device: nothing is allocated)."""
+    with torch.device("meta"):
+        model = model_class(config)(config)  # type: ignore[arg-type]
+    return sum(p.numel() for p in model.parameters())
+
+
+def build_model(
+    config: DecoderConfig | EncoderConfig,
+    rules: tuple[WeightRule, ...],
+    names: Mapping[str, int],
+    get: Callable[[str], torch.Tensor],
+    *,
+    family: Family,
+    where: str | Path,
+    dtype: torch.dtype,
+    backend: str,
+    gguf: bool = False,
+) -> Decoder | Encoder:
+    """Build the model for ``config`` and fill it from the source tensors.
+
+    Args:
+        config: from :func:`build_config`.
+        rules: the family's weight rules for this source.
+        names: every source tensor name -> its element count.
+        get: loads one source tensor by name.
+        family: for prefixes and ignored names.
+        where: the file or directory, for messages.
+        dtype: the model's parameter dtype.
+        backend: attention backend of every layer.
+        gguf: the source uses llama.cpp names (no prefixes to strip).
+
+    Raises:
+        ModelFileError: the weights cannot hold what the config asks for (checked before
+            any allocation), or tensors that do not match the model.
+    """
+    needed = parameter_count(config)
+    held = sum(names.values())
+    if needed > held:
+        raise ModelFileError(
+            where,
+            f"the config (config.json / metadata) implies {needed:,} parameters but the "
+            f"weights hold only {held:,} values; the config does not belong to these weights",
+        )
+    plan = plan_weights(
+        names,
+        rules,
+        prefixes=() if gguf else family.prefixes,
+        ignore=() if gguf else family.ignore,
+        num_layers=config.num_layers,
+        where=where,
+    )
+    with skip_random_init():
+        model = model_class(config)(config, backend=backend)  # type: ignore[arg-type]
+    weights: dict[str, torch.Tensor] = {}
+    for name, (targets, transform) in plan.items():
+        parts = apply_transform(get(name), transform, config)
+        if len(parts) != len(targets):
+            raise ModelFileError(where, f"tensor {name!r} cannot be split into {targets}")
+        for target, t in zip(targets, parts, strict=True):
+            if target in weights:
+                raise ModelFileError(where, f"two tensors map to {target!r}")
+            weights[target] = t
+    if getattr(config, "tie_embeddings", False):
+        weights.pop("lm_head.weight", None)  # tied: the embedding serves both
+    fill(model, weights, where, dtype)
+    return model.eval()

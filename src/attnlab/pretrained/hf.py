@@ -1,0 +1,148 @@
+"""Load a local Hugging Face model directory onto attnlab's one decoder or encoder.
+
+The directory holds ``config.json`` (its ``model_type`` picks the family), the weights as
+``model.safetensors`` or as shards listed in ``model.safetensors.index.json``, and
+``tokenizer.json`` (+ ``tokenizer_config.json`` for the special tokens and chat template,
+or ``chat_template.jinja``). Every file is untrusted: JSON files are size-capped, shard
+names must stay inside the directory, safetensors headers are checked against the file
+size (:mod:`attnlab.pretrained.safetensors_file`), and ``pytorch_model.bin`` (a pickle) is
+never opened.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from attnlab.models.decoder import Decoder
+from attnlab.models.encoder import Encoder
+from attnlab.pretrained.build import build_config, build_model, find_family
+from attnlab.pretrained.errors import ModelFileError
+from attnlab.pretrained.safetensors_file import SafetensorsFile, read_safetensors
+from attnlab.pretrained.tokenizer import PretrainedTokenizer, tokenizer_from_hf_dir
+
+__all__ = ["load_hf_directory", "read_json", "weight_files"]
+
+MAX_JSON_BYTES = 64 * 1024 * 1024
+
+
+def read_json(path: Path, *, what: str) -> dict[str, Any]:
+    """A JSON object from ``path``, size-capped.
+
+    Raises:
+        ModelFileError: missing, too big, not JSON, not an object.
+    """
+    if not path.is_file():
+        raise ModelFileError(path, f"is missing ({what})")
+    size = path.stat().st_size
+    if size > MAX_JSON_BYTES:
+        raise ModelFileError(path, f"is {size} bytes, more than the {MAX_JSON_BYTES} allowed")
+    try:
+        data = json.loads(path.read_bytes())
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise ModelFileError(path, f"is not valid JSON ({type(e).__name__}: {e})") from None
+    if not isinstance(data, dict):
+        raise ModelFileError(path, f"must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _inside(folder: Path, name: object, where: Path) -> Path:
+    """``folder / name``, refused unless it is a plain relative name that stays inside."""
+    if not isinstance(name, str) or not name or "\x00" in name:
+        raise ModelFileError(where, f"shard name {name!r} is not a file name")
+    candidate = Path(name)
+    if candidate.is_absolute() or ".." in candidate.parts:
+        raise ModelFileError(where, f"shard {name!r} points outside the model directory")
+    path = folder / candidate
+    if not path.resolve().is_relative_to(folder.resolve()):
+        raise ModelFileError(where, f"shard {name!r} resolves outside the model directory")
+    return path
+
+
+def weight_files(folder: Path) -> tuple[dict[str, SafetensorsFile], Path]:
+    """Every weight tensor name -> the checked safetensors file that holds it.
+
+    Returns:
+        ``(by_name, where)``: the mapping and the file to name in messages.
+
+    Raises:
+        ModelFileError: no safetensors weights, a bad index, a shard outside the
+            directory or missing, a tensor the index names but its shard lacks.
+    """
+    index = folder / "model.safetensors.index.json"
+    single = folder / "model.safetensors"
+    if index.is_file():
+        data = read_json(index, what="the shard index")
+        weight_map = data.get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ModelFileError(index, "`weight_map` must be a non-empty object")
+        shards: dict[str, SafetensorsFile] = {}
+        by_name: dict[str, SafetensorsFile] = {}
+        for tensor, shard in weight_map.items():
+            path = _inside(folder, shard, index)
+            if shard not in shards:
+                if not path.is_file():
+                    raise ModelFileError(index, f"names shard {shard!r}, which is missing")
+                shards[shard] = read_safetensors(path)
+            if tensor not in shards[shard].tensors:
+                raise ModelFileError(index, f"says {tensor!r} is in {shard!r}, but it is not")
+            by_name[tensor] = shards[shard]
+        return by_name, index
+    if single.is_file():
+        st = read_safetensors(single)
+        return {name: st for name in st.tensors}, single
+    if (folder / "pytorch_model.bin").exists():
+        raise ModelFileError(
+            folder,
+            "holds only pytorch_model.bin (a pickle, which attnlab never opens); save it "
+            "with save_pretrained(..., safe_serialization=True)",
+        )
+    raise ModelFileError(folder, "has no model.safetensors or model.safetensors.index.json")
+
+
+def load_hf_directory(
+    path: str | Path, *, backend: str = "auto", dtype: torch.dtype = torch.float32
+) -> tuple[Decoder | Encoder, PretrainedTokenizer]:
+    """A Hugging Face model directory as an attnlab model and tokenizer.
+
+    Args:
+        path: the directory.
+        backend: attention backend for every layer.
+        dtype: parameter dtype (fp16/bf16/fp32 weights are converted).
+
+    Returns:
+        ``(model, tokenizer)``, the model in eval mode.
+
+    Raises:
+        ModelFileError: anything wrong with the files (named, with the field).
+    """
+    folder = Path(path)
+    if not folder.is_dir():
+        raise ModelFileError(folder, "is not a directory")
+    config_path = folder / "config.json"
+    hf = read_json(config_path, what="the model config")
+    family = find_family(hf.get("model_type"), config_path)
+    config = build_config(family, hf, where=config_path)
+    files, where = weight_files(folder)
+    names = {name: f.tensors[name].numel for name, f in files.items()}
+    model = build_model(
+        config,
+        family.weights,
+        names,
+        lambda name: files[name].tensor(name),
+        family=family,
+        where=where,
+        dtype=dtype,
+        backend=backend,
+    )
+    tokenizer = tokenizer_from_hf_dir(folder, max_length=_max_tokens(model))
+    return model, tokenizer
+
+
+def _max_tokens(model: Decoder | Encoder) -> int:
+    if isinstance(model, Encoder):
+        return model.config.max_tokens
+    return model.config.context_length

@@ -1,0 +1,564 @@
+"""The ASGI app of ``attnlab serve`` (Starlette): the page and a small JSON API.
+
+Routes:
+
+- ``GET /``: the explainer page (its CSS and JS inlined, a Content-Security-Policy that
+  allows no request beyond this server).
+- ``GET /api/models``: the models, their load state, and the limits.
+- ``POST /api/trace``: ``{"model", "text", "lang"?, "top_k"?}`` -> the page's attention
+  data (the same format the static page embeds) for every layer and head.
+- ``POST /api/step``: ``{"model", "text", "layer", "head", "token", "lang"?}`` -> the walk
+  into one head for one query token (:mod:`attnlab.explain.steps`).
+- ``POST /api/generate``: ``{"model", "text", "max_new_tokens"?, "temperature"?,
+  "top_k"?, "top_p"?, "seed"?, "layer"?, "head"?}`` -> server-sent events, one per
+  token (the next-token distribution, the text, the attention of the query that
+  predicted it), then ``done``.
+
+Every error is JSON ``{"error": "..."}``: 400 bad JSON, 404 unknown model, 413 a limit
+exceeded (the message names the limit and its flag), 422 a wrong field, 429 the work
+queue is full, 500 a failure inside (the server keeps serving). Model work runs in a
+bounded :class:`~attnlab.serve.pool.WorkerPool`, never on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import json
+import math
+import threading
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from importlib import resources
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from attnlab.serve.models import LoadedModel, ModelRegistry, UnknownModelError
+from attnlab.serve.pool import BusyError, WorkerPool
+
+__all__ = ["ApiError", "ServeLimits", "create_app"]
+
+
+@dataclass(frozen=True)
+class ServeLimits:
+    """What one request may ask for (each has a ``attnlab serve`` flag).
+
+    Attributes:
+        max_chars: characters of text (``--max-chars``).
+        max_tokens: tokens of text (``--max-tokens``; also the model's context).
+        max_new_tokens: tokens one generation may produce (``--max-new-tokens``).
+        max_top_k: ``top_k`` of a trace or of sampling (``--max-top-k``).
+    """
+
+    max_chars: int = 20_000
+    max_tokens: int = 1024
+    max_new_tokens: int = 256
+    max_top_k: int = 100
+
+    def __post_init__(self) -> None:
+        for name, value in asdict(self).items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"`{name}` must be an int >= 1, got {value!r}")
+
+    @property
+    def max_body(self) -> int:
+        """Bytes of a request body: the text at 4 UTF-8 bytes a character, plus fields."""
+        return self.max_chars * 6 + 4096  # JSON may escape a character as \\uXXXX
+
+
+FLAGS = {"max_chars": "--max-chars", "max_tokens": "--max-tokens",
+         "max_new_tokens": "--max-new-tokens", "max_top_k": "--max-top-k"}  # fmt: skip
+
+
+class ApiError(Exception):
+    """An error answered as ``{"error": message}`` with ``status``."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def _error(status: int, message: str, **headers: str) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status, headers=headers or None)
+
+
+# ------------------------------------------------------------------ request fields
+
+
+async def _read_json(request: Request, limits: ServeLimits) -> dict[str, Any]:
+    """The JSON object of the body, read at most ``limits.max_body`` bytes far."""
+    cap = limits.max_body
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > cap:
+        raise ApiError(413, f"request body of {int(declared):,} bytes exceeds {cap:,} bytes "
+                            f"(--max-chars {limits.max_chars:,})")  # fmt: skip
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > cap:
+            raise ApiError(413, f"request body exceeds {cap:,} bytes "
+                                f"(--max-chars {limits.max_chars:,})")  # fmt: skip
+        chunks.append(chunk)
+    try:
+        body = json.loads(b"".join(chunks).decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ApiError(400, f"the body must be a JSON object (UTF-8): {e}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, f"the body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _int(body: dict[str, Any], name: str, default: int | None, low: int, high: int | None,
+         limit: str | None = None) -> int | None:  # fmt: skip
+    value = body.get(name, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ApiError(422, f"`{name}` must be an integer, got {type(value).__name__}")
+    if value < low:
+        raise ApiError(422, f"`{name}` must be >= {low}, got {value}")
+    if high is not None and value > high:
+        if limit is not None:
+            raise ApiError(413, f"`{name}` = {value} exceeds the limit {high} ({FLAGS[limit]})")
+        raise ApiError(422, f"`{name}` must be <= {high}, got {value}")
+    return value
+
+
+def _float(body: dict[str, Any], name: str, default: float | None, low: float, high: float,
+           low_open: bool = False) -> float | None:  # fmt: skip
+    value = body.get(name, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ApiError(422, f"`{name}` must be a finite number, got {value!r}"[:200])
+    if value < low or value > high or (low_open and value == low):
+        bound = f"({low}, {high}]" if low_open else f"[{low}, {high}]"
+        raise ApiError(422, f"`{name}` must be in {bound}, got {value}")
+    return float(value)
+
+
+def _text(body: dict[str, Any], limits: ServeLimits, *, required: bool = True) -> str:
+    text = body.get("text", "" if not required else None)
+    if not isinstance(text, str):
+        raise ApiError(422, f"`text` must be a string, got {type(text).__name__}")
+    if len(text) > limits.max_chars:
+        raise ApiError(413, f"`text` has {len(text):,} characters; the limit is "
+                            f"{limits.max_chars:,} (--max-chars)")  # fmt: skip
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ApiError(422, "`text` contains an unpaired surrogate (invalid Unicode); "
+                            "send valid UTF-16 pairs or UTF-8") from None  # fmt: skip
+    if required and not text.strip():
+        raise ApiError(422, "`text` must not be empty")
+    return text
+
+
+def _lang(body: dict[str, Any]) -> str:
+    from attnlab.explain.i18n import LANGS, normalize_lang
+
+    lang = body.get("lang", "en")
+    try:
+        return normalize_lang(lang)
+    except (TypeError, ValueError):
+        raise ApiError(422, f"`lang` must be one of {', '.join(LANGS)}") from None
+
+
+def _model_name(body: dict[str, Any], registry: ModelRegistry) -> str:
+    name = body.get("model")
+    if not isinstance(name, str):
+        raise ApiError(422, f"`model` must be a string (a name from GET /api/models), got "
+                            f"{type(name).__name__}")  # fmt: skip
+    try:
+        registry.spec(name)
+    except UnknownModelError as e:
+        raise ApiError(404, str(e)) from None
+    return name
+
+
+# ------------------------------------------------------------------- the work (threads)
+
+
+def _load(registry: ModelRegistry, name: str) -> LoadedModel:
+    try:
+        return registry.get(name)
+    except RuntimeError as e:
+        raise ApiError(500, str(e)) from None
+
+
+def _encode(loaded: LoadedModel, text: str, limits: ServeLimits) -> list[int]:
+    try:
+        ids = loaded.encode(text)
+    except Exception as e:  # a tokenizer refusing odd text is the text's problem
+        raise ApiError(422, f"`text` could not be tokenized: {e}"[:300]) from None
+    limit, flag = limits.max_tokens, "--max-tokens"
+    if loaded.context_length is not None and loaded.context_length < limit:
+        limit, flag = loaded.context_length, "the model's context length"
+    if len(ids) > limit:
+        raise ApiError(413, f"`text` has {len(ids):,} tokens; the limit is {limit:,} ({flag})")
+    if not ids:
+        raise ApiError(422, "`text` gave no tokens")
+    return ids
+
+
+def _trace_work(registry: ModelRegistry, name: str, text: str, lang: str, top_k: int | None,
+                limits: ServeLimits) -> dict[str, Any]:  # fmt: skip
+    from attnlab.explain.html import page_data
+
+    loaded = _load(registry, name)
+    if loaded.example is not None:
+        from attnlab.explain.html import walkthrough_from_renderables
+        from attnlab.explain.model_trace import trace_from_walkthrough
+        from attnlab.explain.text import walkthrough_renderables
+        from attnlab.explain.trace import trace_example
+
+        ex = trace_example(loaded.example)
+        walk = walkthrough_from_renderables(walkthrough_renderables(ex, lang))
+        data = page_data(trace_from_walkthrough(ex), walk, lang=lang)
+        return {"model": name, "source": data["source"], "attention": data["attention"],
+                "walkthrough": data["walkthrough"], "example": True}  # fmt: skip
+    from attnlab.explain.model_trace import auto_top_k, trace_model
+
+    ids = _encode(loaded, text, limits)
+    with _user_errors():
+        k = auto_top_k(loaded.model, len(ids), top_k)
+        trace = trace_model(loaded.model, ids, tokenizer=loaded.tokenizer, top_k=k,
+                            source=loaded.source)  # fmt: skip
+        data = page_data(trace, None, lang=lang)
+    return {"model": name, "source": data["source"], "attention": data["attention"],
+            "walkthrough": None, "example": False, "token_ids": ids}  # fmt: skip
+
+
+def _step_work(registry: ModelRegistry, name: str, text: str, layer: int, head: int,
+               token: int, lang: str, limits: ServeLimits) -> dict[str, Any]:  # fmt: skip
+    loaded = _load(registry, name)
+    if loaded.example is not None:
+        from attnlab.examples import get_example
+        from attnlab.explain.html import page_data, walkthrough_from_renderables
+        from attnlab.explain.text import walkthrough_renderables
+        from attnlab.explain.trace import trace_example
+
+        n = len(get_example(loaded.example).tokens)
+        if not 0 <= token < n:
+            raise ApiError(422, f"`token` must be in 0..{n - 1} for this example, got {token}")
+        ex = trace_example(loaded.example, index=token)
+        walk = walkthrough_from_renderables(walkthrough_renderables(ex, lang))
+        steps = page_data(None, walk, lang=lang)["walkthrough"]["steps"]
+        return {"model": name, "kind": "walkthrough", "summary": walk.intro,
+                "sections": steps, "weights": ex.trainable_token.weights.tolist()}  # fmt: skip
+    from attnlab.explain.steps import head_steps, step_sections, step_summary
+
+    ids = _encode(loaded, text, limits)
+    with _user_errors():
+        walk_ = head_steps(loaded.model, ids, layer=layer, head=head, token=token,
+                           tokenizer=loaded.tokenizer, source=loaded.source)  # fmt: skip
+    return {"model": name, "kind": "head", "summary": step_summary(walk_, lang),
+            "sections": step_sections(walk_, lang), "weights": walk_.weights.tolist(),
+            "layer": layer, "head": head, "token": token, "checks": walk_.checks}  # fmt: skip
+
+
+@contextmanager
+def _user_errors() -> Iterator[None]:
+    """Library ValueError/TypeError (checked arguments) -> 422."""
+    try:
+        yield
+    except (ValueError, TypeError) as e:
+        raise ApiError(422, str(e)[:500]) from e
+
+
+class _Peek:
+    """The model, keeping the last position's logits of every call (for the bars)."""
+
+    def __init__(self, model: Any) -> None:
+        import inspect
+
+        self.model = model
+        self.context_length = getattr(model, "context_length", None)
+        self.last: Any = None
+        try:
+            self._keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        except (TypeError, ValueError):
+            self._keep = False
+
+    def new_kv_cache(self) -> Any:
+        return self.model.new_kv_cache()
+
+    def forward(self, input_ids: Any, *, kv_cache: Any = None, logits_to_keep: Any = None) -> Any:
+        extra = {"logits_to_keep": logits_to_keep} if self._keep and logits_to_keep else {}
+        logits = self.model(input_ids, kv_cache=kv_cache, **extra)
+        self.last = logits[0, -1].detach().float()
+        return logits
+
+    __call__ = forward
+
+
+def _generate_work(registry: ModelRegistry, name: str, text: str, params: dict[str, Any],
+                   limits: ServeLimits, emit: Any, cancel: threading.Event) -> None:  # fmt: skip
+    import torch
+
+    from attnlab.attention import record_attention
+    from attnlab.backends import WeightsRequest
+    from attnlab.explain.model_trace import _token_texts, attention_layers
+    from attnlab.generation import TextStream, generate_stream
+
+    loaded = _load(registry, name)
+    if not loaded.causal:
+        raise ApiError(422, f"model {name!r} cannot generate (not a causal language model)")
+    ids = _encode(loaded, text, limits)
+    blocks = attention_layers(loaded.model)
+    layer, head = params["layer"], params["head"]
+    if not 0 <= layer < len(blocks) or not 0 <= head < int(blocks[layer].num_heads):
+        raise ApiError(422, f"`layer`/`head` must be in 0..{len(blocks) - 1} / "
+                            f"0..{int(blocks[0].num_heads) - 1}, got {layer}/{head}")  # fmt: skip
+    block = blocks[layer]
+    rows: list[list[float]] = []
+
+    class LastRow:
+        def request(self, layer_: Any) -> Any:
+            return WeightsRequest(heads=(head,), rows=(-1,)) if layer_ is block else None
+
+        def record(self, call: Any) -> None:
+            rows.append(call.weights[0, 0, 0].float().cpu().tolist())
+
+    peek = _Peek(loaded.model)
+    stream = TextStream(loaded.tokenizer)
+    temperature, top_k, top_p = params["temperature"], params["top_k"], params["top_p"]
+    gen = torch.Generator().manual_seed(params["seed"])
+    reason = "length"
+    all_ids = list(ids)
+    with torch.no_grad(), record_attention(LastRow()), _user_errors():
+        for i, nxt in enumerate(generate_stream(
+            peek, torch.tensor([ids]), params["max_new_tokens"], temperature=temperature,
+            top_k=top_k, top_p=top_p, eos_id=loaded.eos_id, generator=gen,
+        )):  # fmt: skip
+            token = int(nxt[0, 0])
+            logits = peek.last / (temperature if temperature > 0 else 1.0)
+            probs = torch.softmax(logits, dim=-1)
+            p, idx = torch.topk(probs, min(params["bars"], probs.shape[-1]))
+            spelled = _token_texts(loaded.tokenizer, idx.tolist())
+            query_pos = len(all_ids) - 1  # the query whose attention predicted this token
+            all_ids.append(token)
+            eos = loaded.eos_id is not None and token == loaded.eos_id
+            emit("token", {
+                "index": i, "id": token,
+                "text": "" if eos else stream.push(token),
+                "token": _token_texts(loaded.tokenizer, [token])[0],
+                "p": float(probs[token]),
+                "top": [{"id": int(j), "token": t, "p": float(q)}
+                        for j, q, t in zip(idx.tolist(), p.tolist(), spelled, strict=True)],
+                "attention": {"layer": layer, "head": head, "query": query_pos,
+                              "weights": rows[-1] if rows else None},
+            })  # fmt: skip
+            if eos:
+                reason = "eos"
+                break
+            if cancel.is_set():
+                reason = "cancelled"
+                break
+    emit("done", {"reason": reason, "text": stream.flush(), "tokens": len(all_ids) - len(ids)})
+
+
+# ------------------------------------------------------------------------- the page
+
+
+def _asset(package: str, name: str) -> str:
+    return resources.files(package).joinpath(name).read_text(encoding="utf-8")
+
+
+def _sha256(text: str) -> str:
+    return base64.b64encode(hashlib.sha256(text.encode("utf-8")).digest()).decode("ascii")
+
+
+def render_page(lang: str = "en") -> tuple[str, str]:
+    """The server's page and its Content-Security-Policy."""
+    from html import escape
+
+    from attnlab.explain.html import STRINGS
+
+    css = _asset("attnlab.explain", "page.css") + _asset("attnlab.serve", "serve.css")
+    page_js = _asset("attnlab.explain", "page.js")
+    serve_js = _asset("attnlab.serve", "serve.js")
+    for text in (css, page_js, serve_js):
+        if "</" in text:  # pragma: no cover - guards the package files
+            raise RuntimeError("page assets must not contain '</'")
+    csp = (
+        "default-src 'none'; "
+        f"script-src 'sha256-{_sha256(page_js)}' 'sha256-{_sha256(serve_js)}'; "
+        f"style-src 'sha256-{_sha256(css)}'; "
+        "connect-src 'self'; img-src data:; base-uri 'none'; form-action 'none'; "
+        "frame-ancestors 'none'"
+    )
+    strings = json.dumps({"lang": lang, "strings": STRINGS[lang]}, ensure_ascii=True)
+    strings = strings.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+    page = (
+        "<!DOCTYPE html>\n"
+        f'<html lang="{lang}">\n<head>\n<meta charset="utf-8">\n'
+        '<meta name="viewport" content="width=device-width, initial-scale=1">\n'
+        '<link rel="icon" href="data:,">\n'
+        f"<title>{escape(STRINGS[lang]['title'])}</title>\n"
+        f"<style>{css}</style>\n</head>\n<body>\n"
+        '<header><h1 id="title"></h1><p class="sub" id="source"></p></header>\n'
+        '<section id="serve-controls" aria-label="input"></section>\n'
+        '<nav role="tablist" id="tabs"></nav>\n'
+        '<section role="tabpanel" id="panel-head" aria-labelledby="tab-head" hidden></section>\n'
+        '<section role="tabpanel" id="panel-model" aria-labelledby="tab-model" hidden></section>\n'
+        '<section role="tabpanel" id="panel-walk" aria-labelledby="tab-walk" hidden></section>\n'
+        '<section id="panel-step" aria-live="polite" hidden></section>\n'
+        '<section id="panel-generate" aria-label="generate"></section>\n'
+        f'<script type="application/json" id="attnlab-serve">{strings}</script>\n'
+        f"<script>{page_js}</script>\n<script>{serve_js}</script>\n</body>\n</html>\n"
+    )
+    return page, csp
+
+
+# -------------------------------------------------------------------------- the app
+
+
+def create_app(
+    registry: ModelRegistry,
+    *,
+    limits: ServeLimits | None = None,
+    pool: WorkerPool | None = None,
+    lang: str = "en",
+) -> Starlette:
+    """The Starlette app serving ``registry``'s models.
+
+    Args:
+        registry: the fixed list of models.
+        limits: request limits (default :class:`ServeLimits`).
+        pool: the worker pool (default 2 workers, 16 queued).
+        lang: the page's language, ``"en"`` or ``"zh-TW"``.
+
+    Returns:
+        The ASGI app; ``app.state.pool`` and ``app.state.registry`` are the pool and
+        registry.
+    """
+    limits = limits or ServeLimits()
+    pool = pool or WorkerPool()
+    page, csp = render_page(lang)
+    headers = {"Content-Security-Policy": csp, "X-Content-Type-Options": "nosniff",
+               "Referrer-Policy": "no-referrer", "Cache-Control": "no-store"}  # fmt: skip
+
+    async def index(request: Request) -> Response:
+        return HTMLResponse(page, headers=headers)
+
+    async def models(request: Request) -> Response:
+        return JSONResponse({
+            "models": registry.status(),
+            "limits": asdict(limits),
+            "pool": {"workers": pool.workers, "queue": pool.queue, "busy": pool.busy},
+        })  # fmt: skip
+
+    async def trace(request: Request) -> Response:
+        body = await _read_json(request, limits)
+        name = _model_name(body, registry)
+        text = _text(body, limits, required=registry.spec(name).kind != "example")
+        top_k = _int(body, "top_k", None, 1, limits.max_top_k, "max_top_k")
+        result = await pool.run(_trace_work, registry, name, text, _lang(body), top_k, limits)
+        return JSONResponse(result)
+
+    async def step(request: Request) -> Response:
+        body = await _read_json(request, limits)
+        name = _model_name(body, registry)
+        text = _text(body, limits, required=registry.spec(name).kind != "example")
+        layer = _int(body, "layer", 0, 0, None)
+        head = _int(body, "head", 0, 0, None)
+        token = _int(body, "token", None, 0, None)
+        if token is None:
+            raise ApiError(422, "`token` is required: the query position (from 0)")
+        assert layer is not None and head is not None
+        result = await pool.run(_step_work, registry, name, text, layer, head, token,
+                                _lang(body), limits)  # fmt: skip
+        return JSONResponse(result)
+
+    async def generate(request: Request) -> Response:
+        body = await _read_json(request, limits)
+        name = _model_name(body, registry)
+        text = _text(body, limits)
+        params = {
+            "max_new_tokens": _int(body, "max_new_tokens", 20, 1, limits.max_new_tokens,
+                                   "max_new_tokens"),
+            "temperature": _float(body, "temperature", 0.0, 0.0, 100.0),
+            "top_k": _int(body, "top_k", None, 1, limits.max_top_k, "max_top_k"),
+            "top_p": _float(body, "top_p", None, 0.0, 1.0, low_open=True),
+            "seed": _int(body, "seed", 123, 0, 2**63 - 1),
+            "layer": _int(body, "layer", 0, 0, None),
+            "head": _int(body, "head", 0, 0, None),
+            "bars": _int(body, "bars", 10, 1, limits.max_top_k, "max_top_k"),
+        }  # fmt: skip
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        cancel = threading.Event()
+
+        def emit(event: str, data: Any) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, (event, data))
+
+        def work() -> None:
+            try:
+                _generate_work(registry, name, text, params, limits, emit, cancel)
+            except ApiError as e:
+                emit("error", {"error": e.message, "status": e.status})
+            except Exception as e:  # keep serving; tell the client
+                emit("error", {"error": f"{type(e).__name__}: {e}"[:500], "status": 500})
+            finally:
+                emit("end", None)
+
+        future = pool.submit(work)  # BusyError -> 429 before the stream starts
+
+        async def events() -> AsyncIterator[str]:
+            try:
+                while True:
+                    event, data = await queue.get()
+                    if event == "end":
+                        return
+                    yield f"event: {event}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+            finally:
+                cancel.set()  # the client left (or the stream ended): stop generating
+                await asyncio.wrap_future(future)
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-store",
+                                          "X-Accel-Buffering": "no"})  # fmt: skip
+
+    async def on_api_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, ApiError)
+        return _error(exc.status, exc.message)
+
+    async def on_busy(request: Request, exc: Exception) -> Response:
+        return _error(429, str(exc), **{"Retry-After": "1"})
+
+    async def on_other(request: Request, exc: Exception) -> Response:
+        return _error(500, f"internal error: {type(exc).__name__}: {exc}"[:500])
+
+    async def not_found(request: Request, exc: Exception) -> Response:
+        code = getattr(exc, "status_code", 404)
+        return _error(code, f"{request.method} {request.url.path[:100]}: "
+                            f"{'not found' if code == 404 else 'not allowed'}")  # fmt: skip
+
+    app = Starlette(
+        routes=[
+            Route("/", index),
+            Route("/api/models", models),
+            Route("/api/trace", trace, methods=["POST"]),
+            Route("/api/step", step, methods=["POST"]),
+            Route("/api/generate", generate, methods=["POST"]),
+        ],
+        exception_handlers={
+            ApiError: on_api_error,
+            BusyError: on_busy,
+            Exception: on_other,
+            404: not_found,
+            405: not_found,
+        },
+    )
+    app.state.pool = pool
+    app.state.registry = registry
+    app.state.limits = limits
+    return app

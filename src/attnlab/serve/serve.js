@@ -1,0 +1,381 @@
+/* attnlab serve page: a text box and a model picker over the explainer views, the step
+ * view (into one head, for one query token) and the generate panel. Talks only to its own
+ * server (the CSP allows nothing else). Token text is data: always set with textContent.
+ */
+(function () {
+  "use strict";
+
+  var CONF = JSON.parse(document.getElementById("attnlab-serve").textContent);
+  var LANG = CONF.lang;
+  var T_ = {
+    "en": {
+      model: "Model", text: "Text", explain: "Explain", loading: "loading {m} … {s} s",
+      working: "working …", ready: "{m}: {n} tokens, {l} layers × {h} heads",
+      step_hint: "Click a query token in the head view (or a row of the heatmap) to step " +
+        "into that head.", step: "Step into the head", show_all: "show all {n}",
+      show_less: "show less", gen: "Generate", gen_step: "Next token", gen_stream: "Stream",
+      stop: "Stop", max_new: "new tokens", temperature: "temperature", top_k: "top-k",
+      top_p: "top-p", seed: "seed", layer: "layer", head: "head",
+      attn_of: "attention of the query #{q} (layer {l}, head {h}) that predicted it:",
+      example_text: "(the example's tokens are fixed)", busy: "the server is busy; retrying …",
+    },
+    "zh-TW": {
+      model: "模型", text: "文字", explain: "解說", loading: "正在載入 {m} … {s} 秒",
+      working: "計算中 …", ready: "{m}：{n} 個詞元，{l} 層 × {h} 個頭",
+      step_hint: "在注意力頭視圖中點一個查詢詞元（或熱圖的一列），即可走進那個頭。",
+      step: "走進注意力頭", show_all: "顯示全部 {n} 個", show_less: "收起",
+      gen: "生成", gen_step: "下一個詞元", gen_stream: "串流", stop: "停止",
+      max_new: "新詞元數", temperature: "溫度", top_k: "top-k", top_p: "top-p", seed: "種子",
+      layer: "層", head: "頭", attn_of: "預測它的查詢 #{q}（第 {l} 層、第 {h} 個頭）的注意力：",
+      example_text: "（範例的詞元是固定的）", busy: "伺服器忙碌中，稍後重試 …",
+    },
+  }[LANG];
+  function tr(key, vals) {
+    var s = T_[key];
+    Object.keys(vals || {}).forEach(function (k) { s = s.split("{" + k + "}").join(vals[k]); });
+    return s;
+  }
+  function $(id) { return document.getElementById(id); }
+  function el(tag, cls, text) {
+    var e = document.createElement(tag);
+    if (cls) e.className = cls;
+    if (text !== undefined && text !== null) e.textContent = String(text);
+    return e;
+  }
+  function labelled(text, input) {
+    var l = el("label", null, text);
+    l.appendChild(input);
+    return l;
+  }
+  function numInput(id, value, min, max, step) {
+    var i = el("input");
+    i.type = "number"; i.id = id; i.value = String(value);
+    if (min !== null) i.min = String(min);
+    if (max !== null) i.max = String(max);
+    if (step) i.step = String(step);
+    return i;
+  }
+  function fmt(v) { return v === null ? "-inf" : v.toFixed(4); }
+  function tokLabel(t) {
+    if (t === "") return "\u2205";
+    return t.replace(/\n/g, "\u21b5").replace(/\t/g, "\u21e5");
+  }
+
+  var api = window.attnlabServe = { models: [], trace: null, step: null, generated: [],
+    busy: 0, errors: [] };
+
+  /* ------------------------------------------------------------------ requests */
+  function status(text, isError) {
+    var s = $("status");
+    s.textContent = text || "";
+    s.className = isError ? "err" : "";
+    if (isError) api.errors.push(text);
+  }
+  function postJSON(path, body) {
+    api.busy++;
+    watchLoading();
+    return fetch(path, { method: "POST", headers: { "Content-Type": "application/json" },
+      body: JSON.stringify(body) }).then(function (r) {
+      return r.json().then(function (j) {
+        if (!r.ok) throw new Error(j.error || ("HTTP " + r.status));
+        return j;
+      });
+    }).finally(function () { api.busy--; });
+  }
+  var polling = false;
+  function watchLoading() {
+    if (polling) return;
+    polling = true;
+    function tick() {
+      if (api.busy <= 0) { polling = false; return; }
+      fetch("/api/models").then(function (r) { return r.json(); }).then(function (j) {
+        api.models = j.models;
+        var m = j.models.filter(function (x) { return x.name === modelSel.value; })[0];
+        if (m && m.state === "loading") status(tr("loading", { m: m.name, s: m.seconds }));
+        else if (api.busy > 0) status(tr("working"));
+      }).catch(function () {}).finally(function () { setTimeout(tick, 400); });
+    }
+    setTimeout(tick, 150);
+  }
+
+  /* ------------------------------------------------------------------ controls */
+  var modelSel, textBox, genBtns = {}, typingTimer = null;
+  function buildControls() {
+    var box = $("serve-controls");
+    modelSel = el("select");
+    modelSel.id = "model";
+    textBox = el("textarea");
+    textBox.id = "text";
+    textBox.value = "Every effort moves you";
+    textBox.setAttribute("maxlength", String(CONF.limits ? CONF.limits.max_chars : 20000));
+    var go = el("button", "act", T_.explain);
+    go.id = "explain";
+    go.type = "button";
+    go.addEventListener("click", runTrace);
+    textBox.addEventListener("input", function () {
+      clearTimeout(typingTimer);
+      typingTimer = setTimeout(runTrace, 700);
+    });
+    modelSel.addEventListener("change", function () { syncExample(); runTrace(); });
+    box.appendChild(labelled(T_.model, modelSel));
+    box.appendChild(labelled(T_.text, textBox));
+    box.appendChild(go);
+    var st = el("p", null, "");
+    st.id = "status";
+    st.setAttribute("role", "status");
+    box.appendChild(st);
+  }
+  function currentModel() {
+    return api.models.filter(function (m) { return m.name === modelSel.value; })[0] || null;
+  }
+  function syncExample() {
+    var m = currentModel();
+    var ex = m && m.kind === "example";
+    textBox.disabled = !!ex;
+    textBox.title = ex ? T_.example_text : "";
+    $("panel-generate").hidden = !m || m.kind === "example" || m.kind === "encoder";
+  }
+
+  /* ---------------------------------------------------------------- the trace */
+  var seq = 0, lastKey = null;
+  function runTrace() {
+    clearTimeout(typingTimer);
+    var body = { model: modelSel.value, text: textBox.value, lang: LANG };
+    if (!body.text.trim() && (currentModel() || {}).kind !== "example") return;
+    var key = body.model + "\u0000" + body.text;
+    if (key === lastKey) return; // already shown (or on its way)
+    lastKey = key;
+    var mine = ++seq;
+    status(tr("working"));
+    postJSON("/api/trace", body).then(function (res) {
+      if (mine !== seq) return; // a newer request is on its way
+      api.trace = res;
+      var data = { version: 1, lang: LANG, strings: CONF.strings, title: CONF.strings.title,
+        source: res.source, attention: res.attention, walkthrough: res.walkthrough,
+        initial_view: "head", keep_panels: true };
+      window.attnlabRender(data);
+      var a = res.attention;
+      status(tr("ready", { m: res.model, n: a.tokens.length, l: a.num_layers,
+        h: a.num_heads }) + " \u2014 " + T_.step_hint);
+      $("panel-step").hidden = true;
+      api.traced = (api.traced || 0) + 1;
+      document.body.dataset.traced = String(api.traced);
+    }).catch(function (e) {
+      if (mine !== seq) return;
+      lastKey = null; // let the same text be tried again
+      status(e.message, true);
+    });
+  }
+
+  /* ------------------------------------------------------------- the step view */
+  var MAX_COLS = 12, MAX_ROWS = 16;
+  function stepTable(tb) {
+    var wrap = el("div", "st-tbl");
+    var vals = tb.values || null;
+    var cells = tb.cells || null;
+    var nRows = vals ? vals.length : cells.length;
+    var nCols = vals ? (vals[0] || []).length : (cells[0] || []).length;
+    var rowsAsTokens = vals && nRows === 1 && !tb.rows && tb.cols && nCols > 1 &&
+      isNaN(+tb.cols[0]);
+    var full = false;
+    function draw() {
+      wrap.textContent = "";
+      var t = el("table");
+      t.dataset.name = tb.name || "";
+      t.appendChild(el("caption", null, tb.name || tb.caption || ""));
+      var R = rowsAsTokens ? nCols : nRows;
+      var C = rowsAsTokens ? 1 : nCols;
+      var rLabels = rowsAsTokens ? tb.cols : tb.rows;
+      var cLabels = rowsAsTokens ? [tb.name] : tb.cols;
+      var showR = full || R <= MAX_ROWS ? R : MAX_ROWS;
+      var showC = full || C <= MAX_COLS ? C : MAX_COLS;
+      var hr = el("tr");
+      if (rLabels) hr.appendChild(el("th", "rl", tb.corner || ""));
+      for (var j = 0; j < showC; j++) hr.appendChild(el("th", null, cLabels ? cLabels[j] : j));
+      if (showC < C) hr.appendChild(el("th", null, "\u2026"));
+      t.appendChild(hr);
+      for (var i = 0; i < showR; i++) {
+        var row = el("tr");
+        if (rLabels) row.appendChild(el("th", "rl", rLabels[i]));
+        for (j = 0; j < showC; j++) {
+          var v = vals ? (rowsAsTokens ? vals[0][i] : vals[i][j]) : null;
+          var td = el("td", null, vals ? fmt(v) : cells[i][j]);
+          if (tb.shade && v !== null && v > 0 && v <= 1) {
+            td.style.background = "rgba(31,95,168," + (0.6 * v).toFixed(3) + ")";
+          }
+          row.appendChild(td);
+        }
+        if (showC < C) row.appendChild(el("td", null, "\u2026"));
+        t.appendChild(row);
+      }
+      wrap.appendChild(t);
+      if (R > MAX_ROWS || C > MAX_COLS) {
+        var b = el("button", "more", full ? T_.show_less : tr("show_all", { n: R * C }));
+        b.type = "button";
+        b.addEventListener("click", function () { full = !full; draw(); });
+        wrap.appendChild(b);
+      }
+    }
+    draw();
+    return wrap;
+  }
+  function renderStep(res) {
+    var panel = $("panel-step");
+    panel.textContent = "";
+    panel.hidden = false;
+    panel.appendChild(el("h2", null, T_.step));
+    panel.appendChild(el("p", "hint", res.summary));
+    var n = 0;
+    res.sections.forEach(function (sec) {
+      if (sec.kind === "part") { panel.appendChild(el("h3", "wt-part", sec.title)); return; }
+      var d = el("section", "st-sec");
+      d.dataset.step = sec.id;
+      d.appendChild(el("h3", null, (++n) + ". " + sec.title));
+      if (sec.body) d.appendChild(el("p", null, sec.body));
+      if (sec.code) d.appendChild(el("code", "wt-code", sec.code));
+      (sec.tables || []).forEach(function (tb) { d.appendChild(stepTable(tb)); });
+      panel.appendChild(d);
+    });
+    panel.scrollIntoView({ block: "start" });
+  }
+  window.attnlabStepInto = function (where) {
+    if (!api.trace) return;
+    var body = { model: api.trace.model, text: textBox.value, layer: where.layer,
+      head: where.head, token: where.token, lang: LANG };
+    status(tr("working"));
+    postJSON("/api/step", body).then(function (res) {
+      api.step = res;
+      renderStep(res);
+      status("");
+      document.body.dataset.stepped = String((+document.body.dataset.stepped || 0) + 1);
+    }).catch(function (e) { status(e.message, true); });
+  };
+
+  /* --------------------------------------------------------- the generate panel */
+  var gen = {};
+  function buildGenerate() {
+    var p = $("panel-generate");
+    p.appendChild(el("strong", null, T_.gen));
+    gen.n = numInput("gen-n", 20, 1, CONF.limits ? CONF.limits.max_new_tokens : 256);
+    gen.temp = numInput("gen-temp", 0, 0, 5, 0.1);
+    gen.topk = numInput("gen-topk", "", 1, CONF.limits ? CONF.limits.max_top_k : 100);
+    gen.topp = numInput("gen-topp", "", 0.01, 1, 0.05);
+    gen.seed = numInput("gen-seed", 123, 0, null);
+    gen.layer = numInput("gen-layer", 0, 0, null);
+    gen.head = numInput("gen-head", 0, 0, null);
+    [["max_new", gen.n], ["temperature", gen.temp], ["top_k", gen.topk], ["top_p", gen.topp],
+      ["seed", gen.seed], ["layer", gen.layer], ["head", gen.head]].forEach(function (x) {
+      p.appendChild(labelled(T_[x[0]], x[1]));
+    });
+    [["gen-step", T_.gen_step, function () { generate(1); }],
+      ["gen-stream", T_.gen_stream, function () { generate(+gen.n.value || 1); }],
+      ["gen-stop", T_.stop, stop]].forEach(function (b) {
+      var btn = el("button", "act", b[1]);
+      btn.id = b[0];
+      btn.type = "button";
+      btn.addEventListener("click", b[2]);
+      genBtns[b[0]] = btn;
+      p.appendChild(btn);
+    });
+    gen.out = el("div"); gen.out.id = "gen-out";
+    gen.bars = el("div", "bars"); gen.bars.id = "gen-bars";
+    gen.attn = el("div"); gen.attn.id = "gen-attn";
+    p.appendChild(gen.out);
+    p.appendChild(gen.bars);
+    p.appendChild(gen.attn);
+  }
+  function showBars(ev) {
+    gen.bars.textContent = "";
+    var max = ev.top.length ? ev.top[0].p : 1;
+    ev.top.forEach(function (t) {
+      gen.bars.appendChild(el("span", "tk", "#" + t.id + " " + tokLabel(t.token)));
+      var b = el("div", "bar" + (t.id === ev.id ? " chosen" : ""));
+      b.style.width = (100 * t.p / Math.max(max, 1e-9)).toFixed(1) + "%";
+      b.dataset.p = String(t.p);
+      gen.bars.appendChild(b);
+      gen.bars.appendChild(el("span", "p", t.p.toFixed(4)));
+    });
+    gen.attn.textContent = "";
+    var a = ev.attention;
+    if (a && a.weights) {
+      gen.attn.appendChild(el("p", "small", tr("attn_of", { q: a.query, l: a.layer, h: a.head })));
+      var order = a.weights.map(function (w, i) { return i; })
+        .sort(function (i, j) { return a.weights[j] - a.weights[i]; }).slice(0, 5);
+      order.forEach(function (i) {
+        gen.attn.appendChild(el("span", "chip", "#" + i + " " + a.weights[i].toFixed(3) + "  "));
+      });
+    }
+  }
+  var controller = null;
+  function stop() { if (controller) controller.abort(); }
+  function generate(n) {
+    if (controller) return;
+    var body = { model: modelSel.value, text: textBox.value, max_new_tokens: n,
+      temperature: +gen.temp.value || 0, seed: +gen.seed.value || 0,
+      layer: +gen.layer.value || 0, head: +gen.head.value || 0 };
+    if (gen.topk.value) body.top_k = +gen.topk.value;
+    if (gen.topp.value) body.top_p = +gen.topp.value;
+    controller = new AbortController();
+    api.busy++;
+    watchLoading();
+    gen.out.textContent = "";
+    var added = "";
+    fetch("/api/generate", { method: "POST", headers: { "Content-Type": "application/json" },
+      body: JSON.stringify(body), signal: controller.signal }).then(function (r) {
+      if (!r.ok) return r.json().then(function (j) { throw new Error(j.error); });
+      var reader = r.body.getReader();
+      var dec = new TextDecoder();
+      var buf = "";
+      function pump() {
+        return reader.read().then(function (chunk) {
+          if (chunk.done) return;
+          buf += dec.decode(chunk.value, { stream: true });
+          var parts = buf.split("\n\n");
+          buf = parts.pop();
+          parts.forEach(function (block) {
+            var ev = null, data = null;
+            block.split("\n").forEach(function (line) {
+              if (line.indexOf("event: ") === 0) ev = line.slice(7);
+              if (line.indexOf("data: ") === 0) data = JSON.parse(line.slice(6));
+            });
+            if (ev === "token") {
+              added += data.text;
+              gen.out.textContent = added;
+              api.generated.push(data);
+              showBars(data);
+            } else if (ev === "done") {
+              added += data.text;
+              gen.out.textContent = added;
+              document.body.dataset.generated = String(api.generated.length);
+            } else if (ev === "error") {
+              status(data.error, true);
+            }
+          });
+          return pump();
+        });
+      }
+      return pump();
+    }).catch(function (e) {
+      if (e.name !== "AbortError") status(e.message, true);
+    }).finally(function () {
+      controller = null;
+      api.busy--;
+      if (added) { textBox.value += added; runTrace(); }
+    });
+  }
+
+  /* ---------------------------------------------------------------------- main */
+  buildControls();
+  buildGenerate();
+  fetch("/api/models").then(function (r) { return r.json(); }).then(function (j) {
+    api.models = j.models;
+    CONF.limits = j.limits;
+    j.models.forEach(function (m) {
+      var o = el("option", null, m.name + " \u2014 " + m.description);
+      o.value = m.name;
+      modelSel.appendChild(o);
+    });
+    syncExample();
+    runTrace();
+  }).catch(function (e) { status(e.message, true); });
+})();
