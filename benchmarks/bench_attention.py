@@ -573,14 +573,19 @@ def grid_auto_choice(dtype: torch.dtype, pass_: str, mask: str, T: int) -> str:
 
 def bench_cell(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
     """Seconds per call of each function: the minimum over interleaved rounds, each timing
-    as many calls as fill ~5 ms (small calls are too short to time one by one)."""
+    as many calls as fill ~5 ms (small calls are too short to time one by one). Cheap
+    cells run more rounds (up to 4x, while under 2 s); a cell whose round takes over a
+    second runs fewer (at least 2), so that T = 8192 stays affordable."""
     inner = {}
-    for name, f in fns.items():  # warm up and size the inner loops
-        f()
+    one_round = 0.0
+    for name, f in fns.items():  # warm up, and size the inner loops and the rounds
         t0 = time.perf_counter()
         f()
         once = time.perf_counter() - t0
+        one_round += once
         inner[name] = max(1, min(200, int(0.005 / max(once, 1e-7))))
+    if one_round > 1.0:
+        rounds = max(2, min(rounds, int(6.0 / one_round)))
     best = dict.fromkeys(fns, math.inf)
     t_start = time.perf_counter()
     r = 0

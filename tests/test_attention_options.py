@@ -3,6 +3,8 @@ cache) against transformers' own attention modules, built tiny here, and the fp6
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -10,7 +12,7 @@ from attnlab.attention import Attention, AttentionCall, KVCache, RollingKVCache,
 from attnlab.backends import WeightsRequest, available_backends
 from attnlab.masks import SlidingWindowMask
 from attnlab.norms import QKNorm
-from attnlab.rope import RopeConfig
+from attnlab.rope import RopeConfig, YarnScaling
 from reference import reference_attention, tol
 
 transformers = pytest.importorskip("transformers")
@@ -323,3 +325,40 @@ def test_rolling_cache_needs_a_sliding_window_layer():
         Attention(32, 4)(x, is_causal=True, kv_cache=RollingKVCache(8))
     with pytest.raises(ValueError, match="kv_cache"):
         Attention(32, 4, sliding_window=8)(x, is_causal=True, kv_cache=RollingKVCache(4))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_all_options_together_fp32_forward_and_backward(backend):
+    """Every option at once (partial interleaved YaRN RoPE, QK-norm across heads, head_dim,
+    scale, biases, sliding window, GQA) in fp32 against the same layer in fp64, gradients
+    of the input and of every parameter (the norms' included); bf16 runs and stays close."""
+    torch.manual_seed(9)
+    rope = RopeConfig(
+        fraction=0.5,
+        interleaved=True,
+        scaling=YarnScaling(factor=4.0, original_max_position_embeddings=8),
+    )
+    layer = Attention(
+        48, 4, num_kv_heads=2, head_dim=16, scale=0.2, bias=True, out_bias=False, rope=rope,
+        qk_norm=QKNorm("rms", scope="all"), sliding_window=6, backend=backend,
+    )  # fmt: skip
+    ref = copy.deepcopy(layer).double()
+    x = torch.randn(2, 20, 48)
+    x64 = x.double().requires_grad_()
+    x32 = x.clone().requires_grad_()
+    out64 = ref(x64, is_causal=True)
+    out32 = layer(x32, is_causal=True)
+    torch.testing.assert_close(out32, out64.float(), **tol(torch.float32))
+    g = torch.randn_like(out64)
+    out64.backward(g)
+    out32.backward(g.float())
+    assert x32.grad is not None and x64.grad is not None
+    torch.testing.assert_close(x32.grad, x64.grad.float(), **tol(torch.float32))
+    for (name, p32), p64 in zip(layer.named_parameters(), ref.parameters(), strict=True):
+        assert p32.grad is not None, name
+        torch.testing.assert_close(p32.grad, p64.grad.float(), **tol(torch.float32), msg=name)
+    bf = copy.deepcopy(layer).to(torch.bfloat16)
+    with torch.no_grad():
+        out_bf = bf(x.bfloat16(), is_causal=True)
+    assert bool(torch.isfinite(out_bf).all())
+    torch.testing.assert_close(out_bf.float(), out64.detach().float(), atol=0.1, rtol=0.1)
