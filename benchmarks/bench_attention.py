@@ -528,7 +528,7 @@ def wait_until_quiet(args: argparse.Namespace) -> dict:
     return state
 
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+GRID_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 PASSES = ("forward", "forward+backward")
 MASKS = ("causal", "none", "padding")
 
@@ -617,9 +617,9 @@ def measure_grid(args: argparse.Namespace, with_auto: bool) -> list[dict]:
             for mask in args.masks.split(","):
                 for T in grid_ts(args):
                     run = [n for n in names if n != "math" or args.math_max_t >= T]
-                    fns = {n: grid_call(n, DTYPES[dname], pass_, mask, T) for n in run}
+                    fns = {n: grid_call(n, GRID_DTYPES[dname], pass_, mask, T) for n in run}
                     if with_auto:
-                        fns["auto"] = grid_call("auto", DTYPES[dname], pass_, mask, T)
+                        fns["auto"] = grid_call("auto", GRID_DTYPES[dname], pass_, mask, T)
                     sec = bench_cell(fns, args.grid_reps)
                     ms = {n: sec[n] * 1e3 for n in sec}
                     cell = {"dtype": dname, "pass": pass_, "mask": mask, "T": T, "ms": ms}
@@ -628,7 +628,7 @@ def measure_grid(args: argparse.Namespace, with_auto: bool) -> list[dict]:
                         f"{n} {ms[n]:.3g}" for n in fns
                     )
                     if with_auto:
-                        cell["auto_chose"] = grid_auto_choice(DTYPES[dname], pass_, mask, T)
+                        cell["auto_chose"] = grid_auto_choice(GRID_DTYPES[dname], pass_, mask, T)
                         cell["fastest"] = fastest
                         cell["ratio"] = ms["auto"] / ms[fastest]
                         line += f"  -> auto={cell['auto_chose']} {cell['ratio']:.2f}x {fastest}"
@@ -787,8 +787,8 @@ def plot_grid(cells: list[dict], path: str, title: str) -> None:
 
 def grid_main(args: argparse.Namespace) -> None:
     for d in args.dtypes.split(","):
-        if d not in DTYPES:
-            raise SystemExit(f"error: --dtypes: unknown {d!r}; choose from {list(DTYPES)}")
+        if d not in GRID_DTYPES:
+            raise SystemExit(f"error: --dtypes: unknown {d!r}; choose from {list(GRID_DTYPES)}")
     for p in args.passes.split(","):
         if p not in PASSES:
             raise SystemExit(f"error: --passes: unknown {p!r}; choose from {list(PASSES)}")
