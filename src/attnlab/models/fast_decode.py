@@ -102,6 +102,10 @@ def why_not_fast_decode(model: Any) -> str | None:
     parts = _parts(model)
     if isinstance(parts, str):
         return parts
+    config = getattr(model, "config", None)
+    for option in ("embed_scale", "final_softcap"):
+        if getattr(config, option, None) not in (None, False):
+            return f"model option {option}"
     for block in parts.blocks:
         if getattr(block, "placement", "pre") != "pre":
             return f"norm placement {block.placement!r} (only 'pre')"
