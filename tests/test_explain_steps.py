@@ -111,3 +111,64 @@ def test_bad_indices_name_the_argument(kwargs, error, match):
     args = {"layer": 0, "head": 0, "token": 0, **kwargs}
     with pytest.raises(error, match=match):
         head_steps(model, IDS, **args)
+
+
+def test_softcap_and_sinks_are_steps_and_still_land_on_the_layer():
+    torch.manual_seed(2)
+    model = TinyModel(rope=False).eval()
+    block = model.blocks[1]
+    block.softcap = 0.5  # small, so that the cap matters
+    block.sinks = nn.Parameter(torch.tensor([0.3, -1.0, 2.0, 0.0]))
+    s = head_steps(model, IDS, layer=1, head=2, token=6)
+    assert s.softcap == 0.5 and s.sink == pytest.approx(2.0)
+    torch.testing.assert_close(s.capped, 0.5 * torch.tanh(s.scaled / 0.5))
+    assert float(s.capped.abs().max()) < 0.5
+    # PyTorch: softmax over [capped scores, sink], the sink's column dropped.
+    logits = torch.cat([s.capped.masked_fill(~s.allowed, -math.inf), torch.tensor([2.0])])
+    torch.testing.assert_close(s.weights, torch.softmax(logits, -1)[:-1])
+    assert float(s.weights.sum()) < 0.9 and max(s.checks.values()) < 1e-5
+    ids = [x["id"] for x in step_sections(s)]
+    assert ids.index("scale") < ids.index("softcap") < ids.index("mask")
+    assert "attention sink" in next(x for x in step_sections(s) if x["id"] == "weights")["body"]
+
+
+def test_qk_norm_and_rope_show_the_query_as_used():
+    from attnlab.norms import QKNorm
+
+    torch.manual_seed(3)
+    model = TinyModel(rope=True).eval()
+    model.blocks[0] = Attention(16, 4, rope=True, qk_norm=QKNorm("rms", scope="head"))
+    s = head_steps(model, IDS, layer=0, head=1, token=4)
+    assert s.qk_norm and s.rope
+    block = model.blocks[0]
+    with torch.no_grad():
+        x = model.emb(torch.tensor([IDS]))
+        q = block.W_query(x).view(1, 8, 4, 4).transpose(1, 2)
+        q = block.rope(block.q_norm(q), torch.arange(8))
+    torch.testing.assert_close(s.query, q[0, 1, 4])
+    ids = [x["id"] for x in step_sections(s)]
+    assert ids[:4] == ["input", "query", "qk_norm", "keys"]
+    assert max(s.checks.values()) < 1e-5
+
+
+def test_alibi_bias_is_a_step_and_the_walk_still_lands_on_the_layer():
+    from attnlab.biases import AlibiBias, alibi_slopes
+
+    class Alibi(TinyModel):
+        def forward(self, input_ids):
+            x = self.emb(input_ids)
+            for block in self.blocks:
+                x = x + block(x, attn_mask=AlibiBias(4), is_causal=True)
+            return x
+
+    torch.manual_seed(4)
+    model = Alibi(rope=False).eval()
+    s = head_steps(model, IDS, layer=2, head=1, token=5)
+    assert s.bias is not None
+    slope = float(alibi_slopes(4)[1])
+    # ALiBi: -slope * distance to the query, for the keys it may see.
+    want = torch.tensor([-slope * (5 - j) for j in range(6)])
+    torch.testing.assert_close(s.bias[:6], want.float())
+    assert max(s.checks.values()) < 1e-5
+    ids = [x["id"] for x in step_sections(s)]
+    assert ids.index("scale") < ids.index("bias") < ids.index("mask") < ids.index("weights")

@@ -26,14 +26,7 @@ from attnlab.generation import generate
 from attnlab.models.decoder import Decoder
 from attnlab.models.encoder import Encoder
 from attnlab.pretrained import load_pretrained
-
-CORPUS = [
-    "Attention lets every token look at every other token.",
-    "The cat sat on the mat, and the dog sat on the log.",
-    "Queries, keys and values: 1, 2, 3 and 42!",
-    "Once upon a time there was a small model in a test.",
-]
-VOCAB = 160
+from model_files import CORPUS, save_hf, tokenizer_json
 
 # family -> config overrides (small but not trivial; the awkward options on)
 DECODERS: dict[str, dict] = {
@@ -47,6 +40,14 @@ DECODERS: dict[str, dict] = {
         "mlp_bias": True,
         "max_position_embeddings": 128,
         "tie_word_embeddings": False,
+        "rope_parameters": {
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
     },
     "mistral": {
         "hidden_size": 64,
@@ -57,6 +58,12 @@ DECODERS: dict[str, dict] = {
         "head_dim": 16,
         "sliding_window": 5,
         "max_position_embeddings": 128,
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
     },
     "qwen2": {
         "hidden_size": 64,
@@ -66,6 +73,58 @@ DECODERS: dict[str, dict] = {
         "num_key_value_heads": 1,
         "max_position_embeddings": 128,
         "tie_word_embeddings": True,
+        "rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+    },
+    "qwen3": {
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 32,  # H * D = 128 != C = 64
+        "max_position_embeddings": 128,
+    },
+    "olmo2": {
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 128,
+        "rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
+        "pad_token_id": 1,
+        "eos_token_id": 2,
+    },
+    "phi3": {
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 128,
+        "original_max_position_embeddings": 128,
+        "sliding_window": 7,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.5,
+        },
+        "pad_token_id": 1,
+        "eos_token_id": 2,
+    },
+    "gpt_neox": {
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "max_position_embeddings": 128,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.25,
+        },
+        "pad_token_id": 1,
+        "eos_token_id": 2,
     },
     "gpt2": {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128},
 }
@@ -89,48 +148,16 @@ ENCODERS: dict[str, dict] = {
 }
 
 
-def _tokenizer_json(folder) -> None:
-    """A small byte-level BPE tokenizer, trained here, saved as tokenizer.json."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB,
-        special_tokens=["<s>", "<pad>", "</s>", "<unk>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator(CORPUS, trainer)
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(
-        '{"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", '
-        '"chat_template": "{% for m in messages %}<s>{{ m.content }}</s>{% endfor %}"}'
-    )
-
-
-def _save(family: str, overrides: dict, folder, dtype: torch.dtype):
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
-
-    config = AutoConfig.for_model(family, vocab_size=512, initializer_range=0.1, **overrides)
-    torch.manual_seed(0)
-    auto = AutoModel if family in ENCODERS else AutoModelForCausalLM
-    model = auto.from_config(config, attn_implementation="eager").to(dtype).eval()
-    folder.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(folder, safe_serialization=True)
-    _tokenizer_json(folder)
-    return folder
-
-
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """family -> (fp32 dir, bf16 dir), built once per module."""
     root = tmp_path_factory.mktemp("families")
     out = {}
     for family, overrides in {**DECODERS, **ENCODERS}.items():
+        enc = family in ENCODERS
         out[family] = (
-            _save(family, overrides, root / f"{family}-fp32", torch.float32),
-            _save(family, overrides, root / f"{family}-bf16", torch.bfloat16),
+            save_hf(family, overrides, root / f"{family}-fp32", torch.float32, encoder=enc),
+            save_hf(family, overrides, root / f"{family}-bf16", torch.bfloat16, encoder=enc),
         )
     return out
 
@@ -278,7 +305,7 @@ def test_sharded_checkpoint_loads_like_the_single_file(checkpoints, tmp_path):
 
     ref = AutoModelForCausalLM.from_pretrained(checkpoints["llama"][0])
     ref.save_pretrained(tmp_path, safe_serialization=True, max_shard_size="40KB")
-    _tokenizer_json(tmp_path)
+    tokenizer_json(tmp_path)
     assert (tmp_path / "model.safetensors.index.json").is_file()
     sharded, tok = load_pretrained(tmp_path)
     single, _ = load_pretrained(checkpoints["llama"][0])

@@ -292,3 +292,91 @@ def test_a_model_that_fails_to_load_is_a_500_json_and_others_still_work(gpt):
         m = {x["name"]: x for x in c.get("/api/models").json()["models"]}
         assert m["broken"]["state"] == "error" and "truncated" in m["broken"]["error"]
         assert c.post("/api/trace", json={"model": "tiny", "text": "hi"}).status_code == 200
+
+
+def test_models_report_loading_progress(gpt):
+    gate = threading.Event()
+
+    def slow_load():
+        gate.wait(10)
+        return model_spec(gpt, get_tokenizer(), "slow").load()
+
+    events: list[tuple[str, str]] = []
+    registry = ModelRegistry([ModelSpec("slow", "waits", slow_load)],
+                             on_event=lambda e, name, detail: events.append((e, name)))  # fmt: skip
+    with TestClient(create_app(registry)) as c, ThreadPoolExecutor(1) as ex:
+        pending = ex.submit(c.post, "/api/trace", json={"model": "slow", "text": "hi"})
+        while events != [("loading", "slow")]:
+            time.sleep(0.01)
+        time.sleep(0.15)
+        m = c.get("/api/models").json()["models"][0]
+        assert m["state"] == "loading" and m["seconds"] >= 0.1
+        gate.set()
+        assert pending.result().status_code == 200
+        m = c.get("/api/models").json()["models"][0]
+        assert m["state"] == "ready" and m["loaded"] and m["seconds"] >= 0.1
+    assert events == [("loading", "slow"), ("ready", "slow")]
+
+
+def test_default_models_are_the_example_runs_gpt_and_installed_packages(tmp_path):
+    from attnlab.checkpoint import save_checkpoint
+    from attnlab.serve import default_specs, spec_for
+
+    assert default_specs(tmp_path / "runs" / "gpt")[0].name == "example:journey"
+    assert str(tmp_path / "runs" / "gpt") not in [s.name for s in default_specs(tmp_path / "x")]
+    g = tiny_gpt()
+    save_checkpoint(tmp_path / "gpt", g.state_dict(), model_type="gpt",
+                    model_config=g.cfg.to_dict(), step=3)  # fmt: skip
+    specs = default_specs(tmp_path / "gpt")
+    assert specs[1].name == str(tmp_path / "gpt") and specs[1].kind == "checkpoint"
+    loaded = specs[1].load()
+    assert loaded.causal and "step 3" in loaded.source
+    with pytest.raises(ValueError, match="is not a model attnlab can serve"):
+        spec_for(str(tmp_path / "nothing-here"))
+    assert spec_for("example:toy").name == "example:toy"
+
+
+def test_traces_during_a_generation_on_one_model_do_not_meet(gpt):
+    from attnlab.generation import generate
+
+    app = make_app(gpt, pool=WorkerPool(workers=4, queue=32))
+    texts = [f"the {w} sat" * (1 + i % 3) for i, w in enumerate(["cat", "dog", "owl", "fox"] * 3)]
+    body = {"model": "tiny", "text": TEXT, "max_new_tokens": 30, "layer": 1, "head": 1}
+    with TestClient(app) as c:
+        want = {t: c.post("/api/trace", json={"model": "tiny", "text": t}).json() for t in texts}
+        with ThreadPoolExecutor(6) as ex:
+            stream = ex.submit(c.post, "/api/generate", json=body)
+            got = list(ex.map(lambda t: c.post("/api/trace", json={"model": "tiny", "text": t}),
+                              texts))  # fmt: skip
+            events = sse(stream.result().text)
+    for t, r in zip(texts, got, strict=True):
+        assert r.json()["attention"]["data"] == want[t]["attention"]["data"]
+    ids = get_tokenizer().encode(TEXT)
+    expect = generate(gpt, torch.tensor([ids]), 30)[0, len(ids) :].tolist()
+    tokens = [d for e, d in events if e == "token"]
+    assert [d["id"] for d in tokens] == expect
+    assert all(len(d["attention"]["weights"]) == len(ids) + i for i, d in enumerate(tokens))
+
+
+def test_the_page_in_traditional_chinese(gpt):
+    specs = [model_spec(gpt, get_tokenizer(), "tiny")]
+    with TestClient(create_app(ModelRegistry(specs), lang="zh-TW")) as c:
+        r = c.get("/")
+    assert r.status_code == 200 and '<html lang="zh-TW">' in r.text
+    assert "注意力看向了哪裡" in r.text
+
+
+def test_the_zh_tw_page_brings_its_own_cjk_font(gpt):
+    from attnlab.explain.fonts import cjk_font_file
+
+    if cjk_font_file() is None:
+        pytest.skip("pip install 'attnlab[zh-tw]'")
+    specs = [model_spec(gpt, get_tokenizer(), "tiny")]
+    with TestClient(create_app(ModelRegistry(specs), lang="zh-TW")) as c:
+        page = c.get("/")
+        font = c.get("/font/cjk.otf")
+    assert "font-src 'self'" in page.headers["content-security-policy"]
+    assert 'url("/font/cjk.otf")' in page.text
+    assert font.status_code == 200 and font.content[:4] == b"OTTO"  # an OpenType (CFF) font
+    with TestClient(make_app(gpt)) as c:  # English: no font route needed
+        assert c.get("/font/cjk.otf").status_code == 404

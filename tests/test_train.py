@@ -107,3 +107,19 @@ def test_epochs_set_the_number_of_steps(tmp_path):
     trainer = Trainer(_cfg(steps=None, epochs=2), out_dir=tmp_path)
     trainer.prepare()
     assert trainer.total_steps == 2 * (len(trainer.train_ds) // 4)
+
+
+def test_resume_writes_to_its_folder_and_does_nothing_when_already_there(tmp_path):
+    first = train(_cfg(steps=2, eval_interval=2), out_dir=tmp_path)
+    assert first.trained and first.start_step == 0
+    assert Trainer(resume=tmp_path).out_dir == tmp_path  # no out_dir: continue in place
+    files = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    again = train(TrainConfig(steps=2), resume=tmp_path)  # already at step 2
+    assert not again.trained and again.steps_done == again.start_step == 2
+    assert again.loss_png is None and again.history_json is None
+    assert again.step_losses == first.step_losses
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == files
+    more = train(TrainConfig(steps=3), resume=tmp_path)
+    assert more.trained and more.start_step == 2 and more.steps_done == 3
+    assert more.out_dir == tmp_path and more.history_json == tmp_path / "history.json"
+    assert json.loads(more.history_json.read_text())["step_losses"] == list(more.step_losses)

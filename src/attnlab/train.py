@@ -46,6 +46,8 @@ from attnlab.generation import generate
 from attnlab.models.gpt import GPTConfig, GPTModel
 
 __all__ = [
+    "DEFAULT_OUT_DIR",
+    "EXIT_INTERRUPTED",
     "CheckpointSaved",
     "DistributedTrainingError",
     "EvalResult",
@@ -61,8 +63,12 @@ __all__ = [
     "train",
 ]
 
+DEFAULT_OUT_DIR = Path("runs/gpt")
 HISTORY_FILE = "history.json"
 LOSS_PNG = "loss_curve.png"
+
+
+EXIT_INTERRUPTED = 130  # exit status of a run stopped by a signal (the shell's 128 + SIGINT)
 
 
 class DistributedTrainingError(RuntimeError):
@@ -212,7 +218,10 @@ class TrainResult:
         interrupted: stopped early by a signal (Ctrl-C / SIGTERM); a checkpoint was saved.
         step_losses: the loss of every step since step 1.
         evals: every evaluation since the start.
-        loss_png: the loss-curve figure, or None on ranks other than 0.
+        loss_png: the loss-curve figure, or None on ranks other than 0 and when nothing was
+            trained.
+        start_step: the step this call started from: 0, or the checkpoint's step when resuming.
+        history_json: the loss history (``history.json``), None when ``loss_png`` is.
     """
 
     out_dir: Path
@@ -222,6 +231,14 @@ class TrainResult:
     step_losses: tuple[float, ...]
     evals: tuple[EvalResult, ...]
     loss_png: Path | None
+    start_step: int = 0
+    history_json: Path | None = None
+
+    @property
+    def trained(self) -> bool:
+        """False when a resumed run was already at (or past) ``total_steps``: nothing was
+        trained and nothing written."""
+        return self.steps_done > self.start_step
 
 
 Event = TrainStart | StepResult | EvalResult | CheckpointSaved
@@ -381,10 +398,16 @@ class Trainer:
     Args:
         config: the :class:`TrainConfig` (ignored for the model and data settings when
             resuming: the checkpoint's are used, only ``steps``/``epochs`` may extend the run).
-        out_dir: where checkpoints, ``history.json`` and ``loss_curve.png`` go.
+        out_dir: where checkpoints, ``history.json`` and ``loss_curve.png`` go. Default: the
+            ``resume`` directory when resuming (the run continues where it was), else
+            ``runs/gpt``. When resuming into another directory, that directory gets the
+            continued run (its checkpoint, and the history and loss curve from step 0) and
+            the ``resume`` directory is only read.
         text: the training text; None for the embedded story (or the checkpoint's text hash
             must match when resuming).
-        resume: a checkpoint directory to continue from.
+        resume: a checkpoint directory to continue from. If it is already at (or past) the
+            requested steps, :meth:`run` trains nothing, writes nothing and returns a result
+            whose ``trained`` is False.
         callback: called on rank 0 with each event (TrainStart, StepResult, EvalResult,
             CheckpointSaved). It may call :meth:`request_stop`.
         device: torch device; default CUDA (this rank's GPU) if available, else CPU.
@@ -398,17 +421,19 @@ class Trainer:
         self,
         config: TrainConfig | None = None,
         *,
-        out_dir: str | os.PathLike[str] = "runs/gpt",
+        out_dir: str | os.PathLike[str] | None = None,
         text: str | None = None,
         resume: str | os.PathLike[str] | None = None,
         callback: Callable[[Event], None] | None = None,
         device: str | torch.device | None = None,
     ) -> None:
         self.config = config or TrainConfig()
+        self.resume = Path(resume) if resume is not None else None
+        if out_dir is None:
+            out_dir = self.resume if self.resume is not None else DEFAULT_OUT_DIR
         self.out_dir = Path(out_dir)
         self.callback = callback
         self._stop_requested = False
-        self.resume = Path(resume) if resume is not None else None
         self.text = load_text(None) if text is None else text
         if not self.text.strip():
             raise ValueError("the training text is empty; give a file with some text in it")
@@ -691,6 +716,20 @@ class Trainer:
 
     def _run(self, dist_info: _Dist) -> TrainResult:
         cfg = self.config
+        start_step = self.state.step
+        if start_step >= self.total_steps:
+            # Resumed at or past the requested length: no step to take, so nothing is written
+            # (not even the output directory).
+            return TrainResult(
+                out_dir=self.out_dir,
+                steps_done=start_step,
+                total_steps=self.total_steps,
+                interrupted=False,
+                step_losses=tuple(self.state.step_losses),
+                evals=tuple(self.state.evals),
+                loss_png=None,
+                start_step=start_step,
+            )
         if dist_info.is_main:
             self.out_dir.mkdir(parents=True, exist_ok=True)
         tokens_per_step = cfg.batch_size * self.model_cfg.context_length
@@ -780,6 +819,8 @@ class Trainer:
             step_losses=tuple(self.state.step_losses),
             evals=tuple(self.state.evals),
             loss_png=self.out_dir / LOSS_PNG if dist_info.is_main else None,
+            start_step=start_step,
+            history_json=self.out_dir / HISTORY_FILE if dist_info.is_main else None,
         )
 
     def _forward_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -789,11 +830,18 @@ class Trainer:
 @contextlib.contextmanager
 def stop_on_signals(trainer: Trainer) -> Iterator[None]:
     """While active, the first SIGINT/SIGTERM asks ``trainer`` to stop after the current step
-    (it then saves a checkpoint); a second one interrupts at once."""
+    (it then saves a checkpoint); a second one interrupts at once.
+
+    Under torch's elastic launcher (``attnlab train --nproc``, ``torchrun``) a Ctrl-C reaches
+    each worker twice, from the terminal and forwarded by the launcher, so there a repeated
+    signal only repeats the request; the launcher kills workers that have not stopped 30 s
+    after it.
+    """
     previous: dict[signal.Signals, Any] = {}
+    under_launcher = "TORCHELASTIC_RUN_ID" in os.environ
 
     def handler(signum: int, frame: Any) -> None:
-        if trainer._stop_requested:
+        if trainer._stop_requested and not under_launcher:
             raise KeyboardInterrupt
         trainer.request_stop()
 
@@ -810,7 +858,7 @@ def stop_on_signals(trainer: Trainer) -> Iterator[None]:
 def train(
     config: TrainConfig | None = None,
     *,
-    out_dir: str | os.PathLike[str] = "runs/gpt",
+    out_dir: str | os.PathLike[str] | None = None,
     text: str | None = None,
     resume: str | os.PathLike[str] | None = None,
     callback: Callable[[Event], None] | None = None,
@@ -838,7 +886,7 @@ def launch(
     *,
     host: str = "127.0.0.1",
     entry: tuple[str, ...] = ("-m", "attnlab"),
-) -> None:
+) -> bool:
     """Run ``python -m attnlab <argv>`` in ``nproc`` processes with torch's elastic launcher.
 
     This is ``torchrun --nproc-per-node nproc --rdzv-endpoint host:0 -m attnlab <argv>``:
@@ -851,6 +899,10 @@ def launch(
         host: the rendezvous address (a free port is picked).
         entry: what the workers run before ``argv`` (default ``-m attnlab``).
 
+    Returns:
+        True when the run was interrupted (SIGINT/SIGTERM, e.g. Ctrl-C): the launcher passed
+        the signal on, the workers saved a checkpoint and stopped; False when they finished.
+
     Raises:
         DistributedTrainingError: when a worker failed, naming the rank, its exit code and
             its error.
@@ -858,6 +910,7 @@ def launch(
     import sys
     import uuid
 
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -886,10 +939,20 @@ def launch(
         monitor_interval=0.1,
         local_addr=host,
     )
+    # The launcher installs its own handlers for these and leaves them; put ours back after.
+    handled = [
+        getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT") if hasattr(signal, n)
+    ]
+    saved_handlers = {sig: signal.getsignal(sig) for sig in handled}
     try:
         elastic_launch(config, sys.executable)(*entry, *argv)
+    except SignalException:
+        # The launcher sent the signal on to the workers and waited for them to stop.
+        return True
     except ChildFailedError as exc:
         _restore_env(saved_env)
+        if all(f.exitcode == EXIT_INTERRUPTED for f in exc.failures.values()):
+            return True  # a worker was signalled directly; they all stopped and saved
         rank, failure = min(exc.failures.items(), key=_root_cause_order)
         why = _failure_message(failure.message)
         raise DistributedTrainingError(
@@ -899,6 +962,10 @@ def launch(
         ) from exc
     finally:
         _restore_env(saved_env)
+        for sig, prev in saved_handlers.items():
+            with contextlib.suppress(ValueError, TypeError):  # not the main thread / not ours
+                signal.signal(sig, prev)
+    return False
 
 
 def _restore_env(saved: dict[str, str | None]) -> None:

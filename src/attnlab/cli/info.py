@@ -43,6 +43,12 @@ def info(
     ] = None,
     sinks: Annotated[bool, typer.Option("--sinks", help="Learned attention sinks.")] = False,
     backend: Annotated[str, typer.Option(help="Backend to explain (default auto).")] = "auto",
+    backward: Annotated[
+        bool, typer.Option("--backward", help="Explain a training call (forward+backward).")
+    ] = False,
+    show_table: Annotated[
+        bool, typer.Option("--table", help="Show every row of auto's crossover table.")
+    ] = False,
     preset: Annotated[
         str | None,
         typer.Option(
@@ -50,13 +56,29 @@ def info(
             "gpt2-large, gpt2-xl), or 'all'; shows only that."
         ),
     ] = None,
+    model: Annotated[
+        str | None,
+        typer.Option(
+            "--model",
+            "-m",
+            help="A model directory, .gguf file or packaged name: summarise it (family, "
+            "layers, heads, RoPE, window, parameters, dtype, each layer's backend for a "
+            "call of --seq-len tokens); shows only that.",
+        ),
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="With --model: print JSON.")] = False,
 ) -> None:
-    """Report what attnlab has: the attention backends, which one a call of this shape
-    would run (and why not the others), which backend serves which attention variant, and
-    the GPT presets' parameter counts and sizes."""
+    """Report what attnlab has: the attention backends, the crossover table auto chooses
+    by, which one a call of this shape would run (and why not the others), which backend
+    serves which attention variant, and the GPT presets' parameter counts and sizes."""
     if preset is not None:
         output.show(*_info_presets(preset))
         return
+    if model is not None:
+        _info_model(model, seq_len, backend, as_json)
+        return
+    if as_json:
+        raise UserError("--json needs --model (the summary of one model)")
     import torch
     from rich.table import Table
 
@@ -84,7 +106,8 @@ def info(
     tdtype = getattr(torch, _INFO_DTYPES[dtype])
 
     def shaped(*shape: int) -> torch.Tensor:  # no memory: one element, expanded
-        return torch.zeros((1,) * len(shape), dtype=tdtype).expand(*shape)
+        one = torch.zeros((1,) * len(shape), dtype=tdtype).requires_grad_(backward)
+        return one.expand(*shape)
 
     attn_mask = {
         "none": None,
@@ -131,7 +154,11 @@ def info(
         + (f" softcap={softcap}" if softcap is not None else "")
         + (" sinks" if sinks else "")
     )
-    verdict = Table(title=f"dispatch for {call}: backend={backend!r} -> {exp.chosen}")
+    pass_ = "forward+backward" if backward else "forward"
+    verdict = Table(
+        title=f"dispatch for {call} {pass_}: backend={backend!r} -> {exp.chosen}",
+        caption=f"decided by {exp.decided_by}" if exp.decided_by else None,
+    )
     verdict.add_column("backend")
     verdict.add_column("verdict")
     for name, why in exp.reasons:
@@ -143,7 +170,48 @@ def info(
         variants.add_column(name)
     for label, reasons in variant_support():
         variants.add_row(label, *("yes" if reasons[n] is None else reasons[n] for n in served_by))
-    output.show(table, verdict, variants, *_info_presets(None))
+    output.show(table, _info_dispatch_table(show_table), verdict, variants, *_info_presets(None))
+
+
+def _info_dispatch_table(full: bool) -> RenderableType:
+    """``attnlab info``'s crossover table: where it was measured, how quiet, its rows."""
+    from rich.table import Table
+    from rich.text import Text
+
+    from attnlab.backends import dispatch_table
+
+    with user_input():
+        table = dispatch_table()
+    if table is None:
+        return Text("auto's crossover table: none; auto uses the fixed order")
+    m = table.machine
+    busy = m.get("others_busy_during", m.get("others_busy_before"))
+    quiet = (
+        f"other processes used {busy:.0%} of the machine"
+        if isinstance(busy, (int, float))
+        else "quietness not recorded"
+    )
+    title = (
+        f"auto's crossover table ({len(table.rows)} rows, {table.path}): measured "
+        f"{m.get('date', '?')} on {m.get('cpu', '?')}, torch {m.get('torch', '?')}, "
+        f"{m.get('threads', '?')} threads; {quiet}"
+        + ("" if m.get("quiet", True) else " (NOT QUIET: provisional)")
+    )
+    if not full:
+        return Text(title + "; `attnlab info --table` lists the rows")
+    out = Table(title=title)
+    for col in ("row", "dtype", "pass", "mask", "sqrt(T*S)", "fastest first", "ms (T: times)"):
+        out.add_column(col)
+    for r in table.rows:
+        hi = "inf" if r.t_below is None else f"{r.t_below:g}"
+        ms = "; ".join(
+            f"{t}: " + " ".join(f"{per[n]:.3g}" for n in r.order if n in per)
+            for t, per in sorted(r.ms.items())
+        )
+        out.add_row(
+            str(r.index), r.dtype, r.pass_, r.mask, f"{r.t_from:g}..{hi}", " < ".join(r.order), ms
+        )
+    return out
 
 
 def _preset_table(name: str) -> Any:
@@ -203,3 +271,68 @@ def _info_presets(preset: str | None) -> list[RenderableType]:
             f"{r.size_mb:,.1f} MB",
         )
     return [table]
+
+
+def _info_model(name: str, seq_len: int, backend: str, as_json: bool) -> None:
+    """``attnlab info --model``: the model's summary table (or JSON)."""
+    import dataclasses
+    import json
+
+    from rich.table import Table
+
+    from attnlab.cli.models import check_local_backend, load_pretrained_model
+    from attnlab.pretrained.summary import summarize_model
+
+    check_local_backend(backend)
+    if seq_len < 1:
+        raise UserError(f"`--seq-len` must be a positive int, got {seq_len}")
+    net, _, source = load_pretrained_model(name)
+    if backend != "auto":
+        net.set_backend(backend)
+    with user_input():
+        summary = summarize_model(net, probe_length=seq_len)
+    if as_json:
+        output.raw(json.dumps({"model": source, **dataclasses.asdict(summary)}, indent=2) + "\n")
+        return
+    table = Table(title=f"{source}: {summary.family} {summary.kind}")
+    table.add_column("field")
+    table.add_column("value")
+    rope = summary.rope
+    rope_text = (
+        "none"
+        if rope is None
+        else f"base {rope['base']:g}, fraction {rope['fraction']:g}"
+        + (", interleaved" if rope["interleaved"] else "")
+        + f", scaling {rope['scaling'] or 'none'}"
+    )
+    windows = sorted({str(lay.sliding_window) for lay in summary.per_layer})
+    for field, value in (
+        ("family", summary.family),
+        ("layers", str(summary.layers)),
+        ("width", str(summary.hidden_size)),
+        ("heads / kv heads", f"{summary.heads} / {summary.kv_heads}"),
+        ("head dim", str(summary.head_dim)),
+        ("positions", summary.positions),
+        ("RoPE", rope_text),
+        ("sliding window", ", ".join(windows)),
+        ("softcap", "none"),
+        ("norm", summary.norm),
+        ("MLP", summary.mlp),
+        ("context", str(summary.context_length)),
+        ("parameters", f"{summary.parameters:,}"),
+        ("dtype", summary.dtype),
+    ):
+        table.add_row(field, value)
+    layers = Table(title=f"attention layers: backend for a call of T={summary.probe_length}")
+    for col in ("layer", "heads", "kv heads", "head dim", "window", "backend"):
+        layers.add_column(col)
+    for lay in summary.per_layer:
+        layers.add_row(
+            str(lay.index),
+            str(lay.heads),
+            str(lay.kv_heads),
+            str(lay.head_dim),
+            str(lay.sliding_window or "-"),
+            lay.backend,
+        )
+    output.show(table, layers)

@@ -100,5 +100,7 @@ def serve(
 
     try:
         run_server(application, host=host, port=port, on_start=started)
+    except KeyboardInterrupt:  # Ctrl-C is how a server is stopped: a clean exit
+        output.note("stopped")
     except OSError as e:
         raise UserError(f"cannot listen on {host}:{port}: {e.strerror or e}") from e

@@ -10,8 +10,6 @@ import typer
 from attnlab.cli.app import app
 from attnlab.cli.output import UserError, output, user_input
 
-DEFAULT_TRAIN_OUT = Path("runs/gpt")
-
 
 def _train_argv(**opts: Any) -> list[str]:
     """The ``attnlab train`` arguments that reproduce ``opts`` (for the workers of --nproc)."""
@@ -80,7 +78,9 @@ class _TrainView:
             if event.sample:
                 p.console.print("  sample: " + " ".join(event.sample.split()), markup=False)
         elif isinstance(event, CheckpointSaved) and event.reason in ("final", "interrupt"):
-            p.console.print(f"checkpoint saved: {event.path} (step {event.step})", markup=False)
+            p.console.print(  # soft_wrap: a path is never folded over two lines
+                f"checkpoint saved: {event.path} (step {event.step})", markup=False, soft_wrap=True
+            )
 
     def close(self) -> None:
         if self.task is not None:
@@ -107,11 +107,17 @@ def train(
         Path | None, typer.Option(help="UTF-8 text file (default: the embedded story).")
     ] = None,
     out: Annotated[
-        Path, typer.Option(help="Folder for the checkpoint, history.json and loss_curve.png.")
-    ] = DEFAULT_TRAIN_OUT,
+        Path | None,
+        typer.Option(
+            help="Folder for the checkpoint, history.json and loss_curve.png "
+            "(default: runs/gpt, or the --resume folder).",
+            show_default=False,
+        ),
+    ] = None,
     seed: Annotated[int, typer.Option(help="Seed of the weights, dropout and batch order.")] = 123,
     resume: Annotated[
-        Path | None, typer.Option(help="Continue the run saved in this checkpoint folder.")
+        Path | None,
+        typer.Option(help="Continue the run saved in this checkpoint folder (and write there)."),
     ] = None,
     eval_interval: Annotated[
         int, typer.Option("--eval-interval", help="Evaluate and save every N steps.")
@@ -126,8 +132,13 @@ def train(
 ) -> None:
     """Train a GPT on a text (default: the tiny preset on the embedded story)."""
     import os
+    import shlex
 
-    from attnlab.train import DistributedTrainingError, TrainConfig
+    from attnlab.train import (
+        EXIT_INTERRUPTED,
+        DistributedTrainingError,
+        TrainConfig,
+    )
 
     if nproc is not None and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         if nproc < 1:
@@ -154,10 +165,14 @@ def train(
         from attnlab.train import launch
 
         try:
-            launch(nproc, argv)
+            interrupted = launch(nproc, argv)
+        except KeyboardInterrupt:  # before the launcher took over the signals
+            interrupted = True
         except DistributedTrainingError as e:
             output.error(str(e))
             raise typer.Exit(1) from None
+        if interrupted:  # rank 0 said where the checkpoint is and how to continue
+            raise typer.Exit(EXIT_INTERRUPTED)
         return
 
     from attnlab.data import load_text
@@ -187,18 +202,30 @@ def train(
         raise typer.Exit(1) from None
     finally:
         view.close()
-    if result.loss_png is None:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
+    if not result.trained:
+        output.note(
+            f"the run in {resume} is already at step {result.steps_done} (asked for "
+            f"{result.total_steps}); nothing was trained"
+        )
         return
     if result.interrupted:
+        again = ["attnlab", "train", "--resume", str(result.out_dir)]
+        again += ["--text", str(text)] if text is not None else []
+        again += ["--nproc", str(world)] if world > 1 else []
         output.note(
             f"interrupted at step {result.steps_done}/{result.total_steps}; checkpoint saved in "
-            f"{out}; continue with: attnlab train --resume {out}"
+            f"{result.out_dir}; continue with: {shlex.join(again)}"
         )
-        raise typer.Exit(130)
+        raise typer.Exit(EXIT_INTERRUPTED)
     last = result.evals[-1]
-    output.show(
+    output.console.print(
         f"done: {result.steps_done} steps, train loss {last.train_loss:.3f}, val loss "
-        f"{last.val_loss:.3f}\nwrote {out}/ (checkpoint), {result.loss_png}"
+        f"{last.val_loss:.3f}\nwrote {result.history_json}, {result.loss_png}",
+        markup=False,
+        soft_wrap=True,
     )
 
 

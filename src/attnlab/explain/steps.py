@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from attnlab.backends.base import softcap_scores
 from attnlab.functional import attention_scores, attention_weights, context_vectors
 
 if TYPE_CHECKING:
@@ -47,11 +48,16 @@ class HeadSteps:
         query_projected: ``W_query(x)`` for this head ``(D,)``, before RoPE.
         query: the query the attention used ``(D,)`` (after RoPE; equal without RoPE).
         rope: whether the layer rotates queries and keys (RoPE).
+        qk_norm: whether the layer normalises queries and keys (QK-norm) before RoPE.
         keys: the keys of every token for this head ``(S, D)``, as used.
         values: the values ``(S, Dv)``.
         scores: ``query · keys`` ``(S,)``.
         scale: the score scale (``1/√D``).
         scaled: ``scores * scale`` ``(S,)``.
+        softcap: the layer's logit soft-cap ``c`` (Gemma 2), or None.
+        capped: ``c * tanh(scaled / c)`` ``(S,)`` when the layer soft-caps, else None.
+        sink: this head's sink logit (gpt-oss), or None: one more softmax column
+            with no value, which takes some weight away from the keys.
         bias: the additive bias on the scaled scores (ALiBi, relative position) ``(S,)``,
             or None.
         allowed: which keys the mask lets the query see ``(S,)`` (True = may attend).
@@ -81,11 +87,15 @@ class HeadSteps:
     query_projected: torch.Tensor
     query: torch.Tensor
     rope: bool
+    qk_norm: bool
     keys: torch.Tensor
     values: torch.Tensor
     scores: torch.Tensor
     scale: float
     scaled: torch.Tensor
+    softcap: float | None
+    capped: torch.Tensor | None
+    sink: float | None
     bias: torch.Tensor | None
     allowed: torch.Tensor
     masked: torch.Tensor
@@ -207,9 +217,13 @@ def _walk(
     # The seed's steps, with the library's functions, on the layer's own tensors.
     scores = attention_scores(q, keys)  # (S,)
     scaled = scores * call.scale  # (S,)
+    softcap = getattr(block, "softcap", None)
+    capped = softcap_scores(scaled, softcap) if softcap is not None else None  # (S,)
+    sinks = getattr(block, "sinks", None)
+    sink = float(sinks[head].detach()) if sinks is not None else None
     bias: torch.Tensor | None = None
     allowed = torch.ones(S, dtype=torch.bool)
-    masked = scaled.clone()
+    masked = (capped if capped is not None else scaled).clone()
     if call.mask is not None:
         blk = call.mask.block(T, S, torch.tensor([token]), None, device=call.queries.device)
         if blk.status == "empty":
@@ -224,7 +238,10 @@ def _walk(
             a = a[0, head if a.shape[1] > 1 else 0] if a.ndim == 4 else a
             allowed = a.reshape(-1, S)[-1].expand(S).clone()
     masked = masked.masked_fill(~allowed, float("-inf"))
-    weights = attention_weights(masked)  # (S,)
+    if sink is None:
+        weights = attention_weights(masked)  # (S,)
+    else:  # the sink is one more softmax column with no value: dropped after the softmax
+        weights = attention_weights(torch.cat([masked, masked.new_tensor([sink])]))[:S]
     if not bool(allowed.any()):
         weights = torch.zeros_like(weights)  # a row with nothing to attend to: zeros
     context = context_vectors(weights, values)  # (Dv,)
@@ -258,11 +275,15 @@ def _walk(
         query_projected=cpu(call.queries_projected[0, head, token]),
         query=q,
         rope=block.rope is not None,
+        qk_norm=getattr(block, "q_norm", None) is not None,
         keys=keys,
         values=values,
         scores=scores,
         scale=float(call.scale),
         scaled=scaled,
+        softcap=softcap,
+        capped=capped,
+        sink=sink,
         bias=bias,
         allowed=allowed,
         masked=masked,
@@ -332,7 +353,12 @@ def step_sections(steps: HeadSteps, lang: str = "en") -> list[dict[str, Any]]:
         _table(f"x_{pos}", s.x))  # fmt: skip
     add("query", msg("step.query.title", pos=pos, head=s.head, d=d),
         msg("step.query.text", pos=pos), _table(f"query_{pos}", s.query_projected))  # fmt: skip
-    if s.rope:
+    if s.qk_norm:
+        key = "step.qknorm_rope" if s.rope else "step.qknorm"
+        add("qk_norm", msg(f"{key}.title", pos=pos), msg("step.qknorm.text") +
+            (" " + msg("step.rope.text") if s.rope else ""),
+            _table(f"query_{pos}", s.query))  # fmt: skip
+    elif s.rope:
         add("rope", msg("step.rope.title", pos=pos), msg("step.rope.text"),
             _table(f"query_{pos} ({msg('label.after_rope')})", s.query))  # fmt: skip
     keys_text = msg("step.keys.rope" if s.rope else "step.keys.text")
@@ -345,6 +371,9 @@ def step_sections(steps: HeadSteps, lang: str = "en") -> list[dict[str, Any]]:
     add("scale", msg("step.scale.title", pos=pos, scale=s.scale, d=d),
         msg("step.scale.text", sqrt_dk=1.0 / s.scale),
         _table("scaled", s.scaled, cols=labels))  # fmt: skip
+    if s.capped is not None:
+        add("softcap", msg("step.softcap.title", c=s.softcap, n=n), msg("step.softcap.text"),
+            _table("capped", s.capped, cols=labels))  # fmt: skip
     if s.bias is not None:
         add("bias", msg("step.bias.title", n=n), msg("step.bias.text"),
             _table("bias", s.bias, cols=labels))  # fmt: skip
@@ -352,8 +381,11 @@ def step_sections(steps: HeadSteps, lang: str = "en") -> list[dict[str, Any]]:
     if hidden:
         add("mask", msg("step.mask.title", hidden=hidden, n=n), msg("step.mask.text"),
             _table("masked", s.masked, cols=labels))  # fmt: skip
+    weights_text = msg("step.weights.text", diff=s.checks["weights"])
+    if s.sink is not None:
+        weights_text += " " + msg("step.sink", sink=s.sink, mass=1.0 - float(s.weights.sum()))
     add("weights", msg("step.weights.title", pos=pos, n=n, total=float(s.weights.sum())),
-        msg("step.weights.text", diff=s.checks["weights"]),
+        weights_text,
         _table(f"attn_weights_{pos}", s.weights, cols=labels, shade=True))  # fmt: skip
     add("values", msg("step.values.title", n=n, d=dv), msg("step.values.text"),
         _table("values", s.values, rows=labels, cols=[str(j) for j in range(dv)]))  # fmt: skip

@@ -13,11 +13,13 @@ differ in:
   ``down(act(up(h)))`` (GPT-2), with ``activation`` and ``mlp_bias``;
 - ``parallel_residual``: ``x + attn(norm1(x)) + mlp(norm2(x))`` (GPT-NeoX) instead of
   the sequential form;
-- ``positions``: ``"rope"`` (:class:`attnlab.attention.RotaryEmbedding`, base
-  ``rope_theta``) or ``"learned"`` (an absolute position table, GPT-2);
-- attention: query/key/value heads, ``qkv_bias`` / ``out_bias``, ``sliding_window``
-  (:class:`attnlab.masks.SlidingWindowMask`, Mistral's convention: a query sees itself
-  and the ``window - 1`` keys before it);
+- ``positions``: ``"rope"`` (:class:`attnlab.rope.RotaryEmbedding` configured by a
+  :class:`attnlab.rope.RopeConfig`: base, partial rotary, scaling) or ``"learned"`` (an
+  absolute position table, GPT-2);
+- attention: query/key/value heads, ``head_dim`` (when ``H * D != C``), ``qkv_bias`` /
+  ``out_bias``, ``qk_norm`` (:class:`attnlab.norms.QKNorm`), ``sliding_window`` (Mistral's
+  convention: a query sees itself and the ``window - 1`` keys before it; the layer keeps a
+  rolling KV cache of that many positions);
 - ``tie_embeddings``: the output projection is the token embedding.
 
 The model follows attnlab's causal-LM protocol: ``model(input_ids, kv_cache=...)``
@@ -36,9 +38,10 @@ from typing import Literal
 import torch
 from torch import nn
 
-from attnlab.attention import Attention, KVCache, RotaryEmbedding
-from attnlab.masks import SlidingWindowMask
+from attnlab.attention import Attention, KVCache
 from attnlab.models._lm import keep_last, set_attention_backend
+from attnlab.norms import QKNorm, RMSNorm
+from attnlab.rope import RopeConfig, RotaryEmbedding
 
 __all__ = [
     "ACTIVATIONS",
@@ -81,7 +84,9 @@ class DecoderConfig:
         mlp_bias: biases in the feed-forward projections.
         parallel_residual: attention and MLP read the same input and add together.
         positions: ``"rope"`` or ``"learned"``.
-        rope_theta: RoPE frequency base.
+        rope: the rotary embedding's settings (base, partial rotary, scaling).
+        head_dim: D when ``H * D != C`` (Qwen3, Gemma); None = C / H.
+        qk_norm: normalisation of queries and keys (Qwen3, OLMo 2), or None.
         qkv_bias: biases on the query/key/value projections.
         out_bias: bias on the attention output projection.
         sliding_window: each query sees at most this many keys (itself included); None = all.
@@ -105,36 +110,18 @@ class DecoderConfig:
     mlp_bias: bool = False
     parallel_residual: bool = False
     positions: Literal["rope", "learned"] = "rope"
-    rope_theta: float = 100000.0
+    rope: RopeConfig = RopeConfig(base=100000.0)  # noqa: RUF009 (frozen, shared safely)
+    head_dim: int | None = None
     qkv_bias: bool = False
     out_bias: bool = False
+    qk_norm: QKNorm | None = None
     sliding_window: int | None = None
     family: str = "llama"
 
     @property
-    def head_dim(self) -> int:
-        """D = C / H."""
-        return self.hidden_size // self.num_heads
-
-
-class RMSNorm(nn.Module):
-    """``x / sqrt(mean(x^2) + eps) * weight`` over the last dim, computed in fp32.
-
-    Args:
-        dim: width of the last dim.
-        eps: added to the mean square.
-    """
-
-    def __init__(self, dim: int, eps: float = 1e-5) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """(..., C) -> (..., C)."""
-        xf = x.float()  # no copy for fp32 input
-        xf = xf * torch.rsqrt(xf.square().mean(dim=-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+    def attention_head_dim(self) -> int:
+        """D: ``head_dim``, or C / H when it is not set."""
+        return self.head_dim or self.hidden_size // self.num_heads
 
 
 def make_norm(config: DecoderConfig) -> nn.Module:
@@ -192,7 +179,6 @@ class DecoderBlock(nn.Module):
         C = config.hidden_size
         self.placement = config.norm_placement
         self.parallel = config.parallel_residual
-        self.sliding_window = config.sliding_window
         self.attn_norm = make_norm(config)
         self.attention = Attention(
             C,
@@ -202,6 +188,9 @@ class DecoderBlock(nn.Module):
             out_bias=config.out_bias,
             rope=rope,
             backend=backend,
+            head_dim=config.head_dim,
+            qk_norm=config.qk_norm,
+            sliding_window=config.sliding_window,
         )
         self.mlp_norm = make_norm(config)
         self.mlp = MLP(
@@ -220,19 +209,15 @@ class DecoderBlock(nn.Module):
     def _attend(
         self, h: torch.Tensor, kv_cache: KVCache | None, need_weights: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        T = h.shape[1]
-        S = T + (kv_cache.seq_len if kv_cache is not None else 0)
-        if self.sliding_window is not None and self.sliding_window < S:
-            mask = SlidingWindowMask(self.sliding_window)  # causal, aligned bottom-right
-            kwargs: dict[str, object] = {"attn_mask": mask}
-        else:
-            # One new token (decoding) is the last position: it may see every key, so the
-            # causal mask is all True and is left out (fused kernels then need no mask).
-            kwargs = {"is_causal": T > 1}
+        # One new token (decoding) is the last position: it may see every key, so the
+        # causal mask is all True and is left out (fused kernels then need no mask). The
+        # layer adds its own sliding window.
+        causal = h.shape[1] > 1
         if need_weights:
-            a, w = self.attention(h, kv_cache=kv_cache, need_weights=True, **kwargs)
+            a, w = self.attention(h, is_causal=causal, kv_cache=kv_cache, need_weights=True)
             return a, w
-        return self.attention(h, kv_cache=kv_cache, **kwargs), None  # type: ignore[return-value]
+        out = self.attention(h, is_causal=causal, kv_cache=kv_cache)
+        return out, None  # type: ignore[return-value]
 
     def forward(
         self, x: torch.Tensor, kv_cache: KVCache | None, *, need_weights: bool = False
@@ -268,7 +253,7 @@ class Decoder(nn.Module):
 
     def __init__(self, config: DecoderConfig, *, backend: str = "auto") -> None:
         super().__init__()
-        if config.hidden_size % config.num_heads:
+        if config.head_dim is None and config.hidden_size % config.num_heads:
             raise ValueError(
                 f"`hidden_size` ({config.hidden_size}) must be divisible by `num_heads` "
                 f"({config.num_heads})"
@@ -280,7 +265,7 @@ class Decoder(nn.Module):
         self.config = config
         C = config.hidden_size
         self.rope = (
-            RotaryEmbedding(config.head_dim, base=config.rope_theta)
+            RotaryEmbedding.from_config(config.attention_head_dim, config.rope)
             if config.positions == "rope"
             else None
         )
@@ -302,8 +287,8 @@ class Decoder(nn.Module):
         return self.config.context_length
 
     def new_kv_cache(self) -> list[KVCache]:
-        """An empty cache, one :class:`KVCache` per layer."""
-        return [KVCache() for _ in self.blocks]
+        """An empty cache, one per layer (a rolling one for sliding-window layers)."""
+        return [block.attention.new_kv_cache() for block in self.blocks]  # type: ignore[union-attr,operator]
 
     def set_backend(self, backend: str) -> None:
         """Use ``backend`` in every attention layer from now on.

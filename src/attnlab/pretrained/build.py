@@ -31,12 +31,15 @@ from torch import nn
 from attnlab.models.decoder import Decoder, DecoderConfig
 from attnlab.models.encoder import Encoder, EncoderConfig
 from attnlab.models.families import ACTIVATION_NAMES, Family, WeightRule
+from attnlab.norms import QKNorm
 from attnlab.pretrained.errors import ModelFileError
+from attnlab.rope import RopeConfig
 
 __all__ = [
     "LIMITS",
     "build_config",
     "build_model",
+    "find_family",
     "plan_weights",
     "skip_random_init",
 ]
@@ -55,6 +58,7 @@ LIMITS = {
     "type_vocab_size": 1 << 10,
     "pad_token_id": 1 << 22,
     "sliding_window": 1 << 24,
+    "head_dim": 1 << 12,
 }
 _MISSING = object()
 
@@ -96,6 +100,24 @@ def _check_field(name: str, value: Any, kind: Any, where: str) -> Any:
     if kind is bool and not isinstance(value, bool):
         raise ModelFileError(where, f"`{name}` must be true or false, got {value!r}")
     return value
+
+
+def find_family(name: object, where: str | Path) -> Family:
+    """The family for ``model_type`` / ``general.architecture`` ``name``.
+
+    Raises:
+        ModelFileError: a missing or unknown name (the message lists the supported ones).
+    """
+    from attnlab.models.families import FAMILIES
+
+    if not isinstance(name, str):
+        raise ModelFileError(where, f"lacks the model type (which family this is), got {name!r}")
+    if name not in FAMILIES:
+        raise ModelFileError(
+            where,
+            f"model type {name!r} is not supported; supported: {', '.join(sorted(FAMILIES))}",
+        )
+    return FAMILIES[name]
 
 
 def build_config(
@@ -162,20 +184,15 @@ def build_config(
             )
         fields["activation"] = ACTIVATION_NAMES[act]
     for name in list(fields):
-        if fields[name] is not None:
+        if fields[name] is not None and name not in ("rope", "qk_norm"):
             fields[name] = _check_field(name, fields[name], hints.get(name), where)
+    if cls is DecoderConfig:
+        _rope_and_qk_norm(fields, source, where, gguf=keys is not family.keys)
     config = cls(**fields)
     heads = config.num_heads
-    if config.hidden_size % heads:
+    if config.hidden_size % heads and getattr(config, "head_dim", None) is None:
         raise ModelFileError(
             where, f"hidden size {config.hidden_size} is not divisible by {heads} heads"
-        )
-    head_dim = lookup(source, "head_dim")
-    if head_dim not in (_MISSING, None, config.hidden_size // heads):
-        raise ModelFileError(
-            where,
-            f"`head_dim` = {head_dim!r} differs from hidden_size / num_attention_heads = "
-            f"{config.hidden_size // heads}; not supported for {family.name} yet",
         )
     if isinstance(config, DecoderConfig) and heads % config.num_kv_heads:
         raise ModelFileError(
@@ -184,18 +201,38 @@ def build_config(
     return config
 
 
+def _rope_and_qk_norm(
+    fields: dict[str, Any], source: Mapping[str, Any], where: str, *, gguf: bool
+) -> None:
+    """Turn the rotary settings and the QK-norm kind into their frozen configs, in place."""
+    base = fields.pop("rope_theta", None)
+    if fields.get("positions", "rope") == "rope":
+        if gguf:
+            fields["rope"] = RopeConfig(base=float(base or 10000.0))
+        else:
+            try:
+                fields["rope"] = RopeConfig.from_hf_config(source)
+            except (ValueError, TypeError) as e:
+                raise ModelFileError(where, f"rope settings: {e}") from None
+    kind = fields.pop("qk_norm", None)
+    if kind is not None:
+        eps = float(fields.get("norm_eps", 1e-6))
+        fields["qk_norm"] = QKNorm("rms", "head" if kind == "rms_head" else "all", eps=eps)
+
+
 def _optional(cls: type) -> set[str]:
     """Fields with a default in ``cls`` that a source may leave out."""
     ok = {"norm", "norm_bias", "norm_placement", "mlp", "mlp_bias", "parallel_residual"}
     ok |= {"positions", "qkv_bias", "out_bias", "sliding_window", "rope_theta"}
     ok |= {"positions_from_padding", "pad_token_id", "activation", "type_vocab_size"}
-    ok |= {"tie_embeddings", "num_kv_heads", "norm_eps", "context_length"}
+    ok |= {"tie_embeddings", "num_kv_heads", "norm_eps", "context_length", "head_dim"}
+    ok |= {"rope", "qk_norm"}
     return ok & {f.name for f in dataclasses.fields(cls)}
 
 
 # --------------------------------------------------------------------------- weights
 
-_QKV = ("W_query", "W_key", "W_value")
+_PIECES = {"{qkv}": ("W_query", "W_key", "W_value"), "{gate_up}": ("gate", "up")}
 
 
 def _rule_regex(pattern: str) -> re.Pattern[str]:
@@ -242,10 +279,12 @@ def plan_weights(
                     where, f"tensor {name!r} is for layer {layer}, the config has {num_layers}"
                 )
             target = ours.replace("{i}", layer or "")
-            targets = tuple(
-                f"{target.replace('{qkv}', q)}.{m['leaf']}"
-                for q in (_QKV if "{qkv}" in ours else ("",))
-            )
+            pieces = next((v for k, v in _PIECES.items() if k in target), None)
+            if pieces is None:
+                targets: tuple[str, ...] = (f"{target}.{m['leaf']}",)
+            else:
+                key = next(k for k in _PIECES if k in target)
+                targets = tuple(f"{target.replace(key, p)}.{m['leaf']}" for p in pieces)
             plan[name] = (targets, transform)
             break
         else:
@@ -266,9 +305,15 @@ def apply_transform(
         if part == "T":
             out = (t.T,) if t.ndim == 2 else (t,)
         elif part == "qkv":
-            D = config.hidden_size // config.num_heads
+            D = _head_dim(config)
             G = getattr(config, "num_kv_heads", config.num_heads)
             out = tuple(torch.split(t, [config.num_heads * D, G * D, G * D], dim=0))
+        elif part == "qkv_heads":  # rows (H, 3, D): each head's q, k, v together
+            H, D = config.num_heads, _head_dim(config)
+            per_head = t.reshape(H, 3, D, *t.shape[1:])  # (H, 3, D, ...)
+            out = tuple(per_head[:, j].reshape(H * D, *t.shape[1:]) for j in range(3))
+        elif part == "gate_up":
+            out = tuple(torch.chunk(t, 2, dim=0))
         elif part in ("rope_q", "rope_k") and t.ndim == 2:
             heads = config.num_heads if part == "rope_q" else config.num_kv_heads  # type: ignore[union-attr]
             out = (unpermute_rotary(t, heads),)
@@ -278,6 +323,12 @@ def apply_transform(
         else:  # pragma: no cover - the families are data checked by the tests
             raise AssertionError(f"unknown transform {part!r}")
     return out
+
+
+def _head_dim(config: DecoderConfig | EncoderConfig) -> int:
+    if isinstance(config, DecoderConfig):
+        return config.attention_head_dim
+    return config.hidden_size // config.num_heads
 
 
 # --------------------------------------------------------------------------- the model
@@ -331,7 +382,8 @@ def fill(
             if w.shape != p.shape:
                 raise ModelFileError(
                     where,
-                    f"{name} has shape {tuple(w.shape)}, the config implies {tuple(p.shape)}",
+                    f"{name} has shape {tuple(w.shape)}, the config (config.json / metadata) "
+                    f"implies {tuple(p.shape)}",
                 )
             # Take the loaded tensor itself (no copy when the dtype already fits).
             p.data = w.to(dtype=dtype or p.dtype).contiguous()
@@ -383,8 +435,8 @@ def build_model(
     if needed > held:
         raise ModelFileError(
             where,
-            f"the config implies {needed:,} parameters but the weights hold only {held:,} "
-            "values; the config does not belong to these weights",
+            f"the config (config.json / metadata) implies {needed:,} parameters but the "
+            f"weights hold only {held:,} values; the config does not belong to these weights",
         )
     plan = plan_weights(
         names,
