@@ -87,6 +87,13 @@ class DecoderConfig:
         rope: the rotary embedding's settings (base, partial rotary, scaling).
         head_dim: D when ``H * D != C`` (Qwen3, Gemma); None = C / H.
         qk_norm: normalisation of queries and keys (Qwen3, OLMo 2), or None.
+        layer_windows: a window (or None) per layer, overriding ``sliding_window``
+            (Gemma 2's alternating local and global layers).
+        attn_scale: the score scale (Gemma 2: ``query_pre_attn_scalar ** -0.5``); None =
+            ``1/sqrt(D)``.
+        attn_softcap: attention logit soft-capping (Gemma 2: 50), or None.
+        final_softcap: output logit soft-capping ``c * tanh(logits / c)`` (Gemma 2: 30).
+        embed_scale: multiply the token embeddings by ``sqrt(C)`` (Gemma).
         qkv_bias: biases on the query/key/value projections.
         out_bias: bias on the attention output projection.
         sliding_window: each query sees at most this many keys (itself included); None = all.
@@ -116,6 +123,11 @@ class DecoderConfig:
     out_bias: bool = False
     qk_norm: QKNorm | None = None
     sliding_window: int | None = None
+    layer_windows: tuple[int | None, ...] | None = None
+    attn_scale: float | None = None
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    embed_scale: bool = False
     family: str = "llama"
 
     @property
@@ -173,7 +185,12 @@ class DecoderBlock(nn.Module):
     """
 
     def __init__(
-        self, config: DecoderConfig, rope: RotaryEmbedding | None, *, backend: str
+        self,
+        config: DecoderConfig,
+        rope: RotaryEmbedding | None,
+        *,
+        backend: str,
+        window: int | None = None,
     ) -> None:
         super().__init__()
         C = config.hidden_size
@@ -190,7 +207,9 @@ class DecoderBlock(nn.Module):
             backend=backend,
             head_dim=config.head_dim,
             qk_norm=config.qk_norm,
-            sliding_window=config.sliding_window,
+            sliding_window=window,
+            scale=config.attn_scale,
+            softcap=config.attn_softcap,
         )
         self.mlp_norm = make_norm(config)
         self.mlp = MLP(
@@ -273,8 +292,14 @@ class Decoder(nn.Module):
         self.pos_embeddings = (
             nn.Embedding(config.context_length, C) if config.positions == "learned" else None
         )
+        windows = config.layer_windows or (config.sliding_window,) * config.num_layers
+        if len(windows) != config.num_layers:
+            raise ValueError(
+                f"`layer_windows` must have one entry per layer ({config.num_layers}), got "
+                f"{len(windows)}"
+            )
         self.blocks = nn.ModuleList(
-            DecoderBlock(config, self.rope, backend=backend) for _ in range(config.num_layers)
+            DecoderBlock(config, self.rope, backend=backend, window=w) for w in windows
         )
         self.norm = make_norm(config)
         self.lm_head = nn.Linear(C, config.vocab_size, bias=False)
@@ -343,6 +368,9 @@ class Decoder(nn.Module):
                 f"{self.context_length}; crop the input"
             )
         x = self.tok_embeddings(input_ids)  # (B, T, C)
+        if self.config.embed_scale:
+            # Gemma: sqrt(C) rounded to the activation dtype first, as the reference does.
+            x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
         if self.pos_embeddings is not None:
             positions = torch.arange(past, past + T, device=input_ids.device)  # (T,)
             x = x + self.pos_embeddings(positions)  # (B, T, C)
@@ -355,4 +383,7 @@ class Decoder(nn.Module):
                 all_weights.append(w)
         x = keep_last(x, logits_to_keep)  # (B, T or logits_to_keep, C)
         logits = self.lm_head(self.norm(x))  # (B, T, V)
+        if self.config.final_softcap is not None:
+            c = self.config.final_softcap
+            logits = torch.tanh(logits / c) * c  # (B, T, V)
         return (logits, all_weights) if need_weights else logits
