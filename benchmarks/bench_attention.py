@@ -49,6 +49,13 @@ A cell is (dtype, pass, mask, T) with B=1, H=12, D=64, T = S; each backend runs 
 interleaved in one process. Both first check that the machine is quiet (the CPU time other
 processes used, from ``/proc/stat``, minus this process's own) and record how quiet it was
 before and during the run; ``--allow-busy`` measures anyway and says so in the table.
+
+``--variants`` instead measures the attention variants of issue 10 on ``blockwise``
+against plain causal ``blockwise`` in the same run (ALiBi, T5 relative bias, softcap,
+sinks at T=4096; 8 packed documents of 512; a 512 sliding window at T=8192, also against
+PyTorch's kernel given the same mask as a dense tensor)::
+
+    python benchmarks/bench_attention.py --variants --reps 3
 """
 
 from __future__ import annotations
@@ -171,6 +178,83 @@ class DirectLayer(torch.nn.Module):
         v = L.W_value(x).view(B, T, H, D).transpose(1, 2)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return L.out_proj(out.transpose(1, 2).reshape(B, T, C))
+
+
+def variant_calls(T: int, backward: bool) -> dict[str, Callable[[], object]]:
+    """The issue-10 variants on blockwise (and their peers), causal, B=1, fp32."""
+    from attnlab.biases import AlibiBias, RelativePositionBias
+    from attnlab.masks import CausalMask, DocumentMask, SlidingWindowMask
+
+    gen = torch.Generator().manual_seed(T)
+    q, k, v = (torch.randn(1, H, T, D, generator=gen) for _ in range(3))
+    grad = torch.randn(1, H, T, D, generator=gen)
+    table = torch.randn(32, H, generator=gen) * 0.1
+    sinks = torch.zeros(H)
+    docs = torch.arange(T // 512).repeat_interleave(512)[None]  # documents of 512 tokens
+    if backward:
+        for t in (q, k, v, table, sinks):
+            t.requires_grad_()
+    dense_window = SlidingWindowMask(512).dense(T, T)  # (1, 1, T, T) bool
+
+    def bw(mask: object = None, **kw: object) -> Callable[[], object]:
+        return lambda: scaled_dot_product_attention(
+            q, k, v, mask, is_causal=mask is None, backend="blockwise", **kw
+        )
+
+    fns: dict[str, Callable[[], torch.Tensor]] = {
+        "causal": bw(),
+        "alibi": bw(AlibiBias(H) & CausalMask()),
+        "relbias": bw(RelativePositionBias(table, bidirectional=False) & CausalMask()),
+        "softcap": bw(softcap=30.0),
+        "sinks": bw(sinks=sinks),
+        "documents": bw(DocumentMask(docs) & CausalMask()),
+        "window": bw(SlidingWindowMask(512)),
+        "torch window": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense_window),
+    }
+
+    def run(fn: Callable[[], torch.Tensor]) -> Callable[[], object]:
+        if not backward:
+
+            def fwd() -> object:
+                with torch.no_grad():
+                    return fn()
+
+            return fwd
+
+        def fwd_bwd() -> object:
+            for t in (q, k, v, table, sinks):
+                t.grad = None
+            fn().backward(grad)
+            return q.grad
+
+        return fwd_bwd
+
+    return {n: run(f) for n, f in fns.items()}
+
+
+def bench_variants(reps: int, threads: int) -> None:
+    """Ratios of each variant to plain causal blockwise, measured interleaved in one run."""
+    targets = {"alibi": 1.3, "relbias": 1.3, "softcap": 1.3, "sinks": 1.3,
+               "documents": 0.35, "window": 0.25}  # fmt: skip
+    plan = [
+        (4096, ["causal", "alibi", "relbias", "softcap", "sinks", "documents"]),
+        (8192, ["causal", "window", "torch window"]),
+    ]
+    print(
+        f"blockwise variants, causal, B=1, H={H}, D={D}, fp32, {threads} threads; time = "
+        f"min of >= {reps} interleaved runs; ratio = x plain causal blockwise of the same run"
+    )
+    for mode in ("fwd", "fwd+bwd"):
+        print(f"\n== {mode} ==")
+        for T, names in plan:
+            calls = variant_calls(T, mode == "fwd+bwd")
+            times = bench({n: calls[n] for n in names}, reps)
+            for n in names:
+                ratio = times[n] / times["causal"]
+                note = f"  (target <= {targets[n]})" if n in targets else ""
+                if n == "window":
+                    note += f"; x torch window {times[n] / times['torch window']:.2f} (target < 1)"
+                print(f"T={T:>5} {n:<13} {times[n] * 1e3:9.1f} ms {ratio:6.2f}x{note}")
 
 
 def _blockwise(mask: object, path: str | None = None) -> Callable[..., torch.Tensor]:
@@ -355,11 +439,17 @@ def main() -> None:
         action="store_true",
         help="per-call cost of attnlab's dispatch at T=32 (1 thread): auto, sdpa, torch",
     )
+    ap.add_argument(
+        "--variants", action="store_true", help="measure the attention variants (issue 10) only"
+    )
     args = ap.parse_args()
     if args.overhead:
         overhead_main()
         return
     torch.set_num_threads(args.threads)
+    if args.variants:
+        bench_variants(args.reps, args.threads)
+        return
     global DTYPE
     DTYPE = DTYPES[args.dtype]
     if args.targets:

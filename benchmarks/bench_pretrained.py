@@ -227,7 +227,9 @@ MID_SIZE: dict[str, dict[str, object]] = {
     "qwen3": {"num_key_value_heads": 2, "head_dim": 64},
     "olmo2": {"num_key_value_heads": 2},
     "phi3": {"num_key_value_heads": 2, "pad_token_id": 0},
+    "gemma2": {"num_key_value_heads": 2, "head_dim": 64, "pad_token_id": 0},
     "gpt_neox": {},
+    "bloom": {},
     "gpt2": {},
 }
 

@@ -13,7 +13,8 @@ differ in:
   ``down(act(up(h)))`` (GPT-2), with ``activation`` and ``mlp_bias``;
 - ``parallel_residual``: ``x + attn(norm1(x)) + mlp(norm2(x))`` (GPT-NeoX) instead of
   the sequential form;
-- ``positions``: ``"rope"`` (:class:`attnlab.rope.RotaryEmbedding` configured by a
+- ``positions``: ``"alibi"`` (BLOOM: the bias of :class:`attnlab.biases.AlibiBias` on every
+  layer's scores), ``"rope"`` (:class:`attnlab.rope.RotaryEmbedding` configured by a
   :class:`attnlab.rope.RopeConfig`: base, partial rotary, scaling) or ``"learned"`` (an
   absolute position table, GPT-2);
 - attention: query/key/value heads, ``head_dim`` (when ``H * D != C``), ``qkv_bias`` /
@@ -39,6 +40,8 @@ import torch
 from torch import nn
 
 from attnlab.attention import Attention, KVCache
+from attnlab.biases import AlibiBias
+from attnlab.masks import AttentionMask
 from attnlab.models._lm import keep_last, set_attention_backend
 from attnlab.models.fast_decode import DecodePlan, decode_plan, fast_step, new_caches
 from attnlab.norms import QKNorm, RMSNorm
@@ -84,7 +87,8 @@ class DecoderConfig:
         activation: ``"silu"``, ``"gelu"``, ``"gelu_tanh"`` or ``"relu"``.
         mlp_bias: biases in the feed-forward projections.
         parallel_residual: attention and MLP read the same input and add together.
-        positions: ``"rope"`` or ``"learned"``.
+        positions: ``"rope"``, ``"learned"`` or ``"alibi"`` (:class:`attnlab.biases.AlibiBias`
+            with the standard slopes, BLOOM).
         rope: the rotary embedding's settings (base, partial rotary, scaling).
         head_dim: D when ``H * D != C`` (Qwen3, Gemma); None = C / H.
         qk_norm: normalisation of queries and keys (Qwen3, OLMo 2), or None.
@@ -95,6 +99,7 @@ class DecoderConfig:
         attn_softcap: attention logit soft-capping (Gemma 2: 50), or None.
         final_softcap: output logit soft-capping ``c * tanh(logits / c)`` (Gemma 2: 30).
         embed_scale: multiply the token embeddings by ``sqrt(C)`` (Gemma).
+        embed_norm: a norm right after the token embedding (BLOOM).
         qkv_bias: biases on the query/key/value projections.
         out_bias: bias on the attention output projection.
         sliding_window: each query sees at most this many keys (itself included); None = all.
@@ -117,7 +122,7 @@ class DecoderConfig:
     activation: Activation = "silu"
     mlp_bias: bool = False
     parallel_residual: bool = False
-    positions: Literal["rope", "learned"] = "rope"
+    positions: Literal["rope", "learned", "alibi"] = "rope"
     rope: RopeConfig = RopeConfig(base=100000.0)  # noqa: RUF009 (frozen, shared safely)
     head_dim: int | None = None
     qkv_bias: bool = False
@@ -129,6 +134,7 @@ class DecoderConfig:
     attn_softcap: float | None = None
     final_softcap: float | None = None
     embed_scale: bool = False
+    embed_norm: bool = False
     family: str = "llama"
 
     @property
@@ -227,27 +233,37 @@ class DecoderBlock(nn.Module):
             self.attn_post_norm = self.mlp_post_norm = None
 
     def _attend(
-        self, h: torch.Tensor, kv_cache: KVCache | None, need_weights: bool
+        self,
+        h: torch.Tensor,
+        kv_cache: KVCache | None,
+        need_weights: bool,
+        bias: AttentionMask | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         # One new token (decoding) is the last position: it may see every key, so the
         # causal mask is all True and is left out (fused kernels then need no mask). The
         # layer adds its own sliding window.
         causal = h.shape[1] > 1
+        kw = {"attn_mask": bias, "is_causal": causal, "kv_cache": kv_cache}
         if need_weights:
-            a, w = self.attention(h, is_causal=causal, kv_cache=kv_cache, need_weights=True)
+            a, w = self.attention(h, need_weights=True, **kw)
             return a, w
-        out = self.attention(h, is_causal=causal, kv_cache=kv_cache)
+        out = self.attention(h, **kw)
         return out, None  # type: ignore[return-value]
 
     def forward(
-        self, x: torch.Tensor, kv_cache: KVCache | None, *, need_weights: bool = False
+        self,
+        x: torch.Tensor,
+        kv_cache: KVCache | None,
+        *,
+        need_weights: bool = False,
+        bias: AttentionMask | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(B, T, C) -> ((B, T, C), weights (B, H, T, S) or None)."""
         if self.placement == "post":
-            a, weights = self._attend(x, kv_cache, need_weights)
+            a, weights = self._attend(x, kv_cache, need_weights, bias)
             x = x + self.attn_norm(a)  # (B, T, C)
             return x + self.mlp_norm(self.mlp(x)), weights
-        a, weights = self._attend(self.attn_norm(x), kv_cache, need_weights)
+        a, weights = self._attend(self.attn_norm(x), kv_cache, need_weights, bias)
         if self.attn_post_norm is not None:
             a = self.attn_post_norm(a)
         if self.parallel:
@@ -290,6 +306,8 @@ class Decoder(nn.Module):
             else None
         )
         self.tok_embeddings = nn.Embedding(config.vocab_size, C)
+        self.embed_norm = make_norm(config) if config.embed_norm else None
+        self.alibi = AlibiBias(config.num_heads) if config.positions == "alibi" else None
         self.pos_embeddings = (
             nn.Embedding(config.context_length, C) if config.positions == "learned" else None
         )
@@ -396,6 +414,8 @@ class Decoder(nn.Module):
         if logits is not None:  # one new token over a static cache: the fused step
             return logits
         x = self.tok_embeddings(input_ids)  # (B, T, C)
+        if self.embed_norm is not None:
+            x = self.embed_norm(x)
         if self.config.embed_scale:
             # Gemma: sqrt(C) rounded to the activation dtype first, as the reference does.
             x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
@@ -405,7 +425,10 @@ class Decoder(nn.Module):
         all_weights: list[torch.Tensor] = []
         for i, block in enumerate(self.blocks):
             x, w = block(
-                x, kv_cache[i] if kv_cache is not None else None, need_weights=need_weights
+                x,
+                kv_cache[i] if kv_cache is not None else None,
+                need_weights=need_weights,
+                bias=self.alibi,
             )
             if w is not None:
                 all_weights.append(w)

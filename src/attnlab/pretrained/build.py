@@ -246,7 +246,7 @@ def _optional(cls: type) -> set[str]:
     ok |= {"positions_from_padding", "pad_token_id", "activation", "type_vocab_size"}
     ok |= {"tie_embeddings", "num_kv_heads", "norm_eps", "context_length", "head_dim"}
     ok |= {"rope", "qk_norm", "layer_windows", "attn_scale", "attn_softcap", "final_softcap"}
-    ok |= {"embed_scale"}
+    ok |= {"embed_scale", "embed_norm"}
     return ok & {f.name for f in dataclasses.fields(cls)}
 
 
