@@ -49,6 +49,13 @@ A cell is (dtype, pass, mask, T) with B=1, H=12, D=64, T = S; each backend runs 
 interleaved in one process. Both first check that the machine is quiet (the CPU time other
 processes used, from ``/proc/stat``, minus this process's own) and record how quiet it was
 before and during the run; ``--allow-busy`` measures anyway and says so in the table.
+
+``--variants`` instead measures the attention variants of issue 10 on ``blockwise``
+against plain causal ``blockwise`` in the same run (ALiBi, T5 relative bias, softcap,
+sinks at T=4096; 8 packed documents of 512; a 512 sliding window at T=8192, also against
+PyTorch's kernel given the same mask as a dense tensor)::
+
+    python benchmarks/bench_attention.py --variants --reps 3
 """
 
 from __future__ import annotations
@@ -175,6 +182,83 @@ class DirectLayer(torch.nn.Module):
         return L.out_proj(out.transpose(1, 2).reshape(B, T, C))
 
 
+def variant_calls(T: int, backward: bool) -> dict[str, Callable[[], object]]:
+    """The issue-10 variants on blockwise (and their peers), causal, B=1, fp32."""
+    from attnlab.biases import AlibiBias, RelativePositionBias
+    from attnlab.masks import CausalMask, DocumentMask, SlidingWindowMask
+
+    gen = torch.Generator().manual_seed(T)
+    q, k, v = (torch.randn(1, H, T, D, generator=gen) for _ in range(3))
+    grad = torch.randn(1, H, T, D, generator=gen)
+    table = torch.randn(32, H, generator=gen) * 0.1
+    sinks = torch.zeros(H)
+    docs = torch.arange(T // 512).repeat_interleave(512)[None]  # documents of 512 tokens
+    if backward:
+        for t in (q, k, v, table, sinks):
+            t.requires_grad_()
+    dense_window = SlidingWindowMask(512).dense(T, T)  # (1, 1, T, T) bool
+
+    def bw(mask: object = None, **kw: object) -> Callable[[], object]:
+        return lambda: scaled_dot_product_attention(
+            q, k, v, mask, is_causal=mask is None, backend="blockwise", **kw
+        )
+
+    fns: dict[str, Callable[[], torch.Tensor]] = {
+        "causal": bw(),
+        "alibi": bw(AlibiBias(H) & CausalMask()),
+        "relbias": bw(RelativePositionBias(table, bidirectional=False) & CausalMask()),
+        "softcap": bw(softcap=30.0),
+        "sinks": bw(sinks=sinks),
+        "documents": bw(DocumentMask(docs) & CausalMask()),
+        "window": bw(SlidingWindowMask(512)),
+        "torch window": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense_window),
+    }
+
+    def run(fn: Callable[[], torch.Tensor]) -> Callable[[], object]:
+        if not backward:
+
+            def fwd() -> object:
+                with torch.no_grad():
+                    return fn()
+
+            return fwd
+
+        def fwd_bwd() -> object:
+            for t in (q, k, v, table, sinks):
+                t.grad = None
+            fn().backward(grad)
+            return q.grad
+
+        return fwd_bwd
+
+    return {n: run(f) for n, f in fns.items()}
+
+
+def bench_variants(reps: int, threads: int) -> None:
+    """Ratios of each variant to plain causal blockwise, measured interleaved in one run."""
+    targets = {"alibi": 1.3, "relbias": 1.3, "softcap": 1.3, "sinks": 1.3,
+               "documents": 0.35, "window": 0.25}  # fmt: skip
+    plan = [
+        (4096, ["causal", "alibi", "relbias", "softcap", "sinks", "documents"]),
+        (8192, ["causal", "window", "torch window"]),
+    ]
+    print(
+        f"blockwise variants, causal, B=1, H={H}, D={D}, fp32, {threads} threads; time = "
+        f"min of >= {reps} interleaved runs; ratio = x plain causal blockwise of the same run"
+    )
+    for mode in ("fwd", "fwd+bwd"):
+        print(f"\n== {mode} ==")
+        for T, names in plan:
+            calls = variant_calls(T, mode == "fwd+bwd")
+            times = bench({n: calls[n] for n in names}, reps)
+            for n in names:
+                ratio = times[n] / times["causal"]
+                note = f"  (target <= {targets[n]})" if n in targets else ""
+                if n == "window":
+                    note += f"; x torch window {times[n] / times['torch window']:.2f} (target < 1)"
+                print(f"T={T:>5} {n:<13} {times[n] * 1e3:9.1f} ms {ratio:6.2f}x{note}")
+
+
 def _blockwise(mask: object, path: str | None = None) -> Callable[..., torch.Tensor]:
     def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         with force_tile_path(path):  # type: ignore[arg-type]
@@ -205,7 +289,7 @@ def targets(args: argparse.Namespace) -> None:
     print(f"{'T':>6} {'dtype':>8} {'mask':>6} {'pass':>8} {'sdpa ms':>9} {'fused':>6} {'pure':>6}")
     for T in args.target_ts:
         for dname in args.target_dtypes:
-            dtype = DTYPES[dname]
+            dtype = GRID_DTYPES[dname]
             for causal in (True, False):
                 mask = attn_masks.CausalMask() if causal else None
                 for backward in (False, True):
@@ -366,13 +450,19 @@ def main() -> None:
         action="store_true",
         help="per-call cost of attnlab's dispatch at T=32 (1 thread): auto, sdpa, torch",
     )
+    ap.add_argument(
+        "--variants", action="store_true", help="measure the attention variants (issue 10) only"
+    )
     args = ap.parse_args()
     if args.overhead:
         overhead_main()
         return
     torch.set_num_threads(args.threads)
+    if args.variants:
+        bench_variants(args.reps, args.threads)
+        return
     global DTYPE, TIMER
-    DTYPE = DTYPES[args.dtype]
+    DTYPE = GRID_DTYPES[args.dtype]
     if args.cpu_time:
         if args.threads != 1:
             print(
@@ -546,7 +636,7 @@ def wait_until_quiet(args: argparse.Namespace) -> dict:
     return state
 
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+GRID_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 PASSES = ("forward", "forward+backward")
 MASKS = ("causal", "none", "padding")
 
@@ -635,9 +725,9 @@ def measure_grid(args: argparse.Namespace, with_auto: bool) -> list[dict]:
             for mask in args.masks.split(","):
                 for T in grid_ts(args):
                     run = [n for n in names if n != "math" or args.math_max_t >= T]
-                    fns = {n: grid_call(n, DTYPES[dname], pass_, mask, T) for n in run}
+                    fns = {n: grid_call(n, GRID_DTYPES[dname], pass_, mask, T) for n in run}
                     if with_auto:
-                        fns["auto"] = grid_call("auto", DTYPES[dname], pass_, mask, T)
+                        fns["auto"] = grid_call("auto", GRID_DTYPES[dname], pass_, mask, T)
                     sec = bench_cell(fns, args.grid_reps)
                     ms = {n: sec[n] * 1e3 for n in sec}
                     cell = {"dtype": dname, "pass": pass_, "mask": mask, "T": T, "ms": ms}
@@ -646,7 +736,7 @@ def measure_grid(args: argparse.Namespace, with_auto: bool) -> list[dict]:
                         f"{n} {ms[n]:.3g}" for n in fns
                     )
                     if with_auto:
-                        cell["auto_chose"] = grid_auto_choice(DTYPES[dname], pass_, mask, T)
+                        cell["auto_chose"] = grid_auto_choice(GRID_DTYPES[dname], pass_, mask, T)
                         cell["fastest"] = fastest
                         cell["ratio"] = ms["auto"] / ms[fastest]
                         line += f"  -> auto={cell['auto_chose']} {cell['ratio']:.2f}x {fastest}"
@@ -805,8 +895,8 @@ def plot_grid(cells: list[dict], path: str, title: str) -> None:
 
 def grid_main(args: argparse.Namespace) -> None:
     for d in args.dtypes.split(","):
-        if d not in DTYPES:
-            raise SystemExit(f"error: --dtypes: unknown {d!r}; choose from {list(DTYPES)}")
+        if d not in GRID_DTYPES:
+            raise SystemExit(f"error: --dtypes: unknown {d!r}; choose from {list(GRID_DTYPES)}")
     for p in args.passes.split(","):
         if p not in PASSES:
             raise SystemExit(f"error: --passes: unknown {p!r}; choose from {list(PASSES)}")

@@ -112,6 +112,23 @@ DECODERS: dict[str, dict] = {
         "pad_token_id": 1,
         "eos_token_id": 2,
     },
+    "gemma2": {
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "sliding_window": 5,  # layer 0 local (window 5), layer 1 global
+        "attn_logit_softcapping": 5.0,  # small, so that the caps bite
+        "final_logit_softcapping": 10.0,
+        "query_pre_attn_scalar": 24,
+        "max_position_embeddings": 128,
+        "pad_token_id": 1,
+        "eos_token_id": 2,
+        "bos_token_id": 0,
+        "tie_word_embeddings": False,
+    },
     "gpt_neox": {
         "hidden_size": 64,
         "intermediate_size": 96,
@@ -125,6 +142,13 @@ DECODERS: dict[str, dict] = {
         },
         "pad_token_id": 1,
         "eos_token_id": 2,
+    },
+    "bloom": {
+        "hidden_size": 64,
+        "n_layer": 2,
+        "n_head": 4,
+        "pad_token_id": 1,
+        "tie_word_embeddings": False,
     },
     "gpt2": {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128},
 }

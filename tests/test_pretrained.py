@@ -85,6 +85,27 @@ def minilm_reference():
     return model, AutoTokenizer.from_pretrained(folder)
 
 
+def _assert_close_by_position(
+    ours: torch.Tensor,
+    theirs: torch.Tensor,
+    valid: torch.Tensor,
+    *,
+    rtol: float,
+    query_dim: int = 1,
+) -> None:
+    """1e-5 at real tokens; 2e-4 at padding positions (queries nothing downstream reads).
+
+    A [PAD] query's hidden state has a tiny spread, so each LayerNorm amplifies the
+    kernels' rounding there: on AVX-512 CPUs torch's fused kernels differ from the eager
+    reference by up to ~5e-5 at padded positions (3e-6 at real tokens) after 6 layers.
+    """
+    shape = [valid.shape[0]] + [1] * (ours.ndim - 1)
+    shape[query_dim] = valid.shape[1]
+    rows = valid.view(shape).expand_as(ours)
+    torch.testing.assert_close(ours[rows], theirs[rows], atol=1e-5, rtol=rtol)
+    torch.testing.assert_close(ours[~rows], theirs[~rows], atol=2e-4, rtol=rtol)
+
+
 @pytest.fixture(scope="module")
 def smollm2():
     return load_pretrained("smollm2-135m-instruct")
@@ -168,12 +189,12 @@ def test_minilm_hidden_states_and_every_attention_match_transformers(
             model.set_backend("auto")
     # math runs the same operations as the eager reference; fused kernels sum in another order.
     rtol = 0.0 if backend == "math" else 1e-5
-    torch.testing.assert_close(hidden, expected.last_hidden_state, atol=1e-5, rtol=rtol)
-    torch.testing.assert_close(hidden_fast, expected.last_hidden_state, atol=1e-5, rtol=rtol)
+    for ours_h in (hidden, hidden_fast):
+        _assert_close_by_position(ours_h, expected.last_hidden_state, valid, rtol=rtol)
     assert len(weights) == len(expected.attentions) == 6
     for ours, theirs in zip(weights, expected.attentions, strict=True):
         assert ours.shape == theirs.shape == (len(SENTENCES), 12, ids.shape[1], ids.shape[1])
-        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
+        _assert_close_by_position(ours, theirs, valid, rtol=0.0, query_dim=2)
         assert bool((ours[~valid[:, None, None, :].expand_as(ours)] == 0).all())
 
 
@@ -194,7 +215,7 @@ def test_minilm_capture_hook_gives_the_reference_attention(minilm, minilm_refere
             for layer in model.layers:
                 layer.attention.capture = None
     for ours, theirs in zip(captured, expected.attentions, strict=True):
-        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
+        _assert_close_by_position(ours, theirs, valid, rtol=0.0, query_dim=2)
 
 
 @needs_minilm

@@ -356,3 +356,27 @@ def test_traces_during_a_generation_on_one_model_do_not_meet(gpt):
     tokens = [d for e, d in events if e == "token"]
     assert [d["id"] for d in tokens] == expect
     assert all(len(d["attention"]["weights"]) == len(ids) + i for i, d in enumerate(tokens))
+
+
+def test_the_page_in_traditional_chinese(gpt):
+    specs = [model_spec(gpt, get_tokenizer(), "tiny")]
+    with TestClient(create_app(ModelRegistry(specs), lang="zh-TW")) as c:
+        r = c.get("/")
+    assert r.status_code == 200 and '<html lang="zh-TW">' in r.text
+    assert "注意力看向了哪裡" in r.text
+
+
+def test_the_zh_tw_page_brings_its_own_cjk_font(gpt):
+    from attnlab.explain.fonts import cjk_font_file
+
+    if cjk_font_file() is None:
+        pytest.skip("pip install 'attnlab[zh-tw]'")
+    specs = [model_spec(gpt, get_tokenizer(), "tiny")]
+    with TestClient(create_app(ModelRegistry(specs), lang="zh-TW")) as c:
+        page = c.get("/")
+        font = c.get("/font/cjk.otf")
+    assert "font-src 'self'" in page.headers["content-security-policy"]
+    assert 'url("/font/cjk.otf")' in page.text
+    assert font.status_code == 200 and font.content[:4] == b"OTTO"  # an OpenType (CFF) font
+    with TestClient(make_app(gpt)) as c:  # English: no font route needed
+        assert c.get("/font/cjk.otf").status_code == 404

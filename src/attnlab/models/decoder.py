@@ -13,7 +13,8 @@ differ in:
   ``down(act(up(h)))`` (GPT-2), with ``activation`` and ``mlp_bias``;
 - ``parallel_residual``: ``x + attn(norm1(x)) + mlp(norm2(x))`` (GPT-NeoX) instead of
   the sequential form;
-- ``positions``: ``"rope"`` (:class:`attnlab.rope.RotaryEmbedding` configured by a
+- ``positions``: ``"alibi"`` (BLOOM: the bias of :class:`attnlab.biases.AlibiBias` on every
+  layer's scores), ``"rope"`` (:class:`attnlab.rope.RotaryEmbedding` configured by a
   :class:`attnlab.rope.RopeConfig`: base, partial rotary, scaling) or ``"learned"`` (an
   absolute position table, GPT-2);
 - attention: query/key/value heads, ``head_dim`` (when ``H * D != C``), ``qkv_bias`` /
@@ -39,6 +40,8 @@ import torch
 from torch import nn
 
 from attnlab.attention import Attention, KVCache
+from attnlab.biases import AlibiBias
+from attnlab.masks import AttentionMask
 from attnlab.models._lm import keep_last, set_attention_backend
 from attnlab.norms import QKNorm, RMSNorm
 from attnlab.rope import RopeConfig, RotaryEmbedding
@@ -83,10 +86,19 @@ class DecoderConfig:
         activation: ``"silu"``, ``"gelu"``, ``"gelu_tanh"`` or ``"relu"``.
         mlp_bias: biases in the feed-forward projections.
         parallel_residual: attention and MLP read the same input and add together.
-        positions: ``"rope"`` or ``"learned"``.
+        positions: ``"rope"``, ``"learned"`` or ``"alibi"`` (:class:`attnlab.biases.AlibiBias`
+            with the standard slopes, BLOOM).
         rope: the rotary embedding's settings (base, partial rotary, scaling).
         head_dim: D when ``H * D != C`` (Qwen3, Gemma); None = C / H.
         qk_norm: normalisation of queries and keys (Qwen3, OLMo 2), or None.
+        layer_windows: a window (or None) per layer, overriding ``sliding_window``
+            (Gemma 2's alternating local and global layers).
+        attn_scale: the score scale (Gemma 2: ``query_pre_attn_scalar ** -0.5``); None =
+            ``1/sqrt(D)``.
+        attn_softcap: attention logit soft-capping (Gemma 2: 50), or None.
+        final_softcap: output logit soft-capping ``c * tanh(logits / c)`` (Gemma 2: 30).
+        embed_scale: multiply the token embeddings by ``sqrt(C)`` (Gemma).
+        embed_norm: a norm right after the token embedding (BLOOM).
         qkv_bias: biases on the query/key/value projections.
         out_bias: bias on the attention output projection.
         sliding_window: each query sees at most this many keys (itself included); None = all.
@@ -109,13 +121,19 @@ class DecoderConfig:
     activation: Activation = "silu"
     mlp_bias: bool = False
     parallel_residual: bool = False
-    positions: Literal["rope", "learned"] = "rope"
+    positions: Literal["rope", "learned", "alibi"] = "rope"
     rope: RopeConfig = RopeConfig(base=100000.0)  # noqa: RUF009 (frozen, shared safely)
     head_dim: int | None = None
     qkv_bias: bool = False
     out_bias: bool = False
     qk_norm: QKNorm | None = None
     sliding_window: int | None = None
+    layer_windows: tuple[int | None, ...] | None = None
+    attn_scale: float | None = None
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    embed_scale: bool = False
+    embed_norm: bool = False
     family: str = "llama"
 
     @property
@@ -173,7 +191,12 @@ class DecoderBlock(nn.Module):
     """
 
     def __init__(
-        self, config: DecoderConfig, rope: RotaryEmbedding | None, *, backend: str
+        self,
+        config: DecoderConfig,
+        rope: RotaryEmbedding | None,
+        *,
+        backend: str,
+        window: int | None = None,
     ) -> None:
         super().__init__()
         C = config.hidden_size
@@ -190,7 +213,9 @@ class DecoderBlock(nn.Module):
             backend=backend,
             head_dim=config.head_dim,
             qk_norm=config.qk_norm,
-            sliding_window=config.sliding_window,
+            sliding_window=window,
+            scale=config.attn_scale,
+            softcap=config.attn_softcap,
         )
         self.mlp_norm = make_norm(config)
         self.mlp = MLP(
@@ -207,27 +232,37 @@ class DecoderBlock(nn.Module):
             self.attn_post_norm = self.mlp_post_norm = None
 
     def _attend(
-        self, h: torch.Tensor, kv_cache: KVCache | None, need_weights: bool
+        self,
+        h: torch.Tensor,
+        kv_cache: KVCache | None,
+        need_weights: bool,
+        bias: AttentionMask | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         # One new token (decoding) is the last position: it may see every key, so the
         # causal mask is all True and is left out (fused kernels then need no mask). The
         # layer adds its own sliding window.
         causal = h.shape[1] > 1
+        kw = {"attn_mask": bias, "is_causal": causal, "kv_cache": kv_cache}
         if need_weights:
-            a, w = self.attention(h, is_causal=causal, kv_cache=kv_cache, need_weights=True)
+            a, w = self.attention(h, need_weights=True, **kw)
             return a, w
-        out = self.attention(h, is_causal=causal, kv_cache=kv_cache)
+        out = self.attention(h, **kw)
         return out, None  # type: ignore[return-value]
 
     def forward(
-        self, x: torch.Tensor, kv_cache: KVCache | None, *, need_weights: bool = False
+        self,
+        x: torch.Tensor,
+        kv_cache: KVCache | None,
+        *,
+        need_weights: bool = False,
+        bias: AttentionMask | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(B, T, C) -> ((B, T, C), weights (B, H, T, S) or None)."""
         if self.placement == "post":
-            a, weights = self._attend(x, kv_cache, need_weights)
+            a, weights = self._attend(x, kv_cache, need_weights, bias)
             x = x + self.attn_norm(a)  # (B, T, C)
             return x + self.mlp_norm(self.mlp(x)), weights
-        a, weights = self._attend(self.attn_norm(x), kv_cache, need_weights)
+        a, weights = self._attend(self.attn_norm(x), kv_cache, need_weights, bias)
         if self.attn_post_norm is not None:
             a = self.attn_post_norm(a)
         if self.parallel:
@@ -270,11 +305,19 @@ class Decoder(nn.Module):
             else None
         )
         self.tok_embeddings = nn.Embedding(config.vocab_size, C)
+        self.embed_norm = make_norm(config) if config.embed_norm else None
+        self.alibi = AlibiBias(config.num_heads) if config.positions == "alibi" else None
         self.pos_embeddings = (
             nn.Embedding(config.context_length, C) if config.positions == "learned" else None
         )
+        windows = config.layer_windows or (config.sliding_window,) * config.num_layers
+        if len(windows) != config.num_layers:
+            raise ValueError(
+                f"`layer_windows` must have one entry per layer ({config.num_layers}), got "
+                f"{len(windows)}"
+            )
         self.blocks = nn.ModuleList(
-            DecoderBlock(config, self.rope, backend=backend) for _ in range(config.num_layers)
+            DecoderBlock(config, self.rope, backend=backend, window=w) for w in windows
         )
         self.norm = make_norm(config)
         self.lm_head = nn.Linear(C, config.vocab_size, bias=False)
@@ -343,16 +386,27 @@ class Decoder(nn.Module):
                 f"{self.context_length}; crop the input"
             )
         x = self.tok_embeddings(input_ids)  # (B, T, C)
+        if self.embed_norm is not None:
+            x = self.embed_norm(x)
+        if self.config.embed_scale:
+            # Gemma: sqrt(C) rounded to the activation dtype first, as the reference does.
+            x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
         if self.pos_embeddings is not None:
             positions = torch.arange(past, past + T, device=input_ids.device)  # (T,)
             x = x + self.pos_embeddings(positions)  # (B, T, C)
         all_weights: list[torch.Tensor] = []
         for i, block in enumerate(self.blocks):
             x, w = block(
-                x, kv_cache[i] if kv_cache is not None else None, need_weights=need_weights
+                x,
+                kv_cache[i] if kv_cache is not None else None,
+                need_weights=need_weights,
+                bias=self.alibi,
             )
             if w is not None:
                 all_weights.append(w)
         x = keep_last(x, logits_to_keep)  # (B, T or logits_to_keep, C)
         logits = self.lm_head(self.norm(x))  # (B, T, V)
+        if self.config.final_softcap is not None:
+            c = self.config.final_softcap
+            logits = torch.tanh(logits / c) * c  # (B, T, V)
         return (logits, all_weights) if need_weights else logits

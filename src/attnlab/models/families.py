@@ -16,6 +16,7 @@ A :class:`Family` says, for one ``model_type`` (Hugging Face ``config.json``) or
   (GPT-2's ``Conv1D``), ``"qkv"`` split a fused query/key/value projection into ours,
   ``"T+qkv"`` both, ``"qkv_heads"`` split one interleaved per head (GPT-NeoX's
   ``(H, 3, D)`` rows), ``"gate_up"`` split a fused gate/up projection (Phi-3),
+  ``"plus1"`` add 1 (Gemma's RMSNorm multiplies by ``1 + weight``),
   ``"rope_q"``/``"rope_k"`` undo llama.cpp's q/k row permutation; the targets
   ``{qkv}`` and ``{gate_up}`` stand for the pieces;
 - ``prefixes`` stripped from source names and ``ignore`` (regexes) for tensors that carry
@@ -49,6 +50,7 @@ ACTIVATION_NAMES = {
     "gelu_new": "gelu_tanh",
     "gelu_fast": "gelu_tanh",
     "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_tanh": "gelu_tanh",
     "relu": "relu",
 }
 
@@ -249,6 +251,93 @@ PHI3 = dataclasses.replace(
     gguf_weights=(),
 )
 
+GEMMA2 = dataclasses.replace(
+    LLAMA,
+    name="gemma2",
+    fixed={
+        **LLAMA.fixed,
+        "family": "gemma2",
+        "norm_placement": "sandwich",
+        "embed_scale": True,
+    },
+    keys={
+        **{k: v for k, v in _LLAMA_KEYS.items() if k != "activation"},
+        "activation": ("hidden_activation", "hidden_act"),
+        "attn_softcap": ("attn_logit_softcapping",),
+        "final_softcap": ("final_logit_softcapping",),
+        "query_pre_attn_scalar": ("query_pre_attn_scalar",),
+        "layer_types": ("layer_types",),
+        "qkv_bias": ("attention_bias",),
+        "out_bias": ("attention_bias",),
+    },
+    defaults={
+        **_LLAMA_DEFAULTS,
+        "activation": "gelu_pytorch_tanh",
+        "tie_embeddings": True,
+        "qkv_bias": False,
+        "out_bias": False,
+    },
+    refuse={"use_bidirectional_attention": (None, False)},
+    weights=(
+        *(r for r in _LLAMA_WEIGHTS if "layernorm" not in r[0] and r[0] != "norm"),
+        ("norm", "norm", "plus1"),
+        ("layers.{i}.input_layernorm", "blocks.{i}.attn_norm", "plus1"),
+        ("layers.{i}.post_attention_layernorm", "blocks.{i}.attn_post_norm", "plus1"),
+        ("layers.{i}.pre_feedforward_layernorm", "blocks.{i}.mlp_norm", "plus1"),
+        ("layers.{i}.post_feedforward_layernorm", "blocks.{i}.mlp_post_norm", "plus1"),
+    ),
+    gguf_weights=(),
+)
+
+BLOOM = Family(
+    name="bloom",
+    kind="decoder",
+    fixed={
+        "norm": "layer",
+        "norm_bias": True,
+        "mlp": "plain",
+        "activation": "gelu_tanh",
+        "positions": "alibi",
+        "embed_norm": True,
+        "qkv_bias": True,
+        "out_bias": True,
+        "mlp_bias": True,
+        "family": "bloom",
+    },
+    keys={
+        "vocab_size": ("vocab_size",),
+        "hidden_size": ("hidden_size", "n_embed"),
+        "num_layers": ("n_layer", "num_hidden_layers"),
+        "num_heads": ("n_head", "num_attention_heads"),
+        "norm_eps": ("layer_norm_epsilon",),
+        "tie_embeddings": ("tie_word_embeddings",),
+    },
+    defaults={
+        "num_kv_heads": _same_as("num_heads"),
+        "intermediate_size": lambda f: 4 * f["hidden_size"],
+        "context_length": 1 << 16,  # ALiBi has no position table; a bound, not an allocation
+        "tie_embeddings": True,
+        "norm_eps": 1e-5,
+    },
+    refuse={
+        "apply_residual_connection_post_layernorm": (None, False),
+        "slow_but_exact": (None, False),
+    },
+    weights=(
+        ("word_embeddings", "tok_embeddings", ""),
+        ("word_embeddings_layernorm", "embed_norm", ""),
+        ("ln_f", "norm", ""),
+        ("lm_head", "lm_head", ""),
+        ("h.{i}.input_layernorm", "blocks.{i}.attn_norm", ""),
+        ("h.{i}.post_attention_layernorm", "blocks.{i}.mlp_norm", ""),
+        ("h.{i}.self_attention.query_key_value", "blocks.{i}.attention.{qkv}", "qkv_heads"),
+        ("h.{i}.self_attention.dense", "blocks.{i}.attention.out_proj", ""),
+        ("h.{i}.mlp.dense_h_to_4h", "blocks.{i}.mlp.up", ""),
+        ("h.{i}.mlp.dense_4h_to_h", "blocks.{i}.mlp.down", ""),
+    ),
+    prefixes=("transformer.",),
+)
+
 GPT_NEOX = Family(
     name="gpt_neox",
     kind="decoder",
@@ -419,7 +508,21 @@ ROBERTA = dataclasses.replace(
 )
 
 FAMILIES: dict[str, Family] = {
-    f.name: f for f in (LLAMA, MISTRAL, QWEN2, QWEN3, OLMO2, PHI3, GPT_NEOX, GPT2, BERT, ROBERTA)
+    f.name: f
+    for f in (
+        LLAMA,
+        MISTRAL,
+        QWEN2,
+        QWEN3,
+        OLMO2,
+        PHI3,
+        GEMMA2,
+        GPT_NEOX,
+        BLOOM,
+        GPT2,
+        BERT,
+        ROBERTA,
+    )
 }
 
 

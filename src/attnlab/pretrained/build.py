@@ -184,7 +184,7 @@ def build_config(
             )
         fields["activation"] = ACTIVATION_NAMES[act]
     for name in list(fields):
-        if fields[name] is not None and name not in ("rope", "qk_norm"):
+        if fields[name] is not None and name not in ("rope", "qk_norm", "layer_types"):
             fields[name] = _check_field(name, fields[name], hints.get(name), where)
     if cls is DecoderConfig:
         _rope_and_qk_norm(fields, source, where, gguf=keys is not family.keys)
@@ -206,6 +206,25 @@ def _rope_and_qk_norm(
 ) -> None:
     """Turn the rotary settings and the QK-norm kind into their frozen configs, in place."""
     base = fields.pop("rope_theta", None)
+    scalar = fields.pop("query_pre_attn_scalar", None)
+    if scalar is not None:
+        if isinstance(scalar, bool) or not isinstance(scalar, (int, float)) or scalar <= 0:
+            raise ModelFileError(where, f"`query_pre_attn_scalar` must be > 0, got {scalar!r}")
+        fields["attn_scale"] = float(scalar) ** -0.5
+    types = fields.pop("layer_types", None)
+    if types is not None:
+        if not isinstance(types, list) or len(types) != fields.get("num_layers"):
+            raise ModelFileError(where, "`layer_types` must list one type per layer")
+        window = fields.get("sliding_window")
+        if any(t not in ("full_attention", "sliding_attention") for t in types):
+            raise ModelFileError(
+                where, f"`layer_types` {sorted(set(map(str, types)))} holds an unsupported type"
+            )
+        if "sliding_attention" in types and window is None:
+            raise ModelFileError(where, "`layer_types` has sliding layers but no `sliding_window`")
+        fields["layer_windows"] = tuple(window if t == "sliding_attention" else None for t in types)
+        fields["sliding_window"] = None
+
     if fields.get("positions", "rope") == "rope":
         if gguf:
             fields["rope"] = RopeConfig(base=float(base or 10000.0))
@@ -226,7 +245,8 @@ def _optional(cls: type) -> set[str]:
     ok |= {"positions", "qkv_bias", "out_bias", "sliding_window", "rope_theta"}
     ok |= {"positions_from_padding", "pad_token_id", "activation", "type_vocab_size"}
     ok |= {"tie_embeddings", "num_kv_heads", "norm_eps", "context_length", "head_dim"}
-    ok |= {"rope", "qk_norm"}
+    ok |= {"rope", "qk_norm", "layer_windows", "attn_scale", "attn_softcap", "final_softcap"}
+    ok |= {"embed_scale", "embed_norm"}
     return ok & {f.name for f in dataclasses.fields(cls)}
 
 
@@ -312,6 +332,8 @@ def apply_transform(
             H, D = config.num_heads, _head_dim(config)
             per_head = t.reshape(H, 3, D, *t.shape[1:])  # (H, 3, D, ...)
             out = tuple(per_head[:, j].reshape(H * D, *t.shape[1:]) for j in range(3))
+        elif part == "plus1":
+            out = (t.float() + 1.0,)
         elif part == "gate_up":
             out = tuple(torch.chunk(t, 2, dim=0))
         elif part in ("rope_q", "rope_k") and t.ndim == 2:
