@@ -355,3 +355,53 @@ def test_smollm2_greedy_same_tokens_with_and_without_cache_on_every_backend(smol
         finally:
             model.set_backend("auto")
         assert cached.tolist() == reference.tolist(), backend
+
+
+# Documented in README ("Fast generation"): relative logit error against fp32 over a
+# 64-token prompt + 128 greedy fp32 tokens, and the share of positions whose argmax agrees.
+PRECISION_TOLERANCE = {"bfloat16": (0.02, 0.98), "int8": (0.06, 0.95), "int4": (0.03, 0.95)}
+
+
+@needs_smollm2_ref
+@pytest.mark.slow
+def test_smollm2_fp32_fast_decode_matches_transformers_over_128_tokens(smollm2, smollm2_reference):
+    from attnlab.generation import generate
+
+    model, tok = smollm2
+    ids = torch.tensor([tok.encode(" ".join(PROMPTS) * 6)[:64]])
+    ours = generate(model, ids, 128)  # static cache: the fused one-token step
+    assert model._decode_plan is not None
+    with torch.no_grad():
+        theirs = smollm2_reference.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=128,
+            min_new_tokens=128,
+            do_sample=False,
+            pad_token_id=tok.pad_id,
+        )
+    assert ours.tolist() == theirs.tolist()
+    assert ours[:, :80].tolist() == generate(model, ids, 16, use_cache=False).tolist()
+
+
+@needs_smollm2
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", sorted(PRECISION_TOLERANCE))
+def test_smollm2_each_precision_within_its_documented_tolerance(smollm2, dtype):
+    from attnlab.generation import generate
+
+    model, tok = smollm2
+    ids = torch.tensor([tok.encode(" ".join(PROMPTS) * 6)[:64]])
+    seq = generate(model, ids, 128)
+    low, _ = load_pretrained("smollm2-135m-instruct", dtype=dtype)
+    with torch.no_grad():
+        expected = model(seq)[0, 63:-1]  # (128, V)
+        got = low(seq)[0, 63:-1]
+    rel = ((got - expected).norm() / expected.norm()).item()
+    agree = (got.argmax(-1) == expected.argmax(-1)).float().mean().item()
+    max_rel, min_agree = PRECISION_TOLERANCE[dtype]
+    assert rel < max_rel and agree >= min_agree, (rel, agree)
+    # The fast decode step of this precision follows its own prefill path.
+    fast = generate(low, ids, 8)
+    slow = generate(low, ids, 8, use_cache=False)
+    assert fast.tolist() == slow.tolist()
