@@ -14,7 +14,7 @@ excluded, outputs and gradients included). See ``attnlab._memory``.
 Second table: the production ``attnlab.Attention(backend="auto")`` layer against the same
 layer written directly on ``torch.nn.functional.scaled_dot_product_attention``.
 
-``--dtype bf16`` runs the same tables in bfloat16.
+``--dtype bfloat16`` runs the same tables in bfloat16.
 
 ``--targets`` prints instead the ratios issue 12 sets targets for, each measured against
 its named peer in the same run (interleaved):
@@ -83,8 +83,10 @@ from attnlab.functional import scaled_dot_product_attention
 from attnlab.masks import PaddingMask
 
 H, D = 12, 64
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DTYPE = torch.float32  # set by --dtype
+# The clock of bench(): wall time, or with --cpu-time (one thread) this thread's CPU time,
+# which other processes on a loaded machine barely change.
+TIMER: Callable[[], float] = time.perf_counter
 
 
 def textbook(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -150,16 +152,16 @@ def bench(fns: dict[str, Callable[[], object]], reps: int) -> dict[str, float]:
     minimum is the best estimate."""
     one_round = 0.0
     for f in fns.values():  # warm up, and size the repetitions
-        t0 = time.perf_counter()
+        t0 = TIMER()
         f()
-        one_round += time.perf_counter() - t0
+        one_round += TIMER() - t0
     reps = max(reps, min(20, int(3.0 / max(one_round, 1e-6))))
     best = dict.fromkeys(fns, math.inf)
     for _ in range(reps):
         for name, f in fns.items():
-            t0 = time.perf_counter()
+            t0 = TIMER()
             f()
-            best[name] = min(best[name], time.perf_counter() - t0)
+            best[name] = min(best[name], TIMER() - t0)
     return best
 
 
@@ -279,14 +281,15 @@ def load() -> str:
 def targets(args: argparse.Namespace) -> None:
     """The issue-12 ratio tables (see the module docstring)."""
     print(
-        f"B=1, H={H}, D={D}, {args.threads} threads; time = min of >= {args.reps} interleaved "
+        f"B=1, H={H}, D={D}, {args.threads} threads; {'CPU' if args.cpu_time else 'wall'} "
+        f"time = min of >= {args.reps} interleaved "
         f"runs; ratio = attnlab / named peer in the same run; {load()}"
     )
     print("\n== 1. blockwise / torch sdpa, causal and unmasked (target <= 1.10) ==")
-    print(f"{'T':>6} {'dtype':>5} {'mask':>6} {'pass':>8} {'sdpa ms':>9} {'fused':>6} {'pure':>6}")
+    print(f"{'T':>6} {'dtype':>8} {'mask':>6} {'pass':>8} {'sdpa ms':>9} {'fused':>6} {'pure':>6}")
     for T in args.target_ts:
         for dname in args.target_dtypes:
-            dtype = DTYPES[dname]
+            dtype = GRID_DTYPES[dname]
             for causal in (True, False):
                 mask = attn_masks.CausalMask() if causal else None
                 for backward in (False, True):
@@ -297,7 +300,7 @@ def targets(args: argparse.Namespace) -> None:
                     best = bench(fns, args.reps if T <= 4096 else max(1, args.reps - 1))
                     pure = f"{best['pure'] / best['sdpa']:6.2f}" if "pure" in best else "     -"
                     print(
-                        f"{T:>6} {dname:>5} {'causal' if causal else 'none':>6} "
+                        f"{T:>6} {dname:>8} {'causal' if causal else 'none':>6} "
                         f"{'fwd+bwd' if backward else 'fwd':>8} {best['sdpa'] * 1e3:9.1f} "
                         f"{best['fused'] / best['sdpa']:6.2f} {pure}",
                         flush=True,
@@ -398,10 +401,18 @@ def main() -> None:
     ap.add_argument("--no-memory", action="store_true", help="skip the memory runs")
     ap.add_argument("--plot", default=None, help="write a PNG of time and memory vs T")
     ap.add_argument("--json", default=None, help="write the raw numbers as JSON")
-    ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument(
+        "--cpu-time", action="store_true", help="time by this thread's CPU time (--threads 1)"
+    )
     ap.add_argument("--targets", action="store_true", help="print the issue-12 ratio tables")
     ap.add_argument("--target-ts", type=int, nargs="*", default=[1024, 2048, 4096, 8192])
-    ap.add_argument("--target-dtypes", nargs="+", choices=sorted(DTYPES), default=["fp32", "bf16"])
+    ap.add_argument(
+        "--target-dtypes",
+        nargs="+",
+        choices=["float32", "bfloat16"],
+        default=["float32", "bfloat16"],
+    )
     ap.add_argument("--pure-max-t", type=int, default=2048, help="largest T for the pure tiles")
     ap.add_argument("--mask-t", type=int, default=8192, help="0 skips the mask table")
     ap.add_argument("--mask-backward", action="store_true", help="masks: forward+backward too")
@@ -450,8 +461,15 @@ def main() -> None:
     if args.variants:
         bench_variants(args.reps, args.threads)
         return
-    global DTYPE
-    DTYPE = DTYPES[args.dtype]
+    global DTYPE, TIMER
+    DTYPE = GRID_DTYPES[args.dtype]
+    if args.cpu_time:
+        if args.threads != 1:
+            print(
+                "--cpu-time needs --threads 1 (other threads' work is not counted)", file=sys.stderr
+            )
+            sys.exit(2)
+        TIMER = time.thread_time
     if args.targets:
         targets(args)
         return
