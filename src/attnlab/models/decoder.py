@@ -43,6 +43,7 @@ from attnlab.attention import Attention, KVCache
 from attnlab.biases import AlibiBias
 from attnlab.masks import AttentionMask
 from attnlab.models._lm import keep_last, set_attention_backend
+from attnlab.models.fast_decode import DecodePlan, decode_plan, fast_step, new_caches
 from attnlab.norms import QKNorm, RMSNorm
 from attnlab.rope import RopeConfig, RotaryEmbedding
 
@@ -329,9 +330,33 @@ class Decoder(nn.Module):
         """Longest window the model accepts (the protocol's ``context_length``)."""
         return self.config.context_length
 
-    def new_kv_cache(self) -> list[KVCache]:
-        """An empty cache, one per layer (a rolling one for sliding-window layers)."""
+    def new_kv_cache(self, max_len: int | None = None) -> list[KVCache]:
+        """An empty cache, one per layer (a rolling one for sliding-window layers).
+
+        Args:
+            max_len: None for growing caches; a length for
+                :class:`attnlab.attention.StaticKVCache` s allocated once for that many
+                positions (sliding-window layers keep their rolling cache), over which one
+                new token takes the fast decode step (:meth:`prepare_decode`).
+        """
+        windows = [b.attention.sliding_window for b in self.blocks]  # type: ignore[union-attr]
+        if max_len is not None and all(w is None for w in windows):
+            return new_caches(len(self.blocks), max_len)
         return [block.attention.new_kv_cache() for block in self.blocks]  # type: ignore[union-attr,operator]
+
+    def prepare_decode(self, *, share_float: bool = False) -> DecodePlan:
+        """Build (once) the fused products and tables of the fast one-token step
+        (:mod:`attnlab.models.fast_decode`); the first step over a static cache calls it.
+
+        Args:
+            share_float: fuse float Q/K/V and gate/up weights too, the parameters becoming
+                views of the fused ones (the loaders ask for it; see
+                :func:`attnlab.quant.fuse_rows`).
+
+        Raises:
+            ValueError: a layout without the fast step (post-norm, QK-norm, windows, ...).
+        """
+        return decode_plan(self, share_float=share_float)
 
     def set_backend(self, backend: str) -> None:
         """Use ``backend`` in every attention layer from now on.
@@ -385,6 +410,9 @@ class Decoder(nn.Module):
                 f"sequence of {past + T} tokens exceeds the context length "
                 f"{self.context_length}; crop the input"
             )
+        logits = fast_step(self, input_ids, kv_cache, need_weights)
+        if logits is not None:  # one new token over a static cache: the fused step
+            return logits
         x = self.tok_embeddings(input_ids)  # (B, T, C)
         if self.embed_norm is not None:
             x = self.embed_norm(x)
