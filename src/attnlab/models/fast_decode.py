@@ -20,6 +20,7 @@ keys, F feed-forward width, V vocabulary.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -56,6 +57,17 @@ def _norm_fn(norm: nn.Module) -> Norm:
     # An RMSNorm: its own forward (no hooks), the same numbers as the module path;
     # torch.nn.functional.rms_norm dispatches ~12 ops with two copies per call here.
     return n.forward  # type: ignore[no-any-return]
+
+
+# DecoderConfig fields the fast step handles whatever their value.
+_STEP_OPTIONS = frozenset(
+    {
+        "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+        "intermediate_size", "context_length", "norm_eps", "tie_embeddings", "norm",
+        "norm_bias", "mlp", "activation", "mlp_bias", "positions", "rope", "head_dim",
+        "qkv_bias", "out_bias", "attn_scale", "family",
+    }
+)  # fmt: skip
 
 
 @dataclass
@@ -103,9 +115,18 @@ def why_not_fast_decode(model: Any) -> str | None:
     if isinstance(parts, str):
         return parts
     config = getattr(model, "config", None)
-    for option in ("embed_scale", "final_softcap"):
-        if getattr(config, option, None) not in (None, False):
-            return f"model option {option}"
+    if dataclasses.is_dataclass(config) and not isinstance(config, type):
+        # Options the step implements; any other option away from its default (ALiBi,
+        # embedding norms, soft-capping, windows, ... and whatever is added later) keeps
+        # the model on its modules, which are always right.
+        positions = getattr(config, "positions", "rope")
+        if positions not in ("rope", "learned"):
+            return f"positions {positions!r}"
+        for f in dataclasses.fields(config):
+            if f.name in _STEP_OPTIONS or f.default is dataclasses.MISSING:
+                continue
+            if getattr(config, f.name) != f.default:
+                return f"model option {f.name}={getattr(config, f.name)!r}"
     for block in parts.blocks:
         if getattr(block, "placement", "pre") != "pre":
             return f"norm placement {block.placement!r} (only 'pre')"
