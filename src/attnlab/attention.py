@@ -107,6 +107,16 @@ class KVCache:
         self._len = need
         return self._k[:, :, :need], self._v[:, :, :need]
 
+    def cached(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """All cached keys ``(B, G, S, D)`` and values ``(B, G, S, Dv)``, without adding any.
+
+        Raises:
+            ValueError: the cache is empty.
+        """
+        if self._k is None or self._v is None:
+            raise ValueError("the cache is empty; update() it first")
+        return self._k[:, :, : self._len], self._v[:, :, : self._len]
+
 
 @dataclass(frozen=True)
 class AttentionCall:
@@ -202,6 +212,8 @@ class Attention(nn.Module):
         sinks: attention sinks (gpt-oss): True for a learned per-head logit
             :attr:`sinks` (an ``nn.Parameter`` ``(H,)``, initialised to 0), a tensor
             ``(H,)`` for its initial value, or None/False for none.
+        scale: the score scale; default ``1/sqrt(D)`` (T5: 1.0, its scale is folded into
+            the query weights).
 
     Attributes:
         capture: None by default. Set to True (all weights) or to a
@@ -231,6 +243,7 @@ class Attention(nn.Module):
         backend: str = "auto",
         softcap: float | None = None,
         sinks: bool | torch.Tensor | None = None,
+        scale: float | None = None,
     ) -> None:
         super().__init__()
         for name, val in (("embed_dim", embed_dim), ("num_heads", num_heads)):
@@ -246,6 +259,10 @@ class Attention(nn.Module):
             raise ValueError(
                 f"`num_kv_heads` must be a positive divisor of num_heads={num_heads}, got {G!r}"
             )
+        if scale is not None and (
+            isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < 1e300
+        ):
+            raise ValueError(f"`scale` must be a positive finite number or None, got {scale!r}")
         if not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
             raise ValueError(f"`dropout` must be in [0, 1), got {dropout!r}")
         if backend not in available_backends():
@@ -263,6 +280,7 @@ class Attention(nn.Module):
         self.W_key = nn.Linear(self.kdim, G * D, bias=bias)
         self.W_value = nn.Linear(self.vdim, G * D, bias=bias)
         self.out_proj = nn.Linear(num_heads * D, embed_dim, bias=out_bias)
+        self.scale = None if scale is None else float(scale)
         if rope is None or rope is False:
             self.rope: RotaryEmbedding | None = None
         elif rope is True:
@@ -318,7 +336,10 @@ class Attention(nn.Module):
             attn_mask: as :func:`attnlab.functional.scaled_dot_product_attention`, over
                 all ``S`` keys (cached + new).
             is_causal: causal masking; aligned bottom-right when ``T != S`` (cache).
-            kv_cache: new keys/values are appended to it and all of them are used.
+            kv_cache: new keys/values are appended to it and all of them are used. With
+                ``context`` (cross attention) it holds the context's keys/values instead:
+                filled on the first call, reused as they are on later calls (the encoder
+                output does not change while decoding), so ``context`` is projected once.
             position_ids: RoPE positions ``(T,)`` or ``(B, T)``; default
                 ``cache.seq_len + arange(T)``.
             need_weights: False, True, or a ``WeightsRequest``.
@@ -364,8 +385,14 @@ class Attention(nn.Module):
         S_new = src.shape[1]
 
         queries = self.W_query(x).view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
-        keys = self.W_key(src).view(B, S_new, G, D).transpose(1, 2)  # (B, G, S_new, D)
-        values = self.W_value(src).view(B, S_new, G, D).transpose(1, 2)  # (B, G, S_new, D)
+        cross_cached = context is not None and kv_cache is not None and kv_cache.seq_len > 0
+        if cross_cached:
+            assert kv_cache is not None
+            keys, values = kv_cache.cached()  # (B, G, S, D): the context's, projected once
+            kv_cache = None
+        else:
+            keys = self.W_key(src).view(B, S_new, G, D).transpose(1, 2)  # (B, G, S_new, D)
+            values = self.W_value(src).view(B, S_new, G, D).transpose(1, 2)  # (B, G, S_new, D)
         queries_projected, keys_projected = queries, keys
 
         if self.rope is not None:
@@ -378,6 +405,7 @@ class Attention(nn.Module):
         if kv_cache is not None:
             keys, values = kv_cache.update(keys, values)  # (B, G, S, D)
         mask = as_mask(attn_mask, is_causal)
+        scale = self.scale if self.scale is not None else default_scale(D)
         dropout_p = self.dropout if self.training else 0.0
 
         capture = WeightsRequest.from_arg(self.capture, "capture") if self.capture else None
@@ -392,7 +420,7 @@ class Attention(nn.Module):
             values,
             mask,
             dropout_p,
-            scale=None,
+            scale=scale,
             backend=self.backend,
             need_weights=request if request is not None else False,
             softcap=self.softcap,
@@ -407,7 +435,7 @@ class Attention(nn.Module):
             if req == request:
                 return weights.detach() if weights is not None else None
             return exact_attention_weights(
-                queries, keys, mask, heads=req.heads, rows=req.rows,
+                queries, keys, mask, scale=scale, heads=req.heads, rows=req.rows,
                 softcap=self.softcap, sinks=self.sinks,
             )  # fmt: skip
 
@@ -426,7 +454,7 @@ class Attention(nn.Module):
                     keys=keys,
                     values=values,
                     mask=mask,
-                    scale=default_scale(D),
+                    scale=scale,
                     weights=weights_for(recorded) if recorded is not None else None,
                     context=context,
                     output=out,
@@ -465,6 +493,7 @@ class Attention(nn.Module):
             f"backend={self.backend!r}, rope={self.rope is not None}"
             + (f", softcap={self.softcap}" if self.softcap is not None else "")
             + (", sinks=True" if self.sinks is not None else "")
+            + (f", scale={self.scale}" if self.scale is not None else "")
         )
 
 

@@ -14,7 +14,18 @@ differ in:
 - ``parallel_residual``: ``x + attn(norm1(x)) + mlp(norm2(x))`` (GPT-NeoX) instead of
   the sequential form;
 - ``positions``: ``"rope"`` (:class:`attnlab.attention.RotaryEmbedding`, base
-  ``rope_theta``) or ``"learned"`` (an absolute position table, GPT-2);
+  ``rope_theta``), ``"learned"`` (an absolute position table, GPT-2) or ``"relative"``
+  (T5: one :class:`attnlab.biases.RelativePositionBias` table per stack, ``relative_buckets``
+  x heads, built once per forward and shared by every layer; bidirectional bucketing when
+  not ``causal``);
+- ``causal``: False makes the stack bidirectional (T5's encoder is this stack with
+  ``causal=False`` and ``output_head=False``: its blocks are pre-norm like Llama's, not
+  BERT's post-LN); ``valid`` then masks padded keys;
+- ``cross_attention``: each block attends to a ``context`` (the encoder output) between
+  self-attention and the MLP, pre-norm (T5's decoder); its keys/values are cached once;
+- ``attention_scale``: the score scale (T5: 1.0), default ``1/sqrt(D)``;
+- ``output_head`` / ``head_input_scale``: no LM head (an encoder stack), or the final
+  hidden state scaled before the head (T5 with tied embeddings: ``d_model**-0.5``);
 - attention: query/key/value heads, ``qkv_bias`` / ``out_bias``, ``sliding_window``
   (:class:`attnlab.masks.SlidingWindowMask`, Mistral's convention: a query sees itself
   and the ``window - 1`` keys before it);
@@ -37,7 +48,8 @@ import torch
 from torch import nn
 
 from attnlab.attention import Attention, KVCache, RotaryEmbedding
-from attnlab.masks import SlidingWindowMask
+from attnlab.biases import RelativePositionBias
+from attnlab.masks import AttentionMask, PaddingMask, SlidingWindowMask
 from attnlab.models._lm import keep_last, set_attention_backend
 
 __all__ = [
@@ -46,7 +58,9 @@ __all__ = [
     "Decoder",
     "DecoderBlock",
     "DecoderConfig",
+    "DecoderLayerCache",
     "RMSNorm",
+    "StackOutput",
     "make_norm",
 ]
 
@@ -85,6 +99,13 @@ class DecoderConfig:
         qkv_bias: biases on the query/key/value projections.
         out_bias: bias on the attention output projection.
         sliding_window: each query sees at most this many keys (itself included); None = all.
+        relative_buckets: T5 relative-position buckets (``positions="relative"``).
+        relative_max_distance: distance from which all positions share the last bucket.
+        causal: causal self-attention (False: bidirectional, an encoder stack).
+        cross_attention: blocks attend to a ``context`` too (an encoder-decoder's decoder).
+        attention_scale: score scale, None = ``1/sqrt(D)``.
+        output_head: end in an LM head (False: return hidden states, an encoder stack).
+        head_input_scale: the final hidden state is multiplied by it before the head.
         family: the family name this config came from (for messages and ``info``).
     """
 
@@ -104,11 +125,18 @@ class DecoderConfig:
     activation: Activation = "silu"
     mlp_bias: bool = False
     parallel_residual: bool = False
-    positions: Literal["rope", "learned"] = "rope"
+    positions: Literal["rope", "learned", "relative"] = "rope"
     rope_theta: float = 100000.0
     qkv_bias: bool = False
     out_bias: bool = False
     sliding_window: int | None = None
+    relative_buckets: int = 32
+    relative_max_distance: int = 128
+    causal: bool = True
+    cross_attention: bool = False
+    attention_scale: float | None = None
+    output_head: bool = True
+    head_input_scale: float = 1.0
     family: str = "llama"
 
     @property
@@ -176,6 +204,40 @@ class MLP(nn.Module):
         return f"gated={self.gate is not None}, activation={self.activation!r}"
 
 
+class DecoderLayerCache(KVCache):
+    """A layer's self-attention cache, with the cross-attention cache beside it.
+
+    It is the self-attention :class:`KVCache` (``seq_len`` counts decoded tokens) and
+    holds :attr:`cross`, filled with the context's keys/values on the first step and reused
+    after (an encoder-decoder's decoder projects the encoder output once per sequence).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cross = KVCache()
+
+    def reset(self) -> None:
+        """Forget everything cached, the cross-attention keys/values too."""
+        super().reset()
+        self.cross.reset()
+
+
+@dataclass(frozen=True)
+class StackOutput:
+    """What one pass through the block stack computed.
+
+    Attributes:
+        hidden: the final-normed hidden states ``(B, T, C)``.
+        weights: each layer's self-attention weights ``(B, H, T, S)`` (when asked).
+        cross_weights: each layer's cross-attention weights ``(B, H, T, S_ctx)`` (when
+            asked and the blocks have cross attention).
+    """
+
+    hidden: torch.Tensor
+    weights: list[torch.Tensor]
+    cross_weights: list[torch.Tensor]
+
+
 class DecoderBlock(nn.Module):
     """One decoder block (norm placement and residual style from the config).
 
@@ -193,6 +255,7 @@ class DecoderBlock(nn.Module):
         self.placement = config.norm_placement
         self.parallel = config.parallel_residual
         self.sliding_window = config.sliding_window
+        self.causal = config.causal
         self.attn_norm = make_norm(config)
         self.attention = Attention(
             C,
@@ -202,7 +265,21 @@ class DecoderBlock(nn.Module):
             out_bias=config.out_bias,
             rope=rope,
             backend=backend,
+            scale=config.attention_scale,
         )
+        if config.cross_attention:  # between self-attention and the MLP, pre-norm (T5)
+            self.cross_norm: nn.Module | None = make_norm(config)
+            self.cross_attention: Attention | None = Attention(
+                C,
+                config.num_heads,
+                num_kv_heads=config.num_kv_heads,
+                bias=config.qkv_bias,
+                out_bias=config.out_bias,
+                backend=backend,
+                scale=config.attention_scale,
+            )
+        else:
+            self.cross_norm = self.cross_attention = None
         self.mlp_norm = make_norm(config)
         self.mlp = MLP(
             C,
@@ -218,44 +295,89 @@ class DecoderBlock(nn.Module):
             self.attn_post_norm = self.mlp_post_norm = None
 
     def _attend(
-        self, h: torch.Tensor, kv_cache: KVCache | None, need_weights: bool
+        self,
+        h: torch.Tensor,
+        kv_cache: KVCache | None,
+        need_weights: bool,
+        mask: AttentionMask | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         T = h.shape[1]
         S = T + (kv_cache.seq_len if kv_cache is not None else 0)
-        if self.sliding_window is not None and self.sliding_window < S:
-            mask = SlidingWindowMask(self.sliding_window)  # causal, aligned bottom-right
-            kwargs: dict[str, object] = {"attn_mask": mask}
+        if self.causal and self.sliding_window is not None and self.sliding_window < S:
+            window = SlidingWindowMask(self.sliding_window)  # causal, aligned bottom-right
+            kwargs: dict[str, object] = {"attn_mask": window if mask is None else mask & window}
         else:
             # One new token (decoding) is the last position: it may see every key, so the
             # causal mask is all True and is left out (fused kernels then need no mask).
-            kwargs = {"is_causal": T > 1}
+            kwargs = {"is_causal": self.causal and T > 1, "attn_mask": mask}
         if need_weights:
             a, w = self.attention(h, kv_cache=kv_cache, need_weights=True, **kwargs)
             return a, w
         return self.attention(h, kv_cache=kv_cache, **kwargs), None  # type: ignore[return-value]
 
-    def forward(
-        self, x: torch.Tensor, kv_cache: KVCache | None, *, need_weights: bool = False
+    def _cross(
+        self,
+        x: torch.Tensor,
+        context: torch.Tensor | None,
+        context_mask: AttentionMask | None,
+        kv_cache: KVCache | None,
+        need_weights: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(B, T, C) -> ((B, T, C), weights (B, H, T, S) or None)."""
+        if self.cross_attention is None or self.cross_norm is None:
+            return x, None
+        if context is None:
+            raise ValueError(
+                "this decoder has cross attention: pass `context` (the encoder output)"
+            )
+        cache = kv_cache.cross if isinstance(kv_cache, DecoderLayerCache) else None
+        h = self.cross_norm(x)
+        if need_weights:
+            c, w = self.cross_attention(
+                h, context, attn_mask=context_mask, kv_cache=cache, need_weights=True
+            )
+            return x + c, w  # (B, T, C)
+        c = self.cross_attention(h, context, attn_mask=context_mask, kv_cache=cache)
+        return x + c, None  # type: ignore[operator]
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        kv_cache: KVCache | None,
+        *,
+        need_weights: bool = False,
+        mask: AttentionMask | None = None,
+        context: torch.Tensor | None = None,
+        context_mask: AttentionMask | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(B, T, C) -> ((B, T, C), self weights (B, H, T, S) or None, cross weights
+        (B, H, T, S_ctx) or None).
+
+        ``mask`` (a position bias, padding) is added to the self-attention's own causal
+        or window mask; ``context``/``context_mask`` feed the cross attention.
+        """
         if self.placement == "post":
-            a, weights = self._attend(x, kv_cache, need_weights)
+            a, weights = self._attend(x, kv_cache, need_weights, mask)
             x = x + self.attn_norm(a)  # (B, T, C)
-            return x + self.mlp_norm(self.mlp(x)), weights
-        a, weights = self._attend(self.attn_norm(x), kv_cache, need_weights)
+            return x + self.mlp_norm(self.mlp(x)), weights, None
+        a, weights = self._attend(self.attn_norm(x), kv_cache, need_weights, mask)
         if self.attn_post_norm is not None:
             a = self.attn_post_norm(a)
         if self.parallel:
-            return x + a + self.mlp(self.mlp_norm(x)), weights  # (B, T, C)
+            return x + a + self.mlp(self.mlp_norm(x)), weights, None  # (B, T, C)
         x = x + a  # (B, T, C)
+        x, cross_weights = self._cross(x, context, context_mask, kv_cache, need_weights)
         m = self.mlp(self.mlp_norm(x))
         if self.mlp_post_norm is not None:
             m = self.mlp_post_norm(m)
-        return x + m, weights  # (B, T, C)
+        return x + m, weights, cross_weights  # (B, T, C)
 
 
 class Decoder(nn.Module):
     """A decoder-only language model, any family, configured by ``config``.
+
+    With ``causal=False`` and ``output_head=False`` the same stack is a pre-norm encoder,
+    and with ``cross_attention`` it is an encoder-decoder's decoder
+    (:class:`attnlab.models.encoder_decoder.EncoderDecoder` holds both).
 
     Args:
         config: the sizes and options.
@@ -277,6 +399,11 @@ class Decoder(nn.Module):
             raise ValueError(
                 f"`activation` must be one of {sorted(ACTIVATIONS)}, got {config.activation!r}"
             )
+        if config.cross_attention and (config.norm_placement != "pre" or config.parallel_residual):
+            raise ValueError(
+                "`cross_attention` needs norm_placement='pre' and parallel_residual=False "
+                f"(T5's layout), got {config.norm_placement!r}, {config.parallel_residual}"
+            )
         self.config = config
         C = config.hidden_size
         self.rope = (
@@ -288,13 +415,22 @@ class Decoder(nn.Module):
         self.pos_embeddings = (
             nn.Embedding(config.context_length, C) if config.positions == "learned" else None
         )
+        # T5: one table per stack (its first layer's in the checkpoint), shared by all layers.
+        self.relative_bias = (
+            nn.Embedding(config.relative_buckets, config.num_heads)
+            if config.positions == "relative"
+            else None
+        )
         self.blocks = nn.ModuleList(
             DecoderBlock(config, self.rope, backend=backend) for _ in range(config.num_layers)
         )
         self.norm = make_norm(config)
-        self.lm_head = nn.Linear(C, config.vocab_size, bias=False)
-        if config.tie_embeddings:
-            self.lm_head.weight = self.tok_embeddings.weight
+        if config.output_head:
+            self.lm_head: nn.Linear | None = nn.Linear(C, config.vocab_size, bias=False)
+            if config.tie_embeddings:
+                self.lm_head.weight = self.tok_embeddings.weight
+        else:
+            self.lm_head = None
 
     @property
     def context_length(self) -> int:
@@ -302,7 +438,10 @@ class Decoder(nn.Module):
         return self.config.context_length
 
     def new_kv_cache(self) -> list[KVCache]:
-        """An empty cache, one :class:`KVCache` per layer."""
+        """An empty cache, one :class:`KVCache` per layer (a :class:`DecoderLayerCache`
+        when the blocks have cross attention)."""
+        if self.config.cross_attention:
+            return [DecoderLayerCache() for _ in self.blocks]
         return [KVCache() for _ in self.blocks]
 
     def set_backend(self, backend: str) -> None:
@@ -312,6 +451,114 @@ class Decoder(nn.Module):
             ValueError: an unknown backend name.
         """
         set_attention_backend(self, backend)
+
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        kv_cache: list[KVCache] | None = None,
+        need_weights: bool = False,
+        valid: torch.Tensor | None = None,
+        context: torch.Tensor | None = None,
+        context_valid: torch.Tensor | None = None,
+    ) -> StackOutput:
+        """The block stack: embeddings, every block, the final norm (no head).
+
+        Args:
+            input_ids: (B, T) long token ids; with ``kv_cache`` they follow the cached ones.
+            kv_cache: from :meth:`new_kv_cache`; updated in place.
+            need_weights: also return every layer's attention weights.
+            valid: (B, S) bool, False = a padded key (S = cached + new); None = no padding.
+            context: (B, S_ctx, C) the encoder output, for cross attention.
+            context_valid: (B, S_ctx) bool, False = padded context position.
+
+        Returns:
+            A :class:`StackOutput`.
+
+        Raises:
+            TypeError: non-integer ids.
+            ValueError: wrong shapes, a cache of the wrong length, a sequence longer than
+                ``context_length``, ``context`` missing for cross attention.
+        """
+        if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2:
+            raise ValueError("`input_ids` must be a (B, T) tensor of token ids")
+        if input_ids.is_floating_point():
+            raise TypeError(f"`input_ids` must be an integer tensor, got {input_ids.dtype}")
+        if kv_cache is not None and len(kv_cache) != len(self.blocks):
+            raise ValueError(
+                f"`kv_cache` must hold one KVCache per layer ({len(self.blocks)}), got "
+                f"{len(kv_cache)}; use model.new_kv_cache()"
+            )
+        past = kv_cache[0].seq_len if kv_cache is not None else 0
+        B, T = input_ids.shape
+        if past + T > self.context_length:
+            raise ValueError(
+                f"sequence of {past + T} tokens exceeds the context length "
+                f"{self.context_length}; crop the input"
+            )
+        for name, flags, length in (
+            ("valid", valid, past + T),
+            ("context_valid", context_valid, None if context is None else context.shape[1]),
+        ):
+            if flags is not None and (
+                not isinstance(flags, torch.Tensor)
+                or flags.dtype != torch.bool
+                or flags.shape != (B, length)
+            ):
+                got = (
+                    f"{tuple(flags.shape)} {flags.dtype}"
+                    if isinstance(flags, torch.Tensor)
+                    else type(flags).__name__
+                )
+                raise ValueError(f"`{name}` must be a ({B}, {length}) bool tensor, got {got}")
+        x = self.tok_embeddings(input_ids)  # (B, T, C)
+        if self.pos_embeddings is not None:
+            positions = torch.arange(past, past + T, device=input_ids.device)  # (T,)
+            x = x + self.pos_embeddings(positions)  # (B, T, C)
+        mask: AttentionMask | None = None
+        if self.relative_bias is not None:
+            mask = RelativePositionBias(
+                self.relative_bias.weight,
+                bidirectional=not self.config.causal,
+                num_buckets=self.config.relative_buckets,
+                max_distance=self.config.relative_max_distance,
+            )
+        if valid is not None and not bool(valid.all()):
+            pad = PaddingMask(valid)
+            mask = pad if mask is None else mask & pad
+        context_mask = (
+            PaddingMask(context_valid)
+            if context_valid is not None and not bool(context_valid.all())
+            else None
+        )
+        all_weights: list[torch.Tensor] = []
+        cross_weights: list[torch.Tensor] = []
+        for i, block in enumerate(self.blocks):
+            x, w, cw = block(
+                x,
+                kv_cache[i] if kv_cache is not None else None,
+                need_weights=need_weights,
+                mask=mask,
+                context=context,
+                context_mask=context_mask,
+            )
+            if w is not None:
+                all_weights.append(w)
+            if cw is not None:
+                cross_weights.append(cw)
+        return StackOutput(self.norm(x), all_weights, cross_weights)
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits (B, T, V) from final hidden states (B, T, C).
+
+        Raises:
+            ValueError: this stack has no LM head (``output_head=False``).
+        """
+        if self.lm_head is None:
+            raise ValueError("this stack has no LM head (output_head=False); use run()")
+        if self.config.head_input_scale != 1.0:
+            hidden = hidden * self.config.head_input_scale
+        return self.lm_head(hidden)  # (B, T, V)
 
     def forward(
         self,
@@ -341,33 +588,6 @@ class Decoder(nn.Module):
         Shape:
             input_ids (B, T) -> (B, T, V).
         """
-        if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2:
-            raise ValueError("`input_ids` must be a (B, T) tensor of token ids")
-        if input_ids.is_floating_point():
-            raise TypeError(f"`input_ids` must be an integer tensor, got {input_ids.dtype}")
-        if kv_cache is not None and len(kv_cache) != len(self.blocks):
-            raise ValueError(
-                f"`kv_cache` must hold one KVCache per layer ({len(self.blocks)}), got "
-                f"{len(kv_cache)}; use model.new_kv_cache()"
-            )
-        past = kv_cache[0].seq_len if kv_cache is not None else 0
-        T = input_ids.shape[1]
-        if past + T > self.context_length:
-            raise ValueError(
-                f"sequence of {past + T} tokens exceeds the context length "
-                f"{self.context_length}; crop the input"
-            )
-        x = self.tok_embeddings(input_ids)  # (B, T, C)
-        if self.pos_embeddings is not None:
-            positions = torch.arange(past, past + T, device=input_ids.device)  # (T,)
-            x = x + self.pos_embeddings(positions)  # (B, T, C)
-        all_weights: list[torch.Tensor] = []
-        for i, block in enumerate(self.blocks):
-            x, w = block(
-                x, kv_cache[i] if kv_cache is not None else None, need_weights=need_weights
-            )
-            if w is not None:
-                all_weights.append(w)
-        x = keep_last(x, logits_to_keep)  # (B, T or logits_to_keep, C)
-        logits = self.lm_head(self.norm(x))  # (B, T, V)
-        return (logits, all_weights) if need_weights else logits
+        out = self.run(input_ids, kv_cache=kv_cache, need_weights=need_weights)
+        logits = self.head(keep_last(out.hidden, logits_to_keep))  # (B, T, V)
+        return (logits, out.weights) if need_weights else logits
