@@ -17,22 +17,42 @@ layer written directly on ``torch.nn.functional.scaled_dot_product_attention``.
 Usage::
 
     python benchmarks/bench_attention.py --max-t 8192 --plot docs/img/attention_benchmark.png
+
+Dispatch (the crossover table ``auto`` chooses by, and the check that it chose well):
+
+    # measure every backend at every cell and write the table attnlab ships
+    python benchmarks/bench_attention.py --write-table src/attnlab/data/dispatch_table.json
+    # auto against the fastest capable backend, cell by cell; print the grid and draw it
+    python benchmarks/bench_attention.py --grid --grid-plot docs/img/dispatch_grid.png
+
+A cell is (dtype, pass, mask, T) with B=1, H=12, D=64, T = S; each backend runs through
+``attnlab.functional.scaled_dot_product_attention(..., backend=name)`` (and ``auto``),
+interleaved in one process. Both first check that the machine is quiet (the CPU time other
+processes used, from ``/proc/stat``, minus this process's own) and record how quiet it was
+before and during the run; ``--allow-busy`` measures anyway and says so in the table.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import math
+import os
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from attnlab._memory import peak_allocated
 from attnlab.attention import Attention
+from attnlab.backends import AUTO_ORDER, explain_dispatch
+from attnlab.backends.table import TABLE_FORMAT
 from attnlab.functional import scaled_dot_product_attention
+from attnlab.masks import PaddingMask
 
 H, D = 12, 64
 
@@ -136,8 +156,47 @@ def main() -> None:
     ap.add_argument("--no-memory", action="store_true", help="skip the memory runs")
     ap.add_argument("--plot", default=None, help="write a PNG of time and memory vs T")
     ap.add_argument("--json", default=None, help="write the raw numbers as JSON")
+    grid = ap.add_argument_group("dispatch grid and crossover table")
+    grid.add_argument(
+        "--write-table",
+        metavar="FILE",
+        default=None,
+        help="measure every backend in every cell and write the crossover table auto uses",
+    )
+    grid.add_argument(
+        "--grid", action="store_true", help="auto against the fastest backend in every cell"
+    )
+    grid.add_argument("--grid-plot", default=None, help="draw the --grid result (PNG)")
+    grid.add_argument("--grid-min-t", type=int, default=16)
+    grid.add_argument("--grid-max-t", type=int, default=2048)
+    grid.add_argument("--grid-reps", type=int, default=5, help="interleaved rounds per cell")
+    grid.add_argument("--dtypes", default="float32,bfloat16")
+    grid.add_argument("--passes", default="forward,forward+backward")
+    grid.add_argument("--masks", default="causal,none,padding")
+    grid.add_argument(
+        "--math-max-t", type=int, default=1024, help="largest T the O(T^2) math backend runs at"
+    )
+    grid.add_argument(
+        "--max-busy",
+        type=float,
+        default=0.1,
+        help="most CPU (fraction of the machine) other processes may use before measuring",
+    )
+    grid.add_argument("--wait-quiet", type=float, default=60.0, help="seconds to wait for it")
+    grid.add_argument("--allow-busy", action="store_true", help="measure on a busy machine")
+    ap.add_argument(
+        "--overhead",
+        action="store_true",
+        help="per-call cost of attnlab's dispatch at T=32 (1 thread): auto, sdpa, torch",
+    )
     args = ap.parse_args()
+    if args.overhead:
+        overhead_main()
+        return
     torch.set_num_threads(args.threads)
+    if args.write_table or args.grid:
+        grid_main(args)
+        return
 
     Ts = []
     T = args.min_t
@@ -241,6 +300,423 @@ def plot(results: dict, path: str, threads: int) -> None:
     fig.suptitle(f"causal attention, B=1, H={H}, D={D}, fp32, CPU, {threads} threads")
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+# --- dispatch: the crossover table and the grid ----------------------------------------------
+
+
+def _cpu_jiffies() -> tuple[int, int]:
+    """(busy, total) CPU jiffies of the whole machine, from /proc/stat."""
+    with open("/proc/stat") as fh:
+        fields = [int(x) for x in fh.readline().split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    total = sum(fields[:8])  # guest time is already counted in user
+    return total - idle, total
+
+
+class QuietMeter:
+    """CPU used by *other* processes, as a fraction of the machine, since ``start()``."""
+
+    def start(self) -> QuietMeter:
+        self.busy0, self.total0 = _cpu_jiffies()
+        self.own0 = sum(os.times()[:2])
+        return self
+
+    def others(self) -> float:
+        busy, total = _cpu_jiffies()
+        tick = os.sysconf("SC_CLK_TCK")
+        own = (sum(os.times()[:2]) - self.own0) * tick
+        return max(0.0, (busy - self.busy0 - own) / max(1, total - self.total0))
+
+
+def wait_until_quiet(args: argparse.Namespace) -> dict:
+    """Sample the machine until others use at most ``--max-busy`` of it (or give up)."""
+    deadline = time.monotonic() + args.wait_quiet
+    while True:
+        meter = QuietMeter().start()
+        time.sleep(2.0)
+        busy = meter.others()
+        quiet = busy <= args.max_busy
+        if quiet or time.monotonic() > deadline:
+            break
+        print(f"machine busy: others use {busy:.0%} of it; waiting ...", flush=True)
+    state = {
+        "others_busy_before": round(busy, 3),
+        "loadavg_before": os.getloadavg(),
+        "max_busy": args.max_busy,
+        "quiet": quiet,
+    }
+    if not quiet and not args.allow_busy:
+        print(
+            f"error: the machine is busy (other processes use {busy:.0%} of its CPU, more than "
+            f"--max-busy {args.max_busy:.0%}); measure on a quiet machine, or pass "
+            "--allow-busy to measure anyway (recorded as not quiet)",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
+    return state
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+PASSES = ("forward", "forward+backward")
+MASKS = ("causal", "none", "padding")
+
+
+def grid_call(name: str, dtype: torch.dtype, pass_: str, mask: str, T: int) -> Callable[[], object]:
+    """One attention call of a grid cell through attnlab's function (``backend=name``)."""
+    gen = torch.Generator().manual_seed(T)
+    q, k, v, grad = (torch.randn(1, H, T, D, generator=gen).to(dtype) for _ in range(4))
+    kwargs: dict = {"backend": name}
+    if mask == "causal":
+        kwargs["is_causal"] = True
+    elif mask == "padding":  # the last eighth of the keys is padding
+        kwargs["attn_mask"] = PaddingMask.from_lengths([max(1, T - T // 8)], T)
+    if pass_ == "forward":
+
+        def fwd() -> object:
+            with torch.no_grad():
+                return scaled_dot_product_attention(q, k, v, **kwargs)
+
+        return fwd
+    for t in (q, k, v):
+        t.requires_grad_()
+
+    def fwd_bwd() -> object:
+        q.grad = k.grad = v.grad = None
+        scaled_dot_product_attention(q, k, v, **kwargs).backward(grad)  # type: ignore[union-attr]
+        return q.grad
+
+    return fwd_bwd
+
+
+def grid_auto_choice(dtype: torch.dtype, pass_: str, mask: str, T: int) -> str:
+    """The backend auto picks for the cell, and the table row that decided."""
+    q = torch.zeros(1, 1, 1, 1, dtype=dtype).expand(1, H, T, D)
+    q.requires_grad_(pass_ != "forward")
+    args: dict = {"is_causal": mask == "causal"}
+    if mask == "padding":
+        args["attn_mask"] = PaddingMask.from_lengths([max(1, T - T // 8)], T)
+    with torch.enable_grad():
+        return explain_dispatch(q, q, q, **args).chosen
+
+
+def bench_cell(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
+    """Seconds per call of each function: the minimum over interleaved rounds, each timing
+    as many calls as fill ~5 ms (small calls are too short to time one by one)."""
+    inner = {}
+    for name, f in fns.items():  # warm up and size the inner loops
+        f()
+        t0 = time.perf_counter()
+        f()
+        once = time.perf_counter() - t0
+        inner[name] = max(1, min(200, int(0.005 / max(once, 1e-7))))
+    best = dict.fromkeys(fns, math.inf)
+    t_start = time.perf_counter()
+    r = 0
+    while r < rounds or (r < 4 * rounds and time.perf_counter() - t_start < 2.0):
+        for name, f in fns.items():
+            n = inner[name]
+            t0 = time.perf_counter()
+            for _ in range(n):
+                f()
+            best[name] = min(best[name], (time.perf_counter() - t0) / n)
+        r += 1
+    return best
+
+
+def grid_ts(args: argparse.Namespace) -> list[int]:
+    Ts, T = [], args.grid_min_t
+    while args.grid_max_t >= T:
+        Ts.append(T)
+        T *= 2
+    return Ts
+
+
+def measure_grid(args: argparse.Namespace, with_auto: bool) -> list[dict]:
+    """Time every capable backend (and auto) in every cell; one dict per cell."""
+    cells = []
+    names = [n for n in AUTO_ORDER]
+    for dname in args.dtypes.split(","):
+        for pass_ in args.passes.split(","):
+            for mask in args.masks.split(","):
+                for T in grid_ts(args):
+                    run = [n for n in names if n != "math" or args.math_max_t >= T]
+                    fns = {n: grid_call(n, DTYPES[dname], pass_, mask, T) for n in run}
+                    if with_auto:
+                        fns["auto"] = grid_call("auto", DTYPES[dname], pass_, mask, T)
+                    sec = bench_cell(fns, args.grid_reps)
+                    ms = {n: sec[n] * 1e3 for n in sec}
+                    cell = {"dtype": dname, "pass": pass_, "mask": mask, "T": T, "ms": ms}
+                    fastest = min(run, key=lambda n: ms[n])
+                    line = f"{dname:>8} {pass_:>16} {mask:>7} T={T:<5} " + " ".join(
+                        f"{n} {ms[n]:.3g}" for n in fns
+                    )
+                    if with_auto:
+                        cell["auto_chose"] = grid_auto_choice(DTYPES[dname], pass_, mask, T)
+                        cell["fastest"] = fastest
+                        cell["ratio"] = ms["auto"] / ms[fastest]
+                        line += f"  -> auto={cell['auto_chose']} {cell['ratio']:.2f}x {fastest}"
+                    print(line + " ms", flush=True)
+                    cells.append(cell)
+    return cells
+
+
+TIE = 0.03  # a backend later in the fixed order must win by more than this to rank first
+
+
+def ranking(ms: dict[str, float]) -> list[str]:
+    """Backends fastest first; the fixed order's first stays first unless another beats it
+    by more than ``TIE`` (a win inside the noise would only flip rows back and forth)."""
+    order = sorted((n for n in ms if n != "auto"), key=lambda n: ms[n])
+    preferred = next(n for n in AUTO_ORDER if n in order)
+    if order[0] != preferred and ms[preferred] <= ms[order[0]] * (1 + TIE):
+        order.remove(preferred)
+        order.insert(0, preferred)
+    return order
+
+
+def table_rows(cells: list[dict]) -> list[dict]:
+    """Crossover rows: consecutive lengths with the same ranking merge into one row, whose
+    range ends halfway (geometrically) to the next measured length."""
+    rows: list[dict] = []
+    groups: dict[tuple[str, str, str], list[dict]] = {}
+    for c in cells:
+        groups.setdefault((c["dtype"], c["pass"], c["mask"]), []).append(c)
+    for (dname, pass_, mask), group in groups.items():
+        group.sort(key=lambda c: c["T"])
+        runs: list[list[dict]] = []
+        for c in group:
+            c["order"] = ranking(c["ms"])
+            if runs and runs[-1][-1]["order"] == c["order"]:
+                runs[-1].append(c)
+            else:
+                runs.append([c])
+        for i, run in enumerate(runs):
+            t_from = 0 if i == 0 else round(math.sqrt(runs[i - 1][-1]["T"] * run[0]["T"]), 1)
+            t_below = (
+                None
+                if i == len(runs) - 1
+                else round(math.sqrt(run[-1]["T"] * runs[i + 1][0]["T"]), 1)
+            )
+            rows.append(
+                {
+                    "dtype": dname,
+                    "pass": pass_,
+                    "mask": mask,
+                    "t_from": t_from,
+                    "t_below": t_below,
+                    "order": run[0]["order"],
+                    "ms": {
+                        str(c["T"]): {n: float(f"{c['ms'][n]:.4g}") for n in c["order"]}
+                        for c in run
+                    },
+                }
+            )
+    return rows
+
+
+def machine_info(args: argparse.Namespace, quiet: dict, meter: QuietMeter) -> dict:
+    cpu = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": "python " + " ".join(sys.argv),
+        "torch": torch.__version__,
+        "threads": args.threads,
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        **quiet,
+        "others_busy_during": round(meter.others(), 3),
+        "loadavg_after": os.getloadavg(),
+        "timing": f"min over >= {args.grid_reps} interleaved rounds of attnlab's function "
+        "with backend=name",
+    }
+
+
+def print_grid(cells: list[dict]) -> None:
+    masks = list(dict.fromkeys(c["mask"] for c in cells))
+    by = {(c["dtype"], c["pass"], c["mask"], c["T"]): c for c in cells}
+    worst = max(c["ratio"] for c in cells)
+    for dname in dict.fromkeys(c["dtype"] for c in cells):
+        for pass_ in dict.fromkeys(c["pass"] for c in cells):
+            print(f"\n== {dname}, {pass_}: auto's choice, and auto's time / fastest backend's ==")
+            print(f"{'T':>6} " + " ".join(f"{m:>24}" for m in masks))
+            for T in sorted({c["T"] for c in cells}):
+                parts = []
+                for m in masks:
+                    c = by.get((dname, pass_, m, T))
+                    if c is None:
+                        parts.append(f"{'':>24}")
+                        continue
+                    flag = "" if c["fastest"] == c["auto_chose"] else f" ({c['fastest']})"
+                    parts.append(f"{c['auto_chose'] + flag} {c['ratio']:.2f}x".rjust(24))
+                print(f"{T:>6} " + " ".join(parts))
+    bad = [c for c in cells if c["ratio"] > 1.05]
+    print(f"\nworst ratio {worst:.3f}; cells above 1.05x: {len(bad)} of {len(cells)}")
+    for c in bad:
+        print(
+            f"  {c['dtype']} {c['pass']} {c['mask']} T={c['T']}: auto={c['auto_chose']} "
+            f"{c['ratio']:.2f}x the fastest ({c['fastest']})"
+        )
+
+
+def plot_grid(cells: list[dict], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import LinearSegmentedColormap
+
+    dtypes = list(dict.fromkeys(c["dtype"] for c in cells))
+    passes = list(dict.fromkeys(c["pass"] for c in cells))
+    masks = list(dict.fromkeys(c["mask"] for c in cells))
+    Ts = sorted({c["T"] for c in cells})
+    by = {(c["dtype"], c["pass"], c["mask"], c["T"]): c for c in cells}
+    cmap = LinearSegmentedColormap.from_list("ratio", ["#2e7d32", "#c8e6c9", "#fff59d", "#e53935"])
+    fig, axes = plt.subplots(
+        1,
+        len(dtypes) * len(passes),
+        figsize=(3.4 * len(dtypes) * len(passes), 0.42 * len(Ts) + 2.0),
+        constrained_layout=True,
+        squeeze=False,
+    )
+    short = {"sdpa": "sdpa", "blockwise": "block", "math": "math"}
+    for i, (dname, pass_) in enumerate((d, p) for d in dtypes for p in passes):
+        ax = axes[0][i]
+        grid = [[by[(dname, pass_, m, T)]["ratio"] for m in masks] for T in Ts]
+        im = ax.imshow(grid, cmap=cmap, vmin=0.95, vmax=1.15, aspect="auto")
+        for r, T in enumerate(Ts):
+            for col, m in enumerate(masks):
+                c = by[(dname, pass_, m, T)]
+                label = short.get(c["auto_chose"], c["auto_chose"])
+                if c["fastest"] != c["auto_chose"]:
+                    label += "*"
+                ax.text(col, r, f"{label}\n{c['ratio']:.2f}", ha="center", va="center", fontsize=7)
+        ax.set_xticks(range(len(masks)), masks)
+        ax.set_yticks(range(len(Ts)), [str(T) for T in Ts])
+        ax.set_title(f"{dname}\n{pass_}", fontsize=10)
+        if i == 0:
+            ax.set_ylabel("T (= S)")
+    fig.colorbar(im, ax=axes[0].tolist(), label="auto time / fastest backend's time", shrink=0.8)
+    fig.suptitle(title, fontsize=10)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def grid_main(args: argparse.Namespace) -> None:
+    for d in args.dtypes.split(","):
+        if d not in DTYPES:
+            raise SystemExit(f"error: --dtypes: unknown {d!r}; choose from {list(DTYPES)}")
+    for p in args.passes.split(","):
+        if p not in PASSES:
+            raise SystemExit(f"error: --passes: unknown {p!r}; choose from {list(PASSES)}")
+    for m in args.masks.split(","):
+        if m not in MASKS:
+            raise SystemExit(f"error: --masks: unknown {m!r}; choose from {list(MASKS)}")
+    quiet = wait_until_quiet(args)
+    print(
+        f"B=1, H={H}, D={D}, T = S = {args.grid_min_t}..{args.grid_max_t}, {args.threads} "
+        f"threads; other processes used {quiet['others_busy_before']:.0%} of the machine "
+        f"before (loadavg {quiet['loadavg_before'][0]:.2f})",
+        flush=True,
+    )
+    t0 = time.perf_counter()
+    if args.write_table:
+        meter = QuietMeter().start()
+        cells = measure_grid(args, with_auto=False)
+        table = {
+            "format": TABLE_FORMAT,
+            "about": "backends fastest first per (dtype, pass, mask, length), measured by "
+            "benchmarks/bench_attention.py --write-table; auto dispatches by it",
+            "machine": machine_info(args, quiet, meter),
+            "shape": {"B": 1, "H": H, "D": D, "device": "cpu"},
+            "rows": table_rows(cells),
+        }
+        Path(args.write_table).write_text(json.dumps(table, indent=1) + "\n")
+        m = table["machine"]
+        print(
+            f"\nwrote {len(table['rows'])} rows to {args.write_table} in "
+            f"{time.perf_counter() - t0:.0f} s; others used {m['others_busy_before']:.0%} of "
+            f"the machine before and {m['others_busy_during']:.0%} during the run"
+        )
+        from attnlab.backends import set_dispatch_table
+
+        set_dispatch_table(args.write_table)  # validates it; --grid below then uses it
+    if args.grid:
+        meter = QuietMeter().start()
+        cells = measure_grid(args, with_auto=True)
+        busy = meter.others()
+        print_grid(cells)
+        print(
+            f"grid took {time.perf_counter() - t0:.0f} s; other processes used {busy:.0%} of "
+            f"the machine during it (loadavg now {os.getloadavg()[0]:.2f})"
+        )
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump({"cells": cells, "others_busy_during": busy}, fh, indent=1)
+        if args.grid_plot:
+            title = (
+                f"auto / fastest backend, B=1 H={H} D={D}, CPU {args.threads} threads "
+                f"(label: auto's choice; * = another backend was fastest); "
+                f"others' CPU use {busy:.0%}"
+            )
+            plot_grid(cells, args.grid_plot, title)
+            print(f"grid plot written to {args.grid_plot}")
+
+
+def overhead_main(T: int = 32, calls: int = 200, rounds: int = 40) -> None:
+    """What attnlab adds per call: T=32 fp32 causal forward, B=1, H=12, D=64, one thread.
+
+    Interleaved rounds of ``calls`` calls each; the minimum per-call time of each, as CPU
+    time of the calling thread (``time.thread_time``): with one thread the kernel runs in
+    it, and time the machine's other processes take away from it is not counted, so the
+    comparison holds on a busy machine too. Wall-clock minima are printed beside it."""
+    torch.set_num_threads(1)
+    q, k, v = (torch.randn(1, H, T, D) for _ in range(3))
+    fns = {
+        "torch F.scaled_dot_product_attention": lambda: F.scaled_dot_product_attention(
+            q, k, v, is_causal=True
+        ),
+        "attnlab backend='sdpa'": lambda: scaled_dot_product_attention(
+            q, k, v, is_causal=True, backend="sdpa"
+        ),
+        "attnlab backend='auto'": lambda: scaled_dot_product_attention(q, k, v, is_causal=True),
+    }
+    best = dict.fromkeys(fns, math.inf)
+    wall = dict.fromkeys(fns, math.inf)
+    with torch.no_grad():
+        for _ in range(rounds):
+            for name, f in fns.items():
+                t0, w0 = time.thread_time(), time.perf_counter()
+                for _ in range(calls):
+                    f()
+                best[name] = min(best[name], (time.thread_time() - t0) / calls)
+                wall[name] = min(wall[name], (time.perf_counter() - w0) / calls)
+    base, wbase = (
+        best["torch F.scaled_dot_product_attention"],
+        wall["torch F.scaled_dot_product_attention"],
+    )
+    print(
+        f"T={T} fp32 causal forward, B=1, H={H}, D={D}, 1 thread; min over {rounds} "
+        f"interleaved rounds of {calls} calls; loadavg {os.getloadavg()[0]:.2f}"
+    )
+    print(f"{'':<38} {'thread CPU time':>30}   {'wall clock':>28}")
+    for name, t in best.items():
+        w = wall[name]
+        print(
+            f"{name:<38} {t * 1e6:7.1f} us (+{(t - base) * 1e6:5.1f}, {t / base:.3f}x)   "
+            f"{w * 1e6:7.1f} us (+{(w - wbase) * 1e6:5.1f}, {w / wbase:.3f}x)"
+        )
+    from attnlab.backends import explain_dispatch as explain
+
+    exp = explain(q, k, v, is_causal=True)
+    print(f"auto chose {exp.chosen}; decided by {exp.decided_by}")
 
 
 if __name__ == "__main__":

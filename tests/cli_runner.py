@@ -15,16 +15,21 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 
 
 def run_cli(
-    *args: str, cwd: Path | None = None, columns: int = 120, timeout: float = 600
+    *args: str,
+    cwd: Path | None = None,
+    columns: int = 120,
+    timeout: float = 600,
+    env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
-    """Run ``python -m attnlab ARGS`` in a subprocess, on this checkout's sources, offline."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(SRC) + os.pathsep + env.get("PYTHONPATH", "")
-    env.update(COLUMNS=str(columns), MPLBACKEND="Agg", HF_HUB_OFFLINE="1")
+    """Run ``python -m attnlab ARGS`` in a subprocess, on this checkout's sources, offline
+    (``env``: extra environment variables)."""
+    full = dict(os.environ)
+    full["PYTHONPATH"] = str(SRC) + os.pathsep + full.get("PYTHONPATH", "")
+    full.update(COLUMNS=str(columns), MPLBACKEND="Agg", HF_HUB_OFFLINE="1", **(env or {}))
     return subprocess.run(
         [sys.executable, "-m", "attnlab", *args],
         cwd=cwd,
-        env=env,
+        env=full,
         capture_output=True,
         text=True,
         encoding="utf-8",

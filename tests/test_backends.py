@@ -10,7 +10,12 @@ import pytest
 import torch
 
 from attnlab._memory import peak_allocated
-from attnlab.backends import WeightsRequest, available_backends, explain_dispatch
+from attnlab.backends import (
+    WeightsRequest,
+    available_backends,
+    explain_dispatch,
+    set_dispatch_table,
+)
 from attnlab.backends.blockwise import force_tile_path, fused_tiles_available
 from attnlab.functional import exact_attention_weights, scaled_dot_product_attention
 from attnlab.masks import (
@@ -266,7 +271,15 @@ def test_bad_input_raises_naming_the_argument(kwargs, exc, match):
         explain_dispatch(**args)
 
 
-def test_auto_dispatch_choices_and_refusals():
+@pytest.fixture
+def fixed_order():
+    """auto by the fixed order (no crossover table: its measured ranking may differ)."""
+    set_dispatch_table(None)
+    yield
+    set_dispatch_table()
+
+
+def test_auto_dispatch_choices_and_refusals(fixed_order):
     small = torch.randn(1, 2, 8, 16)
     assert explain_dispatch(small, small, small, is_causal=True).chosen == "sdpa"
     # A big padding mask has no PyTorch fast path: auto applies it tile by tile instead.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -53,9 +54,70 @@ def test_info_user_errors(capsys, args, pattern):
     assert err.startswith("attnlab: error:") and pattern in err and err.count("\n") == 1
 
 
-def test_info_default_is_sdpa_for_causal(capsys):
+@pytest.fixture
+def table_env(monkeypatch):
+    """Point auto at a table (a path, or 'none') through the environment; restore after."""
+    from attnlab.backends import set_dispatch_table
+
+    def use(value: str) -> None:
+        monkeypatch.setenv("ATTNLAB_DISPATCH_TABLE", value)
+        set_dispatch_table()  # read the environment again on next use
+
+    yield use
+    monkeypatch.delenv("ATTNLAB_DISPATCH_TABLE", raising=False)
+    set_dispatch_table()
+
+
+def test_info_default_is_sdpa_for_causal(capsys, table_env):
+    table_env("none")  # the fixed order: the measured table may rank otherwise
     code, out, _ = run_main(capsys, "info")
-    assert code == 0 and "backend='auto' -> sdpa" in out.replace("\n", " ").replace("  ", " ")
+    flat = " ".join(out.split())
+    assert code == 0 and "backend='auto' -> sdpa" in flat
+    assert "auto's crossover table: none; auto uses the fixed order" in flat
+    assert "decided by the fixed order sdpa > blockwise > math" in flat
+
+
+def _table_file(tmp_path, rows):
+    path = tmp_path / "table.json"
+    doc = {
+        "format": "attnlab-dispatch-table/1",
+        "machine": {"date": "2026-11-30 12:00 UTC", "threads": 2, "others_busy_during": 0.03},
+        "shape": {"B": 1, "H": 12, "D": 64, "device": "cpu"},
+        "rows": rows,
+    }
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def test_info_shows_the_table_and_the_row_that_decided(capsys, table_env, tmp_path):
+    row = {"dtype": "bfloat16", "pass": "forward+backward", "mask": "causal", "t_from": 0,
+           "t_below": 256, "order": ["math", "sdpa", "blockwise"],
+           "ms": {"64": {"math": 1.29, "sdpa": 1.76, "blockwise": 3.6}}}  # fmt: skip
+    path = _table_file(tmp_path, [row])
+    table_env(str(path))
+    res = run_cli(
+        "info", "--seq-len", "64", "--dtype", "bf16", "--backward", "--table", columns=240,
+        env={"ATTNLAB_DISPATCH_TABLE": str(path)},
+    )  # fmt: skip
+    flat = " ".join(res.stdout.split())
+    assert res.returncode == 0, res.stderr
+    assert "auto's crossover table (1 rows" in flat and "other processes used 3%" in flat
+    assert "math < sdpa < blockwise" in flat and "64: 1.29 1.76 3.6" in flat
+    assert "forward+backward: backend='auto' -> math" in flat
+    assert "decided by dispatch table row 0 (bfloat16, forward+backward, causal" in flat
+    # The forward pass has no row: the fixed order, and info says so.
+    code, out, _ = run_main(capsys, "info", "--seq-len", "64", "--dtype", "bf16")
+    assert code == 0
+    flat = " ".join(out.split())
+    assert "-> sdpa" in flat and "no table row for bfloat16, forward" in flat
+    assert "`attnlab info --table` lists the rows" in flat
+
+
+def test_info_with_a_malformed_table_is_a_user_error(capsys, table_env, tmp_path):
+    table_env(str(_table_file(tmp_path, [{"dtype": "float32"}])))
+    code, out, err = run_main(capsys, "info")
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and "is malformed: `rows[0].pass` must be one of" in err
 
 
 def test_info_lists_the_variants_and_which_backend_serves_them():

@@ -130,3 +130,22 @@ def test_softcap_and_sinks_are_steps_and_still_land_on_the_layer():
     ids = [x["id"] for x in step_sections(s)]
     assert ids.index("scale") < ids.index("softcap") < ids.index("mask")
     assert "attention sink" in next(x for x in step_sections(s) if x["id"] == "weights")["body"]
+
+
+def test_qk_norm_and_rope_show_the_query_as_used():
+    from attnlab.norms import QKNorm
+
+    torch.manual_seed(3)
+    model = TinyModel(rope=True).eval()
+    model.blocks[0] = Attention(16, 4, rope=True, qk_norm=QKNorm("rms", scope="head"))
+    s = head_steps(model, IDS, layer=0, head=1, token=4)
+    assert s.qk_norm and s.rope
+    block = model.blocks[0]
+    with torch.no_grad():
+        x = model.emb(torch.tensor([IDS]))
+        q = block.W_query(x).view(1, 8, 4, 4).transpose(1, 2)
+        q = block.rope(block.q_norm(q), torch.arange(8))
+    torch.testing.assert_close(s.query, q[0, 1, 4])
+    ids = [x["id"] for x in step_sections(s)]
+    assert ids[:4] == ["input", "query", "qk_norm", "keys"]
+    assert max(s.checks.values()) < 1e-5

@@ -26,14 +26,7 @@ from attnlab.generation import generate
 from attnlab.models.decoder import Decoder
 from attnlab.models.encoder import Encoder
 from attnlab.pretrained import load_pretrained
-
-CORPUS = [
-    "Attention lets every token look at every other token.",
-    "The cat sat on the mat, and the dog sat on the log.",
-    "Queries, keys and values: 1, 2, 3 and 42!",
-    "Once upon a time there was a small model in a test.",
-]
-VOCAB = 160
+from model_files import CORPUS, save_hf, tokenizer_json
 
 # family -> config overrides (small but not trivial; the awkward options on)
 DECODERS: dict[str, dict] = {
@@ -89,48 +82,16 @@ ENCODERS: dict[str, dict] = {
 }
 
 
-def _tokenizer_json(folder) -> None:
-    """A small byte-level BPE tokenizer, trained here, saved as tokenizer.json."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB,
-        special_tokens=["<s>", "<pad>", "</s>", "<unk>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator(CORPUS, trainer)
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(
-        '{"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", '
-        '"chat_template": "{% for m in messages %}<s>{{ m.content }}</s>{% endfor %}"}'
-    )
-
-
-def _save(family: str, overrides: dict, folder, dtype: torch.dtype):
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
-
-    config = AutoConfig.for_model(family, vocab_size=512, initializer_range=0.1, **overrides)
-    torch.manual_seed(0)
-    auto = AutoModel if family in ENCODERS else AutoModelForCausalLM
-    model = auto.from_config(config, attn_implementation="eager").to(dtype).eval()
-    folder.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(folder, safe_serialization=True)
-    _tokenizer_json(folder)
-    return folder
-
-
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """family -> (fp32 dir, bf16 dir), built once per module."""
     root = tmp_path_factory.mktemp("families")
     out = {}
     for family, overrides in {**DECODERS, **ENCODERS}.items():
+        enc = family in ENCODERS
         out[family] = (
-            _save(family, overrides, root / f"{family}-fp32", torch.float32),
-            _save(family, overrides, root / f"{family}-bf16", torch.bfloat16),
+            save_hf(family, overrides, root / f"{family}-fp32", torch.float32, encoder=enc),
+            save_hf(family, overrides, root / f"{family}-bf16", torch.bfloat16, encoder=enc),
         )
     return out
 
@@ -278,7 +239,7 @@ def test_sharded_checkpoint_loads_like_the_single_file(checkpoints, tmp_path):
 
     ref = AutoModelForCausalLM.from_pretrained(checkpoints["llama"][0])
     ref.save_pretrained(tmp_path, safe_serialization=True, max_shard_size="40KB")
-    _tokenizer_json(tmp_path)
+    tokenizer_json(tmp_path)
     assert (tmp_path / "model.safetensors.index.json").is_file()
     sharded, tok = load_pretrained(tmp_path)
     single, _ = load_pretrained(checkpoints["llama"][0])

@@ -292,3 +292,45 @@ def test_a_model_that_fails_to_load_is_a_500_json_and_others_still_work(gpt):
         m = {x["name"]: x for x in c.get("/api/models").json()["models"]}
         assert m["broken"]["state"] == "error" and "truncated" in m["broken"]["error"]
         assert c.post("/api/trace", json={"model": "tiny", "text": "hi"}).status_code == 200
+
+
+def test_models_report_loading_progress(gpt):
+    gate = threading.Event()
+
+    def slow_load():
+        gate.wait(10)
+        return model_spec(gpt, get_tokenizer(), "slow").load()
+
+    events: list[tuple[str, str]] = []
+    registry = ModelRegistry([ModelSpec("slow", "waits", slow_load)],
+                             on_event=lambda e, name, detail: events.append((e, name)))  # fmt: skip
+    with TestClient(create_app(registry)) as c, ThreadPoolExecutor(1) as ex:
+        pending = ex.submit(c.post, "/api/trace", json={"model": "slow", "text": "hi"})
+        while events != [("loading", "slow")]:
+            time.sleep(0.01)
+        time.sleep(0.15)
+        m = c.get("/api/models").json()["models"][0]
+        assert m["state"] == "loading" and m["seconds"] >= 0.1
+        gate.set()
+        assert pending.result().status_code == 200
+        m = c.get("/api/models").json()["models"][0]
+        assert m["state"] == "ready" and m["loaded"] and m["seconds"] >= 0.1
+    assert events == [("loading", "slow"), ("ready", "slow")]
+
+
+def test_default_models_are_the_example_runs_gpt_and_installed_packages(tmp_path):
+    from attnlab.checkpoint import save_checkpoint
+    from attnlab.serve import default_specs, spec_for
+
+    assert default_specs(tmp_path / "runs" / "gpt")[0].name == "example:journey"
+    assert str(tmp_path / "runs" / "gpt") not in [s.name for s in default_specs(tmp_path / "x")]
+    g = tiny_gpt()
+    save_checkpoint(tmp_path / "gpt", g.state_dict(), model_type="gpt",
+                    model_config=g.cfg.to_dict(), step=3)  # fmt: skip
+    specs = default_specs(tmp_path / "gpt")
+    assert specs[1].name == str(tmp_path / "gpt") and specs[1].kind == "checkpoint"
+    loaded = specs[1].load()
+    assert loaded.causal and "step 3" in loaded.source
+    with pytest.raises(ValueError, match="is not a model attnlab can serve"):
+        spec_for(str(tmp_path / "nothing-here"))
+    assert spec_for("example:toy").name == "example:toy"

@@ -73,6 +73,9 @@ def test_the_command_binds_loopback_and_stops_on_ctrl_c(tmp_path):
     r = httpx.post(f"{s.url}/api/trace", json={"model": "example:journey"}, timeout=60)
     assert r.status_code == 200 and r.json()["attention"]["tokens"][0] == "Your"
     assert s.stop() == 0
+    err = s.proc.stderr.read()
+    assert "loading example:journey ..." in err and "example:journey ready (" in err
+    assert "Traceback" not in err and "error" not in err
     out = ServeProcess("--model", "example:journey", "--host", "0.0.0.0", cwd=tmp_path)
     assert "listening on 0.0.0.0: other machines can reach it" in out.line
     assert out.stop() == 0

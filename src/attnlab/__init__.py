@@ -5,7 +5,7 @@ Public API, re-exported names only. See the README for a tour.
 
 from __future__ import annotations
 
-from attnlab.attention import Attention, KVCache, RotaryEmbedding
+from attnlab.attention import Attention, KVCache, RollingKVCache, RotaryEmbedding
 from attnlab.backends import WeightsRequest, explain_dispatch
 from attnlab.biases import AlibiBias, RelativePositionBias
 from attnlab.examples import EXAMPLES, Example, get_example
@@ -30,6 +30,7 @@ from attnlab.masks import (
     SlidingWindowMask,
     as_mask,
 )
+from attnlab.norms import QKNorm
 from attnlab.rope import RopeConfig
 
 __version__ = "0.1.0"
@@ -47,7 +48,9 @@ __all__ = [
     "Example",
     "KVCache",
     "PaddingMask",
+    "QKNorm",
     "RelativePositionBias",
+    "RollingKVCache",
     "RopeConfig",
     "RotaryEmbedding",
     "SelfAttentionV1",

@@ -23,7 +23,8 @@ from attnlab.functional import (
     exact_attention_weights,
     scaled_dot_product_attention,
 )
-from attnlab.masks import AttentionMask, as_mask
+from attnlab.masks import AttentionMask, SlidingWindowMask, as_mask
+from attnlab.norms import QKNorm
 from attnlab.rope import RopeConfig, RotaryEmbedding, rotate_half
 
 __all__ = [
@@ -31,6 +32,8 @@ __all__ = [
     "AttentionCall",
     "AttentionRecorder",
     "KVCache",
+    "QKNorm",
+    "RollingKVCache",
     "RopeConfig",
     "RotaryEmbedding",
     "record_attention",
@@ -56,31 +59,31 @@ class KVCache:
 
     @property
     def seq_len(self) -> int:
-        """Number of cached positions."""
+        """Number of positions seen so far (the position of the next token)."""
         return self._len
+
+    @property
+    def cached_len(self) -> int:
+        """Number of positions held (here: all of them)."""
+        return self._len
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the key and value buffers."""
+        return sum(t.numel() * t.element_size() for t in (self._k, self._v) if t is not None)
 
     def reset(self) -> None:
         """Forget everything cached."""
         self._k = self._v = None
         self._len = 0
 
-    def update(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append new keys and values; return all cached keys and values.
-
-        Raises:
-            ValueError: shapes that do not match each other or the cache.
-        """
+    def _check(self, key: torch.Tensor, value: torch.Tensor) -> None:
         if key.ndim != 4 or value.ndim != 4 or key.shape[:3] != value.shape[:3]:
             raise ValueError(
                 "`key` and `value` must be (B, G, T, D) and (B, G, T, Dv) with matching "
                 f"B, G, T, got {tuple(key.shape)} and {tuple(value.shape)}"
             )
-        n = key.shape[2]
-        if self._k is None or self._v is None:
-            cap = max(16, n)
-            self._k = key.new_empty(key.shape[0], key.shape[1], cap, key.shape[3])
-            self._v = value.new_empty(value.shape[0], value.shape[1], cap, value.shape[3])
-        else:
+        if self._k is not None and self._v is not None:
             expect = (self._k.shape[0], self._k.shape[1], self._k.shape[3], self._v.shape[3])
             got = (key.shape[0], key.shape[1], key.shape[3], value.shape[3])
             if expect != got:
@@ -88,6 +91,19 @@ class KVCache:
                     f"`key`/`value` do not match the cache: (B, G, D, Dv) = {expect}, got "
                     f"{got}; call reset() to start a new sequence"
                 )
+
+    def update(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append new keys and values; return all cached keys and values.
+
+        Raises:
+            ValueError: shapes that do not match each other or the cache.
+        """
+        self._check(key, value)
+        n = key.shape[2]
+        if self._k is None or self._v is None:
+            cap = max(16, n)
+            self._k = key.new_empty(key.shape[0], key.shape[1], cap, key.shape[3])
+            self._v = value.new_empty(value.shape[0], value.shape[1], cap, value.shape[3])
         if key.requires_grad or value.requires_grad:
             # Keep the autograd graph: concatenate instead of writing into the buffer.
             k_all = torch.cat([self._k[:, :, : self._len], key], dim=2)
@@ -116,6 +132,70 @@ class KVCache:
         if self._k is None or self._v is None:
             raise ValueError("the cache is empty; update() it first")
         return self._k[:, :, : self._len], self._v[:, :, : self._len]
+
+
+class RollingKVCache(KVCache):
+    """A KV cache for a sliding-window layer: it holds only the last ``window - 1``
+    positions, all that a later query may still see besides itself.
+
+    Memory stays below ``window`` positions however many tokens are generated. ``update``
+    returns the held keys followed by the new ones (``S = cached_len + T``, contiguous
+    positions ending at the newest token), so a bottom-right aligned
+    :class:`attnlab.masks.SlidingWindowMask` over them is exactly the full pass's window,
+    also for a chunk longer than the window; for one new token ``S <= window`` and the
+    window masks nothing. Keys are stored after RoPE, so their positions travel with them.
+    Use it with ``Attention(sliding_window=w)`` and a ``window >= w``
+    (``Attention.new_kv_cache()`` builds the right one).
+
+    Args:
+        window: the layer's sliding window, >= 1.
+
+    Raises:
+        ValueError: ``window`` not a positive int.
+    """
+
+    def __init__(self, window: int) -> None:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"`window` must be an int >= 1, got {window!r}")
+        super().__init__()
+        self.window = window
+        self._seen = 0
+
+    @property
+    def seq_len(self) -> int:
+        """Number of positions seen so far (the position of the next token)."""
+        return self._seen
+
+    def reset(self) -> None:
+        """Forget everything cached."""
+        super().reset()
+        self._seen = 0
+
+    def update(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return the held keys/values followed by the new ones; keep the last ``window - 1``.
+
+        Shape:
+            - key ``(B, G, T, D)``, value ``(B, G, T, Dv)``; returns ``(B, G, S, D)`` and
+              ``(B, G, S, Dv)`` with ``S = cached_len + T`` (before this update).
+
+        Raises:
+            ValueError: shapes that do not match each other or the cache.
+        """
+        self._check(key, value)
+        if self._k is None or self._v is None:
+            k_all, v_all = key, value
+        else:
+            k_all = torch.cat([self._k, key.to(self._k.dtype)], dim=2)  # (B, G, S, D)
+            v_all = torch.cat([self._v, value.to(self._v.dtype)], dim=2)  # (B, G, S, Dv)
+        keep = min(self.window - 1, k_all.shape[2])
+        first = k_all.shape[2] - keep
+        k_keep, v_keep = k_all[:, :, first:], v_all[:, :, first:]
+        if not (k_keep.requires_grad or v_keep.requires_grad):
+            # A copy, so that the held tensors do not pin the (window + T) buffer.
+            k_keep, v_keep = k_keep.clone(), v_keep.clone()
+        self._k, self._v, self._len = k_keep, v_keep, keep
+        self._seen += key.shape[2]
+        return k_all, v_all
 
 
 @dataclass(frozen=True)
@@ -189,31 +269,43 @@ class Attention(nn.Module):
 
     Grouped-query attention when ``num_kv_heads < num_heads`` (multi-query when 1), cross
     attention when ``forward`` gets a ``context`` (of width ``kdim``/``vdim``), rotary
-    position embedding, a KV cache, and any attnlab backend.
+    position embedding and its variants, QK normalisation, a score scale of the model's
+    choosing, a per-layer sliding window, a KV cache (a rolling one for sliding-window
+    layers), and any attnlab backend.
+
+    The order inside a forward is the one of Qwen3, Gemma 3 and OLMo 2: project, QK-norm,
+    RoPE, cache, attend (``scale``, mask, sliding window), output projection.
 
     Parameters are created in the order ``W_query``, ``W_key``, ``W_value``, ``out_proj``
     (the book's order, so seeded construction matches the book's classes).
 
     Args:
         embed_dim: model width C.
-        num_heads: query heads H; ``head_dim = embed_dim // num_heads``.
+        num_heads: query heads H.
         num_kv_heads: key/value heads G (default H); must divide H.
         kdim: width of the key source (default ``embed_dim``).
         vdim: width of the value source (default ``kdim``).
-        bias: bias in the Q/K/V projections.
+        bias: bias in the Q/K/V projections (Qwen2: True, with ``out_bias=False``).
         out_bias: bias in the output projection.
         dropout: dropout on the attention weights, in training mode.
         rope: None, True (RoPE with base 10000), a float base, a
             :class:`attnlab.rope.RopeConfig` (partial, interleaved, scaled RoPE), or a
             :class:`RotaryEmbedding` of head dim ``head_dim`` (to share one between layers).
         backend: the attention backend (``"auto"``, ``"math"``, ``"blockwise"``, ``"sdpa"``).
+        head_dim: D; default ``embed_dim // num_heads``. Set it when ``H * D != C``
+            (Gemma, Qwen3): the query/output projections are then ``C -> H*D -> C``.
+        scale: the score scale; default ``1/sqrt(D)`` (Gemma: ``query_pre_attn_scalar**-0.5``).
+        qk_norm: a :class:`attnlab.norms.QKNorm`: RMSNorm or LayerNorm on queries and keys
+            before RoPE, per head or across heads; its parameters are ``q_norm`` and
+            ``k_norm``.
+        sliding_window: each query sees only itself and the ``sliding_window - 1`` keys
+            before it (Mistral, Gemma 2's local layers; with ``is_causal=False``, keys
+            within that distance on both sides); combined with any ``attn_mask``.
         softcap: logit soft-capping ``softcap * tanh(s / softcap)`` of the scaled scores
             (Gemma 2 uses 50.0), or None.
         sinks: attention sinks (gpt-oss): True for a learned per-head logit
             :attr:`sinks` (an ``nn.Parameter`` ``(H,)``, initialised to 0), a tensor
             ``(H,)`` for its initial value, or None/False for none.
-        scale: the score scale; default ``1/sqrt(D)`` (T5: 1.0, its scale is folded into
-            the query weights).
 
     Attributes:
         capture: None by default. Set to True (all weights) or to a
@@ -223,9 +315,11 @@ class Attention(nn.Module):
         captured: the weights of the last forward when ``capture`` was set.
 
     Raises:
-        ValueError: ``embed_dim`` not divisible by ``num_heads``, ``num_kv_heads`` not
-            dividing ``num_heads``, bad dropout, unknown backend, a RotaryEmbedding of the
-            wrong head dim.
+        ValueError: ``embed_dim`` not divisible by ``num_heads`` (without ``head_dim``),
+            ``num_kv_heads`` not dividing ``num_heads``, bad dropout, unknown backend, a
+            RotaryEmbedding of the wrong head dim, a non-positive ``head_dim``, ``scale``
+            or ``sliding_window``.
+        TypeError: ``qk_norm`` not a QKNorm.
     """
 
     def __init__(
@@ -241,15 +335,32 @@ class Attention(nn.Module):
         dropout: float = 0.0,
         rope: RotaryEmbedding | RopeConfig | bool | float | None = None,
         backend: str = "auto",
+        head_dim: int | None = None,
+        scale: float | None = None,
+        qk_norm: QKNorm | None = None,
+        sliding_window: int | None = None,
         softcap: float | None = None,
         sinks: bool | torch.Tensor | None = None,
-        scale: float | None = None,
     ) -> None:
         super().__init__()
-        for name, val in (("embed_dim", embed_dim), ("num_heads", num_heads)):
+        for name, val in (
+            ("embed_dim", embed_dim),
+            ("num_heads", num_heads),
+            ("head_dim", 1 if head_dim is None else head_dim),
+            ("sliding_window", 1 if sliding_window is None else sliding_window),
+        ):
             if isinstance(val, bool) or not isinstance(val, int) or val <= 0:
                 raise ValueError(f"`{name}` must be a positive int, got {val!r}")
-        if embed_dim % num_heads:
+        if scale is not None and (
+            isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < 1e300
+        ):
+            raise ValueError(f"`scale` must be a positive finite number or None, got {scale!r}")
+        if qk_norm is not None and not isinstance(qk_norm, QKNorm):
+            raise TypeError(
+                f"`qk_norm` must be None or a QKNorm, e.g. QKNorm('rms', scope='head'), got "
+                f"{type(qk_norm).__name__}"
+            )
+        if head_dim is None and embed_dim % num_heads:
             raise ValueError(
                 f"`embed_dim` ({embed_dim}) must be divisible by `num_heads` ({num_heads}); "
                 f"e.g. num_heads={_divisor_hint(embed_dim, num_heads)}"
@@ -259,10 +370,6 @@ class Attention(nn.Module):
             raise ValueError(
                 f"`num_kv_heads` must be a positive divisor of num_heads={num_heads}, got {G!r}"
             )
-        if scale is not None and (
-            isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < 1e300
-        ):
-            raise ValueError(f"`scale` must be a positive finite number or None, got {scale!r}")
         if not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
             raise ValueError(f"`dropout` must be in [0, 1), got {dropout!r}")
         if backend not in available_backends():
@@ -270,7 +377,7 @@ class Attention(nn.Module):
         self.embed_dim = embed_dim
         self.num_heads = num_heads
         self.num_kv_heads = G
-        self.head_dim = embed_dim // num_heads
+        self.head_dim = embed_dim // num_heads if head_dim is None else head_dim
         self.kdim = embed_dim if kdim is None else kdim
         self.vdim = self.kdim if vdim is None else vdim
         self.dropout = float(dropout)
@@ -281,6 +388,14 @@ class Attention(nn.Module):
         self.W_value = nn.Linear(self.vdim, G * D, bias=bias)
         self.out_proj = nn.Linear(num_heads * D, embed_dim, bias=out_bias)
         self.scale = None if scale is None else float(scale)
+        self.sliding_window = sliding_window
+        self.qk_norm = qk_norm
+        self.q_norm: nn.Module | None = None
+        self.k_norm: nn.Module | None = None
+        if qk_norm is not None:
+            across = qk_norm.scope == "all"
+            self.q_norm = qk_norm.build(num_heads * D if across else D)
+            self.k_norm = qk_norm.build(G * D if across else D)
         if rope is None or rope is False:
             self.rope: RotaryEmbedding | None = None
         elif rope is True:
@@ -334,12 +449,15 @@ class Attention(nn.Module):
             context: keys' and values' source ``(B, S_new, kdim)`` for cross attention;
                 None for self-attention.
             attn_mask: as :func:`attnlab.functional.scaled_dot_product_attention`, over
-                all ``S`` keys (cached + new).
+                all ``S`` keys the layer sees (cached + new; with a
+                :class:`RollingKVCache`, the held ones + new).
             is_causal: causal masking; aligned bottom-right when ``T != S`` (cache).
-            kv_cache: new keys/values are appended to it and all of them are used. With
-                ``context`` (cross attention) it holds the context's keys/values instead:
-                filled on the first call, reused as they are on later calls (the encoder
-                output does not change while decoding), so ``context`` is projected once.
+            kv_cache: new keys/values are appended to it and all of them are used; a
+                :class:`RollingKVCache` needs ``sliding_window`` (see
+                :meth:`new_kv_cache`). With ``context`` (cross attention) it holds the
+                context's keys/values instead: filled on the first call, reused as they
+                are on later calls (the encoder output does not change while decoding), so
+                ``context`` is projected once.
             position_ids: RoPE positions ``(T,)`` or ``(B, T)``; default
                 ``cache.seq_len + arange(T)``.
             need_weights: False, True, or a ``WeightsRequest``.
@@ -384,16 +502,38 @@ class Attention(nn.Module):
         src = x if context is None else context
         S_new = src.shape[1]
 
-        queries = self.W_query(x).view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
+        if isinstance(kv_cache, RollingKVCache) and (
+            self.sliding_window is None or kv_cache.window < self.sliding_window
+        ):
+            raise ValueError(
+                f"`kv_cache` is a RollingKVCache of window {kv_cache.window}, but this layer "
+                f"has sliding_window={self.sliding_window}; a rolling cache needs a window "
+                "at least the layer's: use layer.new_kv_cache()"
+            )
+        # Cross attention with a filled cache: the context's keys/values as first computed.
         cross_cached = context is not None and kv_cache is not None and kv_cache.seq_len > 0
+        q_flat = self.W_query(x)  # (B, T, H*D)
+        queries = q_flat.view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
+        k_flat: torch.Tensor | None = None
         if cross_cached:
             assert kv_cache is not None
-            keys, values = kv_cache.cached()  # (B, G, S, D): the context's, projected once
-            kv_cache = None
+            keys, values = kv_cache.cached()  # (B, G, S, D), projected and normed once
         else:
-            keys = self.W_key(src).view(B, S_new, G, D).transpose(1, 2)  # (B, G, S_new, D)
+            k_flat = self.W_key(src)  # (B, S_new, G*D)
+            keys = k_flat.view(B, S_new, G, D).transpose(1, 2)  # (B, G, S_new, D)
             values = self.W_value(src).view(B, S_new, G, D).transpose(1, 2)  # (B, G, S_new, D)
         queries_projected, keys_projected = queries, keys
+        if self.q_norm is not None and self.k_norm is not None and self.qk_norm is not None:
+            if self.qk_norm.scope == "all":  # OLMo 2: over the heads' concatenation
+                queries = self.q_norm(q_flat).view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
+                if k_flat is not None:
+                    keys = (
+                        self.k_norm(k_flat).view(B, S_new, G, D).transpose(1, 2)
+                    )  # (B, G, S_new, D)
+            else:  # Qwen3, Gemma 3: each head vector
+                queries = self.q_norm(queries)
+                if not cross_cached:
+                    keys = self.k_norm(keys)
 
         if self.rope is not None:
             pos = self._positions(position_ids, B, T, kv_cache, x.device)
@@ -402,9 +542,9 @@ class Attention(nn.Module):
         elif position_ids is not None:
             raise ValueError("`position_ids` is only used with rope; this layer has rope=None")
 
-        if kv_cache is not None:
+        if kv_cache is not None and not cross_cached:
             keys, values = kv_cache.update(keys, values)  # (B, G, S, D)
-        mask = as_mask(attn_mask, is_causal)
+        mask = self._mask(attn_mask, is_causal, keys.shape[2])
         scale = self.scale if self.scale is not None else default_scale(D)
         dropout_p = self.dropout if self.training else 0.0
 
@@ -464,6 +604,24 @@ class Attention(nn.Module):
             return out, weights  # type: ignore[return-value]
         return out
 
+    def _mask(
+        self, attn_mask: AttentionMask | torch.Tensor | None, is_causal: bool, S: int
+    ) -> AttentionMask | None:
+        """The call's mask: the user's, causal, and this layer's sliding window (left out
+        when it cannot remove a key, S <= window, so fused kernels keep their fast path)."""
+        if self.sliding_window is None or self.sliding_window >= S:
+            return as_mask(attn_mask, is_causal)
+        window = SlidingWindowMask(self.sliding_window, causal=is_causal)
+        user = as_mask(attn_mask)  # the window already forbids the future when causal
+        return window if user is None else user & window
+
+    def new_kv_cache(self) -> KVCache:
+        """An empty cache for this layer: a :class:`RollingKVCache` of ``sliding_window``
+        positions for a sliding-window layer, else a :class:`KVCache`."""
+        if self.sliding_window is not None:
+            return RollingKVCache(self.sliding_window)
+        return KVCache()
+
     def _positions(
         self,
         position_ids: torch.Tensor | None,
@@ -487,13 +645,21 @@ class Attention(nn.Module):
         return position_ids
 
     def extra_repr(self) -> str:
+        extra = "".join(
+            f", {name}={value!r}"
+            for name, value in (
+                ("scale", self.scale),
+                ("qk_norm", self.qk_norm),
+                ("sliding_window", self.sliding_window),
+            )
+            if value is not None
+        )
         return (
             f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
             f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
-            f"backend={self.backend!r}, rope={self.rope is not None}"
+            f"backend={self.backend!r}, rope={self.rope is not None}{extra}"
             + (f", softcap={self.softcap}" if self.softcap is not None else "")
             + (", sinks=True" if self.sinks is not None else "")
-            + (f", scale={self.scale}" if self.scale is not None else "")
         )
 
 

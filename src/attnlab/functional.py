@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 import torch
@@ -331,27 +332,39 @@ def scaled_dot_product_attention(
             reason), an unknown head or row in ``need_weights``, ``softcap <= 0``,
             ``sinks`` not a float tensor ``(H,)``.
     """
-    from attnlab.backends import exact_weights, prepare_call, select_backend, select_weights
-
-    call = prepare_call(
+    backends = _backends()
+    # validated and chosen once per call signature, then cached
+    chosen, mask, scale_f, wanted, softcap_f, sinks_t = backends.resolve_call(
         query, key, value, attn_mask, dropout_p, is_causal, scale, backend, need_weights,
         softcap=softcap, sinks=sinks,
     )  # fmt: skip
-    chosen = select_backend(backend, call.request)
     result = chosen.run(
-        query, key, value, call.mask, dropout_p=dropout_p, scale=call.scale,
-        softcap=call.softcap, sinks=call.sinks,
+        query, key, value, mask, dropout_p=dropout_p, scale=scale_f,
+        softcap=softcap_f, sinks=sinks_t,
     )  # fmt: skip
-    if call.weights is None:
+    if wanted is None:
         return result.output
     if result.weights is not None:
-        weights = select_weights(result.weights, call.weights)
+        weights = backends.select_weights(result.weights, wanted)
     else:
-        weights = exact_weights(
-            query, key, call.mask, call.scale, call.weights, lse=result.lse,
-            softcap=call.softcap, sinks=call.sinks,
+        weights = backends.exact_weights(
+            query, key, mask, scale_f, wanted, lse=result.lse,
+            softcap=softcap_f, sinks=sinks_t,
         )  # fmt: skip
     return result.output, weights
+
+
+_BACKENDS: ModuleType | None = None
+
+
+def _backends() -> ModuleType:
+    """``attnlab.backends``, imported on first use (it imports this module's callers)."""
+    global _BACKENDS
+    if _BACKENDS is None:
+        import attnlab.backends
+
+        _BACKENDS = attnlab.backends
+    return _BACKENDS
 
 
 def exact_attention_weights(

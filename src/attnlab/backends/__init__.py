@@ -2,14 +2,25 @@
 
 Every backend computes the same function (see ``attnlab.backends.math`` for the
 readable reference) from query ``(B, H, T, D)``, key ``(B, G, S, D)`` and value
-``(B, G, S, Dv)`` with an attnlab mask. ``auto`` walks :data:`AUTO_ORDER` (fastest
-first) and picks the first backend that can serve the request; :func:`explain_dispatch`
-gives, for every backend, why it was or was not chosen.
+``(B, G, S, Dv)`` with an attnlab mask.
+
+``auto`` chooses by measurement: the crossover table (:mod:`attnlab.backends.table`,
+shipped as ``attnlab/data/dispatch_table.json``) ranks the backends fastest first for the
+call's dtype, pass, mask kind and length; a backend that cannot serve the call (its
+``why_not``) is never chosen, and one with a reason to step aside (``why_not_auto``, e.g.
+a dense mask too large to materialise) is passed over while another can serve. A call no
+row covers, or no table at all, walks the fixed :data:`AUTO_ORDER`. :func:`explain_dispatch`
+says, for every backend, why it was or was not chosen, and which table row decided.
+
+The decision is cached per call signature (shapes, dtypes, devices, autograd pass, mask
+structure, dropout, scale, backend): a repeated call skips validation and selection.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -19,30 +30,48 @@ from attnlab.backends import ring as _ring
 from attnlab.backends import sdpa as _sdpa
 from attnlab.backends.base import AttentionRequest, Backend, BackendResult, WeightsRequest
 from attnlab.backends.request import PreparedCall, prepare_call
+from attnlab.backends.table import (
+    DEFAULT_TABLE_PATH,
+    DispatchTable,
+    DispatchTableError,
+    TableRow,
+    load_dispatch_table,
+    mask_kind,
+    pass_name,
+)
 from attnlab.backends.weights import exact_weights, select_weights
-from attnlab.masks import AttentionMask
+from attnlab.masks import AttentionMask, as_mask
 
 __all__ = [
     "AUTO_ORDER",
     "AttentionRequest",
     "Backend",
     "BackendResult",
+    "DispatchCacheInfo",
     "DispatchExplanation",
+    "DispatchTable",
+    "DispatchTableError",
     "PreparedCall",
+    "TableRow",
     "WeightsRequest",
     "available_backends",
+    "clear_dispatch_cache",
+    "dispatch_cache_info",
+    "dispatch_table",
     "exact_weights",
     "explain_dispatch",
     "get_backend",
     "prepare_call",
     "register_backend",
+    "resolve_call",
     "select_backend",
     "select_weights",
+    "set_dispatch_table",
     "variant_support",
 ]
 
 _REGISTRY: dict[str, Backend] = {}
-#: The order ``auto`` tries backends in: fastest first.
+#: The fixed order ``auto`` tries backends in when no table row covers a call.
 AUTO_ORDER: list[str] = []
 
 
@@ -59,6 +88,7 @@ def register_backend(backend: Backend, *, auto_rank: int | None = None) -> None:
         AUTO_ORDER.remove(backend.name)
     if auto_rank is not None:
         AUTO_ORDER.insert(auto_rank, backend.name)
+    clear_dispatch_cache()
 
 
 def available_backends() -> list[str]:
@@ -77,42 +107,284 @@ def get_backend(name: str) -> Backend:
     return _REGISTRY[name]
 
 
-def _reasons(request: AttentionRequest, for_auto: bool) -> dict[str, str | None]:
-    out: dict[str, str | None] = {}
-    for name, be in _REGISTRY.items():
-        why = be.why_not(request)
-        if why is None and for_auto:
-            why = be.why_not_auto(request)
-        out[name] = why
-    return out
+# --- the crossover table ------------------------------------------------------------------
+
+_NOT_LOADED = object()
+_table: DispatchTable | object | None = _NOT_LOADED
+_table_note = ""  # why there is no table, when there is none
+
+
+def dispatch_table() -> DispatchTable | None:
+    """The crossover table ``auto`` uses, or None (fixed order).
+
+    Loaded on first use from ``$ATTNLAB_DISPATCH_TABLE`` (a path; ``none`` for no table)
+    or else the packaged ``attnlab/data/dispatch_table.json``; a missing packaged file
+    means no table.
+
+    Raises:
+        DispatchTableError: the table file is malformed.
+        FileNotFoundError: ``$ATTNLAB_DISPATCH_TABLE`` names a file that does not exist.
+    """
+    global _table, _table_note
+    if _table is _NOT_LOADED:
+        env = os.environ.get("ATTNLAB_DISPATCH_TABLE")
+        if env is not None and env.strip().lower() in ("", "none", "off"):
+            _table, _table_note = None, "ATTNLAB_DISPATCH_TABLE=none"
+        elif env is not None:
+            if not Path(env).is_file():
+                raise FileNotFoundError(
+                    f"ATTNLAB_DISPATCH_TABLE={env!r} does not exist; point it at a table "
+                    "written by `python benchmarks/bench_attention.py --write-table FILE`, "
+                    "or set it to 'none' for the fixed order"
+                )
+            _table = load_dispatch_table(env, tuple(_REGISTRY))
+        elif DEFAULT_TABLE_PATH.is_file():
+            _table = load_dispatch_table(DEFAULT_TABLE_PATH, tuple(_REGISTRY))
+        else:
+            _table, _table_note = None, f"no table file ({DEFAULT_TABLE_PATH} is missing)"
+    return _table  # type: ignore[return-value]
+
+
+def set_dispatch_table(table: DispatchTable | str | Path | object | None = _NOT_LOADED) -> None:
+    """Use another crossover table (and forget every cached decision).
+
+    Args:
+        table: a :class:`DispatchTable`, a path to a table file, None for no table (the
+            fixed order), or nothing to go back to the default (the environment variable,
+            else the packaged file) on next use.
+
+    Raises:
+        DispatchTableError, FileNotFoundError: as :func:`load_dispatch_table`.
+    """
+    global _table, _table_note
+    if isinstance(table, (str, Path)):
+        table = load_dispatch_table(table, tuple(_REGISTRY))
+    _table = table
+    _table_note = "set_dispatch_table(None)" if table is None else ""
+    clear_dispatch_cache()
+
+
+def _table_row(request: AttentionRequest) -> tuple[TableRow | None, str]:
+    """The row covering the request and a note saying why there is none."""
+    table = dispatch_table()
+    if table is None:
+        return None, _table_note
+    if request.device_type != table.device:
+        return (
+            None,
+            f"the table was measured on {table.device}, this call is on {request.device_type}",
+        )
+    dtype = str(request.dtype).removeprefix("torch.")
+    kind = mask_kind(request.mask, request.T, request.S)
+    row = table.lookup(dtype, pass_name(request.needs_grad), kind, request.T, request.S)
+    if row is None:
+        return None, (
+            f"no table row for {dtype}, {pass_name(request.needs_grad)}, mask {kind!r}, "
+            f"T={request.T}, S={request.S} (the table has masks {', '.join(table.masks)})"
+        )
+    return row, ""
+
+
+# --- the choice ---------------------------------------------------------------------------
+
+
+def _auto(request: AttentionRequest) -> tuple[Backend, list[str], TableRow | None, str]:
+    """``auto``'s choice: (backend, ranking it came from, deciding row, note)."""
+    row, note = _table_row(request)
+    ranked = [n for n in row.order if n in AUTO_ORDER] if row is not None else []
+    ranked += [n for n in AUTO_ORDER if n not in ranked]
+    capable = [n for n in ranked if _REGISTRY[n].why_not(request) is None]
+    stepping_aside = [n for n in capable if _REGISTRY[n].why_not_auto(request) is not None]
+    if row is None or stepping_aside:  # the materialising reference only as a last resort
+        capable = [n for n in capable if not _REGISTRY[n].last_resort] or capable
+    for n in capable:  # fastest first, unless it has a reason to step aside ...
+        if n not in stepping_aside:
+            return _REGISTRY[n], ranked, row, note
+    if capable:  # ... which it does not when only slower backends are left
+        return _REGISTRY[capable[0]], ranked, row, note
+    return _REGISTRY["math"], ranked, row, note  # the reference serves every request
 
 
 def select_backend(name: str, request: AttentionRequest) -> Backend:
-    """The backend that serves ``request``: ``name``, or the first capable one for auto.
+    """The backend that serves ``request``: ``name``, or ``auto``'s choice.
 
     Raises:
         ValueError: unknown name, or the named backend cannot serve the request (the
             message gives its reason).
+        DispatchTableError: ``auto`` and the crossover table is malformed.
     """
     if not isinstance(name, str):
         raise TypeError(f"`backend` must be a str, got {type(name).__name__}")
     if name == "auto":
-        capable = [
-            _REGISTRY[n]
-            for n in AUTO_ORDER
-            if not _REGISTRY[n].last_resort and _REGISTRY[n].why_not(request) is None
-        ]
-        for be in capable:  # fastest first, unless it has a reason to step aside ...
-            if be.why_not_auto(request) is None:
-                return be
-        if capable:  # ... which it does not when only slower backends are left
-            return capable[0]
-        return _REGISTRY["math"]  # the reference serves every request
+        return _auto(request)[0]
     be = get_backend(name)
     why = be.why_not(request)
     if why is not None:
         raise ValueError(f"backend={name!r} cannot serve this call: {why}")
     return be
+
+
+# --- the decision cache -------------------------------------------------------------------
+
+_CACHE_LIMIT = 4096
+# key -> (backend, mask, scale, weights, softcap); the mask only when the call had no
+# attn_mask (None or a CausalMask: no tensors), so the cache never keeps a tensor alive.
+_Decision = tuple[Backend, AttentionMask | None, float, WeightsRequest | None, float | None]
+_cache: dict[tuple, _Decision] = {}
+_hits = 0
+_misses = 0
+
+
+@dataclass(frozen=True)
+class DispatchCacheInfo:
+    """Counts of the decision cache (see :func:`dispatch_cache_info`)."""
+
+    hits: int
+    misses: int
+    size: int
+
+
+def dispatch_cache_info() -> DispatchCacheInfo:
+    """How often a call's decision came from the cache, and how many are cached."""
+    return DispatchCacheInfo(hits=_hits, misses=_misses, size=len(_cache))
+
+
+def clear_dispatch_cache() -> None:
+    """Forget every cached decision (done whenever the registry or the table changes)."""
+    global _hits, _misses
+    _cache.clear()
+    _hits = _misses = 0
+
+
+class _UncacheableError(Exception):
+    pass
+
+
+_SCALARS = (bool, int, float, str, type(None))
+
+
+def _value_key(v: object) -> object:
+    if isinstance(v, torch.Tensor):
+        return (v.shape, v.dtype, v.device, v.requires_grad)
+    if isinstance(v, AttentionMask):
+        try:
+            fields = vars(v)
+        except TypeError:  # __slots__: no way to see its structure
+            raise _UncacheableError from None
+        return (type(v), tuple((k, _value_key(x)) for k, x in fields.items()))
+    if type(v) in _SCALARS:
+        return (type(v), v)
+    if isinstance(v, tuple):
+        return tuple(_value_key(x) for x in v)
+    raise _UncacheableError
+
+
+def _call_key(
+    query: object,
+    key: object,
+    value: object,
+    attn_mask: object,
+    dropout_p: object,
+    is_causal: object,
+    scale: object,
+    backend: object,
+    need_weights: object,
+    softcap: object,
+) -> tuple | None:
+    """Everything validation and selection depend on, or None when a call is not cached.
+
+    A backend's ``why_not``/``why_not_auto`` and a mask's ``validate`` look at the mask's
+    structure (its type, scalar fields, tensors' shapes, dtypes, devices and whether they
+    require grad), never at tensor values, so calls with equal keys get equal decisions.
+    """
+    if not (
+        isinstance(query, torch.Tensor)
+        and isinstance(key, torch.Tensor)
+        and isinstance(value, torch.Tensor)
+        and type(is_causal) is bool
+        and type(need_weights) is bool
+        and type(backend) is str
+    ):
+        return None  # validation will say what is wrong, or the call is uncommon
+    try:
+        mask_key = None if attn_mask is None else _value_key(attn_mask)
+    except _UncacheableError:
+        return None
+    grad = torch.is_grad_enabled() and (
+        query.requires_grad or key.requires_grad or value.requires_grad
+    )
+    return (
+        query.shape, key.shape, value.shape,
+        query.dtype, key.dtype, value.dtype,
+        query.device, key.device, value.device,
+        grad, mask_key, is_causal,
+        type(dropout_p), dropout_p, type(scale), scale, backend, need_weights,
+        type(softcap), softcap,
+    )  # fmt: skip
+
+
+def resolve_call(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: AttentionMask | torch.Tensor | None,
+    dropout_p: float,
+    is_causal: bool,
+    scale: float | None,
+    backend: str,
+    need_weights: bool | WeightsRequest,
+    *,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> tuple[
+    Backend, AttentionMask | None, float, WeightsRequest | None, float | None, torch.Tensor | None
+]:
+    """Validate a call and choose its backend, from the cache when the call was seen.
+
+    Calls with ``sinks`` (whose values are validated), a ``WeightsRequest`` or arguments
+    of unusual types are validated every time.
+
+    Returns:
+        ``(backend, mask, scale, weights, softcap, sinks)``: the backend to run, the call's
+        attnlab mask, the score scale, the weights request (None: no weights), the
+        soft-cap and the sinks.
+
+    Raises:
+        TypeError, ValueError: as :func:`prepare_call` and :func:`select_backend`.
+    """
+    global _hits, _misses
+    ck = None
+    if sinks is None:
+        ck = _call_key(
+            query, key, value, attn_mask, dropout_p, is_causal, scale, backend, need_weights,
+            softcap,
+        )  # fmt: skip
+    if ck is not None:
+        try:
+            hit = _cache.get(ck)
+        except TypeError:  # an unhashable scale or dropout_p: validation will say so
+            ck, hit = None, None
+        if hit is not None:
+            _hits += 1
+            be, mask, scale_f, weights, softcap_f = hit
+            if attn_mask is not None:  # the same structure, but this call's tensors
+                mask = as_mask(attn_mask, is_causal)  # type: ignore[arg-type]
+            return be, mask, scale_f, weights, softcap_f, None
+    call = prepare_call(
+        query, key, value, attn_mask, dropout_p, is_causal, scale, backend, need_weights,
+        softcap=softcap, sinks=sinks,
+    )  # fmt: skip
+    be = select_backend(backend, call.request)
+    if ck is not None:
+        _misses += 1
+        if len(_cache) >= _CACHE_LIMIT:
+            _cache.clear()
+        kept = call.mask if attn_mask is None else None
+        _cache[ck] = (be, kept, call.scale, call.weights, call.softcap)
+    return be, call.mask, call.scale, call.weights, call.softcap, call.sinks
+
+
+# --- explanations -------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -124,14 +396,20 @@ class DispatchExplanation:
         chosen: the backend that would run.
         reasons: ``(name, reason)`` for every registered backend; reason is None for the
             chosen one, else a human-readable sentence.
+        decided_by: for ``auto``, the crossover-table row that ranked the backends
+            (``"row 12 (bfloat16, forward+backward, causal, ...)"``), or why the fixed order
+            was used; "" when a backend was asked for by name.
     """
 
     requested: str
     chosen: str
     reasons: tuple[tuple[str, str | None], ...]
+    decided_by: str = ""
 
     def __str__(self) -> str:
         lines = [f"backend={self.requested!r} -> {self.chosen}"]
+        if self.decided_by:
+            lines.append(f"  decided by: {self.decided_by}")
         for name, why in self.reasons:
             lines.append(f"  {name}: {'chosen' if why is None else why}")
         return "\n".join(lines)
@@ -140,23 +418,41 @@ class DispatchExplanation:
 def explain(request: AttentionRequest, backend: str = "auto") -> DispatchExplanation:
     """Explain dispatch for an already-built request."""
     chosen = select_backend(backend, request)  # raises with the reason if it cannot serve
-    raw = _reasons(request, for_auto=backend == "auto")
-    ranked = AUTO_ORDER.index
+    decided_by = ""
+    ranked: list[str] = list(AUTO_ORDER)
+    row: TableRow | None = None
+    if backend == "auto":
+        _, ranked, row, note = _auto(request)
+        decided_by = (
+            f"dispatch table {row.describe(request.T, request.S)}"
+            if row is not None
+            else (f"the fixed order {' > '.join(AUTO_ORDER)} ({note})")
+        )
     reasons: list[tuple[str, str | None]] = []
-    for name in _REGISTRY:
+    for name, be in _REGISTRY.items():
+        why = be.why_not(request)
+        if why is None and backend == "auto":
+            why = be.why_not_auto(request)
         if name == chosen.name:
             reasons.append((name, None))
-        elif raw[name] is not None:
-            reasons.append((name, f"not chosen: {raw[name]}"))
+        elif why is not None:
+            reasons.append((name, f"not chosen: {why}"))
         elif backend != "auto":
             reasons.append((name, f"capable, but backend={backend!r} was asked for"))
+        elif row is not None and name in row.order:
+            reasons.append((name, f"capable, but slower: table row {row.index} ranks "
+                                  f"{' < '.join(row.order)}"))  # fmt: skip
         elif (
-            name in AUTO_ORDER and chosen.name in AUTO_ORDER and ranked(name) > ranked(chosen.name)
+            name in ranked
+            and chosen.name in ranked
+            and (ranked.index(name) > ranked.index(chosen.name) and not be.last_resort)
         ):
             reasons.append((name, f"capable, but {chosen.name} is faster and ranks first"))
         else:
             reasons.append((name, "capable, but slower; chosen only when nothing else can"))
-    return DispatchExplanation(requested=backend, chosen=chosen.name, reasons=tuple(reasons))
+    return DispatchExplanation(
+        requested=backend, chosen=chosen.name, reasons=tuple(reasons), decided_by=decided_by
+    )
 
 
 def explain_dispatch(
@@ -176,7 +472,9 @@ def explain_dispatch(
     """Say which backend ``scaled_dot_product_attention`` would run, and why not the others.
 
     Takes the same arguments as :func:`attnlab.functional.scaled_dot_product_attention`
-    and validates them the same way; computes nothing.
+    and validates them the same way; computes nothing. For ``auto`` it names the
+    crossover-table row that decided (``decided_by``). The pass is the one the call would
+    run: ``forward+backward`` when autograd is on and an input requires grad.
 
     Returns:
         A :class:`DispatchExplanation`; ``str()`` of it is a readable report.

@@ -74,11 +74,16 @@ def sdpa_attention(
         - query ``(B, H, T, D)``, key ``(B, G, S, D)``, value ``(B, G, S, Dv)``
         - output ``(B, H, T, Dv)``
     """
-    why = _why_not_scores(softcap, sinks is not None)
-    if why is not None:
-        raise ValueError(why)
+    if softcap is not None or sinks is not None:
+        raise ValueError(_why_not_scores(softcap, sinks is not None))
     T, S = query.shape[2], key.shape[2]
-    attn_mask, is_causal, row_ok = torch_mask(mask, T, S, device=query.device, dtype=query.dtype)
+    if mask is None or (isinstance(mask, CausalMask) and mask.offset(T, S) == 0):
+        # the common calls, without torch_mask's call: this path's cost is per call
+        attn_mask, is_causal, row_ok = None, mask is not None, None
+    else:
+        attn_mask, is_causal, row_ok = torch_mask(
+            mask, T, S, device=query.device, dtype=query.dtype
+        )
     out = F.scaled_dot_product_attention(
         query,
         key,

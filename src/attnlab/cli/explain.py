@@ -125,10 +125,12 @@ def explain(
             top_k = auto_top_k(net, n_tokens, top_k)
             trace = trace_model(net, text, tokenizer=tokenizer, top_k=top_k, source=source)
         from attnlab.explain.figures import flow_shapes
+        from attnlab.explain.fonts import figure_lang
 
         flow_source = flow_shapes(
-            blocks[layer if 0 <= layer < len(blocks) else 0], n_tokens=n_tokens
-        )
+            blocks[layer if 0 <= layer < len(blocks) else 0], n_tokens=n_tokens,
+            lang=figure_lang(lang).lang,
+        )  # fmt: skip
 
     if not 0 <= layer < trace.num_layers:
         raise UserError(f"`--layer` must be in 0..{trace.num_layers - 1} here, got {layer}")
@@ -151,7 +153,13 @@ def explain(
         message("explain.page", lang, path=str(page_path)), markup=False, soft_wrap=True
     )
     if png or svg:
-        paths = _explain_figures(trace, flow_source, layer, head, out, png=png, svg=svg)
+        from attnlab.explain.fonts import figure_lang
+
+        notice = figure_lang(lang).notice
+        if notice is not None:
+            output.note(notice)
+        paths = _explain_figures(trace, flow_source, layer, head, out, png=png, svg=svg,
+                                 lang=lang)  # fmt: skip
         listing = "\n".join(f"  {p}" for p in paths)
         output.console.print(
             f"{message('label.wrote', lang)}\n{listing}", markup=False, soft_wrap=True
@@ -245,7 +253,15 @@ def _step_renderables(
 
 
 def _explain_figures(
-    trace: Any, flow_source: Any, layer: int, head: int, out: Path, *, png: bool, svg: bool
+    trace: Any,
+    flow_source: Any,
+    layer: int,
+    head: int,
+    out: Path,
+    *,
+    png: bool,
+    svg: bool,
+    lang: str = "en",
 ) -> list[Path]:
     from attnlab.explain.figures import (
         plot_attention_flow,
@@ -255,12 +271,12 @@ def _explain_figures(
     )
 
     figures = {
-        f"attention-heatmap-L{layer}-H{head}": plot_heatmap(trace, layer, head),
-        f"attention-heads-L{layer}": plot_heads(trace, layer),
-        "attention-model": plot_model(trace),
+        f"attention-heatmap-L{layer}-H{head}": plot_heatmap(trace, layer, head, lang=lang),
+        f"attention-heads-L{layer}": plot_heads(trace, layer, lang=lang),
+        "attention-model": plot_model(trace, lang=lang),
     }
     if flow_source is not None:
-        figures["attention-flow"] = plot_attention_flow(flow_source)
+        figures["attention-flow"] = plot_attention_flow(flow_source, lang=lang)
     exts = [e for e, on in (("png", png), ("svg", svg)) if on]
     paths: list[Path] = []
     try:

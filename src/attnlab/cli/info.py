@@ -43,6 +43,12 @@ def info(
     ] = None,
     sinks: Annotated[bool, typer.Option("--sinks", help="Learned attention sinks.")] = False,
     backend: Annotated[str, typer.Option(help="Backend to explain (default auto).")] = "auto",
+    backward: Annotated[
+        bool, typer.Option("--backward", help="Explain a training call (forward+backward).")
+    ] = False,
+    show_table: Annotated[
+        bool, typer.Option("--table", help="Show every row of auto's crossover table.")
+    ] = False,
     preset: Annotated[
         str | None,
         typer.Option(
@@ -51,9 +57,9 @@ def info(
         ),
     ] = None,
 ) -> None:
-    """Report what attnlab has: the attention backends, which one a call of this shape
-    would run (and why not the others), which backend serves which attention variant, and
-    the GPT presets' parameter counts and sizes."""
+    """Report what attnlab has: the attention backends, the crossover table auto chooses
+    by, which one a call of this shape would run (and why not the others), which backend
+    serves which attention variant, and the GPT presets' parameter counts and sizes."""
     if preset is not None:
         output.show(*_info_presets(preset))
         return
@@ -84,7 +90,8 @@ def info(
     tdtype = getattr(torch, _INFO_DTYPES[dtype])
 
     def shaped(*shape: int) -> torch.Tensor:  # no memory: one element, expanded
-        return torch.zeros((1,) * len(shape), dtype=tdtype).expand(*shape)
+        one = torch.zeros((1,) * len(shape), dtype=tdtype).requires_grad_(backward)
+        return one.expand(*shape)
 
     attn_mask = {
         "none": None,
@@ -131,7 +138,11 @@ def info(
         + (f" softcap={softcap}" if softcap is not None else "")
         + (" sinks" if sinks else "")
     )
-    verdict = Table(title=f"dispatch for {call}: backend={backend!r} -> {exp.chosen}")
+    pass_ = "forward+backward" if backward else "forward"
+    verdict = Table(
+        title=f"dispatch for {call} {pass_}: backend={backend!r} -> {exp.chosen}",
+        caption=f"decided by {exp.decided_by}" if exp.decided_by else None,
+    )
     verdict.add_column("backend")
     verdict.add_column("verdict")
     for name, why in exp.reasons:
@@ -143,7 +154,48 @@ def info(
         variants.add_column(name)
     for label, reasons in variant_support():
         variants.add_row(label, *("yes" if reasons[n] is None else reasons[n] for n in served_by))
-    output.show(table, verdict, variants, *_info_presets(None))
+    output.show(table, _info_dispatch_table(show_table), verdict, variants, *_info_presets(None))
+
+
+def _info_dispatch_table(full: bool) -> RenderableType:
+    """``attnlab info``'s crossover table: where it was measured, how quiet, its rows."""
+    from rich.table import Table
+    from rich.text import Text
+
+    from attnlab.backends import dispatch_table
+
+    with user_input():
+        table = dispatch_table()
+    if table is None:
+        return Text("auto's crossover table: none; auto uses the fixed order")
+    m = table.machine
+    busy = m.get("others_busy_during", m.get("others_busy_before"))
+    quiet = (
+        f"other processes used {busy:.0%} of the machine"
+        if isinstance(busy, (int, float))
+        else "quietness not recorded"
+    )
+    title = (
+        f"auto's crossover table ({len(table.rows)} rows, {table.path}): measured "
+        f"{m.get('date', '?')} on {m.get('cpu', '?')}, torch {m.get('torch', '?')}, "
+        f"{m.get('threads', '?')} threads; {quiet}"
+        + ("" if m.get("quiet", True) else " (NOT QUIET: provisional)")
+    )
+    if not full:
+        return Text(title + "; `attnlab info --table` lists the rows")
+    out = Table(title=title)
+    for col in ("row", "dtype", "pass", "mask", "sqrt(T*S)", "fastest first", "ms (T: times)"):
+        out.add_column(col)
+    for r in table.rows:
+        hi = "inf" if r.t_below is None else f"{r.t_below:g}"
+        ms = "; ".join(
+            f"{t}: " + " ".join(f"{per[n]:.3g}" for n in r.order if n in per)
+            for t, per in sorted(r.ms.items())
+        )
+        out.add_row(
+            str(r.index), r.dtype, r.pass_, r.mask, f"{r.t_from:g}..{hi}", " < ".join(r.order), ms
+        )
+    return out
 
 
 def _preset_table(name: str) -> Any:

@@ -77,10 +77,15 @@ def walkthrough(
     if out_dir is None:
         return
     from attnlab.explain.figures import save_walkthrough_figures
+    from attnlab.explain.fonts import figure_lang
+
+    notice = figure_lang(lang).notice
+    if notice is not None:
+        output.note(notice)
     from attnlab.explain.i18n import message
 
     try:
-        paths = save_walkthrough_figures(trace, out_dir)
+        paths = save_walkthrough_figures(trace, out_dir, lang=lang)
     except OSError as e:
         reason = e.strerror or str(e)
         raise UserError(f"cannot write figures to `--out` {str(out_dir)!r}: {reason}") from e

@@ -7,20 +7,24 @@ head as thumbnails (:func:`plot_model`).
 matplotlib is imported lazily, inside each function, and figures are built with
 ``matplotlib.figure.Figure`` directly (no pyplot, no GUI backend, nothing global
 changed); saving renders with Agg (PNG) or the SVG backend. Every plotting function
-takes ``ax=None`` and returns the Figure. Figure text is English on purpose: it
-must render with matplotlib's bundled DejaVu fonts on any machine, which have no CJK
-glyphs; the Chinese explanations live in the terminal walkthrough.
+takes ``ax=None`` and returns the Figure. Figure text follows ``lang=``: Traditional
+Chinese (``"zh-TW"``) when a CJK font is available (:mod:`attnlab.explain.fonts`; the
+``zh-tw`` extra installs Noto Sans TC), else English, which matplotlib's bundled DejaVu
+fonts render on any machine.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
+from attnlab.explain.fonts import FigureLang, figure_lang
+from attnlab.explain.i18n import message
 from attnlab.explain.trace import AttentionTrace
 
 if TYPE_CHECKING:
@@ -53,6 +57,19 @@ ANNOTATE_MAX = 12
 MAX_TICK_LABELS = 40
 # Thumbnails (plot_heads / plot_model) are max-pooled to at most this many bins a side.
 THUMB_BINS = 128
+
+
+@contextmanager
+def _drawing(lang: str) -> Iterator[FigureLang]:
+    """Build a figure in ``lang``: text created inside uses the CJK font when needed."""
+    fl = figure_lang(lang)
+    if fl.family is None:
+        yield fl
+        return
+    from matplotlib import rc_context
+
+    with rc_context({"font.family": [fl.family, "DejaVu Sans"]}):
+        yield fl
 
 
 def _luminance(rgba: tuple[float, float, float, float]) -> float:
@@ -89,9 +106,10 @@ def plot_attention_weights(
     ax: Axes | None = None,
     *,
     key_tokens: Sequence[str] | None = None,
-    title: str = "Attention weights",
+    title: str | None = None,
     cmap: str = "Blues",
     annotate: bool | None = None,
+    lang: str = "en",
 ) -> Figure:
     """Heatmap of attention weights with the tokens on both axes and values in the cells.
 
@@ -105,10 +123,12 @@ def plot_attention_weights(
         tokens: ``T`` query labels (also the key labels when ``key_tokens`` is None).
         ax: draw into this Axes; by default a new Figure.
         key_tokens: ``S`` key labels.
-        title: the axes title.
+        title: the axes title (default "Attention weights" in ``lang``).
         cmap: a matplotlib colormap name.
         annotate: write the weights in the cells; default when both sides have at
             most :data:`ANNOTATE_MAX` tokens.
+        lang: ``"en"`` or ``"zh-TW"`` (axis labels and default title; English
+            without a CJK font).
 
     Returns:
         The Figure.
@@ -133,6 +153,21 @@ def plot_attention_weights(
         )
     if annotate is None:
         annotate = max(n_rows, n_cols) <= ANNOTATE_MAX
+    with _drawing(lang) as fl:
+        return _weights_figure(w, list(tokens), keys, ax, title, cmap, annotate, fl.lang)
+
+
+def _weights_figure(
+    w: torch.Tensor,
+    tokens: list[str],
+    keys: list[str],
+    ax: Axes | None,
+    title: str | None,
+    cmap: str,
+    annotate: bool,
+    lang: str,
+) -> Figure:
+    n_rows, n_cols = w.shape
     size = min(12.0, max(4.5, 0.9 * n_cols + 2.5))
     fig, ax = _new_axes(ax, (size + 1.0, size))
     vmax = max(float(w.max()), 1e-12)
@@ -149,14 +184,15 @@ def plot_attention_weights(
     xs, ys = _tick_positions(n_cols), _tick_positions(n_rows)
     ax.set_xticks(xs, [keys[j] for j in xs], rotation=35, ha="right", rotation_mode="anchor")
     ax.set_yticks(ys, [tokens[i] for i in ys])
-    ax.set_xlabel("key (token attended to)")
-    ax.set_ylabel("query (token attending)")
-    ax.set_title(title, loc="left", fontsize=11)
+    ax.set_xlabel(message("fig.key_axis", lang))
+    ax.set_ylabel(message("fig.query_axis", lang))
+    ax.set_title(title if title is not None else message("fig.weights", lang), loc="left",
+                 fontsize=11)  # fmt: skip
     ax.tick_params(length=0)
     for spine in ax.spines.values():
         spine.set_visible(False)
     cbar = fig.colorbar(im, ax=ax, shrink=0.8, pad=0.03)
-    cbar.set_label("weight (each row sums to 1)")
+    cbar.set_label(message("fig.weight_bar", lang))
     return fig
 
 
@@ -168,6 +204,7 @@ def _box(
     op: bool,
     width: float,
     height: float,
+    bold: str = "bold",
 ) -> None:
     from matplotlib.patches import FancyBboxPatch
 
@@ -192,7 +229,7 @@ def _box(
         ax.text(
             x, top - k * step, line, ha="center", va="center", zorder=3,
             fontsize=10.5 if k == 0 else 9.5,
-            fontweight="bold" if k == 0 else "normal",
+            fontweight=bold if k == 0 else "normal",
             color="#1a202c" if k == 0 else _NOTE,
         )  # fmt: skip
 
@@ -247,7 +284,11 @@ def _dims(*sizes: int) -> str:
 
 
 def flow_shapes(
-    source: AttentionTrace | Attention, *, n_tokens: int | None = None, batch: int = 1
+    source: AttentionTrace | Attention,
+    *,
+    n_tokens: int | None = None,
+    batch: int = 1,
+    lang: str = "en",
 ) -> FlowShapes:
     """The shapes of one attention computation, for :func:`plot_attention_flow`.
 
@@ -255,6 +296,7 @@ def flow_shapes(
         source: the seed example's trace, or a model's attention layer.
         n_tokens: with a layer: the number of tokens T (keys S = T, self-attention).
         batch: with a layer: the batch size B.
+        lang: the language of the title (``"en"`` or ``"zh-TW"``).
 
     Returns:
         The shapes, as the diagram writes them.
@@ -275,10 +317,7 @@ def flow_shapes(
             else f"projection x @ W, W of shape (d_in, d_out) = ({d_in}, {d})"
         )
         return FlowShapes(
-            title=(
-                f"Scaled dot-product self-attention: example '{source.example}', "
-                f"T = {n} tokens, d_in = {d_in}, d_out = {d}"
-            ),
+            title=message("fig.flow_example", lang, example=source.example, n=n, d_in=d_in, d=d),
             note=note,
             inputs=_dims(n, d_in),
             projections=(f"$Q = X\\,W_q{t}$", f"$K = X\\,W_k{t}$", f"$V = X\\,W_v{t}$"),
@@ -304,7 +343,7 @@ def flow_shapes(
     heads = f"H = {H} query heads" + (f", G = {G} key/value heads" if G != H else "")
     rope = ", RoPE on Q and K" if source.rope is not None else ""
     return FlowShapes(
-        title=f"Attention layer: B = {B}, T = {T} tokens, width C = {C}, head dim D = {D}",
+        title=message("fig.flow_layer", lang, B=B, T=T, C=C, D=D),
         note=f"shapes (B, heads, T, D); {heads}{rope}; output projection back to C",
         inputs=_dims(B, T, C),
         projections=("$Q = X\\,W_q$", "$K = X\\,W_k$", "$V = X\\,W_v$"),
@@ -319,7 +358,9 @@ def flow_shapes(
     )
 
 
-def plot_attention_flow(source: AttentionTrace | FlowShapes, ax: Axes | None = None) -> Figure:
+def plot_attention_flow(
+    source: AttentionTrace | FlowShapes, ax: Axes | None = None, *, lang: str = "en"
+) -> Figure:
     """Diagram of scaled dot-product self-attention, annotated with real shapes.
 
     inputs X → Q, K, V → Q·Kᵀ → ÷√d_k → softmax → weights → weights·V → context.
@@ -329,6 +370,7 @@ def plot_attention_flow(source: AttentionTrace | FlowShapes, ax: Axes | None = N
         source: the seed example's trace, or :class:`FlowShapes` (e.g. from a model's
             layer via :func:`flow_shapes`).
         ax: draw into this Axes; by default a new Figure.
+        lang: ``"en"`` or ``"zh-TW"`` (the labels; English without a CJK font).
 
     Returns:
         The Figure.
@@ -336,8 +378,18 @@ def plot_attention_flow(source: AttentionTrace | FlowShapes, ax: Axes | None = N
     Raises:
         TypeError: ``source`` is neither.
     """
+    with _drawing(lang) as fl:
+        return _flow_figure(source, ax, fl.lang)
+
+
+def _flow_figure(source: AttentionTrace | FlowShapes, ax: Axes | None, lang: str) -> Figure:
+    def t(key: str) -> str:
+        return message(key, lang)
+
+    bold = "bold" if lang == "en" else "normal"  # the CJK font has one weight
+
     if isinstance(source, AttentionTrace):
-        source = flow_shapes(source)
+        source = flow_shapes(source, lang=lang)
     if not isinstance(source, FlowShapes):
         raise TypeError(
             f"`trace` must be an AttentionTrace or FlowShapes, got {type(source).__name__}"
@@ -356,47 +408,58 @@ def plot_attention_flow(source: AttentionTrace | FlowShapes, ax: Axes | None = N
     QK, SC, SM = (54.0, 35.0), (72.0, 35.0), (90.0, 35.0)
     A, AV, Z = (110.0, 35.0), (110.0, 8.0), (128.5, 8.0)
 
-    _box(ax, X, ["inputs X", fs.inputs], op=False, width=tw - 2, height=th + 4)
+    _box(ax, X, [t("fig.inputs"), fs.inputs], op=False, width=tw - 2, height=th + 4, bold=bold)
     for label, formula, shape, pos in zip(
-        ("queries Q", "keys K", "values V"), fs.projections, (fs.q, fs.k, fs.v), (Q, K, V),
-        strict=True,
+        (t("fig.queries"), t("fig.keys"), t("fig.values")), fs.projections,
+        (fs.q, fs.k, fs.v), (Q, K, V), strict=True,
     ):  # fmt: skip
-        _box(ax, pos, [label, formula, shape], op=False, width=tw, height=th + 2)
+        _box(ax, pos, [label, formula, shape], op=False, width=tw, height=th + 2, bold=bold)
         _arrow(ax, (X[0] + (tw - 2) / 2, X[1]), (pos[0] - tw / 2, pos[1]))
 
-    _box(ax, QK, ["$Q\\,K^{\\top}$", "scores", fs.scores], op=True, width=ow, height=oh + 3)
+    _box(
+        ax,
+        QK,
+        ["$Q\\,K^{\\top}$", t("fig.scores"), fs.scores],
+        op=True,
+        width=ow,
+        height=oh + 3,
+        bold=bold,
+    )
     _arrow(ax, (Q[0] + tw / 2, Q[1]), (QK[0] - ow / 2, QK[1] + 2), connection="arc3,rad=-0.15")
     _arrow(ax, (K[0] + tw / 2, K[1]), (QK[0] - ow / 2, QK[1] - 2), connection="arc3,rad=0.15")
 
     _box(ax, SC, ["$\\div\\sqrt{d_k}$", f"d_k = {fs.d_k}", fs.scores], op=True, width=ow,
-         height=oh + 3)  # fmt: skip
+         height=oh + 3, bold=bold)  # fmt: skip
     _arrow(ax, (QK[0] + ow / 2, QK[1]), (SC[0] - ow / 2, SC[1]))
 
-    _box(ax, SM, ["softmax", "dim = -1", fs.weights], op=True, width=ow, height=oh + 3)
+    _box(ax, SM, ["softmax", "dim = -1", fs.weights], op=True, width=ow, height=oh + 3, bold=bold)
     _arrow(ax, (SC[0] + ow / 2, SC[1]), (SM[0] - ow / 2, SM[1]))
 
-    _box(ax, A, ["weights A", fs.weights, "rows sum to 1"], op=False, width=tw, height=th + 2)
+    a_lines = [t("fig.weights_a"), fs.weights, t("fig.rows_sum")]
+    _box(ax, A, a_lines, op=False, width=tw, height=th + 2, bold=bold)
     _arrow(ax, (SM[0] + ow / 2, SM[1]), (A[0] - tw / 2, A[1]))
 
-    _box(ax, AV, ["$A\\,V$", "weights · V", fs.context], op=True, width=ow, height=oh + 3)
+    _box(
+        ax, AV, ["$A\\,V$", "weights · V", fs.context], op=True, width=ow, height=oh + 3, bold=bold
+    )
     _arrow(ax, (V[0] + tw / 2, V[1]), (AV[0] - ow / 2, AV[1]))
     _arrow(ax, (A[0], A[1] - (th + 2) / 2), (AV[0], AV[1] + (oh + 3) / 2))
 
-    z_lines = ["context Z", fs.context]
+    z_lines = [t("fig.context_z"), fs.context]
     if fs.output is not None:
         z_lines.append(f"out_proj → {fs.output}")
     zw = tw - 2 if fs.output is None else tw
-    _box(ax, Z, z_lines, op=False, width=zw, height=th + 2)
+    _box(ax, Z, z_lines, op=False, width=zw, height=th + 2, bold=bold)
     _arrow(ax, (AV[0] + ow / 2, AV[1]), (Z[0] - zw / 2, Z[1]))
 
-    ax.set_title(fs.title, loc="left", fontsize=12, fontweight="bold")
+    ax.set_title(fs.title, loc="left", fontsize=12, fontweight=bold)
     ax.text(0.5, 51.0, fs.note, ha="left", va="center", fontsize=9.5, color=_NOTE)
     from matplotlib.patches import Patch
 
     ax.legend(
         handles=[
-            Patch(facecolor=_TENSOR_FACE, edgecolor=_TENSOR_EDGE, label="tensor (shape)"),
-            Patch(facecolor=_OP_FACE, edgecolor=_OP_EDGE, label="operation (output shape)"),
+            Patch(facecolor=_TENSOR_FACE, edgecolor=_TENSOR_EDGE, label=t("fig.tensor")),
+            Patch(facecolor=_OP_FACE, edgecolor=_OP_EDGE, label=t("fig.operation")),
         ],
         loc="upper right",
         bbox_to_anchor=(1.0, 1.02),
@@ -407,7 +470,9 @@ def plot_attention_flow(source: AttentionTrace | FlowShapes, ax: Axes | None = N
     return fig
 
 
-def save_walkthrough_figures(trace: AttentionTrace, out_dir: str | Path) -> list[Path]:
+def save_walkthrough_figures(
+    trace: AttentionTrace, out_dir: str | Path, *, lang: str = "en"
+) -> list[Path]:
     """Write the walkthrough's figures as PNG and SVG into ``out_dir`` (created if needed).
 
     Files: ``attention-weights-simplified``, ``attention-weights-trainable`` (heatmaps)
@@ -416,6 +481,7 @@ def save_walkthrough_figures(trace: AttentionTrace, out_dir: str | Path) -> list
     Args:
         trace: the computed trace.
         out_dir: the folder.
+        lang: ``"en"`` or ``"zh-TW"`` (figure text; English without a CJK font).
 
     Returns:
         The paths written.
@@ -430,17 +496,16 @@ def save_walkthrough_figures(trace: AttentionTrace, out_dir: str | Path) -> list
         "attention-weights-simplified": plot_attention_weights(
             trace.simplified.weights,
             tokens,
-            title="Simplified attention weights: softmax(X·Xᵀ, dim=-1)",
+            title=message("fig.simplified", figure_lang(lang).lang),
+            lang=lang,
         ),
         "attention-weights-trainable": plot_attention_weights(
             trace.trainable.weights,
             tokens,
-            title=(
-                "Trainable attention weights: softmax(Q·Kᵀ / √d_k, dim=-1), "
-                f"d_k = {trace.trainable.d_k}"
-            ),
+            title=message("fig.trainable", figure_lang(lang).lang, d_k=trace.trainable.d_k),
+            lang=lang,
         ),
-        "attention-flow": plot_attention_flow(trace),
+        "attention-flow": plot_attention_flow(trace, lang=lang),
     }
     paths: list[Path] = []
     for stem, fig in figures.items():
@@ -456,10 +521,10 @@ def save_walkthrough_figures(trace: AttentionTrace, out_dir: str | Path) -> list
 # ------------------------------------------------------------- model traces (issue 6)
 
 
-def _trace_label(trace: ModelTrace, layer: int) -> str:
+def _trace_label(trace: ModelTrace, layer: int, lang: str = "en") -> str:
     if trace.layer_names is not None:
         return trace.layer_names[trace.layers.index(layer)]
-    return f"layer {layer}"
+    return message("fig.layer", lang, i=layer)
 
 
 def _pooled(weights: torch.Tensor, bins: int) -> torch.Tensor:
@@ -480,6 +545,7 @@ def plot_heatmap(
     ax: Axes | None = None,
     *,
     annotate: bool | None = None,
+    lang: str = "en",
 ) -> Figure:
     """One head's attention weights as a heatmap, tokens on both axes.
 
@@ -492,6 +558,7 @@ def plot_heatmap(
         head: a captured head.
         ax: draw into this Axes; by default a new Figure.
         annotate: write the values in the cells (default: when at most 12 tokens).
+        lang: ``"en"`` or ``"zh-TW"`` (figure text; English without a CJK font).
 
     Returns:
         The Figure.
@@ -500,7 +567,8 @@ def plot_heatmap(
         ValueError: the layer or head is not in the trace.
     """
     weights = trace.head_weights(layer, head)  # (T, S)
-    title = f"{_trace_label(trace, layer)}, head {head}"
+    fl = figure_lang(lang).lang
+    title = message("fig.layer_head", fl, layer=_trace_label(trace, layer, fl), h=head)
     if trace.source:
         title = f"{trace.source}: {title}"
     return plot_attention_weights(
@@ -510,6 +578,7 @@ def plot_heatmap(
         key_tokens=list(trace.key_tokens),
         title=title,
         annotate=annotate,
+        lang=lang,
     )
 
 
@@ -520,7 +589,9 @@ def _thumb(ax: Axes, weights: torch.Tensor, vmax: float, cmap: str) -> None:
     ax.set_yticks([])
 
 
-def plot_heads(trace: ModelTrace, layer: int, *, cols: int = 4, cmap: str = "Blues") -> Figure:
+def plot_heads(
+    trace: ModelTrace, layer: int, *, cols: int = 4, cmap: str = "Blues", lang: str = "en"
+) -> Figure:
     """Every captured head of one layer, side by side (rows queries, columns keys).
 
     Long inputs are max-pooled to 128 bins a side so that strong weights stay visible.
@@ -530,6 +601,7 @@ def plot_heads(trace: ModelTrace, layer: int, *, cols: int = 4, cmap: str = "Blu
         layer: a captured layer.
         cols: heads per row of the grid.
         cmap: a matplotlib colormap name.
+        lang: ``"en"`` or ``"zh-TW"`` (figure text; English without a CJK font).
 
     Returns:
         The Figure (one Axes per head, titled ``head h``).
@@ -537,10 +609,16 @@ def plot_heads(trace: ModelTrace, layer: int, *, cols: int = 4, cmap: str = "Blu
     Raises:
         ValueError: the layer is not in the trace, or ``cols`` < 1.
     """
-    from matplotlib.figure import Figure
 
     if cols < 1:
         raise ValueError(f"`cols` must be at least 1, got {cols}")
+    with _drawing(lang) as fl:
+        return _heads_figure(trace, layer, cols, cmap, fl.lang)
+
+
+def _heads_figure(trace: ModelTrace, layer: int, cols: int, cmap: str, lang: str) -> Figure:
+    from matplotlib.figure import Figure
+
     maps = [trace.head_weights(layer, h) for h in trace.heads]  # each (T, S)
     n = len(maps)
     ncols = min(cols, n)
@@ -552,27 +630,31 @@ def plot_heads(trace: ModelTrace, layer: int, *, cols: int = 4, cmap: str = "Blu
             ax.set_axis_off()
             continue
         _thumb(ax, maps[i], 1.0, cmap)
-        ax.set_title(f"head {trace.heads[i]}", fontsize=10)
-    axes[0, 0].set_ylabel("query")
-    axes[-1, 0].set_xlabel("key")
-    fig.suptitle(
-        f"{trace.source + ': ' if trace.source else ''}{_trace_label(trace, layer)}, "
-        f"{len(trace.tokens)} tokens",
-        fontsize=11,
-    )
+        ax.set_title(message("fig.head", lang, h=trace.heads[i]), fontsize=10)
+    axes[0, 0].set_ylabel(message("fig.query", lang))
+    axes[-1, 0].set_xlabel(message("fig.key", lang))
+    title = message("fig.heads_title", lang, layer=_trace_label(trace, layer, lang),
+                    n=len(trace.tokens))  # fmt: skip
+    fig.suptitle(f"{trace.source + ': ' if trace.source else ''}{title}", fontsize=11)
     return fig
 
 
-def plot_model(trace: ModelTrace, *, cmap: str = "Blues") -> Figure:
+def plot_model(trace: ModelTrace, *, cmap: str = "Blues", lang: str = "en") -> Figure:
     """Thumbnails of every captured layer (rows) and head (columns).
 
     Args:
         trace: the trace.
         cmap: a matplotlib colormap name.
+        lang: ``"en"`` or ``"zh-TW"`` (figure text; English without a CJK font).
 
     Returns:
         The Figure, one Axes per (layer, head) in row-major order.
     """
+    with _drawing(lang) as fl:
+        return _model_figure(trace, cmap, fl.lang)
+
+
+def _model_figure(trace: ModelTrace, cmap: str, lang: str) -> Figure:
     from matplotlib.figure import Figure
 
     L, H = len(trace.layers), len(trace.heads)
@@ -584,12 +666,9 @@ def plot_model(trace: ModelTrace, *, cmap: str = "Blues") -> Figure:
             ax = axes[li, hi]
             _thumb(ax, trace.head_weights(layer, head), 1.0, cmap)
             if li == 0:
-                ax.set_title(f"head {head}", fontsize=8)
+                ax.set_title(message("fig.head", lang, h=head), fontsize=8)
             if hi == 0:
-                ax.set_ylabel(_trace_label(trace, layer), fontsize=8)
-    fig.suptitle(
-        f"{trace.source + ': ' if trace.source else ''}attention weights, "
-        f"{L} layers x {H} heads, {len(trace.tokens)} tokens",
-        fontsize=10,
-    )
+                ax.set_ylabel(_trace_label(trace, layer, lang), fontsize=8)
+    title = message("fig.model_title", lang, L=L, H=H, n=len(trace.tokens))
+    fig.suptitle(f"{trace.source + ': ' if trace.source else ''}{title}", fontsize=10)
     return fig

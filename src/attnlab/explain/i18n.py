@@ -232,6 +232,48 @@ MESSAGES: dict[str, dict[str, str]] = {
         "en": "Interactive page (open it in a browser, works offline): {path}",
         "zh-TW": "互動網頁（以瀏覽器開啟，可離線使用）：{path}",
     },
+    # figure text (attnlab.explain.figures, with a CJK font for zh-TW)
+    "fig.key_axis": {"en": "key (token attended to)", "zh-TW": "鍵（被注意的詞元）"},
+    "fig.query_axis": {"en": "query (token attending)", "zh-TW": "查詢（發出注意的詞元）"},
+    "fig.weight_bar": {"en": "weight (each row sums to 1)", "zh-TW": "權重（每列總和為 1）"},
+    "fig.weights": {"en": "Attention weights", "zh-TW": "注意力權重"},
+    "fig.head": {"en": "head {h}", "zh-TW": "第 {h} 個頭"},
+    "fig.layer": {"en": "layer {i}", "zh-TW": "第 {i} 層"},
+    "fig.layer_head": {"en": "{layer}, head {h}", "zh-TW": "{layer}、第 {h} 個頭"},
+    "fig.query": {"en": "query", "zh-TW": "查詢"},
+    "fig.key": {"en": "key", "zh-TW": "鍵"},
+    "fig.heads_title": {"en": "{layer}, {n} tokens", "zh-TW": "{layer}，{n} 個詞元"},
+    "fig.model_title": {
+        "en": "attention weights, {L} layers x {H} heads, {n} tokens",
+        "zh-TW": "注意力權重，{L} 層 x {H} 個頭，{n} 個詞元",
+    },
+    "fig.simplified": {
+        "en": "Simplified attention weights: softmax(X·Xᵀ, dim=-1)",
+        "zh-TW": "簡化的注意力權重：softmax(X·Xᵀ, dim=-1)",
+    },
+    "fig.trainable": {
+        "en": "Trainable attention weights: softmax(Q·Kᵀ / √d_k, dim=-1), d_k = {d_k}",
+        "zh-TW": "具可訓練權重的注意力權重：softmax(Q·Kᵀ / √d_k, dim=-1)，d_k = {d_k}",
+    },
+    "fig.flow_example": {
+        "en": "Scaled dot-product self-attention: example '{example}', T = {n} tokens, "
+        "d_in = {d_in}, d_out = {d}",
+        "zh-TW": "縮放點積自注意力：範例「{example}」，T = {n} 個詞元，d_in = {d_in}，d_out = {d}",
+    },
+    "fig.flow_layer": {
+        "en": "Attention layer: B = {B}, T = {T} tokens, width C = {C}, head dim D = {D}",
+        "zh-TW": "注意力層：B = {B}，T = {T} 個詞元，寬度 C = {C}，頭維度 D = {D}",
+    },
+    "fig.inputs": {"en": "inputs X", "zh-TW": "輸入 X"},
+    "fig.queries": {"en": "queries Q", "zh-TW": "查詢 Q"},
+    "fig.keys": {"en": "keys K", "zh-TW": "鍵 K"},
+    "fig.values": {"en": "values V", "zh-TW": "值 V"},
+    "fig.scores": {"en": "scores", "zh-TW": "分數"},
+    "fig.weights_a": {"en": "weights A", "zh-TW": "權重 A"},
+    "fig.rows_sum": {"en": "rows sum to 1", "zh-TW": "每列總和為 1"},
+    "fig.context_z": {"en": "context Z", "zh-TW": "上下文 Z"},
+    "fig.tensor": {"en": "tensor (shape)", "zh-TW": "張量（形狀）"},
+    "fig.operation": {"en": "operation (output shape)", "zh-TW": "運算（輸出形狀）"},
     # step into a head (attnlab explain --steps, the server's step view)
     "step.header": {
         "en": "Step into {source}: layer {layer}, head {head}, query token {pos} ({token!r}) "
@@ -266,6 +308,20 @@ MESSAGES: dict[str, dict[str, str]] = {
         "depends on how far apart two tokens are.",
         "zh-TW": "旋轉位置嵌入（RoPE）把每一對維度旋轉一個隨位置增大的角度；"
         "鍵也以同樣方式旋轉，因此點積取決於兩個詞元相隔多遠。",
+    },
+    "step.qknorm.title": {
+        "en": "query_{pos} after QK-norm",
+        "zh-TW": "經過 QK 正規化後的 query_{pos}",
+    },
+    "step.qknorm_rope.title": {
+        "en": "query_{pos} after QK-norm and RoPE (position {pos})",
+        "zh-TW": "經過 QK 正規化與 RoPE 旋轉後的 query_{pos}（位置 {pos}）",
+    },
+    "step.qknorm.text": {
+        "en": "QK-norm (Qwen3, Gemma 3, OLMo 2) normalises the query (and every key) with "
+        "learned weights, which keeps the dot products in range.",
+        "zh-TW": "QK 正規化（Qwen3、Gemma 3、OLMo 2）以學習到的權重把查詢（以及每個鍵）正規化，"
+        "讓點積保持在合理範圍。",
     },
     "step.keys.title": {
         "en": "keys = x @ W_key.T of all {n} tokens, key head {kv} ({n}×{d})",

@@ -48,6 +48,7 @@ class HeadSteps:
         query_projected: ``W_query(x)`` for this head ``(D,)``, before RoPE.
         query: the query the attention used ``(D,)`` (after RoPE; equal without RoPE).
         rope: whether the layer rotates queries and keys (RoPE).
+        qk_norm: whether the layer normalises queries and keys (QK-norm) before RoPE.
         keys: the keys of every token for this head ``(S, D)``, as used.
         values: the values ``(S, Dv)``.
         scores: ``query · keys`` ``(S,)``.
@@ -86,6 +87,7 @@ class HeadSteps:
     query_projected: torch.Tensor
     query: torch.Tensor
     rope: bool
+    qk_norm: bool
     keys: torch.Tensor
     values: torch.Tensor
     scores: torch.Tensor
@@ -273,6 +275,7 @@ def _walk(
         query_projected=cpu(call.queries_projected[0, head, token]),
         query=q,
         rope=block.rope is not None,
+        qk_norm=getattr(block, "q_norm", None) is not None,
         keys=keys,
         values=values,
         scores=scores,
@@ -350,7 +353,12 @@ def step_sections(steps: HeadSteps, lang: str = "en") -> list[dict[str, Any]]:
         _table(f"x_{pos}", s.x))  # fmt: skip
     add("query", msg("step.query.title", pos=pos, head=s.head, d=d),
         msg("step.query.text", pos=pos), _table(f"query_{pos}", s.query_projected))  # fmt: skip
-    if s.rope:
+    if s.qk_norm:
+        key = "step.qknorm_rope" if s.rope else "step.qknorm"
+        add("qk_norm", msg(f"{key}.title", pos=pos), msg("step.qknorm.text") +
+            (" " + msg("step.rope.text") if s.rope else ""),
+            _table(f"query_{pos}", s.query))  # fmt: skip
+    elif s.rope:
         add("rope", msg("step.rope.title", pos=pos), msg("step.rope.text"),
             _table(f"query_{pos} ({msg('label.after_rope')})", s.query))  # fmt: skip
     keys_text = msg("step.keys.rope" if s.rope else "step.keys.text")

@@ -51,6 +51,7 @@ from attnlab.attention import Attention, KVCache, RotaryEmbedding
 from attnlab.biases import RelativePositionBias
 from attnlab.masks import AttentionMask, PaddingMask, SlidingWindowMask
 from attnlab.models._lm import keep_last, set_attention_backend
+from attnlab.norms import RMSNorm
 
 __all__ = [
     "ACTIVATIONS",
@@ -143,26 +144,6 @@ class DecoderConfig:
     def head_dim(self) -> int:
         """D = C / H."""
         return self.hidden_size // self.num_heads
-
-
-class RMSNorm(nn.Module):
-    """``x / sqrt(mean(x^2) + eps) * weight`` over the last dim, computed in fp32.
-
-    Args:
-        dim: width of the last dim.
-        eps: added to the mean square.
-    """
-
-    def __init__(self, dim: int, eps: float = 1e-5) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """(..., C) -> (..., C)."""
-        xf = x.float()  # no copy for fp32 input
-        xf = xf * torch.rsqrt(xf.square().mean(dim=-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
 
 
 def make_norm(config: DecoderConfig) -> nn.Module:

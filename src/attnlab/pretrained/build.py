@@ -38,6 +38,7 @@ __all__ = [
     "LIMITS",
     "build_config",
     "build_model",
+    "find_family",
     "plan_weights",
     "skip_random_init",
 ]
@@ -104,6 +105,24 @@ def _check_field(name: str, value: Any, kind: Any, where: str) -> Any:
     if kind is bool and not isinstance(value, bool):
         raise ModelFileError(where, f"`{name}` must be true or false, got {value!r}")
     return value
+
+
+def find_family(name: object, where: str | Path) -> Family:
+    """The family for ``model_type`` / ``general.architecture`` ``name``.
+
+    Raises:
+        ModelFileError: a missing or unknown name (the message lists the supported ones).
+    """
+    from attnlab.models.families import FAMILIES
+
+    if not isinstance(name, str):
+        raise ModelFileError(where, f"lacks the model type (which family this is), got {name!r}")
+    if name not in FAMILIES:
+        raise ModelFileError(
+            where,
+            f"model type {name!r} is not supported; supported: {', '.join(sorted(FAMILIES))}",
+        )
+    return FAMILIES[name]
 
 
 def build_config(
@@ -343,7 +362,8 @@ def fill(
             if w.shape != p.shape:
                 raise ModelFileError(
                     where,
-                    f"{name} has shape {tuple(w.shape)}, the config implies {tuple(p.shape)}",
+                    f"{name} has shape {tuple(w.shape)}, the config (config.json / metadata) "
+                    f"implies {tuple(p.shape)}",
                 )
             # Take the loaded tensor itself (no copy when the dtype already fits).
             p.data = w.to(dtype=dtype or p.dtype).contiguous()
@@ -399,8 +419,8 @@ def build_model(
     if needed > held:
         raise ModelFileError(
             where,
-            f"the config implies {needed:,} parameters but the weights hold only {held:,} "
-            "values; the config does not belong to these weights",
+            f"the config (config.json / metadata) implies {needed:,} parameters but the "
+            f"weights hold only {held:,} values; the config does not belong to these weights",
         )
     plan = plan_weights(
         names,

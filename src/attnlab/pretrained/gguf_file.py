@@ -22,6 +22,7 @@ For the 4-bit formats weights ``0..15`` are the low nibbles of ``qs[0..15]`` and
 
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from attnlab.pretrained.errors import ModelFileError
 
 # Shape legend: N blocks, Q = 32 weights per block, R rows, K = row length (ne0).
 
@@ -183,7 +186,7 @@ class GGUFContents:
     def tensor(self, name: str) -> torch.Tensor:
         """Tensor ``name`` dequantised to float32 (a fresh tensor, not a view of the file)."""
         if name not in self.tensor_infos:
-            raise KeyError(f"tensor {name!r} is not in {self.path.name}")
+            raise ModelFileError(self.path, f"has no tensor {name!r}")
         info = self.tensor_infos[name]
         raw = self._data[info.offset : info.offset + info.nbytes]
         return dequantize(raw, info.type_name, info.shape)
@@ -212,37 +215,90 @@ _SCALAR_FORMATS = {
 _STRING, _ARRAY = 8, 9
 
 
-class _Cursor:
-    """Sequential little-endian reads from a bytes-like buffer."""
+_MAX_DIMS = 4  # GGML_MAX_DIMS
+_MAX_ELEMENTS = 1 << 40  # per tensor; far above any real model's largest matrix
+_MAX_DEPTH = 4  # arrays of arrays
 
-    def __init__(self, buf: memoryview) -> None:
+
+class _Cursor:
+    """Sequential little-endian reads from a bytes-like buffer, every read bounds-checked.
+
+    Any read past the end, any length or count the rest of the file cannot hold, raises
+    :class:`ModelFileError` naming the file and what was being read (``self.field``).
+    """
+
+    def __init__(self, buf: memoryview, path: Path) -> None:
         self.buf = buf
         self.pos = 0
+        self.path = path
+        self.field = "header"
 
-    def scalar(self, fmt: str) -> Any:
+    def fail(self, problem: str) -> ModelFileError:
+        return ModelFileError(self.path, f"{self.field}: {problem}")
+
+    @property
+    def remaining(self) -> int:
+        return len(self.buf) - self.pos
+
+    def need(self, nbytes: int, what: str) -> None:
+        if nbytes < 0 or nbytes > self.remaining:
+            raise self.fail(
+                f"{what} needs {nbytes} bytes at offset {self.pos}, the file has "
+                f"{self.remaining} left (truncated or corrupt)"
+            )
+
+    def scalar(self, fmt: str, what: str = "value") -> Any:
+        size = struct.calcsize(fmt)
+        self.need(size, what)
         value = struct.unpack_from(fmt, self.buf, self.pos)[0]
-        self.pos += struct.calcsize(fmt)
+        self.pos += size
         return value
 
-    def string(self) -> str:
-        n = self.scalar("<Q")
-        text = bytes(self.buf[self.pos : self.pos + n]).decode("utf-8")
+    def string(self, what: str = "string") -> str:
+        n = self.scalar("<Q", f"{what} length")
+        self.need(n, f"{what} of length {n}")
+        try:
+            text = bytes(self.buf[self.pos : self.pos + n]).decode("utf-8")
+        except UnicodeDecodeError:
+            raise self.fail(f"{what} is not valid UTF-8") from None
         self.pos += n
         return text
 
-    def value(self, vtype: int) -> Any:
+    def count(self, what: str, min_item_bytes: int) -> int:
+        """A u64 count, refused if the rest of the file cannot hold that many items."""
+        n = self.scalar("<Q", what)
+        if n * min_item_bytes > self.remaining:
+            raise self.fail(
+                f"{what} = {n} cannot fit in the {self.remaining} bytes left "
+                f"(each needs at least {min_item_bytes})"
+            )
+        return int(n)
+
+    def value(self, vtype: int, depth: int = 0) -> Any:
         if vtype == _STRING:
             return self.string()
         if vtype == _ARRAY:
-            item_type = self.scalar("<I")
-            count = self.scalar("<Q")
-            if item_type in _SCALAR_FORMATS and item_type != 7:
+            if depth >= _MAX_DEPTH:
+                raise self.fail(f"arrays nested deeper than {_MAX_DEPTH}")
+            item_type = self.scalar("<I", "array item type")
+            if item_type in _SCALAR_FORMATS:
                 fmt = _SCALAR_FORMATS[item_type]
                 size = struct.calcsize(fmt)
-                arr = np.frombuffer(self.buf, dtype=np.dtype(fmt), count=count, offset=self.pos)
+                count = self.count("array length", size)
+                if item_type == 7:
+                    arr = [bool(b) for b in self.buf[self.pos : self.pos + count]]
+                else:
+                    arr = np.frombuffer(
+                        self.buf, dtype=np.dtype(fmt), count=count, offset=self.pos
+                    ).tolist()
                 self.pos += size * count
-                return arr.tolist()
-            return [self.value(item_type) for _ in range(count)]
+                return arr
+            if item_type not in (_STRING, _ARRAY):
+                raise self.fail(f"unknown array item type {item_type}")
+            count = self.count("array length", 8 if item_type == _STRING else 12)
+            return [self.value(item_type, depth + 1) for _ in range(count)]
+        if vtype not in _SCALAR_FORMATS:
+            raise self.fail(f"unknown value type {vtype}")
         return self.scalar(_SCALAR_FORMATS[vtype])
 
 
@@ -251,7 +307,9 @@ def read_gguf(path: str | Path) -> GGUFContents:
 
     The header is parsed here in one pass (the ``gguf`` package's reader builds a numpy
     view per string and takes seconds on a 49k-token vocabulary); tensor data stays
-    memory-mapped until :meth:`GGUFContents.tensor` dequantises it.
+    memory-mapped until :meth:`GGUFContents.tensor` dequantises it. The file is untrusted:
+    every length, count, type, dimension and offset is checked against the file's size
+    before anything is read or allocated.
 
     Args:
         path: the ``.gguf`` file.
@@ -260,56 +318,114 @@ def read_gguf(path: str | Path) -> GGUFContents:
         A :class:`GGUFContents`.
 
     Raises:
-        ValueError: if the file is not GGUF version 2 or 3.
+        ModelFileError: (a ``ValueError``) a missing file, not GGUF version 2 or 3, or a
+            header that is truncated or lies (names the field and the problem).
     """
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
     path = Path(path)
+    if not path.is_file():
+        raise ModelFileError(path, "is missing (expected a .gguf file)")
+    if path.stat().st_size < 24:
+        raise ModelFileError(path, f"is {path.stat().st_size} bytes, too short for a GGUF header")
     data = np.memmap(path, dtype=np.uint8, mode="r")
-    cur = _Cursor(data.data)
+    size = len(data)
+    cur = _Cursor(memoryview(data.data).cast("B"), path)
     magic = bytes(cur.buf[0:4])
     cur.pos = 4
-    version = cur.scalar("<I")
+    version = cur.scalar("<I", "version")
     if magic != b"GGUF" or version not in (2, 3):
-        raise ValueError(
-            f"`path` must be a GGUF file of version 2 or 3, got magic {magic!r} version {version} "
-            f"in {path}; re-convert it with a current llama.cpp"
+        raise ModelFileError(
+            path,
+            f"is not a GGUF file of version 2 or 3 (magic {magic!r}, version {version}); "
+            "re-convert it with a current llama.cpp",
         )
-    n_tensors = cur.scalar("<Q")
-    n_kv = cur.scalar("<Q")
+    cur.field = "tensor count"
+    n_tensors = cur.count("tensor count", 8 + 4 + 8 + 4 + 8)
+    cur.field = "key-value count"
+    n_kv = cur.count("key-value count", 8 + 4)
     kv: dict[str, Any] = {}
-    for _ in range(n_kv):
-        key = cur.string()
-        kv[key] = cur.value(cur.scalar("<I"))
+    for i in range(n_kv):
+        cur.field = f"key {i}"
+        key = cur.string("key")
+        cur.field = f"value of {key!r}"
+        kv[key] = cur.value(cur.scalar("<I", "value type"))
     raw_infos = []
-    for _ in range(n_tensors):
-        name = cur.string()
-        n_dims = cur.scalar("<I")
-        ne = [cur.scalar("<Q") for _ in range(n_dims)]
-        type_id = cur.scalar("<I")
-        offset = cur.scalar("<Q")
+    for i in range(n_tensors):
+        cur.field = f"tensor {i}"
+        name = cur.string("tensor name")
+        cur.field = f"tensor {name!r}"
+        n_dims = cur.scalar("<I", "dimension count")
+        if not 1 <= n_dims <= _MAX_DIMS:
+            raise cur.fail(f"has {n_dims} dimensions, expected 1..{_MAX_DIMS}")
+        ne = [int(cur.scalar("<Q", "dimension")) for _ in range(n_dims)]
+        type_id = cur.scalar("<I", "ggml type")
+        offset = int(cur.scalar("<Q", "data offset"))
         raw_infos.append((name, ne, type_id, offset))
-    alignment = int(kv.get("general.alignment", 32))
+    alignment = kv.get("general.alignment", 32)
+    if (
+        isinstance(alignment, bool)
+        or not isinstance(alignment, int)
+        or not 1 <= alignment <= 1 << 16
+        or alignment & (alignment - 1)
+    ):
+        raise ModelFileError(path, f"general.alignment = {alignment!r} is not a power of two")
     data_start = (cur.pos + alignment - 1) // alignment * alignment
     infos: dict[str, GGUFTensorInfo] = {}
     for name, ne, type_id, offset in raw_infos:
-        qtype = GGMLQuantizationType(type_id)
+        where = f"tensor {name!r}"
+        try:
+            qtype = GGMLQuantizationType(type_id)
+        except ValueError:
+            raise ModelFileError(path, f"{where}: unknown ggml type {type_id}") from None
+        if qtype not in GGML_QUANT_SIZES:
+            raise ModelFileError(path, f"{where}: ggml type {qtype.name} has no known size")
         block_size, type_size = GGML_QUANT_SIZES[qtype]
-        n_elements = int(np.prod(ne))
+        n_elements = math.prod(ne)  # Python ints: cannot overflow
+        if n_elements > _MAX_ELEMENTS or any(n <= 0 for n in ne):
+            raise ModelFileError(
+                path, f"{where}: dimensions {ne} (product {n_elements}) are not a sane shape"
+            )
+        if ne[0] % block_size:
+            raise ModelFileError(
+                path,
+                f"{where}: row length {ne[0]} is not a multiple of {qtype.name}'s "
+                f"block of {block_size}",
+            )
+        nbytes = n_elements // block_size * type_size
+        start = data_start + offset
+        if offset % alignment or start + nbytes > size:
+            raise ModelFileError(
+                path,
+                f"{where}: data at offset {offset} ({nbytes} bytes) lies past the end of "
+                f"the file ({size} bytes) or off the {alignment}-byte alignment",
+            )
+        if name in infos:
+            raise ModelFileError(path, f"{where} appears twice")
         infos[name] = GGUFTensorInfo(
             name=name,
             type_name=qtype.name,
-            shape=tuple(int(n) for n in reversed(ne)),
-            offset=data_start + offset,
-            nbytes=n_elements // block_size * type_size,
+            shape=tuple(reversed(ne)),
+            offset=start,
+            nbytes=nbytes,
         )
     metadata = {k: v for k, v in kv.items() if k not in _BIG_ARRAYS}
+    tokens = kv.get("tokenizer.ggml.tokens", [])
+    token_types = kv.get("tokenizer.ggml.token_type", [])
+    merges = kv.get("tokenizer.ggml.merges", [])
+    for key, value in (
+        ("tokenizer.ggml.tokens", tokens),
+        ("tokenizer.ggml.token_type", token_types),
+        ("tokenizer.ggml.merges", merges),
+    ):
+        if not isinstance(value, list):
+            raise ModelFileError(path, f"{key} must be an array, got {type(value).__name__}")
     return GGUFContents(
         path=path,
         metadata=metadata,
-        tokens=kv.get("tokenizer.ggml.tokens", []),
-        token_types=kv.get("tokenizer.ggml.token_type", []),
-        merges=kv.get("tokenizer.ggml.merges", []),
+        tokens=tokens,
+        token_types=token_types,
+        merges=merges,
         tensor_infos=infos,
         _data=data,
     )

@@ -20,8 +20,7 @@ import torch
 from attnlab.models.decoder import Decoder
 from attnlab.models.encoder import Encoder
 from attnlab.models.encoder_decoder import NO_LIMIT, EncoderDecoder
-from attnlab.models.families import family_for
-from attnlab.pretrained.build import build_config, build_model
+from attnlab.pretrained.build import build_config, build_model, find_family
 from attnlab.pretrained.errors import ModelFileError
 from attnlab.pretrained.safetensors_file import SafetensorsFile, read_safetensors
 from attnlab.pretrained.tokenizer import PretrainedTokenizer, tokenizer_from_hf_dir
@@ -126,10 +125,7 @@ def load_hf_directory(
         raise ModelFileError(folder, "is not a directory")
     config_path = folder / "config.json"
     hf = read_json(config_path, what="the model config")
-    model_type = hf.get("model_type")
-    if not isinstance(model_type, str):
-        raise ModelFileError(config_path, "lacks `model_type` (which model family this is)")
-    family = family_for(model_type, source=str(config_path))
+    family = find_family(hf.get("model_type"), config_path)
     config = build_config(family, hf, where=config_path)
     files, where = weight_files(folder)
     names = {name: f.tensors[name].numel for name, f in files.items()}

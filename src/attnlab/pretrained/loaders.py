@@ -21,8 +21,7 @@ import torch
 
 from attnlab.models.decoder import Decoder
 from attnlab.models.encoder import Encoder
-from attnlab.models.families import family_for
-from attnlab.pretrained.build import build_config, build_model
+from attnlab.pretrained.build import build_config, build_model, find_family
 from attnlab.pretrained.errors import ModelFileError
 from attnlab.pretrained.gguf_file import read_gguf
 from attnlab.pretrained.hf import load_hf_directory
@@ -133,10 +132,8 @@ def load_gguf(
     path = Path(path)
     contents = read_gguf(path)
     meta = contents.metadata
-    arch = meta.get("general.architecture")
-    if not isinstance(arch, str):
-        raise ModelFileError(path, "lacks `general.architecture` (which model family this is)")
-    family = family_for(arch, source=str(path))
+    family = find_family(meta.get("general.architecture"), path)
+    arch = family.name
     if not family.gguf_weights:
         raise ModelFileError(path, f"GGUF files of architecture {arch!r} are not supported yet")
     keys = {

@@ -225,22 +225,64 @@ def tokenizer_from_hf_dir(folder: str | Path, *, max_length: int | None) -> Pret
     )
 
 
+# llama.cpp's pre-tokenizer regexes (llama-vocab.cpp), applied before byte-level BPE.
+_LLAMA3_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
+    r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_REGEX = _LLAMA3_REGEX.replace(r"\p{N}{1,3}", r"\p{N}")
+# llama.cpp's `tokenizer.ggml.pre` names -> the split they stand for.
+PRE_TOKENIZERS = {
+    "default": "gpt2",
+    "gpt2": "gpt2",
+    "gpt-2": "gpt2",
+    "phi-2": "gpt2",
+    "roberta-bpe": "gpt2",
+    "jais": "gpt2",
+    "smollm": "digits+gpt2",
+    "starcoder": "digits+gpt2",
+    "refact": "digits+gpt2",
+    "codeshell": "digits+gpt2",
+    "llama3": "llama3",
+    "llama-bpe": "llama3",
+    "falcon3": "llama3",
+    "pixtral": "llama3",
+    "dbrx": "llama3",
+    "smaug-bpe": "llama3",
+    "qwen2": "qwen2",
+    "deepseek-r1-qwen": "qwen2",
+    "megrez": "qwen2",
+}
+
+
 def _pre_tokenizer(pre: str) -> Any:
     """The ``tokenizers`` pre-tokenizer for llama.cpp's ``tokenizer.ggml.pre`` name.
 
     llama.cpp's "smollm" pre-tokenizer splits every digit on its own (``\\p{N}``) and then
     applies the GPT-2 regex; that is ``Digits(individual_digits=True)`` followed by
-    byte-level splitting, as in SmolLM2's original ``tokenizer.json``.
+    byte-level splitting, as in SmolLM2's original ``tokenizer.json``. "llama-bpe" (Llama 3)
+    and "qwen2" split with their own regexes (numbers in runs of up to 3 digits, or single
+    digits), then map bytes without the GPT-2 regex.
     """
-    from tokenizers import pre_tokenizers
+    from tokenizers import Regex, pre_tokenizers
 
+    kind = PRE_TOKENIZERS.get(pre)
+    if kind is None:
+        raise NotImplementedError(
+            f"GGUF pre-tokenizer {pre!r} is not supported; supported: "
+            f"{', '.join(sorted(PRE_TOKENIZERS))}"
+        )
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre in ("smollm", "starcoder", "refact", "codeshell"):
-        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    if pre in ("gpt2", "default"):
+    if kind == "gpt2":
         return byte_level
-    raise NotImplementedError(
-        f"GGUF pre-tokenizer {pre!r} is not supported; supported: smollm, starcoder, gpt2"
+    if kind == "digits+gpt2":
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    regex = _LLAMA3_REGEX if kind == "llama3" else _QWEN2_REGEX
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
     )
 
 

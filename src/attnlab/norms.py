@@ -1,0 +1,77 @@
+"""Normalisation layers shared by the attention layer and the models, and the QK-norm option.
+
+Shape legend: C the normalised (last) dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+__all__ = ["QKNorm", "RMSNorm"]
+
+
+class RMSNorm(nn.Module):
+    """``x / sqrt(mean(x^2) + eps) * weight`` over the last dim, computed in fp32.
+
+    Args:
+        dim: width of the last dim.
+        eps: added to the mean square.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(..., C) -> (..., C)."""
+        xf = x.float()  # no copy for fp32 input
+        xf = xf * torch.rsqrt(xf.square().mean(dim=-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+@dataclass(frozen=True)
+class QKNorm:
+    """Normalise queries and keys before RoPE (and before the scores), as these models do.
+
+    Args:
+        kind: ``"rms"`` (:class:`RMSNorm`: Qwen3, Gemma 3, OLMo 2) or ``"layer"``
+            (``torch.nn.LayerNorm`` with weight and bias: Persimmon, StableLM 2).
+        scope: ``"head"``: one norm of width D shared by all heads, applied to each head
+            vector (Qwen3, Gemma 3); ``"all"``: one norm over all heads' concatenation,
+            width ``H*D`` for queries and ``G*D`` for keys (OLMo 2).
+        eps: the norm's epsilon.
+
+    Gemma's RMSNorm multiplies by ``1 + weight``: load ``weight + 1`` into this one.
+
+    Raises:
+        ValueError: unknown ``kind`` or ``scope``, non-positive ``eps``.
+    """
+
+    kind: Literal["rms", "layer"] = "rms"
+    scope: Literal["head", "all"] = "head"
+    eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("rms", "layer"):
+            raise ValueError(f"`kind` must be 'rms' or 'layer', got {self.kind!r}")
+        if self.scope not in ("head", "all"):
+            raise ValueError(
+                f"`scope` must be 'head' (per head vector) or 'all' (across heads), "
+                f"got {self.scope!r}"
+            )
+        if isinstance(self.eps, bool) or not isinstance(self.eps, (int, float)) or self.eps <= 0:
+            raise ValueError(f"`eps` must be a positive number, got {self.eps!r}")
+
+    def build(self, width: int) -> nn.Module:
+        """A fresh norm over a last dim of ``width``."""
+        if self.kind == "rms":
+            return RMSNorm(width, self.eps)
+        return nn.LayerNorm(width, eps=self.eps)

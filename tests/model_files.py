@@ -1,0 +1,203 @@
+"""Tiny model files for the tests, built here: Hugging Face directories saved by
+transformers (random weights), a trained byte-level BPE tokenizer, and GGUF files written
+with gguf.GGUFWriter under llama.cpp's tensor names."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+CORPUS = [
+    "Attention lets every token look at every other token.",
+    "The cat sat on the mat, and the dog sat on the log.",
+    "Queries, keys and values: 1, 2, 3 and 42!",
+    "Once upon a time there was a small model in a test.",
+]
+VOCAB = 160
+
+
+def tokenizer_json(folder) -> None:
+    """A small byte-level BPE tokenizer, trained here, saved as tokenizer.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB,
+        special_tokens=["<s>", "<pad>", "</s>", "<unk>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(
+        '{"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", '
+        '"chat_template": "{% for m in messages %}<s>{{ m.content }}</s>{% endfor %}"}'
+    )
+
+
+def save_hf(family: str, overrides: dict, folder, dtype: torch.dtype, *, encoder: bool = False):
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(family, vocab_size=512, initializer_range=0.1, **overrides)
+    torch.manual_seed(0)
+    auto = AutoModel if encoder else AutoModelForCausalLM
+    model = auto.from_config(config, attn_implementation="eager").to(dtype).eval()
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder, safe_serialization=True)
+    tokenizer_json(folder)
+    return folder
+
+
+# --------------------------------------------------------------------------- GGUF
+
+# Hugging Face module -> llama.cpp tensor (per layer {i}); the llama layout.
+_LLAMA_TO_GGUF = {
+    "model.embed_tokens": "token_embd",
+    "model.norm": "output_norm",
+    "lm_head": "output",
+    "model.layers.{i}.input_layernorm": "blk.{i}.attn_norm",
+    "model.layers.{i}.self_attn.q_proj": "blk.{i}.attn_q",
+    "model.layers.{i}.self_attn.k_proj": "blk.{i}.attn_k",
+    "model.layers.{i}.self_attn.v_proj": "blk.{i}.attn_v",
+    "model.layers.{i}.self_attn.o_proj": "blk.{i}.attn_output",
+    "model.layers.{i}.post_attention_layernorm": "blk.{i}.ffn_norm",
+    "model.layers.{i}.mlp.gate_proj": "blk.{i}.ffn_gate",
+    "model.layers.{i}.mlp.up_proj": "blk.{i}.ffn_up",
+    "model.layers.{i}.mlp.down_proj": "blk.{i}.ffn_down",
+}
+_GPT2_TO_GGUF = {
+    "transformer.wte": "token_embd",
+    "transformer.wpe": "position_embd",
+    "transformer.ln_f": "output_norm",
+    "transformer.h.{i}.ln_1": "blk.{i}.attn_norm",
+    "transformer.h.{i}.attn.c_attn": "blk.{i}.attn_qkv",
+    "transformer.h.{i}.attn.c_proj": "blk.{i}.attn_output",
+    "transformer.h.{i}.ln_2": "blk.{i}.ffn_norm",
+    "transformer.h.{i}.mlp.c_fc": "blk.{i}.ffn_up",
+    "transformer.h.{i}.mlp.c_proj": "blk.{i}.ffn_down",
+}
+PRE_TOKENIZER = {"llama": "llama-bpe", "qwen2": "qwen2", "gpt2": "gpt-2"}
+
+
+def llama_cpp_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """llama.cpp's converter on q/k rows (weights and biases): ``(H, 2, D/2, ...)`` swapped."""
+    shape = w.shape
+    return w.reshape(n_heads, 2, shape[0] // n_heads // 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+
+
+def _gguf_name(hf_name: str, table: dict[str, str]) -> str | None:
+    module, leaf = hf_name.rsplit(".", 1)
+    parts = module.split(".")
+    for src, dst in table.items():
+        sp = src.split(".")
+        if len(sp) != len(parts):
+            continue
+        layer = None
+        for a, b in zip(sp, parts, strict=True):
+            if a == "{i}":
+                layer = b
+            elif a != b:
+                break
+        else:
+            return dst.replace("{i}", layer or "") + "." + leaf
+    return None
+
+
+def write_gguf(hf_folder, out_path, family: str, qtype_name: str) -> dict[str, torch.Tensor]:
+    """Convert a tiny Hugging Face checkpoint to GGUF the way llama.cpp's converter does.
+
+    2-D weights are stored as ``qtype_name`` (F32, F16 or Q8_0), 1-D ones as F32.
+
+    Returns:
+        The Hugging Face state dict with every weight replaced by what the GGUF file holds
+        after dequantisation (``gguf.quants``), in Hugging Face layout: the reference.
+    """
+    import json
+
+    from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf.quants import dequantize, quantize
+    from safetensors.torch import load_file
+
+    cfg = json.loads((hf_folder / "config.json").read_text())
+    state = load_file(hf_folder / "model.safetensors")
+    qtype = GGMLQuantizationType[qtype_name]
+    w = GGUFWriter(out_path, family)
+    arch = family
+    if family == "gpt2":
+        C, L, H, G = cfg["n_embd"], cfg["n_layer"], cfg["n_head"], cfg["n_head"]
+        w.add_uint32(f"{arch}.context_length", cfg["n_positions"])
+        w.add_uint32(f"{arch}.feed_forward_length", cfg.get("n_inner") or 4 * C)
+        w.add_float32(f"{arch}.attention.layer_norm_epsilon", cfg["layer_norm_epsilon"])
+        table = _GPT2_TO_GGUF
+        if "lm_head.weight" not in state:
+            state["lm_head.weight"] = state["transformer.wte.weight"]
+        table = {**table, "lm_head": "output"}
+    else:
+        C, L = cfg["hidden_size"], cfg["num_hidden_layers"]
+        H, G = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+        w.add_uint32(f"{arch}.context_length", cfg["max_position_embeddings"])
+        w.add_uint32(f"{arch}.feed_forward_length", cfg["intermediate_size"])
+        w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg["rms_norm_eps"])
+        w.add_float32(f"{arch}.rope.freq_base", cfg["rope_parameters"]["rope_theta"])
+        table = _LLAMA_TO_GGUF
+    w.add_uint32(f"{arch}.embedding_length", C)
+    w.add_uint32(f"{arch}.block_count", L)
+    w.add_uint32(f"{arch}.attention.head_count", H)
+    w.add_uint32(f"{arch}.attention.head_count_kv", G)
+    tok = json.loads((hf_folder / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    special = {a["content"] for a in tok["added_tokens"]}
+    n_vocab = state["lm_head.weight" if "lm_head.weight" in state else "model.embed_tokens.weight"]
+    tokens += [f"[PAD{i}]" for i in range(len(tokens), n_vocab.shape[0])]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(PRE_TOKENIZER[family])
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in special else 1 for t in tokens])
+    merges = tok["model"]["merges"]
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+    w.add_bos_token_id(vocab["<s>"])
+    w.add_eos_token_id(vocab["</s>"])
+    reference: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        if family != "gpt2" and name == "lm_head.weight" and cfg.get("tie_word_embeddings"):
+            continue
+        gname = _gguf_name(name, table)
+        assert gname is not None, name
+        x = t.float()
+        conv1d = family == "gpt2" and name.endswith(".weight") and ".c_" in name
+        if conv1d:
+            x = x.T.contiguous()
+        perm = None
+        if family == "llama" and ".q_proj." in name:
+            perm = H
+        elif family == "llama" and ".k_proj." in name:
+            perm = G
+        if perm is not None:
+            x = llama_cpp_permute(x, perm)
+        arr = x.numpy()
+        if arr.ndim == 2 and qtype != GGMLQuantizationType.F32:
+            if qtype == GGMLQuantizationType.F16:
+                stored = arr.astype(np.float16)
+                w.add_tensor(gname, stored)
+                back = stored.astype(np.float32)
+            else:
+                stored = quantize(arr, qtype)
+                w.add_tensor(gname, stored, raw_dtype=qtype)
+                back = dequantize(stored, qtype)
+        else:
+            w.add_tensor(gname, arr.astype(np.float32))
+            back = arr.astype(np.float32)
+        y = torch.from_numpy(np.ascontiguousarray(back)).reshape(x.shape)
+        if perm is not None:  # invert the permutation for the Hugging Face layout
+            D2 = y.shape[0] // perm // 2
+            y = y.reshape(perm, D2, 2, *y.shape[1:]).swapaxes(1, 2).reshape(y.shape)
+        if conv1d:
+            y = y.T.contiguous()
+        reference[name] = y
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return reference

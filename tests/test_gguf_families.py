@@ -1,0 +1,103 @@
+"""GGUF files of the decoder families, written here with gguf.GGUFWriter under llama.cpp's
+tensor names (q/k rows permuted for llama, GPT-2's Conv1D weights transposed), in F32, F16
+and Q8_0. The reference is transformers on the same checkpoint with every weight replaced
+by what the GGUF file holds after ``gguf.quants.dequantize``: attnlab's GGUF load must give
+its logits within 1e-5, so the dequantisation, the un-permutation and the name map are all
+exact."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+if not all(importlib.util.find_spec(m) for m in ("transformers", "tokenizers", "gguf")):
+    pytest.skip("needs transformers, tokenizers and gguf", allow_module_level=True)
+
+from attnlab.generation import generate
+from attnlab.models.decoder import Decoder
+from attnlab.pretrained import load_pretrained
+from model_files import CORPUS, save_hf, write_gguf
+
+CONFIGS = {
+    "llama": {
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 128,
+        "tie_word_embeddings": False,
+    },
+    "qwen2": {
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "max_position_embeddings": 128,
+        "tie_word_embeddings": True,
+    },
+    "gpt2": {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128},
+}
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gguf-families")
+    return {f: save_hf(f, c, root / f, torch.float32) for f, c in CONFIGS.items()}
+
+
+@pytest.mark.parametrize("qtype", ["F32", "F16", "Q8_0"])
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_gguf_logits_equal_transformers_on_the_dequantised_weights(
+    hf_dirs, tmp_path, family, qtype
+):
+    from transformers import AutoModelForCausalLM
+
+    path = tmp_path / f"{family}.{qtype}.gguf"
+    reference_state = write_gguf(hf_dirs[family], path, family, qtype)
+    ref = AutoModelForCausalLM.from_pretrained(hf_dirs[family], attn_implementation="eager")
+    missing, unexpected = ref.load_state_dict(reference_state, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    ref.eval()
+    model, tok = load_pretrained(path)
+    assert isinstance(model, Decoder) and model.config.family == family
+    ids = torch.tensor([tok.encode(CORPUS[1])])
+    with torch.no_grad():
+        expected = ref(ids, output_attentions=True)
+        logits, weights = model(ids, need_weights=True)
+    torch.testing.assert_close(logits, expected.logits, atol=1e-5, rtol=0)
+    for ours, theirs in zip(weights, expected.attentions, strict=True):
+        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
+    if qtype == "F32":
+        st_model, _ = load_pretrained(hf_dirs[family])
+        with torch.no_grad():
+            torch.testing.assert_close(logits, st_model(ids), atol=1e-5, rtol=0)
+        ours = generate(model, ids, 8)
+        assert ours.tolist() == generate(st_model, ids, 8).tolist()
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_gguf_tokenizer_with_llama_cpp_pre_tokenizer_names(hf_dirs, tmp_path, family):
+    path = tmp_path / f"{family}.gguf"
+    write_gguf(hf_dirs[family], path, family, "F32")
+    _, tok = load_pretrained(path)
+    _, hf_tok = load_pretrained(hf_dirs[family])
+    for text in CORPUS:  # the regexes agree on plain text
+        assert tok.encode(text) == hf_tok.encode(text)
+        assert tok.decode(tok.encode(text)) == text
+    # The split llama.cpp's name stands for: llama3 runs of <= 3 digits, qwen2 single digits.
+    pieces = [p for p, _ in tok.backend.pre_tokenizer.pre_tokenize_str("12345 abc")]
+    expected = {
+        "llama": ["123", "45", "Ġabc"],
+        "qwen2": ["1", "2", "3", "4", "5", "Ġabc"],
+        "gpt2": ["12345", "Ġabc"],
+    }[family]
+    assert pieces == expected
+    assert tok.eos_id == hf_tok.eos_id
