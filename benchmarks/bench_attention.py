@@ -14,9 +14,28 @@ excluded, outputs and gradients included). See ``attnlab._memory``.
 Second table: the production ``attnlab.Attention(backend="auto")`` layer against the same
 layer written directly on ``torch.nn.functional.scaled_dot_product_attention``.
 
+``--dtype bf16`` runs the same tables in bfloat16.
+
+``--targets`` prints instead the ratios issue 12 sets targets for, each measured against
+its named peer in the same run (interleaved):
+
+1. ``blockwise`` / ``F.scaled_dot_product_attention``, causal and unmasked, fp32 and bf16,
+   forward and forward+backward, T = ``--target-ts`` (target <= 1.10), with ``blockwise``'s
+   peak memory per T (linear);
+2. masks at T = ``--mask-t`` (causal & key padding with a quarter padded, causal sliding
+   window of T/4, and a document mask when ``attnlab.masks`` has one): ``blockwise`` against
+   torch's kernel given the same mask as a dense tensor (target < 1) and against torch's
+   causal-only time (target <= 1.2 where the mask keeps no more entries than causal; the
+   share it keeps is printed);
+3. exact weights (``WeightsRequest``, one head, the last 16 rows): the call with weights
+   against the plain call plus the weights alone (target <= 1.1).
+
+Each pass also runs with ``force_tile_path("pure")`` so the fused tiles' gain shows.
+
 Usage::
 
     python benchmarks/bench_attention.py --max-t 8192 --plot docs/img/attention_benchmark.png
+    python benchmarks/bench_attention.py --targets --threads 2     # the issue-12 ratios
 
 Dispatch (the crossover table ``auto`` chooses by, and the check that it chose well):
 
@@ -47,14 +66,18 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from attnlab import masks as attn_masks
 from attnlab._memory import peak_allocated
 from attnlab.attention import Attention
-from attnlab.backends import AUTO_ORDER, explain_dispatch
+from attnlab.backends import AUTO_ORDER, WeightsRequest, exact_weights, explain_dispatch
+from attnlab.backends.blockwise import blockwise_attention, force_tile_path
 from attnlab.backends.table import TABLE_FORMAT
 from attnlab.functional import scaled_dot_product_attention
 from attnlab.masks import PaddingMask
 
 H, D = 12, 64
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPE = torch.float32  # set by --dtype
 
 
 def textbook(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -82,10 +105,19 @@ MATERIALISED = {"textbook", "attnlab math"}
 
 
 def make_call(name: str, T: int, backward: bool) -> Callable[[], object]:
+    return make_fn_call(IMPLS[name], T, backward, DTYPE)
+
+
+def make_fn_call(
+    fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    T: int,
+    backward: bool,
+    dtype: torch.dtype,
+) -> Callable[[], object]:
+    """``fn(q, k, v)`` on fresh (1, H, T, D) inputs: no grad, or forward + backward."""
     gen = torch.Generator().manual_seed(T)
-    q, k, v = (torch.randn(1, H, T, D, generator=gen) for _ in range(3))
-    grad = torch.randn(1, H, T, D, generator=gen)
-    fn = IMPLS[name]
+    q, k, v = (torch.randn(1, H, T, D, generator=gen).to(dtype) for _ in range(3))
+    grad = torch.randn(1, H, T, D, generator=gen).to(dtype)
     if not backward:
 
         def fwd() -> object:
@@ -141,6 +173,132 @@ class DirectLayer(torch.nn.Module):
         return L.out_proj(out.transpose(1, 2).reshape(B, T, C))
 
 
+def _blockwise(mask: object, path: str | None = None) -> Callable[..., torch.Tensor]:
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        with force_tile_path(path):  # type: ignore[arg-type]
+            return scaled_dot_product_attention(q, k, v, mask, backend="blockwise")
+
+    return run
+
+
+def _sdpa(mask: torch.Tensor | None, is_causal: bool) -> Callable[..., torch.Tensor]:
+    return lambda q, k, v: F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=is_causal
+    )
+
+
+def load() -> str:
+    with open("/proc/loadavg") as fh:
+        return "load " + " ".join(fh.read().split()[:3])
+
+
+def targets(args: argparse.Namespace) -> None:
+    """The issue-12 ratio tables (see the module docstring)."""
+    print(
+        f"B=1, H={H}, D={D}, {args.threads} threads; time = min of >= {args.reps} interleaved "
+        f"runs; ratio = attnlab / named peer in the same run; {load()}"
+    )
+    print("\n== 1. blockwise / torch sdpa, causal and unmasked (target <= 1.10) ==")
+    print(f"{'T':>6} {'dtype':>5} {'mask':>6} {'pass':>8} {'sdpa ms':>9} {'fused':>6} {'pure':>6}")
+    for T in args.target_ts:
+        for dname in args.target_dtypes:
+            dtype = DTYPES[dname]
+            for causal in (True, False):
+                mask = attn_masks.CausalMask() if causal else None
+                for backward in (False, True):
+                    impls = {"sdpa": _sdpa(None, causal), "fused": _blockwise(mask, "fused")}
+                    if args.pure_max_t >= T:
+                        impls["pure"] = _blockwise(mask, "pure")
+                    fns = {n: make_fn_call(f, T, backward, dtype) for n, f in impls.items()}
+                    best = bench(fns, args.reps if T <= 4096 else max(1, args.reps - 1))
+                    pure = f"{best['pure'] / best['sdpa']:6.2f}" if "pure" in best else "     -"
+                    print(
+                        f"{T:>6} {dname:>5} {'causal' if causal else 'none':>6} "
+                        f"{'fwd+bwd' if backward else 'fwd':>8} {best['sdpa'] * 1e3:9.1f} "
+                        f"{best['fused'] / best['sdpa']:6.2f} {pure}",
+                        flush=True,
+                    )
+    if not args.no_memory and args.target_ts:
+        print("\nblockwise (fused) causal fwd+bwd peak MiB (x torch):", end="")
+        for T in args.target_ts:
+            ours = peak_allocated(make_fn_call(_blockwise(attn_masks.CausalMask()), T, True,
+                                               torch.float32))[1]  # fmt: skip
+            theirs = peak_allocated(make_fn_call(_sdpa(None, True), T, True, torch.float32))[1]
+            print(f"  T={T}: {ours / 2**20:.1f} ({ours / max(1, theirs):.2f})", end="")
+        print()
+
+    if args.mask_t:
+        _mask_table(args.mask_t, args)
+    if args.weights_t:
+        _weights_ratio(args.weights_t, args)
+    print(f"\n{load()}")
+
+
+def _mask_table(T: int, args: argparse.Namespace) -> None:
+    mask_set: dict[str, attn_masks.AttentionMask] = {
+        "padding": attn_masks.PaddingMask.from_lengths([3 * T // 4], T) & attn_masks.CausalMask(),
+        "window": attn_masks.SlidingWindowMask(T // 4),
+    }
+    document = getattr(attn_masks, "DocumentMask", None)
+    if document is not None:  # documents of T/8 tokens, causal within each
+        try:
+            ids = torch.arange(T) // (T // 8)
+            mask_set["document"] = document(ids[None]) & attn_masks.CausalMask()
+        except (TypeError, ValueError) as e:  # its signature differs: say so, skip it
+            print(f"(document mask skipped: {e})")
+    causal_entries = T * (T + 1) / 2
+    print(
+        f"\n== 2. masks at T={T} fp32: blockwise / sdpa with the dense mask (target < 1), "
+        f"blockwise / sdpa causal-only (target <= 1.2 where kept <= 1) =="
+    )
+    print(
+        f"{'mask':>9} {'pass':>8} {'kept':>5} {'sdpa causal ms':>15} {'x dense':>8} {'x causal':>9}"
+    )
+    for name, m in mask_set.items():
+        dense = m.dense(T, T)  # (1|B, 1, T, T) bool: True = may attend
+        kept = float(dense.sum()) / causal_entries
+        for backward in (False, True) if args.mask_backward else (False,):
+            impls = {
+                "causal": _sdpa(None, True),
+                "dense": _sdpa(dense, False),
+                "blockwise": _blockwise(m),
+            }
+            fns = {n: make_fn_call(f, T, backward, torch.float32) for n, f in impls.items()}
+            best = bench(fns, max(1, args.reps - 1))
+            print(
+                f"{name:>9} {'fwd+bwd' if backward else 'fwd':>8} {kept:5.2f} "
+                f"{best['causal'] * 1e3:15.1f} {best['blockwise'] / best['dense']:8.2f} "
+                f"{best['blockwise'] / best['causal']:9.2f}",
+                flush=True,
+            )
+        del dense
+
+
+def _weights_ratio(T: int, args: argparse.Namespace) -> None:
+    print(f"\n== 3. exact weights, T={T} causal fp32, head 0, last 16 rows (target <= 1.1) ==")
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, H, T, D, generator=gen) for _ in range(3))
+    req = WeightsRequest(heads=(0,), rows=tuple(range(T - 16, T)))
+    causal = attn_masks.CausalMask()
+    lse = blockwise_attention(q, k, v, causal, dropout_p=0.0, scale=D**-0.5).lse
+
+    def with_weights() -> object:
+        return scaled_dot_product_attention(q, k, v, causal, backend="blockwise", need_weights=req)
+
+    fns = {
+        "with": with_weights,
+        "plain": lambda: scaled_dot_product_attention(q, k, v, causal, backend="blockwise"),
+        "weights": lambda: exact_weights(q, k, causal, D**-0.5, req, lse),
+    }
+    with torch.no_grad():
+        best = bench(fns, args.reps)
+    print(
+        f"with weights {best['with'] * 1e3:.1f} ms, plain {best['plain'] * 1e3:.1f} ms, weights "
+        f"alone {best['weights'] * 1e3:.2f} ms: ratio "
+        f"{best['with'] / (best['plain'] + best['weights']):.3f}"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--min-t", type=int, default=128)
@@ -156,6 +314,14 @@ def main() -> None:
     ap.add_argument("--no-memory", action="store_true", help="skip the memory runs")
     ap.add_argument("--plot", default=None, help="write a PNG of time and memory vs T")
     ap.add_argument("--json", default=None, help="write the raw numbers as JSON")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    ap.add_argument("--targets", action="store_true", help="print the issue-12 ratio tables")
+    ap.add_argument("--target-ts", type=int, nargs="*", default=[1024, 2048, 4096, 8192])
+    ap.add_argument("--target-dtypes", nargs="+", choices=sorted(DTYPES), default=["fp32", "bf16"])
+    ap.add_argument("--pure-max-t", type=int, default=2048, help="largest T for the pure tiles")
+    ap.add_argument("--mask-t", type=int, default=8192, help="0 skips the mask table")
+    ap.add_argument("--mask-backward", action="store_true", help="masks: forward+backward too")
+    ap.add_argument("--weights-t", type=int, default=4096, help="0 skips the weights")
     grid = ap.add_argument_group("dispatch grid and crossover table")
     grid.add_argument(
         "--write-table",
@@ -194,6 +360,11 @@ def main() -> None:
         overhead_main()
         return
     torch.set_num_threads(args.threads)
+    global DTYPE
+    DTYPE = DTYPES[args.dtype]
+    if args.targets:
+        targets(args)
+        return
     if args.write_table or args.grid:
         grid_main(args)
         return
@@ -205,7 +376,7 @@ def main() -> None:
         T *= 2
     results: dict[str, dict[str, dict[int, dict[str, float]]]] = {"fwd": {}, "fwd+bwd": {}}
     print(
-        f"causal attention, B=1, H={H}, D={D}, fp32, {args.threads} threads; time = min of "
+        f"causal attention, B=1, H={H}, D={D}, {args.dtype}, {args.threads} threads; time = min of "
         f"{args.reps} interleaved runs; memory = peak bytes allocated by the call "
         "(torch.profiler allocation records)"
     )
@@ -244,9 +415,9 @@ def main() -> None:
     layer_rows = {}
     for T in [t for t in (512, 2048, 4096) if t <= args.max_t]:
         torch.manual_seed(0)
-        layer = Attention(H * D, H).eval()
+        layer = Attention(H * D, H).to(DTYPE).eval()
         direct = DirectLayer(layer).eval()
-        x = torch.randn(1, T, H * D)
+        x = torch.randn(1, T, H * D).to(DTYPE)
 
         def ours(layer: Attention = layer, x: torch.Tensor = x) -> object:
             with torch.no_grad():
@@ -357,7 +528,7 @@ def wait_until_quiet(args: argparse.Namespace) -> dict:
     return state
 
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+GRID_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 PASSES = ("forward", "forward+backward")
 MASKS = ("causal", "none", "padding")
 
@@ -402,14 +573,19 @@ def grid_auto_choice(dtype: torch.dtype, pass_: str, mask: str, T: int) -> str:
 
 def bench_cell(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
     """Seconds per call of each function: the minimum over interleaved rounds, each timing
-    as many calls as fill ~5 ms (small calls are too short to time one by one)."""
+    as many calls as fill ~5 ms (small calls are too short to time one by one). Cheap
+    cells run more rounds (up to 4x, while under 2 s); a cell whose round takes over a
+    second runs fewer (at least 2), so that T = 8192 stays affordable."""
     inner = {}
-    for name, f in fns.items():  # warm up and size the inner loops
-        f()
+    one_round = 0.0
+    for name, f in fns.items():  # warm up, and size the inner loops and the rounds
         t0 = time.perf_counter()
         f()
         once = time.perf_counter() - t0
+        one_round += once
         inner[name] = max(1, min(200, int(0.005 / max(once, 1e-7))))
+    if one_round > 1.0:
+        rounds = max(2, min(rounds, int(6.0 / one_round)))
     best = dict.fromkeys(fns, math.inf)
     t_start = time.perf_counter()
     r = 0
@@ -441,9 +617,9 @@ def measure_grid(args: argparse.Namespace, with_auto: bool) -> list[dict]:
             for mask in args.masks.split(","):
                 for T in grid_ts(args):
                     run = [n for n in names if n != "math" or args.math_max_t >= T]
-                    fns = {n: grid_call(n, DTYPES[dname], pass_, mask, T) for n in run}
+                    fns = {n: grid_call(n, GRID_DTYPES[dname], pass_, mask, T) for n in run}
                     if with_auto:
-                        fns["auto"] = grid_call("auto", DTYPES[dname], pass_, mask, T)
+                        fns["auto"] = grid_call("auto", GRID_DTYPES[dname], pass_, mask, T)
                     sec = bench_cell(fns, args.grid_reps)
                     ms = {n: sec[n] * 1e3 for n in sec}
                     cell = {"dtype": dname, "pass": pass_, "mask": mask, "T": T, "ms": ms}
@@ -452,7 +628,7 @@ def measure_grid(args: argparse.Namespace, with_auto: bool) -> list[dict]:
                         f"{n} {ms[n]:.3g}" for n in fns
                     )
                     if with_auto:
-                        cell["auto_chose"] = grid_auto_choice(DTYPES[dname], pass_, mask, T)
+                        cell["auto_chose"] = grid_auto_choice(GRID_DTYPES[dname], pass_, mask, T)
                         cell["fastest"] = fastest
                         cell["ratio"] = ms["auto"] / ms[fastest]
                         line += f"  -> auto={cell['auto_chose']} {cell['ratio']:.2f}x {fastest}"
@@ -611,8 +787,8 @@ def plot_grid(cells: list[dict], path: str, title: str) -> None:
 
 def grid_main(args: argparse.Namespace) -> None:
     for d in args.dtypes.split(","):
-        if d not in DTYPES:
-            raise SystemExit(f"error: --dtypes: unknown {d!r}; choose from {list(DTYPES)}")
+        if d not in GRID_DTYPES:
+            raise SystemExit(f"error: --dtypes: unknown {d!r}; choose from {list(GRID_DTYPES)}")
     for p in args.passes.split(","):
         if p not in PASSES:
             raise SystemExit(f"error: --passes: unknown {p!r}; choose from {list(PASSES)}")

@@ -8,6 +8,12 @@
 2. all-MiniLM-L6-v2 sentence encoding, sentences/s: the same sentences, batch size 32,
    attnlab's ``sentence_embeddings`` against ``SentenceTransformer.encode``.
 
+3. Your own model (``--only families``): for a mid-size random config of each decoder
+   family (8 layers, width 512, 8 heads, 2 kv heads where the family has them), saved by
+   transformers into a temporary directory: load time (``load_pretrained(dir)`` against
+   ``AutoModelForCausalLM.from_pretrained(dir)``) and greedy tokens/s (64-token prompt + 64
+   new, KV cache on both sides), in fp32 and bf16.
+
 Both sides run in one process, alternating within each repetition so that load from
 other processes hits them alike; the time reported is the best repetition. Also
 printed: SmolLM2 load time (``load_pretrained``), and whether both sides produced the
@@ -16,6 +22,8 @@ same tokens / embeddings (within 1e-5).
 Usage::
 
     HF_HUB_OFFLINE=1 python benchmarks/bench_pretrained.py --reps 3 --threads 2
+    HF_HUB_OFFLINE=1 python benchmarks/bench_pretrained.py --only families --reps 2 \
+        --threads 1 --families llama,qwen2,gpt2
 """
 
 from __future__ import annotations
@@ -130,6 +138,112 @@ def bench_minilm(reps: int, n_sentences: int, batch_size: int) -> None:
     print(f"  ratio                 {rate['attnlab'] / rate['st']:7.2f}x   max |diff| {diff:.1e}")
 
 
+# family -> transformers config overrides for the mid-size benchmark model
+MID_SIZE: dict[str, dict[str, object]] = {
+    "llama": {"num_key_value_heads": 2},
+    "mistral": {"num_key_value_heads": 2, "sliding_window": 4096},
+    "qwen2": {"num_key_value_heads": 2},
+    "qwen3": {"num_key_value_heads": 2, "head_dim": 64},
+    "olmo2": {"num_key_value_heads": 2},
+    "phi3": {"num_key_value_heads": 2, "pad_token_id": 0},
+    "gpt_neox": {},
+    "gpt2": {},
+}
+
+
+def _mid_size_dir(family: str, folder: str, dtype: torch.dtype) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    sizes: dict[str, object] = (
+        {"n_embd": 512, "n_layer": 8, "n_head": 8, "n_positions": 1024}
+        if family == "gpt2"
+        else {
+            "hidden_size": 512,
+            "intermediate_size": 1376,
+            "num_hidden_layers": 8,
+            "num_attention_heads": 8,
+            "max_position_embeddings": 1024,
+        }
+    )
+    config = AutoConfig.for_model(family, vocab_size=8192, **sizes, **MID_SIZE[family])
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).to(dtype)
+    model.save_pretrained(folder, safe_serialization=True)
+
+
+def _write_tokenizer(folder: str) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"])
+    tok.train_from_iterator([PASSAGE], trainer)
+    tok.save(os.path.join(folder, "tokenizer.json"))
+
+
+def bench_families(reps: int, families: list[str], prompt_len: int, new_tokens: int) -> None:
+    import tempfile
+
+    from transformers import AutoModelForCausalLM
+
+    print(
+        f"Your own model: 8 layers, width 512, prompt {prompt_len} + {new_tokens} new tokens, "
+        "greedy, KV cache (ratios > 1: attnlab faster)"
+    )
+    print(f"  {'family':9} {'dtype':8} {'load attnlab/hf s':>18} {'load ratio':>10} "
+          f"{'tok/s attnlab/hf':>17} {'speed ratio':>11} same")  # fmt: skip
+    for family in families:
+        for dtype in (torch.float32, torch.bfloat16):
+            with tempfile.TemporaryDirectory() as folder:
+                _mid_size_dir(family, folder, dtype)
+                _write_tokenizer(folder)
+                loaded: dict[str, object] = {}
+
+                def load_ours(
+                    folder: str = folder, dtype: torch.dtype = dtype, loaded: dict = loaded
+                ) -> None:
+                    loaded["attnlab"] = load_pretrained(folder, dtype=dtype)[0]
+
+                def load_theirs(
+                    folder: str = folder, dtype: torch.dtype = dtype, loaded: dict = loaded
+                ) -> None:
+                    loaded["hf"] = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+
+                load_ours(), load_theirs()  # warm-up (file cache)
+                load = best_of(reps, {"attnlab": load_ours, "hf": load_theirs})
+                ours_model, ref = loaded["attnlab"], loaded["hf"]
+                g = torch.Generator().manual_seed(1)
+                ids = torch.randint(10, 8000, (1, prompt_len), generator=g)
+                out: dict[str, torch.Tensor] = {}
+
+                def ours(
+                    ids: torch.Tensor = ids, model: object = ours_model, out: dict = out
+                ) -> None:
+                    out["attnlab"] = generate(model, ids, new_tokens)
+
+                def theirs(ids: torch.Tensor = ids, ref: object = ref, out: dict = out) -> None:
+                    with torch.no_grad():
+                        out["hf"] = ref.generate(  # type: ignore[attr-defined]
+                            ids,
+                            attention_mask=torch.ones_like(ids),
+                            max_new_tokens=new_tokens,
+                            min_new_tokens=new_tokens,
+                            do_sample=False,
+                            pad_token_id=0,
+                        )
+
+                ours(), theirs()
+                gen = best_of(reps, {"attnlab": ours, "hf": theirs})
+                same = out["attnlab"].tolist() == out["hf"].tolist()
+                print(
+                    f"  {family:9} {str(dtype)[6:]:8} "
+                    f"{load['attnlab']:8.2f}/{load['hf']:<8.2f} "
+                    f"{load['hf'] / load['attnlab']:10.2f} "
+                    f"{new_tokens / gen['attnlab']:8.1f}/{new_tokens / gen['hf']:<8.1f} "
+                    f"{gen['hf'] / gen['attnlab']:11.2f} {same}"
+                )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=3)
@@ -138,7 +252,10 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--sentences", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--only", choices=["smollm2", "minilm"], default=None)
+    parser.add_argument("--only", choices=["smollm2", "minilm", "families"], default=None)
+    parser.add_argument(
+        "--families", default=",".join(MID_SIZE), help="comma-separated, for --only families"
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -147,6 +264,12 @@ def main() -> None:
         bench_smollm2(args.reps, args.prompt_len, args.new_tokens)
     if args.only in (None, "minilm"):
         bench_minilm(args.reps, args.sentences, args.batch_size)
+    if args.only in (None, "families"):
+        families = [f for f in args.families.split(",") if f]
+        unknown = sorted(set(families) - set(MID_SIZE))
+        if unknown:
+            parser.error(f"unknown --families {unknown}; choose from {sorted(MID_SIZE)}")
+        bench_families(args.reps, families, args.prompt_len, min(args.new_tokens, 64))
 
 
 if __name__ == "__main__":

@@ -6,7 +6,9 @@ All ratios come from one run of this script (same machine, same moment):
 2. ring attention, causal, contiguous layout, N processes;
 3. the same with the zigzag layout;
 4. zigzag with overlap off (wait for each transfer before computing);
-5. the transfers alone (N-1 ring passes of a key/value shard, no compute).
+5. the transfers alone (N-1 ring passes of a key/value shard, no compute);
+6. one process's ``torch.nn.functional.scaled_dot_product_attention`` (causal): the ranks'
+   summed compute against it (issue 12's target: at most 1.15x).
 
 Printed: peak memory per rank / single-process peak (target ~1/N); slowest-rank / mean-rank
 compute for contiguous and zigzag (target: zigzag within 1.2x, contiguous ~2x); the
@@ -39,6 +41,19 @@ from attnlab.distributed.demo import (
 )
 from attnlab.distributed.launch import spawn_local
 from attnlab.distributed.ring import RingStats, ring_attention
+
+
+def _sdpa_worker(rank: int, n: int, t: int, h: int, d: int) -> float:
+    """CPU seconds of one process's torch scaled_dot_product_attention (causal, forward)."""
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, t, d, generator=g) for _ in range(3))
+    with torch.no_grad():
+        F.scaled_dot_product_attention(q[:, :, :256], k[:, :, :256], v[:, :, :256])  # warm-up
+        c0 = time.thread_time()
+        F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return time.thread_time() - c0
 
 
 def _single_worker(
@@ -123,6 +138,11 @@ def main() -> None:
     s_name, s_wall, s_cpu, s_peak = single.value
     print(f"single process ({s_name}): {s_wall:.2f} s wall, {s_cpu:.2f} s CPU, peak {_mib(s_peak)}")
 
+    sdpa = spawn_local(_sdpa_worker, 1, (t, h, d), timeout=3600)[0]
+    assert sdpa.ok, sdpa.traceback
+    sdpa_cpu = sdpa.value
+    print(f"single process torch sdpa (causal, 1 thread): {sdpa_cpu:.2f} s CPU")
+
     common = dict(
         causal=True,
         dtype="float32",
@@ -169,6 +189,10 @@ def main() -> None:
     print(
         f"  sum of rank compute (CPU) zigzag vs single process: "
         f"{sum(x.compute_cpu_s for x in zz.ranks):.2f} s vs {s_cpu:.2f} s"
+    )
+    print(
+        f"  sum of rank compute (CPU) zigzag / one process's torch sdpa: "
+        f"{sum(x.compute_cpu_s for x in zz.ranks) / sdpa_cpu:.2f}  (target <= 1.15)"
     )
 
 

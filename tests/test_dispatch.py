@@ -417,3 +417,67 @@ def test_the_benchmarks_rows_make_a_valid_table_of_crossovers():
     assert table.rows[0].t_from == 0 and table.rows[0].t_below == round(math.sqrt(32 * 64), 1)
     assert table.rows[-1].t_below is None
     assert table.lookup("bfloat16", "forward+backward", "causal", 100, 100).index == 2
+
+
+def test_a_backend_whose_capability_depends_on_state_is_not_cached(monkeypatch):
+    """ring-like: capable only while some outside state holds; asked again every call."""
+    state = {"up": True}
+    flaky = backends.Backend(
+        name="flaky",
+        run=backends.get_backend("math").run,
+        why_not=lambda r: None if state["up"] else "flaky needs its service up",
+        cache_decisions=False,
+    )
+    monkeypatch.setitem(backends._REGISTRY, "flaky", flaky)
+    clear_dispatch_cache()
+    try:
+        q, k, v = _qkv(T=8)
+        scaled_dot_product_attention(q, k, v, backend="flaky")
+        assert dispatch_cache_info().size == 0
+        state["up"] = False
+        with pytest.raises(ValueError, match="flaky needs its service up"):
+            scaled_dot_product_attention(q, k, v, backend="flaky")
+    finally:
+        clear_dispatch_cache()
+
+
+def test_the_benchmark_checks_that_the_machine_is_quiet(capsys):
+    import argparse
+
+    bench = _bench_module()
+    meter = bench.QuietMeter().start()
+    assert 0.0 <= meter.others() <= 1.0
+    args = argparse.Namespace(max_busy=1.0, wait_quiet=0.0, allow_busy=False)
+    state = bench.wait_until_quiet(args)  # nothing can use more than all of the machine
+    assert state["quiet"] is True and 0.0 <= state["others_busy_before"] <= 1.0
+    assert len(state["loadavg_before"]) == 3
+    args = argparse.Namespace(max_busy=-1.0, wait_quiet=0.0, allow_busy=False)
+    with pytest.raises(SystemExit) as info:  # never quiet enough: refuses to measure
+        bench.wait_until_quiet(args)
+    assert info.value.code == 2 and "--allow-busy" in capsys.readouterr().err
+    args.allow_busy = True
+    assert bench.wait_until_quiet(args)["quiet"] is False  # measured anyway, and said so
+
+
+def test_the_grid_runs_and_draws(tmp_path, capsys):
+    """One tiny cell of ``bench_attention.py --grid``: measured, ranked, printed, drawn."""
+    import argparse
+
+    bench = _bench_module()
+    args = argparse.Namespace(
+        dtypes="bfloat16", passes="forward+backward", masks="causal", grid_min_t=16,
+        grid_max_t=16, grid_reps=1, math_max_t=16,
+    )  # fmt: skip
+    cells = bench.measure_grid(args, with_auto=True)
+    (cell,) = cells
+    assert set(cell["ms"]) == {"sdpa", "blockwise", "math", "auto"}
+    assert all(ms > 0 for ms in cell["ms"].values())
+    assert cell["fastest"] == min(("sdpa", "blockwise", "math"), key=cell["ms"].get)
+    assert cell["ratio"] == pytest.approx(cell["ms"]["auto"] / cell["ms"][cell["fastest"]])
+    assert cell["auto_chose"] in ("sdpa", "blockwise", "math")
+    DispatchTable.from_json(_doc(*bench.table_rows(cells)), "", KNOWN)
+    bench.print_grid(cells)
+    assert "worst ratio" in capsys.readouterr().out
+    png = tmp_path / "grid.png"
+    bench.plot_grid(cells, str(png), "test")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -149,3 +149,26 @@ def test_qk_norm_and_rope_show_the_query_as_used():
     ids = [x["id"] for x in step_sections(s)]
     assert ids[:4] == ["input", "query", "qk_norm", "keys"]
     assert max(s.checks.values()) < 1e-5
+
+
+def test_alibi_bias_is_a_step_and_the_walk_still_lands_on_the_layer():
+    from attnlab.biases import AlibiBias, alibi_slopes
+
+    class Alibi(TinyModel):
+        def forward(self, input_ids):
+            x = self.emb(input_ids)
+            for block in self.blocks:
+                x = x + block(x, attn_mask=AlibiBias(4), is_causal=True)
+            return x
+
+    torch.manual_seed(4)
+    model = Alibi(rope=False).eval()
+    s = head_steps(model, IDS, layer=2, head=1, token=5)
+    assert s.bias is not None
+    slope = float(alibi_slopes(4)[1])
+    # ALiBi: -slope * distance to the query, for the keys it may see.
+    want = torch.tensor([-slope * (5 - j) for j in range(6)])
+    torch.testing.assert_close(s.bias[:6], want.float())
+    assert max(s.checks.values()) < 1e-5
+    ids = [x["id"] for x in step_sections(s)]
+    assert ids.index("scale") < ids.index("bias") < ids.index("mask") < ids.index("weights")

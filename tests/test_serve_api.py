@@ -334,3 +334,49 @@ def test_default_models_are_the_example_runs_gpt_and_installed_packages(tmp_path
     with pytest.raises(ValueError, match="is not a model attnlab can serve"):
         spec_for(str(tmp_path / "nothing-here"))
     assert spec_for("example:toy").name == "example:toy"
+
+
+def test_traces_during_a_generation_on_one_model_do_not_meet(gpt):
+    from attnlab.generation import generate
+
+    app = make_app(gpt, pool=WorkerPool(workers=4, queue=32))
+    texts = [f"the {w} sat" * (1 + i % 3) for i, w in enumerate(["cat", "dog", "owl", "fox"] * 3)]
+    body = {"model": "tiny", "text": TEXT, "max_new_tokens": 30, "layer": 1, "head": 1}
+    with TestClient(app) as c:
+        want = {t: c.post("/api/trace", json={"model": "tiny", "text": t}).json() for t in texts}
+        with ThreadPoolExecutor(6) as ex:
+            stream = ex.submit(c.post, "/api/generate", json=body)
+            got = list(ex.map(lambda t: c.post("/api/trace", json={"model": "tiny", "text": t}),
+                              texts))  # fmt: skip
+            events = sse(stream.result().text)
+    for t, r in zip(texts, got, strict=True):
+        assert r.json()["attention"]["data"] == want[t]["attention"]["data"]
+    ids = get_tokenizer().encode(TEXT)
+    expect = generate(gpt, torch.tensor([ids]), 30)[0, len(ids) :].tolist()
+    tokens = [d for e, d in events if e == "token"]
+    assert [d["id"] for d in tokens] == expect
+    assert all(len(d["attention"]["weights"]) == len(ids) + i for i, d in enumerate(tokens))
+
+
+def test_the_page_in_traditional_chinese(gpt):
+    specs = [model_spec(gpt, get_tokenizer(), "tiny")]
+    with TestClient(create_app(ModelRegistry(specs), lang="zh-TW")) as c:
+        r = c.get("/")
+    assert r.status_code == 200 and '<html lang="zh-TW">' in r.text
+    assert "注意力看向了哪裡" in r.text
+
+
+def test_the_zh_tw_page_brings_its_own_cjk_font(gpt):
+    from attnlab.explain.fonts import cjk_font_file
+
+    if cjk_font_file() is None:
+        pytest.skip("pip install 'attnlab[zh-tw]'")
+    specs = [model_spec(gpt, get_tokenizer(), "tiny")]
+    with TestClient(create_app(ModelRegistry(specs), lang="zh-TW")) as c:
+        page = c.get("/")
+        font = c.get("/font/cjk.otf")
+    assert "font-src 'self'" in page.headers["content-security-policy"]
+    assert 'url("/font/cjk.otf")' in page.text
+    assert font.status_code == 200 and font.content[:4] == b"OTTO"  # an OpenType (CFF) font
+    with TestClient(make_app(gpt)) as c:  # English: no font route needed
+        assert c.get("/font/cjk.otf").status_code == 404

@@ -308,7 +308,8 @@ def test_t5_config_errors_name_the_field(checkpoints, tmp_path):
     shutil.copytree(checkpoints["relu"], folder)
     config = json.loads((folder / "config.json").read_text())
     for change, field in (
-        ({"d_kv": 32}, "d_kv"),
+        ({"is_decoder": True}, "is_decoder"),
+        ({"d_kv": 10**5}, "head_dim"),
         ({"num_decoder_layers": 10**6}, "num_decoder_layers"),
         ({"feed_forward_proj": "gated-swish7", "dense_act_fn": "swish7"}, "swish7"),
         ({"relative_attention_num_buckets": 0}, "relative_buckets"),

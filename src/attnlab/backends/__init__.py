@@ -375,7 +375,7 @@ def resolve_call(
         softcap=softcap, sinks=sinks,
     )  # fmt: skip
     be = select_backend(backend, call.request)
-    if ck is not None:
+    if ck is not None and be.cache_decisions:
         _misses += 1
         if len(_cache) >= _CACHE_LIMIT:
             _cache.clear()

@@ -176,6 +176,10 @@ class Backend:
         summary: one line for ``attnlab info``.
         last_resort: ``auto`` picks it only when no other backend can serve the request
             (the materialising reference).
+        cache_decisions: whether a call's choice of this backend may be cached (see
+            ``attnlab.backends.resolve_call``): True when ``why_not``/``why_not_auto``
+            depend on the request alone (its shapes, dtypes, pass and mask structure), False
+            when they also read state outside the call (ring: the process group).
     """
 
     name: str
@@ -184,6 +188,7 @@ class Backend:
     why_not_auto: Callable[[AttentionRequest], str | None] = field(default=lambda r: None)
     summary: str = ""
     last_resort: bool = False
+    cache_decisions: bool = True
 
 
 def check_weights_request(request: WeightsRequest, H: int, T: int) -> None:

@@ -50,6 +50,7 @@ else :func:`force_tile_path` (a context manager, for tests and benchmarks), else
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -66,7 +67,8 @@ from attnlab.backends.base import (
     add_sinks,
     softcap_scores,
 )
-from attnlab.masks import AttentionMask, CausalMask, MaskBlock
+from attnlab.backends.math import compute_dtype as _compute_dtype
+from attnlab.masks import AndMask, AttentionMask, CausalMask, MaskBlock
 
 __all__ = [
     "BACKEND",
@@ -91,10 +93,11 @@ _NEG_INF = float("-inf")
 # amortise overhead; 256 measured best for B*H = 12, D = 64 on CPU.
 _TILE_ELEMENTS = 1 << 20
 _BLOCK_K = 256
-# Fused tiles under a mask other than plain causal: the op's per-call cost is small, so
-# tiles can be small enough to skip most masked work (a window's edges, padding).
-_FUSED_BLOCK_Q = 256
-_FUSED_BLOCK_K = 256
+# Fused tiles under a mask other than plain causal: smaller tiles skip more masked work (a
+# window's edges), larger ones run the op's own blocking better (it splits rows by 256 from
+# 768 rows on, by 64 below); 512 x 512 measured best overall for window and padding masks.
+_FUSED_BLOCK_Q = 512
+_FUSED_BLOCK_K = 512
 
 
 def _find_fused_ops() -> tuple[Any, Any] | None:
@@ -199,10 +202,6 @@ def default_blocks(BH: int, T: int, S: int) -> tuple[int, int]:
     return max(1, min(T, block_q)), block_k
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-
-
 # -- The plan: row blocks and their tiles -------------------------------------------------
 
 
@@ -269,21 +268,32 @@ def _plan(
         d = q_offset + mask.offset(T_total, S_total) - k_offset
         for r0 in range(max(0, -d), T, bq):  # rows before -d see nothing
             r1 = min(T, r0 + bq)
-            c_diag = min(S, r0 + d)  # keys every row of the block sees
             c_end = min(S, r1 + d)  # the block's last row sees keys < c_end
+            # Keys every row of the block sees (all of them for one row, e.g. decoding).
+            c_diag = c_end if r1 - r0 == 1 else min(S, r0 + d)
             tiles = _full_tiles(0, c_diag, None if coalesce else bk)
             if c_end > c_diag:
                 tiles.append(_Tile(c_diag, c_end, "causal"))
             blocks.append(_RowBlock(r0, r1, tuple(tiles)))
         return blocks
+    # With causal_tiles, key tiles are cut at the row block's diagonal so that the square on
+    # it can be an is_causal tile when the mask is exactly causal there.
+    diag = _diagonal_offset(mask, T_total, S_total) if causal_tiles else None
     for r0 in range(0, T, bq):
         r1 = min(T, r0 + bq)
         lo, hi = mask.col_range(T_total, S_total, q_offset + r0, q_offset + r1)
         lo, hi = min(max(lo - k_offset, 0), S), min(max(hi - k_offset, 0), S)
+        cuts = set(range(lo, hi, bk)) | {hi}
+        d0 = d1 = -1
+        if diag is not None:
+            d0 = q_offset + r0 + diag - k_offset  # the key on row r0's diagonal
+            d1 = d0 + r1 - r0
+            cuts = {c for c in range(d0, lo, -bk)} | {c for c in range(d1, hi, bk)}
+            cuts = {c for c in cuts if lo < c < hi} | {lo, hi}
+        edges = sorted(cuts)
         tiles = []
         run = -1  # start of the current run of full tiles, or -1
-        for k0 in range(lo, hi, bk):
-            k1 = min(hi, k0 + bk)
+        for k0, k1 in itertools.pairwise(edges):
             blk = mask.block(T_total, S_total, slice(q_offset + r0, q_offset + r1),
                              slice(k_offset + k0, k_offset + k1), device=device)  # fmt: skip
             if blk.status == "full" and coalesce:
@@ -297,12 +307,35 @@ def _plan(
             elif blk.status == "partial" and blk.bias is not None:
                 tiles.append(_Tile(k0, k1, "partial", lazy=True))
             elif blk.status == "partial":
-                tiles.append(_Tile(k0, k1, "partial", blk))
+                causal = (k0, k1) == (d0, d1) and _is_causal_square(blk)
+                tiles.append(_Tile(k0, k1, "causal") if causal else _Tile(k0, k1, "partial", blk))
         if run >= 0:
             tiles.append(_Tile(run, hi, "full"))
         if tiles:
             blocks.append(_RowBlock(r0, r1, tuple(tiles)))
     return blocks
+
+
+def _diagonal_offset(mask: AttentionMask, T: int, S: int) -> int | None:
+    """Key position of query 0 under the mask's causal-style part (a mask with an
+    ``offset(T, S)``, e.g. causal or sliding window), or None when it has none."""
+    for part in mask.parts if isinstance(mask, AndMask) else (mask,):
+        offset = getattr(part, "offset", None)
+        if callable(offset):
+            return int(offset(T, S))
+    return None
+
+
+def _is_causal_square(blk: MaskBlock) -> bool:
+    """Whether a square tile's mask is exactly the top-left causal triangle (no bias)."""
+    if blk.bias is not None or blk.allowed is None:
+        return False
+    allowed = blk.allowed
+    n = allowed.shape[-1]
+    if allowed.shape[-2] != n:
+        return False
+    tril = torch.ones(n, n, dtype=torch.bool, device=allowed.device).tril_()
+    return bool((allowed == tril).all())
 
 
 @dataclass(frozen=True)
@@ -491,9 +524,11 @@ def _tile_backward(
 
 
 # -- Parallelism --------------------------------------------------------------------------
-# A fused tile is one op that forks once over (batch, head, row block) itself: fused tiles
-# run on the caller's thread with PyTorch's intra-op threads. A pure tile is a handful of
-# PyTorch ops. Run with intra-op threads, every op is a parallel
+# When one fused tile covers the whole call, that one op forks once over (batch, head, row
+# block) itself, with PyTorch's intra-op threads: exactly PyTorch's kernel. Otherwise a call
+# is many tiles, each several ops (pure) or one op with its own fork (fused); measured
+# under load, 2-thread op calls per tile were 1.7-2x slower than the split below. A pure
+# tile is a handful of PyTorch ops. Run with intra-op threads, every op is a parallel
 # region ending in a barrier: hundreds per call, and on a shared, oversubscribed CPU each
 # barrier waits for the slowest descheduled thread (measured: 4-20x slower than PyTorch's
 # fused kernel, which forks once). So, like that kernel, attnlab forks once: the key/value
@@ -531,13 +566,11 @@ def _profiler_enabled() -> bool:
     return bool(check()) if check is not None else False
 
 
-def _run_groups(G: int, work: Callable[[int, int], None], *, fork: bool = True) -> None:
-    """Run ``work(g0, g1)`` over contiguous ranges of the G key/value heads (on this
-    thread, with PyTorch's own intra-op threads, unless ``fork``)."""
+def _run_groups(G: int, work: Callable[[int, int], None]) -> None:
+    """Run ``work(g0, g1)`` over contiguous ranges of the G key/value heads."""
     threads = torch.get_num_threads()
     if (
-        not fork
-        or threads <= 1
+        threads <= 1
         or G < 2
         or threading.current_thread().name.startswith("attnlab")
         # torch.profiler records allocations of the profiled thread only: run the groups
@@ -664,7 +697,7 @@ def _forward(
                 else:
                     merge_partials(acc, acc_lse, o.to(cd), l, inplace=True)
 
-    _run_groups(G, work, fork=path == "pure")
+    _run_groups(G, work)
     return out, lse
 
 
@@ -800,7 +833,7 @@ def _backward(
                 dk[:, g0:g1, cols].add_(dk_t)
                 dv[:, g0:g1, cols].add_(dv_t)
 
-    _run_groups(G, work, fork=path == "pure")
+    _run_groups(G, work)
     return dq, dk, dv, dparams
 
 

@@ -107,4 +107,5 @@ BACKEND = Backend(
     why_not=_why_not,
     why_not_auto=_why_not_auto,
     summary="ring attention over a sequence sharded across a torch.distributed process group",
+    cache_decisions=False,  # capable only while a process group is initialised
 )

@@ -15,7 +15,10 @@ from attnlab.cli.output import UserError, output, user_input
 def embed(
     sentences: Annotated[list[str], typer.Argument(help="Two or more sentences to compare.")],
     model: Annotated[
-        str, typer.Option("--model", "-m", help="A pretrained encoder: all-minilm-l6-v2.")
+        str,
+        typer.Option(
+            "--model", "-m", help="A pretrained encoder: all-minilm-l6-v2, or a model directory."
+        ),
     ] = "all-minilm-l6-v2",
     backend: Annotated[
         str, typer.Option(help="Attention backend: auto, math, sdpa, blockwise, ...")

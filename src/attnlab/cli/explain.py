@@ -30,7 +30,10 @@ def explain(
     model: Annotated[
         str | None,
         typer.Option(
-            "--model", "-m", help="A pretrained model: all-minilm-l6-v2 or smollm2-135m-instruct."
+            "--model",
+            "-m",
+            help="A pretrained model: all-minilm-l6-v2, smollm2-135m-instruct, a model "
+            "directory or a .gguf file.",
         ),
     ] = None,
     layer: Annotated[int, typer.Option(help="Layer shown first and in the terminal (from 0).")] = 0,

@@ -66,7 +66,12 @@ def generate(
     ] = None,
     model: Annotated[
         str | None,
-        typer.Option("--model", "-m", help="A pretrained model instead: smollm2-135m-instruct."),
+        typer.Option(
+            "--model",
+            "-m",
+            help="A pretrained model instead: smollm2-135m-instruct, a model directory or a "
+            ".gguf file.",
+        ),
     ] = None,
     chat: Annotated[
         bool,

@@ -56,6 +56,17 @@ def info(
             "gpt2-large, gpt2-xl), or 'all'; shows only that."
         ),
     ] = None,
+    model: Annotated[
+        str | None,
+        typer.Option(
+            "--model",
+            "-m",
+            help="A model directory, .gguf file or packaged name: summarise it (family, "
+            "layers, heads, RoPE, window, parameters, dtype, each layer's backend for a "
+            "call of --seq-len tokens); shows only that.",
+        ),
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="With --model: print JSON.")] = False,
 ) -> None:
     """Report what attnlab has: the attention backends, the crossover table auto chooses
     by, which one a call of this shape would run (and why not the others), which backend
@@ -63,6 +74,11 @@ def info(
     if preset is not None:
         output.show(*_info_presets(preset))
         return
+    if model is not None:
+        _info_model(model, seq_len, backend, as_json)
+        return
+    if as_json:
+        raise UserError("--json needs --model (the summary of one model)")
     import torch
     from rich.table import Table
 
@@ -255,3 +271,68 @@ def _info_presets(preset: str | None) -> list[RenderableType]:
             f"{r.size_mb:,.1f} MB",
         )
     return [table]
+
+
+def _info_model(name: str, seq_len: int, backend: str, as_json: bool) -> None:
+    """``attnlab info --model``: the model's summary table (or JSON)."""
+    import dataclasses
+    import json
+
+    from rich.table import Table
+
+    from attnlab.cli.models import check_local_backend, load_pretrained_model
+    from attnlab.pretrained.summary import summarize_model
+
+    check_local_backend(backend)
+    if seq_len < 1:
+        raise UserError(f"`--seq-len` must be a positive int, got {seq_len}")
+    net, _, source = load_pretrained_model(name)
+    if backend != "auto":
+        net.set_backend(backend)
+    with user_input():
+        summary = summarize_model(net, probe_length=seq_len)
+    if as_json:
+        output.raw(json.dumps({"model": source, **dataclasses.asdict(summary)}, indent=2) + "\n")
+        return
+    table = Table(title=f"{source}: {summary.family} {summary.kind}")
+    table.add_column("field")
+    table.add_column("value")
+    rope = summary.rope
+    rope_text = (
+        "none"
+        if rope is None
+        else f"base {rope['base']:g}, fraction {rope['fraction']:g}"
+        + (", interleaved" if rope["interleaved"] else "")
+        + f", scaling {rope['scaling'] or 'none'}"
+    )
+    windows = sorted({str(lay.sliding_window) for lay in summary.per_layer})
+    for field, value in (
+        ("family", summary.family),
+        ("layers", str(summary.layers)),
+        ("width", str(summary.hidden_size)),
+        ("heads / kv heads", f"{summary.heads} / {summary.kv_heads}"),
+        ("head dim", str(summary.head_dim)),
+        ("positions", summary.positions),
+        ("RoPE", rope_text),
+        ("sliding window", ", ".join(windows)),
+        ("softcap", "none"),
+        ("norm", summary.norm),
+        ("MLP", summary.mlp),
+        ("context", str(summary.context_length)),
+        ("parameters", f"{summary.parameters:,}"),
+        ("dtype", summary.dtype),
+    ):
+        table.add_row(field, value)
+    layers = Table(title=f"attention layers: backend for a call of T={summary.probe_length}")
+    for col in ("layer", "heads", "kv heads", "head dim", "window", "backend"):
+        layers.add_column(col)
+    for lay in summary.per_layer:
+        layers.add_row(
+            str(lay.index),
+            str(lay.heads),
+            str(lay.kv_heads),
+            str(lay.head_dim),
+            str(lay.sliding_window or "-"),
+            lay.backend,
+        )
+    output.show(table, layers)

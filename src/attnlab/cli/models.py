@@ -13,6 +13,7 @@ from attnlab.cli.output import UserError, user_input
 __all__ = [
     "check_local_backend",
     "load_checkpoint_model",
+    "load_model_path",
     "load_pretrained_kind",
     "load_pretrained_model",
     "use_backend",
@@ -26,13 +27,32 @@ def load_pretrained_kind(name: str, kind: str, backend: str) -> tuple[Any, Any]:
     check_local_backend(backend)
     key = name.lower()
     fitting = sorted(n for n, (k, _) in PRETRAINED_MODELS.items() if k == kind)
+    if key not in PRETRAINED_MODELS and Path(name).exists():
+        return load_model_path(name, kind, backend)
     if key not in PRETRAINED_MODELS or PRETRAINED_MODELS[key][0] != kind:
-        raise UserError(f"unknown --model {name!r} here; choose one of {', '.join(fitting)}")
+        raise UserError(
+            f"unknown --model {name!r} here; choose one of {', '.join(fitting)}, or give a "
+            "model directory or .gguf file"
+        )
     try:
         with user_input():
             return load_pretrained(key, backend=backend)
     except MissingPackageError as e:
         raise UserError(str(e)) from e
+
+
+def load_model_path(path: str, kind: str, backend: str = "auto") -> tuple[Any, Any]:
+    """A model directory or GGUF file; ``kind`` (encoder/causal-lm) must fit the command."""
+    from attnlab.models.decoder import Decoder
+    from attnlab.pretrained import load_pretrained
+
+    with user_input():
+        model, tok = load_pretrained(Path(path), backend=backend)
+    is_lm = isinstance(model, Decoder)
+    if (kind == "causal-lm" and not is_lm) or (kind == "encoder" and is_lm):
+        got = "a decoder (causal LM)" if is_lm else "an encoder"
+        raise UserError(f"--model {path} is {got}; this command needs a {kind} model")
+    return model, tok
 
 
 def check_local_backend(backend: str) -> None:

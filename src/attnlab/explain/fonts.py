@@ -13,7 +13,7 @@ import functools
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["FigureLang", "figure_font", "figure_lang"]
+__all__ = ["FigureLang", "cjk_font_file", "figure_font", "figure_lang"]
 
 # Installed families known to cover Traditional Chinese, best first.
 _KNOWN = ("Noto Sans TC", "Noto Sans CJK TC", "Source Han Sans TC", "Noto Sans CJK JP",
@@ -37,21 +37,29 @@ class FigureLang:
     notice: str | None = None
 
 
+def cjk_font_file() -> Path | None:
+    """The Noto Sans TC file of the ``zh-tw`` extra, or None when it is not installed."""
+    try:
+        import pylopdf_fonts_zh_tw
+    except ImportError:
+        return None
+    path = Path(pylopdf_fonts_zh_tw.sans_path())
+    return path if path.is_file() else None
+
+
 @functools.lru_cache(maxsize=1)
 def figure_font() -> str | None:
     """The family name of a font with Traditional Chinese glyphs, registered with
     matplotlib, or None."""
     from matplotlib import font_manager
 
-    try:
-        import pylopdf_fonts_zh_tw
-
-        path = Path(pylopdf_fonts_zh_tw.sans_path())
-        if path.is_file():
+    path = cjk_font_file()
+    if path is not None:
+        try:
             font_manager.fontManager.addfont(str(path))
             return str(font_manager.FontProperties(fname=str(path)).get_name())
-    except (ImportError, OSError, RuntimeError):
-        pass
+        except (OSError, RuntimeError):
+            pass
     names = {f.name for f in font_manager.fontManager.ttflist}
     return next((n for n in _KNOWN if n in names), None)
 

@@ -220,7 +220,7 @@ def _walk(
     softcap = getattr(block, "softcap", None)
     capped = softcap_scores(scaled, softcap) if softcap is not None else None  # (S,)
     sinks = getattr(block, "sinks", None)
-    sink = float(sinks[head]) if sinks is not None else None
+    sink = float(sinks[head].detach()) if sinks is not None else None
     bias: torch.Tensor | None = None
     allowed = torch.ones(S, dtype=torch.bool)
     masked = (capped if capped is not None else scaled).clone()

@@ -13,22 +13,22 @@ differ in:
   ``down(act(up(h)))`` (GPT-2), with ``activation`` and ``mlp_bias``;
 - ``parallel_residual``: ``x + attn(norm1(x)) + mlp(norm2(x))`` (GPT-NeoX) instead of
   the sequential form;
-- ``positions``: ``"rope"`` (:class:`attnlab.attention.RotaryEmbedding`, base
-  ``rope_theta``), ``"learned"`` (an absolute position table, GPT-2) or ``"relative"``
-  (T5: one :class:`attnlab.biases.RelativePositionBias` table per stack, ``relative_buckets``
-  x heads, built once per forward and shared by every layer; bidirectional bucketing when
-  not ``causal``);
+- ``positions``: ``"rope"`` (:class:`attnlab.rope.RotaryEmbedding` configured by a
+  :class:`attnlab.rope.RopeConfig`: base, partial rotary, scaling), ``"learned"`` (an
+  absolute position table, GPT-2) or ``"relative"`` (T5: one
+  :class:`attnlab.biases.RelativePositionBias` table per stack, ``relative_buckets`` x
+  heads, shared by every layer; bidirectional bucketing when not ``causal``);
 - ``causal``: False makes the stack bidirectional (T5's encoder is this stack with
   ``causal=False`` and ``output_head=False``: its blocks are pre-norm like Llama's, not
   BERT's post-LN); ``valid`` then masks padded keys;
 - ``cross_attention``: each block attends to a ``context`` (the encoder output) between
   self-attention and the MLP, pre-norm (T5's decoder); its keys/values are cached once;
-- ``attention_scale``: the score scale (T5: 1.0), default ``1/sqrt(D)``;
 - ``output_head`` / ``head_input_scale``: no LM head (an encoder stack), or the final
   hidden state scaled before the head (T5 with tied embeddings: ``d_model**-0.5``);
-- attention: query/key/value heads, ``qkv_bias`` / ``out_bias``, ``sliding_window``
-  (:class:`attnlab.masks.SlidingWindowMask`, Mistral's convention: a query sees itself
-  and the ``window - 1`` keys before it);
+- attention: query/key/value heads, ``head_dim`` (when ``H * D != C``), ``qkv_bias`` /
+  ``out_bias``, ``qk_norm`` (:class:`attnlab.norms.QKNorm`), ``sliding_window`` (Mistral's
+  convention: a query sees itself and the ``window - 1`` keys before it; the layer keeps a
+  rolling KV cache of that many positions);
 - ``tie_embeddings``: the output projection is the token embedding.
 
 The model follows attnlab's causal-LM protocol: ``model(input_ids, kv_cache=...)``
@@ -47,11 +47,12 @@ from typing import Literal
 import torch
 from torch import nn
 
-from attnlab.attention import Attention, KVCache, RotaryEmbedding
+from attnlab.attention import Attention, KVCache
 from attnlab.biases import RelativePositionBias
-from attnlab.masks import AttentionMask, PaddingMask, SlidingWindowMask
+from attnlab.masks import AttentionMask, PaddingMask
 from attnlab.models._lm import keep_last, set_attention_backend
-from attnlab.norms import RMSNorm
+from attnlab.norms import QKNorm, RMSNorm
+from attnlab.rope import RopeConfig, RotaryEmbedding
 
 __all__ = [
     "ACTIVATIONS",
@@ -95,8 +96,17 @@ class DecoderConfig:
         activation: ``"silu"``, ``"gelu"``, ``"gelu_tanh"`` or ``"relu"``.
         mlp_bias: biases in the feed-forward projections.
         parallel_residual: attention and MLP read the same input and add together.
-        positions: ``"rope"`` or ``"learned"``.
-        rope_theta: RoPE frequency base.
+        positions: ``"rope"``, ``"learned"`` or ``"relative"``.
+        rope: the rotary embedding's settings (base, partial rotary, scaling).
+        head_dim: D when ``H * D != C`` (Qwen3, Gemma); None = C / H.
+        qk_norm: normalisation of queries and keys (Qwen3, OLMo 2), or None.
+        layer_windows: a window (or None) per layer, overriding ``sliding_window``
+            (Gemma 2's alternating local and global layers).
+        attn_scale: the score scale (Gemma 2: ``query_pre_attn_scalar ** -0.5``); None =
+            ``1/sqrt(D)``.
+        attn_softcap: attention logit soft-capping (Gemma 2: 50), or None.
+        final_softcap: output logit soft-capping ``c * tanh(logits / c)`` (Gemma 2: 30).
+        embed_scale: multiply the token embeddings by ``sqrt(C)`` (Gemma).
         qkv_bias: biases on the query/key/value projections.
         out_bias: bias on the attention output projection.
         sliding_window: each query sees at most this many keys (itself included); None = all.
@@ -104,7 +114,6 @@ class DecoderConfig:
         relative_max_distance: distance from which all positions share the last bucket.
         causal: causal self-attention (False: bidirectional, an encoder stack).
         cross_attention: blocks attend to a ``context`` too (an encoder-decoder's decoder).
-        attention_scale: score scale, None = ``1/sqrt(D)``.
         output_head: end in an LM head (False: return hidden states, an encoder stack).
         head_input_scale: the final hidden state is multiplied by it before the head.
         family: the family name this config came from (for messages and ``info``).
@@ -127,23 +136,29 @@ class DecoderConfig:
     mlp_bias: bool = False
     parallel_residual: bool = False
     positions: Literal["rope", "learned", "relative"] = "rope"
-    rope_theta: float = 100000.0
+    rope: RopeConfig = RopeConfig(base=100000.0)  # noqa: RUF009 (frozen, shared safely)
+    head_dim: int | None = None
     qkv_bias: bool = False
     out_bias: bool = False
+    qk_norm: QKNorm | None = None
     sliding_window: int | None = None
+    layer_windows: tuple[int | None, ...] | None = None
+    attn_scale: float | None = None
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    embed_scale: bool = False
     relative_buckets: int = 32
     relative_max_distance: int = 128
     causal: bool = True
     cross_attention: bool = False
-    attention_scale: float | None = None
     output_head: bool = True
     head_input_scale: float = 1.0
     family: str = "llama"
 
     @property
-    def head_dim(self) -> int:
-        """D = C / H."""
-        return self.hidden_size // self.num_heads
+    def attention_head_dim(self) -> int:
+        """D: ``head_dim``, or C / H when it is not set."""
+        return self.head_dim or self.hidden_size // self.num_heads
 
 
 def make_norm(config: DecoderConfig) -> nn.Module:
@@ -229,13 +244,17 @@ class DecoderBlock(nn.Module):
     """
 
     def __init__(
-        self, config: DecoderConfig, rope: RotaryEmbedding | None, *, backend: str
+        self,
+        config: DecoderConfig,
+        rope: RotaryEmbedding | None,
+        *,
+        backend: str,
+        window: int | None = None,
     ) -> None:
         super().__init__()
         C = config.hidden_size
         self.placement = config.norm_placement
         self.parallel = config.parallel_residual
-        self.sliding_window = config.sliding_window
         self.causal = config.causal
         self.attn_norm = make_norm(config)
         self.attention = Attention(
@@ -246,7 +265,11 @@ class DecoderBlock(nn.Module):
             out_bias=config.out_bias,
             rope=rope,
             backend=backend,
-            scale=config.attention_scale,
+            head_dim=config.head_dim,
+            qk_norm=config.qk_norm,
+            sliding_window=window,
+            scale=config.attn_scale,
+            softcap=config.attn_softcap,
         )
         if config.cross_attention:  # between self-attention and the MLP, pre-norm (T5)
             self.cross_norm: nn.Module | None = make_norm(config)
@@ -257,7 +280,9 @@ class DecoderBlock(nn.Module):
                 bias=config.qkv_bias,
                 out_bias=config.out_bias,
                 backend=backend,
-                scale=config.attention_scale,
+                head_dim=config.head_dim,
+                scale=config.attn_scale,
+                softcap=config.attn_softcap,
             )
         else:
             self.cross_norm = self.cross_attention = None
@@ -282,19 +307,17 @@ class DecoderBlock(nn.Module):
         need_weights: bool,
         mask: AttentionMask | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        T = h.shape[1]
-        S = T + (kv_cache.seq_len if kv_cache is not None else 0)
-        if self.causal and self.sliding_window is not None and self.sliding_window < S:
-            window = SlidingWindowMask(self.sliding_window)  # causal, aligned bottom-right
-            kwargs: dict[str, object] = {"attn_mask": window if mask is None else mask & window}
-        else:
-            # One new token (decoding) is the last position: it may see every key, so the
-            # causal mask is all True and is left out (fused kernels then need no mask).
-            kwargs = {"is_causal": self.causal and T > 1, "attn_mask": mask}
+        # One new token (decoding) is the last position: it may see every key, so the
+        # causal mask is all True and is left out (fused kernels then need no mask). The
+        # layer adds its own sliding window.
+        causal = self.causal and h.shape[1] > 1
         if need_weights:
-            a, w = self.attention(h, kv_cache=kv_cache, need_weights=True, **kwargs)
+            a, w = self.attention(
+                h, attn_mask=mask, is_causal=causal, kv_cache=kv_cache, need_weights=True
+            )
             return a, w
-        return self.attention(h, kv_cache=kv_cache, **kwargs), None  # type: ignore[return-value]
+        out = self.attention(h, attn_mask=mask, is_causal=causal, kv_cache=kv_cache)
+        return out, None  # type: ignore[return-value]
 
     def _cross(
         self,
@@ -371,7 +394,7 @@ class Decoder(nn.Module):
 
     def __init__(self, config: DecoderConfig, *, backend: str = "auto") -> None:
         super().__init__()
-        if config.hidden_size % config.num_heads:
+        if config.head_dim is None and config.hidden_size % config.num_heads:
             raise ValueError(
                 f"`hidden_size` ({config.hidden_size}) must be divisible by `num_heads` "
                 f"({config.num_heads})"
@@ -388,7 +411,7 @@ class Decoder(nn.Module):
         self.config = config
         C = config.hidden_size
         self.rope = (
-            RotaryEmbedding(config.head_dim, base=config.rope_theta)
+            RotaryEmbedding.from_config(config.attention_head_dim, config.rope)
             if config.positions == "rope"
             else None
         )
@@ -396,6 +419,12 @@ class Decoder(nn.Module):
         self.pos_embeddings = (
             nn.Embedding(config.context_length, C) if config.positions == "learned" else None
         )
+        windows = config.layer_windows or (config.sliding_window,) * config.num_layers
+        if len(windows) != config.num_layers:
+            raise ValueError(
+                f"`layer_windows` must have one entry per layer ({config.num_layers}), got "
+                f"{len(windows)}"
+            )
         # T5: one table per stack (its first layer's in the checkpoint), shared by all layers.
         self.relative_bias = (
             nn.Embedding(config.relative_buckets, config.num_heads)
@@ -403,7 +432,7 @@ class Decoder(nn.Module):
             else None
         )
         self.blocks = nn.ModuleList(
-            DecoderBlock(config, self.rope, backend=backend) for _ in range(config.num_layers)
+            DecoderBlock(config, self.rope, backend=backend, window=w) for w in windows
         )
         self.norm = make_norm(config)
         if config.output_head:
@@ -419,11 +448,11 @@ class Decoder(nn.Module):
         return self.config.context_length
 
     def new_kv_cache(self) -> list[KVCache]:
-        """An empty cache, one :class:`KVCache` per layer (a :class:`DecoderLayerCache`
-        when the blocks have cross attention)."""
+        """An empty cache, one per layer (a rolling one for sliding-window layers, a
+        :class:`DecoderLayerCache` when the blocks have cross attention)."""
         if self.config.cross_attention:
             return [DecoderLayerCache() for _ in self.blocks]
-        return [KVCache() for _ in self.blocks]
+        return [block.attention.new_kv_cache() for block in self.blocks]  # type: ignore[union-attr,operator]
 
     def set_backend(self, backend: str) -> None:
         """Use ``backend`` in every attention layer from now on.
@@ -493,6 +522,9 @@ class Decoder(nn.Module):
                 )
                 raise ValueError(f"`{name}` must be a ({B}, {length}) bool tensor, got {got}")
         x = self.tok_embeddings(input_ids)  # (B, T, C)
+        if self.config.embed_scale:
+            # Gemma: sqrt(C) rounded to the activation dtype first, as the reference does.
+            x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
         if self.pos_embeddings is not None:
             positions = torch.arange(past, past + T, device=input_ids.device)  # (T,)
             x = x + self.pos_embeddings(positions)  # (B, T, C)
@@ -539,7 +571,11 @@ class Decoder(nn.Module):
             raise ValueError("this stack has no LM head (output_head=False); use run()")
         if self.config.head_input_scale != 1.0:
             hidden = hidden * self.config.head_input_scale
-        return self.lm_head(hidden)  # (B, T, V)
+        logits = self.lm_head(hidden)  # (B, T, V)
+        if self.config.final_softcap is not None:
+            c = self.config.final_softcap
+            logits = torch.tanh(logits / c) * c  # (B, T, V)
+        return logits
 
     def forward(
         self,

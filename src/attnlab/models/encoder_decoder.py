@@ -48,7 +48,8 @@ class EncoderDecoderConfig:
         hidden_size: model width C (``d_model``).
         num_layers: encoder blocks.
         num_decoder_layers: decoder blocks.
-        num_heads: heads H (``d_kv`` must be C / H).
+        num_heads: heads H.
+        head_dim: D (``d_kv``) when ``H * D != C`` (Flan-T5 small: 6 x 64 in 512); None = C / H.
         intermediate_size: feed-forward width (``d_ff``).
         norm_eps: RMSNorm epsilon.
         activation: feed-forward activation (a key of ``ACTIVATIONS``).
@@ -69,6 +70,7 @@ class EncoderDecoderConfig:
     num_layers: int = 6
     num_decoder_layers: int = 6
     num_heads: int = 8
+    head_dim: int | None = None
     intermediate_size: int = 2048
     norm_eps: float = 1e-6
     activation: str = "relu"
@@ -89,6 +91,7 @@ class EncoderDecoderConfig:
             num_layers=self.num_decoder_layers if decoder else self.num_layers,
             num_heads=self.num_heads,
             num_kv_heads=self.num_heads,
+            head_dim=self.head_dim,
             intermediate_size=self.intermediate_size,
             context_length=NO_LIMIT,
             norm_eps=self.norm_eps,
@@ -102,7 +105,7 @@ class EncoderDecoderConfig:
             relative_max_distance=self.relative_max_distance,
             causal=decoder,
             cross_attention=decoder,
-            attention_scale=1.0,
+            attn_scale=1.0,
             output_head=decoder,
             head_input_scale=self.hidden_size**-0.5 if self.scale_decoder_outputs else 1.0,
             family=self.family,

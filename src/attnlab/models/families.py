@@ -14,7 +14,11 @@ A :class:`Family` says, for one ``model_type`` (Hugging Face ``config.json``) or
 - ``weights``: ``(source module, our module, transform)`` with ``{i}`` for the layer index;
   ``.weight``/``.bias`` follow the module name. Transforms: ``""`` as is, ``"T"`` transpose
   (GPT-2's ``Conv1D``), ``"qkv"`` split a fused query/key/value projection into ours,
-  ``"T+qkv"`` both, ``"rope_q"``/``"rope_k"`` undo llama.cpp's q/k row permutation;
+  ``"T+qkv"`` both, ``"qkv_heads"`` split one interleaved per head (GPT-NeoX's
+  ``(H, 3, D)`` rows), ``"gate_up"`` split a fused gate/up projection (Phi-3),
+  ``"plus1"`` add 1 (Gemma's RMSNorm multiplies by ``1 + weight``),
+  ``"rope_q"``/``"rope_k"`` undo llama.cpp's q/k row permutation; the targets
+  ``{qkv}`` and ``{gate_up}`` stand for the pieces;
 - ``prefixes`` stripped from source names and ``ignore`` (regexes) for tensors that carry
   nothing the model uses (a pooler, a masked-LM head, buffers);
 - the same for GGUF: ``gguf_keys`` (``{arch}`` is the architecture) and ``gguf_weights``
@@ -139,13 +143,13 @@ _LLAMA_KEYS: dict[str, tuple[str, ...]] = {
     "norm_eps": ("rms_norm_eps",),
     "tie_embeddings": ("tie_word_embeddings",),
     "activation": ("hidden_act",),
-    "rope_theta": ("rope_parameters.rope_theta", "rope_theta"),
+    "head_dim": ("head_dim",),
+    "sliding_window": ("sliding_window",),
 }
 _LLAMA_DEFAULTS: dict[str, Any] = {
     "num_kv_heads": _same_as("num_heads"),
     "tie_embeddings": False,
     "activation": "silu",
-    "rope_theta": 10000.0,
 }
 _GGUF_KEYS: dict[str, tuple[str, ...]] = {
     "hidden_size": ("{arch}.embedding_length",),
@@ -158,11 +162,8 @@ _GGUF_KEYS: dict[str, tuple[str, ...]] = {
     "rope_theta": ("{arch}.rope.freq_base",),
     "vocab_size": ("{arch}.vocab_size",),
 }
-# Rotary options that need RoPE scaling (attention variants); refused until then.
-_ROPE_PLAIN = {
-    "rope_parameters.rope_type": (None, "default"),
-    "rope_scaling": (None,),
-}
+# Qwen2/Qwen3 "max_window_layers" windows (a window on only some layers) are refused.
+_NO_LAYER_WINDOWS = {"use_sliding_window": (None, False)}
 
 LLAMA = Family(
     name="llama",
@@ -175,7 +176,7 @@ LLAMA = Family(
         "mlp_bias": ("mlp_bias",),
     },
     defaults={**_LLAMA_DEFAULTS, "qkv_bias": False, "out_bias": False, "mlp_bias": False},
-    refuse={**_ROPE_PLAIN, "pretraining_tp": (None, 1)},
+    refuse={"pretraining_tp": (None, 1)},
     weights=_LLAMA_WEIGHTS,
     prefixes=("model.",),
     ignore=(r".*rotary_emb\.inv_freq$",),
@@ -187,21 +188,162 @@ MISTRAL = dataclasses.replace(
     LLAMA,
     name="mistral",
     fixed={**LLAMA.fixed, "family": "mistral"},
-    keys={**_LLAMA_KEYS, "sliding_window": ("sliding_window",)},
-    defaults={**_LLAMA_DEFAULTS, "sliding_window": None},
-    refuse=_ROPE_PLAIN,
+    keys=_LLAMA_KEYS,
+    defaults=_LLAMA_DEFAULTS,
+    refuse={},
 )
 
 QWEN2 = dataclasses.replace(
     LLAMA,
     name="qwen2",
     fixed={**LLAMA.fixed, "family": "qwen2", "qkv_bias": True, "out_bias": False},
+    keys={k: v for k, v in _LLAMA_KEYS.items() if k != "sliding_window"},
+    defaults=_LLAMA_DEFAULTS,
+    refuse=_NO_LAYER_WINDOWS,
+    gguf_weights=_LLAMA_GGUF,  # the qwen2 converter does not permute q/k
+)
+
+QWEN3 = dataclasses.replace(
+    LLAMA,
+    name="qwen3",
+    fixed={**LLAMA.fixed, "family": "qwen3", "qk_norm": "rms_head"},
+    keys={
+        **{k: v for k, v in _LLAMA_KEYS.items() if k != "sliding_window"},
+        "qkv_bias": ("attention_bias",),
+        "out_bias": ("attention_bias",),
+    },
+    defaults={**_LLAMA_DEFAULTS, "qkv_bias": False, "out_bias": False},
+    refuse=_NO_LAYER_WINDOWS,
+    weights=(
+        *_LLAMA_WEIGHTS,
+        ("layers.{i}.self_attn.q_norm", "blocks.{i}.attention.q_norm", ""),
+        ("layers.{i}.self_attn.k_norm", "blocks.{i}.attention.k_norm", ""),
+    ),
+    gguf_weights=(),
+)
+
+OLMO2 = dataclasses.replace(
+    LLAMA,
+    name="olmo2",
+    fixed={**LLAMA.fixed, "family": "olmo2", "norm_placement": "post", "qk_norm": "rms_all"},
+    keys={
+        **_LLAMA_KEYS,
+        "qkv_bias": ("attention_bias",),
+        "out_bias": ("attention_bias",),
+    },
+    defaults={**_LLAMA_DEFAULTS, "qkv_bias": False, "out_bias": False},
+    refuse={},
+    weights=(
+        *(r for r in _LLAMA_WEIGHTS if "layernorm" not in r[0]),
+        ("layers.{i}.post_attention_layernorm", "blocks.{i}.attn_norm", ""),
+        ("layers.{i}.post_feedforward_layernorm", "blocks.{i}.mlp_norm", ""),
+        ("layers.{i}.self_attn.q_norm", "blocks.{i}.attention.q_norm", ""),
+        ("layers.{i}.self_attn.k_norm", "blocks.{i}.attention.k_norm", ""),
+    ),
+    gguf_weights=(),
+)
+
+PHI3 = dataclasses.replace(
+    LLAMA,
+    name="phi3",
+    fixed={**LLAMA.fixed, "family": "phi3"},
     keys=_LLAMA_KEYS,
     defaults=_LLAMA_DEFAULTS,
-    # Qwen2's per-layer windows (use_sliding_window + max_window_layers) need per-layer
-    # window support in the attention layer; refused until then.
-    refuse={**_ROPE_PLAIN, "use_sliding_window": (None, False)},
-    gguf_weights=_LLAMA_GGUF,  # the qwen2 converter does not permute q/k
+    refuse={},
+    weights=(
+        *(r for r in _LLAMA_WEIGHTS if "_proj" not in r[0] or "o_proj" in r[0]),
+        ("layers.{i}.self_attn.qkv_proj", "blocks.{i}.attention.{qkv}", "qkv"),
+        ("layers.{i}.mlp.gate_up_proj", "blocks.{i}.mlp.{gate_up}", "gate_up"),
+        ("layers.{i}.mlp.down_proj", "blocks.{i}.mlp.down", ""),
+    ),
+    gguf_weights=(),
+)
+
+GEMMA2 = dataclasses.replace(
+    LLAMA,
+    name="gemma2",
+    fixed={
+        **LLAMA.fixed,
+        "family": "gemma2",
+        "norm_placement": "sandwich",
+        "embed_scale": True,
+    },
+    keys={
+        **{k: v for k, v in _LLAMA_KEYS.items() if k != "activation"},
+        "activation": ("hidden_activation", "hidden_act"),
+        "attn_softcap": ("attn_logit_softcapping",),
+        "final_softcap": ("final_logit_softcapping",),
+        "query_pre_attn_scalar": ("query_pre_attn_scalar",),
+        "layer_types": ("layer_types",),
+        "qkv_bias": ("attention_bias",),
+        "out_bias": ("attention_bias",),
+    },
+    defaults={
+        **_LLAMA_DEFAULTS,
+        "activation": "gelu_pytorch_tanh",
+        "tie_embeddings": True,
+        "qkv_bias": False,
+        "out_bias": False,
+    },
+    refuse={"use_bidirectional_attention": (None, False)},
+    weights=(
+        *(r for r in _LLAMA_WEIGHTS if "layernorm" not in r[0] and r[0] != "norm"),
+        ("norm", "norm", "plus1"),
+        ("layers.{i}.input_layernorm", "blocks.{i}.attn_norm", "plus1"),
+        ("layers.{i}.post_attention_layernorm", "blocks.{i}.attn_post_norm", "plus1"),
+        ("layers.{i}.pre_feedforward_layernorm", "blocks.{i}.mlp_norm", "plus1"),
+        ("layers.{i}.post_feedforward_layernorm", "blocks.{i}.mlp_post_norm", "plus1"),
+    ),
+    gguf_weights=(),
+)
+
+GPT_NEOX = Family(
+    name="gpt_neox",
+    kind="decoder",
+    fixed={
+        "norm": "layer",
+        "norm_bias": True,
+        "mlp": "plain",
+        "positions": "rope",
+        "mlp_bias": True,
+        "family": "gpt_neox",
+    },
+    keys={
+        "vocab_size": ("vocab_size",),
+        "hidden_size": ("hidden_size",),
+        "num_layers": ("num_hidden_layers",),
+        "num_heads": ("num_attention_heads",),
+        "intermediate_size": ("intermediate_size",),
+        "context_length": ("max_position_embeddings",),
+        "norm_eps": ("layer_norm_eps",),
+        "tie_embeddings": ("tie_word_embeddings",),
+        "activation": ("hidden_act",),
+        "parallel_residual": ("use_parallel_residual",),
+        "qkv_bias": ("attention_bias",),
+        "out_bias": ("attention_bias",),
+    },
+    defaults={
+        "num_kv_heads": _same_as("num_heads"),  # GPT-NeoX has no grouped-query attention
+        "tie_embeddings": False,
+        "activation": "gelu",
+        "parallel_residual": True,
+        "qkv_bias": True,
+        "out_bias": True,
+    },
+    weights=(
+        ("embed_in", "tok_embeddings", ""),
+        ("final_layer_norm", "norm", ""),
+        ("lm_head", "lm_head", ""),
+        ("embed_out", "lm_head", ""),
+        ("layers.{i}.input_layernorm", "blocks.{i}.attn_norm", ""),
+        ("layers.{i}.post_attention_layernorm", "blocks.{i}.mlp_norm", ""),
+        ("layers.{i}.attention.query_key_value", "blocks.{i}.attention.{qkv}", "qkv_heads"),
+        ("layers.{i}.attention.dense", "blocks.{i}.attention.out_proj", ""),
+        ("layers.{i}.mlp.dense_h_to_4h", "blocks.{i}.mlp.up", ""),
+        ("layers.{i}.mlp.dense_4h_to_h", "blocks.{i}.mlp.down", ""),
+    ),
+    prefixes=("gpt_neox.",),
+    ignore=(r".*rotary_emb\.inv_freq$", r".*attention\.(masked_)?bias$"),
 )
 
 GPT2 = Family(
@@ -370,6 +512,7 @@ T5 = Family(
         "num_layers": ("num_layers",),
         "num_decoder_layers": ("num_decoder_layers",),
         "num_heads": ("num_heads",),
+        "head_dim": ("d_kv",),
         "intermediate_size": ("d_ff",),
         "norm_eps": ("layer_norm_epsilon",),
         "activation": ("dense_act_fn", "feed_forward_proj"),
@@ -422,7 +565,10 @@ T5 = Family(
     ignore=(r"^(encoder|decoder)\.embed_tokens\.weight$",),
 )
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (LLAMA, MISTRAL, QWEN2, GPT2, BERT, ROBERTA, T5)}
+FAMILIES: dict[str, Family] = {
+    f.name: f
+    for f in (LLAMA, MISTRAL, QWEN2, QWEN3, OLMO2, PHI3, GEMMA2, GPT_NEOX, GPT2, BERT, ROBERTA, T5)
+}
 
 
 def family_for(name: str, *, source: str) -> Family:

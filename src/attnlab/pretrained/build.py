@@ -32,7 +32,9 @@ from attnlab.models.decoder import Decoder, DecoderConfig
 from attnlab.models.encoder import Encoder, EncoderConfig
 from attnlab.models.encoder_decoder import EncoderDecoder, EncoderDecoderConfig
 from attnlab.models.families import ACTIVATION_NAMES, Family, WeightRule
+from attnlab.norms import QKNorm
 from attnlab.pretrained.errors import ModelFileError
+from attnlab.rope import RopeConfig
 
 __all__ = [
     "LIMITS",
@@ -57,6 +59,7 @@ LIMITS = {
     "type_vocab_size": 1 << 10,
     "pad_token_id": 1 << 22,
     "sliding_window": 1 << 24,
+    "head_dim": 1 << 12,
     "num_decoder_layers": 512,
     "relative_buckets": 1 << 12,
     "relative_max_distance": 1 << 24,
@@ -189,22 +192,16 @@ def build_config(
             )
         fields["activation"] = ACTIVATION_NAMES[act]
     for name in list(fields):
-        if fields[name] is not None:
+        if fields[name] is not None and name not in ("rope", "qk_norm", "layer_types"):
             fields[name] = _check_field(name, fields[name], hints.get(name), where)
+    if cls is DecoderConfig:
+        _rope_and_qk_norm(fields, source, where, gguf=keys is not family.keys)
     config = cls(**fields)
     heads = config.num_heads
-    if config.hidden_size % heads:
+    if config.hidden_size % heads and getattr(config, "head_dim", None) is None:
         raise ModelFileError(
             where, f"hidden size {config.hidden_size} is not divisible by {heads} heads"
         )
-    for key in ("head_dim", "d_kv"):  # d_kv: T5's name
-        head_dim = lookup(source, key)
-        if head_dim not in (_MISSING, None, config.hidden_size // heads):
-            raise ModelFileError(
-                where,
-                f"`{key}` = {head_dim!r} differs from the width / heads = "
-                f"{config.hidden_size // heads}; not supported for {family.name} yet",
-            )
     if isinstance(config, DecoderConfig) and heads % config.num_kv_heads:
         raise ModelFileError(
             where, f"{heads} query heads are not divisible by {config.num_kv_heads} kv heads"
@@ -212,21 +209,61 @@ def build_config(
     return config
 
 
+def _rope_and_qk_norm(
+    fields: dict[str, Any], source: Mapping[str, Any], where: str, *, gguf: bool
+) -> None:
+    """Turn the rotary settings and the QK-norm kind into their frozen configs, in place."""
+    base = fields.pop("rope_theta", None)
+    scalar = fields.pop("query_pre_attn_scalar", None)
+    if scalar is not None:
+        if isinstance(scalar, bool) or not isinstance(scalar, (int, float)) or scalar <= 0:
+            raise ModelFileError(where, f"`query_pre_attn_scalar` must be > 0, got {scalar!r}")
+        fields["attn_scale"] = float(scalar) ** -0.5
+    types = fields.pop("layer_types", None)
+    if types is not None:
+        if not isinstance(types, list) or len(types) != fields.get("num_layers"):
+            raise ModelFileError(where, "`layer_types` must list one type per layer")
+        window = fields.get("sliding_window")
+        if any(t not in ("full_attention", "sliding_attention") for t in types):
+            raise ModelFileError(
+                where, f"`layer_types` {sorted(set(map(str, types)))} holds an unsupported type"
+            )
+        if "sliding_attention" in types and window is None:
+            raise ModelFileError(where, "`layer_types` has sliding layers but no `sliding_window`")
+        fields["layer_windows"] = tuple(window if t == "sliding_attention" else None for t in types)
+        fields["sliding_window"] = None
+
+    if fields.get("positions", "rope") == "rope":
+        if gguf:
+            fields["rope"] = RopeConfig(base=float(base or 10000.0))
+        else:
+            try:
+                fields["rope"] = RopeConfig.from_hf_config(source)
+            except (ValueError, TypeError) as e:
+                raise ModelFileError(where, f"rope settings: {e}") from None
+    kind = fields.pop("qk_norm", None)
+    if kind is not None:
+        eps = float(fields.get("norm_eps", 1e-6))
+        fields["qk_norm"] = QKNorm("rms", "head" if kind == "rms_head" else "all", eps=eps)
+
+
 def _optional(cls: type) -> set[str]:
     """Fields with a default in ``cls`` that a source may leave out."""
     ok = {"norm", "norm_bias", "norm_placement", "mlp", "mlp_bias", "parallel_residual"}
     ok |= {"positions", "qkv_bias", "out_bias", "sliding_window", "rope_theta"}
     ok |= {"positions_from_padding", "pad_token_id", "activation", "type_vocab_size"}
-    ok |= {"tie_embeddings", "num_kv_heads", "norm_eps", "context_length"}
+    ok |= {"tie_embeddings", "num_kv_heads", "norm_eps", "context_length", "head_dim"}
+    ok |= {"rope", "qk_norm", "layer_windows", "attn_scale", "attn_softcap", "final_softcap"}
+    ok |= {"embed_scale"}
     ok |= {"relative_buckets", "relative_max_distance", "causal", "cross_attention"}
-    ok |= {"attention_scale", "output_head", "head_input_scale", "decoder_start_token_id"}
+    ok |= {"output_head", "head_input_scale", "decoder_start_token_id"}
     ok |= {"gated_mlp", "scale_decoder_outputs", "num_decoder_layers"}
     return ok & {f.name for f in dataclasses.fields(cls)}
 
 
 # --------------------------------------------------------------------------- weights
 
-_QKV = ("W_query", "W_key", "W_value")
+_PIECES = {"{qkv}": ("W_query", "W_key", "W_value"), "{gate_up}": ("gate", "up")}
 
 
 def _rule_regex(pattern: str) -> re.Pattern[str]:
@@ -273,10 +310,12 @@ def plan_weights(
                     where, f"tensor {name!r} is for layer {layer}, the config has {num_layers}"
                 )
             target = ours.replace("{i}", layer or "")
-            targets = tuple(
-                f"{target.replace('{qkv}', q)}.{m['leaf']}"
-                for q in (_QKV if "{qkv}" in ours else ("",))
-            )
+            pieces = next((v for k, v in _PIECES.items() if k in target), None)
+            if pieces is None:
+                targets: tuple[str, ...] = (f"{target}.{m['leaf']}",)
+            else:
+                key = next(k for k in _PIECES if k in target)
+                targets = tuple(f"{target.replace(key, p)}.{m['leaf']}" for p in pieces)
             plan[name] = (targets, transform)
             break
         else:
@@ -297,9 +336,17 @@ def apply_transform(
         if part == "T":
             out = (t.T,) if t.ndim == 2 else (t,)
         elif part == "qkv":
-            D = config.hidden_size // config.num_heads
+            D = _head_dim(config)
             G = getattr(config, "num_kv_heads", config.num_heads)
             out = tuple(torch.split(t, [config.num_heads * D, G * D, G * D], dim=0))
+        elif part == "qkv_heads":  # rows (H, 3, D): each head's q, k, v together
+            H, D = config.num_heads, _head_dim(config)
+            per_head = t.reshape(H, 3, D, *t.shape[1:])  # (H, 3, D, ...)
+            out = tuple(per_head[:, j].reshape(H * D, *t.shape[1:]) for j in range(3))
+        elif part == "plus1":
+            out = (t.float() + 1.0,)
+        elif part == "gate_up":
+            out = tuple(torch.chunk(t, 2, dim=0))
         elif part in ("rope_q", "rope_k") and t.ndim == 2:
             heads = config.num_heads if part == "rope_q" else config.num_kv_heads  # type: ignore[union-attr]
             out = (unpermute_rotary(t, heads),)
@@ -309,6 +356,12 @@ def apply_transform(
         else:  # pragma: no cover - the families are data checked by the tests
             raise AssertionError(f"unknown transform {part!r}")
     return out
+
+
+def _head_dim(config: AnyConfig) -> int:
+    if isinstance(config, DecoderConfig):
+        return config.attention_head_dim
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_heads
 
 
 # --------------------------------------------------------------------------- the model

@@ -36,7 +36,13 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from starlette.responses import (
+    FileResponse,
+    HTMLResponse,
+    JSONResponse,
+    Response,
+    StreamingResponse,
+)
 from starlette.routing import Route
 
 from attnlab.serve.models import LoadedModel, ModelRegistry, UnknownModelError
@@ -380,9 +386,18 @@ def render_page(lang: str = "en") -> tuple[str, str]:
     """The server's page and its Content-Security-Policy."""
     from html import escape
 
+    from attnlab.explain.fonts import cjk_font_file
     from attnlab.explain.html import STRINGS
 
     css = _asset("attnlab.explain", "page.css") + _asset("attnlab.serve", "serve.css")
+    if lang != "en" and cjk_font_file() is not None:
+        # The zh-tw extra's Noto Sans TC, from this server: Chinese shows on machines
+        # without a CJK system font.
+        css += (
+            '\n@font-face { font-family: "attnlab CJK"; src: url("/font/cjk.otf") '
+            'format("opentype"); }\n:root { font-family: system-ui, -apple-system, '
+            '"Segoe UI", "Noto Sans", "Noto Sans CJK TC", "attnlab CJK", sans-serif; }\n'
+        )
     page_js = _asset("attnlab.explain", "page.js")
     serve_js = _asset("attnlab.serve", "serve.js")
     for text in (css, page_js, serve_js):
@@ -392,7 +407,8 @@ def render_page(lang: str = "en") -> tuple[str, str]:
         "default-src 'none'; "
         f"script-src 'sha256-{_sha256(page_js)}' 'sha256-{_sha256(serve_js)}'; "
         f"style-src 'sha256-{_sha256(css)}'; "
-        "connect-src 'self'; img-src data:; base-uri 'none'; form-action 'none'; "
+        "connect-src 'self'; img-src data:; font-src 'self'; base-uri 'none'; "
+        "form-action 'none'; "
         "frame-ancestors 'none'"
     )
     strings = json.dumps({"lang": lang, "strings": STRINGS[lang]}, ensure_ascii=True)
@@ -448,6 +464,15 @@ def create_app(
 
     async def index(request: Request) -> Response:
         return HTMLResponse(page, headers=headers)
+
+    async def font(request: Request) -> Response:
+        from attnlab.explain.fonts import cjk_font_file
+
+        path = cjk_font_file() if lang != "en" else None
+        if path is None:
+            return _error(404, "no CJK font here (pip install 'attnlab[zh-tw]')")
+        return FileResponse(path, media_type="font/otf",
+                            headers={"Cache-Control": "max-age=86400"})  # fmt: skip
 
     async def models(request: Request) -> Response:
         return JSONResponse({
@@ -546,6 +571,7 @@ def create_app(
         routes=[
             Route("/", index),
             Route("/api/models", models),
+            Route("/font/cjk.otf", font),
             Route("/api/trace", trace, methods=["POST"]),
             Route("/api/step", step, methods=["POST"]),
             Route("/api/generate", generate, methods=["POST"]),

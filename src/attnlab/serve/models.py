@@ -29,7 +29,7 @@ __all__ = [
 ]
 
 
-@dataclass
+@dataclass(frozen=True)
 class LoadedModel:
     """A model ready to serve.
 
