@@ -5,7 +5,7 @@ Both feed-forward kinds (the original ReLU T5 and v1.1/Flan's gated-gelu), tied 
 (scaled by d_model**-0.5) and an untied head (an older v1.1-style file with its own
 ``lm_head.weight``), 8 relative-position buckets with max distance 20 so that ~24-token
 inputs reach the log-spaced and the clamped buckets, 2 encoder and 3 decoder layers,
-a padded batch.
+``d_kv`` with heads x d_kv != d_model, a padded batch.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ T5_CONFIG = {
     "pad_token_id": 0,
     "eos_token_id": 1,
 }
-KINDS = ["gated-gelu", "relu", "untied"]
+KINDS = ["gated-gelu", "relu", "untied", "d_kv"]
 
 
 def _tokenizer_json(folder) -> None:
@@ -88,7 +88,9 @@ def _save(kind: str, folder, dtype: torch.dtype):
     from transformers import T5Config, T5ForConditionalGeneration
 
     ffp = "relu" if kind == "relu" else "gated-gelu"
-    config = T5Config(**T5_CONFIG, feed_forward_proj=ffp)
+    # d_kv: H * D != C, as in Flan-T5 small (6 heads x 64 in 512)
+    extra = {"d_kv": 8} if kind == "d_kv" else {}
+    config = T5Config(**{**T5_CONFIG, **extra}, feed_forward_proj=ffp)
     torch.manual_seed(0)
     model = T5ForConditionalGeneration(config).to(dtype).eval()
     folder.mkdir(parents=True, exist_ok=True)
