@@ -14,7 +14,7 @@ excluded, outputs and gradients included). See ``attnlab._memory``.
 Second table: the production ``attnlab.Attention(backend="auto")`` layer against the same
 layer written directly on ``torch.nn.functional.scaled_dot_product_attention``.
 
-``--dtype bf16`` runs the same tables in bfloat16.
+``--dtype bfloat16`` runs the same tables in bfloat16.
 
 ``--targets`` prints instead the ratios issue 12 sets targets for, each measured against
 its named peer in the same run (interleaved):
@@ -49,6 +49,13 @@ A cell is (dtype, pass, mask, T) with B=1, H=12, D=64, T = S; each backend runs 
 interleaved in one process. Both first check that the machine is quiet (the CPU time other
 processes used, from ``/proc/stat``, minus this process's own) and record how quiet it was
 before and during the run; ``--allow-busy`` measures anyway and says so in the table.
+
+``--variants`` instead measures the attention variants of issue 10 on ``blockwise``
+against plain causal ``blockwise`` in the same run (ALiBi, T5 relative bias, softcap,
+sinks at T=4096; 8 packed documents of 512; a 512 sliding window at T=8192, also against
+PyTorch's kernel given the same mask as a dense tensor)::
+
+    python benchmarks/bench_attention.py --variants --reps 3
 """
 
 from __future__ import annotations
@@ -76,8 +83,10 @@ from attnlab.functional import scaled_dot_product_attention
 from attnlab.masks import PaddingMask
 
 H, D = 12, 64
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DTYPE = torch.float32  # set by --dtype
+# The clock of bench(): wall time, or with --cpu-time (one thread) this thread's CPU time,
+# which other processes on a loaded machine barely change.
+TIMER: Callable[[], float] = time.perf_counter
 
 
 def textbook(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -143,16 +152,16 @@ def bench(fns: dict[str, Callable[[], object]], reps: int) -> dict[str, float]:
     minimum is the best estimate."""
     one_round = 0.0
     for f in fns.values():  # warm up, and size the repetitions
-        t0 = time.perf_counter()
+        t0 = TIMER()
         f()
-        one_round += time.perf_counter() - t0
+        one_round += TIMER() - t0
     reps = max(reps, min(20, int(3.0 / max(one_round, 1e-6))))
     best = dict.fromkeys(fns, math.inf)
     for _ in range(reps):
         for name, f in fns.items():
-            t0 = time.perf_counter()
+            t0 = TIMER()
             f()
-            best[name] = min(best[name], time.perf_counter() - t0)
+            best[name] = min(best[name], TIMER() - t0)
     return best
 
 
@@ -171,6 +180,83 @@ class DirectLayer(torch.nn.Module):
         v = L.W_value(x).view(B, T, H, D).transpose(1, 2)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return L.out_proj(out.transpose(1, 2).reshape(B, T, C))
+
+
+def variant_calls(T: int, backward: bool) -> dict[str, Callable[[], object]]:
+    """The issue-10 variants on blockwise (and their peers), causal, B=1, fp32."""
+    from attnlab.biases import AlibiBias, RelativePositionBias
+    from attnlab.masks import CausalMask, DocumentMask, SlidingWindowMask
+
+    gen = torch.Generator().manual_seed(T)
+    q, k, v = (torch.randn(1, H, T, D, generator=gen) for _ in range(3))
+    grad = torch.randn(1, H, T, D, generator=gen)
+    table = torch.randn(32, H, generator=gen) * 0.1
+    sinks = torch.zeros(H)
+    docs = torch.arange(T // 512).repeat_interleave(512)[None]  # documents of 512 tokens
+    if backward:
+        for t in (q, k, v, table, sinks):
+            t.requires_grad_()
+    dense_window = SlidingWindowMask(512).dense(T, T)  # (1, 1, T, T) bool
+
+    def bw(mask: object = None, **kw: object) -> Callable[[], object]:
+        return lambda: scaled_dot_product_attention(
+            q, k, v, mask, is_causal=mask is None, backend="blockwise", **kw
+        )
+
+    fns: dict[str, Callable[[], torch.Tensor]] = {
+        "causal": bw(),
+        "alibi": bw(AlibiBias(H) & CausalMask()),
+        "relbias": bw(RelativePositionBias(table, bidirectional=False) & CausalMask()),
+        "softcap": bw(softcap=30.0),
+        "sinks": bw(sinks=sinks),
+        "documents": bw(DocumentMask(docs) & CausalMask()),
+        "window": bw(SlidingWindowMask(512)),
+        "torch window": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense_window),
+    }
+
+    def run(fn: Callable[[], torch.Tensor]) -> Callable[[], object]:
+        if not backward:
+
+            def fwd() -> object:
+                with torch.no_grad():
+                    return fn()
+
+            return fwd
+
+        def fwd_bwd() -> object:
+            for t in (q, k, v, table, sinks):
+                t.grad = None
+            fn().backward(grad)
+            return q.grad
+
+        return fwd_bwd
+
+    return {n: run(f) for n, f in fns.items()}
+
+
+def bench_variants(reps: int, threads: int) -> None:
+    """Ratios of each variant to plain causal blockwise, measured interleaved in one run."""
+    targets = {"alibi": 1.3, "relbias": 1.3, "softcap": 1.3, "sinks": 1.3,
+               "documents": 0.35, "window": 0.25}  # fmt: skip
+    plan = [
+        (4096, ["causal", "alibi", "relbias", "softcap", "sinks", "documents"]),
+        (8192, ["causal", "window", "torch window"]),
+    ]
+    print(
+        f"blockwise variants, causal, B=1, H={H}, D={D}, fp32, {threads} threads; time = "
+        f"min of >= {reps} interleaved runs; ratio = x plain causal blockwise of the same run"
+    )
+    for mode in ("fwd", "fwd+bwd"):
+        print(f"\n== {mode} ==")
+        for T, names in plan:
+            calls = variant_calls(T, mode == "fwd+bwd")
+            times = bench({n: calls[n] for n in names}, reps)
+            for n in names:
+                ratio = times[n] / times["causal"]
+                note = f"  (target <= {targets[n]})" if n in targets else ""
+                if n == "window":
+                    note += f"; x torch window {times[n] / times['torch window']:.2f} (target < 1)"
+                print(f"T={T:>5} {n:<13} {times[n] * 1e3:9.1f} ms {ratio:6.2f}x{note}")
 
 
 def _blockwise(mask: object, path: str | None = None) -> Callable[..., torch.Tensor]:
@@ -195,14 +281,15 @@ def load() -> str:
 def targets(args: argparse.Namespace) -> None:
     """The issue-12 ratio tables (see the module docstring)."""
     print(
-        f"B=1, H={H}, D={D}, {args.threads} threads; time = min of >= {args.reps} interleaved "
+        f"B=1, H={H}, D={D}, {args.threads} threads; {'CPU' if args.cpu_time else 'wall'} "
+        f"time = min of >= {args.reps} interleaved "
         f"runs; ratio = attnlab / named peer in the same run; {load()}"
     )
     print("\n== 1. blockwise / torch sdpa, causal and unmasked (target <= 1.10) ==")
-    print(f"{'T':>6} {'dtype':>5} {'mask':>6} {'pass':>8} {'sdpa ms':>9} {'fused':>6} {'pure':>6}")
+    print(f"{'T':>6} {'dtype':>8} {'mask':>6} {'pass':>8} {'sdpa ms':>9} {'fused':>6} {'pure':>6}")
     for T in args.target_ts:
         for dname in args.target_dtypes:
-            dtype = DTYPES[dname]
+            dtype = GRID_DTYPES[dname]
             for causal in (True, False):
                 mask = attn_masks.CausalMask() if causal else None
                 for backward in (False, True):
@@ -213,7 +300,7 @@ def targets(args: argparse.Namespace) -> None:
                     best = bench(fns, args.reps if T <= 4096 else max(1, args.reps - 1))
                     pure = f"{best['pure'] / best['sdpa']:6.2f}" if "pure" in best else "     -"
                     print(
-                        f"{T:>6} {dname:>5} {'causal' if causal else 'none':>6} "
+                        f"{T:>6} {dname:>8} {'causal' if causal else 'none':>6} "
                         f"{'fwd+bwd' if backward else 'fwd':>8} {best['sdpa'] * 1e3:9.1f} "
                         f"{best['fused'] / best['sdpa']:6.2f} {pure}",
                         flush=True,
@@ -314,10 +401,18 @@ def main() -> None:
     ap.add_argument("--no-memory", action="store_true", help="skip the memory runs")
     ap.add_argument("--plot", default=None, help="write a PNG of time and memory vs T")
     ap.add_argument("--json", default=None, help="write the raw numbers as JSON")
-    ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument(
+        "--cpu-time", action="store_true", help="time by this thread's CPU time (--threads 1)"
+    )
     ap.add_argument("--targets", action="store_true", help="print the issue-12 ratio tables")
     ap.add_argument("--target-ts", type=int, nargs="*", default=[1024, 2048, 4096, 8192])
-    ap.add_argument("--target-dtypes", nargs="+", choices=sorted(DTYPES), default=["fp32", "bf16"])
+    ap.add_argument(
+        "--target-dtypes",
+        nargs="+",
+        choices=["float32", "bfloat16"],
+        default=["float32", "bfloat16"],
+    )
     ap.add_argument("--pure-max-t", type=int, default=2048, help="largest T for the pure tiles")
     ap.add_argument("--mask-t", type=int, default=8192, help="0 skips the mask table")
     ap.add_argument("--mask-backward", action="store_true", help="masks: forward+backward too")
@@ -355,13 +450,26 @@ def main() -> None:
         action="store_true",
         help="per-call cost of attnlab's dispatch at T=32 (1 thread): auto, sdpa, torch",
     )
+    ap.add_argument(
+        "--variants", action="store_true", help="measure the attention variants (issue 10) only"
+    )
     args = ap.parse_args()
     if args.overhead:
         overhead_main()
         return
     torch.set_num_threads(args.threads)
-    global DTYPE
-    DTYPE = DTYPES[args.dtype]
+    if args.variants:
+        bench_variants(args.reps, args.threads)
+        return
+    global DTYPE, TIMER
+    DTYPE = GRID_DTYPES[args.dtype]
+    if args.cpu_time:
+        if args.threads != 1:
+            print(
+                "--cpu-time needs --threads 1 (other threads' work is not counted)", file=sys.stderr
+            )
+            sys.exit(2)
+        TIMER = time.thread_time
     if args.targets:
         targets(args)
         return

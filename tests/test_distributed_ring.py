@@ -27,6 +27,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
 
 B, H, G, D, DV = 2, 4, 2, 8, 6
 BLOCK = 4  # small tiles so partial and skipped tiles both occur
+SOFTCAP = 1.5
 CONFIGS = list(
     itertools.product([False, True], ["contiguous", "zigzag"], [torch.float32, torch.float64])
 )
@@ -58,6 +59,18 @@ def _grid_worker(rank: int, n: int) -> dict[tuple[bool, str, str], dict[str, tor
         gathered = {name: gather_sequence(x, layout=layout) for name, x in got.items()}
         if rank == 0:
             results[(causal, layout, str(dtype))] = gathered
+    # Logit soft-capping rides along in every tile (forward and backward).
+    q, k, v, dout = _inputs(n, torch.float64)
+    shards = [shard_sequence(x, layout="zigzag").requires_grad_() for x in (q, k, v)]
+    out = ring_attention(
+        *shards, is_causal=True, layout="zigzag", block_size=BLOCK, softcap=SOFTCAP
+    )
+    (out * shard_sequence(dout, layout="zigzag")).sum().backward()
+    got = {"out": out.detach()}
+    got.update({name: s.grad for name, s in zip(("dq", "dk", "dv"), shards, strict=True)})
+    gathered = {name: gather_sequence(x, layout="zigzag") for name, x in got.items()}
+    if rank == 0:  # (the gather is a collective: every rank takes part)
+        results["softcap"] = gathered
     return results
 
 
@@ -89,6 +102,21 @@ def test_ring_matches_single_process(
     for name, want in expected.items():
         assert got[name].dtype == dtype
         torch.testing.assert_close(got[name].double(), want, **tol(dtype), msg=name)
+
+
+def test_ring_softcap_matches_single_process(grid: tuple[int, dict]) -> None:
+    n, results = grid
+    got = results["softcap"]
+    q, k, v, dout = (x.requires_grad_() for x in _inputs(n, torch.float64))
+    t = q.shape[-2]
+    causal = torch.ones(t, t, dtype=torch.bool).tril()
+    ref, _ = reference_attention(q, k, v, mask=causal, softcap=SOFTCAP)
+    ref.backward(dout)
+    expected = {"out": ref.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+    for name, want in expected.items():
+        torch.testing.assert_close(got[name], want, **tol(torch.float64), msg=name)
+    plain, _ = reference_attention(q.detach(), k.detach(), v.detach(), mask=causal)
+    assert not torch.allclose(plain, ref.detach())  # the cap really bites
 
 
 # --- errors before any communication --------------------------------------------------

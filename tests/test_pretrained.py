@@ -85,6 +85,27 @@ def minilm_reference():
     return model, AutoTokenizer.from_pretrained(folder)
 
 
+def _assert_close_by_position(
+    ours: torch.Tensor,
+    theirs: torch.Tensor,
+    valid: torch.Tensor,
+    *,
+    rtol: float,
+    query_dim: int = 1,
+) -> None:
+    """1e-5 at real tokens; 2e-4 at padding positions (queries nothing downstream reads).
+
+    A [PAD] query's hidden state has a tiny spread, so each LayerNorm amplifies the
+    kernels' rounding there: on AVX-512 CPUs torch's fused kernels differ from the eager
+    reference by up to ~5e-5 at padded positions (3e-6 at real tokens) after 6 layers.
+    """
+    shape = [valid.shape[0]] + [1] * (ours.ndim - 1)
+    shape[query_dim] = valid.shape[1]
+    rows = valid.view(shape).expand_as(ours)
+    torch.testing.assert_close(ours[rows], theirs[rows], atol=1e-5, rtol=rtol)
+    torch.testing.assert_close(ours[~rows], theirs[~rows], atol=2e-4, rtol=rtol)
+
+
 @pytest.fixture(scope="module")
 def smollm2():
     return load_pretrained("smollm2-135m-instruct")
@@ -168,12 +189,12 @@ def test_minilm_hidden_states_and_every_attention_match_transformers(
             model.set_backend("auto")
     # math runs the same operations as the eager reference; fused kernels sum in another order.
     rtol = 0.0 if backend == "math" else 1e-5
-    torch.testing.assert_close(hidden, expected.last_hidden_state, atol=1e-5, rtol=rtol)
-    torch.testing.assert_close(hidden_fast, expected.last_hidden_state, atol=1e-5, rtol=rtol)
+    for ours_h in (hidden, hidden_fast):
+        _assert_close_by_position(ours_h, expected.last_hidden_state, valid, rtol=rtol)
     assert len(weights) == len(expected.attentions) == 6
     for ours, theirs in zip(weights, expected.attentions, strict=True):
         assert ours.shape == theirs.shape == (len(SENTENCES), 12, ids.shape[1], ids.shape[1])
-        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
+        _assert_close_by_position(ours, theirs, valid, rtol=0.0, query_dim=2)
         assert bool((ours[~valid[:, None, None, :].expand_as(ours)] == 0).all())
 
 
@@ -194,7 +215,7 @@ def test_minilm_capture_hook_gives_the_reference_attention(minilm, minilm_refere
             for layer in model.layers:
                 layer.attention.capture = None
     for ours, theirs in zip(captured, expected.attentions, strict=True):
-        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
+        _assert_close_by_position(ours, theirs, valid, rtol=0.0, query_dim=2)
 
 
 @needs_minilm
@@ -334,3 +355,53 @@ def test_smollm2_greedy_same_tokens_with_and_without_cache_on_every_backend(smol
         finally:
             model.set_backend("auto")
         assert cached.tolist() == reference.tolist(), backend
+
+
+# Documented in README ("Fast generation"): relative logit error against fp32 over a
+# 64-token prompt + 128 greedy fp32 tokens, and the share of positions whose argmax agrees.
+PRECISION_TOLERANCE = {"bfloat16": (0.02, 0.98), "int8": (0.06, 0.95), "int4": (0.03, 0.95)}
+
+
+@needs_smollm2_ref
+@pytest.mark.slow
+def test_smollm2_fp32_fast_decode_matches_transformers_over_128_tokens(smollm2, smollm2_reference):
+    from attnlab.generation import generate
+
+    model, tok = smollm2
+    ids = torch.tensor([tok.encode(" ".join(PROMPTS) * 6)[:64]])
+    ours = generate(model, ids, 128)  # static cache: the fused one-token step
+    assert model._decode_plan is not None
+    with torch.no_grad():
+        theirs = smollm2_reference.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=128,
+            min_new_tokens=128,
+            do_sample=False,
+            pad_token_id=tok.pad_id,
+        )
+    assert ours.tolist() == theirs.tolist()
+    assert ours[:, :80].tolist() == generate(model, ids, 16, use_cache=False).tolist()
+
+
+@needs_smollm2
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", sorted(PRECISION_TOLERANCE))
+def test_smollm2_each_precision_within_its_documented_tolerance(smollm2, dtype):
+    from attnlab.generation import generate
+
+    model, tok = smollm2
+    ids = torch.tensor([tok.encode(" ".join(PROMPTS) * 6)[:64]])
+    seq = generate(model, ids, 128)
+    low, _ = load_pretrained("smollm2-135m-instruct", dtype=dtype)
+    with torch.no_grad():
+        expected = model(seq)[0, 63:-1]  # (128, V)
+        got = low(seq)[0, 63:-1]
+    rel = ((got - expected).norm() / expected.norm()).item()
+    agree = (got.argmax(-1) == expected.argmax(-1)).float().mean().item()
+    max_rel, min_agree = PRECISION_TOLERANCE[dtype]
+    assert rel < max_rel and agree >= min_agree, (rel, agree)
+    # The fast decode step of this precision follows its own prefill path.
+    fast = generate(low, ids, 8)
+    slow = generate(low, ids, 8, use_cache=False)
+    assert fast.tolist() == slow.tolist()

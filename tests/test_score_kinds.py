@@ -292,3 +292,30 @@ def test_additive_mask_gradient_on_every_backend_that_serves_it():
         grads[backend] = b.grad
     torch.testing.assert_close(grads["math"], grads["sdpa"], **tol(torch.float64))
     torch.testing.assert_close(grads["math"], grads["blockwise"], **tol(torch.float64))
+
+
+@pytest.mark.parametrize("backend", ["math", "sdpa", "blockwise"])
+def test_biases_and_documents_decode_through_the_kv_cache(backend):
+    """Bottom-right alignment: decoding token by token with a cache gives the full pass."""
+    torch.manual_seed(1)
+    layer = Attention(32, 4, backend=backend).double()
+    table = torch.randn(32, 4, dtype=torch.float64)
+    x = torch.randn(1, 12, 32, dtype=torch.float64)
+    ids = torch.tensor([[0] * 5 + [1] * 7])
+
+    def mask(t0: int, t1: int):
+        # queries t0..t1-1 against keys 0..t1-1 (the cache so far)
+        return (
+            AlibiBias(4)
+            & RelativePositionBias(table, bidirectional=False)
+            & DocumentMask(ids[:, t0:t1], ids[:, :t1])
+        )
+
+    full = layer(x, attn_mask=mask(0, 12), is_causal=True)
+    cache = KVCache()
+    steps = [layer(x[:, :3], attn_mask=mask(0, 3), is_causal=True, kv_cache=cache)]
+    for t in range(3, 12):
+        steps.append(
+            layer(x[:, t : t + 1], attn_mask=mask(t, t + 1), is_causal=True, kv_cache=cache)
+        )
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, **tol(torch.float64))

@@ -36,7 +36,9 @@ __all__ = [
     "RollingKVCache",
     "RopeConfig",
     "RotaryEmbedding",
+    "StaticKVCache",
     "record_attention",
+    "recording_attention",
     "rotate_half",
 ]
 
@@ -132,6 +134,80 @@ class KVCache:
         if self._k is None or self._v is None:
             raise ValueError("the cache is empty; update() it first")
         return self._k[:, :, : self._len], self._v[:, :, : self._len]
+
+
+class StaticKVCache(KVCache):
+    """A :class:`KVCache` whose buffers are allocated once, for ``max_len`` positions.
+
+    The buffers are created at the first :meth:`update` (when B, G, D and the dtype are
+    known) and kept by :meth:`reset`, so a long generation, or one that rebuilds its cache
+    as the window slides, keeps its memory flat. Filling it past ``max_len`` is an error
+    (it does not grow). Inference only: keys that require grad are refused.
+
+    Args:
+        max_len: positions the cache holds.
+
+    Raises:
+        ValueError: ``max_len`` not a positive int.
+
+    Shape:
+        - update(key ``(B, G, T, D)``, value ``(B, G, T, Dv)``) returns views of all keys
+          ``(B, G, S, D)`` and values ``(B, G, S, Dv)`` so far, S = seq_len <= max_len.
+    """
+
+    def __init__(self, max_len: int) -> None:
+        super().__init__()
+        if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
+            raise ValueError(f"`max_len` must be a positive int, got {max_len!r}")
+        self.max_len = max_len
+
+    def reset(self) -> None:
+        """Forget everything cached; keep the buffers."""
+        self._len = 0
+
+    def update(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write new keys and values after the cached ones; return all of them (views).
+
+        Raises:
+            ValueError: shapes that do not match each other or the buffers, or more than
+                ``max_len`` positions in all.
+        """
+        if key.requires_grad or value.requires_grad:
+            raise ValueError(
+                "StaticKVCache is for inference: `key`/`value` require grad; use KVCache "
+                "or run under torch.no_grad()"
+            )
+        if key.ndim != 4 or value.ndim != 4 or key.shape[:3] != value.shape[:3]:
+            raise ValueError(
+                "`key` and `value` must be (B, G, T, D) and (B, G, T, Dv) with matching "
+                f"B, G, T, got {tuple(key.shape)} and {tuple(value.shape)}"
+            )
+        B, G, n, D = key.shape
+        k, v = self._k, self._v
+        if k is None or v is None:
+            k = self._k = key.new_empty(B, G, self.max_len, D)
+            v = self._v = value.new_empty(B, G, self.max_len, value.shape[3])
+        elif (B, G, D, value.shape[3], key.dtype) != (
+            *k.shape[:2],
+            k.shape[3],
+            v.shape[3],
+            k.dtype,
+        ):
+            raise ValueError(
+                f"`key`/`value` do not match the cache: (B, G, D, Dv, dtype) = "
+                f"{(*k.shape[:2], k.shape[3], v.shape[3], k.dtype)}, got "
+                f"{(B, G, D, value.shape[3], key.dtype)}; create a new cache"
+            )
+        need = self._len + n
+        if need > self.max_len:
+            raise ValueError(
+                f"StaticKVCache holds {self.max_len} positions, {need} needed; create it "
+                f"with a larger max_len (model.new_kv_cache(max_len=...))"
+            )
+        k[:, :, self._len : need] = key
+        v[:, :, self._len : need] = value
+        self._len = need
+        return k[:, :, :need], v[:, :, :need]
 
 
 class RollingKVCache(KVCache):
@@ -245,6 +321,11 @@ class AttentionRecorder(Protocol):
 
 
 _RECORDER: ContextVar[AttentionRecorder | None] = ContextVar("attnlab_recorder", default=None)
+
+
+def recording_attention() -> bool:
+    """True inside :func:`record_attention` (fast paths that skip the layers step aside)."""
+    return _RECORDER.get() is not None
 
 
 @contextmanager

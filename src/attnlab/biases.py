@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from attnlab.masks import AttentionMask, Index, MaskBlock, _positions
+from attnlab.masks import AttentionMask, Index, MaskBlock, _positions, _span
 
 __all__ = ["AlibiBias", "RelativePositionBias", "alibi_slopes", "relative_position_bucket"]
 
@@ -102,6 +102,9 @@ class AlibiBias(AttentionMask):
 
     def may_empty_rows(self, T: int, S: int) -> bool:
         return False
+
+    def block_status(self, T, S, rows=None, cols=None):
+        return "partial"
 
     def block(self, T, S, rows: Index = None, cols: Index = None, *, device=None) -> MaskBlock:
         dev = device if device is not None else self.slopes.device
@@ -233,24 +236,39 @@ class RelativePositionBias(AttentionMask):
     def may_empty_rows(self, T: int, S: int) -> bool:
         return False
 
+    def block_status(self, T, S, rows=None, cols=None):
+        return "partial"
+
     def block(self, T, S, rows: Index = None, cols: Index = None, *, device=None) -> MaskBlock:
         dev = device if device is not None else self.table.device
+        rs, cs = _span(rows, T), _span(cols, S)
+        if rs is not None and cs is not None and rs[1] > rs[0] and cs[1] > cs[0]:
+            # A contiguous tile is a Toeplitz matrix: key - query runs over tq + tk - 1
+            # distances; bucket those, then lay the rows out as sliding windows.
+            (q0, q1), (k0, k1) = rs, cs
+            tq, tk = q1 - q0, k1 - k0
+            lo = k0 - (q1 - 1 + S - T)  # the smallest key - query of the tile
+            per_distance = self._per_distance(torch.arange(lo, lo + tq + tk - 1, device=dev), dev)
+            # window m holds distances lo + m .. lo + m + tk - 1: row i is window tq-1-i
+            bias = per_distance.unfold(1, tk, 1).flip(1)  # (H, tq, tk)
+            return MaskBlock("partial", bias=bias[None])  # (1, H, tq, tk)
         qpos = _positions(rows, T, dev) + (S - T)
         kpos = _positions(cols, S, dev)
         rel = kpos[None, :] - qpos[:, None]  # (tq, tk) key - query
-        # A tile holds at most tq + tk - 1 distinct distances: bucket and look up only those.
         lo = int(rel.min()) if rel.numel() else 0
         hi = int(rel.max()) if rel.numel() else 0
-        distinct = torch.arange(lo, hi + 1, device=dev)
+        per_distance = self._per_distance(torch.arange(lo, hi + 1, device=dev), dev)
+        return MaskBlock("partial", bias=per_distance[:, rel - lo][None])  # (1, H, tq, tk)
+
+    def _per_distance(self, distances: torch.Tensor, dev: torch.device | str) -> torch.Tensor:
+        """The bias of each distance (key - query) per head, ``(H, len(distances))``."""
         bucket = relative_position_bucket(
-            distinct,
+            distances,
             bidirectional=self.bidirectional,
             num_buckets=self.num_buckets,
             max_distance=self.max_distance,
         )
-        per_distance = self.table.to(dev).t()[:, bucket]  # (H, hi - lo + 1)
-        bias = per_distance[:, rel - lo]  # (H, tq, tk)
-        return MaskBlock("partial", bias=bias[None])  # (1, H, tq, tk)
+        return self.table.to(dev).t()[:, bucket]
 
     def __repr__(self) -> str:
         return (

@@ -6,6 +6,10 @@ The protocol (shared by ``attnlab.models``):
   With ``kv_cache`` (a list of per-layer ``KVCache``), the new keys/values are appended and the
   positions of ``input_ids`` continue after what the cache already holds.
 - ``model.new_kv_cache() -> list[KVCache]``: an empty cache, one entry per layer.
+  When it takes ``max_len`` (attnlab's decoders do), generation asks for a static cache
+  sized once for the whole call (prompt + new tokens, at most the window), which the
+  model decodes into with its fast one-token step; rebuilding the cache when the window
+  slides reuses the same buffers, so memory stays flat however many tokens are made.
 - ``model.context_length``: the longest sequence the model accepts (int), or None.
 - optional: ``model(..., logits_to_keep=1)`` computes logits for the last position only.
   Generation uses it when the model's ``forward`` takes it (attnlab's GPT and Llama do), so
@@ -136,14 +140,17 @@ def _causal_lm(
     return model, idx
 
 
-def _takes_logits_to_keep(model: Any) -> bool:
-    forward = getattr(model, "forward", None)
-    if forward is None:
+def _takes(fn: Any, arg: str) -> bool:
+    if fn is None:
         return False
     try:
-        return "logits_to_keep" in inspect.signature(forward).parameters
+        return arg in inspect.signature(fn).parameters
     except (TypeError, ValueError):  # builtins or C extensions without a signature
         return False
+
+
+def _takes_logits_to_keep(model: Any) -> bool:
+    return _takes(getattr(model, "forward", None), "logits_to_keep")
 
 
 @torch.no_grad()
@@ -175,6 +182,7 @@ def generate_stream(
         return
     model, idx = _causal_lm(model, idx, valid)
     keep = {"logits_to_keep": 1} if _takes_logits_to_keep(model) else {}
+    static = _takes(getattr(model, "new_kv_cache", None), "max_len")
     seq = idx
     cache: list[Any] | None = None
     start = 0  # index in `seq` of the first token the cache holds
@@ -189,7 +197,16 @@ def generate_stream(
                 # First step, or the window slid past the cache's first position: (re)build the
                 # cache from the cropped window, so positions match what the uncached model sees.
                 start = 0 if window is None else max(0, seq.size(1) - window)
-                cache = model.new_kv_cache()
+                if cache is not None and static:
+                    for layer_cache in cache:
+                        layer_cache.reset()  # same buffers: memory stays flat
+                elif static:
+                    total = idx.size(1) + max_new_tokens
+                    cache = model.new_kv_cache(
+                        max_len=total if window is None else min(total, window)
+                    )
+                else:
+                    cache = model.new_kv_cache()
                 n_cached = 0
             inp = seq[:, start + n_cached :]  # (B, new tokens)
             logits = model(inp, kv_cache=cache, **keep)

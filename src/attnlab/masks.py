@@ -156,6 +156,12 @@ class AttentionMask:
         """
         raise NotImplementedError
 
+    def block_status(self, T: int, S: int, rows: Index = None, cols: Index = None) -> BlockStatus:
+        """Only the status of :meth:`block`'s tile, computed without building the tile's
+        tensors where the mask can tell cheaply (a bias: always ``"partial"``). It may say
+        ``"partial"`` for a tile :meth:`block` finds empty, never the reverse."""
+        return self.block(T, S, rows, cols).status
+
     def col_range(self, T: int, S: int, q0: int, q1: int) -> tuple[int, int]:
         """Columns ``[lo, hi)`` outside which rows ``q0:q1`` may attend to nothing.
 
@@ -489,17 +495,28 @@ class DocumentMask(AttentionMask):
         hi = torch.searchsorted(k, q.amax(dim=1, keepdim=True).contiguous(), right=True)
         return int(lo.min()), int(hi.max())
 
-    def block(self, T, S, rows=None, cols=None, *, device=None):
-        q = _select(self.segment_ids, 1, rows)  # (B, rows)
-        k = _select(self.key_segment_ids, 1, cols)  # (B, cols)
+    def _status(self, q: torch.Tensor, k: torch.Tensor) -> BlockStatus:
         if q.numel() == 0 or k.numel() == 0:
-            return _EMPTY
+            return "empty"
         qmin, qmax = q.amin(dim=1), q.amax(dim=1)  # (B,)
         kmin, kmax = k.amin(dim=1), k.amax(dim=1)
         if not bool(((qmin <= kmax) & (kmin <= qmax)).any()):
-            return _EMPTY  # the id ranges do not even overlap: no document meets
+            return "empty"  # the id ranges do not even overlap: no document meets
         if bool(((qmin == qmax) & (kmin == kmax) & (qmin == kmin)).all()):
-            return _FULL  # one document on both sides, in every batch item
+            return "full"  # one document on both sides, in every batch item
+        return "partial"
+
+    def block_status(self, T, S, rows=None, cols=None):
+        return self._status(
+            _select(self.segment_ids, 1, rows), _select(self.key_segment_ids, 1, cols)
+        )
+
+    def block(self, T, S, rows=None, cols=None, *, device=None):
+        q = _select(self.segment_ids, 1, rows)  # (B, rows)
+        k = _select(self.key_segment_ids, 1, cols)  # (B, cols)
+        status = self._status(q, k)
+        if status != "partial":
+            return _EMPTY if status == "empty" else _FULL
         allowed = (q[:, :, None] == k[:, None, :]).to(device)  # (B, rows, cols)
         if not bool(allowed.any()):
             return _EMPTY
@@ -620,6 +637,12 @@ class AndMask(AttentionMask):
     def validate(self, B: int, H: int, T: int, S: int) -> None:
         for p in self.parts:
             p.validate(B, H, T, S)
+
+    def block_status(self, T, S, rows=None, cols=None):
+        statuses = [p.block_status(T, S, rows, cols) for p in self.parts]
+        if "empty" in statuses:
+            return "empty"
+        return "full" if all(st == "full" for st in statuses) else "partial"
 
     def col_range(self, T: int, S: int, q0: int, q1: int) -> tuple[int, int]:
         lo, hi = 0, S

@@ -294,19 +294,24 @@ def _plan(
         tiles = []
         run = -1  # start of the current run of full tiles, or -1
         for k0, k1 in itertools.pairwise(edges):
-            blk = mask.block(T_total, S_total, slice(q_offset + r0, q_offset + r1),
-                             slice(k_offset + k0, k_offset + k1), device=device)  # fmt: skip
-            if blk.status == "full" and coalesce:
+            rows, cols = slice(q_offset + r0, q_offset + r1), slice(k_offset + k0, k_offset + k1)
+            status = mask.block_status(T_total, S_total, rows, cols)
+            blk = None
+            if status == "partial" and not mask.has_bias:  # small: keep it in the plan
+                blk = mask.block(T_total, S_total, rows, cols, device=device)
+                status = blk.status
+            if status == "full" and coalesce:
                 run = k0 if run < 0 else run
                 continue
             if run >= 0:
                 tiles.append(_Tile(run, k0, "full"))
                 run = -1
-            if blk.status == "full":
+            if status == "full":
                 tiles.append(_Tile(k0, k1, "full"))
-            elif blk.status == "partial" and blk.bias is not None:
+            elif status == "partial" and blk is None:  # a biased tile is computed when it runs
                 tiles.append(_Tile(k0, k1, "partial", lazy=True))
-            elif blk.status == "partial":
+            elif status == "partial":
+                assert blk is not None
                 causal = (k0, k1) == (d0, d1) and _is_causal_square(blk)
                 tiles.append(_Tile(k0, k1, "causal") if causal else _Tile(k0, k1, "partial", blk))
         if run >= 0:
@@ -358,6 +363,9 @@ def _resolve(tile: _Tile, rb: _RowBlock, geo: _Geometry) -> _Tile:
     q0, k0 = geo.q_offset, geo.k_offset
     blk = geo.mask.block(geo.T_total, geo.S_total, slice(q0 + rb.r0, q0 + rb.r1),
                          slice(k0 + tile.c0, k0 + tile.c1), device=geo.device)  # fmt: skip
+    if blk.status != "partial":  # block_status was conservative: nothing to see here
+        shape = (1, 1, rb.r1 - rb.r0, tile.c1 - tile.c0)
+        blk = MaskBlock("partial", allowed=torch.zeros(shape, dtype=torch.bool, device=geo.device))
     return _Tile(tile.c0, tile.c1, "partial", blk)
 
 
@@ -441,7 +449,11 @@ def _tile_forward(
         )  # (B, Hs, tq, Dv), (B, Hs, tq)
         if dense is not None:
             # The op gives a row that sees nothing lse 0 (and out 0); attnlab's is -inf.
-            lse = lse.masked_fill((dense == _NEG_INF).all(dim=-1), _NEG_INF)
+            # Only rows with lse == 0 can be such rows: look at the tile only if there are
+            # any (a bias tile has none, and the full check costs a pass over the tile).
+            maybe = lse == 0
+            if bool(maybe.any()):
+                lse = lse.masked_fill(maybe & (dense == _NEG_INF).all(dim=-1), _NEG_INF)
         return out, lse
     Gs, tk = k.shape[1], k.shape[2]
     cd = _compute_dtype(q.dtype)

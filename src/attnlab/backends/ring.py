@@ -50,6 +50,7 @@ def ring_backend(
         group=ctx.group,
         is_causal=mask is not None,
         scale=scale,
+        softcap=softcap,
         layout=ctx.layout,
         timeout=ctx.timeout,
         block_size=ctx.block_size,
@@ -69,8 +70,6 @@ def _why_not_mask(mask: AttentionMask | None, dropout_p: float) -> str | None:
 
 
 def _why_not_scores(softcap: float | None, sinks: bool) -> str | None:
-    if softcap is not None:
-        return f"ring does not implement logit soft-capping (softcap={softcap}); use 'blockwise'"
     if sinks:
         return "ring does not implement attention sinks; use 'blockwise'"
     return None

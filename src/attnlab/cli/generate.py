@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from attnlab.cli.app import app
-from attnlab.cli.models import load_pretrained_kind, use_backend
+from attnlab.cli.models import check_dtype, load_pretrained_kind, use_backend
 from attnlab.cli.output import UserError, output, user_input
 
 
@@ -18,6 +18,7 @@ def _generate_pretrained(
     *,
     chat: bool,
     backend: str,
+    dtype: str,
     max_new_tokens: int,
     temperature: float,
     top_k: int | None,
@@ -26,7 +27,7 @@ def _generate_pretrained(
     use_cache: bool,
 ) -> None:
     """Stream a pretrained causal LM's continuation of ``prompt`` (or its chat reply)."""
-    model, tok = load_pretrained_kind(name, "causal-lm", backend)
+    model, tok = load_pretrained_kind(name, "causal-lm", backend, dtype)
     import torch
 
     from attnlab.generation import TextStream, generate_stream
@@ -80,6 +81,13 @@ def generate(
     backend: Annotated[
         str, typer.Option(help="Attention backend: auto, math, sdpa, blockwise, ...")
     ] = "auto",
+    dtype: Annotated[
+        str,
+        typer.Option(
+            help="Weight precision: float32 (exact), bfloat16, int8, int4 (weight-only; "
+            "faster decoding, see README for each one's accuracy)."
+        ),
+    ] = "float32",
     max_new_tokens: Annotated[
         int, typer.Option("--max-new-tokens", "-n", help="Tokens to generate.")
     ] = 50,
@@ -109,12 +117,14 @@ def generate(
         )
     if not prompt:
         raise UserError("the prompt is empty; give some text to continue")
+    check_dtype(dtype)
     if model is not None:
         _generate_pretrained(
             model,
             prompt,
             chat=chat,
             backend=backend,
+            dtype=dtype,
             max_new_tokens=max_new_tokens,
             temperature=temperature,
             top_k=top_k,
@@ -133,7 +143,9 @@ def generate(
     except CheckpointError as e:
         raise UserError(str(e)) from e
     use_backend(gpt, backend)
-    gpt.eval()
+    from attnlab.quant import quantize_model
+
+    quantize_model(gpt.eval(), dtype)
     tok = get_tokenizer()
     ids = tok.encode(prompt, allowed_special="all")[-gpt.context_length :]
     gen = torch.Generator().manual_seed(seed)

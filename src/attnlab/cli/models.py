@@ -11,6 +11,7 @@ from typing import Any
 from attnlab.cli.output import UserError, user_input
 
 __all__ = [
+    "check_dtype",
     "check_local_backend",
     "load_checkpoint_model",
     "load_model_path",
@@ -20,11 +21,22 @@ __all__ = [
 ]
 
 
-def load_pretrained_kind(name: str, kind: str, backend: str) -> tuple[Any, Any]:
+def check_dtype(dtype: str) -> None:
+    """``--dtype`` must name a weight precision of :mod:`attnlab.quant`."""
+    from attnlab.quant import WEIGHT_DTYPES
+
+    if dtype not in WEIGHT_DTYPES:
+        raise UserError(f"unknown --dtype {dtype!r}; choose one of {', '.join(WEIGHT_DTYPES)}")
+
+
+def load_pretrained_kind(
+    name: str, kind: str, backend: str, dtype: str = "float32"
+) -> tuple[Any, Any]:
     """``load_pretrained`` with its errors as user errors; ``kind`` is encoder/causal-lm."""
     from attnlab.pretrained import PRETRAINED_MODELS, MissingPackageError, load_pretrained
 
     check_local_backend(backend)
+    check_dtype(dtype)
     key = name.lower()
     fitting = sorted(n for n, (k, _) in PRETRAINED_MODELS.items() if k == kind)
     if key not in PRETRAINED_MODELS and Path(name).exists():
@@ -36,7 +48,7 @@ def load_pretrained_kind(name: str, kind: str, backend: str) -> tuple[Any, Any]:
         )
     try:
         with user_input():
-            return load_pretrained(key, backend=backend)
+            return load_pretrained(key, backend=backend, dtype=dtype)
     except MissingPackageError as e:
         raise UserError(str(e)) from e
 

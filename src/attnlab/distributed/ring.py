@@ -72,6 +72,7 @@ class _RingConfig:
     layout: str
     is_causal: bool
     scale: float
+    softcap: float | None
     timeout: timedelta
     block_size: int | None
     overlap: bool
@@ -207,6 +208,7 @@ def _agree(
         int(cfg.is_causal),
         _LAYOUT_CODES[cfg.layout],
         cfg.scale,
+        cfg.softcap or 0.0,
     ]
     local = torch.tensor(mine, dtype=torch.float64, device=query.device)
     everyone = [torch.empty_like(local) for _ in range(cfg.world_size)]
@@ -224,13 +226,13 @@ def _agree(
     desc = "; ".join(
         f"rank {i}: query {tuple(int(x) for x in r[0:4])}, key {tuple(int(x) for x in r[4:8])}, "
         f"Dv={int(r[8])}, {names[int(r[9])]}, is_causal={bool(r[10])}, "
-        f"layout={layouts[int(r[11])]!r}, scale={r[12]:g}"
+        f"layout={layouts[int(r[11])]!r}, scale={r[12]:g}, softcap={r[13]:g}"
         for i, r in enumerate(rows)
     )
     raise ValueError(
         "ring_attention: ranks disagree on shapes or options; every rank must pass an "
         "equal-sized shard (use attnlab.distributed.shard_sequence) and the same "
-        f"is_causal/layout/scale. Got {desc}"
+        f"is_causal/layout/scale/softcap. Got {desc}"
     )
 
 
@@ -258,6 +260,7 @@ def _kernel_args(cfg: _RingConfig, qs: Segment, ks: Segment, t_total: int, maske
     return {
         "mask": _CAUSAL if masked else None,
         "scale": cfg.scale,
+        "softcap": cfg.softcap,
         "q_offset": qs.global_start,
         "k_offset": ks.global_start,
         "T_total": t_total,
@@ -455,6 +458,7 @@ def ring_attention(
     group: dist.ProcessGroup | None = None,
     is_causal: bool = False,
     scale: float | None = None,
+    softcap: float | None = None,
     layout: str = "contiguous",
     timeout: float | timedelta | None = None,
     block_size: int | None = None,
@@ -477,6 +481,8 @@ def ring_attention(
         group: the ring's process group (default: the default group).
         is_causal: causal mask over global positions (position i sees j <= i).
         scale: score scale, default ``1/sqrt(D)``.
+        softcap: logit soft-capping ``softcap * tanh(s / softcap)`` of the scaled scores
+            (before the causal mask), or None.
         layout: ``"contiguous"`` or ``"zigzag"`` (balances causal work across ranks).
         timeout: seconds (or timedelta) to wait for any one transfer before raising
             :class:`RingAttentionError`; default: the process group's timeout.
@@ -507,6 +513,9 @@ def ring_attention(
         scale = 1.0 / math.sqrt(query.shape[-1])
     if not isinstance(scale, (int, float)) or not (0 < scale < float("inf")):
         raise ValueError(f"`scale` must be a positive finite number, got {scale!r}")
+    from attnlab.backends.request import check_softcap  # validated as everywhere
+
+    softcap = check_softcap(softcap)
     if block_size is not None and (not isinstance(block_size, int) or block_size < 1):
         raise ValueError(f"`block_size` must be a positive int, got {block_size!r}")
     if timeout is None:
@@ -527,6 +536,7 @@ def ring_attention(
         layout=layout,
         is_causal=bool(is_causal),
         scale=float(scale),
+        softcap=softcap,
         timeout=wait_for,
         block_size=block_size,
         overlap=overlap,

@@ -13,8 +13,9 @@ differ in:
   ``down(act(up(h)))`` (GPT-2), with ``activation`` and ``mlp_bias``;
 - ``parallel_residual``: ``x + attn(norm1(x)) + mlp(norm2(x))`` (GPT-NeoX) instead of
   the sequential form;
-- ``positions``: ``"rope"`` (:class:`attnlab.rope.RotaryEmbedding` configured by a
-  :class:`attnlab.rope.RopeConfig`: base, partial rotary, scaling), ``"learned"`` (an
+- ``positions``: ``"alibi"`` (BLOOM: the bias of :class:`attnlab.biases.AlibiBias` on every
+  layer's scores), ``"rope"`` (:class:`attnlab.rope.RotaryEmbedding` configured by a
+  :class:`attnlab.rope.RopeConfig`: base, partial rotary, scaling) or ``"learned"`` (an
   absolute position table, GPT-2) or ``"relative"`` (T5: one
   :class:`attnlab.biases.RelativePositionBias` table per stack, ``relative_buckets`` x
   heads, shared by every layer; bidirectional bucketing when not ``causal``);
@@ -48,9 +49,10 @@ import torch
 from torch import nn
 
 from attnlab.attention import Attention, KVCache
-from attnlab.biases import RelativePositionBias
+from attnlab.biases import AlibiBias, RelativePositionBias
 from attnlab.masks import AttentionMask, PaddingMask
 from attnlab.models._lm import keep_last, set_attention_backend
+from attnlab.models.fast_decode import DecodePlan, decode_plan, fast_step, new_caches
 from attnlab.norms import QKNorm, RMSNorm
 from attnlab.rope import RopeConfig, RotaryEmbedding
 
@@ -96,7 +98,8 @@ class DecoderConfig:
         activation: ``"silu"``, ``"gelu"``, ``"gelu_tanh"`` or ``"relu"``.
         mlp_bias: biases in the feed-forward projections.
         parallel_residual: attention and MLP read the same input and add together.
-        positions: ``"rope"``, ``"learned"`` or ``"relative"``.
+        positions: ``"rope"``, ``"learned"`` or ``"alibi"`` (:class:`attnlab.biases.AlibiBias`
+            with the standard slopes, BLOOM) or ``"relative"`` (T5).
         rope: the rotary embedding's settings (base, partial rotary, scaling).
         head_dim: D when ``H * D != C`` (Qwen3, Gemma); None = C / H.
         qk_norm: normalisation of queries and keys (Qwen3, OLMo 2), or None.
@@ -107,6 +110,7 @@ class DecoderConfig:
         attn_softcap: attention logit soft-capping (Gemma 2: 50), or None.
         final_softcap: output logit soft-capping ``c * tanh(logits / c)`` (Gemma 2: 30).
         embed_scale: multiply the token embeddings by ``sqrt(C)`` (Gemma).
+        embed_norm: a norm right after the token embedding (BLOOM).
         qkv_bias: biases on the query/key/value projections.
         out_bias: bias on the attention output projection.
         sliding_window: each query sees at most this many keys (itself included); None = all.
@@ -135,7 +139,7 @@ class DecoderConfig:
     activation: Activation = "silu"
     mlp_bias: bool = False
     parallel_residual: bool = False
-    positions: Literal["rope", "learned", "relative"] = "rope"
+    positions: Literal["rope", "learned", "alibi", "relative"] = "rope"
     rope: RopeConfig = RopeConfig(base=100000.0)  # noqa: RUF009 (frozen, shared safely)
     head_dim: int | None = None
     qkv_bias: bool = False
@@ -153,6 +157,7 @@ class DecoderConfig:
     cross_attention: bool = False
     output_head: bool = True
     head_input_scale: float = 1.0
+    embed_norm: bool = False
     family: str = "llama"
 
     @property
@@ -305,18 +310,17 @@ class DecoderBlock(nn.Module):
         h: torch.Tensor,
         kv_cache: KVCache | None,
         need_weights: bool,
-        mask: AttentionMask | None,
+        bias: AttentionMask | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         # One new token (decoding) is the last position: it may see every key, so the
         # causal mask is all True and is left out (fused kernels then need no mask). The
         # layer adds its own sliding window.
         causal = self.causal and h.shape[1] > 1
+        kw = {"attn_mask": bias, "is_causal": causal, "kv_cache": kv_cache}
         if need_weights:
-            a, w = self.attention(
-                h, attn_mask=mask, is_causal=causal, kv_cache=kv_cache, need_weights=True
-            )
+            a, w = self.attention(h, need_weights=True, **kw)
             return a, w
-        out = self.attention(h, attn_mask=mask, is_causal=causal, kv_cache=kv_cache)
+        out = self.attention(h, **kw)
         return out, None  # type: ignore[return-value]
 
     def _cross(
@@ -349,21 +353,22 @@ class DecoderBlock(nn.Module):
         kv_cache: KVCache | None,
         *,
         need_weights: bool = False,
-        mask: AttentionMask | None = None,
+        bias: AttentionMask | None = None,
         context: torch.Tensor | None = None,
         context_mask: AttentionMask | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """(B, T, C) -> ((B, T, C), self weights (B, H, T, S) or None, cross weights
         (B, H, T, S_ctx) or None).
 
-        ``mask`` (a position bias, padding) is added to the self-attention's own causal
-        or window mask; ``context``/``context_mask`` feed the cross attention.
+        ``bias`` (ALiBi, a relative position bias, padding) is added to the
+        self-attention's own causal or window mask; ``context``/``context_mask`` feed the
+        cross attention.
         """
         if self.placement == "post":
-            a, weights = self._attend(x, kv_cache, need_weights, mask)
+            a, weights = self._attend(x, kv_cache, need_weights, bias)
             x = x + self.attn_norm(a)  # (B, T, C)
             return x + self.mlp_norm(self.mlp(x)), weights, None
-        a, weights = self._attend(self.attn_norm(x), kv_cache, need_weights, mask)
+        a, weights = self._attend(self.attn_norm(x), kv_cache, need_weights, bias)
         if self.attn_post_norm is not None:
             a = self.attn_post_norm(a)
         if self.parallel:
@@ -416,6 +421,8 @@ class Decoder(nn.Module):
             else None
         )
         self.tok_embeddings = nn.Embedding(config.vocab_size, C)
+        self.embed_norm = make_norm(config) if config.embed_norm else None
+        self.alibi = AlibiBias(config.num_heads) if config.positions == "alibi" else None
         self.pos_embeddings = (
             nn.Embedding(config.context_length, C) if config.positions == "learned" else None
         )
@@ -425,14 +432,14 @@ class Decoder(nn.Module):
                 f"`layer_windows` must have one entry per layer ({config.num_layers}), got "
                 f"{len(windows)}"
             )
+        self.blocks = nn.ModuleList(
+            DecoderBlock(config, self.rope, backend=backend, window=w) for w in windows
+        )
         # T5: one table per stack (its first layer's in the checkpoint), shared by all layers.
         self.relative_bias = (
             nn.Embedding(config.relative_buckets, config.num_heads)
             if config.positions == "relative"
             else None
-        )
-        self.blocks = nn.ModuleList(
-            DecoderBlock(config, self.rope, backend=backend, window=w) for w in windows
         )
         self.norm = make_norm(config)
         if config.output_head:
@@ -447,12 +454,36 @@ class Decoder(nn.Module):
         """Longest window the model accepts (the protocol's ``context_length``)."""
         return self.config.context_length
 
-    def new_kv_cache(self) -> list[KVCache]:
-        """An empty cache, one per layer (a rolling one for sliding-window layers, a
-        :class:`DecoderLayerCache` when the blocks have cross attention)."""
+    def new_kv_cache(self, max_len: int | None = None) -> list[KVCache]:
+        """An empty cache, one per layer (a rolling one for sliding-window layers).
+
+        Args:
+            max_len: None for growing caches (a :class:`DecoderLayerCache` per layer when
+                the blocks have cross attention); a length for
+                :class:`attnlab.attention.StaticKVCache` s allocated once for that many
+                positions (sliding-window layers keep their rolling cache), over which one
+                new token takes the fast decode step (:meth:`prepare_decode`).
+        """
         if self.config.cross_attention:
             return [DecoderLayerCache() for _ in self.blocks]
+        windows = [b.attention.sliding_window for b in self.blocks]  # type: ignore[union-attr]
+        if max_len is not None and all(w is None for w in windows):
+            return new_caches(len(self.blocks), max_len)
         return [block.attention.new_kv_cache() for block in self.blocks]  # type: ignore[union-attr,operator]
+
+    def prepare_decode(self, *, share_float: bool = False) -> DecodePlan:
+        """Build (once) the fused products and tables of the fast one-token step
+        (:mod:`attnlab.models.fast_decode`); the first step over a static cache calls it.
+
+        Args:
+            share_float: fuse float Q/K/V and gate/up weights too, the parameters becoming
+                views of the fused ones (the loaders ask for it; see
+                :func:`attnlab.quant.fuse_rows`).
+
+        Raises:
+            ValueError: a layout without the fast step (post-norm, QK-norm, windows, ...).
+        """
+        return decode_plan(self, share_float=share_float)
 
     def set_backend(self, backend: str) -> None:
         """Use ``backend`` in every attention layer from now on.
@@ -461,121 +492,6 @@ class Decoder(nn.Module):
             ValueError: an unknown backend name.
         """
         set_attention_backend(self, backend)
-
-    def run(
-        self,
-        input_ids: torch.Tensor,
-        *,
-        kv_cache: list[KVCache] | None = None,
-        need_weights: bool = False,
-        valid: torch.Tensor | None = None,
-        context: torch.Tensor | None = None,
-        context_valid: torch.Tensor | None = None,
-    ) -> StackOutput:
-        """The block stack: embeddings, every block, the final norm (no head).
-
-        Args:
-            input_ids: (B, T) long token ids; with ``kv_cache`` they follow the cached ones.
-            kv_cache: from :meth:`new_kv_cache`; updated in place.
-            need_weights: also return every layer's attention weights.
-            valid: (B, S) bool, False = a padded key (S = cached + new); None = no padding.
-            context: (B, S_ctx, C) the encoder output, for cross attention.
-            context_valid: (B, S_ctx) bool, False = padded context position.
-
-        Returns:
-            A :class:`StackOutput`.
-
-        Raises:
-            TypeError: non-integer ids.
-            ValueError: wrong shapes, a cache of the wrong length, a sequence longer than
-                ``context_length``, ``context`` missing for cross attention.
-        """
-        if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2:
-            raise ValueError("`input_ids` must be a (B, T) tensor of token ids")
-        if input_ids.is_floating_point():
-            raise TypeError(f"`input_ids` must be an integer tensor, got {input_ids.dtype}")
-        if kv_cache is not None and len(kv_cache) != len(self.blocks):
-            raise ValueError(
-                f"`kv_cache` must hold one KVCache per layer ({len(self.blocks)}), got "
-                f"{len(kv_cache)}; use model.new_kv_cache()"
-            )
-        past = kv_cache[0].seq_len if kv_cache is not None else 0
-        B, T = input_ids.shape
-        if past + T > self.context_length:
-            raise ValueError(
-                f"sequence of {past + T} tokens exceeds the context length "
-                f"{self.context_length}; crop the input"
-            )
-        for name, flags, length in (
-            ("valid", valid, past + T),
-            ("context_valid", context_valid, None if context is None else context.shape[1]),
-        ):
-            if flags is not None and (
-                not isinstance(flags, torch.Tensor)
-                or flags.dtype != torch.bool
-                or flags.shape != (B, length)
-            ):
-                got = (
-                    f"{tuple(flags.shape)} {flags.dtype}"
-                    if isinstance(flags, torch.Tensor)
-                    else type(flags).__name__
-                )
-                raise ValueError(f"`{name}` must be a ({B}, {length}) bool tensor, got {got}")
-        x = self.tok_embeddings(input_ids)  # (B, T, C)
-        if self.config.embed_scale:
-            # Gemma: sqrt(C) rounded to the activation dtype first, as the reference does.
-            x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
-        if self.pos_embeddings is not None:
-            positions = torch.arange(past, past + T, device=input_ids.device)  # (T,)
-            x = x + self.pos_embeddings(positions)  # (B, T, C)
-        mask: AttentionMask | None = None
-        if self.relative_bias is not None:
-            mask = RelativePositionBias(
-                self.relative_bias.weight,
-                bidirectional=not self.config.causal,
-                num_buckets=self.config.relative_buckets,
-                max_distance=self.config.relative_max_distance,
-            )
-        if valid is not None and not bool(valid.all()):
-            pad = PaddingMask(valid)
-            mask = pad if mask is None else mask & pad
-        context_mask = (
-            PaddingMask(context_valid)
-            if context_valid is not None and not bool(context_valid.all())
-            else None
-        )
-        all_weights: list[torch.Tensor] = []
-        cross_weights: list[torch.Tensor] = []
-        for i, block in enumerate(self.blocks):
-            x, w, cw = block(
-                x,
-                kv_cache[i] if kv_cache is not None else None,
-                need_weights=need_weights,
-                mask=mask,
-                context=context,
-                context_mask=context_mask,
-            )
-            if w is not None:
-                all_weights.append(w)
-            if cw is not None:
-                cross_weights.append(cw)
-        return StackOutput(self.norm(x), all_weights, cross_weights)
-
-    def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits (B, T, V) from final hidden states (B, T, C).
-
-        Raises:
-            ValueError: this stack has no LM head (``output_head=False``).
-        """
-        if self.lm_head is None:
-            raise ValueError("this stack has no LM head (output_head=False); use run()")
-        if self.config.head_input_scale != 1.0:
-            hidden = hidden * self.config.head_input_scale
-        logits = self.lm_head(hidden)  # (B, T, V)
-        if self.config.final_softcap is not None:
-            c = self.config.final_softcap
-            logits = torch.tanh(logits / c) * c  # (B, T, V)
-        return logits
 
     def forward(
         self,
@@ -605,6 +521,133 @@ class Decoder(nn.Module):
         Shape:
             input_ids (B, T) -> (B, T, V).
         """
+        self._check_ids(input_ids, kv_cache)
+        logits = fast_step(self, input_ids, kv_cache, need_weights)
+        if logits is not None:  # one new token over a static cache: the fused step
+            return logits
         out = self.run(input_ids, kv_cache=kv_cache, need_weights=need_weights)
         logits = self.head(keep_last(out.hidden, logits_to_keep))  # (B, T, V)
         return (logits, out.weights) if need_weights else logits
+
+    def _check_ids(self, input_ids: torch.Tensor, kv_cache: list[KVCache] | None) -> int:
+        """Check ids and cache; return how many positions the cache already holds."""
+        if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2:
+            raise ValueError("`input_ids` must be a (B, T) tensor of token ids")
+        if input_ids.is_floating_point():
+            raise TypeError(f"`input_ids` must be an integer tensor, got {input_ids.dtype}")
+        if kv_cache is not None and len(kv_cache) != len(self.blocks):
+            raise ValueError(
+                f"`kv_cache` must hold one KVCache per layer ({len(self.blocks)}), got "
+                f"{len(kv_cache)}; use model.new_kv_cache()"
+            )
+        past = kv_cache[0].seq_len if kv_cache is not None else 0
+        T = input_ids.shape[1]
+        if past + T > self.context_length:
+            raise ValueError(
+                f"sequence of {past + T} tokens exceeds the context length "
+                f"{self.context_length}; crop the input"
+            )
+        return past
+
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        kv_cache: list[KVCache] | None = None,
+        need_weights: bool = False,
+        valid: torch.Tensor | None = None,
+        context: torch.Tensor | None = None,
+        context_valid: torch.Tensor | None = None,
+    ) -> StackOutput:
+        """The block stack: embeddings, every block, the final norm (no head).
+
+        Args:
+            input_ids: (B, T) long token ids; with ``kv_cache`` they follow the cached ones.
+            kv_cache: from :meth:`new_kv_cache`; updated in place.
+            need_weights: also return every layer's attention weights.
+            valid: (B, S) bool, False = a padded key (S = cached + new); None = no padding.
+            context: (B, S_ctx, C) the encoder output, for cross attention.
+            context_valid: (B, S_ctx) bool, False = padded context position.
+
+        Returns:
+            A :class:`StackOutput`.
+
+        Raises:
+            TypeError: non-integer ids.
+            ValueError: wrong shapes, a cache of the wrong length, a sequence longer than
+                ``context_length``, ``context`` missing for cross attention.
+        """
+        past = self._check_ids(input_ids, kv_cache)
+        B, T = input_ids.shape
+        for name, flags, length in (
+            ("valid", valid, past + T),
+            ("context_valid", context_valid, None if context is None else context.shape[1]),
+        ):
+            if flags is not None and (
+                not isinstance(flags, torch.Tensor)
+                or flags.dtype != torch.bool
+                or flags.shape != (B, length)
+            ):
+                got = (
+                    f"{tuple(flags.shape)} {flags.dtype}"
+                    if isinstance(flags, torch.Tensor)
+                    else type(flags).__name__
+                )
+                raise ValueError(f"`{name}` must be a ({B}, {length}) bool tensor, got {got}")
+        x = self.tok_embeddings(input_ids)  # (B, T, C)
+        if self.embed_norm is not None:
+            x = self.embed_norm(x)
+        if self.config.embed_scale:
+            # Gemma: sqrt(C) rounded to the activation dtype first, as the reference does.
+            x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
+        if self.pos_embeddings is not None:
+            positions = torch.arange(past, past + T, device=input_ids.device)  # (T,)
+            x = x + self.pos_embeddings(positions)  # (B, T, C)
+        mask: AttentionMask | None = self.alibi
+        if self.relative_bias is not None:
+            mask = RelativePositionBias(
+                self.relative_bias.weight,
+                bidirectional=not self.config.causal,
+                num_buckets=self.config.relative_buckets,
+                max_distance=self.config.relative_max_distance,
+            )
+        if valid is not None and not bool(valid.all()):
+            pad = PaddingMask(valid)
+            mask = pad if mask is None else mask & pad
+        context_mask = (
+            PaddingMask(context_valid)
+            if context_valid is not None and not bool(context_valid.all())
+            else None
+        )
+        all_weights: list[torch.Tensor] = []
+        cross_weights: list[torch.Tensor] = []
+        for i, block in enumerate(self.blocks):
+            x, w, cw = block(
+                x,
+                kv_cache[i] if kv_cache is not None else None,
+                need_weights=need_weights,
+                bias=mask,
+                context=context,
+                context_mask=context_mask,
+            )
+            if w is not None:
+                all_weights.append(w)
+            if cw is not None:
+                cross_weights.append(cw)
+        return StackOutput(self.norm(x), all_weights, cross_weights)
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits (B, T, V) from final hidden states (B, T, C).
+
+        Raises:
+            ValueError: this stack has no LM head (``output_head=False``).
+        """
+        if self.lm_head is None:
+            raise ValueError("this stack has no LM head (output_head=False); use run()")
+        if self.config.head_input_scale != 1.0:
+            hidden = hidden * self.config.head_input_scale
+        logits = self.lm_head(hidden)  # (B, T, V)
+        if self.config.final_softcap is not None:
+            c = self.config.final_softcap
+            logits = torch.tanh(logits / c) * c  # (B, T, V)
+        return logits

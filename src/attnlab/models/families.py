@@ -51,6 +51,7 @@ ACTIVATION_NAMES = {
     "gelu_new": "gelu_tanh",
     "gelu_fast": "gelu_tanh",
     "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_tanh": "gelu_tanh",
     "relu": "relu",
     # T5's `feed_forward_proj` when `dense_act_fn` is absent (older configs)
     "gated-gelu": "gelu_tanh",
@@ -295,6 +296,55 @@ GEMMA2 = dataclasses.replace(
         ("layers.{i}.post_feedforward_layernorm", "blocks.{i}.mlp_post_norm", "plus1"),
     ),
     gguf_weights=(),
+)
+
+BLOOM = Family(
+    name="bloom",
+    kind="decoder",
+    fixed={
+        "norm": "layer",
+        "norm_bias": True,
+        "mlp": "plain",
+        "activation": "gelu_tanh",
+        "positions": "alibi",
+        "embed_norm": True,
+        "qkv_bias": True,
+        "out_bias": True,
+        "mlp_bias": True,
+        "family": "bloom",
+    },
+    keys={
+        "vocab_size": ("vocab_size",),
+        "hidden_size": ("hidden_size", "n_embed"),
+        "num_layers": ("n_layer", "num_hidden_layers"),
+        "num_heads": ("n_head", "num_attention_heads"),
+        "norm_eps": ("layer_norm_epsilon",),
+        "tie_embeddings": ("tie_word_embeddings",),
+    },
+    defaults={
+        "num_kv_heads": _same_as("num_heads"),
+        "intermediate_size": lambda f: 4 * f["hidden_size"],
+        "context_length": 1 << 16,  # ALiBi has no position table; a bound, not an allocation
+        "tie_embeddings": True,
+        "norm_eps": 1e-5,
+    },
+    refuse={
+        "apply_residual_connection_post_layernorm": (None, False),
+        "slow_but_exact": (None, False),
+    },
+    weights=(
+        ("word_embeddings", "tok_embeddings", ""),
+        ("word_embeddings_layernorm", "embed_norm", ""),
+        ("ln_f", "norm", ""),
+        ("lm_head", "lm_head", ""),
+        ("h.{i}.input_layernorm", "blocks.{i}.attn_norm", ""),
+        ("h.{i}.post_attention_layernorm", "blocks.{i}.mlp_norm", ""),
+        ("h.{i}.self_attention.query_key_value", "blocks.{i}.attention.{qkv}", "qkv_heads"),
+        ("h.{i}.self_attention.dense", "blocks.{i}.attention.out_proj", ""),
+        ("h.{i}.mlp.dense_h_to_4h", "blocks.{i}.mlp.up", ""),
+        ("h.{i}.mlp.dense_4h_to_h", "blocks.{i}.mlp.down", ""),
+    ),
+    prefixes=("transformer.",),
 )
 
 GPT_NEOX = Family(
@@ -567,7 +617,21 @@ T5 = Family(
 
 FAMILIES: dict[str, Family] = {
     f.name: f
-    for f in (LLAMA, MISTRAL, QWEN2, QWEN3, OLMO2, PHI3, GEMMA2, GPT_NEOX, GPT2, BERT, ROBERTA, T5)
+    for f in (
+        LLAMA,
+        MISTRAL,
+        QWEN2,
+        QWEN3,
+        OLMO2,
+        PHI3,
+        GEMMA2,
+        GPT_NEOX,
+        BLOOM,
+        GPT2,
+        BERT,
+        ROBERTA,
+        T5,
+    )
 }
 
 

@@ -29,6 +29,7 @@ from attnlab.backends import available_backends
 from attnlab.checkpoint import CheckpointError, check_state_dict, load_checkpoint
 from attnlab.generation import generate, generate_stream
 from attnlab.models._lm import keep_last
+from attnlab.models.fast_decode import DecodePlan, decode_plan, fast_step, new_caches
 
 __all__ = [
     "PRESETS",
@@ -272,9 +273,15 @@ class GPTModel(nn.Module):
     def context_length(self) -> int:
         return self.cfg.context_length
 
-    def new_kv_cache(self) -> list[KVCache]:
-        """An empty KV cache: one :class:`KVCache` per transformer block."""
-        return [KVCache() for _ in self.trf_blocks]
+    def new_kv_cache(self, max_len: int | None = None) -> list[KVCache]:
+        """An empty KV cache, one per transformer block: growing :class:`KVCache` s, or
+        with ``max_len`` :class:`attnlab.attention.StaticKVCache` s allocated once, over
+        which one new token takes the fast decode step (:mod:`attnlab.models.fast_decode`)."""
+        return new_caches(len(self.trf_blocks), max_len)
+
+    def prepare_decode(self, *, share_float: bool = False) -> DecodePlan:
+        """Build (once) the fast one-token step (see ``LlamaForCausalLM.prepare_decode``)."""
+        return decode_plan(self, share_float=share_float)
 
     def forward(
         self,
@@ -329,6 +336,10 @@ class GPTModel(nn.Module):
                 )
             past = kv_cache[0].seq_len
         T = input_ids.size(1)
+        if position_ids is None and past + T <= self.cfg.context_length:
+            logits = fast_step(self, input_ids, kv_cache)
+            if logits is not None:  # one new token over a static cache: the fused step
+                return logits
         if position_ids is not None:
             positions = self._check_positions(position_ids, input_ids)  # (T,) or (B, T)
         elif past + T > self.cfg.context_length:

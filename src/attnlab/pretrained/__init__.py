@@ -31,9 +31,12 @@ from attnlab.pretrained.loaders import (
     MINILM_INSTALL,
     SMOLLM2_INSTALL,
     MissingPackageError,
+    check_weight_dtype,
     load_gguf,
     load_minilm,
     load_smollm2,
+    set_weight_dtype,
+    smollm2_path,
 )
 from attnlab.pretrained.tokenizer import PretrainedTokenizer
 
@@ -61,7 +64,7 @@ def load_pretrained(
     name_or_path: str | Path,
     *,
     backend: str = "auto",
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | str = torch.float32,
 ) -> tuple[Any, PretrainedTokenizer]:
     """Load a packaged model, a Hugging Face directory or a GGUF file onto attnlab.
 
@@ -70,8 +73,13 @@ def load_pretrained(
             with ``config.json``, or a ``.gguf`` file.
         backend: attention backend for every layer (``"auto"``, ``"math"``, ``"blockwise"``,
             ``"sdpa"``); change later with ``model.set_backend``.
-        dtype: parameter dtype, ``torch.float32`` (default), ``torch.bfloat16`` or
-            ``torch.float16``; stored weights of any of these are converted.
+        dtype: a parameter dtype, ``torch.float32`` (default), ``torch.bfloat16`` or
+            ``torch.float16`` (the whole model converted; stored weights of any of these
+            are converted), or a weight precision by name: ``"float32"``, ``"bfloat16"``,
+            ``"int8"``, ``"int4"`` (weight-only, :mod:`attnlab.quant`: the linear layers'
+            weights in that precision, activations, norms, attention and the KV cache
+            fp32; GGUF Q4_0/Q4_1 tensors keep their codes in ``"int4"``). Decoders are
+            returned with their fast one-token step built (fused Q/K/V and gate/up).
 
     Returns:
         ``(model, tokenizer)``, the model in eval mode.
@@ -86,10 +94,7 @@ def load_pretrained(
 
     if backend not in available_backends():
         raise ValueError(f"`backend` must be one of {available_backends()}, got {backend!r}")
-    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(
-            f"`dtype` must be torch.float32, torch.bfloat16 or torch.float16, got {dtype!r}"
-        )
+    param_dtype, weight = check_weight_dtype(dtype)
     if not isinstance(name_or_path, (str, Path)):
         raise TypeError(f"`name_or_path` must be a str or Path, got {type(name_or_path).__name__}")
     key = str(name_or_path).lower()
@@ -99,14 +104,18 @@ def load_pretrained(
             if key == "all-minilm-l6-v2"
             else load_smollm2(backend=backend)
         )
-        return (model.to(dtype) if dtype != torch.float32 else model), tok
+        model = model.to(param_dtype) if param_dtype != torch.float32 else model
+        source = smollm2_path() if key == "smollm2-135m-instruct" else None
+        return set_weight_dtype(model, weight, source), tok
     path = Path(name_or_path)
     if path.is_dir():
         from attnlab.pretrained.hf import load_hf_directory
 
-        return load_hf_directory(path, backend=backend, dtype=dtype)
+        hf_model, hf_tok = load_hf_directory(path, backend=backend, dtype=param_dtype)
+        return set_weight_dtype(hf_model, weight), hf_tok
     if path.is_file():
-        return load_gguf(path, backend=backend, dtype=dtype)
+        model, tok = load_gguf(path, backend=backend, dtype=param_dtype)
+        return set_weight_dtype(model, weight, path), tok
     raise ValueError(
         f"`name_or_path` must be one of {sorted(PRETRAINED_MODELS)}, a model directory or a "
         f".gguf file, got {str(name_or_path)!r} (no such file or directory)"

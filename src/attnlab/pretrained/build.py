@@ -254,7 +254,7 @@ def _optional(cls: type) -> set[str]:
     ok |= {"positions_from_padding", "pad_token_id", "activation", "type_vocab_size"}
     ok |= {"tie_embeddings", "num_kv_heads", "norm_eps", "context_length", "head_dim"}
     ok |= {"rope", "qk_norm", "layer_windows", "attn_scale", "attn_softcap", "final_softcap"}
-    ok |= {"embed_scale"}
+    ok |= {"embed_scale", "embed_norm"}
     ok |= {"relative_buckets", "relative_max_distance", "causal", "cross_attention"}
     ok |= {"output_head", "head_input_scale", "decoder_start_token_id"}
     ok |= {"gated_mlp", "scale_decoder_outputs", "num_decoder_layers"}

