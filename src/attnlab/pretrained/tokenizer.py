@@ -306,8 +306,19 @@ def tokenizer_from_gguf(contents: GGUFContents) -> PretrainedTokenizer:
         raise NotImplementedError(
             f"GGUF tokenizer model {kind!r} is not supported; only byte-level BPE ('gpt2')"
         )
-    vocab = {token: i for i, token in enumerate(contents.tokens)}
-    merges = [(left, right) for left, right in (m.split(" ", 1) for m in contents.merges)]
+    from attnlab.pretrained.errors import ModelFileError
+
+    tokens, types, raw_merges = contents.tokens, contents.token_types, contents.merges
+    if not all(isinstance(t, str) for t in tokens) or len(types) != len(tokens):
+        raise ModelFileError(
+            contents.path,
+            f"tokenizer.ggml.tokens ({len(tokens)}) and token_type ({len(types)}) must be "
+            "equally long lists of strings and ints",
+        )
+    if not all(isinstance(m, str) and " " in m for m in raw_merges):
+        raise ModelFileError(contents.path, "tokenizer.ggml.merges must be 'left right' strings")
+    vocab = {token: i for i, token in enumerate(tokens)}
+    merges = [(left, right) for left, right in (m.split(" ", 1) for m in raw_merges)]
     backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
     backend.pre_tokenizer = _pre_tokenizer(str(meta.get("tokenizer.ggml.pre", "default")))
     backend.decoder = decoders.ByteLevel()
