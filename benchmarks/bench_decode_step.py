@@ -1,0 +1,48 @@
+"""One SmolLM2 decode step per precision against the path before issue 14, interleaved.
+
+Each step is one new token after a 64-token prompt; the sides alternate (order reversed
+every round) so load from other processes hits them alike; the median and best per side.
+Tuning tool for a shared machine (one thread is the fair setting while others run).
+
+    PYTHONPATH=src python benchmarks/bench_decode_step.py 1 30   # threads, rounds
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+from attnlab.pretrained import load_pretrained
+
+torch.set_num_threads(int(sys.argv[1]))
+models = {
+    d: load_pretrained("smollm2-135m-instruct", dtype=d)[0]
+    for d in ["float32", "bfloat16", "int8", "int4"]
+}
+ids = torch.randint(0, 49152, (1, 64), generator=torch.Generator().manual_seed(0))
+nxt = torch.tensor([[5]])
+runs = {}
+BEFORE = "before fp32 (growing cache, modules)"
+with torch.no_grad():
+    caches = {BEFORE: (models["float32"], models["float32"].new_kv_cache())}
+    for d, m in models.items():
+        caches[f"fast {d}"] = (m, m.new_kv_cache(max_len=64 + 200))
+    for name, (m, c) in caches.items():
+        m(ids, kv_cache=c, logits_to_keep=1)
+        runs[name] = []
+    for i in range(int(sys.argv[2])):
+        for name, (m, c) in caches.items() if i % 2 == 0 else reversed(caches.items()):
+            t = time.perf_counter()
+            m(nxt, kv_cache=c, logits_to_keep=1)
+            runs[name].append(time.perf_counter() - t)
+base = statistics.median(runs[BEFORE])
+head = f"threads {torch.get_num_threads()}, loadavg {os.getloadavg()[0]:.1f}"
+print(f"{head}, median of {len(runs[BEFORE])} interleaved steps after a 64-token prompt")
+for name, ts in runs.items():
+    med = statistics.median(ts)
+    rate = f"{med * 1e3:7.1f} ms/step  ({1 / med:5.1f} tokens/s)"
+    print(f"  {name:40s} {rate}  {base / med:4.2f}x before; best {min(ts) * 1e3:6.1f} ms")
