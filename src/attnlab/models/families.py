@@ -220,7 +220,12 @@ QWEN3 = dataclasses.replace(
         ("layers.{i}.self_attn.q_norm", "blocks.{i}.attention.q_norm", ""),
         ("layers.{i}.self_attn.k_norm", "blocks.{i}.attention.k_norm", ""),
     ),
-    gguf_weights=(),
+    gguf_keys={**_GGUF_KEYS, "head_dim": ("{arch}.attention.key_length",)},
+    gguf_weights=(
+        *_LLAMA_GGUF,  # the qwen3 converter does not permute q/k
+        ("blk.{i}.attn_q_norm", "blocks.{i}.attention.q_norm", ""),
+        ("blk.{i}.attn_k_norm", "blocks.{i}.attention.k_norm", ""),
+    ),
 )
 
 OLMO2 = dataclasses.replace(
