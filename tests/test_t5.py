@@ -319,3 +319,22 @@ def test_t5_config_errors_name_the_field(checkpoints, tmp_path):
         (folder / "config.json").write_text(json.dumps({**config, **change}))
         with pytest.raises(ModelFileError, match=field):
             load_pretrained(folder)
+
+
+@pytest.mark.slow
+def test_t5_cli_generate_and_explain_take_a_t5_directory(checkpoints, tmp_path, capsys):
+    from cli_runner import run_main
+
+    folder = checkpoints["gated-gelu"]
+    model, tok = load_pretrained(folder)
+    ids = torch.tensor([tok.encode(CORPUS[2])])
+    expected = tok.decode(generate(model, ids, 6)[0, 1:].tolist())
+    code, out, err = run_main(capsys, "generate", "--model", str(folder), CORPUS[2], "-n", "6")
+    assert code == 0, err
+    assert out.strip() == expected.strip()  # the answer only: the input is not echoed
+    code, out, err = run_main(
+        capsys, "explain", "--model", str(folder), CORPUS[2], "--out", str(tmp_path)
+    )
+    assert code == 0, err
+    # 2 encoder layers, then self- and cross-attention of each of 3 decoder blocks
+    assert "8 layers x 4 heads" in out and (tmp_path / "attention.html").is_file()
