@@ -65,6 +65,8 @@ _LLAMA_TO_GGUF = {
     "model.layers.{i}.mlp.gate_proj": "blk.{i}.ffn_gate",
     "model.layers.{i}.mlp.up_proj": "blk.{i}.ffn_up",
     "model.layers.{i}.mlp.down_proj": "blk.{i}.ffn_down",
+    "model.layers.{i}.self_attn.q_norm": "blk.{i}.attn_q_norm",
+    "model.layers.{i}.self_attn.k_norm": "blk.{i}.attn_k_norm",
 }
 _GPT2_TO_GGUF = {
     "transformer.wte": "token_embd",
@@ -77,7 +79,7 @@ _GPT2_TO_GGUF = {
     "transformer.h.{i}.mlp.c_fc": "blk.{i}.ffn_up",
     "transformer.h.{i}.mlp.c_proj": "blk.{i}.ffn_down",
 }
-PRE_TOKENIZER = {"llama": "llama-bpe", "qwen2": "qwen2", "gpt2": "gpt-2"}
+PRE_TOKENIZER = {"llama": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2", "gpt2": "gpt-2"}
 
 
 def llama_cpp_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -140,6 +142,9 @@ def write_gguf(hf_folder, out_path, family: str, qtype_name: str) -> dict[str, t
         w.add_uint32(f"{arch}.feed_forward_length", cfg["intermediate_size"])
         w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg["rms_norm_eps"])
         w.add_float32(f"{arch}.rope.freq_base", cfg["rope_parameters"]["rope_theta"])
+        if cfg.get("head_dim"):
+            w.add_uint32(f"{arch}.attention.key_length", cfg["head_dim"])
+            w.add_uint32(f"{arch}.attention.value_length", cfg["head_dim"])
         table = _LLAMA_TO_GGUF
     w.add_uint32(f"{arch}.embedding_length", C)
     w.add_uint32(f"{arch}.block_count", L)

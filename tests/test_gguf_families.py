@@ -43,6 +43,15 @@ CONFIGS = {
         "max_position_embeddings": 128,
         "tie_word_embeddings": True,
     },
+    "qwen3": {
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 32,
+        "max_position_embeddings": 128,
+    },
     "gpt2": {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128},
 }
 
@@ -97,6 +106,7 @@ def test_gguf_tokenizer_with_llama_cpp_pre_tokenizer_names(hf_dirs, tmp_path, fa
     expected = {
         "llama": ["123", "45", "Ġabc"],
         "qwen2": ["1", "2", "3", "4", "5", "Ġabc"],
+        "qwen3": ["1", "2", "3", "4", "5", "Ġabc"],
         "gpt2": ["12345", "Ġabc"],
     }[family]
     assert pieces == expected

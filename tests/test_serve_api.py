@@ -380,3 +380,43 @@ def test_the_zh_tw_page_brings_its_own_cjk_font(gpt):
     assert font.status_code == 200 and font.content[:4] == b"OTTO"  # an OpenType (CFF) font
     with TestClient(make_app(gpt)) as c:  # English: no font route needed
         assert c.get("/font/cjk.otf").status_code == 404
+
+
+def test_serves_a_users_hf_directory_gguf_file_and_encoder(tmp_path):
+    """`--model PATH` serves what `load_pretrained` loads; the kind comes from config.json."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("gguf")
+    from attnlab.generation import generate
+    from attnlab.pretrained import load_pretrained
+    from attnlab.serve import spec_for
+    from model_files import save_hf, write_gguf
+
+    small = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "max_position_embeddings": 128}  # fmt: skip
+    llama = save_hf("llama", {**small, "num_key_value_heads": 2}, tmp_path / "llama",
+                    torch.float32)  # fmt: skip
+    gguf_path = tmp_path / "llama.Q8_0.gguf"
+    write_gguf(llama, gguf_path, "llama", "Q8_0")
+    bert = save_hf("bert", {**small, "max_position_embeddings": 64}, tmp_path / "bert",
+                   torch.float32, encoder=True)  # fmt: skip
+    specs = [spec_for(str(llama)), spec_for(str(gguf_path)), spec_for(str(bert))]
+    assert [s.kind for s in specs] == ["causal-lm", "causal-lm", "encoder"]
+    app = create_app(ModelRegistry(specs, max_loaded=3))
+    model, tok = load_pretrained(llama)
+    ids = tok.encode("the cat sat")
+    want = generate(model, torch.tensor([ids]), 4)[0, len(ids) :].tolist()
+    with TestClient(app) as c:
+        for name in (str(llama), str(gguf_path), str(bert)):
+            r = c.post("/api/trace", json={"model": name, "text": "the cat sat"})
+            assert r.status_code == 200, r.text
+            assert r.json()["attention"]["layers"] == [0, 1]
+        body = {"model": str(llama), "text": "the cat sat", "max_new_tokens": 4}
+        tokens = [d for e, d in sse(c.post("/api/generate", json=body).text) if e == "token"]
+        assert [t["id"] for t in tokens] == want
+        r = c.post("/api/generate", json={**body, "model": str(bert)})
+        event, data = sse(r.text)[0]  # found in the worker, after the stream began
+        assert event == "error" and data["status"] == 422 and "cannot generate" in data["error"]
+    (tmp_path / "odd").mkdir()
+    (tmp_path / "odd" / "config.json").write_text('{"model_type": "no-such-family"}')
+    with pytest.raises(ValueError, match="no-such-family"):
+        spec_for(str(tmp_path / "odd"))

@@ -125,6 +125,16 @@ class KVCache:
         self._len = need
         return self._k[:, :, :need], self._v[:, :, :need]
 
+    def cached(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """All cached keys ``(B, G, S, D)`` and values ``(B, G, S, Dv)``, without adding any.
+
+        Raises:
+            ValueError: the cache is empty.
+        """
+        if self._k is None or self._v is None:
+            raise ValueError("the cache is empty; update() it first")
+        return self._k[:, :, : self._len], self._v[:, :, : self._len]
+
 
 class StaticKVCache(KVCache):
     """A :class:`KVCache` whose buffers are allocated once, for ``max_len`` positions.
@@ -525,7 +535,10 @@ class Attention(nn.Module):
             is_causal: causal masking; aligned bottom-right when ``T != S`` (cache).
             kv_cache: new keys/values are appended to it and all of them are used; a
                 :class:`RollingKVCache` needs ``sliding_window`` (see
-                :meth:`new_kv_cache`).
+                :meth:`new_kv_cache`). With ``context`` (cross attention) it holds the
+                context's keys/values instead: filled on the first call, reused as they
+                are on later calls (the encoder output does not change while decoding), so
+                ``context`` is projected once.
             position_ids: RoPE positions ``(T,)`` or ``(B, T)``; default
                 ``cache.seq_len + arange(T)``.
             need_weights: False, True, or a ``WeightsRequest``.
@@ -578,18 +591,30 @@ class Attention(nn.Module):
                 f"has sliding_window={self.sliding_window}; a rolling cache needs a window "
                 "at least the layer's: use layer.new_kv_cache()"
             )
+        # Cross attention with a filled cache: the context's keys/values as first computed.
+        cross_cached = context is not None and kv_cache is not None and kv_cache.seq_len > 0
         q_flat = self.W_query(x)  # (B, T, H*D)
-        k_flat = self.W_key(src)  # (B, S_new, G*D)
         queries = q_flat.view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
-        keys = k_flat.view(B, S_new, G, D).transpose(1, 2)  # (B, G, S_new, D)
-        values = self.W_value(src).view(B, S_new, G, D).transpose(1, 2)  # (B, G, S_new, D)
+        k_flat: torch.Tensor | None = None
+        if cross_cached:
+            assert kv_cache is not None
+            keys, values = kv_cache.cached()  # (B, G, S, D), projected and normed once
+        else:
+            k_flat = self.W_key(src)  # (B, S_new, G*D)
+            keys = k_flat.view(B, S_new, G, D).transpose(1, 2)  # (B, G, S_new, D)
+            values = self.W_value(src).view(B, S_new, G, D).transpose(1, 2)  # (B, G, S_new, D)
         queries_projected, keys_projected = queries, keys
         if self.q_norm is not None and self.k_norm is not None and self.qk_norm is not None:
             if self.qk_norm.scope == "all":  # OLMo 2: over the heads' concatenation
                 queries = self.q_norm(q_flat).view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
-                keys = self.k_norm(k_flat).view(B, S_new, G, D).transpose(1, 2)  # (B, G, S_new, D)
+                if k_flat is not None:
+                    keys = (
+                        self.k_norm(k_flat).view(B, S_new, G, D).transpose(1, 2)
+                    )  # (B, G, S_new, D)
             else:  # Qwen3, Gemma 3: each head vector
-                queries, keys = self.q_norm(queries), self.k_norm(keys)
+                queries = self.q_norm(queries)
+                if not cross_cached:
+                    keys = self.k_norm(keys)
 
         if self.rope is not None:
             pos = self._positions(position_ids, B, T, kv_cache, x.device)
@@ -598,7 +623,7 @@ class Attention(nn.Module):
         elif position_ids is not None:
             raise ValueError("`position_ids` is only used with rope; this layer has rope=None")
 
-        if kv_cache is not None:
+        if kv_cache is not None and not cross_cached:
             keys, values = kv_cache.update(keys, values)  # (B, G, S, D)
         mask = self._mask(attn_mask, is_causal, keys.shape[2])
         scale = self.scale if self.scale is not None else default_scale(D)

@@ -15,6 +15,12 @@ The protocol (shared by ``attnlab.models``):
   Generation uses it when the model's ``forward`` takes it (attnlab's GPT and Llama do), so
   encoding a prompt skips the output head over all but its last token.
 
+Encoder-decoder models (``model.is_encoder_decoder``, e.g. T5) take the encoder's input as
+``idx`` (and its padding as ``valid``): ``model.decoder_lm(idx, valid)`` encodes it once and
+returns a causal LM over the decoder's tokens that follows the protocol above, so the same
+loop (sampling, cache) generates from ``model.decoder_start(idx)``; the result is the
+decoder's sequence (start token + new tokens), as transformers returns it.
+
 Greedy decoding (``temperature == 0``) with and without the cache gives identical tokens: with
 the cache, the prompt is encoded once and each new token costs one step over the cache; when the
 sequence outgrows the context the window slides, and the cache is rebuilt from the cropped
@@ -118,6 +124,22 @@ def _check_inputs(model: Any, idx: Any, max_new_tokens: Any, context_size: Any) 
     return context_size
 
 
+def _causal_lm(
+    model: Any, idx: torch.Tensor, valid: torch.Tensor | None
+) -> tuple[Any, torch.Tensor]:
+    """The causal LM to run and the sequence it starts from: ``(model, idx)`` itself, or
+    for an encoder-decoder its decoder bound to the encoded ``idx`` and the start token."""
+    if getattr(model, "is_encoder_decoder", False):
+        lm = model.decoder_lm(idx, valid)
+        return lm, lm.start_ids
+    if valid is not None:
+        raise ValueError(
+            "`valid` is the source padding of an encoder-decoder model; this model is a "
+            "causal LM: leave `valid` out"
+        )
+    return model, idx
+
+
 def _takes(fn: Any, arg: str) -> bool:
     if fn is None:
         return False
@@ -144,6 +166,7 @@ def generate_stream(
     eos_id: int | None = None,
     use_cache: bool = True,
     generator: torch.Generator | None = None,
+    valid: torch.Tensor | None = None,
 ) -> Iterator[torch.Tensor]:
     """Yield new tokens one step at a time (see :func:`generate` for the arguments).
 
@@ -157,6 +180,7 @@ def generate_stream(
     _check_sampling(temperature, top_k, top_p)
     if max_new_tokens == 0:
         return
+    model, idx = _causal_lm(model, idx, valid)
     keep = {"logits_to_keep": 1} if _takes_logits_to_keep(model) else {}
     static = _takes(getattr(model, "new_kv_cache", None), "max_len")
     seq = idx
@@ -211,11 +235,13 @@ def generate(
     eos_id: int | None = None,
     use_cache: bool = True,
     generator: torch.Generator | None = None,
+    valid: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Continue each row of ``idx`` by up to ``max_new_tokens`` tokens.
 
     Args:
-        model: a causal language model following attnlab's protocol (module docstring).
+        model: a causal language model following attnlab's protocol, or an
+            encoder-decoder (module docstring).
         idx: the prompt token ids.
         max_new_tokens: how many tokens to add (fewer if every row reaches ``eos_id``).
         context_size: the longest window the model is shown; defaults to
@@ -226,9 +252,11 @@ def generate(
         eos_id: stop a row when it emits this token (the token is kept in the output).
         use_cache: keep a KV cache, so each new token costs one step over the cache.
         generator: random generator used for sampling.
+        valid: encoder-decoder models only: ``(B, T)`` bool, False = padding in ``idx``.
 
     Returns:
-        The prompt followed by the new tokens.
+        The prompt followed by the new tokens; for an encoder-decoder, the decoder start
+        token followed by the new tokens ``(B, 1 + n)``.
 
     Raises:
         TypeError: if ``idx`` is not a (B, T) long tensor.
@@ -249,8 +277,11 @@ def generate(
             eos_id=eos_id,
             use_cache=use_cache,
             generator=generator,
+            valid=valid,
         )
     )
+    if getattr(model, "is_encoder_decoder", False):
+        idx = model.decoder_start(idx)  # (B, 1): the decoder's sequence is returned
     return torch.cat([idx, *new], dim=1) if new else idx.clone()
 
 

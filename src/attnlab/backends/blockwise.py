@@ -95,9 +95,11 @@ _TILE_ELEMENTS = 1 << 20
 _BLOCK_K = 256
 # Fused tiles under a mask other than plain causal: smaller tiles skip more masked work (a
 # window's edges), larger ones run the op's own blocking better (it splits rows by 256 from
-# 768 rows on, by 64 below); 512 x 512 measured best overall for window and padding masks.
-_FUSED_BLOCK_Q = 512
-_FUSED_BLOCK_K = 512
+# 768 rows on, by 64 below). 256 x 256 measured best or equal of 256 / 512 / 1024 at
+# T = 8192 (1 thread, CPU time) for window and causal & padding masks, forward and
+# forward+backward, and for biases (ALiBi, T5).
+_FUSED_BLOCK_Q = 256
+_FUSED_BLOCK_K = 256
 
 
 def _find_fused_ops() -> tuple[Any, Any] | None:

@@ -33,7 +33,11 @@ def _generate_pretrained(
     from attnlab.generation import TextStream, generate_stream
 
     text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
-    ids = tok.encode(text)[-model.context_length :]
+    ids = tok.encode(text)
+    if model.context_length is not None:  # an encoder-decoder has none (relative positions)
+        ids = ids[-model.context_length :]
+    # An encoder-decoder answers in a new sequence: the prompt is its input, not echoed.
+    echo = not chat and not getattr(model, "is_encoder_decoder", False)
     gen = torch.Generator().manual_seed(seed)
     stream = TextStream(tok)
     started = False
@@ -49,14 +53,14 @@ def _generate_pretrained(
             use_cache=use_cache,
             generator=gen,
         ):
-            if not started and not chat:
+            if not started and echo:
                 output.stream(prompt)  # after the first step: the arguments are valid
             started = True
             token = int(nxt[0, 0])
             if token == tok.eos_id:
                 break
             output.stream(stream.push(token))
-    output.stream(("" if started or chat else prompt) + stream.flush() + "\n")
+    output.stream(("" if started or not echo else prompt) + stream.flush() + "\n")
 
 
 @app.command()

@@ -56,11 +56,12 @@ def load_pretrained_kind(
 def load_model_path(path: str, kind: str, backend: str = "auto") -> tuple[Any, Any]:
     """A model directory or GGUF file; ``kind`` (encoder/causal-lm) must fit the command."""
     from attnlab.models.decoder import Decoder
+    from attnlab.models.encoder_decoder import EncoderDecoder
     from attnlab.pretrained import load_pretrained
 
     with user_input():
         model, tok = load_pretrained(Path(path), backend=backend)
-    is_lm = isinstance(model, Decoder)
+    is_lm = isinstance(model, (Decoder, EncoderDecoder))  # both generate
     if (kind == "causal-lm" and not is_lm) or (kind == "encoder" and is_lm):
         got = "a decoder (causal LM)" if is_lm else "an encoder"
         raise UserError(f"--model {path} is {got}; this command needs a {kind} model")

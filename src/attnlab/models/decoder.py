@@ -16,7 +16,16 @@ differ in:
 - ``positions``: ``"alibi"`` (BLOOM: the bias of :class:`attnlab.biases.AlibiBias` on every
   layer's scores), ``"rope"`` (:class:`attnlab.rope.RotaryEmbedding` configured by a
   :class:`attnlab.rope.RopeConfig`: base, partial rotary, scaling) or ``"learned"`` (an
-  absolute position table, GPT-2);
+  absolute position table, GPT-2) or ``"relative"`` (T5: one
+  :class:`attnlab.biases.RelativePositionBias` table per stack, ``relative_buckets`` x
+  heads, shared by every layer; bidirectional bucketing when not ``causal``);
+- ``causal``: False makes the stack bidirectional (T5's encoder is this stack with
+  ``causal=False`` and ``output_head=False``: its blocks are pre-norm like Llama's, not
+  BERT's post-LN); ``valid`` then masks padded keys;
+- ``cross_attention``: each block attends to a ``context`` (the encoder output) between
+  self-attention and the MLP, pre-norm (T5's decoder); its keys/values are cached once;
+- ``output_head`` / ``head_input_scale``: no LM head (an encoder stack), or the final
+  hidden state scaled before the head (T5 with tied embeddings: ``d_model**-0.5``);
 - attention: query/key/value heads, ``head_dim`` (when ``H * D != C``), ``qkv_bias`` /
   ``out_bias``, ``qk_norm`` (:class:`attnlab.norms.QKNorm`), ``sliding_window`` (Mistral's
   convention: a query sees itself and the ``window - 1`` keys before it; the layer keeps a
@@ -40,8 +49,8 @@ import torch
 from torch import nn
 
 from attnlab.attention import Attention, KVCache
-from attnlab.biases import AlibiBias
-from attnlab.masks import AttentionMask
+from attnlab.biases import AlibiBias, RelativePositionBias
+from attnlab.masks import AttentionMask, PaddingMask
 from attnlab.models._lm import keep_last, set_attention_backend
 from attnlab.models.fast_decode import DecodePlan, decode_plan, fast_step, new_caches
 from attnlab.norms import QKNorm, RMSNorm
@@ -53,7 +62,9 @@ __all__ = [
     "Decoder",
     "DecoderBlock",
     "DecoderConfig",
+    "DecoderLayerCache",
     "RMSNorm",
+    "StackOutput",
     "make_norm",
 ]
 
@@ -88,7 +99,7 @@ class DecoderConfig:
         mlp_bias: biases in the feed-forward projections.
         parallel_residual: attention and MLP read the same input and add together.
         positions: ``"rope"``, ``"learned"`` or ``"alibi"`` (:class:`attnlab.biases.AlibiBias`
-            with the standard slopes, BLOOM).
+            with the standard slopes, BLOOM) or ``"relative"`` (T5).
         rope: the rotary embedding's settings (base, partial rotary, scaling).
         head_dim: D when ``H * D != C`` (Qwen3, Gemma); None = C / H.
         qk_norm: normalisation of queries and keys (Qwen3, OLMo 2), or None.
@@ -103,6 +114,12 @@ class DecoderConfig:
         qkv_bias: biases on the query/key/value projections.
         out_bias: bias on the attention output projection.
         sliding_window: each query sees at most this many keys (itself included); None = all.
+        relative_buckets: T5 relative-position buckets (``positions="relative"``).
+        relative_max_distance: distance from which all positions share the last bucket.
+        causal: causal self-attention (False: bidirectional, an encoder stack).
+        cross_attention: blocks attend to a ``context`` too (an encoder-decoder's decoder).
+        output_head: end in an LM head (False: return hidden states, an encoder stack).
+        head_input_scale: the final hidden state is multiplied by it before the head.
         family: the family name this config came from (for messages and ``info``).
     """
 
@@ -122,7 +139,7 @@ class DecoderConfig:
     activation: Activation = "silu"
     mlp_bias: bool = False
     parallel_residual: bool = False
-    positions: Literal["rope", "learned", "alibi"] = "rope"
+    positions: Literal["rope", "learned", "alibi", "relative"] = "rope"
     rope: RopeConfig = RopeConfig(base=100000.0)  # noqa: RUF009 (frozen, shared safely)
     head_dim: int | None = None
     qkv_bias: bool = False
@@ -134,6 +151,12 @@ class DecoderConfig:
     attn_softcap: float | None = None
     final_softcap: float | None = None
     embed_scale: bool = False
+    relative_buckets: int = 32
+    relative_max_distance: int = 128
+    causal: bool = True
+    cross_attention: bool = False
+    output_head: bool = True
+    head_input_scale: float = 1.0
     embed_norm: bool = False
     family: str = "llama"
 
@@ -182,6 +205,40 @@ class MLP(nn.Module):
         return f"gated={self.gate is not None}, activation={self.activation!r}"
 
 
+class DecoderLayerCache(KVCache):
+    """A layer's self-attention cache, with the cross-attention cache beside it.
+
+    It is the self-attention :class:`KVCache` (``seq_len`` counts decoded tokens) and
+    holds :attr:`cross`, filled with the context's keys/values on the first step and reused
+    after (an encoder-decoder's decoder projects the encoder output once per sequence).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cross = KVCache()
+
+    def reset(self) -> None:
+        """Forget everything cached, the cross-attention keys/values too."""
+        super().reset()
+        self.cross.reset()
+
+
+@dataclass(frozen=True)
+class StackOutput:
+    """What one pass through the block stack computed.
+
+    Attributes:
+        hidden: the final-normed hidden states ``(B, T, C)``.
+        weights: each layer's self-attention weights ``(B, H, T, S)`` (when asked).
+        cross_weights: each layer's cross-attention weights ``(B, H, T, S_ctx)`` (when
+            asked and the blocks have cross attention).
+    """
+
+    hidden: torch.Tensor
+    weights: list[torch.Tensor]
+    cross_weights: list[torch.Tensor]
+
+
 class DecoderBlock(nn.Module):
     """One decoder block (norm placement and residual style from the config).
 
@@ -203,6 +260,7 @@ class DecoderBlock(nn.Module):
         C = config.hidden_size
         self.placement = config.norm_placement
         self.parallel = config.parallel_residual
+        self.causal = config.causal
         self.attn_norm = make_norm(config)
         self.attention = Attention(
             C,
@@ -218,6 +276,21 @@ class DecoderBlock(nn.Module):
             scale=config.attn_scale,
             softcap=config.attn_softcap,
         )
+        if config.cross_attention:  # between self-attention and the MLP, pre-norm (T5)
+            self.cross_norm: nn.Module | None = make_norm(config)
+            self.cross_attention: Attention | None = Attention(
+                C,
+                config.num_heads,
+                num_kv_heads=config.num_kv_heads,
+                bias=config.qkv_bias,
+                out_bias=config.out_bias,
+                backend=backend,
+                head_dim=config.head_dim,
+                scale=config.attn_scale,
+                softcap=config.attn_softcap,
+            )
+        else:
+            self.cross_norm = self.cross_attention = None
         self.mlp_norm = make_norm(config)
         self.mlp = MLP(
             C,
@@ -242,13 +315,37 @@ class DecoderBlock(nn.Module):
         # One new token (decoding) is the last position: it may see every key, so the
         # causal mask is all True and is left out (fused kernels then need no mask). The
         # layer adds its own sliding window.
-        causal = h.shape[1] > 1
+        causal = self.causal and h.shape[1] > 1
         kw = {"attn_mask": bias, "is_causal": causal, "kv_cache": kv_cache}
         if need_weights:
             a, w = self.attention(h, need_weights=True, **kw)
             return a, w
         out = self.attention(h, **kw)
         return out, None  # type: ignore[return-value]
+
+    def _cross(
+        self,
+        x: torch.Tensor,
+        context: torch.Tensor | None,
+        context_mask: AttentionMask | None,
+        kv_cache: KVCache | None,
+        need_weights: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.cross_attention is None or self.cross_norm is None:
+            return x, None
+        if context is None:
+            raise ValueError(
+                "this decoder has cross attention: pass `context` (the encoder output)"
+            )
+        cache = kv_cache.cross if isinstance(kv_cache, DecoderLayerCache) else None
+        h = self.cross_norm(x)
+        if need_weights:
+            c, w = self.cross_attention(
+                h, context, attn_mask=context_mask, kv_cache=cache, need_weights=True
+            )
+            return x + c, w  # (B, T, C)
+        c = self.cross_attention(h, context, attn_mask=context_mask, kv_cache=cache)
+        return x + c, None  # type: ignore[operator]
 
     def forward(
         self,
@@ -257,26 +354,39 @@ class DecoderBlock(nn.Module):
         *,
         need_weights: bool = False,
         bias: AttentionMask | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(B, T, C) -> ((B, T, C), weights (B, H, T, S) or None)."""
+        context: torch.Tensor | None = None,
+        context_mask: AttentionMask | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(B, T, C) -> ((B, T, C), self weights (B, H, T, S) or None, cross weights
+        (B, H, T, S_ctx) or None).
+
+        ``bias`` (ALiBi, a relative position bias, padding) is added to the
+        self-attention's own causal or window mask; ``context``/``context_mask`` feed the
+        cross attention.
+        """
         if self.placement == "post":
             a, weights = self._attend(x, kv_cache, need_weights, bias)
             x = x + self.attn_norm(a)  # (B, T, C)
-            return x + self.mlp_norm(self.mlp(x)), weights
+            return x + self.mlp_norm(self.mlp(x)), weights, None
         a, weights = self._attend(self.attn_norm(x), kv_cache, need_weights, bias)
         if self.attn_post_norm is not None:
             a = self.attn_post_norm(a)
         if self.parallel:
-            return x + a + self.mlp(self.mlp_norm(x)), weights  # (B, T, C)
+            return x + a + self.mlp(self.mlp_norm(x)), weights, None  # (B, T, C)
         x = x + a  # (B, T, C)
+        x, cross_weights = self._cross(x, context, context_mask, kv_cache, need_weights)
         m = self.mlp(self.mlp_norm(x))
         if self.mlp_post_norm is not None:
             m = self.mlp_post_norm(m)
-        return x + m, weights  # (B, T, C)
+        return x + m, weights, cross_weights  # (B, T, C)
 
 
 class Decoder(nn.Module):
     """A decoder-only language model, any family, configured by ``config``.
+
+    With ``causal=False`` and ``output_head=False`` the same stack is a pre-norm encoder,
+    and with ``cross_attention`` it is an encoder-decoder's decoder
+    (:class:`attnlab.models.encoder_decoder.EncoderDecoder` holds both).
 
     Args:
         config: the sizes and options.
@@ -297,6 +407,11 @@ class Decoder(nn.Module):
         if config.activation not in ACTIVATIONS:
             raise ValueError(
                 f"`activation` must be one of {sorted(ACTIVATIONS)}, got {config.activation!r}"
+            )
+        if config.cross_attention and (config.norm_placement != "pre" or config.parallel_residual):
+            raise ValueError(
+                "`cross_attention` needs norm_placement='pre' and parallel_residual=False "
+                f"(T5's layout), got {config.norm_placement!r}, {config.parallel_residual}"
             )
         self.config = config
         C = config.hidden_size
@@ -320,10 +435,19 @@ class Decoder(nn.Module):
         self.blocks = nn.ModuleList(
             DecoderBlock(config, self.rope, backend=backend, window=w) for w in windows
         )
+        # T5: one table per stack (its first layer's in the checkpoint), shared by all layers.
+        self.relative_bias = (
+            nn.Embedding(config.relative_buckets, config.num_heads)
+            if config.positions == "relative"
+            else None
+        )
         self.norm = make_norm(config)
-        self.lm_head = nn.Linear(C, config.vocab_size, bias=False)
-        if config.tie_embeddings:
-            self.lm_head.weight = self.tok_embeddings.weight
+        if config.output_head:
+            self.lm_head: nn.Linear | None = nn.Linear(C, config.vocab_size, bias=False)
+            if config.tie_embeddings:
+                self.lm_head.weight = self.tok_embeddings.weight
+        else:
+            self.lm_head = None
 
     @property
     def context_length(self) -> int:
@@ -334,11 +458,14 @@ class Decoder(nn.Module):
         """An empty cache, one per layer (a rolling one for sliding-window layers).
 
         Args:
-            max_len: None for growing caches; a length for
+            max_len: None for growing caches (a :class:`DecoderLayerCache` per layer when
+                the blocks have cross attention); a length for
                 :class:`attnlab.attention.StaticKVCache` s allocated once for that many
                 positions (sliding-window layers keep their rolling cache), over which one
                 new token takes the fast decode step (:meth:`prepare_decode`).
         """
+        if self.config.cross_attention:
+            return [DecoderLayerCache() for _ in self.blocks]
         windows = [b.attention.sliding_window for b in self.blocks]  # type: ignore[union-attr]
         if max_len is not None and all(w is None for w in windows):
             return new_caches(len(self.blocks), max_len)
@@ -394,6 +521,16 @@ class Decoder(nn.Module):
         Shape:
             input_ids (B, T) -> (B, T, V).
         """
+        self._check_ids(input_ids, kv_cache)
+        logits = fast_step(self, input_ids, kv_cache, need_weights)
+        if logits is not None:  # one new token over a static cache: the fused step
+            return logits
+        out = self.run(input_ids, kv_cache=kv_cache, need_weights=need_weights)
+        logits = self.head(keep_last(out.hidden, logits_to_keep))  # (B, T, V)
+        return (logits, out.weights) if need_weights else logits
+
+    def _check_ids(self, input_ids: torch.Tensor, kv_cache: list[KVCache] | None) -> int:
+        """Check ids and cache; return how many positions the cache already holds."""
         if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2:
             raise ValueError("`input_ids` must be a (B, T) tensor of token ids")
         if input_ids.is_floating_point():
@@ -410,9 +547,53 @@ class Decoder(nn.Module):
                 f"sequence of {past + T} tokens exceeds the context length "
                 f"{self.context_length}; crop the input"
             )
-        logits = fast_step(self, input_ids, kv_cache, need_weights)
-        if logits is not None:  # one new token over a static cache: the fused step
-            return logits
+        return past
+
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        kv_cache: list[KVCache] | None = None,
+        need_weights: bool = False,
+        valid: torch.Tensor | None = None,
+        context: torch.Tensor | None = None,
+        context_valid: torch.Tensor | None = None,
+    ) -> StackOutput:
+        """The block stack: embeddings, every block, the final norm (no head).
+
+        Args:
+            input_ids: (B, T) long token ids; with ``kv_cache`` they follow the cached ones.
+            kv_cache: from :meth:`new_kv_cache`; updated in place.
+            need_weights: also return every layer's attention weights.
+            valid: (B, S) bool, False = a padded key (S = cached + new); None = no padding.
+            context: (B, S_ctx, C) the encoder output, for cross attention.
+            context_valid: (B, S_ctx) bool, False = padded context position.
+
+        Returns:
+            A :class:`StackOutput`.
+
+        Raises:
+            TypeError: non-integer ids.
+            ValueError: wrong shapes, a cache of the wrong length, a sequence longer than
+                ``context_length``, ``context`` missing for cross attention.
+        """
+        past = self._check_ids(input_ids, kv_cache)
+        B, T = input_ids.shape
+        for name, flags, length in (
+            ("valid", valid, past + T),
+            ("context_valid", context_valid, None if context is None else context.shape[1]),
+        ):
+            if flags is not None and (
+                not isinstance(flags, torch.Tensor)
+                or flags.dtype != torch.bool
+                or flags.shape != (B, length)
+            ):
+                got = (
+                    f"{tuple(flags.shape)} {flags.dtype}"
+                    if isinstance(flags, torch.Tensor)
+                    else type(flags).__name__
+                )
+                raise ValueError(f"`{name}` must be a ({B}, {length}) bool tensor, got {got}")
         x = self.tok_embeddings(input_ids)  # (B, T, C)
         if self.embed_norm is not None:
             x = self.embed_norm(x)
@@ -422,19 +603,51 @@ class Decoder(nn.Module):
         if self.pos_embeddings is not None:
             positions = torch.arange(past, past + T, device=input_ids.device)  # (T,)
             x = x + self.pos_embeddings(positions)  # (B, T, C)
+        mask: AttentionMask | None = self.alibi
+        if self.relative_bias is not None:
+            mask = RelativePositionBias(
+                self.relative_bias.weight,
+                bidirectional=not self.config.causal,
+                num_buckets=self.config.relative_buckets,
+                max_distance=self.config.relative_max_distance,
+            )
+        if valid is not None and not bool(valid.all()):
+            pad = PaddingMask(valid)
+            mask = pad if mask is None else mask & pad
+        context_mask = (
+            PaddingMask(context_valid)
+            if context_valid is not None and not bool(context_valid.all())
+            else None
+        )
         all_weights: list[torch.Tensor] = []
+        cross_weights: list[torch.Tensor] = []
         for i, block in enumerate(self.blocks):
-            x, w = block(
+            x, w, cw = block(
                 x,
                 kv_cache[i] if kv_cache is not None else None,
                 need_weights=need_weights,
-                bias=self.alibi,
+                bias=mask,
+                context=context,
+                context_mask=context_mask,
             )
             if w is not None:
                 all_weights.append(w)
-        x = keep_last(x, logits_to_keep)  # (B, T or logits_to_keep, C)
-        logits = self.lm_head(self.norm(x))  # (B, T, V)
+            if cw is not None:
+                cross_weights.append(cw)
+        return StackOutput(self.norm(x), all_weights, cross_weights)
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits (B, T, V) from final hidden states (B, T, C).
+
+        Raises:
+            ValueError: this stack has no LM head (``output_head=False``).
+        """
+        if self.lm_head is None:
+            raise ValueError("this stack has no LM head (output_head=False); use run()")
+        if self.config.head_input_scale != 1.0:
+            hidden = hidden * self.config.head_input_scale
+        logits = self.lm_head(hidden)  # (B, T, V)
         if self.config.final_softcap is not None:
             c = self.config.final_softcap
             logits = torch.tanh(logits / c) * c  # (B, T, V)
-        return (logits, all_weights) if need_weights else logits
+        return logits

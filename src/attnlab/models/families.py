@@ -36,6 +36,7 @@ from typing import Any, Literal
 
 from attnlab.models.decoder import DecoderConfig
 from attnlab.models.encoder import EncoderConfig
+from attnlab.models.encoder_decoder import EncoderDecoderConfig
 
 __all__ = ["ACTIVATION_NAMES", "FAMILIES", "Family", "WeightRule", "family_for"]
 
@@ -52,6 +53,10 @@ ACTIVATION_NAMES = {
     "gelu_pytorch_tanh": "gelu_tanh",
     "gelu_tanh": "gelu_tanh",
     "relu": "relu",
+    # T5's `feed_forward_proj` when `dense_act_fn` is absent (older configs)
+    "gated-gelu": "gelu_tanh",
+    "gated-silu": "silu",
+    "gated-relu": "relu",
 }
 
 
@@ -60,7 +65,7 @@ class Family:
     """One model family, as data (see the module docstring for every field)."""
 
     name: str
-    kind: Literal["decoder", "encoder"]
+    kind: Literal["decoder", "encoder", "encoder-decoder"]
     fixed: Mapping[str, Any]
     keys: Mapping[str, tuple[str, ...]]
     defaults: Mapping[str, Any] = field(default_factory=dict)
@@ -72,8 +77,12 @@ class Family:
     gguf_weights: tuple[WeightRule, ...] = ()
 
     @property
-    def config_class(self) -> type[DecoderConfig] | type[EncoderConfig]:
-        """:class:`DecoderConfig` or :class:`EncoderConfig`."""
+    def config_class(
+        self,
+    ) -> type[DecoderConfig] | type[EncoderConfig] | type[EncoderDecoderConfig]:
+        """:class:`DecoderConfig`, :class:`EncoderConfig` or :class:`EncoderDecoderConfig`."""
+        if self.kind == "encoder-decoder":
+            return EncoderDecoderConfig
         return DecoderConfig if self.kind == "decoder" else EncoderConfig
 
     def field_names(self) -> set[str]:
@@ -211,7 +220,12 @@ QWEN3 = dataclasses.replace(
         ("layers.{i}.self_attn.q_norm", "blocks.{i}.attention.q_norm", ""),
         ("layers.{i}.self_attn.k_norm", "blocks.{i}.attention.k_norm", ""),
     ),
-    gguf_weights=(),
+    gguf_keys={**_GGUF_KEYS, "head_dim": ("{arch}.attention.key_length",)},
+    gguf_weights=(
+        *_LLAMA_GGUF,  # the qwen3 converter does not permute q/k
+        ("blk.{i}.attn_q_norm", "blocks.{i}.attention.q_norm", ""),
+        ("blk.{i}.attn_k_norm", "blocks.{i}.attention.k_norm", ""),
+    ),
 )
 
 OLMO2 = dataclasses.replace(
@@ -507,6 +521,105 @@ ROBERTA = dataclasses.replace(
     ignore=(r"^pooler\..*", r"^lm_head\..*", r".*position_ids$"),
 )
 
+# --------------------------------------------------------------------------- encoder-decoders
+
+
+def _t5_stack(stack: str, layer_names: tuple[tuple[str, str], ...]) -> tuple[WeightRule, ...]:
+    """T5's names for one stack; ``layer_names`` maps its sub-layer paths to ours."""
+    rules: list[WeightRule] = [
+        (f"{stack}.final_layer_norm", f"{stack}.norm", ""),
+        # The table lives in the first layer; attnlab's stack owns it and shares it.
+        (
+            f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias",
+            f"{stack}.relative_bias",
+            "",
+        ),
+    ]
+    for src, ours in layer_names:
+        rules.append((f"{stack}.block.{{i}}.{src}", f"{stack}.blocks.{{i}}.{ours}", ""))
+    return tuple(rules)
+
+
+def _t5_attention(src: str, ours: str) -> tuple[tuple[str, str], ...]:
+    return tuple(
+        (f"{src}.{a}", f"{ours}.{b}")
+        for a, b in (("q", "W_query"), ("k", "W_key"), ("v", "W_value"), ("o", "out_proj"))
+    )
+
+
+def _t5_mlp(layer: int) -> tuple[tuple[str, str], ...]:
+    return (
+        (f"layer.{layer}.DenseReluDense.wi", "mlp.up"),  # ReLU T5
+        (f"layer.{layer}.DenseReluDense.wi_0", "mlp.gate"),  # gated (v1.1, Flan)
+        (f"layer.{layer}.DenseReluDense.wi_1", "mlp.up"),
+        (f"layer.{layer}.DenseReluDense.wo", "mlp.down"),
+        (f"layer.{layer}.layer_norm", "mlp_norm"),
+    )
+
+
+T5 = Family(
+    name="t5",
+    kind="encoder-decoder",
+    fixed={"family": "t5"},
+    keys={
+        "vocab_size": ("vocab_size",),
+        "hidden_size": ("d_model",),
+        "num_layers": ("num_layers",),
+        "num_decoder_layers": ("num_decoder_layers",),
+        "num_heads": ("num_heads",),
+        "head_dim": ("d_kv",),
+        "intermediate_size": ("d_ff",),
+        "norm_eps": ("layer_norm_epsilon",),
+        "activation": ("dense_act_fn", "feed_forward_proj"),
+        "gated_mlp": ("is_gated_act",),
+        # transformers 5 writes tie_word_embeddings=true always and says in
+        # scale_decoder_outputs whether the original config tied (and so scaled).
+        "tie_embeddings": ("tie_word_embeddings",),
+        "scale_decoder_outputs": ("scale_decoder_outputs", "tie_word_embeddings"),
+        "relative_buckets": ("relative_attention_num_buckets",),
+        "relative_max_distance": ("relative_attention_max_distance",),
+        "pad_token_id": ("pad_token_id",),
+        "decoder_start_token_id": ("decoder_start_token_id",),
+    },
+    defaults={
+        "num_decoder_layers": _same_as("num_layers"),
+        "activation": "relu",
+        "gated_mlp": lambda f: str(f["activation"]).startswith("gated-"),
+        "tie_embeddings": True,
+        "scale_decoder_outputs": True,
+        "relative_buckets": 32,
+        "relative_max_distance": 128,
+        "pad_token_id": 0,
+        "decoder_start_token_id": _same_as("pad_token_id"),
+        "norm_eps": 1e-6,
+    },
+    refuse={"is_decoder": (None, False), "is_encoder_decoder": (None, True)},
+    weights=(
+        ("shared", "shared", ""),
+        ("lm_head", "decoder.lm_head", ""),
+        *_t5_stack(
+            "encoder",
+            (
+                *_t5_attention("layer.0.SelfAttention", "attention"),
+                ("layer.0.layer_norm", "attn_norm"),
+                *_t5_mlp(1),
+            ),
+        ),
+        *_t5_stack(
+            "decoder",
+            (
+                *_t5_attention("layer.0.SelfAttention", "attention"),
+                ("layer.0.layer_norm", "attn_norm"),
+                *_t5_attention("layer.1.EncDecAttention", "cross_attention"),
+                ("layer.1.layer_norm", "cross_norm"),
+                *_t5_mlp(2),
+            ),
+        ),
+    ),
+    # Copies of `shared` that some writers keep; the stacks use `shared` itself.
+    ignore=(r"^(encoder|decoder)\.embed_tokens\.weight$",),
+)
+
 FAMILIES: dict[str, Family] = {
     f.name: f
     for f in (
@@ -522,6 +635,7 @@ FAMILIES: dict[str, Family] = {
         GPT2,
         BERT,
         ROBERTA,
+        T5,
     )
 }
 

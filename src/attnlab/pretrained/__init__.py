@@ -111,8 +111,8 @@ def load_pretrained(
     if path.is_dir():
         from attnlab.pretrained.hf import load_hf_directory
 
-        model, tok = load_hf_directory(path, backend=backend, dtype=param_dtype)
-        return set_weight_dtype(model, weight), tok
+        hf_model, hf_tok = load_hf_directory(path, backend=backend, dtype=param_dtype)
+        return set_weight_dtype(hf_model, weight), hf_tok
     if path.is_file():
         model, tok = load_gguf(path, backend=backend, dtype=param_dtype)
         return set_weight_dtype(model, weight, path), tok

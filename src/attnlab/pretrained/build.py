@@ -30,6 +30,7 @@ from torch import nn
 
 from attnlab.models.decoder import Decoder, DecoderConfig
 from attnlab.models.encoder import Encoder, EncoderConfig
+from attnlab.models.encoder_decoder import EncoderDecoder, EncoderDecoderConfig
 from attnlab.models.families import ACTIVATION_NAMES, Family, WeightRule
 from attnlab.norms import QKNorm
 from attnlab.pretrained.errors import ModelFileError
@@ -59,7 +60,14 @@ LIMITS = {
     "pad_token_id": 1 << 22,
     "sliding_window": 1 << 24,
     "head_dim": 1 << 12,
+    "num_decoder_layers": 512,
+    "relative_buckets": 1 << 12,
+    "relative_max_distance": 1 << 24,
+    "decoder_start_token_id": 1 << 22,
 }
+_TOKEN_IDS = ("pad_token_id", "decoder_start_token_id")
+AnyConfig = DecoderConfig | EncoderConfig | EncoderDecoderConfig
+AnyModel = Decoder | Encoder | EncoderDecoder
 _MISSING = object()
 
 
@@ -83,7 +91,7 @@ def _check_field(name: str, value: Any, kind: Any, where: str) -> Any:
             value = int(value)
         if isinstance(value, bool) or not isinstance(value, int):
             raise ModelFileError(where, f"`{name}` must be an integer, got {value!r}")
-        low = 0 if name == "pad_token_id" else 1
+        low = 0 if name in _TOKEN_IDS else 1
         if not low <= value <= LIMITS[name]:
             raise ModelFileError(
                 where,
@@ -127,7 +135,7 @@ def build_config(
     where: str | Path,
     keys: Mapping[str, tuple[str, ...]] | None = None,
     extra: Mapping[str, Any] | None = None,
-) -> DecoderConfig | EncoderConfig:
+) -> AnyConfig:
     """Read a family's config from ``source`` (``config.json`` or GGUF metadata).
 
     Args:
@@ -247,6 +255,9 @@ def _optional(cls: type) -> set[str]:
     ok |= {"tie_embeddings", "num_kv_heads", "norm_eps", "context_length", "head_dim"}
     ok |= {"rope", "qk_norm", "layer_windows", "attn_scale", "attn_softcap", "final_softcap"}
     ok |= {"embed_scale", "embed_norm"}
+    ok |= {"relative_buckets", "relative_max_distance", "causal", "cross_attention"}
+    ok |= {"output_head", "head_input_scale", "decoder_start_token_id"}
+    ok |= {"gated_mlp", "scale_decoder_outputs", "num_decoder_layers"}
     return ok & {f.name for f in dataclasses.fields(cls)}
 
 
@@ -313,7 +324,7 @@ def plan_weights(
 
 
 def apply_transform(
-    tensor: torch.Tensor, transform: str, config: DecoderConfig | EncoderConfig
+    tensor: torch.Tensor, transform: str, config: AnyConfig
 ) -> tuple[torch.Tensor, ...]:
     """One source tensor -> our tensor(s); see :mod:`attnlab.models.families`."""
     from attnlab.pretrained.gguf_file import unpermute_rotary
@@ -347,10 +358,10 @@ def apply_transform(
     return out
 
 
-def _head_dim(config: DecoderConfig | EncoderConfig) -> int:
+def _head_dim(config: AnyConfig) -> int:
     if isinstance(config, DecoderConfig):
         return config.attention_head_dim
-    return config.hidden_size // config.num_heads
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_heads
 
 
 # --------------------------------------------------------------------------- the model
@@ -411,12 +422,16 @@ def fill(
             p.data = w.to(dtype=dtype or p.dtype).contiguous()
 
 
-def model_class(config: DecoderConfig | EncoderConfig) -> type[Decoder] | type[Encoder]:
-    """:class:`Decoder` or :class:`Encoder`, by config type."""
+def model_class(
+    config: AnyConfig,
+) -> type[Decoder] | type[Encoder] | type[EncoderDecoder]:
+    """:class:`Decoder`, :class:`Encoder` or :class:`EncoderDecoder`, by config type."""
+    if isinstance(config, EncoderDecoderConfig):
+        return EncoderDecoder
     return Decoder if isinstance(config, DecoderConfig) else Encoder
 
 
-def parameter_count(config: DecoderConfig | EncoderConfig) -> int:
+def parameter_count(config: AnyConfig) -> int:
     """Parameters the config implies (counted on the meta device: nothing is allocated)."""
     with torch.device("meta"):
         model = model_class(config)(config)  # type: ignore[arg-type]
@@ -424,7 +439,7 @@ def parameter_count(config: DecoderConfig | EncoderConfig) -> int:
 
 
 def build_model(
-    config: DecoderConfig | EncoderConfig,
+    config: AnyConfig,
     rules: tuple[WeightRule, ...],
     names: Mapping[str, int],
     get: Callable[[str], torch.Tensor],
@@ -434,7 +449,7 @@ def build_model(
     dtype: torch.dtype,
     backend: str,
     gguf: bool = False,
-) -> Decoder | Encoder:
+) -> AnyModel:
     """Build the model for ``config`` and fill it from the source tensors.
 
     Args:
@@ -465,7 +480,7 @@ def build_model(
         rules,
         prefixes=() if gguf else family.prefixes,
         ignore=() if gguf else family.ignore,
-        num_layers=config.num_layers,
+        num_layers=max(config.num_layers, getattr(config, "num_decoder_layers", 0)),
         where=where,
     )
     with skip_random_init():
@@ -480,6 +495,12 @@ def build_model(
                 raise ModelFileError(where, f"two tensors map to {target!r}")
             weights[target] = t
     if getattr(config, "tie_embeddings", False):
-        weights.pop("lm_head.weight", None)  # tied: the embedding serves both
+        # tied: the embedding serves both
+        weights.pop(
+            "decoder.lm_head.weight"
+            if isinstance(config, EncoderDecoderConfig)
+            else "lm_head.weight",
+            None,
+        )
     fill(model, weights, where, dtype)
     return model.eval()

@@ -19,6 +19,7 @@ import torch
 
 from attnlab.models.decoder import Decoder
 from attnlab.models.encoder import Encoder
+from attnlab.models.encoder_decoder import NO_LIMIT, EncoderDecoder
 from attnlab.pretrained.build import build_config, build_model, find_family
 from attnlab.pretrained.errors import ModelFileError
 from attnlab.pretrained.safetensors_file import SafetensorsFile, read_safetensors
@@ -105,7 +106,7 @@ def weight_files(folder: Path) -> tuple[dict[str, SafetensorsFile], Path]:
 
 def load_hf_directory(
     path: str | Path, *, backend: str = "auto", dtype: torch.dtype = torch.float32
-) -> tuple[Decoder | Encoder, PretrainedTokenizer]:
+) -> tuple[Decoder | Encoder | EncoderDecoder, PretrainedTokenizer]:
     """A Hugging Face model directory as an attnlab model and tokenizer.
 
     Args:
@@ -142,7 +143,9 @@ def load_hf_directory(
     return model, tokenizer
 
 
-def _max_tokens(model: Decoder | Encoder) -> int:
+def _max_tokens(model: Decoder | Encoder | EncoderDecoder) -> int:
+    if isinstance(model, EncoderDecoder):
+        return NO_LIMIT  # relative positions
     if isinstance(model, Encoder):
         return model.config.max_tokens
     return model.config.context_length

@@ -166,6 +166,7 @@ def load_gguf(
         backend=backend,
         gguf=True,
     )
+    assert isinstance(model, (Decoder, Encoder)), "no GGUF weight map for encoder-decoders"
     return model, tokenizer_from_gguf(contents)
 
 

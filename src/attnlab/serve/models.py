@@ -25,6 +25,7 @@ __all__ = [
     "UnknownModelError",
     "default_specs",
     "example_spec",
+    "path_spec",
     "spec_for",
 ]
 
@@ -268,22 +269,52 @@ def pretrained_spec(name: str) -> ModelSpec:
     from attnlab.pretrained import PRETRAINED_MODELS
 
     kind, what = PRETRAINED_MODELS[name]
+    return ModelSpec(name, what, _pretrained_loader(name, name), kind)
 
+
+def path_spec(path: Path) -> ModelSpec:
+    """A model the user brings: a Hugging Face directory or a ``.gguf`` file.
+
+    Only its ``config.json`` is read now (size-capped), to know whether it can generate;
+    the weights load on first use, through :func:`attnlab.pretrained.load_pretrained`.
+
+    Raises:
+        ModelFileError: an unreadable ``config.json``; ValueError: an unknown family.
+    """
+    from attnlab.models.families import family_for
+
+    if path.is_file():  # GGUF: attnlab reads decoders only from GGUF
+        kind, what = "causal-lm", f"GGUF file {path.name}"
+    else:
+        from attnlab.pretrained.hf import read_json
+
+        model_type = read_json(path / "config.json", what="the model's configuration").get(
+            "model_type"
+        )
+        family = family_for(str(model_type), source=str(path / "config.json"))
+        kind = {"decoder": "causal-lm"}.get(family.kind, family.kind)
+        what = f"{family.name} model in {path.name}/"
+    return ModelSpec(str(path), what, _pretrained_loader(path, str(path)), kind)
+
+
+def _pretrained_loader(name_or_path: str | Path, source: str) -> Callable[[], LoadedModel]:
     def load() -> LoadedModel:
+        from attnlab.models.decoder import Decoder
         from attnlab.pretrained import load_pretrained
 
-        model, tok = load_pretrained(name)
+        model, tok = load_pretrained(name_or_path)
+        causal = isinstance(model, Decoder)
         return LoadedModel(
             model=model.eval(),
             tokenizer=tok,
             encode=lambda text: list(tok.encode(text)),
-            source=name,
-            causal=kind == "causal-lm",
-            eos_id=tok.eos_id if kind == "causal-lm" else None,
+            source=source,
+            causal=causal,
+            eos_id=tok.eos_id if causal else None,
             context_length=getattr(model, "context_length", None),
         )
 
-    return ModelSpec(name, what, load, kind)
+    return load
 
 
 def model_spec(model: Any, tokenizer: Any, name: str, *, causal: bool = True) -> ModelSpec:
@@ -334,12 +365,24 @@ def spec_for(value: str) -> ModelSpec:
         return pretrained_spec(key.lower())
     path = Path(key)
     if path.is_dir() and (path / "config.json").is_file():
-        return checkpoint_spec(path)
+        if _is_training_checkpoint(path / "config.json"):
+            return checkpoint_spec(path)
+        return path_spec(path)
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return path_spec(path)
     raise ValueError(
         f"`--model` {value!r} is not a model attnlab can serve: give example:journey, "
-        f"example:toy, one of {', '.join(PRETRAINED_MODELS)}, or a checkpoint folder "
-        "written by `attnlab train`"
+        f"example:toy, one of {', '.join(PRETRAINED_MODELS)}, a Hugging Face model "
+        "directory, a .gguf file, or a checkpoint folder written by `attnlab train`"
     )
+
+
+def _is_training_checkpoint(config: Path) -> bool:
+    """Whether ``config.json`` is the manifest ``attnlab train`` writes (not a HF config)."""
+    from attnlab.checkpoint import FORMAT
+    from attnlab.pretrained.hf import read_json
+
+    return read_json(config, what="the model's configuration").get("format") == FORMAT
 
 
 def default_specs(runs: Path = Path("runs/gpt")) -> list[ModelSpec]:

@@ -133,7 +133,7 @@
     var ex = m && m.kind === "example";
     textBox.disabled = !!ex;
     textBox.title = ex ? T_.example_text : "";
-    $("panel-generate").hidden = !m || m.kind === "example" || m.kind === "encoder";
+    $("panel-generate").hidden = !m || m.kind !== "causal-lm" && m.kind !== "checkpoint";
   }
 
   /* ---------------------------------------------------------------- the trace */
