@@ -851,11 +851,9 @@ def print_grid(cells: list[dict]) -> None:
 
 
 def plot_grid(cells: list[dict], path: str, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    # The Figure API, not pyplot: no global state, no GUI backend (tests call this in-process).
     from matplotlib.colors import LinearSegmentedColormap
+    from matplotlib.figure import Figure
 
     dtypes = list(dict.fromkeys(c["dtype"] for c in cells))
     passes = list(dict.fromkeys(c["pass"] for c in cells))
@@ -863,11 +861,12 @@ def plot_grid(cells: list[dict], path: str, title: str) -> None:
     Ts = sorted({c["T"] for c in cells})
     by = {(c["dtype"], c["pass"], c["mask"], c["T"]): c for c in cells}
     cmap = LinearSegmentedColormap.from_list("ratio", ["#2e7d32", "#c8e6c9", "#fff59d", "#e53935"])
-    fig, axes = plt.subplots(
+    fig = Figure(
+        figsize=(3.4 * len(dtypes) * len(passes), 0.42 * len(Ts) + 2.0), layout="constrained"
+    )
+    axes = fig.subplots(
         1,
         len(dtypes) * len(passes),
-        figsize=(3.4 * len(dtypes) * len(passes), 0.42 * len(Ts) + 2.0),
-        constrained_layout=True,
         squeeze=False,
     )
     short = {"sdpa": "sdpa", "blockwise": "block", "math": "math"}
@@ -890,7 +889,6 @@ def plot_grid(cells: list[dict], path: str, title: str) -> None:
     fig.colorbar(im, ax=axes[0].tolist(), label="auto time / fastest backend's time", shrink=0.8)
     fig.suptitle(title, fontsize=10)
     fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def grid_main(args: argparse.Namespace) -> None:
