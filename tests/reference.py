@@ -68,3 +68,34 @@ def reference_attention(
         denom = denom + torch.exp(sink - row_max)
     weights = torch.where(denom > 0, e / denom.clamp_min(1e-300), torch.zeros_like(e))
     return weights @ v, weights
+
+
+def t5_relative_bucket(
+    relative_position: torch.Tensor, bidirectional: bool, num_buckets: int, max_distance: int
+) -> torch.Tensor:
+    """T5's bucket of each ``key - query`` distance, written from the T5 paper's rule.
+
+    Half the buckets per direction when bidirectional; below ``max_exact = n // 2`` each
+    distance has its own bucket, then log-spaced buckets up to ``max_distance`` (the
+    logarithm in float32, as the original code), beyond it the last bucket. Independent
+    of attnlab; ``tests/test_score_kinds.py`` also checks attnlab against transformers.
+    """
+    n = -relative_position.long()
+    ret = torch.zeros_like(n)
+    if bidirectional:
+        num_buckets //= 2
+        ret += (n < 0).long() * num_buckets
+        n = n.abs()
+    else:
+        n = n.clamp_min(0)
+    max_exact = num_buckets // 2
+    far = (
+        max_exact
+        + (
+            torch.log(n.float().clamp_min(1) / max_exact)
+            / math.log(max_distance / max_exact)
+            * (num_buckets - max_exact)
+        ).long()
+    )
+    far = far.clamp_max(num_buckets - 1)
+    return ret + torch.where(n < max_exact, n, far)

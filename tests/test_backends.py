@@ -25,7 +25,7 @@ from attnlab.masks import (
     PaddingMask,
     SlidingWindowMask,
 )
-from reference import reference_attention, tol
+from reference import reference_attention, t5_relative_bucket, tol
 
 BACKENDS = [b for b in available_backends() if b not in ("auto", "ring")]
 # blockwise once per tile path: PyTorch's fused op and the pure-PyTorch tiles.
@@ -308,16 +308,13 @@ def test_dropout_backends_drop_in_training(backend):
 
 # -- Score and mask kinds of today's open models (issue 10) --------------------------------
 # Each variant's reference numbers come from outside attnlab: ALiBi slopes from the
-# published formula, T5 buckets from transformers' own function, document masks from id
+# published formula, T5 buckets from tests/reference.py's rule (checked against transformers in
+# test_score_kinds.py), document masks from id
 # equality, softcap and sinks from tests/reference.py.
 
 
 def _t5_bucket(rel: torch.Tensor, bidirectional: bool, num_buckets: int, max_distance: int):
-    from transformers.models.t5.modeling_t5 import T5Attention
-
-    return T5Attention._relative_position_bucket(
-        rel, bidirectional=bidirectional, num_buckets=num_buckets, max_distance=max_distance
-    )
+    return t5_relative_bucket(rel, bidirectional, num_buckets, max_distance)
 
 
 def _positions(T: int, S: int) -> tuple[torch.Tensor, torch.Tensor]:
