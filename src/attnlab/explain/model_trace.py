@@ -332,6 +332,33 @@ def _weights_of(captured: Any, name: str) -> torch.Tensor:
     return weights[0]  # (H, T, S)
 
 
+def run_recorded(
+    model: Any,
+    input_ids: torch.Tensor,
+    recorder: Any,
+    forward: Callable[[Any, torch.Tensor], Any] | None = None,
+) -> None:
+    """One forward pass of ``model`` in eval mode, without gradients, under ``recorder``.
+
+    Only switches to eval mode when needed (and back afterwards), so a shared model that
+    is already in eval mode is never touched.
+    """
+    from attnlab.attention import record_attention
+
+    was_training = model.training
+    try:
+        if was_training:
+            model.eval()
+        with torch.no_grad(), record_attention(recorder):
+            if forward is None:
+                model(input_ids)
+            else:
+                forward(model, input_ids)
+    finally:
+        if was_training:
+            model.train(True)
+
+
 def trace_model(
     model: torch.nn.Module,
     text_or_token_ids: str | Sequence[int] | torch.Tensor,
@@ -392,8 +419,6 @@ def trace_model(
             "pass top_k=..., or fewer layers=/heads="
         )
 
-    from attnlab.attention import record_attention
-
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     input_ids = torch.tensor([ids], dtype=torch.long, device=device)  # (1, T)
     all_heads = head_sel == tuple(range(num_heads))
@@ -436,19 +461,7 @@ def trace_model(
                 entry["keys"] = kk.index_select(0, head_index)
             kept[position] = entry
 
-    # Only switch to eval mode when needed: a shared model in eval mode is not touched.
-    was_training = model.training
-    try:
-        if was_training:
-            model.eval()
-        with torch.no_grad(), record_attention(Keep()):
-            if forward is None:
-                model(input_ids)
-            else:
-                forward(model, input_ids)
-    finally:
-        if was_training:
-            model.train(True)
+    run_recorded(model, input_ids, Keep(), forward)
 
     missing = [p for p in layer_sel if p not in kept]
     if missing:

@@ -153,9 +153,8 @@ def head_steps(
         TypeError: the model has no attnlab attention layers; a non-int index.
         ValueError: empty input, text without a tokenizer, an index out of range.
     """
-    from attnlab.attention import record_attention
     from attnlab.backends import WeightsRequest
-    from attnlab.explain.model_trace import _resolve_input, attention_layers
+    from attnlab.explain.model_trace import _resolve_input, attention_layers, run_recorded
 
     blocks = attention_layers(model)
     _check_index("layer", layer, len(blocks), "attention layers")
@@ -174,18 +173,7 @@ def head_steps(
 
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     input_ids = torch.tensor([ids], dtype=torch.long, device=device)  # (1, T)
-    was_training = model.training
-    try:
-        if was_training:
-            model.eval()
-        with torch.no_grad(), record_attention(One()):
-            if forward is None:
-                model(input_ids)
-            else:
-                forward(model, input_ids)
-    finally:
-        if was_training:
-            model.train(True)
+    run_recorded(model, input_ids, One(), forward)
     if len(calls) != 1:
         raise RuntimeError(f"attention layer {layer} ran {len(calls)} times in one forward pass")
     return _walk(
