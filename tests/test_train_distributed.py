@@ -47,3 +47,29 @@ def test_a_failing_rank_stops_the_others_with_a_clear_error(tmp_path):
     msg = str(info.value)
     assert "rank 1 failed" in msg and "injected failure on rank 1" in msg
     assert "other processes were stopped" in msg
+
+
+def test_the_rank_that_raised_is_named_when_its_peer_died_first(tmp_path, monkeypatch):
+    """The race CI hit: rank 1 raised and wrote its error file, but rank 0's collective broke
+    and it aborted first, so the launcher reported rank 0 alone and stopped rank 1."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+    from torch.distributed.elastic.multiprocessing.errors.error_handler import ErrorHandler
+
+    from attnlab.train import _root_cause_order, _with_error_files
+
+    rank_dir = tmp_path / "run-1" / "attempt_0"
+    for rank in (0, 1):
+        (rank_dir / str(rank)).mkdir(parents=True)
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(rank_dir / "1" / "error.json"))
+    try:
+        raise RuntimeError("injected failure on rank 1")
+    except RuntimeError as exc:
+        ErrorHandler().record_exception(exc)  # what `record` writes as the rank exits
+    peer = ProcessFailure(local_rank=0, pid=1, exitcode=-6, error_file="<N/A>")
+    peer.message = "RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer"
+
+    assert min({0: peer}.items(), key=_root_cause_order)[0] == 0
+    found = _with_error_files({0: peer}, tmp_path)
+    rank, failure = min(found.items(), key=_root_cause_order)
+    assert rank == 1 and failure.exitcode is None
+    assert "injected failure on rank 1" in str(failure.message)

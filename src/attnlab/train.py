@@ -908,9 +908,10 @@ def launch(
             its error.
     """
     import sys
+    import tempfile
     import uuid
 
-    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -928,7 +929,11 @@ def launch(
     if here not in paths:
         os.environ["PYTHONPATH"] = os.pathsep.join([here, *paths])
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    # A known folder for the workers' error files: the launcher reports only the ranks that had
+    # exited when it noticed a failure, and the rank that failed first may still be exiting.
+    log_dir = tempfile.TemporaryDirectory(prefix="attnlab-launch-")
     config = LaunchConfig(
+        logs_specs=DefaultLogsSpecs(log_dir=log_dir.name),
         min_nodes=1,
         max_nodes=1,
         nproc_per_node=nproc,
@@ -953,15 +958,18 @@ def launch(
         _restore_env(saved_env)
         if all(f.exitcode == EXIT_INTERRUPTED for f in exc.failures.values()):
             return True  # a worker was signalled directly; they all stopped and saved
-        rank, failure = min(exc.failures.items(), key=_root_cause_order)
+        failures = _with_error_files(exc.failures, Path(log_dir.name))
+        rank, failure = min(failures.items(), key=_root_cause_order)
         why = _failure_message(failure.message)
+        code = f" (exit code {failure.exitcode})" if failure.exitcode is not None else ""
         raise DistributedTrainingError(
-            f"training process rank {rank} failed (exit code {failure.exitcode})"
+            f"training process rank {rank} failed{code}"
             + (f": {why}" if why else "")
             + "; the other processes were stopped"
         ) from exc
     finally:
         _restore_env(saved_env)
+        log_dir.cleanup()
         for sig, prev in saved_handlers.items():
             with contextlib.suppress(ValueError, TypeError):  # not the main thread / not ours
                 signal.signal(sig, prev)
@@ -980,18 +988,52 @@ def _restore_env(saved: dict[str, str | None]) -> None:
 _PEER_ERROR_MARKERS = ("gloo", "nccl", "connection closed", "connection reset", "remote worker")
 
 
-def _root_cause_order(item: tuple[int, Any]) -> tuple[bool, bool, float, int]:
+@dataclass
+class _RankError:
+    """A rank's own error file, for a rank the launcher stopped before it saw it exit."""
+
+    message: Any
+    timestamp: float
+    exitcode: int | None = None
+
+
+def _with_error_files(failures: dict[int, Any], log_dir: Path) -> dict[int, Any]:
+    """The launcher's failures plus every other rank that wrote an error file.
+
+    When one rank raises, it writes its error file and starts to exit; its peers' collectives
+    break at once and they may die first. The launcher then reports only the peers (it stops
+    the ranks still running), and the rank that caused it all would be missed.
+    """
+    found = dict(failures)
+    for path in sorted(log_dir.glob("*/attempt_*/*/error.json")):
+        rank = int(path.parent.name) if path.parent.name.isdigit() else None
+        if rank is None or rank in found:
+            continue
+        try:
+            data = json.loads(path.read_text())
+            message = data["message"]
+            stamp = message["extraInfo"]["timestamp"] if isinstance(message, dict) else 0
+            found[rank] = _RankError(message=message, timestamp=float(stamp))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # a file cut short as the launcher stopped the rank: nothing to add
+    return found
+
+
+def _root_cause_order(item: tuple[int, Any]) -> tuple[bool, bool, bool, float, int]:
     """Sort key that puts the rank that failed by itself first.
 
     Failure timestamps have a resolution of one second, so a rank that died and the peer
-    whose collective broke because of it often tie. The root cause is the rank that was not
-    stopped by the launcher (SIGTERM) and whose error is not a lost-peer error; among those,
-    the earliest, then the lowest rank.
+    whose collective broke because of it often tie. The root cause is a rank with an error of
+    its own (a Python error, not a lost-peer error), then one that died of a signal it was not
+    sent by the launcher (SIGTERM); among those, the earliest, then the lowest rank.
     """
     rank, failure = item
+    message = _failure_message(failure.message).lower()
+    peer = any(m in message for m in _PEER_ERROR_MARKERS)
     stopped = failure.exitcode == -signal.SIGTERM
-    peer = any(m in _failure_message(failure.message).lower() for m in _PEER_ERROR_MARKERS)
-    return (stopped, peer, float(failure.timestamp), rank)
+    signalled = message.startswith("signal ")  # no error file: killed, or aborted in teardown
+    own_error = bool(message) and not peer and not stopped and not signalled
+    return (not own_error, stopped, peer, float(failure.timestamp), rank)
 
 
 def _failure_message(message: Any) -> str:
