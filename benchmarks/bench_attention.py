@@ -729,6 +729,10 @@ def measure_grid(args: argparse.Namespace, with_auto: bool) -> list[dict]:
                     if with_auto:
                         fns["auto"] = grid_call("auto", GRID_DTYPES[dname], pass_, mask, T)
                     sec = bench_cell(fns, args.grid_reps)
+                    auto_chose = (
+                        grid_auto_choice(GRID_DTYPES[dname], pass_, mask, T) if with_auto else ""
+                    )
+                    sec = _settle_close_calls(fns, sec, run, auto_chose, args.grid_reps)
                     ms = {n: sec[n] * 1e3 for n in sec}
                     cell = {"dtype": dname, "pass": pass_, "mask": mask, "T": T, "ms": ms}
                     fastest = min(run, key=lambda n: ms[n])
@@ -736,13 +740,41 @@ def measure_grid(args: argparse.Namespace, with_auto: bool) -> list[dict]:
                         f"{n} {ms[n]:.3g}" for n in fns
                     )
                     if with_auto:
-                        cell["auto_chose"] = grid_auto_choice(GRID_DTYPES[dname], pass_, mask, T)
+                        cell["auto_chose"] = auto_chose
                         cell["fastest"] = fastest
                         cell["ratio"] = ms["auto"] / ms[fastest]
                         line += f"  -> auto={cell['auto_chose']} {cell['ratio']:.2f}x {fastest}"
                     print(line + " ms", flush=True)
                     cells.append(cell)
     return cells
+
+
+CLOSE = 0.10  # timings this close are re-measured head to head before they decide anything
+
+
+def _settle_close_calls(
+    fns: dict[str, Callable[[], object]],
+    sec: dict[str, float],
+    run: list[str],
+    auto_chose: str,
+    rounds: int,
+) -> dict[str, float]:
+    """Re-time, head to head with 3x the rounds, the calls whose comparison decides something
+    and that a first pass put within ``CLOSE`` of each other: the two fastest backends (their
+    order becomes a table row), and auto against the fastest backend when auto looks slower
+    by more than 5%. Each keeps its minimum over both passes, so a call only gets faster by
+    more samples, never by another rule; a real difference survives, a scheduler hiccup in
+    one sub-millisecond round does not flip a row or fail a cell."""
+    best = sorted(run, key=lambda n: sec[n])
+    again: set[str] = set()
+    if len(best) > 1 and sec[best[1]] <= sec[best[0]] * (1 + CLOSE):
+        again |= {best[0], best[1]}
+    if auto_chose and sec["auto"] > sec[best[0]] * 1.05:
+        again |= {"auto", best[0], auto_chose}
+    if not again:
+        return sec
+    more = bench_cell({n: fns[n] for n in fns if n in again}, 3 * rounds)
+    return {n: min(sec[n], more.get(n, math.inf)) for n in sec}
 
 
 TIE = 0.03  # a backend later in the fixed order must win by more than this to rank first
