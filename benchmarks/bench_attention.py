@@ -428,6 +428,13 @@ def main() -> None:
         "--grid", action="store_true", help="auto against the fastest backend in every cell"
     )
     grid.add_argument("--grid-plot", default=None, help="draw the --grid result (PNG)")
+    grid.add_argument(
+        "--grid-with",
+        metavar="JSON",
+        nargs="*",
+        default=[],
+        help="cells of earlier --grid --json runs (other lengths) to print and draw with this one",
+    )
     grid.add_argument("--grid-min-t", type=int, default=16)
     grid.add_argument("--grid-max-t", type=int, default=2048)
     grid.add_argument("--grid-reps", type=int, default=5, help="interleaved rounds per cell")
@@ -966,14 +973,21 @@ def grid_main(args: argparse.Namespace) -> None:
         meter = QuietMeter().start()
         cells = measure_grid(args, with_auto=True)
         busy = meter.others()
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump({"cells": cells, "others_busy_during": busy}, fh, indent=1)
+        for earlier in args.grid_with:  # e.g. T <= 2048 with the table, then 4096..8192
+            data = json.loads(Path(earlier).read_text())
+            here = {(c["dtype"], c["pass"], c["mask"], c["T"]) for c in cells}
+            cells += [
+                c for c in data["cells"] if (c["dtype"], c["pass"], c["mask"], c["T"]) not in here
+            ]
+            busy = max(busy, data.get("others_busy_during", 0.0))
         print_grid(cells)
         print(
             f"grid took {time.perf_counter() - t0:.0f} s; other processes used {busy:.0%} of "
             f"the machine during it (loadavg now {os.getloadavg()[0]:.2f})"
         )
-        if args.json:
-            with open(args.json, "w") as fh:
-                json.dump({"cells": cells, "others_busy_during": busy}, fh, indent=1)
         if args.grid_plot:
             title = (
                 f"auto / fastest backend, B=1 H={H} D={D}, CPU {args.threads} threads "
