@@ -206,3 +206,43 @@ def test_gguf_architecture_mistral_is_refused_with_the_llama_hint(hf_dirs, tmp_p
     w.write_tensors_to_file()
     w.close()
     _refused(path, "'mistral'", "as 'llama'")
+
+
+SPM_TEXTS = [
+    *CORPUS,
+    "  two leading spaces and  two inside",
+    "tabs\tand\nnewlines",
+    "日本語 and ünïcödé ✓",  # not in the vocabulary: UTF-8 byte tokens
+    "hello<|end|>world <|end|>",  # a control token, matched whole
+    "a",
+    "",
+]
+
+
+@pytest.mark.parametrize("family", ["gemma2", "phi3"])
+def test_gguf_sentencepiece_tokenizer_equals_transformers_on_the_same_file(
+    hf_dirs, tmp_path, family
+):
+    """gemma2 (no space prefix) and phi3 (a space prefix) files hold a SentencePiece
+    vocabulary (tokens, scores, types, byte tokens): ids and text equal to the tokenizer
+    transformers builds from the same GGUF file."""
+    from transformers import AutoTokenizer
+
+    path = tmp_path / f"{family}.gguf"
+    write_gguf(hf_dirs[family], path, family, "F32")
+    _, tok = load_pretrained(path)
+    ref = AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    for text in SPM_TEXTS:
+        ids = tok.encode(text)
+        assert ids == ref(text)["input_ids"], text
+        assert ids[0] == tok.bos_id == 1  # add_bos_token defaults to true
+        shown = tok.decode(ids, skip_special_tokens=True)
+        assert shown == ref.decode(ids, skip_special_tokens=True)
+        if "<|end|>" not in text:
+            assert shown == text
+    # 日 and 本 are not in the vocabulary: their UTF-8 bytes; phi3 puts the space prefix
+    # (a lone ▁ here) first, gemma2 none; spaces inside become ▁ either way.
+    pieces = [tok.id_to_token(i) for i in tok.encode("日本 the cat")]
+    utf8 = ["<0xE6>", "<0x97>", "<0xA5>", "<0xE6>", "<0x9C>", "<0xAC>"]
+    prefix = ["\u2581"] if family == "phi3" else []
+    assert pieces == ["<s>", *prefix, *utf8, "\u2581the", "\u2581cat"]
