@@ -21,8 +21,8 @@ if not all(importlib.util.find_spec(m) for m in ("transformers", "tokenizers", "
 
 from attnlab.generation import generate
 from attnlab.models.decoder import Decoder
-from attnlab.pretrained import load_pretrained
-from model_files import CORPUS, save_hf, write_gguf
+from attnlab.pretrained import ModelFileError, load_pretrained
+from model_files import CORPUS, GGUF_ARCH, save_hf, write_gguf
 
 CONFIGS = {
     "llama": {
@@ -33,6 +33,19 @@ CONFIGS = {
         "num_key_value_heads": 2,
         "max_position_embeddings": 128,
         "tie_word_embeddings": False,
+        # written as rope.scaling.type / rope.scaling.factor
+        "rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+    },
+    # llama.cpp writes Mistral as architecture "llama" (q/k permuted); the window rides in
+    # llama.attention.sliding_window (llama.cpp's converter leaves it out: then none).
+    "mistral": {
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "sliding_window": 5,
+        "max_position_embeddings": 128,
     },
     "qwen2": {
         "hidden_size": 64,
@@ -53,7 +66,46 @@ CONFIGS = {
         "max_position_embeddings": 128,
     },
     "gpt2": {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128},
+    # Gemma 2 as llama.cpp can hold it: tied, query_pre_attn_scalar = head_dim (the file has
+    # no key for it), even layers local. Softcaps small so that they bite; H * D != C.
+    "gemma2": {
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "query_pre_attn_scalar": 32,
+        "sliding_window": 5,
+        "attn_logit_softcapping": 5.0,
+        "final_logit_softcapping": 10.0,
+        "max_position_embeddings": 128,
+        "tie_word_embeddings": True,
+        "pad_token_id": 1,
+        "eos_token_id": 2,
+        "bos_token_id": 0,
+    },
+    # Phi-3: fused qkv and gate/up, partial rotary (rope.dimension_count), a window of 7.
+    "phi3": {
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 128,
+        "original_max_position_embeddings": 128,
+        "sliding_window": 7,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.5,
+        },
+        "tie_word_embeddings": False,
+        "pad_token_id": 1,
+        "eos_token_id": 2,
+    },
 }
+QTYPES = ["F32", "F16", "Q8_0", "Q4_0", "Q4_1"]
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +114,7 @@ def hf_dirs(tmp_path_factory):
     return {f: save_hf(f, c, root / f, torch.float32) for f, c in CONFIGS.items()}
 
 
-@pytest.mark.parametrize("qtype", ["F32", "F16", "Q8_0"])
+@pytest.mark.parametrize("qtype", QTYPES)
 @pytest.mark.parametrize("family", sorted(CONFIGS))
 def test_gguf_logits_equal_transformers_on_the_dequantised_weights(
     hf_dirs, tmp_path, family, qtype
@@ -76,7 +128,7 @@ def test_gguf_logits_equal_transformers_on_the_dequantised_weights(
     assert not unexpected and set(missing) <= {"lm_head.weight"}
     ref.eval()
     model, tok = load_pretrained(path)
-    assert isinstance(model, Decoder) and model.config.family == family
+    assert isinstance(model, Decoder) and model.config.family == GGUF_ARCH.get(family, family)
     ids = torch.tensor([tok.encode(CORPUS[1])])
     with torch.no_grad():
         expected = ref(ids, output_attentions=True)
@@ -92,7 +144,7 @@ def test_gguf_logits_equal_transformers_on_the_dequantised_weights(
         assert ours.tolist() == generate(st_model, ids, 8).tolist()
 
 
-@pytest.mark.parametrize("family", sorted(CONFIGS))
+@pytest.mark.parametrize("family", ["gpt2", "llama", "mistral", "qwen2", "qwen3"])
 def test_gguf_tokenizer_with_llama_cpp_pre_tokenizer_names(hf_dirs, tmp_path, family):
     path = tmp_path / f"{family}.gguf"
     write_gguf(hf_dirs[family], path, family, "F32")
@@ -105,9 +157,52 @@ def test_gguf_tokenizer_with_llama_cpp_pre_tokenizer_names(hf_dirs, tmp_path, fa
     pieces = [p for p, _ in tok.backend.pre_tokenizer.pre_tokenize_str("12345 abc")]
     expected = {
         "llama": ["123", "45", "Ġabc"],
+        "mistral": ["123", "45", "Ġabc"],
         "qwen2": ["1", "2", "3", "4", "5", "Ġabc"],
         "qwen3": ["1", "2", "3", "4", "5", "Ġabc"],
         "gpt2": ["12345", "Ġabc"],
     }[family]
     assert pieces == expected
     assert tok.eos_id == hf_tok.eos_id
+
+
+def _refused(path, *words):
+    with pytest.raises(ModelFileError) as info:
+        load_pretrained(path)
+    message = str(info.value)
+    assert str(path) in message and all(w in message for w in words), message
+
+
+def test_gguf_rope_variants_held_in_tensors_or_unknown_scalings_are_refused(hf_dirs, tmp_path):
+    import numpy as np
+
+    def longrope(w):  # what llama.cpp's Phi3MiniModel writes for a 128k model
+        w.add_tensor("rope_factors_long.weight", np.ones(8, dtype=np.float32))
+        w.add_tensor("rope_factors_short.weight", np.ones(8, dtype=np.float32))
+
+    write_gguf(hf_dirs["phi3"], tmp_path / "long.gguf", "phi3", "F32", extra=longrope)
+    _refused(tmp_path / "long.gguf", "rope_factors_long.weight", "longrope")
+
+    def yarn(w):
+        w.add_string("qwen2.rope.scaling.type", "yarn")
+
+    write_gguf(hf_dirs["qwen2"], tmp_path / "yarn.gguf", "qwen2", "F32", extra=yarn)
+    _refused(tmp_path / "yarn.gguf", "qwen2.rope.scaling.type", "'yarn'")
+
+    def odd_rotary(w):
+        w.add_uint32("qwen3.rope.dimension_count", 7)
+
+    write_gguf(hf_dirs["qwen3"], tmp_path / "odd.gguf", "qwen3", "F32", extra=odd_rotary)
+    _refused(tmp_path / "odd.gguf", "qwen3.rope.dimension_count", "even number")
+
+
+def test_gguf_architecture_mistral_is_refused_with_the_llama_hint(hf_dirs, tmp_path):
+    from gguf import GGUFWriter
+
+    path = tmp_path / "m.gguf"
+    w = GGUFWriter(path, "mistral")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    _refused(path, "'mistral'", "as 'llama'")
