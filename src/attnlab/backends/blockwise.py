@@ -84,7 +84,7 @@ __all__ = [
 ]
 
 TilePath = Literal["fused", "pure"]
-TileKind = Literal["full", "causal", "partial"]
+TileKind = Literal["full", "causal", "partial", "shifted"]
 _PATHS = ("fused", "pure")
 _NEG_INF = float("-inf")
 # Pure tiles: elements per score tile: 2**20 fp32 = 4 MiB, large enough that the matmuls
@@ -145,11 +145,9 @@ def _forced(path: TilePath | None) -> Iterator[None]:
         _FORCED[0] = saved
 
 
-def _pure_because(softcap: float | None, bias_grad: bool) -> str | None:
+def _pure_because(softcap: float | None) -> str | None:
     if softcap is not None:
         return "the fused tile op has no logit soft-capping"
-    if bias_grad:
-        return "the fused tile op computes no gradient for an additive bias"
     return None
 
 
@@ -217,6 +215,8 @@ class _Tile:
     blk: MaskBlock | None = None
     # A biased tile's MaskBlock is not kept in the plan (every tile of a bias is partial:
     # keeping them all would hold H x T x S numbers); it is recomputed when the tile runs.
+    # A "shifted" tile is unmasked with a bias that is one number per head (its blk.bias,
+    # (1, H, 1, 1)): computed as a full tile whose log-sum-exp moves by that number.
     lazy: bool = False
 
 
@@ -295,6 +295,7 @@ def _plan(
         edges = sorted(cuts)
         tiles = []
         run = -1  # start of the current run of full tiles, or -1
+        shifted: tuple[int, torch.Tensor] | None = None  # start and constant of a shifted run
         for k0, k1 in itertools.pairwise(edges):
             rows, cols = slice(q_offset + r0, q_offset + r1), slice(k_offset + k0, k_offset + k1)
             status = mask.block_status(T_total, S_total, rows, cols)
@@ -302,6 +303,22 @@ def _plan(
             if status == "partial" and not mask.has_bias:  # small: keep it in the plan
                 blk = mask.block(T_total, S_total, rows, cols, device=device)
                 status = blk.status
+            shift = None
+            if status == "partial" and mask.has_bias:
+                shift = mask.constant_bias(T_total, S_total, rows, cols, device=device)
+            if shift is not None:  # a shifted tile: joins a run of the same constant
+                if run >= 0:
+                    tiles.append(_Tile(run, k0, "full"))
+                    run = -1
+                if shifted is not None and coalesce and torch.equal(shift, shifted[1]):
+                    continue
+                if shifted is not None:
+                    tiles.append(_Tile(shifted[0], k0, "shifted", lazy=True))
+                shifted = (k0, shift)
+                continue
+            if shifted is not None:
+                tiles.append(_Tile(shifted[0], k0, "shifted", lazy=True))
+                shifted = None
             if status == "full" and coalesce:
                 run = k0 if run < 0 else run
                 continue
@@ -318,6 +335,8 @@ def _plan(
                 tiles.append(_Tile(k0, k1, "causal") if causal else _Tile(k0, k1, "partial", blk))
         if run >= 0:
             tiles.append(_Tile(run, hi, "full"))
+        if shifted is not None:
+            tiles.append(_Tile(shifted[0], hi, "shifted", lazy=True))
         if tiles:
             blocks.append(_RowBlock(r0, r1, tuple(tiles)))
     return blocks
@@ -363,8 +382,12 @@ def _resolve(tile: _Tile, rb: _RowBlock, geo: _Geometry) -> _Tile:
         return tile
     assert geo.mask is not None
     q0, k0 = geo.q_offset, geo.k_offset
-    blk = geo.mask.block(geo.T_total, geo.S_total, slice(q0 + rb.r0, q0 + rb.r1),
-                         slice(k0 + tile.c0, k0 + tile.c1), device=geo.device)  # fmt: skip
+    rows, cols = slice(q0 + rb.r0, q0 + rb.r1), slice(k0 + tile.c0, k0 + tile.c1)
+    if tile.kind == "shifted":
+        shift = geo.mask.constant_bias(geo.T_total, geo.S_total, rows, cols, device=geo.device)
+        assert shift is not None, "the plan found this tile's bias constant"
+        return _Tile(tile.c0, tile.c1, "shifted", MaskBlock("partial", bias=shift))
+    blk = geo.mask.block(geo.T_total, geo.S_total, rows, cols, device=geo.device)
     if blk.status != "partial":  # block_status was conservative: nothing to see here
         shape = (1, 1, rb.r1 - rb.r0, tile.c1 - tile.c0)
         blk = MaskBlock("partial", allowed=torch.zeros(shape, dtype=torch.bool, device=geo.device))
@@ -413,6 +436,12 @@ def _mask_scores(s: torch.Tensor, tile: _Tile, h0: int, h1: int) -> None:
             s.masked_fill_(~_heads(tile.blk.allowed, h0, h1), _NEG_INF)
 
 
+def _shift(tile: _Tile, h0: int, h1: int, dtype: torch.dtype) -> torch.Tensor:
+    """A shifted tile's constant per head, ``(1, Hs, 1)`` (broadcasts against an lse)."""
+    assert tile.kind == "shifted" and tile.blk is not None and tile.blk.bias is not None
+    return _heads(tile.blk.bias, h0, h1).detach().to(dtype)[..., 0]
+
+
 def _gqa(q: torch.Tensor, Gs: int) -> torch.Tensor:
     """(B, Gs*R, tq, D) -> (B, Gs, R*tq, D): a key/value head's query heads stacked as rows."""
     B, Hs, tq, D = q.shape
@@ -449,6 +478,8 @@ def _tile_forward(
         out, lse = _FUSED_OPS[0](
             q, k, v, 0.0, tile.kind == "causal", attn_mask=dense, scale=scale
         )  # (B, Hs, tq, Dv), (B, Hs, tq)
+        if tile.kind == "shifted":
+            lse = lse + _shift(tile, h0, h0 + Hs, lse.dtype)
         if dense is not None:
             # The op gives a row that sees nothing lse 0 (and out 0); attnlab's is -inf.
             # Only rows with lse == 0 can be such rows: look at the tile only if there are
@@ -462,7 +493,7 @@ def _tile_forward(
     qg = _gqa(q.to(cd) * scale, Gs)  # (B, Gs, R*tq, D)
     s = qg @ k.to(cd).transpose(-2, -1)  # (B, Gs, R*tq, tk)
     softcap_scores(s, softcap, inplace=True)
-    masked = tile.kind != "full"
+    masked = tile.kind not in ("full", "shifted")
     if masked:
         _mask_scores(s.view(B, Hs, tq, tk), tile, h0, h0 + Hs)
     m = s.amax(dim=-1, keepdim=True)  # (B, Gs, R*tq, 1)
@@ -471,8 +502,10 @@ def _tile_forward(
     p = s.sub_(m).exp_()  # in place
     l = p.sum(dim=-1, keepdim=True)  # (B, Gs, R*tq, 1)
     out = (p @ v.to(cd)).div_(l.clamp(min=torch.finfo(cd).tiny))  # 0 where l == 0
-    lse = m.add_(l.log_())  # -inf where l == 0
-    return out.view(B, Hs, tq, -1), lse.view(B, Hs, tq)
+    lse = m.add_(l.log_()).view(B, Hs, tq)  # -inf where l == 0
+    if tile.kind == "shifted":
+        lse = lse + _shift(tile, h0, h0 + Hs, cd)
+    return out.view(B, Hs, tq, -1), lse
 
 
 def _tile_backward(
@@ -499,6 +532,8 @@ def _tile_backward(
     biased tile (the gradient of the bias, before the soft-cap's derivative).
     """
     Hs = q.shape[1]
+    if tile.kind == "shifted":  # p = exp(s + shift - lse)
+        lse = lse - _shift(tile, h0, h0 + Hs, lse.dtype)
     if path == "fused":
         assert softcap is None and bias_grad is None, "the fused op has neither"
         assert _FUSED_OPS is not None
@@ -522,7 +557,7 @@ def _tile_backward(
     if softcap is not None:  # keep tanh(s / c) for the derivative
         tanh = s.div_(softcap).tanh_()
         s = tanh * softcap
-    if tile.kind != "full":
+    if tile.kind not in ("full", "shifted"):
         _mask_scores(s.view(B, Hs, tq, tk), tile, h0, h0 + Hs)
     p = s.sub_(_gqa(lse.unsqueeze(-1), Gs)).exp_()  # probabilities, in place
     dv = p.transpose(-2, -1) @ dog  # (B, Gs, tk, Dv)
@@ -688,7 +723,7 @@ def _forward(
     cd = _compute_dtype(query.dtype)
     path, plan, whole, geo = _prepare(query, key, value, mask, q_offset, k_offset, T_total,
                                       S_total, block_q, block_k, tile_path,
-                                      _pure_because(softcap, False))  # fmt: skip
+                                      _pure_because(softcap))  # fmt: skip
     if whole is not None:  # one tile: the op's own result (PyTorch's kernel, nothing more)
         return _tile_forward(path, query, key, value, whole, scale, 0, softcap)
     out = torch.zeros(B, H, T, Dv, dtype=cd, device=query.device)
@@ -783,27 +818,36 @@ def _backward(
     tile_path: TilePath | None,
     softcap: float | None = None,
     bias_params: tuple[torch.Tensor, ...] = (),
+    sink_share: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """:func:`attend_chunk_backward`, except that the gradients are in the input dtype
     when one fused tile covers the whole chunk, plus the gradients of ``bias_params``
-    (the mask's :meth:`~attnlab.masks.AttentionMask.grad_tensors`)."""
+    (the mask's :meth:`~attnlab.masks.AttentionMask.grad_tensors`).
+
+    With ``bias_params`` on the fused path, a tile whose bias needs its gradient (dS)
+    runs pure, except one shifted tile per row block: it runs fused, and the gradient of
+    its constant comes from the row sums of dS. Over all of a row's keys dS sums to
+    ``delta * sink_share`` (0 without sinks: softmax is shift-invariant), so the shifted
+    tile's sum is that minus the pure tiles' sums. This needs the chunk to hold every
+    key (the whole problem: ``sink_share`` ``(B, H, T)`` is the sinks' probability, or
+    None for none)."""
     B, H, T, D = query.shape
     G, S, Dv = key.shape[1], key.shape[2], value.shape[3]
     R = H // G
     cd = _compute_dtype(query.dtype)
     path, plan, whole, geo = _prepare(query, key, value, mask, q_offset, k_offset, T_total,
                                       S_total, block_q, block_k, tile_path,
-                                      _pure_because(softcap, bool(bias_params)))  # fmt: skip
+                                      _pure_because(softcap))  # fmt: skip
     # A row that saw nothing has lse = -inf; +inf makes its probabilities exp(s - inf) = 0.
     lse_use = lse.to(cd).masked_fill(lse == _NEG_INF, float("inf"))  # (B, H, T)
     # BLAS needs real strides (the gradient of .sum() is an expanded, stride-0 tensor).
     grad_out = grad_out.contiguous()
+    delta = None  # fused: the op computes rowsum(dout * out) itself
+    if path == "pure" or bias_params:
+        delta = (grad_out.to(cd) * out.to(cd)).sum(dim=-1)  # (B, H, T)
     if path == "fused":
         out = out.to(query.dtype)
-        delta = None  # the op computes rowsum(dout * out) itself
-    else:
-        delta = (grad_out.to(cd) * out.to(cd)).sum(dim=-1)  # (B, H, T)
-    if whole is not None:
+    if whole is not None and not bias_params:
         return (*_tile_backward(path, query, key, value, grad_out, out, lse_use, None, whole,
                                 scale, 0), [])  # fmt: skip
     dparams = [torch.zeros_like(p) for p in bias_params]
@@ -836,16 +880,37 @@ def _backward(
             l_b = lse_use[:, h0:h1, rows]
             d_b = None if delta is None else delta[:, h0:h1, rows]
             dq_b = dq[:, h0:h1, rows]
+            fused_shift: _Tile | None = None  # the shifted tile run fused (bias gradients)
+            rowsum = torch.zeros_like(l_b) if bias_params and path == "fused" else None
+
+            def routed(ds: torch.Tensor, tile: _Tile, h0: int, rowsum=rowsum) -> None:
+                bias_grad(ds, tile, h0)
+                if rowsum is not None:
+                    rowsum.add_(ds.sum(dim=-1))
+
             for lazy in rb.tiles:
                 with torch.set_grad_enabled(bool(bias_params)):  # the bias in its graph
                     tile = _resolve(lazy, rb, geo)
+                t_path = path
+                if bias_params and path == "fused" and tile.blk is not None:
+                    if tile.kind == "shifted" and fused_shift is None:
+                        fused_shift = tile
+                    elif tile.blk.bias is not None:
+                        t_path = "pure"
                 cols = slice(tile.c0, tile.c1)
-                dq_t, dk_t, dv_t = _tile_backward(path, q, k[:, :, cols], v[:, :, cols], do, o,
-                                                  l_b, d_b, tile, scale, h0, softcap,
-                                                  bias_grad if bias_params else None)  # fmt: skip
+                dq_t, dk_t, dv_t = _tile_backward(
+                    t_path, q, k[:, :, cols], v[:, :, cols], do, o, l_b, d_b, tile, scale, h0,
+                    softcap, routed if bias_params and t_path == "pure" else None,
+                )  # fmt: skip
                 dq_b.add_(dq_t)
                 dk[:, g0:g1, cols].add_(dk_t)
                 dv[:, g0:g1, cols].add_(dv_t)
+            if fused_shift is not None:
+                assert rowsum is not None and d_b is not None
+                far = rowsum.neg_()  # (B, Hs, tq): dS summed over the shifted tile
+                if sink_share is not None:
+                    far.add_(d_b * sink_share[:, h0:h1, rows])
+                bias_grad(far.unsqueeze(-1), fused_shift, h0)
 
     _run_groups(G, work)
     return dq, dk, dv, dparams
@@ -954,10 +1019,9 @@ class _BlockwiseAttention(torch.autograd.Function):
         sinks: torch.Tensor | None,
         *bias_params: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # Decide the path now: the backward runs outside any force_tile_path block. Bias
-        # gradients need the pure tiles in the backward, so both passes take them.
-        path = _choose_path(query, key, value, tile_path,
-                            _pure_because(softcap, bool(bias_params)))  # fmt: skip
+        # Decide the path now: the backward runs outside any force_tile_path block. (Bias
+        # gradients take pure tiles in the backward where they need dS: see _backward.)
+        path = _choose_path(query, key, value, tile_path, _pure_because(softcap))
         out, lse = _forward(query, key, value, mask, scale, q_offset=0, k_offset=0,
                             T_total=None, S_total=None, block_q=block_q, block_k=block_k,
                             tile_path=path, softcap=softcap)  # fmt: skip
@@ -977,17 +1041,20 @@ class _BlockwiseAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor, grad_lse: torch.Tensor | None):  # type: ignore[override]
         query, key, value, out, lse, sinks, *bias_params = ctx.saved_tensors
+        cd = _compute_dtype(query.dtype)
+        share = None  # the sink's weight in each row's softmax, (B, H, T)
+        if sinks is not None:
+            share = torch.exp(sinks.to(cd)[None, :, None] - lse.to(cd))
         dq, dk, dv, dparams = _backward(
             query, key, value, grad_out, out, lse, ctx.mask, ctx.scale,
             q_offset=0, k_offset=0, T_total=None, S_total=None, block_q=ctx.blocks[0],
             block_k=ctx.blocks[1], tile_path=ctx.path, softcap=ctx.softcap,
-            bias_params=tuple(bias_params),
+            bias_params=tuple(bias_params), sink_share=share,
         )  # fmt: skip
         dsinks = None
         if sinks is not None and ctx.needs_input_grad[9]:
-            cd = _compute_dtype(query.dtype)
+            assert share is not None
             delta = (grad_out.to(cd) * out.to(cd)).sum(dim=-1)  # (B, H, T)
-            share = torch.exp(sinks.to(cd)[None, :, None] - lse.to(cd))  # the sink's weight
             dsinks = -(share * delta).sum(dim=(0, 2)).to(sinks.dtype)  # (H,)
         return (
             dq.to(query.dtype),
