@@ -246,3 +246,22 @@ def test_gguf_sentencepiece_tokenizer_equals_transformers_on_the_same_file(
     utf8 = ["<0xE6>", "<0x97>", "<0xA5>", "<0xE6>", "<0x9C>", "<0xAC>"]
     prefix = ["\u2581"] if family == "phi3" else []
     assert pieces == ["<s>", *prefix, *utf8, "\u2581the", "\u2581cat"]
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("family", ["gemma2", "phi3"])
+def test_gguf_q4_codes_kept_as_int4_through_the_fused_splits(hf_dirs, tmp_path, family, qtype):
+    """dtype="int4" keeps the file's 4-bit codes (split like the values: phi3's fused
+    attn_qkv and ffn_up): every projection an Int4Linear, logits within the bf16 rounding
+    of the block scales of the dequantised load (a wrong split would be off by O(1))."""
+    from attnlab.quant import Int4Linear
+
+    path = tmp_path / f"{family}.{qtype}.gguf"
+    write_gguf(hf_dirs[family], path, family, qtype)
+    model, tok = load_pretrained(path)
+    packed, _ = load_pretrained(path, dtype="int4")
+    layers = CONFIGS[family]["num_hidden_layers"]
+    assert sum(isinstance(m, Int4Linear) for m in packed.modules()) >= 7 * layers
+    ids = torch.tensor([tok.encode(CORPUS[1])])
+    with torch.no_grad():
+        torch.testing.assert_close(packed(ids), model(ids), atol=0.1, rtol=0)
