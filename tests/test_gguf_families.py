@@ -8,6 +8,7 @@ exact."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 
 import pytest
@@ -265,3 +266,19 @@ def test_gguf_q4_codes_kept_as_int4_through_the_fused_splits(hf_dirs, tmp_path, 
     ids = torch.tensor([tok.encode(CORPUS[1])])
     with torch.no_grad():
         torch.testing.assert_close(packed(ids), model(ids), atol=0.1, rtol=0)
+
+
+def test_gguf_gemma2_summary_shows_softcaps_and_the_window_pattern(hf_dirs, tmp_path, capsys):
+    from cli_runner import run_main
+
+    path = tmp_path / "gemma2.gguf"
+    write_gguf(hf_dirs["gemma2"], path, "gemma2", "Q8_0")
+    code, out, err = run_main(capsys, "info", "--model", str(path), "--json", "-t", "16")
+    assert code == 0, err
+    data = json.loads(out)
+    assert (data["attn_softcap"], data["final_softcap"]) == (5.0, 10.0)
+    assert [lay["sliding_window"] for lay in data["per_layer"]] == [5, None, 5]
+    assert data["head_dim"] == 32 and data["kv_heads"] == 2
+    code, out, err = run_main(capsys, "info", "--model", str(path))
+    assert code == 0, err
+    assert "attention 5, final 10" in out
