@@ -428,6 +428,13 @@ def main() -> None:
         "--grid", action="store_true", help="auto against the fastest backend in every cell"
     )
     grid.add_argument("--grid-plot", default=None, help="draw the --grid result (PNG)")
+    grid.add_argument(
+        "--grid-with",
+        metavar="JSON",
+        nargs="*",
+        default=[],
+        help="cells of earlier --grid --json runs (other lengths) to print and draw with this one",
+    )
     grid.add_argument("--grid-min-t", type=int, default=16)
     grid.add_argument("--grid-max-t", type=int, default=2048)
     grid.add_argument("--grid-reps", type=int, default=5, help="interleaved rounds per cell")
@@ -729,6 +736,10 @@ def measure_grid(args: argparse.Namespace, with_auto: bool) -> list[dict]:
                     if with_auto:
                         fns["auto"] = grid_call("auto", GRID_DTYPES[dname], pass_, mask, T)
                     sec = bench_cell(fns, args.grid_reps)
+                    auto_chose = (
+                        grid_auto_choice(GRID_DTYPES[dname], pass_, mask, T) if with_auto else ""
+                    )
+                    sec = _settle_close_calls(fns, sec, run, auto_chose, args.grid_reps)
                     ms = {n: sec[n] * 1e3 for n in sec}
                     cell = {"dtype": dname, "pass": pass_, "mask": mask, "T": T, "ms": ms}
                     fastest = min(run, key=lambda n: ms[n])
@@ -736,13 +747,41 @@ def measure_grid(args: argparse.Namespace, with_auto: bool) -> list[dict]:
                         f"{n} {ms[n]:.3g}" for n in fns
                     )
                     if with_auto:
-                        cell["auto_chose"] = grid_auto_choice(GRID_DTYPES[dname], pass_, mask, T)
+                        cell["auto_chose"] = auto_chose
                         cell["fastest"] = fastest
                         cell["ratio"] = ms["auto"] / ms[fastest]
                         line += f"  -> auto={cell['auto_chose']} {cell['ratio']:.2f}x {fastest}"
                     print(line + " ms", flush=True)
                     cells.append(cell)
     return cells
+
+
+CLOSE = 0.10  # timings this close are re-measured head to head before they decide anything
+
+
+def _settle_close_calls(
+    fns: dict[str, Callable[[], object]],
+    sec: dict[str, float],
+    run: list[str],
+    auto_chose: str,
+    rounds: int,
+) -> dict[str, float]:
+    """Re-time, head to head with 3x the rounds, the calls whose comparison decides something
+    and that a first pass put within ``CLOSE`` of each other: the two fastest backends (their
+    order becomes a table row), and auto against the fastest backend when auto looks slower
+    by more than 5%. Each keeps its minimum over both passes, so a call only gets faster by
+    more samples, never by another rule; a real difference survives, a scheduler hiccup in
+    one sub-millisecond round does not flip a row or fail a cell."""
+    best = sorted(run, key=lambda n: sec[n])
+    again: set[str] = set()
+    if len(best) > 1 and sec[best[1]] <= sec[best[0]] * (1 + CLOSE):
+        again |= {best[0], best[1]}
+    if auto_chose and sec["auto"] > sec[best[0]] * 1.05:
+        again |= {"auto", best[0], auto_chose}
+    if not again:
+        return sec
+    more = bench_cell({n: fns[n] for n in fns if n in again}, 3 * rounds)
+    return {n: min(sec[n], more.get(n, math.inf)) for n in sec}
 
 
 TIE = 0.03  # a backend later in the fixed order must win by more than this to rank first
@@ -934,14 +973,21 @@ def grid_main(args: argparse.Namespace) -> None:
         meter = QuietMeter().start()
         cells = measure_grid(args, with_auto=True)
         busy = meter.others()
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump({"cells": cells, "others_busy_during": busy}, fh, indent=1)
+        for earlier in args.grid_with:  # e.g. T <= 2048 with the table, then 4096..8192
+            data = json.loads(Path(earlier).read_text())
+            here = {(c["dtype"], c["pass"], c["mask"], c["T"]) for c in cells}
+            cells += [
+                c for c in data["cells"] if (c["dtype"], c["pass"], c["mask"], c["T"]) not in here
+            ]
+            busy = max(busy, data.get("others_busy_during", 0.0))
         print_grid(cells)
         print(
             f"grid took {time.perf_counter() - t0:.0f} s; other processes used {busy:.0%} of "
             f"the machine during it (loadavg now {os.getloadavg()[0]:.2f})"
         )
-        if args.json:
-            with open(args.json, "w") as fh:
-                json.dump({"cells": cells, "others_busy_during": busy}, fh, indent=1)
         if args.grid_plot:
             title = (
                 f"auto / fastest backend, B=1 H={H} D={D}, CPU {args.threads} threads "

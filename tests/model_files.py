@@ -36,6 +36,29 @@ def tokenizer_json(folder) -> None:
     )
 
 
+def spm_vocab(n_vocab: int) -> tuple[list[str], list[float], list[int]]:
+    """A SentencePiece-style vocabulary as llama.cpp's converter writes it: ``<unk>``,
+    ``<s>``, ``</s>``, the 256 byte tokens ``<0xXX>``, a control token ``<|end|>``, then
+    ``▁``-marked BPE pieces trained here on the corpus, padded with ``[PADi]``; the score
+    of each entry falls with its id (the merge order), llama.cpp's types (1 normal,
+    2 unknown, 3 control, 5 unused, 6 byte)."""
+    from tokenizers import SentencePieceBPETokenizer
+
+    bpe = SentencePieceBPETokenizer()
+    bpe.train_from_iterator(CORPUS, vocab_size=180, min_frequency=1, show_progress=False)
+    pieces = [p for p, _ in sorted(bpe.get_vocab().items(), key=lambda kv: kv[1])]
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), "<|end|>", *pieces]
+    types = [2, 3, 3, *[6] * 256, 3, *[1] * len(pieces)]
+    assert len(tokens) <= n_vocab
+    scores = [-float(i) for i in range(len(tokens))]
+    pad = range(len(tokens), n_vocab)
+    return (
+        tokens + [f"[PAD{i}]" for i in pad],
+        scores + [-10000.0] * len(pad),
+        types + [5] * len(pad),
+    )
+
+
 def save_hf(family: str, overrides: dict, folder, dtype: torch.dtype, *, encoder: bool = False):
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
@@ -79,7 +102,17 @@ _GPT2_TO_GGUF = {
     "transformer.h.{i}.mlp.c_fc": "blk.{i}.ffn_up",
     "transformer.h.{i}.mlp.c_proj": "blk.{i}.ffn_down",
 }
-PRE_TOKENIZER = {"llama": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2", "gpt2": "gpt-2"}
+PRE_TOKENIZER = {
+    "llama": "llama-bpe",
+    "mistral": "llama-bpe",
+    "qwen2": "qwen2",
+    "qwen3": "qwen2",
+    "gpt2": "gpt-2",
+    "gemma2": "default",
+    "phi3": "default",
+}
+# llama.cpp has no "mistral" architecture: its converter writes Mistral as "llama".
+GGUF_ARCH = {"mistral": "llama"}
 
 
 def llama_cpp_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -106,10 +139,16 @@ def _gguf_name(hf_name: str, table: dict[str, str]) -> str | None:
     return None
 
 
-def write_gguf(hf_folder, out_path, family: str, qtype_name: str) -> dict[str, torch.Tensor]:
+def write_gguf(
+    hf_folder, out_path, family: str, qtype_name: str, *, extra=None
+) -> dict[str, torch.Tensor]:
     """Convert a tiny Hugging Face checkpoint to GGUF the way llama.cpp's converter does.
 
-    2-D weights are stored as ``qtype_name`` (F32, F16 or Q8_0), 1-D ones as F32.
+    2-D weights are stored as ``qtype_name`` (F32, F16, Q8_0, Q4_0 or Q4_1), 1-D ones as
+    F32. The tensor names and metadata keys are llama.cpp's (``gguf.tensor_mapping`` for
+    gemma2 and phi3), and so are its conversions: q/k rows permuted for the ``llama``
+    architecture (Mistral is written as ``llama``), Gemma's norms stored as ``1 + weight``,
+    Phi-3's fused tensors kept.
 
     Returns:
         The Hugging Face state dict with every weight replaced by what the GGUF file holds
@@ -117,6 +156,7 @@ def write_gguf(hf_folder, out_path, family: str, qtype_name: str) -> dict[str, t
     """
     import json
 
+    import gguf
     from gguf import GGMLQuantizationType, GGUFWriter
     from gguf.quants import dequantize, quantize
     from safetensors.torch import load_file
@@ -124,8 +164,9 @@ def write_gguf(hf_folder, out_path, family: str, qtype_name: str) -> dict[str, t
     cfg = json.loads((hf_folder / "config.json").read_text())
     state = load_file(hf_folder / "model.safetensors")
     qtype = GGMLQuantizationType[qtype_name]
-    w = GGUFWriter(out_path, family)
-    arch = family
+    arch = GGUF_ARCH.get(family, family)
+    w = GGUFWriter(out_path, arch)
+    rope = cfg.get("rope_parameters") or {}
     if family == "gpt2":
         C, L, H, G = cfg["n_embd"], cfg["n_layer"], cfg["n_head"], cfg["n_head"]
         w.add_uint32(f"{arch}.context_length", cfg["n_positions"])
@@ -141,29 +182,65 @@ def write_gguf(hf_folder, out_path, family: str, qtype_name: str) -> dict[str, t
         w.add_uint32(f"{arch}.context_length", cfg["max_position_embeddings"])
         w.add_uint32(f"{arch}.feed_forward_length", cfg["intermediate_size"])
         w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg["rms_norm_eps"])
-        w.add_float32(f"{arch}.rope.freq_base", cfg["rope_parameters"]["rope_theta"])
-        if cfg.get("head_dim"):
+        if family != "gemma2":  # llama.cpp's Gemma 2 converter writes no base (10000)
+            w.add_float32(f"{arch}.rope.freq_base", rope["rope_theta"])
+        if cfg.get("head_dim") and family != "phi3":
             w.add_uint32(f"{arch}.attention.key_length", cfg["head_dim"])
             w.add_uint32(f"{arch}.attention.value_length", cfg["head_dim"])
+        if rope.get("rope_type") == "linear":
+            w.add_string(f"{arch}.rope.scaling.type", "linear")
+            w.add_float32(f"{arch}.rope.scaling.factor", rope["factor"])
+        if family == "phi3":  # as llama.cpp's Phi3MiniModel
+            w.add_uint32(
+                f"{arch}.rope.dimension_count",
+                int(rope.get("partial_rotary_factor", 1.0) * C) // H,
+            )
+            w.add_uint32(f"{arch}.attention.sliding_window", cfg.get("sliding_window") or 0)
+        if family == "gemma2":  # as llama.cpp's Gemma2Model
+            w.add_float32(f"{arch}.attn_logit_softcapping", cfg["attn_logit_softcapping"])
+            w.add_float32(f"{arch}.final_logit_softcapping", cfg["final_logit_softcapping"])
+            w.add_uint32(f"{arch}.attention.sliding_window", cfg["sliding_window"])
+        if family == "mistral" and cfg.get("sliding_window"):
+            w.add_uint32(f"{arch}.attention.sliding_window", cfg["sliding_window"])
         table = _LLAMA_TO_GGUF
+        if family in ("gemma2", "phi3"):  # llama.cpp's own name map (gguf.tensor_mapping)
+            names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[family.upper()], L)
+            table = {
+                n.rsplit(".", 1)[0]: g.rsplit(".", 1)[0]
+                for n in state
+                if (g := names.get_name(n, try_suffixes=(".weight", ".bias"))) is not None
+            }
     w.add_uint32(f"{arch}.embedding_length", C)
     w.add_uint32(f"{arch}.block_count", L)
     w.add_uint32(f"{arch}.attention.head_count", H)
     w.add_uint32(f"{arch}.attention.head_count_kv", G)
-    tok = json.loads((hf_folder / "tokenizer.json").read_text())
-    vocab = tok["model"]["vocab"]
-    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
-    special = {a["content"] for a in tok["added_tokens"]}
     n_vocab = state["lm_head.weight" if "lm_head.weight" in state else "model.embed_tokens.weight"]
-    tokens += [f"[PAD{i}]" for i in range(len(tokens), n_vocab.shape[0])]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(PRE_TOKENIZER[family])
-    w.add_token_list(tokens)
-    w.add_token_types([3 if t in special else 1 for t in tokens])
-    merges = tok["model"]["merges"]
-    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
-    w.add_bos_token_id(vocab["<s>"])
-    w.add_eos_token_id(vocab["</s>"])
+    if family in ("gemma2", "phi3"):  # SentencePiece, as their llama.cpp converters write
+        tokens, scores, types = spm_vocab(n_vocab.shape[0])
+        w.add_tokenizer_model("llama")
+        w.add_tokenizer_pre("default")
+        w.add_token_list(tokens)
+        w.add_token_scores(scores)
+        w.add_token_types(types)
+        w.add_unk_token_id(0)
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+        if family == "gemma2":
+            w.add_add_space_prefix(False)
+    else:
+        tok = json.loads((hf_folder / "tokenizer.json").read_text())
+        vocab = tok["model"]["vocab"]
+        tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+        special = {a["content"] for a in tok["added_tokens"]}
+        tokens += [f"[PAD{i}]" for i in range(len(tokens), n_vocab.shape[0])]
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre(PRE_TOKENIZER[family])
+        w.add_token_list(tokens)
+        w.add_token_types([3 if t in special else 1 for t in tokens])
+        merges = tok["model"]["merges"]
+        w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+        w.add_bos_token_id(vocab["<s>"])
+        w.add_eos_token_id(vocab["</s>"])
     reference: dict[str, torch.Tensor] = {}
     for name, t in state.items():
         if family != "gpt2" and name == "lm_head.weight" and cfg.get("tie_word_embeddings"):
@@ -171,13 +248,16 @@ def write_gguf(hf_folder, out_path, family: str, qtype_name: str) -> dict[str, t
         gname = _gguf_name(name, table)
         assert gname is not None, name
         x = t.float()
+        plus1 = family == "gemma2" and name.endswith("norm.weight")
+        if plus1:  # llama.cpp's Gemma converter stores 1 + weight
+            x = x + 1
         conv1d = family == "gpt2" and name.endswith(".weight") and ".c_" in name
         if conv1d:
             x = x.T.contiguous()
         perm = None
-        if family == "llama" and ".q_proj." in name:
+        if arch == "llama" and ".q_proj." in name:
             perm = H
-        elif family == "llama" and ".k_proj." in name:
+        elif arch == "llama" and ".k_proj." in name:
             perm = G
         if perm is not None:
             x = llama_cpp_permute(x, perm)
@@ -200,7 +280,9 @@ def write_gguf(hf_folder, out_path, family: str, qtype_name: str) -> dict[str, t
             y = y.reshape(perm, D2, 2, *y.shape[1:]).swapaxes(1, 2).reshape(y.shape)
         if conv1d:
             y = y.T.contiguous()
-        reference[name] = y
+        reference[name] = y - 1 if plus1 else y
+    if extra is not None:  # more keys or tensors: extra(writer)
+        extra(w)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

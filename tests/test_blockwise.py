@@ -255,3 +255,123 @@ def test_training_memory_grows_linearly(path, mask):
     p1, p2 = peak(1024), peak(2048)
     assert p2 <= 2.1 * p1, (p1, p2)
     assert p2 < 2 * 2048 * 2048 * 4 / 2  # half of one fp32 T x S matrix per head
+
+
+# -- Biases constant over a tile (T5 beyond max_distance): "shifted" tiles -----------------
+
+
+def _t5_case(bidirectional: bool, causal: bool, sinks: bool, docs: bool, dtype, T=61, S=61):
+    """Inputs, attnlab mask and fp64 reference pieces for a T5 bias with small blocks."""
+    from attnlab.biases import RelativePositionBias
+    from attnlab.masks import DocumentMask
+    from reference import t5_relative_bucket
+
+    gen = torch.Generator().manual_seed(7)
+    Bt, Ht, Gt, D = 2, 4, 2, 16
+    q = torch.randn(Bt, Ht, T, D, generator=gen).to(dtype).requires_grad_()
+    k = torch.randn(Bt, Gt, S, D, generator=gen).to(dtype).requires_grad_()
+    v = torch.randn(Bt, Gt, S, D, generator=gen).to(dtype).requires_grad_()
+    dout = torch.randn(Bt, Ht, T, D, generator=gen).to(dtype)
+    pdt = torch.float64 if dtype == torch.float64 else torch.float32
+    table = torch.randn(8, Ht, generator=gen).to(pdt).requires_grad_()
+    sink = torch.randn(Ht, generator=gen).to(pdt).requires_grad_() if sinks else None
+    mask = RelativePositionBias(table, bidirectional=bidirectional, num_buckets=8, max_distance=12)
+    qpos, kpos = (torch.arange(T) + S - T)[:, None], torch.arange(S)[None, :]
+    allowed = torch.ones(Bt, 1, T, S, dtype=torch.bool)
+    if causal:
+        mask = mask & CausalMask()
+        allowed &= kpos <= qpos
+    if docs:
+        ids = torch.tensor([0] * 20 + [1] * (T - 20))[None].expand(Bt, T)
+        mask = mask & DocumentMask(ids)
+        allowed &= (ids[:, :, None] == ids[:, None, :])[:, None]
+    bucket = t5_relative_bucket(kpos - qpos, bidirectional, 8, 12)  # (T, S)
+    return q, k, v, dout, table, sink, mask, allowed, bucket
+
+
+@pytest.mark.parametrize("path", TILE_PATHS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize(
+    "case", ["bidirectional", "causal", "causal+sinks", "bidirectional+docs+sinks"]
+)
+def test_t5_bias_far_tiles_are_shifted_tiles_matching_reference(monkeypatch, case, dtype, path):
+    """Beyond max_distance T5's bias is one number per head: those tiles run unmasked (on the
+    fused path: the op without a dense bias) with the number added to their log-sum-exp,
+    and the table's gradient for that bucket comes from the row sums of dS. Output and
+    every gradient (q, k, v, table, sinks) against the fp64 reference."""
+    from test_backends import grad_tol
+
+    calls = _count_tiles(monkeypatch)
+    parts = set(case.split("+"))
+    q, k, v, dout, table, sink, mask, allowed, bucket = _t5_case(
+        "bidirectional" in parts, "causal" in parts, "sinks" in parts, "docs" in parts, dtype
+    )
+    from attnlab.backends.blockwise import _BlockwiseAttention
+
+    out, _ = _BlockwiseAttention.apply(q, k, v, mask, 0.25, 8, 8, path, None, sink,
+                                       *mask.grad_tensors())  # fmt: skip
+    out.backward(dout)
+    assert "shifted" in {c[1] for c in calls}  # the far tiles took the shifted form
+    assert all(c[0] == path for c in calls)
+
+    qr, kr, vr = (t.detach().double().requires_grad_() for t in (q, k, v))
+    tr = table.detach().double().requires_grad_()
+    sr = None if sink is None else sink.detach().double().requires_grad_()
+    bias = tr[bucket].permute(2, 0, 1)[None]  # (1, H, T, S)
+    ref, _ = reference_attention(qr, kr, vr, mask=allowed, bias=bias, scale=0.25, sinks=sr)
+    ref.backward(dout.double())
+    torch.testing.assert_close(out.double(), ref, **tol(dtype))
+    pairs = [("q", q, qr), ("k", k, kr), ("v", v, vr), ("table", table, tr)]
+    if sink is not None:
+        pairs.append(("sinks", sink, sr))
+    for name, t, r in pairs:
+        assert t.grad is not None and torch.isfinite(t.grad).all(), name
+        torch.testing.assert_close(t.grad.double(), r.grad, **grad_tol(dtype), msg=name)
+
+
+# -- ALiBi on the fused path as one more head dim -------------------------------------------
+
+
+@pytest.mark.parametrize("path", TILE_PATHS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize(("T", "S", "causal"), [(61, 61, True), (29, 75, True), (40, 33, False)])
+def test_alibi_in_row_blocks_matches_reference(monkeypatch, T, S, causal, dtype, path):
+    """ALiBi (& causal) in many row blocks: on fused fp32/fp64 tiles it runs as one more head
+    dim (the op sees D + 1), centred on each row block; output, log-sum-exp and gradients
+    against the fp64 reference (the bias written from the published slopes)."""
+    from attnlab.biases import AlibiBias
+    from test_backends import grad_tol
+
+    calls = _count_tiles(monkeypatch)
+    gen = torch.Generator().manual_seed(3)
+    Bt, Ht, Gt, D = 2, 4, 2, 16
+    q = (torch.randn(Bt, Ht, T, D, generator=gen) * 2).to(dtype).requires_grad_()
+    k = (torch.randn(Bt, Gt, S, D, generator=gen) * 2).to(dtype).requires_grad_()
+    v = torch.randn(Bt, Gt, S, D, generator=gen).to(dtype).requires_grad_()
+    dout = torch.randn(Bt, Ht, T, D, generator=gen).to(dtype)
+    mask = AlibiBias(Ht) & CausalMask() if causal else AlibiBias(Ht)
+    res = blockwise_attention(q, k, v, mask, dropout_p=0.0, scale=0.25, block_q=8, block_k=8,
+                              tile_path=path)  # fmt: skip
+    res.output.backward(dout)
+    widened = path == "fused" and dtype != torch.bfloat16
+    assert {c[2][-1] for c in calls} == {D + 1 if widened else D}
+    assert res.output.shape == (Bt, Ht, T, D)
+
+    slopes = torch.tensor([2.0 ** (-8 * (h + 1) / Ht) for h in range(Ht)], dtype=torch.float64)
+    qpos, kpos = (torch.arange(T) + S - T)[:, None], torch.arange(S)[None, :]
+    bias = (-slopes[:, None, None] * (qpos - kpos))[None]  # (1, H, T, S)
+    allowed = (kpos <= qpos)[None, None] if causal else None
+    qr, kr, vr = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref, _ = reference_attention(qr, kr, vr, mask=allowed, bias=bias, scale=0.25)
+    ref.backward(dout.double())
+    torch.testing.assert_close(res.output.double(), ref, **tol(dtype))
+    scores = (qr.detach() @ kr.detach().repeat_interleave(2, 1).transpose(-2, -1)) * 0.25 + bias
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, -math.inf)
+    ref_lse = torch.logsumexp(scores, dim=-1)
+    seen = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(res.lse), seen)
+    torch.testing.assert_close(res.lse.double()[seen], ref_lse[seen], **tol(dtype))
+    for name, t, r in (("q", q, qr), ("k", k, kr), ("v", v, vr)):
+        assert t.grad is not None and torch.isfinite(t.grad).all(), name
+        torch.testing.assert_close(t.grad.double(), r.grad, **grad_tol(dtype), msg=name)

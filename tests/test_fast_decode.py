@@ -155,6 +155,43 @@ def test_each_precision_decodes_through_the_fast_step_as_its_module_path(dtype):
     assert torch.equal(fast.argmax(-1), slow.argmax(-1))
 
 
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_int_prefill_dequantises_and_gives_the_one_row_kernels_logits(dtype, monkeypatch):
+    """A prompt (many rows: bf16 mm of dequantised weights) against the same tokens fed
+    one at a time (the int kernels). The paths differ by bf16 roundings only (int4: of the
+    dequantised weight; int8: of the product before its row scale), 2^-8 relative per
+    product, which this random 3-layer model amplifies to a few percent of the logits;
+    against fp32 both carry the same quantisation error."""
+    from attnlab import quant
+
+    fp32 = _model(3)
+    model = quantize_model(_model(3), dtype)
+    monkeypatch.setattr(quant.Int8Linear, "dense_from_rows", 8)
+    monkeypatch.setattr(quant.Int4Linear, "dense_from_rows", 8)
+    ids = torch.randint(0, CONFIG.vocab_size, (2, 12), generator=torch.Generator().manual_seed(5))
+    calls = {"dense": 0}
+    real_mm = torch.mm
+
+    def counting_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        calls["dense"] += a.dtype == torch.bfloat16
+        return real_mm(a, b)
+
+    with torch.no_grad():
+        reference = fp32(ids)
+        monkeypatch.setattr(torch, "mm", counting_mm)
+        prompt = model(ids)  # (B, T, V): 24 rows per product
+        monkeypatch.setattr(torch, "mm", real_mm)
+        assert calls["dense"] >= 7 * CONFIG.num_layers  # every layer's products dequantised
+        cache = model.new_kv_cache(max_len=16)
+        steps = torch.cat([model(ids[:, i : i + 1], kv_cache=cache) for i in range(12)], 1)
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return ((a - b).norm() / b.norm()).item()
+
+    assert rel(prompt, steps) < 0.05, rel(prompt, steps)
+    assert rel(prompt, reference) <= 1.25 * rel(steps, reference)
+
+
 def test_gpt_decodes_through_the_fast_step_with_the_same_logits():
     from attnlab.models.gpt import GPTConfig, GPTModel
 

@@ -8,6 +8,7 @@ exact."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 
 import pytest
@@ -21,8 +22,8 @@ if not all(importlib.util.find_spec(m) for m in ("transformers", "tokenizers", "
 
 from attnlab.generation import generate
 from attnlab.models.decoder import Decoder
-from attnlab.pretrained import load_pretrained
-from model_files import CORPUS, save_hf, write_gguf
+from attnlab.pretrained import ModelFileError, load_pretrained
+from model_files import CORPUS, GGUF_ARCH, save_hf, write_gguf
 
 CONFIGS = {
     "llama": {
@@ -33,6 +34,19 @@ CONFIGS = {
         "num_key_value_heads": 2,
         "max_position_embeddings": 128,
         "tie_word_embeddings": False,
+        # written as rope.scaling.type / rope.scaling.factor
+        "rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+    },
+    # llama.cpp writes Mistral as architecture "llama" (q/k permuted); the window rides in
+    # llama.attention.sliding_window (llama.cpp's converter leaves it out: then none).
+    "mistral": {
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "sliding_window": 5,
+        "max_position_embeddings": 128,
     },
     "qwen2": {
         "hidden_size": 64,
@@ -53,7 +67,46 @@ CONFIGS = {
         "max_position_embeddings": 128,
     },
     "gpt2": {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128},
+    # Gemma 2 as llama.cpp can hold it: tied, query_pre_attn_scalar = head_dim (the file has
+    # no key for it), even layers local. Softcaps small so that they bite; H * D != C.
+    "gemma2": {
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "query_pre_attn_scalar": 32,
+        "sliding_window": 5,
+        "attn_logit_softcapping": 5.0,
+        "final_logit_softcapping": 10.0,
+        "max_position_embeddings": 128,
+        "tie_word_embeddings": True,
+        "pad_token_id": 1,
+        "eos_token_id": 2,
+        "bos_token_id": 0,
+    },
+    # Phi-3: fused qkv and gate/up, partial rotary (rope.dimension_count), a window of 7.
+    "phi3": {
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 128,
+        "original_max_position_embeddings": 128,
+        "sliding_window": 7,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.5,
+        },
+        "tie_word_embeddings": False,
+        "pad_token_id": 1,
+        "eos_token_id": 2,
+    },
 }
+QTYPES = ["F32", "F16", "Q8_0", "Q4_0", "Q4_1"]
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +115,7 @@ def hf_dirs(tmp_path_factory):
     return {f: save_hf(f, c, root / f, torch.float32) for f, c in CONFIGS.items()}
 
 
-@pytest.mark.parametrize("qtype", ["F32", "F16", "Q8_0"])
+@pytest.mark.parametrize("qtype", QTYPES)
 @pytest.mark.parametrize("family", sorted(CONFIGS))
 def test_gguf_logits_equal_transformers_on_the_dequantised_weights(
     hf_dirs, tmp_path, family, qtype
@@ -76,7 +129,7 @@ def test_gguf_logits_equal_transformers_on_the_dequantised_weights(
     assert not unexpected and set(missing) <= {"lm_head.weight"}
     ref.eval()
     model, tok = load_pretrained(path)
-    assert isinstance(model, Decoder) and model.config.family == family
+    assert isinstance(model, Decoder) and model.config.family == GGUF_ARCH.get(family, family)
     ids = torch.tensor([tok.encode(CORPUS[1])])
     with torch.no_grad():
         expected = ref(ids, output_attentions=True)
@@ -92,7 +145,7 @@ def test_gguf_logits_equal_transformers_on_the_dequantised_weights(
         assert ours.tolist() == generate(st_model, ids, 8).tolist()
 
 
-@pytest.mark.parametrize("family", sorted(CONFIGS))
+@pytest.mark.parametrize("family", ["gpt2", "llama", "mistral", "qwen2", "qwen3"])
 def test_gguf_tokenizer_with_llama_cpp_pre_tokenizer_names(hf_dirs, tmp_path, family):
     path = tmp_path / f"{family}.gguf"
     write_gguf(hf_dirs[family], path, family, "F32")
@@ -105,9 +158,127 @@ def test_gguf_tokenizer_with_llama_cpp_pre_tokenizer_names(hf_dirs, tmp_path, fa
     pieces = [p for p, _ in tok.backend.pre_tokenizer.pre_tokenize_str("12345 abc")]
     expected = {
         "llama": ["123", "45", "Ġabc"],
+        "mistral": ["123", "45", "Ġabc"],
         "qwen2": ["1", "2", "3", "4", "5", "Ġabc"],
         "qwen3": ["1", "2", "3", "4", "5", "Ġabc"],
         "gpt2": ["12345", "Ġabc"],
     }[family]
     assert pieces == expected
     assert tok.eos_id == hf_tok.eos_id
+
+
+def _refused(path, *words):
+    with pytest.raises(ModelFileError) as info:
+        load_pretrained(path)
+    message = str(info.value)
+    assert str(path) in message and all(w in message for w in words), message
+
+
+def test_gguf_rope_variants_held_in_tensors_or_unknown_scalings_are_refused(hf_dirs, tmp_path):
+    import numpy as np
+
+    def longrope(w):  # what llama.cpp's Phi3MiniModel writes for a 128k model
+        w.add_tensor("rope_factors_long.weight", np.ones(8, dtype=np.float32))
+        w.add_tensor("rope_factors_short.weight", np.ones(8, dtype=np.float32))
+
+    write_gguf(hf_dirs["phi3"], tmp_path / "long.gguf", "phi3", "F32", extra=longrope)
+    _refused(tmp_path / "long.gguf", "rope_factors_long.weight", "longrope")
+
+    def yarn(w):
+        w.add_string("qwen2.rope.scaling.type", "yarn")
+
+    write_gguf(hf_dirs["qwen2"], tmp_path / "yarn.gguf", "qwen2", "F32", extra=yarn)
+    _refused(tmp_path / "yarn.gguf", "qwen2.rope.scaling.type", "'yarn'")
+
+    def odd_rotary(w):
+        w.add_uint32("qwen3.rope.dimension_count", 7)
+
+    write_gguf(hf_dirs["qwen3"], tmp_path / "odd.gguf", "qwen3", "F32", extra=odd_rotary)
+    _refused(tmp_path / "odd.gguf", "qwen3.rope.dimension_count", "even number")
+
+
+def test_gguf_architecture_mistral_is_refused_with_the_llama_hint(hf_dirs, tmp_path):
+    from gguf import GGUFWriter
+
+    path = tmp_path / "m.gguf"
+    w = GGUFWriter(path, "mistral")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    _refused(path, "'mistral'", "as 'llama'")
+
+
+SPM_TEXTS = [
+    *CORPUS,
+    "  two leading spaces and  two inside",
+    "tabs\tand\nnewlines",
+    "日本語 and ünïcödé ✓",  # not in the vocabulary: UTF-8 byte tokens
+    "hello<|end|>world <|end|>",  # a control token, matched whole
+    "a",
+    "",
+]
+
+
+@pytest.mark.parametrize("family", ["gemma2", "phi3"])
+def test_gguf_sentencepiece_tokenizer_equals_transformers_on_the_same_file(
+    hf_dirs, tmp_path, family
+):
+    """gemma2 (no space prefix) and phi3 (a space prefix) files hold a SentencePiece
+    vocabulary (tokens, scores, types, byte tokens): ids and text equal to the tokenizer
+    transformers builds from the same GGUF file."""
+    from transformers import AutoTokenizer
+
+    path = tmp_path / f"{family}.gguf"
+    write_gguf(hf_dirs[family], path, family, "F32")
+    _, tok = load_pretrained(path)
+    ref = AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    for text in SPM_TEXTS:
+        ids = tok.encode(text)
+        assert ids == ref(text)["input_ids"], text
+        assert ids[0] == tok.bos_id == 1  # add_bos_token defaults to true
+        shown = tok.decode(ids, skip_special_tokens=True)
+        assert shown == ref.decode(ids, skip_special_tokens=True)
+        if "<|end|>" not in text:
+            assert shown == text
+    # 日 and 本 are not in the vocabulary: their UTF-8 bytes; phi3 puts the space prefix
+    # (a lone ▁ here) first, gemma2 none; spaces inside become ▁ either way.
+    pieces = [tok.id_to_token(i) for i in tok.encode("日本 the cat")]
+    utf8 = ["<0xE6>", "<0x97>", "<0xA5>", "<0xE6>", "<0x9C>", "<0xAC>"]
+    prefix = ["\u2581"] if family == "phi3" else []
+    assert pieces == ["<s>", *prefix, *utf8, "\u2581the", "\u2581cat"]
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("family", ["gemma2", "phi3"])
+def test_gguf_q4_codes_kept_as_int4_through_the_fused_splits(hf_dirs, tmp_path, family, qtype):
+    """dtype="int4" keeps the file's 4-bit codes (split like the values: phi3's fused
+    attn_qkv and ffn_up): every projection an Int4Linear, logits within the bf16 rounding
+    of the block scales of the dequantised load (a wrong split would be off by O(1))."""
+    from attnlab.quant import Int4Linear
+
+    path = tmp_path / f"{family}.{qtype}.gguf"
+    write_gguf(hf_dirs[family], path, family, qtype)
+    model, tok = load_pretrained(path)
+    packed, _ = load_pretrained(path, dtype="int4")
+    layers = CONFIGS[family]["num_hidden_layers"]
+    assert sum(isinstance(m, Int4Linear) for m in packed.modules()) >= 7 * layers
+    ids = torch.tensor([tok.encode(CORPUS[1])])
+    with torch.no_grad():
+        torch.testing.assert_close(packed(ids), model(ids), atol=0.1, rtol=0)
+
+
+def test_gguf_gemma2_summary_shows_softcaps_and_the_window_pattern(hf_dirs, tmp_path, capsys):
+    from cli_runner import run_main
+
+    path = tmp_path / "gemma2.gguf"
+    write_gguf(hf_dirs["gemma2"], path, "gemma2", "Q8_0")
+    code, out, err = run_main(capsys, "info", "--model", str(path), "--json", "-t", "16")
+    assert code == 0, err
+    data = json.loads(out)
+    assert (data["attn_softcap"], data["final_softcap"]) == (5.0, 10.0)
+    assert [lay["sliding_window"] for lay in data["per_layer"]] == [5, None, 5]
+    assert data["head_dim"] == 32 and data["kv_heads"] == 2
+    code, out, err = run_main(capsys, "info", "--model", str(path))
+    assert code == 0, err
+    assert "attention 5, final 10" in out

@@ -15,6 +15,7 @@ from attnlab.quant import (
     fuse_rows,
     quantize_linear,
     quantize_model,
+    unpack_int4_t,
 )
 
 
@@ -66,6 +67,36 @@ def test_from_float_is_within_half_a_step_and_computes_with_it(cls):
     assert bool((err <= _step(cls, w) / 2 + 1e-7).all()), err.max()
     x = torch.randn(7, 64, generator=g)
     _close_bf16_out(q(x), _ref(x, q.weight, b))
+
+
+@pytest.mark.parametrize("N", [16, 48, 64, 80, 144])  # whole 64-row tiles, tails, both
+def test_unpacked_int4_codes_are_the_codes_given_to_the_packing(N):
+    g = torch.Generator().manual_seed(N)
+    codes = torch.randint(0, 16, (N, 96), generator=g, dtype=torch.int32)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2)
+    assert torch.equal(unpack_int4_t(packed, N, 96).t().int(), codes)
+    # The kernel's own view of the codes: its product with the identity (scale 1, zero 0).
+    unit = torch.zeros(96 // 32, N, 2, dtype=torch.bfloat16)
+    unit[..., 0] = 1.0
+    eye = torch.eye(96, dtype=torch.bfloat16)
+    q8 = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, packed, 32, unit)  # (K, N): q - 8
+    assert torch.equal(q8.float(), unpack_int4_t(packed, N, 96).float() - 8)
+
+
+@pytest.mark.parametrize("cls", [Int8Linear, Int4Linear])
+def test_many_rows_dequantise_and_give_the_kernels_product(cls):
+    """From ``dense_from_rows`` rows on (a prompt) the layer dequantises and runs bf16 mm."""
+    g = torch.Generator().manual_seed(4)
+    w, b = torch.randn(80, 64, generator=g) * 0.1, torch.randn(80, generator=g)
+    q = cls.from_float(w, b)
+    x = torch.randn(cls.dense_from_rows + 3, 64, generator=g)
+    dense = q(x)
+    _close_bf16_out(dense, _ref(x, q.weight, b))  # fp64 product of the layer's own weights
+    q.dense_from_rows = 1 << 30  # the one-row kernel for every row count
+    kernel = q(x)
+    scale = kernel.abs().max().item()
+    torch.testing.assert_close(dense, kernel, atol=scale * 2**-7, rtol=2**-7)
+    assert 1 < cls.dense_from_rows <= 256  # decode (one row) keeps the kernel
 
 
 def test_int4_rejects_shapes_the_kernel_cannot_pack_and_quantize_linear_falls_back():

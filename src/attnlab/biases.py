@@ -260,15 +260,34 @@ class RelativePositionBias(AttentionMask):
         per_distance = self._per_distance(torch.arange(lo, hi + 1, device=dev), dev)
         return MaskBlock("partial", bias=per_distance[:, rel - lo][None])  # (1, H, tq, tk)
 
-    def _per_distance(self, distances: torch.Tensor, dev: torch.device | str) -> torch.Tensor:
-        """The bias of each distance (key - query) per head, ``(H, len(distances))``."""
-        bucket = relative_position_bucket(
+    def constant_bias(self, T, S, rows, cols, *, device=None):
+        rs, cs = _span(rows, T), _span(cols, S)
+        if rs is None or cs is None or rs[1] <= rs[0] or cs[1] <= cs[0]:
+            return None
+        (q0, q1), (k0, k1) = rs, cs
+        lo = k0 - (q1 - 1 + S - T)  # the smallest and largest key - query of the tile
+        hi = k1 - 1 - (q0 + S - T)
+        if self.bidirectional and (lo > 0) != (hi > 0):
+            return None
+        # The bucket is monotone in key - query on each side of 0, so equal buckets at both
+        # ends mean one bucket for the whole tile (far from the diagonal: the last one).
+        dev = device if device is not None else self.table.device
+        ends = self._buckets(torch.tensor([lo, hi], device=dev))
+        if int(ends[0]) != int(ends[1]):
+            return None
+        return self.table.to(dev)[ends[0]][None, :, None, None]  # (1, H, 1, 1)
+
+    def _buckets(self, distances: torch.Tensor) -> torch.Tensor:
+        return relative_position_bucket(
             distances,
             bidirectional=self.bidirectional,
             num_buckets=self.num_buckets,
             max_distance=self.max_distance,
         )
-        return self.table.to(dev).t()[:, bucket]
+
+    def _per_distance(self, distances: torch.Tensor, dev: torch.device | str) -> torch.Tensor:
+        """The bias of each distance (key - query) per head, ``(H, len(distances))``."""
+        return self.table.to(dev).t()[:, self._buckets(distances)]
 
     def __repr__(self) -> str:
         return (

@@ -162,6 +162,20 @@ class AttentionMask:
         ``"partial"`` for a tile :meth:`block` finds empty, never the reverse."""
         return self.block(T, S, rows, cols).status
 
+    def constant_bias(
+        self, T: int, S: int, rows: Index, cols: Index, *, device: torch.device | str | None = None
+    ) -> torch.Tensor | None:
+        """The tile's bias as ``(1, H, 1, 1)`` when it is one number per head over the whole
+        tile and nothing in the tile is masked, else None (the default: unknown).
+
+        Such a tile needs no dense bias: a constant added to every score leaves the
+        softmax within the tile unchanged and only shifts its log-sum-exp, so a tiling
+        backend computes it as an unmasked tile (T5's relative bias is constant beyond
+        ``max_distance``). The result is computed from the mask's tensors, so gradients
+        flow through it.
+        """
+        return None
+
     def col_range(self, T: int, S: int, q0: int, q1: int) -> tuple[int, int]:
         """Columns ``[lo, hi)`` outside which rows ``q0:q1`` may attend to nothing.
 
@@ -643,6 +657,19 @@ class AndMask(AttentionMask):
         if "empty" in statuses:
             return "empty"
         return "full" if all(st == "full" for st in statuses) else "partial"
+
+    def constant_bias(self, T, S, rows, cols, *, device=None):
+        total: torch.Tensor | None = None
+        for p in self.parts:
+            if not p.has_bias:
+                if p.block_status(T, S, rows, cols) != "full":
+                    return None
+                continue
+            c = p.constant_bias(T, S, rows, cols, device=device)
+            if c is None:
+                return None
+            total = c if total is None else total + c
+        return total
 
     def col_range(self, T: int, S: int, q0: int, q1: int) -> tuple[int, int]:
         lo, hi = 0, S

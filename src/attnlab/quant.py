@@ -15,8 +15,14 @@ that readers of the weights (the explainer) see a plain matrix.
   ``zero = m + 8d``) and are taken as they are, codes unchanged (:meth:`Int4Linear.from_codes`).
 
 Both int kernels need bfloat16 activations, scales and zeros on the CPU (fp32 inputs
-are accepted by them but run 10-40x slower, measured). Products of rows stacked
-together (one QKV product) are built by :func:`fuse_rows`.
+are accepted by them but run 10-40x slower, measured). They are made for a few rows
+(decoding): from ``dense_from_rows`` rows of input on (a prompt), the int layers instead
+dequantise their weight to bfloat16 for that one call and run the regular bf16 ``mm``
+(int8: the codes converted, the per-row scale applied to the product's columns; int4:
+the packed codes unpacked, ``q * scale + (zero - 8 scale)`` per group); nothing is kept,
+so memory stays that of the codes. The crossover is measured by
+``benchmarks/bench_int_prefill.py``. Products of rows stacked together (one QKV product)
+are built by :func:`fuse_rows`.
 
 Shape legend: N output features (rows), K input features, M rows of input (B*T).
 """
@@ -38,6 +44,7 @@ __all__ = [
     "fuse_rows",
     "quantize_linear",
     "quantize_model",
+    "unpack_int4_t",
 ]
 
 WeightDtype = Literal["float32", "bfloat16", "int8", "int4"]
@@ -96,6 +103,8 @@ class Int8Linear(nn.Module):
     qweight: torch.Tensor
     scales: torch.Tensor
     bias: torch.Tensor | None
+    #: From this many rows of input on, dequantise and use bf16 ``mm`` (measured crossover).
+    dense_from_rows: int = 16
 
     def __init__(
         self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None
@@ -124,9 +133,13 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(..., K) -> (..., N), in ``x``'s dtype."""
-        y = torch.ops.aten._weight_int8pack_mm(
-            _as_2d(x, self.in_features), self.qweight, self.scales
-        ).to(x.dtype)  # (M, N)
+        x2 = _as_2d(x, self.in_features)  # (M, K) bf16
+        if x2.shape[0] >= self.dense_from_rows:
+            # Codes in [-127, 127] are exact in bf16; W = diag(scale) q, so scale the columns.
+            y = torch.mm(x2, self.qweight.to(torch.bfloat16).t()).mul_(self.scales)  # (M, N)
+        else:
+            y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)  # (M, N)
+        y = y.to(x.dtype)
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
         return y.view(*x.shape[:-1], self.out_features)
@@ -152,6 +165,8 @@ class Int4Linear(nn.Module):
     packed: torch.Tensor
     scales_and_zeros: torch.Tensor
     bias: torch.Tensor | None
+    #: From this many rows of input on, dequantise and use bf16 ``mm`` (measured crossover).
+    dense_from_rows: int = 128
 
     def __init__(
         self,
@@ -224,21 +239,34 @@ class Int4Linear(nn.Module):
         q = torch.round((w - zeros[..., None]) / scales[..., None] + 8.0).clamp_(0, 15)
         return cls.from_codes(q.view(N, K), scales, zeros, bias)
 
+    def codes_t(self) -> torch.Tensor:
+        """The 4-bit codes, transposed: (K, N) uint8 in 0..15 (see :func:`unpack_int4_t`)."""
+        return unpack_int4_t(self.packed, self.out_features, self.in_features)
+
+    def _dequantized_t(self, dtype: torch.dtype) -> torch.Tensor:
+        """``Wᵀ`` (K, N) in ``dtype``: ``q * scale + (zero - 8 scale)`` per group."""
+        K, N, gs = self.in_features, self.out_features, self.group_size
+        q = self.codes_t().view(K // gs, gs, N).to(dtype)  # (K/gs, gs, N)
+        s, z = self.scales_and_zeros.to(dtype).unbind(-1)  # (K/gs, N) each
+        # Contiguous operands: addcmul broadcasts strided ones 8x slower (measured).
+        zero = (z - 8 * s).unsqueeze(1)  # (K/gs, 1, N)
+        return torch.addcmul(zero, q, s.contiguous().unsqueeze(1)).view(K, N)
+
     @property
     def weight(self) -> torch.Tensor:
         """The dequantised weight, float32 (N, K), as the kernel computes it."""
-        eye = torch.eye(self.in_features, dtype=torch.bfloat16)
-        unit = torch.zeros_like(self.scales_and_zeros)
-        unit[..., 0] = 1.0  # scale 1, zero 0: the product with I gives the codes - 8, exactly
-        q8 = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, self.group_size, unit)
-        sz = self.scales_and_zeros.float().repeat_interleave(self.group_size, dim=0)  # (K, N, 2)
-        return (q8.float() * sz[..., 0] + sz[..., 1]).t()  # (K, N) -> (N, K)
+        return self._dequantized_t(torch.float32).t()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(..., K) -> (..., N), in ``x``'s dtype."""
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            _as_2d(x, self.in_features), self.packed, self.group_size, self.scales_and_zeros
-        ).to(x.dtype)  # (M, N)
+        x2 = _as_2d(x, self.in_features)  # (M, K) bf16
+        if x2.shape[0] >= self.dense_from_rows:
+            y = torch.mm(x2, self._dequantized_t(torch.bfloat16))  # (M, N)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x2, self.packed, self.group_size, self.scales_and_zeros
+            )  # (M, N)
+        y = y.to(x.dtype)
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
         return y.view(*x.shape[:-1], self.out_features)
@@ -248,6 +276,34 @@ class Int4Linear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, int4, "
             f"group_size={self.group_size}"
         )
+
+
+def unpack_int4_t(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """The codes that ``_convert_weight_to_int4pack_for_cpu`` packed, transposed: (K, N) uint8.
+
+    The CPU packing (PyTorch 2.x) takes rows in tiles of 64: tile ``b`` is ``K * 32``
+    bytes, byte ``(b, k, j)`` holding row ``64 b + j`` in its low nibble and row
+    ``64 b + 32 + j`` in its high one; the last ``N % 64`` rows (a multiple of 16) are
+    ``K * r / 2`` bytes, byte ``(k, j)`` holding rows ``2 j`` (low) and ``2 j + 1`` (high).
+    Tested against the codes given to the packing (``tests/test_quant.py``).
+    """
+    N, K = out_features, in_features
+    flat = packed.reshape(-1)
+    n_main = N - N % _PACK_TILE
+    half = _PACK_TILE // 2
+    out = torch.empty(K, N, dtype=torch.uint8, device=packed.device)  # (K, N)
+    if n_main:
+        tiles = flat[: n_main * K // 2].view(n_main // _PACK_TILE, K, half)  # (N/64, K, 32)
+        dst = out[:, :n_main].view(K, n_main // _PACK_TILE, _PACK_TILE).transpose(0, 1)
+        torch.bitwise_and(tiles, 15, out=dst[..., :half])
+        torch.bitwise_right_shift(tiles, 4, out=dst[..., half:])
+    r = N - n_main
+    if r:
+        tail = flat[n_main * K // 2 :].view(K, r // 2)  # (K, r/2)
+        dst = out[:, n_main:].view(K, r // 2, 2)
+        torch.bitwise_and(tail, 15, out=dst[..., 0])
+        torch.bitwise_right_shift(tail, 4, out=dst[..., 1])
+    return out
 
 
 def quantize_linear(linear: nn.Module, dtype: str, *, group_size: int = 32) -> nn.Module:

@@ -21,8 +21,9 @@ A :class:`Family` says, for one ``model_type`` (Hugging Face ``config.json``) or
   ``{qkv}`` and ``{gate_up}`` stand for the pieces;
 - ``prefixes`` stripped from source names and ``ignore`` (regexes) for tensors that carry
   nothing the model uses (a pooler, a masked-LM head, buffers);
-- the same for GGUF: ``gguf_keys`` (``{arch}`` is the architecture) and ``gguf_weights``
-  under llama.cpp's tensor names.
+- the same for GGUF: ``gguf_keys`` (``{arch}`` is the architecture), ``gguf_defaults``
+  (what llama.cpp's loader assumes for this architecture where the file says nothing, over
+  ``defaults``) and ``gguf_weights`` under llama.cpp's tensor names.
 
 This is the llama.cpp ``LLM_ARCH`` idea: a new family is a page here, not a module.
 """
@@ -74,6 +75,7 @@ class Family:
     prefixes: tuple[str, ...] = ()
     ignore: tuple[str, ...] = ()
     gguf_keys: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    gguf_defaults: Mapping[str, Any] = field(default_factory=dict)
     gguf_weights: tuple[WeightRule, ...] = ()
 
     @property
@@ -161,10 +163,28 @@ _GGUF_KEYS: dict[str, tuple[str, ...]] = {
     "context_length": ("{arch}.context_length",),
     "norm_eps": ("{arch}.attention.layer_norm_rms_epsilon", "{arch}.attention.layer_norm_epsilon"),
     "rope_theta": ("{arch}.rope.freq_base",),
+    "rope_dims": ("{arch}.rope.dimension_count",),  # partial rotary: dims that rotate per head
     "vocab_size": ("{arch}.vocab_size",),
+    # 0 or absent: no window (llama.cpp's converters write it for Mistral-style models only
+    # where the architecture has it, e.g. phi3; the llama converter does not)
+    "sliding_window": ("{arch}.attention.sliding_window",),
 }
-# Qwen2/Qwen3 "max_window_layers" windows (a window on only some layers) are refused.
-_NO_LAYER_WINDOWS = {"use_sliding_window": (None, False)}
+# Qwen2/Qwen3 windows apply to some layers only; llama.cpp ignores the key for them.
+_GGUF_KEYS_NO_WINDOW = {k: v for k, v in _GGUF_KEYS.items() if k != "sliding_window"}
+# Qwen2/Qwen3: `sliding_window` counts only with `use_sliding_window`, and then on the layers
+# from `max_window_layers` on (transformers' rule; its configs also write the result as
+# `layer_types`, which wins). The two keys are read here and resolved by the loader.
+_QWEN_KEYS: dict[str, tuple[str, ...]] = {
+    **_LLAMA_KEYS,
+    "layer_types": ("layer_types",),
+    "use_sliding_window": ("use_sliding_window",),
+    "max_window_layers": ("max_window_layers",),
+}
+_QWEN_DEFAULTS: dict[str, Any] = {
+    **_LLAMA_DEFAULTS,
+    "use_sliding_window": False,
+    "max_window_layers": 28,  # transformers' default
+}
 
 LLAMA = Family(
     name="llama",
@@ -192,15 +212,17 @@ MISTRAL = dataclasses.replace(
     keys=_LLAMA_KEYS,
     defaults=_LLAMA_DEFAULTS,
     refuse={},
+    gguf_weights=(),  # llama.cpp writes Mistral files as architecture "llama"
 )
 
 QWEN2 = dataclasses.replace(
     LLAMA,
     name="qwen2",
     fixed={**LLAMA.fixed, "family": "qwen2", "qkv_bias": True, "out_bias": False},
-    keys={k: v for k, v in _LLAMA_KEYS.items() if k != "sliding_window"},
-    defaults=_LLAMA_DEFAULTS,
-    refuse=_NO_LAYER_WINDOWS,
+    keys=_QWEN_KEYS,
+    defaults=_QWEN_DEFAULTS,
+    refuse={},
+    gguf_keys=_GGUF_KEYS_NO_WINDOW,
     gguf_weights=_LLAMA_GGUF,  # the qwen2 converter does not permute q/k
 )
 
@@ -209,18 +231,18 @@ QWEN3 = dataclasses.replace(
     name="qwen3",
     fixed={**LLAMA.fixed, "family": "qwen3", "qk_norm": "rms_head"},
     keys={
-        **{k: v for k, v in _LLAMA_KEYS.items() if k != "sliding_window"},
+        **_QWEN_KEYS,
         "qkv_bias": ("attention_bias",),
         "out_bias": ("attention_bias",),
     },
-    defaults={**_LLAMA_DEFAULTS, "qkv_bias": False, "out_bias": False},
-    refuse=_NO_LAYER_WINDOWS,
+    defaults={**_QWEN_DEFAULTS, "qkv_bias": False, "out_bias": False},
+    refuse={},
     weights=(
         *_LLAMA_WEIGHTS,
         ("layers.{i}.self_attn.q_norm", "blocks.{i}.attention.q_norm", ""),
         ("layers.{i}.self_attn.k_norm", "blocks.{i}.attention.k_norm", ""),
     ),
-    gguf_keys={**_GGUF_KEYS, "head_dim": ("{arch}.attention.key_length",)},
+    gguf_keys={**_GGUF_KEYS_NO_WINDOW, "head_dim": ("{arch}.attention.key_length",)},
     gguf_weights=(
         *_LLAMA_GGUF,  # the qwen3 converter does not permute q/k
         ("blk.{i}.attn_q_norm", "blocks.{i}.attention.q_norm", ""),
@@ -262,7 +284,14 @@ PHI3 = dataclasses.replace(
         ("layers.{i}.mlp.gate_up_proj", "blocks.{i}.mlp.{gate_up}", "gate_up"),
         ("layers.{i}.mlp.down_proj", "blocks.{i}.mlp.down", ""),
     ),
-    gguf_weights=(),
+    # llama.cpp keeps Phi-3's fused tensors: attn_qkv, and ffn_up holding gate then up.
+    gguf_weights=(
+        *(r for r in _LLAMA_GGUF if r[0][-2:] not in ("_q", "_k", "_v") and "ffn_" not in r[0]),
+        ("blk.{i}.ffn_norm", "blocks.{i}.mlp_norm", ""),
+        ("blk.{i}.attn_qkv", "blocks.{i}.attention.{qkv}", "qkv"),
+        ("blk.{i}.ffn_up", "blocks.{i}.mlp.{gate_up}", "gate_up"),
+        ("blk.{i}.ffn_down", "blocks.{i}.mlp.down", ""),
+    ),
 )
 
 GEMMA2 = dataclasses.replace(
@@ -300,7 +329,36 @@ GEMMA2 = dataclasses.replace(
         ("layers.{i}.pre_feedforward_layernorm", "blocks.{i}.mlp_norm", "plus1"),
         ("layers.{i}.post_feedforward_layernorm", "blocks.{i}.mlp_post_norm", "plus1"),
     ),
-    gguf_weights=(),
+    gguf_keys={
+        **_GGUF_KEYS,
+        "head_dim": ("{arch}.attention.key_length",),
+        "attn_softcap": ("{arch}.attn_logit_softcapping",),
+        "final_softcap": ("{arch}.final_logit_softcapping",),
+    },
+    gguf_defaults={
+        # llama.cpp: even layers local (window), odd layers global, as transformers'
+        # default `layer_types`; the score scale 1/sqrt(head_dim), 1/sqrt(C/H) for the
+        # 46-layer 27B (the file has no `query_pre_attn_scalar`).
+        "layer_types": lambda f: (
+            [("sliding_attention", "full_attention")[i % 2] for i in range(f["num_layers"])]
+            if f.get("sliding_window")
+            else None
+        ),
+        "query_pre_attn_scalar": lambda f: (
+            f["hidden_size"] // f["num_heads"]
+            if f["num_layers"] == 46
+            else f.get("head_dim") or f["hidden_size"] // f["num_heads"]
+        ),
+    },
+    # llama.cpp's converter stores Gemma's norms as `1 + weight` already: taken as they are.
+    gguf_weights=(
+        *(r for r in _LLAMA_GGUF if "norm" not in r[0]),
+        ("output_norm", "norm", ""),
+        ("blk.{i}.attn_norm", "blocks.{i}.attn_norm", ""),
+        ("blk.{i}.post_attention_norm", "blocks.{i}.attn_post_norm", ""),
+        ("blk.{i}.ffn_norm", "blocks.{i}.mlp_norm", ""),
+        ("blk.{i}.post_ffw_norm", "blocks.{i}.mlp_post_norm", ""),
+    ),
 )
 
 BLOOM = Family(

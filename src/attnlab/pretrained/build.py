@@ -34,7 +34,7 @@ from attnlab.models.encoder_decoder import EncoderDecoder, EncoderDecoderConfig
 from attnlab.models.families import ACTIVATION_NAMES, Family, WeightRule
 from attnlab.norms import QKNorm
 from attnlab.pretrained.errors import ModelFileError
-from attnlab.rope import RopeConfig
+from attnlab.rope import LinearScaling, RopeConfig, RopeScaling
 
 __all__ = [
     "LIMITS",
@@ -154,7 +154,9 @@ def build_config(
             option this family cannot express yet, an unknown activation.
     """
     where = str(where)
+    gguf = keys is not None and keys is not family.keys
     keys = family.keys if keys is None else keys
+    defaults = {**family.defaults, **family.gguf_defaults} if gguf else family.defaults
     cls = family.config_class
     hints = typing.get_type_hints(cls)
     fields: dict[str, Any] = dict(family.fixed)
@@ -170,14 +172,17 @@ def build_config(
     for name, candidates in keys.items():
         for key in candidates:
             value = lookup(source, key)
+            if name == "sliding_window" and value == 0:  # GGUF's "no window"
+                continue
             if value is not _MISSING and value is not None:
                 fields[name] = value
                 break
     for name, value in (extra or {}).items():
         fields.setdefault(name, value)
-    for name, default in family.defaults.items():
+    for name, default in defaults.items():
         if name not in fields:
             fields[name] = default(fields) if callable(default) else default
+    _window_layers(fields, where)
     required = {f.name for f in dataclasses.fields(cls)} - {"family"}
     missing = sorted(required - set(fields) - _optional(cls))
     if missing:
@@ -195,7 +200,7 @@ def build_config(
         if fields[name] is not None and name not in ("rope", "qk_norm", "layer_types"):
             fields[name] = _check_field(name, fields[name], hints.get(name), where)
     if cls is DecoderConfig:
-        _rope_and_qk_norm(fields, source, where, gguf=keys is not family.keys)
+        _rope_and_qk_norm(fields, source, where, gguf=gguf)
     config = cls(**fields)
     heads = config.num_heads
     if config.hidden_size % heads and getattr(config, "head_dim", None) is None:
@@ -207,6 +212,31 @@ def build_config(
             where, f"{heads} query heads are not divisible by {config.num_kv_heads} kv heads"
         )
     return config
+
+
+def _window_layers(fields: dict[str, Any], where: str) -> None:
+    """Qwen2/Qwen3's window rule, in place: ``sliding_window`` only with
+    ``use_sliding_window``, and then (unless ``layer_types`` says it per layer) on the layers
+    from ``max_window_layers`` on, as transformers builds its ``layer_types``."""
+    if "use_sliding_window" not in fields:
+        return
+    use = fields.pop("use_sliding_window")
+    first = fields.pop("max_window_layers")
+    if not isinstance(use, bool):
+        raise ModelFileError(where, f"`use_sliding_window` must be true or false, got {use!r}")
+    if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+        raise ModelFileError(where, f"`max_window_layers` must be an integer >= 0, got {first!r}")
+    if not use:
+        fields.pop("sliding_window", None)
+    window, types = fields.get("sliding_window"), fields.get("layer_types")
+    layers = fields.get("num_layers")
+    if types is None and window is not None and isinstance(layers, int) and layers <= 1 << 16:
+        fields["layer_types"] = [
+            "sliding_attention" if i >= first else "full_attention" for i in range(layers)
+        ]
+    elif window is None and isinstance(types, list) and "sliding_attention" in types:
+        # transformers: the sliding layers have no window when use_sliding_window is off
+        fields["layer_types"] = ["full_attention"] * len(types)
 
 
 def _rope_and_qk_norm(
@@ -233,9 +263,10 @@ def _rope_and_qk_norm(
         fields["layer_windows"] = tuple(window if t == "sliding_attention" else None for t in types)
         fields["sliding_window"] = None
 
+    rope_dims = fields.pop("rope_dims", None)
     if fields.get("positions", "rope") == "rope":
         if gguf:
-            fields["rope"] = RopeConfig(base=float(base or 10000.0))
+            fields["rope"] = _gguf_rope(fields, source, where, base=base, rope_dims=rope_dims)
         else:
             try:
                 fields["rope"] = RopeConfig.from_hf_config(source)
@@ -245,6 +276,47 @@ def _rope_and_qk_norm(
     if kind is not None:
         eps = float(fields.get("norm_eps", 1e-6))
         fields["qk_norm"] = QKNorm("rms", "head" if kind == "rms_head" else "all", eps=eps)
+
+
+def _gguf_rope(
+    fields: Mapping[str, Any],
+    source: Mapping[str, Any],
+    where: str,
+    *,
+    base: float | None,
+    rope_dims: Any,
+) -> RopeConfig:
+    """The rotary settings of a GGUF file: ``rope.freq_base``, ``rope.dimension_count``
+    (partial rotary, Phi-3) and ``rope.scaling.type`` none / linear; any other scaling is
+    refused naming the key."""
+    arch = source.get("general.architecture", "")
+    head_dim = fields.get("head_dim") or fields["hidden_size"] // fields["num_heads"]
+    fraction = 1.0
+    if rope_dims is not None:
+        key = f"{arch}.rope.dimension_count"
+        if isinstance(rope_dims, bool) or not isinstance(rope_dims, int):
+            raise ModelFileError(where, f"`{key}` must be an integer, got {rope_dims!r}")
+        fraction = rope_dims / head_dim
+        if not 2 <= rope_dims <= head_dim or rope_dims % 2 or int(head_dim * fraction) != rope_dims:
+            raise ModelFileError(
+                where, f"`{key}` = {rope_dims} must be an even number in 2..{head_dim} (head dim)"
+            )
+    kind = source.get(f"{arch}.rope.scaling.type", "none")
+    scaling: RopeScaling | None = None
+    if kind == "linear":
+        factor = source.get(f"{arch}.rope.scaling.factor")
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+            raise ModelFileError(
+                where, f"`{arch}.rope.scaling.factor` must be a number > 0, got {factor!r}"
+            )
+        scaling = LinearScaling(float(factor))
+    elif kind != "none":
+        raise ModelFileError(
+            where,
+            f"`{arch}.rope.scaling.type` = {kind!r} is not supported for GGUF files yet "
+            "(supported: 'none', 'linear')",
+        )
+    return RopeConfig(base=float(base or 10000.0), fraction=fraction, scaling=scaling)
 
 
 def _optional(cls: type) -> set[str]:

@@ -22,8 +22,10 @@ import torch
 
 from attnlab.models.decoder import Decoder
 from attnlab.models.encoder import Encoder
+from attnlab.models.families import Family
 from attnlab.models.fast_decode import why_not_fast_decode
 from attnlab.pretrained.build import (
+    AnyConfig,
     apply_transform,
     build_config,
     build_model,
@@ -31,7 +33,7 @@ from attnlab.pretrained.build import (
     plan_weights,
 )
 from attnlab.pretrained.errors import ModelFileError
-from attnlab.pretrained.gguf_file import int4_codes, read_gguf
+from attnlab.pretrained.gguf_file import GGUFContents, int4_codes, read_gguf
 from attnlab.pretrained.hf import load_hf_directory
 from attnlab.pretrained.tokenizer import PretrainedTokenizer, tokenizer_from_gguf
 from attnlab.quant import WEIGHT_DTYPES, Int4Linear, quantize_model
@@ -121,6 +123,43 @@ def load_smollm2(*, backend: str = "auto") -> tuple[Decoder, PretrainedTokenizer
     return model, tokenizer
 
 
+# Tensors llama.cpp writes for RoPE variants attnlab does not read from GGUF yet.
+UNSUPPORTED_GGUF_TENSORS = {
+    "rope_freqs.weight": "Llama 3 RoPE frequency factors (rope_scaling llama3)",
+    "rope_factors_long.weight": "Phi-3 longrope factors (rope_scaling longrope)",
+    "rope_factors_short.weight": "Phi-3 longrope factors (rope_scaling longrope)",
+}
+
+
+def gguf_config(contents: GGUFContents) -> tuple[Family, AnyConfig]:
+    """The family and model config of an opened GGUF file (its metadata read through the
+    family's ``gguf_keys``; tied embeddings when there is no ``output.weight``).
+
+    Raises:
+        ModelFileError: an unknown or unsupported architecture, a RoPE variant held in
+            tensors (named), or metadata the family cannot express.
+    """
+    path, meta = contents.path, contents.metadata
+    family = find_family(meta.get("general.architecture"), path)
+    if not family.gguf_weights:
+        hint = "; llama.cpp writes Mistral as 'llama'" if family.name == "mistral" else ""
+        raise ModelFileError(
+            path, f"GGUF files of architecture {family.name!r} are not supported yet{hint}"
+        )
+    for name, what in UNSUPPORTED_GGUF_TENSORS.items():
+        if name in contents.tensor_infos:
+            raise ModelFileError(path, f"tensor {name!r} ({what}) is not supported yet")
+    keys = {
+        name: tuple(k.replace("{arch}", family.name) for k in candidates)
+        for name, candidates in family.gguf_keys.items()
+    }
+    extra = {
+        "tie_embeddings": "output.weight" not in contents.tensor_infos,
+        "vocab_size": len(contents.tokens),
+    }
+    return family, build_config(family, meta, where=path, keys=keys, extra=extra)
+
+
 def load_gguf(
     path: str | Path, *, backend: str = "auto", dtype: torch.dtype = torch.float32
 ) -> tuple[Decoder | Encoder, PretrainedTokenizer]:
@@ -140,20 +179,7 @@ def load_gguf(
     """
     path = Path(path)
     contents = read_gguf(path)
-    meta = contents.metadata
-    family = find_family(meta.get("general.architecture"), path)
-    arch = family.name
-    if not family.gguf_weights:
-        raise ModelFileError(path, f"GGUF files of architecture {arch!r} are not supported yet")
-    keys = {
-        name: tuple(k.replace("{arch}", arch) for k in candidates)
-        for name, candidates in family.gguf_keys.items()
-    }
-    extra = {
-        "tie_embeddings": "output.weight" not in contents.tensor_infos,
-        "vocab_size": len(contents.tokens),
-    }
-    config = build_config(family, meta, where=path, keys=keys, extra=extra)
+    family, config = gguf_config(contents)
     names = {name: math.prod(info.shape) for name, info in contents.tensor_infos.items()}
     model = build_model(
         config,
@@ -211,17 +237,7 @@ def gguf_int4_layers(path: str | Path) -> dict[str, Int4Linear]:
     """
     path = Path(path)
     contents = read_gguf(path)
-    meta = contents.metadata
-    family = find_family(meta.get("general.architecture"), path)
-    keys = {
-        name: tuple(k.replace("{arch}", family.name) for k in candidates)
-        for name, candidates in family.gguf_keys.items()
-    }
-    extra = {
-        "tie_embeddings": "output.weight" not in contents.tensor_infos,
-        "vocab_size": len(contents.tokens),
-    }
-    config = build_config(family, meta, where=path, keys=keys, extra=extra)
+    family, config = gguf_config(contents)
     infos = contents.tensor_infos
     plan = plan_weights(infos, family.gguf_weights, num_layers=config.num_layers, where=path)
     out: dict[str, Int4Linear] = {}
