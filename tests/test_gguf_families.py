@@ -282,3 +282,36 @@ def test_gguf_gemma2_summary_shows_softcaps_and_the_window_pattern(hf_dirs, tmp_
     code, out, err = run_main(capsys, "info", "--model", str(path))
     assert code == 0, err
     assert "attention 5, final 10" in out
+
+
+def test_streamed_sentencepiece_text_keeps_the_space_of_the_first_new_token(
+    hf_dirs, tmp_path, capsys
+):
+    """A SentencePiece decoder drops the leading space of a sequence; a stream continuing a
+    prompt decodes after the prompt's last token, so "time" + "▁there" shows " there"."""
+    from attnlab.generation import TextStream
+
+    path = tmp_path / "phi3.gguf"
+    write_gguf(hf_dirs["phi3"], path, "phi3", "F32")
+    _, tok = load_pretrained(path)
+    prompt, rest = (
+        tok.encode("Once upon a time"),
+        tok.encode("there was a cat", add_special_tokens=False),
+    )
+    assert tok.id_to_token(rest[0]).startswith("\u2581")
+    stream = TextStream(tok, prompt[-1:])
+    shown = "".join(stream.push(t) for t in rest) + stream.flush()
+    assert shown == " there was a cat"
+    bare = TextStream(tok)
+    assert "".join(bare.push(t) for t in rest) + bare.flush() == "there was a cat"
+    # the command line streams the same text as decoding the whole sequence at once
+    from attnlab.generation import generate
+    from cli_runner import run_main
+
+    model, _ = load_pretrained(path)
+    ids = generate(model, torch.tensor([prompt]), 6)[0].tolist()
+    code, out, err = run_main(
+        capsys, "generate", "--model", str(path), "Once upon a time", "-n", "6"
+    )
+    assert code == 0, err
+    assert out.rstrip("\n") == tok.decode(ids, skip_special_tokens=True)
