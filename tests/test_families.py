@@ -344,20 +344,27 @@ def test_decoder_bf16_checkpoint(checkpoints, family):
     assert 0 < ours_err <= 1.5 * their_err, (ours_err, their_err)
 
 
-@pytest.mark.parametrize("family", ["gpt2", "phi3"])
-def test_fused_projections_in_the_file_are_used_in_place(checkpoints, family):
+@pytest.mark.parametrize("dtype_dir", [0, 1], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("family", ["gpt2", "phi3", "qwen2"])
+def test_fused_projections_in_the_file_are_used_in_place(checkpoints, family, dtype_dir):
     """GPT-2's c_attn (a Conv1D: stored transposed) and Phi-3's qkv_proj / gate_up_proj
     are split into our projections as views, and the fast step's fused products are those
-    tensors again: loading copies none of them."""
-    model, _ = load_pretrained(checkpoints[family][0])
+    tensors again; Qwen2's gate_proj and up_proj lie side by side in the file and are used
+    as one. Loading copies none of them (read in the file's dtype): they share the file's
+    storage with the output projections, which are never fused."""
+    dtype = (torch.float32, torch.bfloat16)[dtype_dir]
+    model, _ = load_pretrained(checkpoints[family][dtype_dir], dtype=dtype)
     plan = model._decode_plan
     for layer, block in zip(plan.layers, model.blocks, strict=True):
-        att = block.attention
-        storage = att.W_query.weight.untyped_storage().data_ptr()
-        assert layer.qkv.weight.data_ptr() == att.W_query.weight.data_ptr()
-        assert att.W_value.weight.untyped_storage().data_ptr() == storage
-        if family == "phi3":
-            assert layer.gate_up.weight.data_ptr() == block.mlp.gate.weight.data_ptr()
+        file_storage = block.attention.out_proj.weight.untyped_storage().data_ptr()
+        assert block.mlp.down.weight.untyped_storage().data_ptr() == file_storage
+        if family != "gpt2":  # GPT-2's MLP is not gated
+            assert layer.gate_up.weight.untyped_storage().data_ptr() == file_storage
+        qkv_storage = layer.qkv.weight.untyped_storage().data_ptr()
+        # Qwen2's q, k, v are not adjacent in the file (k_proj, o_proj, q_proj, v_proj):
+        # copied into one.
+        assert (qkv_storage == file_storage) == (family != "qwen2")
+        assert block.attention.W_value.weight.untyped_storage().data_ptr() == qkv_storage
 
 
 # --------------------------------------------------------------------------- encoders

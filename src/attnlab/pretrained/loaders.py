@@ -270,7 +270,8 @@ def set_weight_dtype(model: Any, weight: str | None, source: Path | None = None)
         if weight == "int4" and source is not None and source.suffix.lower() == ".gguf":
             prepared = dict(gguf_int4_layers(source))
         quantize_model(model, weight, prepared=prepared)
-    fp32 = next(model.parameters()).dtype == torch.float32
-    if hasattr(model, "prepare_decode") and fp32 and why_not_fast_decode(model) is None:
+    # Any float dtype: pieces stored side by side in the file (a gate and an up
+    # projection, a fused qkv) are fused back without a copy; the others are copied once.
+    if hasattr(model, "prepare_decode") and why_not_fast_decode(model) is None:
         model.prepare_decode(share_float=True)  # others decode through their modules
     return model
