@@ -7,9 +7,13 @@ tq/tk the rows/keys of one tile.
 
 The score matrix is cut into row blocks, and each row block into key tiles. A tile is
 ``"full"`` (nothing masked), ``"causal"`` (a square on the diagonal of a causal mask,
-top-left aligned within the tile) or ``"partial"`` (the mask's :class:`MaskBlock` for
-the tile: a small dense ``allowed`` and/or ``bias``); tiles the mask removes entirely
-(``status == "empty"``) are never computed. **One tile step, two implementations:**
+top-left aligned within the tile), ``"partial"`` (the mask's :class:`MaskBlock` for
+the tile: a small dense ``allowed`` and/or ``bias``) or ``"shifted"`` (unmasked, with a
+bias that is one number per head over the tile, e.g. T5's beyond ``max_distance``: run as a
+full tile whose log-sum-exp moves by that number); tiles the mask removes entirely
+(``status == "empty"``) are never computed. ALiBi (& causal) forward on fused fp32/fp64
+tiles needs no dense bias at all: it is one more head dimension (:class:`_LinearBias`).
+**One tile step, two implementations:**
 
 * ``"fused"``: PyTorch's CPU flash-attention kernel as an op that returns the row
   log-sum-exp beside the output
@@ -101,7 +105,7 @@ _BLOCK_K = 256
 _FUSED_BLOCK_Q = 256
 _FUSED_BLOCK_K = 256
 # ALiBi as one more head dim (see _LinearBias): rows per block. The key column is centred on
-# each row block, so its rounding error grows with the block (fp32: slope * rows / 2 * 6e-8
+# each row block, so its rounding error grows with the block (fp32: ~6e-8 * slope * rows / 2
 # on a score); plain causal in row blocks of 1024 measured 1.01x one call, of 512 1.04x.
 _LINEAR_BLOCK_Q = 1024
 
@@ -586,10 +590,14 @@ def _tile_backward(
     ds = p.mul_(dp.sub_(_gqa(delta.unsqueeze(-1), Gs)))  # dS = p * (dp - delta)
     if bias_grad is not None and tile.blk is not None and tile.blk.bias is not None:
         bias_grad(ds.view(B, Hs, tq, tk), tile, h0)
-    if sig is not None:  # d(c tanh(x / c))/dx = 1 - tanh^2 = 4 sig (1 - sig)
-        ds.mul_(sig.neg().add_(1.0).mul_(sig).mul_(4.0))
-    dq = (ds @ kc).mul_(scale)  # (B, Gs, R*tq, D)
+    chain = 1.0
+    if sig is not None:  # d(c tanh(x / c))/dx = 1 - tanh^2 = 4 sig (1 - sig): the 4 below
+        ds.mul_(sig.addcmul_(sig, sig, value=-1.0))
+        chain = 4.0
+    dq = (ds @ kc).mul_(scale * chain)  # (B, Gs, R*tq, D)
     dk = ds.transpose(-2, -1) @ qg  # (B, Gs, tk, D); qg carries the scale
+    if chain != 1.0:
+        dk.mul_(chain)
     return dq.view(B, Hs, tq, D), dk, dv
 
 
@@ -695,9 +703,10 @@ class _LinearBias:
     ``(j - c) / scale`` (value column ``D`` is 0), so the op's ``scale * q'.k'`` adds it.
     The second term is constant along a row: it leaves the softmax unchanged and only moves
     the row's log-sum-exp, subtracted after the row block. ``c`` is the row block's middle
-    row, so the added numbers stay small where the weights are (near the diagonal) and
-    fp32 keeps them exact to ``slope * rows / 2`` units of rounding; half precision is not
-    taken (its key column would round). The rest of the mask (causal or nothing) is planned
+    row, so the added numbers stay small where the weights are (near the diagonal: at most
+    ``slope * rows / 2``, whose fp32 rounding is ~1.5e-5 for slope 1/2 and 1024 rows; far
+    keys, where they are large, have vanishing weights); half precision is not taken (its
+    key column would round). The rest of the mask (causal or nothing) is planned
     as usual, so plain causal's op calls serve ALiBi.
     """
 
@@ -1195,9 +1204,10 @@ def blockwise_attention(
         block_q, block_k: tile size (default: per path).
         tile_path: ``"fused"`` (PyTorch's flash op per tile), ``"pure"`` (plain PyTorch)
             or None (fused whenever the op can serve the call; see
-            :func:`force_tile_path`). Soft-capping and gradients of a bias (a learned
-            relative-position table, an additive mask that requires grad) take the pure
-            tiles: the op has neither.
+            :func:`force_tile_path`). Soft-capping takes the pure tiles (the op has
+            none); with gradients of a bias (a learned relative-position table, an
+            additive mask that requires grad) the backward runs pure the tiles whose dS
+            the gradient needs (the op returns no dS).
 
     Shape:
         - query ``(B, H, T, D)``, key ``(B, G, S, D)``, value ``(B, G, S, Dv)``
