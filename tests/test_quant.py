@@ -12,6 +12,7 @@ from attnlab.quant import (
     BF16Linear,
     Int4Linear,
     Int8Linear,
+    column_major,
     fuse_rows,
     quantize_linear,
     quantize_model,
@@ -150,6 +151,25 @@ def test_fused_float_rows_share_storage_with_the_parts():
     with torch.no_grad():
         parts[1].weight.add_(1.0)  # an in-place update (an optimizer step) ...
     torch.testing.assert_close(fused.weight[4:], parts[1].weight)  # ... reaches the fused
+
+
+def test_column_major_keeps_the_parameter_its_values_and_a_tied_embedding():
+    g = torch.Generator().manual_seed(6)
+    emb, head = nn.Embedding(40, 16), nn.Linear(16, 40, bias=False)
+    head.weight = emb.weight  # tied, as SmolLM2's head
+    with torch.no_grad():
+        emb.weight.copy_(torch.randn(40, 16, generator=g))
+    param, before = head.weight, head.weight.detach().clone()
+    x, ids = torch.randn(3, 16, generator=g), torch.tensor([[3, 39, 0]])
+    y, e = head(x), emb(ids)
+    column_major(head)
+    assert head.weight is param and emb.weight is param and param.shape == (40, 16)
+    assert param.stride() == (1, 40)  # (K, N) memory
+    assert torch.equal(param, before)
+    torch.testing.assert_close(head(x), y)  # a different kernel: sum order may differ
+    assert torch.equal(emb(ids), e)  # lookups read the strided rows
+    column_major(head)  # already column-major: unchanged
+    assert param.stride() == (1, 40)
 
 
 def test_int4_parts_off_the_64_row_tile_are_not_fused():

@@ -41,6 +41,7 @@ __all__ = [
     "Int4Linear",
     "Int8Linear",
     "WeightDtype",
+    "column_major",
     "fuse_rows",
     "quantize_linear",
     "quantize_model",
@@ -405,7 +406,8 @@ def fuse_rows(linears: Sequence[Any], *, share_float: bool = False) -> nn.Module
         if isinstance(first, nn.Linear):
             if not share_float:
                 return None
-            w = torch.cat([m.weight.detach() for m in linears])  # (sum N, K)
+            # Stored column-major (see `column_major`): (K, sum N) memory, (sum N, K) view.
+            w = torch.cat([m.weight.detach().t() for m in linears], dim=1).t()  # (sum N, K)
             fused: Any = _FusedLinear(w, bias)
             for m, s, n in zip(linears, starts, rows, strict=True):
                 m.weight.data = w[s : s + n]  # the same Parameter, now a view
@@ -444,6 +446,24 @@ def fuse_rows(linears: Sequence[Any], *, share_float: bool = False) -> nn.Module
                 bias,
             )
     return None
+
+
+def column_major(linear: nn.Module | None) -> None:
+    """Store a float ``nn.Linear``'s weight column-major, in place: the same ``Parameter``
+    (and shape (N, K)), now a transposed view of a contiguous (K, N) tensor.
+
+    A product of one row then reads the weight as ``mm(x, Wᵀ)`` with ``Wᵀ`` contiguous,
+    which PyTorch's CPU BLAS streams at the memory's read bandwidth; the row-major
+    (N, K) layout takes a dot-product kernel about 2-3x slower here (fp32, one thread:
+    ``benchmarks/bench_decode_bandwidth.py``). Products of many rows run at the same
+    speed either way. Tied weights (an embedding shared with the head) follow, being
+    the same ``Parameter``; the embedding's row lookups read the strided rows. Other
+    modules and already column-major weights are left as they are. Saving with
+    safetensors then needs ``.contiguous()`` (it refuses views).
+    """
+    if isinstance(linear, nn.Linear) and linear.weight.stride(0) != 1:
+        with torch.no_grad():
+            linear.weight.data = linear.weight.detach().t().contiguous().t()
 
 
 class _FusedLinear(nn.Module):

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from attnlab.attention import KVCache, StaticKVCache, recording_attention
-from attnlab.quant import fuse_rows
+from attnlab.quant import column_major, fuse_rows
 from attnlab.rope import DynamicNTKScaling, RotaryEmbedding
 
 __all__ = [
@@ -176,8 +176,9 @@ class DecodePlan:
             ``mlp``, ``norm``, ``lm_head``) or the book's GPT (``tok_emb``, ``pos_emb``,
             ``trf_blocks``, ``final_norm``, ``out_head``).
         share_float: also fuse float (``nn.Linear``) products, the parameters becoming
-            views of the fused weights (:func:`attnlab.quant.fuse_rows`); loaders of
-            inference models ask for it, models being trained should not.
+            views of the fused weights (:func:`attnlab.quant.fuse_rows`), and store every
+            float product's weight column-major (:func:`attnlab.quant.column_major`);
+            loaders of inference models ask for it, models being trained should not.
 
     Raises:
         ValueError: a layout :func:`why_not_fast_decode` rejects.
@@ -206,6 +207,8 @@ class DecodePlan:
             and not isinstance(rope.config.scaling, DynamicNTKScaling)
         )
         self.layers = [self._layer(block, share_float) for block in parts.blocks]
+        if share_float:
+            column_major(parts.head)  # a tied embedding follows (the same Parameter)
         self.final_norm = _norm_fn(parts.final_norm)
         self._cos: torch.Tensor | None = None  # (L, D) fp32
         self._sin: torch.Tensor | None = None  # (L, D) fp32, first half negated
@@ -213,7 +216,7 @@ class DecodePlan:
     @staticmethod
     def _layer(block: Any, share: bool) -> _Layer:
         norm1, att, norm2, gate, up, down, act = _block_parts(block)
-        return _Layer(
+        layer = _Layer(
             attention=att,
             norm1=_norm_fn(norm1),
             qkv=fuse_rows([att.W_query, att.W_key, att.W_value], share_float=share),
@@ -228,6 +231,10 @@ class DecodePlan:
             down=down,
             act=act,
         )
+        if share:  # float weights column-major: one-row products 2-3x faster (fused ones are)
+            for m in (layer.q, layer.k, layer.v, layer.out, layer.gate, layer.up, layer.down):
+                column_major(m)
+        return layer
 
     def capturing(self) -> bool:
         """True when a layer was asked to ``capture`` its weights (the step skips layers)."""
