@@ -36,6 +36,29 @@ def tokenizer_json(folder) -> None:
     )
 
 
+def spm_vocab(n_vocab: int) -> tuple[list[str], list[float], list[int]]:
+    """A SentencePiece-style vocabulary as llama.cpp's converter writes it: ``<unk>``,
+    ``<s>``, ``</s>``, the 256 byte tokens ``<0xXX>``, a control token ``<|end|>``, then
+    ``▁``-marked BPE pieces trained here on the corpus, padded with ``[PADi]``; the score
+    of each entry falls with its id (the merge order), llama.cpp's types (1 normal,
+    2 unknown, 3 control, 5 unused, 6 byte)."""
+    from tokenizers import SentencePieceBPETokenizer
+
+    bpe = SentencePieceBPETokenizer()
+    bpe.train_from_iterator(CORPUS, vocab_size=180, min_frequency=1, show_progress=False)
+    pieces = [p for p, _ in sorted(bpe.get_vocab().items(), key=lambda kv: kv[1])]
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), "<|end|>", *pieces]
+    types = [2, 3, 3, *[6] * 256, 3, *[1] * len(pieces)]
+    assert len(tokens) <= n_vocab
+    scores = [-float(i) for i in range(len(tokens))]
+    pad = range(len(tokens), n_vocab)
+    return (
+        tokens + [f"[PAD{i}]" for i in pad],
+        scores + [-10000.0] * len(pad),
+        types + [5] * len(pad),
+    )
+
+
 def save_hf(family: str, overrides: dict, folder, dtype: torch.dtype, *, encoder: bool = False):
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
@@ -191,20 +214,33 @@ def write_gguf(
     w.add_uint32(f"{arch}.block_count", L)
     w.add_uint32(f"{arch}.attention.head_count", H)
     w.add_uint32(f"{arch}.attention.head_count_kv", G)
-    tok = json.loads((hf_folder / "tokenizer.json").read_text())
-    vocab = tok["model"]["vocab"]
-    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
-    special = {a["content"] for a in tok["added_tokens"]}
     n_vocab = state["lm_head.weight" if "lm_head.weight" in state else "model.embed_tokens.weight"]
-    tokens += [f"[PAD{i}]" for i in range(len(tokens), n_vocab.shape[0])]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(PRE_TOKENIZER[family])
-    w.add_token_list(tokens)
-    w.add_token_types([3 if t in special else 1 for t in tokens])
-    merges = tok["model"]["merges"]
-    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
-    w.add_bos_token_id(vocab["<s>"])
-    w.add_eos_token_id(vocab["</s>"])
+    if family in ("gemma2", "phi3"):  # SentencePiece, as their llama.cpp converters write
+        tokens, scores, types = spm_vocab(n_vocab.shape[0])
+        w.add_tokenizer_model("llama")
+        w.add_tokenizer_pre("default")
+        w.add_token_list(tokens)
+        w.add_token_scores(scores)
+        w.add_token_types(types)
+        w.add_unk_token_id(0)
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+        if family == "gemma2":
+            w.add_add_space_prefix(False)
+    else:
+        tok = json.loads((hf_folder / "tokenizer.json").read_text())
+        vocab = tok["model"]["vocab"]
+        tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+        special = {a["content"] for a in tok["added_tokens"]}
+        tokens += [f"[PAD{i}]" for i in range(len(tokens), n_vocab.shape[0])]
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre(PRE_TOKENIZER[family])
+        w.add_token_list(tokens)
+        w.add_token_types([3 if t in special else 1 for t in tokens])
+        merges = tok["model"]["merges"]
+        w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+        w.add_bos_token_id(vocab["<s>"])
+        w.add_eos_token_id(vocab["</s>"])
     reference: dict[str, torch.Tensor] = {}
     for name, t in state.items():
         if family != "gpt2" and name == "lm_head.weight" and cfg.get("tie_word_embeddings"):

@@ -327,3 +327,51 @@ def test_t5_bias_far_tiles_are_shifted_tiles_matching_reference(monkeypatch, cas
     for name, t, r in pairs:
         assert t.grad is not None and torch.isfinite(t.grad).all(), name
         torch.testing.assert_close(t.grad.double(), r.grad, **grad_tol(dtype), msg=name)
+
+
+# -- ALiBi on the fused path as one more head dim -------------------------------------------
+
+
+@pytest.mark.parametrize("path", TILE_PATHS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize(("T", "S", "causal"), [(61, 61, True), (29, 75, True), (40, 33, False)])
+def test_alibi_in_row_blocks_matches_reference(monkeypatch, T, S, causal, dtype, path):
+    """ALiBi (& causal) in many row blocks: on fused fp32/fp64 tiles it runs as one more head
+    dim (the op sees D + 1), centred on each row block; output, log-sum-exp and gradients
+    against the fp64 reference (the bias written from the published slopes)."""
+    from attnlab.biases import AlibiBias
+    from test_backends import grad_tol
+
+    calls = _count_tiles(monkeypatch)
+    gen = torch.Generator().manual_seed(3)
+    Bt, Ht, Gt, D = 2, 4, 2, 16
+    q = (torch.randn(Bt, Ht, T, D, generator=gen) * 2).to(dtype).requires_grad_()
+    k = (torch.randn(Bt, Gt, S, D, generator=gen) * 2).to(dtype).requires_grad_()
+    v = torch.randn(Bt, Gt, S, D, generator=gen).to(dtype).requires_grad_()
+    dout = torch.randn(Bt, Ht, T, D, generator=gen).to(dtype)
+    mask = AlibiBias(Ht) & CausalMask() if causal else AlibiBias(Ht)
+    res = blockwise_attention(q, k, v, mask, dropout_p=0.0, scale=0.25, block_q=8, block_k=8,
+                              tile_path=path)  # fmt: skip
+    res.output.backward(dout)
+    widened = path == "fused" and dtype != torch.bfloat16
+    assert {c[2][-1] for c in calls} == {D + 1 if widened else D}
+    assert res.output.shape == (Bt, Ht, T, D)
+
+    slopes = torch.tensor([2.0 ** (-8 * (h + 1) / Ht) for h in range(Ht)], dtype=torch.float64)
+    qpos, kpos = (torch.arange(T) + S - T)[:, None], torch.arange(S)[None, :]
+    bias = (-slopes[:, None, None] * (qpos - kpos))[None]  # (1, H, T, S)
+    allowed = (kpos <= qpos)[None, None] if causal else None
+    qr, kr, vr = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref, _ = reference_attention(qr, kr, vr, mask=allowed, bias=bias, scale=0.25)
+    ref.backward(dout.double())
+    torch.testing.assert_close(res.output.double(), ref, **tol(dtype))
+    scores = (qr.detach() @ kr.detach().repeat_interleave(2, 1).transpose(-2, -1)) * 0.25 + bias
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, -math.inf)
+    ref_lse = torch.logsumexp(scores, dim=-1)
+    seen = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(res.lse), seen)
+    torch.testing.assert_close(res.lse.double()[seen], ref_lse[seen], **tol(dtype))
+    for name, t, r in (("q", q, qr), ("k", k, kr), ("v", v, vr)):
+        assert t.grad is not None and torch.isfinite(t.grad).all(), name
+        torch.testing.assert_close(t.grad.double(), r.grad, **grad_tol(dtype), msg=name)

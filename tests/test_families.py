@@ -74,6 +74,10 @@ DECODERS: dict[str, dict] = {
         "max_position_embeddings": 128,
         "tie_word_embeddings": True,
         "rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+        # windows on layers 1 and 2 only (transformers writes them as layer_types too)
+        "use_sliding_window": True,
+        "sliding_window": 5,
+        "max_window_layers": 1,
     },
     "qwen3": {
         "hidden_size": 64,
@@ -83,6 +87,9 @@ DECODERS: dict[str, dict] = {
         "num_key_value_heads": 1,
         "head_dim": 32,  # H * D = 128 != C = 64
         "max_position_embeddings": 128,
+        "use_sliding_window": True,  # a window on layer 1 only
+        "sliding_window": 5,
+        "max_window_layers": 1,
     },
     "olmo2": {
         "hidden_size": 64,
@@ -220,6 +227,51 @@ def test_decoder_logits_and_every_attention_match_transformers(checkpoints, fami
         torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
     if family == "mistral":  # the window is in force: early keys get no weight
         assert bool((weights[0][0, :, -1, : ids.shape[1] - 5] == 0).all())
+    if family in ("qwen2", "qwen3"):  # layer 0 global, the layers after it windowed
+        assert model.config.layer_windows[0] is None
+        assert set(model.config.layer_windows[1:]) == {5}
+        assert bool((weights[0][0, :, -1, : ids.shape[1] - 5] > 0).all())
+        assert bool((weights[1][0, :, -1, : ids.shape[1] - 5] == 0).all())
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+@pytest.mark.parametrize(
+    "edit", ["no layer_types", "use_sliding_window off", "max_window_layers 0"]
+)
+def test_qwen_window_rule_from_older_configs_matches_transformers(
+    checkpoints, tmp_path, family, edit
+):
+    """transformers-4-style config.json (no `layer_types`): the windowed layers follow from
+    `use_sliding_window` and `max_window_layers`, as transformers derives them."""
+    import json
+    import shutil
+
+    folder = tmp_path / family
+    shutil.copytree(checkpoints[family][0], folder)
+    config = json.loads((folder / "config.json").read_text())
+    del config["layer_types"]
+    if edit == "use_sliding_window off":
+        config["use_sliding_window"] = False  # the 5 stays in the file, unused
+    elif edit == "max_window_layers 0":
+        config["max_window_layers"] = 0
+    (folder / "config.json").write_text(json.dumps(config))
+    model, tok = load_pretrained(folder)
+    ref = _reference(folder, family)
+    expected_windows = {
+        "no layer_types": (None, *[5] * (model.config.num_layers - 1)),
+        "use_sliding_window off": None,
+        "max_window_layers 0": (5,) * model.config.num_layers,
+    }[edit]
+    assert model.config.layer_windows == expected_windows or (
+        expected_windows is None and model.config.sliding_window is None
+    )
+    ids = _prompt(tok)
+    with torch.no_grad():
+        expected = ref(ids, output_attentions=True)
+        logits, weights = model(ids, need_weights=True)
+    torch.testing.assert_close(logits, expected.logits, atol=1e-5, rtol=0)
+    for ours, theirs in zip(weights, expected.attentions, strict=True):
+        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("family", sorted(DECODERS))

@@ -8,6 +8,7 @@ exact."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 
 import pytest
@@ -206,3 +207,111 @@ def test_gguf_architecture_mistral_is_refused_with_the_llama_hint(hf_dirs, tmp_p
     w.write_tensors_to_file()
     w.close()
     _refused(path, "'mistral'", "as 'llama'")
+
+
+SPM_TEXTS = [
+    *CORPUS,
+    "  two leading spaces and  two inside",
+    "tabs\tand\nnewlines",
+    "日本語 and ünïcödé ✓",  # not in the vocabulary: UTF-8 byte tokens
+    "hello<|end|>world <|end|>",  # a control token, matched whole
+    "a",
+    "",
+]
+
+
+@pytest.mark.parametrize("family", ["gemma2", "phi3"])
+def test_gguf_sentencepiece_tokenizer_equals_transformers_on_the_same_file(
+    hf_dirs, tmp_path, family
+):
+    """gemma2 (no space prefix) and phi3 (a space prefix) files hold a SentencePiece
+    vocabulary (tokens, scores, types, byte tokens): ids and text equal to the tokenizer
+    transformers builds from the same GGUF file."""
+    from transformers import AutoTokenizer
+
+    path = tmp_path / f"{family}.gguf"
+    write_gguf(hf_dirs[family], path, family, "F32")
+    _, tok = load_pretrained(path)
+    ref = AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    for text in SPM_TEXTS:
+        ids = tok.encode(text)
+        assert ids == ref(text)["input_ids"], text
+        assert ids[0] == tok.bos_id == 1  # add_bos_token defaults to true
+        shown = tok.decode(ids, skip_special_tokens=True)
+        assert shown == ref.decode(ids, skip_special_tokens=True)
+        if "<|end|>" not in text:
+            assert shown == text
+    # 日 and 本 are not in the vocabulary: their UTF-8 bytes; phi3 puts the space prefix
+    # (a lone ▁ here) first, gemma2 none; spaces inside become ▁ either way.
+    pieces = [tok.id_to_token(i) for i in tok.encode("日本 the cat")]
+    utf8 = ["<0xE6>", "<0x97>", "<0xA5>", "<0xE6>", "<0x9C>", "<0xAC>"]
+    prefix = ["\u2581"] if family == "phi3" else []
+    assert pieces == ["<s>", *prefix, *utf8, "\u2581the", "\u2581cat"]
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("family", ["gemma2", "phi3"])
+def test_gguf_q4_codes_kept_as_int4_through_the_fused_splits(hf_dirs, tmp_path, family, qtype):
+    """dtype="int4" keeps the file's 4-bit codes (split like the values: phi3's fused
+    attn_qkv and ffn_up): every projection an Int4Linear, logits within the bf16 rounding
+    of the block scales of the dequantised load (a wrong split would be off by O(1))."""
+    from attnlab.quant import Int4Linear
+
+    path = tmp_path / f"{family}.{qtype}.gguf"
+    write_gguf(hf_dirs[family], path, family, qtype)
+    model, tok = load_pretrained(path)
+    packed, _ = load_pretrained(path, dtype="int4")
+    layers = CONFIGS[family]["num_hidden_layers"]
+    assert sum(isinstance(m, Int4Linear) for m in packed.modules()) >= 7 * layers
+    ids = torch.tensor([tok.encode(CORPUS[1])])
+    with torch.no_grad():
+        torch.testing.assert_close(packed(ids), model(ids), atol=0.1, rtol=0)
+
+
+def test_gguf_gemma2_summary_shows_softcaps_and_the_window_pattern(hf_dirs, tmp_path, capsys):
+    from cli_runner import run_main
+
+    path = tmp_path / "gemma2.gguf"
+    write_gguf(hf_dirs["gemma2"], path, "gemma2", "Q8_0")
+    code, out, err = run_main(capsys, "info", "--model", str(path), "--json", "-t", "16")
+    assert code == 0, err
+    data = json.loads(out)
+    assert (data["attn_softcap"], data["final_softcap"]) == (5.0, 10.0)
+    assert [lay["sliding_window"] for lay in data["per_layer"]] == [5, None, 5]
+    assert data["head_dim"] == 32 and data["kv_heads"] == 2
+    code, out, err = run_main(capsys, "info", "--model", str(path))
+    assert code == 0, err
+    assert "attention 5, final 10" in out
+
+
+def test_streamed_sentencepiece_text_keeps_the_space_of_the_first_new_token(
+    hf_dirs, tmp_path, capsys
+):
+    """A SentencePiece decoder drops the leading space of a sequence; a stream continuing a
+    prompt decodes after the prompt's last token, so "time" + "▁there" shows " there"."""
+    from attnlab.generation import TextStream
+
+    path = tmp_path / "phi3.gguf"
+    write_gguf(hf_dirs["phi3"], path, "phi3", "F32")
+    _, tok = load_pretrained(path)
+    prompt, rest = (
+        tok.encode("Once upon a time"),
+        tok.encode("there was a cat", add_special_tokens=False),
+    )
+    assert tok.id_to_token(rest[0]).startswith("\u2581")
+    stream = TextStream(tok, prompt[-1:])
+    shown = "".join(stream.push(t) for t in rest) + stream.flush()
+    assert shown == " there was a cat"
+    bare = TextStream(tok)
+    assert "".join(bare.push(t) for t in rest) + bare.flush() == "there was a cat"
+    # the command line streams the same text as decoding the whole sequence at once
+    from attnlab.generation import generate
+    from cli_runner import run_main
+
+    model, _ = load_pretrained(path)
+    ids = generate(model, torch.tensor([prompt]), 6)[0].tolist()
+    code, out, err = run_main(
+        capsys, "generate", "--model", str(path), "Once upon a time", "-n", "6"
+    )
+    assert code == 0, err
+    assert out.rstrip("\n") == tok.decode(ids, skip_special_tokens=True)

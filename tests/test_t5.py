@@ -338,3 +338,31 @@ def test_t5_cli_generate_and_explain_take_a_t5_directory(checkpoints, tmp_path, 
     assert code == 0, err
     # 2 encoder layers, then self- and cross-attention of each of 3 decoder blocks
     assert "8 layers x 4 heads" in out and (tmp_path / "attention.html").is_file()
+
+
+def test_t5_info_summarises_the_encoder_decoder(checkpoints, capsys):
+    """`attnlab info --model T5_DIR`: the encoder's and decoder's layer counts, d_kv heads,
+    relative positions without a length limit, and per layer which attention it is, in the
+    order the model runs them (2 encoder, then self + cross for each of 3 decoder blocks)."""
+    import json
+
+    from cli_runner import run_main
+
+    folder = checkpoints["d_kv"]
+    code, out, err = run_main(capsys, "info", "--model", str(folder), "--json", "-t", "16")
+    assert code == 0, err
+    data = json.loads(out)
+    model, _ = load_pretrained(folder)
+    assert (data["family"], data["kind"]) == ("t5", "encoder-decoder")
+    assert (data["layers"], data["decoder_layers"]) == (2, 3)
+    assert (data["heads"], data["kv_heads"], data["head_dim"]) == (4, 4, 8)  # H * D != C
+    assert data["positions"] == "relative" and data["rope"] is None
+    assert data["context_length"] is None and data["probe_length"] == 16
+    assert data["mlp"] == "gated gelu_tanh" and data["norm"] == "rms pre"
+    assert data["parameters"] == sum(p.numel() for p in model.parameters())
+    roles = [lay["role"] for lay in data["per_layer"]]
+    assert roles == ["encoder"] * 2 + ["decoder self", "decoder cross"] * 3
+    assert all(lay["backend"] for lay in data["per_layer"])
+    code, out, err = run_main(capsys, "info", "--model", str(folder))
+    assert code == 0, err
+    assert "2 encoder + 3 decoder" in out and "decoder cross" in out and "no limit" in out

@@ -306,29 +306,36 @@ def _info_model(name: str, seq_len: int, backend: str, as_json: bool) -> None:
         + f", scaling {rope['scaling'] or 'none'}"
     )
     windows = sorted({str(lay.sliding_window) for lay in summary.per_layer})
+    caps = {"attention": summary.attn_softcap, "final": summary.final_softcap}
+    softcap = ", ".join(f"{k} {v:g}" for k, v in caps.items() if v is not None) or "none"
+    layer_count = str(summary.layers)
+    if summary.decoder_layers is not None:
+        layer_count = f"{summary.layers} encoder + {summary.decoder_layers} decoder"
+    context = summary.context_length
     for field, value in (
         ("family", summary.family),
-        ("layers", str(summary.layers)),
+        ("layers", layer_count),
         ("width", str(summary.hidden_size)),
         ("heads / kv heads", f"{summary.heads} / {summary.kv_heads}"),
         ("head dim", str(summary.head_dim)),
         ("positions", summary.positions),
         ("RoPE", rope_text),
         ("sliding window", ", ".join(windows)),
-        ("softcap", "none"),
+        ("softcap", softcap),
         ("norm", summary.norm),
         ("MLP", summary.mlp),
-        ("context", str(summary.context_length)),
+        ("context", "no limit (relative positions)" if context is None else str(context)),
         ("parameters", f"{summary.parameters:,}"),
         ("dtype", summary.dtype),
     ):
         table.add_row(field, value)
     layers = Table(title=f"attention layers: backend for a call of T={summary.probe_length}")
-    for col in ("layer", "heads", "kv heads", "head dim", "window", "backend"):
+    for col in ("layer", "attention", "heads", "kv heads", "head dim", "window", "backend"):
         layers.add_column(col)
     for lay in summary.per_layer:
         layers.add_row(
             str(lay.index),
+            lay.role,
             str(lay.heads),
             str(lay.kv_heads),
             str(lay.head_dim),

@@ -171,8 +171,20 @@ _GGUF_KEYS: dict[str, tuple[str, ...]] = {
 }
 # Qwen2/Qwen3 windows apply to some layers only; llama.cpp ignores the key for them.
 _GGUF_KEYS_NO_WINDOW = {k: v for k, v in _GGUF_KEYS.items() if k != "sliding_window"}
-# Qwen2/Qwen3 "max_window_layers" windows (a window on only some layers) are refused.
-_NO_LAYER_WINDOWS = {"use_sliding_window": (None, False)}
+# Qwen2/Qwen3: `sliding_window` counts only with `use_sliding_window`, and then on the layers
+# from `max_window_layers` on (transformers' rule; its configs also write the result as
+# `layer_types`, which wins). The two keys are read here and resolved by the loader.
+_QWEN_KEYS: dict[str, tuple[str, ...]] = {
+    **_LLAMA_KEYS,
+    "layer_types": ("layer_types",),
+    "use_sliding_window": ("use_sliding_window",),
+    "max_window_layers": ("max_window_layers",),
+}
+_QWEN_DEFAULTS: dict[str, Any] = {
+    **_LLAMA_DEFAULTS,
+    "use_sliding_window": False,
+    "max_window_layers": 28,  # transformers' default
+}
 
 LLAMA = Family(
     name="llama",
@@ -207,9 +219,9 @@ QWEN2 = dataclasses.replace(
     LLAMA,
     name="qwen2",
     fixed={**LLAMA.fixed, "family": "qwen2", "qkv_bias": True, "out_bias": False},
-    keys={k: v for k, v in _LLAMA_KEYS.items() if k != "sliding_window"},
-    defaults=_LLAMA_DEFAULTS,
-    refuse=_NO_LAYER_WINDOWS,
+    keys=_QWEN_KEYS,
+    defaults=_QWEN_DEFAULTS,
+    refuse={},
     gguf_keys=_GGUF_KEYS_NO_WINDOW,
     gguf_weights=_LLAMA_GGUF,  # the qwen2 converter does not permute q/k
 )
@@ -219,12 +231,12 @@ QWEN3 = dataclasses.replace(
     name="qwen3",
     fixed={**LLAMA.fixed, "family": "qwen3", "qk_norm": "rms_head"},
     keys={
-        **{k: v for k, v in _LLAMA_KEYS.items() if k != "sliding_window"},
+        **_QWEN_KEYS,
         "qkv_bias": ("attention_bias",),
         "out_bias": ("attention_bias",),
     },
-    defaults={**_LLAMA_DEFAULTS, "qkv_bias": False, "out_bias": False},
-    refuse=_NO_LAYER_WINDOWS,
+    defaults={**_QWEN_DEFAULTS, "qkv_bias": False, "out_bias": False},
+    refuse={},
     weights=(
         *_LLAMA_WEIGHTS,
         ("layers.{i}.self_attn.q_norm", "blocks.{i}.attention.q_norm", ""),

@@ -182,6 +182,7 @@ def build_config(
     for name, default in defaults.items():
         if name not in fields:
             fields[name] = default(fields) if callable(default) else default
+    _window_layers(fields, where)
     required = {f.name for f in dataclasses.fields(cls)} - {"family"}
     missing = sorted(required - set(fields) - _optional(cls))
     if missing:
@@ -211,6 +212,31 @@ def build_config(
             where, f"{heads} query heads are not divisible by {config.num_kv_heads} kv heads"
         )
     return config
+
+
+def _window_layers(fields: dict[str, Any], where: str) -> None:
+    """Qwen2/Qwen3's window rule, in place: ``sliding_window`` only with
+    ``use_sliding_window``, and then (unless ``layer_types`` says it per layer) on the layers
+    from ``max_window_layers`` on, as transformers builds its ``layer_types``."""
+    if "use_sliding_window" not in fields:
+        return
+    use = fields.pop("use_sliding_window")
+    first = fields.pop("max_window_layers")
+    if not isinstance(use, bool):
+        raise ModelFileError(where, f"`use_sliding_window` must be true or false, got {use!r}")
+    if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+        raise ModelFileError(where, f"`max_window_layers` must be an integer >= 0, got {first!r}")
+    if not use:
+        fields.pop("sliding_window", None)
+    window, types = fields.get("sliding_window"), fields.get("layer_types")
+    layers = fields.get("num_layers")
+    if types is None and window is not None and isinstance(layers, int) and layers <= 1 << 16:
+        fields["layer_types"] = [
+            "sliding_attention" if i >= first else "full_attention" for i in range(layers)
+        ]
+    elif window is None and isinstance(types, list) and "sliding_attention" in types:
+        # transformers: the sliding layers have no window when use_sliding_window is off
+        fields["layer_types"] = ["full_attention"] * len(types)
 
 
 def _rope_and_qk_norm(

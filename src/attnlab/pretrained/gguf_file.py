@@ -210,6 +210,7 @@ class GGUFContents:
         tokens: the vocabulary in id order (``tokenizer.ggml.tokens``).
         token_types: llama.cpp token type per id (1 normal, 3 control, ...).
         merges: BPE merges as ``"left right"`` strings, in rank order.
+        scores: SentencePiece scores per id (``tokenizer.ggml.scores``), or empty.
         tensor_infos: name -> :class:`GGUFTensorInfo`, in file order.
     """
 
@@ -218,6 +219,7 @@ class GGUFContents:
     tokens: list[str]
     token_types: list[int]
     merges: list[str]
+    scores: list[float]
     tensor_infos: dict[str, GGUFTensorInfo]
     _data: np.ndarray  # the whole file, memory-mapped uint8
 
@@ -241,7 +243,12 @@ class GGUFContents:
         return {name: self.tensor(name) for name in self.tensor_infos}
 
 
-_BIG_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges")
+_BIG_ARRAYS = (
+    "tokenizer.ggml.tokens",
+    "tokenizer.ggml.token_type",
+    "tokenizer.ggml.merges",
+    "tokenizer.ggml.scores",
+)
 
 # GGUF value types (gguf.md): id -> struct format; 8 = string, 9 = array.
 _SCALAR_FORMATS = {
@@ -458,10 +465,12 @@ def read_gguf(path: str | Path) -> GGUFContents:
     tokens = kv.get("tokenizer.ggml.tokens", [])
     token_types = kv.get("tokenizer.ggml.token_type", [])
     merges = kv.get("tokenizer.ggml.merges", [])
+    scores = kv.get("tokenizer.ggml.scores", [])
     for key, value in (
         ("tokenizer.ggml.tokens", tokens),
         ("tokenizer.ggml.token_type", token_types),
         ("tokenizer.ggml.merges", merges),
+        ("tokenizer.ggml.scores", scores),
     ):
         if not isinstance(value, list):
             raise ModelFileError(path, f"{key} must be an array, got {type(value).__name__}")
@@ -471,6 +480,7 @@ def read_gguf(path: str | Path) -> GGUFContents:
         tokens=tokens,
         token_types=token_types,
         merges=merges,
+        scores=scores,
         tensor_infos=infos,
         _data=data,
     )

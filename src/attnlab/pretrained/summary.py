@@ -15,7 +15,11 @@ __all__ = ["LayerSummary", "ModelSummary", "summarize_model"]
 
 @dataclass(frozen=True)
 class LayerSummary:
-    """One attention layer: its heads, window, and the backend a call of length T runs on."""
+    """One attention layer: its heads, window, and the backend a call of length T runs on.
+
+    ``role`` says which attention it is: ``"self"`` (a decoder's or an encoder's), or in an
+    encoder-decoder ``"encoder"``, ``"decoder self"`` and ``"decoder cross"``.
+    """
 
     index: int
     heads: int
@@ -23,27 +27,33 @@ class LayerSummary:
     head_dim: int
     sliding_window: int | None
     backend: str
+    role: str = "self"
 
 
 @dataclass(frozen=True)
 class ModelSummary:
-    """A loaded model (decoder or encoder) at a glance.
+    """A loaded model (decoder, encoder or encoder-decoder) at a glance.
 
     Attributes:
         family: the family name (``model_type`` / GGUF architecture).
-        kind: ``"decoder"`` or ``"encoder"``.
-        layers: number of blocks.
+        kind: ``"decoder"``, ``"encoder"`` or ``"encoder-decoder"``.
+        layers: number of blocks (an encoder-decoder's encoder blocks).
         hidden_size: model width C.
         heads, kv_heads, head_dim: H, G, D of the first layer.
-        positions: ``"rope"``, ``"learned"`` or ``"learned+types"`` (encoders).
+        positions: ``"rope"``, ``"learned"``, ``"alibi"``, ``"relative"`` (T5) or
+            ``"learned+types"`` (encoders).
         rope: base, rotated fraction, interleaving and scaling kind, or None.
         norm: e.g. ``"rms pre"``, ``"layer post"``.
         mlp: e.g. ``"gated silu"``.
-        context_length: longest input.
+        context_length: longest input, or None (no limit: T5's relative positions).
         parameters: parameter count (tied weights once).
         dtype: parameter dtype.
         probe_length: T of the call the backends were chosen for.
-        per_layer: one :class:`LayerSummary` per attention layer.
+        per_layer: one :class:`LayerSummary` per attention layer (an encoder-decoder: the
+            encoder's, then per decoder block its self- and cross-attention).
+        decoder_layers: an encoder-decoder's decoder blocks, else None.
+        attn_softcap: attention logit soft-capping (Gemma 2), or None.
+        final_softcap: output logit soft-capping (Gemma 2), or None.
     """
 
     family: str
@@ -57,49 +67,77 @@ class ModelSummary:
     rope: dict[str, Any] | None
     norm: str
     mlp: str
-    context_length: int
+    context_length: int | None
     parameters: int
     dtype: str
     probe_length: int
     per_layer: tuple[LayerSummary, ...]
+    decoder_layers: int | None = None
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+
+
+def _attention_layers(model: Any) -> list[tuple[str, Any, bool]]:
+    """``(role, Attention, causal)`` for every attention layer, in the order they run."""
+    from attnlab.attention import Attention
+    from attnlab.models.decoder import Decoder
+    from attnlab.models.encoder_decoder import EncoderDecoder
+
+    if isinstance(model, EncoderDecoder):
+        rows = [("encoder", b.attention, False) for b in model.encoder.blocks]
+        for b in model.decoder.blocks:
+            rows.append(("decoder self", b.attention, True))
+            if b.cross_attention is not None:
+                rows.append(("decoder cross", b.cross_attention, False))
+        return rows
+    causal = isinstance(model, Decoder) and model.config.causal
+    return [("self", m, causal) for m in model.modules() if isinstance(m, Attention)]
 
 
 def summarize_model(model: Any, *, probe_length: int = 1024) -> ModelSummary:
     """Describe a model from :func:`attnlab.pretrained.load_pretrained`.
 
     Args:
-        model: a :class:`~attnlab.models.decoder.Decoder` or
-            :class:`~attnlab.models.encoder.Encoder`.
-        probe_length: T of the (causal for decoders) call whose backend choice is reported,
-            capped at the model's context length.
+        model: a :class:`~attnlab.models.decoder.Decoder`,
+            :class:`~attnlab.models.encoder.Encoder` or
+            :class:`~attnlab.models.encoder_decoder.EncoderDecoder`.
+        probe_length: T of the call whose backend choice is reported (causal for decoder
+            self-attention, bidirectional for encoders; cross attention with S = T), capped
+            at the model's context length.
 
     Raises:
-        TypeError: a model that is neither.
+        TypeError: a model that is none of these.
     """
-    from attnlab.attention import Attention
     from attnlab.backends import explain_dispatch
     from attnlab.masks import CausalMask, SlidingWindowMask
     from attnlab.models.decoder import Decoder
     from attnlab.models.encoder import Encoder
+    from attnlab.models.encoder_decoder import EncoderDecoder
 
-    if not isinstance(model, (Decoder, Encoder)):
-        raise TypeError(f"`model` must be a Decoder or Encoder, got {type(model).__name__}")
+    if not isinstance(model, (Decoder, Encoder, EncoderDecoder)):
+        raise TypeError(
+            f"`model` must be a Decoder, Encoder or EncoderDecoder, got {type(model).__name__}"
+        )
     config = model.config
-    layers = [m for m in model.modules() if isinstance(m, Attention)]
-    first = layers[0]
     dtype = next(model.parameters()).dtype
-    decoder = isinstance(model, Decoder)
-    context = model.config.context_length if isinstance(model, Decoder) else model.config.max_tokens
-    T = max(1, min(probe_length, context))
+    context: int | None
+    if isinstance(model, EncoderDecoder):
+        context = None  # relative positions: no table bounds the length
+    elif isinstance(model, Decoder):
+        context = model.config.context_length
+    else:
+        context = model.config.max_tokens
+    T = max(1, min(probe_length, context or probe_length))
     per_layer = []
-    for i, layer in enumerate(layers):
+    layers = _attention_layers(model)
+    for i, (role, layer, causal) in enumerate(layers):
         H, G, D = layer.num_heads, layer.num_kv_heads, layer.head_dim
 
         def shaped(*shape: int) -> torch.Tensor:  # one element, expanded: no memory
             return torch.zeros((1,) * len(shape), dtype=dtype).expand(*shape)
 
         window = getattr(layer, "sliding_window", None)
-        mask = (SlidingWindowMask(window) if window else CausalMask()) if decoder else None
+        mask = (SlidingWindowMask(window) if window else CausalMask()) if causal else None
         exp = explain_dispatch(
             shaped(1, H, T, D),
             shaped(1, G, T, D),
@@ -108,7 +146,8 @@ def summarize_model(model: Any, *, probe_length: int = 1024) -> ModelSummary:
             0.0,
             backend=layer.backend,
         )
-        per_layer.append(LayerSummary(i, H, G, D, window, str(exp.chosen)))
+        per_layer.append(LayerSummary(i, H, G, D, window, str(exp.chosen), role))
+    first = layers[0][1]
     rope = None
     if isinstance(model, Decoder) and model.rope is not None:
         rc = model.rope.config
@@ -118,18 +157,25 @@ def summarize_model(model: Any, *, probe_length: int = 1024) -> ModelSummary:
             "interleaved": rc.interleaved,
             "scaling": None if rc.scaling is None else type(rc.scaling).__name__,
         }
+    attn_softcap = final_softcap = None
     if isinstance(model, Decoder):
         c = model.config
         positions: str = c.positions
         norm = f"{c.norm} {c.norm_placement}" + (" parallel" if c.parallel_residual else "")
         mlp = f"{c.mlp} {c.activation}"
+        attn_softcap, final_softcap = c.attn_softcap, c.final_softcap
+    elif isinstance(model, EncoderDecoder):
+        positions = "relative"
+        norm = "rms pre"
+        mlp = f"{'gated' if model.config.gated_mlp else 'plain'} {model.config.activation}"
     else:
         positions = "learned+types"
         norm = "layer post"
         mlp = f"plain {model.config.activation}"
+    kind = {Decoder: "decoder", Encoder: "encoder", EncoderDecoder: "encoder-decoder"}
     return ModelSummary(
         family=config.family,
-        kind="decoder" if decoder else "encoder",
+        kind=kind[type(model)],
         layers=config.num_layers,
         hidden_size=config.hidden_size,
         heads=first.num_heads,
@@ -144,4 +190,7 @@ def summarize_model(model: Any, *, probe_length: int = 1024) -> ModelSummary:
         dtype=str(dtype).removeprefix("torch."),
         probe_length=T,
         per_layer=tuple(per_layer),
+        decoder_layers=getattr(config, "num_decoder_layers", None),
+        attn_softcap=attn_softcap,
+        final_softcap=final_softcap,
     )

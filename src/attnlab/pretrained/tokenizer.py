@@ -6,7 +6,10 @@
 - SmolLM2's tokenizer lives in the GGUF metadata (``tokenizer.ggml.*``): a byte-level BPE
   vocabulary and merge list, the pre-tokenizer named by ``tokenizer.ggml.pre``, control
   tokens marked by ``token_type == 3``, and a Jinja chat template. :func:`tokenizer_from_gguf`
-  rebuilds it as a ``tokenizers`` BPE model.
+  rebuilds it as a ``tokenizers`` BPE model, and a SentencePiece vocabulary
+  (``tokenizer.ggml.model == "llama"``: tokens, scores, token types, ``<0xXX>`` byte tokens,
+  the ``▁`` space marker; Gemma, Phi-3, Llama 2, Mistral files) as a BPE model whose merges
+  follow the scores, with byte fallback, as llama.cpp tokenizes it.
 """
 
 from __future__ import annotations
@@ -287,7 +290,8 @@ def _pre_tokenizer(pre: str) -> Any:
 
 
 def tokenizer_from_gguf(contents: GGUFContents) -> PretrainedTokenizer:
-    """Rebuild a GGUF file's byte-level BPE tokenizer (``tokenizer.ggml.model == "gpt2"``).
+    """Rebuild a GGUF file's tokenizer: byte-level BPE (``tokenizer.ggml.model == "gpt2"``)
+    or SentencePiece (``"llama"``: Llama 1/2, Mistral, Gemma, Phi-3).
 
     Args:
         contents: the file, from :func:`attnlab.pretrained.gguf_file.read_gguf`.
@@ -297,37 +301,25 @@ def tokenizer_from_gguf(contents: GGUFContents) -> PretrainedTokenizer:
 
     Raises:
         NotImplementedError: for a tokenizer model or pre-tokenizer not handled here.
+        ModelFileError: token tables of different lengths or the wrong types.
     """
-    from tokenizers import AddedToken, Tokenizer, decoders, models
+    from attnlab.pretrained.errors import ModelFileError
 
     meta = contents.metadata
     kind = meta.get("tokenizer.ggml.model")
-    if kind != "gpt2":
+    if kind not in ("gpt2", "llama"):
         raise NotImplementedError(
-            f"GGUF tokenizer model {kind!r} is not supported; only byte-level BPE ('gpt2')"
+            f"GGUF tokenizer model {kind!r} is not supported; supported: byte-level BPE "
+            "('gpt2') and SentencePiece ('llama')"
         )
-    from attnlab.pretrained.errors import ModelFileError
-
-    tokens, types, raw_merges = contents.tokens, contents.token_types, contents.merges
+    tokens, types = contents.tokens, contents.token_types
     if not all(isinstance(t, str) for t in tokens) or len(types) != len(tokens):
         raise ModelFileError(
             contents.path,
             f"tokenizer.ggml.tokens ({len(tokens)}) and token_type ({len(types)}) must be "
             "equally long lists of strings and ints",
         )
-    if not all(isinstance(m, str) and " " in m for m in raw_merges):
-        raise ModelFileError(contents.path, "tokenizer.ggml.merges must be 'left right' strings")
-    vocab = {token: i for i, token in enumerate(tokens)}
-    merges = [(left, right) for left, right in (m.split(" ", 1) for m in raw_merges)]
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-    backend.pre_tokenizer = _pre_tokenizer(str(meta.get("tokenizer.ggml.pre", "default")))
-    backend.decoder = decoders.ByteLevel()
-    special = [
-        AddedToken(token, special=True, normalized=False)
-        for token, kind_id in zip(contents.tokens, contents.token_types, strict=True)
-        if kind_id in (_CONTROL, _USER_DEFINED)
-    ]
-    backend.add_special_tokens(special)
+    backend = _bpe_backend(contents) if kind == "gpt2" else _sentencepiece_backend(contents)
     eos = meta.get("tokenizer.ggml.eos_token_id")
     bos = meta.get("tokenizer.ggml.bos_token_id")
     pad = meta.get("tokenizer.ggml.padding_token_id", eos if eos is not None else 0)
@@ -339,3 +331,125 @@ def tokenizer_from_gguf(contents: GGUFContents) -> PretrainedTokenizer:
         max_length=meta.get(f"{meta.get('general.architecture', '')}.context_length"),
         chat_template=meta.get("tokenizer.chat_template"),
     )
+
+
+def _add_special_tokens(backend: Any, contents: GGUFContents) -> None:
+    """llama.cpp's control tokens as special tokens, user-defined ones as added tokens: both
+    matched whole in the raw text, before any splitting."""
+    from tokenizers import AddedToken
+
+    pairs = list(zip(contents.tokens, contents.token_types, strict=True))
+    backend.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t, k in pairs if k == _CONTROL]
+    )
+    backend.add_tokens(
+        [AddedToken(t, special=False, normalized=False) for t, k in pairs if k == _USER_DEFINED]
+    )
+
+
+def _bpe_backend(contents: GGUFContents) -> Any:
+    """Byte-level BPE from the vocabulary and merge list, split as ``tokenizer.ggml.pre``."""
+    from tokenizers import Tokenizer, decoders, models
+
+    from attnlab.pretrained.errors import ModelFileError
+
+    raw_merges = contents.merges
+    if not all(isinstance(m, str) and " " in m for m in raw_merges):
+        raise ModelFileError(contents.path, "tokenizer.ggml.merges must be 'left right' strings")
+    vocab = {token: i for i, token in enumerate(contents.tokens)}
+    merges = [(left, right) for left, right in (m.split(" ", 1) for m in raw_merges)]
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    backend.pre_tokenizer = _pre_tokenizer(
+        str(contents.metadata.get("tokenizer.ggml.pre", "default"))
+    )
+    backend.decoder = decoders.ByteLevel()
+    _add_special_tokens(backend, contents)
+    return backend
+
+
+def sentencepiece_merges(tokens: Sequence[str], scores: Sequence[float]) -> list[tuple[str, str]]:
+    """The BPE merges a SentencePiece vocabulary implies, best first.
+
+    llama.cpp's SentencePiece tokenizer repeatedly joins the adjacent pair whose joined text
+    is the vocabulary entry with the highest score. As a BPE merge list: every split of every
+    entry into two entries, ranked by the joined entry's score (higher first), then by the
+    longer left piece, then by the pieces' ids.
+    """
+    vocab: dict[str, int] = {}
+    for i, token in enumerate(tokens):
+        vocab.setdefault(token, i)
+    ranked = []
+    for token, i in vocab.items():
+        for k in range(1, len(token)):
+            left, right = token[:k], token[k:]
+            if left in vocab and right in vocab:
+                key = (-float(scores[i]), -len(left), -len(right), vocab[left], vocab[right])
+                ranked.append((key, left, right))
+    ranked.sort(key=lambda r: r[0])
+    return [(left, right) for _, left, right in ranked]
+
+
+def _sentencepiece_backend(contents: GGUFContents) -> Any:
+    """A SentencePiece vocabulary (tokens, scores, types) as a ``tokenizers`` BPE model.
+
+    As llama.cpp: spaces become ``▁`` (U+2581) and, when ``tokenizer.ggml.add_space_prefix``
+    is true (its default), one ``▁`` goes before the text (and after every special token);
+    characters not in the vocabulary fall back to their UTF-8 bytes ``<0xXX>``; BOS is added
+    when ``tokenizer.ggml.add_bos_token`` is true (the default), EOS when
+    ``tokenizer.ggml.add_eos_token`` is.
+    """
+    from tokenizers import Tokenizer, decoders, models, normalizers, processors
+
+    from attnlab.pretrained.errors import ModelFileError
+
+    meta, tokens, scores = contents.metadata, contents.tokens, contents.scores
+    if len(scores) != len(tokens) or not all(
+        isinstance(x, (int, float)) and not isinstance(x, bool) for x in scores
+    ):
+        raise ModelFileError(
+            contents.path,
+            f"tokenizer.ggml.scores ({len(scores)}) must hold one number per token "
+            f"({len(tokens)}) for a SentencePiece ('llama') tokenizer",
+        )
+    vocab: dict[str, int] = {}
+    for i, token in enumerate(tokens):
+        vocab.setdefault(token, i)
+    unk_id = meta.get("tokenizer.ggml.unknown_token_id")
+    unk = tokens[unk_id] if isinstance(unk_id, int) and 0 <= unk_id < len(tokens) else None
+    model = models.BPE(
+        vocab=vocab,
+        merges=sentencepiece_merges(tokens, scores),
+        unk_token=unk,
+        fuse_unk=True,
+        byte_fallback=True,
+    )
+    backend = Tokenizer(model)
+    prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+    steps: list[Any] = [normalizers.Prepend("\u2581")] if prefix else []
+    backend.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", "\u2581")])
+    decode: list[Any] = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if prefix:
+        decode.append(decoders.Strip(" ", 1, 0))
+    backend.decoder = decoders.Sequence(decode)
+    _add_special_tokens(backend, contents)
+    special: list[tuple[str, int]] = []
+    template = ["$A"]
+    for key, default in (("bos", True), ("eos", False)):
+        token_id = meta.get(f"tokenizer.ggml.{key}_token_id")
+        if not meta.get(f"tokenizer.ggml.add_{key}_token", default) or token_id is None:
+            continue
+        if isinstance(token_id, bool) or not isinstance(token_id, int):
+            raise ModelFileError(contents.path, f"tokenizer.ggml.{key}_token_id must be an int")
+        if not 0 <= token_id < len(tokens):
+            raise ModelFileError(
+                contents.path, f"tokenizer.ggml.{key}_token_id = {token_id} is not a token id"
+            )
+        special.append((tokens[token_id], token_id))
+        template = [tokens[token_id], *template] if key == "bos" else [*template, tokens[token_id]]
+    if special:
+        backend.post_processor = processors.TemplateProcessing(
+            single=template,
+            pair=[*template, *(t.replace("$A", "$B") for t in template)],
+            special_tokens=special,
+        )
+    return backend
