@@ -152,6 +152,32 @@ def test_fused_float_rows_share_storage_with_the_parts():
     torch.testing.assert_close(fused.weight[4:], parts[1].weight)  # ... reaches the fused
 
 
+@pytest.mark.parametrize("layout", ["rows", "transposed"])
+def test_parts_of_one_fused_tensor_fuse_back_into_it_without_a_copy(layout):
+    # As loaded: Phi-3's qkv_proj split into row blocks ("rows"), GPT-2's Conv1D c_attn
+    # (stored (in, out)) a transposed view split the same way ("transposed").
+    g = torch.Generator().manual_seed(0)
+    whole = torch.randn(24, 8, generator=g) if layout == "rows" else torch.randn(8, 24).T
+    bias = torch.randn(24, generator=g)
+    parts = [nn.Linear(8, n) for n in (8, 12, 4)]
+    x = torch.randn(3, 8, generator=g)
+    with torch.no_grad():
+        pieces = zip(whole.split([8, 12, 4]), bias.split([8, 12, 4]), strict=True)
+        for lin, (w, b) in zip(parts, pieces, strict=True):
+            lin.weight.data, lin.bias.data = w, b
+    separate = torch.cat([p(x) for p in parts], dim=-1)
+    fused = fuse_rows(parts, share_float=True)
+    assert fused is not None
+    assert fused.weight.data_ptr() == whole.data_ptr() and fused.weight.stride() == whole.stride()
+    assert fused.bias.data_ptr() == bias.data_ptr()
+    torch.testing.assert_close(fused(x), separate)
+    # Rows out of order are not one tensor: copied, same products.
+    swapped = [parts[1], parts[0]]
+    fused = fuse_rows(swapped, share_float=True)
+    assert fused is not None and fused.weight.data_ptr() != whole.data_ptr()
+    torch.testing.assert_close(fused(x), torch.cat([p(x) for p in swapped], dim=-1))
+
+
 def test_int4_parts_off_the_64_row_tile_are_not_fused():
     parts = [Int4Linear.from_float(torch.randn(n, 64)) for n in (32, 64)]
     assert fuse_rows(parts) is None

@@ -405,7 +405,15 @@ def fuse_rows(linears: Sequence[Any], *, share_float: bool = False) -> nn.Module
         if isinstance(first, nn.Linear):
             if not share_float:
                 return None
-            w = torch.cat([m.weight.detach() for m in linears])  # (sum N, K)
+            parts = [m.weight.detach() for m in linears]
+            # Pieces of one fused tensor (GPT-2's c_attn, Phi-3's qkv_proj as loaded)
+            # are that tensor again, not a copy.
+            w = _stacked_rows(parts)
+            if w is None:
+                w = torch.cat(parts)  # (sum N, K)
+            if bias is not None:
+                stacked = _stacked_rows([b.detach() for b in biases])  # type: ignore[union-attr]
+                bias = bias if stacked is None else stacked
             fused: Any = _FusedLinear(w, bias)
             for m, s, n in zip(linears, starts, rows, strict=True):
                 m.weight.data = w[s : s + n]  # the same Parameter, now a view
@@ -444,6 +452,29 @@ def fuse_rows(linears: Sequence[Any], *, share_float: bool = False) -> nn.Module
                 bias,
             )
     return None
+
+
+def _stacked_rows(parts: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The tensor whose consecutive row blocks ``parts`` are (a view, no copy), or None.
+
+    True when every part is a view of one storage with the same strides and trailing
+    shape, each starting where the previous one's rows end.
+    """
+    first = parts[0]
+    storage = first.untyped_storage().data_ptr()
+    offset = first.storage_offset()
+    for t in parts:
+        if (
+            t.untyped_storage().data_ptr() != storage
+            or t.dtype != first.dtype
+            or t.stride() != first.stride()
+            or t.shape[1:] != first.shape[1:]
+            or t.storage_offset() != offset
+        ):
+            return None
+        offset += t.shape[0] * t.stride(0)
+    shape = (sum(t.shape[0] for t in parts), *first.shape[1:])
+    return first.as_strided(shape, first.stride(), first.storage_offset())
 
 
 class _FusedLinear(nn.Module):

@@ -490,8 +490,17 @@ def fill(
                     f"{name} has shape {tuple(w.shape)}, the config (config.json / metadata) "
                     f"implies {tuple(p.shape)}",
                 )
-            # Take the loaded tensor itself (no copy when the dtype already fits).
-            p.data = w.to(dtype=dtype or p.dtype).contiguous()
+            # Take the loaded tensor itself (no copy when the dtype already fits), in the
+            # layout it came in when a matrix product reads it as is: GPT-2's Conv1D
+            # weights stay transposed views of the file (F.linear multiplies by the
+            # stored (in, out) matrix), a fused tensor's pieces stay row slices of it.
+            w = w.to(dtype=dtype or p.dtype)
+            p.data = w if _matrix_layout(w) else w.contiguous()
+
+
+def _matrix_layout(w: torch.Tensor) -> bool:
+    """A 2-D tensor whose rows or columns are contiguous: a layout BLAS reads without a copy."""
+    return w.ndim == 2 and (w.stride(1) == 1 or w.stride(0) == 1) and min(w.stride()) > 0
 
 
 def model_class(
@@ -505,7 +514,7 @@ def model_class(
 
 def parameter_count(config: AnyConfig) -> int:
     """Parameters the config implies (counted on the meta device: nothing is allocated)."""
-    with torch.device("meta"):
+    with skip_random_init(), torch.device("meta"):
         model = model_class(config)(config)  # type: ignore[arg-type]
     return sum(p.numel() for p in model.parameters())
 
