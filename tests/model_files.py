@@ -124,6 +124,26 @@ def llama_cpp_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, 2, shape[0] // n_heads // 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 
 
+def _llama3_rope_freqs(rope: dict, dim: int) -> np.ndarray:
+    """llama.cpp's converter for Llama 3 scaling: one divisor per frequency, float32."""
+    import math
+
+    freqs = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old = rope["original_max_position_embeddings"]
+    out = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
 def _gguf_name(hf_name: str, table: dict[str, str]) -> str | None:
     module, leaf = hf_name.rsplit(".", 1)
     parts = module.split(".")
@@ -220,6 +240,10 @@ def write_gguf(
         if rope.get("rope_type") == "linear":
             w.add_string(f"{arch}.rope.scaling.type", "linear")
             w.add_float32(f"{arch}.rope.scaling.factor", rope["factor"])
+        if rope.get("rope_type") == "llama3":  # as llama.cpp's LlamaModel: a rope_freqs tensor
+            w.add_tensor(
+                "rope_freqs.weight", _llama3_rope_freqs(rope, cfg.get("head_dim") or C // H)
+            )
         if family == "phi3":  # as llama.cpp's Phi3MiniModel
             w.add_uint32(
                 f"{arch}.rope.dimension_count",

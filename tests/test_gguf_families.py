@@ -39,6 +39,7 @@ CONFIGS = {
     },
     # llama.cpp writes Mistral as architecture "llama" (q/k permuted); the window rides in
     # llama.attention.sliding_window (llama.cpp's converter leaves it out: then none).
+    # Llama 3 RoPE scaling, which llama.cpp stores as a rope_freqs tensor of divisors.
     "mistral": {
         "hidden_size": 64,
         "intermediate_size": 96,
@@ -47,6 +48,14 @@ CONFIGS = {
         "num_key_value_heads": 2,
         "sliding_window": 5,
         "max_position_embeddings": 128,
+        "rope_parameters": {
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
     },
     "qwen2": {
         "hidden_size": 64,
