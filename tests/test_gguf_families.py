@@ -238,6 +238,12 @@ def test_gguf_rope_variants_held_in_tensors_or_unknown_scalings_are_refused(hf_d
     write_gguf(hf_dirs["qwen2"], tmp_path / "yarn.gguf", "qwen2", "F32", extra=yarn)
     _refused(tmp_path / "yarn.gguf", "qwen2.rope.scaling.type", "'yarn'")
 
+    def short_freqs(w):  # llama.cpp's Llama 3 divisors, one per rotating pair: 8 here
+        w.add_tensor("rope_freqs.weight", np.ones(3, dtype=np.float32))
+
+    write_gguf(hf_dirs["qwen2"], tmp_path / "freqs.gguf", "qwen2", "F32", extra=short_freqs)
+    _refused(tmp_path / "freqs.gguf", "rope_freqs.weight", "must hold 8 factors")
+
     def odd_rotary(w):
         w.add_uint32("qwen3.rope.dimension_count", 7)
 

@@ -164,12 +164,12 @@ def gguf_config(contents: GGUFContents) -> tuple[Family, AnyConfig]:
         "vocab_size": len(contents.tokens),
     }
     if ROPE_FREQS in contents.tensor_infos:
-        factors = contents.tensor(ROPE_FREQS)
-        if factors.ndim != 1:
+        shape = contents.tensor_infos[ROPE_FREQS].shape
+        if len(shape) != 1 or shape[0] > 1 << 12:  # one per rotating pair: head_dim / 2
             raise ModelFileError(
-                path, f"tensor {ROPE_FREQS!r} must be 1-D, got {tuple(factors.shape)}"
+                path, f"tensor {ROPE_FREQS!r} must be 1-D with <= 4096 values, got {shape}"
             )
-        extra["rope_factors"] = tuple(float(x) for x in factors.tolist())
+        extra["rope_factors"] = tuple(float(x) for x in contents.tensor(ROPE_FREQS).tolist())
     return family, build_config(family, meta, where=path, keys=keys, extra=extra)
 
 
