@@ -310,9 +310,13 @@ def _gguf_rope(
     scaling: RopeScaling | None = None
     if kind == "linear":
         factor = source.get(f"{arch}.rope.scaling.factor")
-        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+        if (
+            isinstance(factor, bool)
+            or not isinstance(factor, (int, float))
+            or not 0 < factor < math.inf
+        ):
             raise ModelFileError(
-                where, f"`{arch}.rope.scaling.factor` must be a number > 0, got {factor!r}"
+                where, f"`{arch}.rope.scaling.factor` must be a finite number > 0, got {factor!r}"
             )
         scaling = LinearScaling(float(factor))
     elif kind != "none":
