@@ -6,12 +6,17 @@ the named functions interleaved (order alternating), reads the machine's busy ti
 around each pair, and keeps a pair only when the CPU time *other* processes used
 during it stays under ``max_other`` of one core. The summary line says how many pairs
 were quiet and how busy the rest of the machine was.
+
+Every time is kept (:attr:`PairResult.times`), so a script can report the median of the
+per-pair ratios between two names (:meth:`PairResult.ratio`, each pair adjacent in time,
+so slow drift of the machine cancels) and their spread, not only a best-of.
 """
 
 from __future__ import annotations
 
 import os
 import resource
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,12 +41,27 @@ def _own_cpu_s() -> float:
 
 @dataclass
 class PairResult:
-    """Best quiet time per name, and how quiet the run was."""
+    """Best quiet time per name, every time, and how quiet the run was."""
 
     best: dict[str, float]
     quiet_pairs: int
     pairs: int
     other_load: list[float] = field(default_factory=list)  # cores used by others, per pair
+    # name -> wall time of each kept pair (the quiet ones; all when none was quiet)
+    times: dict[str, list[float]] = field(default_factory=dict)
+
+    def median(self, name: str) -> float:
+        """Median wall time of ``name`` over the kept pairs."""
+        return statistics.median(self.times[name])
+
+    def ratios(self, slow: str, fast: str) -> list[float]:
+        """``time[slow] / time[fast]`` within each kept pair, sorted (> 1: ``fast`` is faster)."""
+        return sorted(a / b for a, b in zip(self.times[slow], self.times[fast], strict=True))
+
+    def ratio(self, slow: str, fast: str) -> tuple[float, float, float]:
+        """(median, lowest, highest) of the per-pair ratios :meth:`ratios`."""
+        r = self.ratios(slow, fast)
+        return statistics.median(r), r[0], r[-1]
 
     def quietness(self) -> str:
         """e.g. ``"quiet pairs 4/6, others used 0.05-1.30 cores (loadavg 0.8)"``."""
@@ -55,22 +75,31 @@ class PairResult:
 
 
 def timed_pairs(
-    fns: dict[str, Callable[[], object]], pairs: int, *, max_other: float = 0.25
+    fns: dict[str, Callable[[], object]],
+    pairs: int,
+    *,
+    max_other: float = 0.25,
+    before: Callable[[str], object] | None = None,
 ) -> PairResult:
     """Run ``fns`` ``pairs`` times interleaved; best wall time per name over quiet pairs.
 
     A pair is quiet when the CPU used by other processes during it stays below
     ``max_other`` cores. When no pair is quiet, the best over all pairs is reported
-    (and the summary says 0 quiet pairs).
+    (and the summary says 0 quiet pairs). ``before(name)`` runs untimed before each
+    call (e.g. drop the model the previous load made, so that freeing it is not timed).
     """
     best_quiet = {name: float("inf") for name in fns}
     best_all = dict(best_quiet)
+    kept: dict[str, list[float]] = {name: [] for name in fns}
+    every: dict[str, list[float]] = {name: [] for name in fns}
     quiet, other = 0, []
     for rep in range(pairs):
         items = list(fns.items())
         b0, c0, w0 = _machine_busy_s(), _own_cpu_s(), time.perf_counter()
         times = {}
         for name, fn in items if rep % 2 == 0 else reversed(items):
+            if before is not None:
+                before(name)
             t0 = time.perf_counter()
             fn()
             times[name] = time.perf_counter() - t0
@@ -79,8 +108,12 @@ def timed_pairs(
         other.append(max(used, 0.0))
         for name, t in times.items():
             best_all[name] = min(best_all[name], t)
+            every[name].append(t)
         if used < max_other:
             quiet += 1
             for name, t in times.items():
                 best_quiet[name] = min(best_quiet[name], t)
-    return PairResult(best_quiet if quiet else best_all, quiet, pairs, other)
+                kept[name].append(t)
+    if quiet:
+        return PairResult(best_quiet, quiet, pairs, other, kept)
+    return PairResult(best_all, quiet, pairs, other, every)

@@ -264,17 +264,29 @@ def _write_tokenizer(folder: str) -> None:
     tok.save(os.path.join(folder, "tokenizer.json"))
 
 
-def bench_families(reps: int, families: list[str], prompt_len: int, new_tokens: int) -> None:
+def bench_families(
+    reps: int, load_reps: int, families: list[str], prompt_len: int, new_tokens: int
+) -> None:
+    import gc
     import tempfile
 
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.set_verbosity_error()  # no progress bars or config warnings between rows
+    hf_logging.disable_progress_bar()
     print(
         f"Your own model: 8 layers, width 512, prompt {prompt_len} + {new_tokens} new tokens, "
-        "greedy, KV cache (ratios > 1: attnlab faster)"
+        f"greedy, KV cache, {torch.get_num_threads()} threads (ratios > 1: attnlab faster)"
     )
-    print(f"  {'family':9} {'dtype':8} {'load attnlab/hf s':>18} {'load ratio':>10} "
-          f"{'tok/s attnlab/hf':>17} {'speed ratio':>11} same")  # fmt: skip
+    print(
+        f"  load: {load_reps} interleaved pairs after a warm-up load of each side (page cache "
+        "warm), the previous model freed untimed; generation: "
+        f"{reps} interleaved pairs. Times are medians; a ratio is the median of the "
+        "per-pair ratios [lowest-highest]."
+    )
+    print(f"  {'family':9} {'dtype':8} {'load ms attnlab/hf':>19} {'load ratio':>18} "
+          f"{'tok/s attnlab/hf':>17} {'speed ratio':>18} same  quiet pairs")  # fmt: skip
     for family in families:
         for dtype in (torch.float32, torch.bfloat16):
             with tempfile.TemporaryDirectory() as folder:
@@ -292,8 +304,15 @@ def bench_families(reps: int, families: list[str], prompt_len: int, new_tokens: 
                 ) -> None:
                     loaded["hf"] = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
 
-                load_ours(), load_theirs()  # warm-up (file cache)
-                load = timed_pairs({"attnlab": load_ours, "hf": load_theirs}, reps).best
+                def drop(name: str, loaded: dict = loaded) -> None:
+                    loaded.pop(name, None)
+                    gc.collect()
+
+                load_ours(), load_theirs()  # warm-up (file cache, imports, first-call costs)
+                load = timed_pairs(
+                    {"attnlab": load_ours, "hf": load_theirs}, load_reps, before=drop
+                )
+                load_ours(), load_theirs()  # the models to generate with
                 ours_model, ref = loaded["attnlab"], loaded["hf"]
                 g = torch.Generator().manual_seed(1)
                 ids = torch.randint(10, 8000, (1, prompt_len), generator=g)
@@ -316,20 +335,30 @@ def bench_families(reps: int, families: list[str], prompt_len: int, new_tokens: 
                         )
 
                 ours(), theirs()
-                gen = timed_pairs({"attnlab": ours, "hf": theirs}, reps).best
+                gen = timed_pairs({"attnlab": ours, "hf": theirs}, reps)
                 same = out["attnlab"].tolist() == out["hf"].tolist()
+                lr, lr_lo, lr_hi = load.ratio("hf", "attnlab")
+                gr, gr_lo, gr_hi = gen.ratio("hf", "attnlab")
                 print(
                     f"  {family:9} {str(dtype)[6:]:8} "
-                    f"{load['attnlab']:8.2f}/{load['hf']:<8.2f} "
-                    f"{load['hf'] / load['attnlab']:10.2f} "
-                    f"{new_tokens / gen['attnlab']:8.1f}/{new_tokens / gen['hf']:<8.1f} "
-                    f"{gen['hf'] / gen['attnlab']:11.2f} {same}"
+                    f"{1e3 * load.median('attnlab'):9.1f}/{1e3 * load.median('hf'):<9.1f} "
+                    f"{lr:5.2f}x [{lr_lo:4.2f}-{lr_hi:4.2f}] "
+                    f"{new_tokens / gen.median('attnlab'):8.1f}/"
+                    f"{new_tokens / gen.median('hf'):<8.1f} "
+                    f"{gr:5.2f}x [{gr_lo:4.2f}-{gr_hi:4.2f}] {same!s:5} "
+                    f"{load.quiet_pairs}/{load.pairs}, {gen.quiet_pairs}/{gen.pairs}",
+                    flush=True,
                 )
+    with open("/proc/loadavg") as f:
+        print(f"  /proc/loadavg at the end: {f.read().strip()}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument(
+        "--load-reps", type=int, default=15, help="interleaved load pairs (--only families)"
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch threads (both sides)")
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=128)
@@ -344,7 +373,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    with open("/proc/loadavg") as f:
+        loadavg = f.read().strip()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, /proc/loadavg {loadavg}")
     if args.only in (None, "smollm2"):
         dtypes = args.dtypes.split(",")
         bench_smollm2(args.reps, args.prompt_len, args.new_tokens, dtypes, args.prefill_len)
@@ -355,7 +386,9 @@ def main() -> None:
         unknown = sorted(set(families) - set(MID_SIZE))
         if unknown:
             parser.error(f"unknown --families {unknown}; choose from {sorted(MID_SIZE)}")
-        bench_families(args.reps, families, args.prompt_len, min(args.new_tokens, 64))
+        bench_families(
+            args.reps, args.load_reps, families, args.prompt_len, min(args.new_tokens, 64)
+        )
 
 
 if __name__ == "__main__":

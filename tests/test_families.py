@@ -291,15 +291,19 @@ def test_decoder_greedy_tokens_match_transformers_generate(checkpoints, family):
         )
     assert ours.tolist() == theirs.tolist()
     assert len(set(ours[0, ids.shape[1] :].tolist())) > 1
+    # ... decoded by the fast one-token step (every layout but ALiBi's)
+    assert ("_decode_plan" in model.__dict__) == (family != "bloom")
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["growing", "static"])
 @pytest.mark.parametrize("family", sorted(DECODERS))
-def test_decoder_cached_decoding_equals_the_full_pass(checkpoints, family):
+def test_decoder_cached_decoding_equals_the_full_pass(checkpoints, family, static):
+    # static: the one-token steps take the fast decode step (not bloom's ALiBi)
     model, tok = load_pretrained(checkpoints[family][0], backend="math")
     ids = _prompt(tok)
     with torch.no_grad():
         full = model(ids)
-        cache = model.new_kv_cache()
+        cache = model.new_kv_cache(max_len=ids.shape[1]) if static else model.new_kv_cache()
         first = model(ids[:, :-4], kv_cache=cache)
         steps = [
             model(ids[:, i : i + 1], kv_cache=cache) for i in range(ids.shape[1] - 4, ids.shape[1])
@@ -338,6 +342,22 @@ def test_decoder_bf16_checkpoint(checkpoints, family):
     ours_err = (logits16.float() - expected).abs().max()
     their_err = (theirs16.float() - expected).abs().max()
     assert 0 < ours_err <= 1.5 * their_err, (ours_err, their_err)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "phi3"])
+def test_fused_projections_in_the_file_are_used_in_place(checkpoints, family):
+    """GPT-2's c_attn (a Conv1D: stored transposed) and Phi-3's qkv_proj / gate_up_proj
+    are split into our projections as views, and the fast step's fused products are those
+    tensors again: loading copies none of them."""
+    model, _ = load_pretrained(checkpoints[family][0])
+    plan = model._decode_plan
+    for layer, block in zip(plan.layers, model.blocks, strict=True):
+        att = block.attention
+        storage = att.W_query.weight.untyped_storage().data_ptr()
+        assert layer.qkv.weight.data_ptr() == att.W_query.weight.data_ptr()
+        assert att.W_value.weight.untyped_storage().data_ptr() == storage
+        if family == "phi3":
+            assert layer.gate_up.weight.data_ptr() == block.mlp.gate.weight.data_ptr()
 
 
 # --------------------------------------------------------------------------- encoders

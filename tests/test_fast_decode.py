@@ -1,4 +1,5 @@
-"""The static KV cache and the fused one-token decode step, on a small random Llama."""
+"""The static KV cache and the fused one-token decode step, on small random decoders of
+every layout (Llama, GPT-2, Gemma 2, GPT-NeoX, OLMo 2, Qwen3, Mistral)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ import torch
 from attnlab.attention import KVCache, StaticKVCache
 from attnlab.generation import generate
 from attnlab.models.decoder import Decoder, DecoderConfig
+from attnlab.models.fast_decode import why_not_fast_decode
+from attnlab.norms import QKNorm
 from attnlab.quant import quantize_model
+from attnlab.rope import RopeConfig
 
 CONFIG = DecoderConfig(  # a Llama
     vocab_size=96,
@@ -92,7 +96,15 @@ def test_fast_step_logits_equal_the_module_path():
 def test_fused_qkv_and_gate_up_equal_the_separate_products():
     model = _model()
     assert model.prepare_decode().layers[0].qkv is None  # float weights: fused only if asked
+    ids = torch.randint(0, CONFIG.vocab_size, (2, 7), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        before = model(ids)
     plan = model.prepare_decode(share_float=True)
+    # Every float product now column-major (one-row products 2-3x faster), same numbers.
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(m.weight.stride(0) == 1 for m in linears)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), before, atol=1e-5, rtol=1e-5)
     h = torch.randn(2, 1, CONFIG.hidden_size)
     for layer, block in zip(plan.layers, model.blocks, strict=True):
         att, mlp = block.attention, block.mlp
@@ -231,31 +243,74 @@ def test_recording_or_capturing_takes_the_module_path():
     assert model.blocks[1].attention.captured is not None
 
 
-@pytest.mark.parametrize(
-    "options",
-    [
-        {
-            "norm": "layer",
-            "norm_bias": True,
-            "mlp": "plain",
-            "activation": "gelu_tanh",
-            "positions": "learned",
-            "qkv_bias": True,
-            "out_bias": True,
-            "mlp_bias": True,
-        },
-        {"norm_placement": "post"},  # not a layout of the fast step: the modules decode
-    ],
-    ids=["gpt2-like", "post-norm"],
-)
-def test_other_families_decode_with_the_same_logits(options):
-    model = _model(**options)
-    ids = torch.randint(0, CONFIG.vocab_size, (1, 6), generator=torch.Generator().manual_seed(4))
-    slow, fast = model.new_kv_cache(), model.new_kv_cache(max_len=10)
+LAYOUTS = {
+    "gpt2-like": {
+        "norm": "layer",
+        "norm_bias": True,
+        "mlp": "plain",
+        "activation": "gelu_tanh",
+        "positions": "learned",
+        "qkv_bias": True,
+        "out_bias": True,
+        "mlp_bias": True,
+    },
+    # Gemma 2: sandwich norms, both softcaps, a window shorter than the sequence on
+    # alternate layers, embeddings x sqrt(C), its own score scale.
+    "gemma2-like": {
+        "norm_placement": "sandwich",
+        "attn_softcap": 5.0,
+        "final_softcap": 10.0,
+        "layer_windows": (4, None, 4),
+        "embed_scale": True,
+        "activation": "gelu_tanh",
+        "attn_scale": 0.3,
+    },
+    # GPT-NeoX: parallel residual, a quarter of each head rotary, LayerNorms, biases.
+    "gpt_neox-like": {
+        "norm": "layer",
+        "norm_bias": True,
+        "mlp": "plain",
+        "activation": "gelu",
+        "parallel_residual": True,
+        "rope": RopeConfig(base=10000.0, fraction=0.25),
+        "qkv_bias": True,
+        "out_bias": True,
+        "mlp_bias": True,
+        "num_kv_heads": 4,
+    },
+    "olmo2-like": {"norm_placement": "post", "qk_norm": QKNorm("rms", "all")},
+    "qwen3-like": {"qk_norm": QKNorm("rms", "head"), "head_dim": 16},
+    "mistral-like": {"sliding_window": 5},
+    "alibi": {"positions": "alibi"},  # not a layout of the fast step: the modules decode
+}
+
+
+@pytest.mark.parametrize("share_float", [False, True], ids=["separate", "fused"])
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_every_layout_decodes_with_the_module_paths_logits(layout, share_float):
+    # The reference: the modules over growing caches (rolling ones for windowed layers).
+    model = _model(**LAYOUTS[layout])
+    fast_step = layout != "alibi"
+    if share_float and fast_step:
+        model.prepare_decode(share_float=True)
+    ids = torch.randint(0, CONFIG.vocab_size, (2, 6), generator=torch.Generator().manual_seed(4))
+    slow, fast = model.new_kv_cache(), model.new_kv_cache(max_len=20)
+    assert all(isinstance(c, StaticKVCache) for c in fast)
     with torch.no_grad():
-        model(ids, kv_cache=slow), model(ids, kv_cache=fast)
-        for _ in range(3):
-            a, b = model(ids[:, -1:], kv_cache=slow), model(ids[:, -1:], kv_cache=fast)
-            torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
-    took_fast = "_decode_plan" in model.__dict__
-    assert took_fast == ("norm_placement" not in options)
+        torch.testing.assert_close(model(ids, kv_cache=fast), model(ids, kv_cache=slow))
+        nxt = ids[:, -1:]
+        for _ in range(10):  # 16 positions: past every window of 4 and 5
+            a, b = model(nxt, kv_cache=slow), model(nxt, kv_cache=fast)
+            # fp32 sums in another order (logits of magnitude up to ~10 here)
+            torch.testing.assert_close(b, a, atol=3e-5, rtol=1e-5)
+            nxt = a[:, -1].argmax(-1, keepdim=True)
+    assert ("_decode_plan" in model.__dict__) == fast_step
+    assert (why_not_fast_decode(model) is None) == fast_step
+
+
+def test_the_step_skips_nothing_it_cannot_do():
+    assert why_not_fast_decode(_model(positions="alibi")) == "positions 'alibi'"
+    assert why_not_fast_decode(_model(embed_norm=True)) == "model option embed_norm=True"
+    sinks = _model()
+    sinks.blocks[0].attention.sinks = torch.nn.Parameter(torch.zeros(CONFIG.num_heads))
+    assert why_not_fast_decode(sinks) == "attention option sinks"

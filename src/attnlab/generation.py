@@ -32,7 +32,7 @@ Shape legend: ``B`` batch, ``T`` sequence length, ``V`` vocabulary size.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -290,21 +290,33 @@ class TextStream:
 
     Byte-level BPE tokens can end inside a multi-byte character; the decoded text then
     ends in U+FFFD, and that tail is held back until the next token completes it.
+    SentencePiece decoders drop the space of the first token (``▁the`` alone decodes to
+    ``the``); decoding after ``context`` (the prompt's last token) keeps it.
 
     Args:
         tokenizer: anything with ``decode(ids) -> str`` (tiktoken, attnlab's pretrained
             tokenizers).
+        context: token ids the stream continues (decoded with it, never shown); ignored
+            when they do not decode to whole characters.
     """
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, context: Sequence[int] = ()) -> None:
         self.tokenizer = tokenizer
+        self.context = [int(i) for i in context]
+        head = tokenizer.decode(self.context) if self.context else ""
+        if head.endswith("\ufffd"):
+            self.context, head = [], ""
+        self.skip = len(head)
         self.ids: list[int] = []
         self.shown = 0
+
+    def _text(self) -> str:
+        return str(self.tokenizer.decode(self.context + self.ids))[self.skip :]
 
     def push(self, token: int) -> str:
         """Add one token; return the new text that is complete (may be ``""``)."""
         self.ids.append(token)
-        text = self.tokenizer.decode(self.ids)
+        text = self._text()
         if text.endswith("\ufffd"):
             return ""
         piece, self.shown = text[self.shown :], len(text)
@@ -312,6 +324,6 @@ class TextStream:
 
     def flush(self) -> str:
         """The text still held back (at the end of the stream)."""
-        text = self.tokenizer.decode(self.ids)
+        text = self._text()
         piece, self.shown = text[self.shown :], len(text)
         return piece

@@ -41,6 +41,7 @@ __all__ = [
     "Int4Linear",
     "Int8Linear",
     "WeightDtype",
+    "column_major",
     "fuse_rows",
     "quantize_linear",
     "quantize_model",
@@ -405,7 +406,16 @@ def fuse_rows(linears: Sequence[Any], *, share_float: bool = False) -> nn.Module
         if isinstance(first, nn.Linear):
             if not share_float:
                 return None
-            w = torch.cat([m.weight.detach() for m in linears])  # (sum N, K)
+            parts = [m.weight.detach() for m in linears]
+            # Pieces of one fused column-major tensor (GPT-2's Conv1D c_attn as loaded)
+            # are that tensor again, not a copy; anything else is stored column-major
+            # (see `column_major`): (K, sum N) memory, a (sum N, K) view.
+            w = _stacked_rows(parts)
+            if w is None or w.stride(0) != 1:
+                w = torch.cat([p.t() for p in parts], dim=1).t()  # (sum N, K)
+            if bias is not None:
+                stacked = _stacked_rows([b.detach() for b in biases])  # type: ignore[union-attr]
+                bias = bias if stacked is None else stacked
             fused: Any = _FusedLinear(w, bias)
             for m, s, n in zip(linears, starts, rows, strict=True):
                 m.weight.data = w[s : s + n]  # the same Parameter, now a view
@@ -444,6 +454,47 @@ def fuse_rows(linears: Sequence[Any], *, share_float: bool = False) -> nn.Module
                 bias,
             )
     return None
+
+
+def column_major(linear: object) -> None:
+    """Store a float ``nn.Linear``'s weight column-major, in place: the same ``Parameter``
+    (and shape (N, K)), now a transposed view of a contiguous (K, N) tensor.
+
+    A product of one row then reads the weight as ``mm(x, Wᵀ)`` with ``Wᵀ`` contiguous,
+    which PyTorch's CPU BLAS streams at the memory's read bandwidth; the row-major
+    (N, K) layout takes a dot-product kernel about 2-3x slower here (fp32, one thread:
+    ``benchmarks/bench_decode_bandwidth.py``). Products of many rows run at the same
+    speed either way. Tied weights (an embedding shared with the head) follow, being
+    the same ``Parameter``; the embedding's row lookups read the strided rows. Other
+    modules and already column-major weights are left as they are. Saving with
+    safetensors then needs ``.contiguous()`` (it refuses views).
+    """
+    if isinstance(linear, nn.Linear) and linear.weight.stride(0) != 1:
+        with torch.no_grad():
+            linear.weight.data = linear.weight.detach().t().contiguous().t()
+
+
+def _stacked_rows(parts: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The tensor whose consecutive row blocks ``parts`` are (a view, no copy), or None.
+
+    True when every part is a view of one storage with the same strides and trailing
+    shape, each starting where the previous one's rows end.
+    """
+    first = parts[0]
+    storage = first.untyped_storage().data_ptr()
+    offset = first.storage_offset()
+    for t in parts:
+        if (
+            t.untyped_storage().data_ptr() != storage
+            or t.dtype != first.dtype
+            or t.stride() != first.stride()
+            or t.shape[1:] != first.shape[1:]
+            or t.storage_offset() != offset
+        ):
+            return None
+        offset += t.shape[0] * t.stride(0)
+    shape = (sum(t.shape[0] for t in parts), *first.shape[1:])
+    return first.as_strided(shape, first.stride(), first.storage_offset())
 
 
 class _FusedLinear(nn.Module):

@@ -39,7 +39,7 @@ def _generate_pretrained(
     # An encoder-decoder answers in a new sequence: the prompt is its input, not echoed.
     echo = not chat and not getattr(model, "is_encoder_decoder", False)
     gen = torch.Generator().manual_seed(seed)
-    stream = TextStream(tok)
+    stream = TextStream(tok, ids[-1:] if echo else ())  # keeps the first token's space
     started = False
     with user_input():
         for nxt in generate_stream(

@@ -371,11 +371,13 @@ class DecoderBlock(nn.Module):
         a, weights = self._attend(self.attn_norm(x), kv_cache, need_weights, bias)
         if self.attn_post_norm is not None:
             a = self.attn_post_norm(a)
-        if self.parallel:
-            return x + a + self.mlp(self.mlp_norm(x)), weights, None  # (B, T, C)
+        h = self.mlp_norm(x) if self.parallel else None  # parallel: both read x
         x = x + a  # (B, T, C)
-        x, cross_weights = self._cross(x, context, context_mask, kv_cache, need_weights)
-        m = self.mlp(self.mlp_norm(x))
+        cross_weights = None
+        if h is None:
+            x, cross_weights = self._cross(x, context, context_mask, kv_cache, need_weights)
+            h = self.mlp_norm(x)
+        m = self.mlp(h)
         if self.mlp_post_norm is not None:
             m = self.mlp_post_norm(m)
         return x + m, weights, cross_weights  # (B, T, C)
@@ -458,16 +460,17 @@ class Decoder(nn.Module):
         """An empty cache, one per layer (a rolling one for sliding-window layers).
 
         Args:
-            max_len: None for growing caches (a :class:`DecoderLayerCache` per layer when
-                the blocks have cross attention); a length for
-                :class:`attnlab.attention.StaticKVCache` s allocated once for that many
-                positions (sliding-window layers keep their rolling cache), over which one
-                new token takes the fast decode step (:meth:`prepare_decode`).
+            max_len: None for growing caches (a rolling one for a sliding-window layer; a
+                :class:`DecoderLayerCache` per layer when the blocks have cross attention);
+                a length for :class:`attnlab.attention.StaticKVCache` s allocated once for
+                that many positions, over which one new token takes the fast decode step
+                (:meth:`prepare_decode`). A sliding-window layer's static cache holds every
+                position too; its window is applied by the mask (prefill) or by attending
+                to the last ``window`` keys (the fast step).
         """
         if self.config.cross_attention:
             return [DecoderLayerCache() for _ in self.blocks]
-        windows = [b.attention.sliding_window for b in self.blocks]  # type: ignore[union-attr]
-        if max_len is not None and all(w is None for w in windows):
+        if max_len is not None:
             return new_caches(len(self.blocks), max_len)
         return [block.attention.new_kv_cache() for block in self.blocks]  # type: ignore[union-attr,operator]
 
@@ -481,7 +484,8 @@ class Decoder(nn.Module):
                 :func:`attnlab.quant.fuse_rows`).
 
         Raises:
-            ValueError: a layout without the fast step (post-norm, QK-norm, windows, ...).
+            ValueError: a layout without the fast step (ALiBi or relative positions, an
+                embedding norm, cross attention, attention sinks).
         """
         return decode_plan(self, share_float=share_float)
 

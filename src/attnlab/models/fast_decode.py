@@ -1,7 +1,12 @@
-"""The one-token decode step with little per-token overhead, for any pre-norm decoder.
+"""The one-token decode step with little per-token overhead, for the one decoder's layouts.
 
 Prefill (many new tokens) runs through the model's modules and the attention backends.
-One new token per row with a :class:`attnlab.attention.StaticKVCache` takes this path:
+One new token per row with a :class:`attnlab.attention.StaticKVCache` takes this path,
+for every layout of :class:`attnlab.models.decoder.Decoder` with rotary or learned
+positions: pre-, post- (OLMo 2) and sandwich (Gemma 2) norms, sequential or parallel
+(GPT-NeoX) residual, QK-norm, attention and final logit soft-capping, sliding windows
+(the static cache holds every position; a windowed layer attends to its last ``window``
+keys), embeddings scaled by ``sqrt(C)``; and for the book's GPT:
 
 - one QKV product and one gate/up product per layer (:func:`attnlab.quant.fuse_rows`,
   built once; the separate ``W_query``/``W_key``/``W_value`` then view the fused rows);
@@ -9,7 +14,8 @@ One new token per row with a :class:`attnlab.attention.StaticKVCache` takes this
   :class:`~attnlab.attention.RotaryEmbedding` uses), applied to queries and keys together;
 - attention of one query row as two batched products and a softmax over the cache
   (no mask: the last position sees every key), keys and values written in place;
-- norms as single ``torch.nn.functional`` calls, no shape checks per step.
+- norms as single ``torch.nn.functional`` calls, no shape checks per step;
+- the output head through the model's own ``head`` (scaling, soft-capping), as a module.
 
 The fp32 result equals the module path up to the order of floating-point sums
 (tests: greedy tokens identical to the full recompute and to transformers).
@@ -30,7 +36,7 @@ import torch
 from torch import nn
 
 from attnlab.attention import KVCache, StaticKVCache, recording_attention
-from attnlab.quant import fuse_rows
+from attnlab.quant import column_major, fuse_rows
 from attnlab.rope import DynamicNTKScaling, RotaryEmbedding
 
 __all__ = [
@@ -65,7 +71,9 @@ _STEP_OPTIONS = frozenset(
         "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
         "intermediate_size", "context_length", "norm_eps", "tie_embeddings", "norm",
         "norm_bias", "mlp", "activation", "mlp_bias", "positions", "rope", "head_dim",
-        "qkv_bias", "out_bias", "attn_scale", "family",
+        "qkv_bias", "out_bias", "attn_scale", "family", "norm_placement",
+        "parallel_residual", "qk_norm", "sliding_window", "layer_windows", "attn_softcap",
+        "final_softcap", "embed_scale", "head_input_scale",
     }
 )  # fmt: skip
 
@@ -78,24 +86,32 @@ class _Parts:
     positions: nn.Embedding | None
     blocks: list[Any]
     final_norm: nn.Module
-    head: nn.Module
+    head: Callable[[torch.Tensor], torch.Tensor]  # (B, 1, C) -> (B, 1, V), modules called
+    embed_scale: bool  # token embeddings times sqrt(C) (Gemma)
 
 
 def _parts(model: Any) -> _Parts | str:
     """The model's pieces, or why its layout is not one this step knows."""
     if hasattr(model, "trf_blocks"):  # attnlab.models.gpt.GPTModel, the book's names
         return _Parts(
-            model.tok_emb, model.pos_emb, list(model.trf_blocks), model.final_norm, model.out_head
+            model.tok_emb,
+            model.pos_emb,
+            list(model.trf_blocks),
+            model.final_norm,
+            model.out_head,
+            embed_scale=False,
         )
-    for name in ("tok_embeddings", "blocks", "norm", "lm_head"):
-        if not hasattr(model, name):
+    for name in ("tok_embeddings", "blocks", "norm", "lm_head", "head"):
+        if getattr(model, name, None) is None:
             return f"the model has no `{name}`"
+    config = getattr(model, "config", None)
     return _Parts(
         model.tok_embeddings,
         getattr(model, "pos_embeddings", None),
         list(model.blocks),
         model.norm,
-        model.lm_head,
+        model.head,  # the one decoder's head: input scale, lm_head module, final softcap
+        embed_scale=bool(getattr(config, "embed_scale", False)),
     )
 
 
@@ -128,28 +144,36 @@ def why_not_fast_decode(model: Any) -> str | None:
             if getattr(config, f.name) != f.default:
                 return f"model option {f.name}={getattr(config, f.name)!r}"
     for block in parts.blocks:
-        if getattr(block, "placement", "pre") != "pre":
-            return f"norm placement {block.placement!r} (only 'pre')"
-        if getattr(block, "parallel", False):
-            return "parallel residual"
-        if getattr(block, "sliding_window", None) is not None:
-            return "sliding-window attention"
-        norm, att = _block_parts(block)[:2]
+        placement = getattr(block, "placement", "pre")
+        if placement not in ("pre", "post", "sandwich"):
+            return f"norm placement {placement!r}"
+        if getattr(block, "cross_attention", None) is not None:
+            return "cross attention"
+        norm1, att, norm2 = _block_parts(block)[:3]
         if att.kdim != att.embed_dim or att.vdim != att.embed_dim:
             return "cross-attention widths"
-        for option in ("sliding_window", "qk_norm", "softcap", "sinks"):
-            if getattr(att, option, None) not in (None, False):
-                return f"attention option {option}"
-        if getattr(block, "attn_post_norm", None) is not None:
-            return "post-attention norms"
-        if not isinstance(norm, nn.LayerNorm) and not hasattr(norm, "eps"):
-            return f"norm {type(norm).__name__}"
+        if getattr(att, "sinks", None) is not None:
+            return "attention option sinks"
+        norms = [norm1, norm2, getattr(block, "attn_post_norm", None)]
+        norms += [getattr(block, "mlp_post_norm", None), getattr(att, "q_norm", None)]
+        for norm in (n for n in norms if n is not None):
+            if not isinstance(norm, nn.LayerNorm) and not hasattr(norm, "eps"):
+                return f"norm {type(norm).__name__}"
     return None
 
 
 @dataclass
 class _Layer:
     attention: Any  # the Attention module (for `capture`)
+    placement: str  # "pre", "post" (norms on the outputs) or "sandwich" (both)
+    parallel: bool  # x + attn(norm1(x)) + mlp(norm2(x))
+    window: int | None  # keys a query sees (itself included); None = all
+    softcap: float | None  # score soft-capping c * tanh(s / c)
+    qk_norm: str | None  # None, "head" (each head vector) or "all" (across heads)
+    q_norm: Norm | None
+    k_norm: Norm | None
+    attn_post: Norm | None  # sandwich: norm of the attention output
+    mlp_post: Norm | None  # sandwich: norm of the MLP output
     norm1: Norm
     qkv: nn.Module | None  # fused, or None: q, k, v separately
     q: nn.Module
@@ -171,13 +195,15 @@ class DecodePlan:
     they are (float or :mod:`attnlab.quant` layers) and fuses their products.
 
     Args:
-        model: a pre-norm decoder: the one decoder's layout (``tok_embeddings``, optional
-            ``pos_embeddings``, ``blocks`` of ``attn_norm``/``attention``/``mlp_norm``/
-            ``mlp``, ``norm``, ``lm_head``) or the book's GPT (``tok_emb``, ``pos_emb``,
-            ``trf_blocks``, ``final_norm``, ``out_head``).
+        model: the one decoder (``tok_embeddings``, optional ``pos_embeddings``,
+            ``blocks`` of ``attn_norm``/``attention``/``mlp_norm``/``mlp`` and, for
+            sandwich norms, ``attn_post_norm``/``mlp_post_norm``, ``norm``, ``lm_head``,
+            ``head``) or the book's GPT (``tok_emb``, ``pos_emb``, ``trf_blocks``,
+            ``final_norm``, ``out_head``).
         share_float: also fuse float (``nn.Linear``) products, the parameters becoming
-            views of the fused weights (:func:`attnlab.quant.fuse_rows`); loaders of
-            inference models ask for it, models being trained should not.
+            views of the fused weights (:func:`attnlab.quant.fuse_rows`), and store every
+            float product's weight column-major (:func:`attnlab.quant.column_major`);
+            loaders of inference models ask for it, models being trained should not.
 
     Raises:
         ValueError: a layout :func:`why_not_fast_decode` rejects.
@@ -206,6 +232,9 @@ class DecodePlan:
             and not isinstance(rope.config.scaling, DynamicNTKScaling)
         )
         self.layers = [self._layer(block, share_float) for block in parts.blocks]
+        if share_float:  # the output head too; a tied embedding follows (the same Parameter)
+            for name in ("lm_head", "out_head"):
+                column_major(getattr(model, name, None))
         self.final_norm = _norm_fn(parts.final_norm)
         self._cos: torch.Tensor | None = None  # (L, D) fp32
         self._sin: torch.Tensor | None = None  # (L, D) fp32, first half negated
@@ -213,8 +242,22 @@ class DecodePlan:
     @staticmethod
     def _layer(block: Any, share: bool) -> _Layer:
         norm1, att, norm2, gate, up, down, act = _block_parts(block)
-        return _Layer(
+        qk_norm = getattr(att, "qk_norm", None)
+        attn_post = getattr(block, "attn_post_norm", None)
+        mlp_post = getattr(block, "mlp_post_norm", None)
+        placement = getattr(block, "placement", "pre")
+        layer = _Layer(
             attention=att,
+            placement=placement,
+            # The modules' post-norm block is sequential whatever `parallel` says.
+            parallel=bool(getattr(block, "parallel", False)) and placement != "post",
+            window=getattr(att, "sliding_window", None),
+            softcap=getattr(att, "softcap", None),
+            qk_norm=None if qk_norm is None else qk_norm.scope,
+            q_norm=None if qk_norm is None else _norm_fn(att.q_norm),
+            k_norm=None if qk_norm is None else _norm_fn(att.k_norm),
+            attn_post=None if attn_post is None else _norm_fn(attn_post),
+            mlp_post=None if mlp_post is None else _norm_fn(mlp_post),
             norm1=_norm_fn(norm1),
             qkv=fuse_rows([att.W_query, att.W_key, att.W_value], share_float=share),
             q=att.W_query,
@@ -228,6 +271,10 @@ class DecodePlan:
             down=down,
             act=act,
         )
+        if share:  # float weights column-major: one-row products 2-3x faster (fused ones are)
+            for m in (layer.q, layer.k, layer.v, layer.out, layer.gate, layer.up, layer.down):
+                column_major(m)
+        return layer
 
     def capturing(self) -> bool:
         """True when a layer was asked to ``capture`` its weights (the step skips layers)."""
@@ -261,6 +308,8 @@ class DecodePlan:
         pos = kv_cache[0].seq_len
         # Rows are (B, width) 2-D tensors throughout: the products go straight to mm.
         x = nn.functional.embedding(input_ids[:, 0], parts.embedding.weight)  # (B, C)
+        if parts.embed_scale:  # Gemma: sqrt(C) rounded to the activation dtype first
+            x = x * torch.tensor(x.shape[-1] ** 0.5, dtype=x.dtype)
         if parts.positions is not None:
             x = x + parts.positions.weight[pos]  # (B, C)
         if self.rope_tables:
@@ -270,26 +319,50 @@ class DecodePlan:
             positions = torch.full((1,), pos, dtype=torch.long, device=x.device)
         nq, nk = H * D, G * D
         for layer, cache in zip(self.layers, kv_cache, strict=True):
-            h = layer.norm1(x)  # (B, C)
+            post = layer.placement == "post"  # OLMo 2: the norms act on the outputs
+            h = x if post else layer.norm1(x)  # (B, C)
+            qk: torch.Tensor | None = None  # (B, H + G, D) queries and keys together
             if layer.qkv is not None:
                 qkv = layer.qkv.forward(h)  # (B, (H + 2G) D)
+                q_flat, k_flat, v = qkv[:, :nq], qkv[:, nq : nq + nk], qkv[:, nq + nk :]
                 qk = qkv[:, : nq + nk].view(B, H + G, D)
-                v = qkv[:, nq + nk :].view(B, G, 1, D)
             else:
-                qk = torch.cat((layer.q.forward(h), layer.k.forward(h)), dim=-1).view(B, H + G, D)
-                v = layer.v.forward(h).view(B, G, 1, D)
+                q_flat, k_flat, v = layer.q.forward(h), layer.k.forward(h), layer.v.forward(h)
+            v = v.view(B, G, 1, D)
+            if layer.q_norm is not None and layer.k_norm is not None:
+                if layer.qk_norm == "all":  # OLMo 2: over the heads' concatenation
+                    q_flat, k_flat = layer.q_norm(q_flat), layer.k_norm(k_flat)
+                    qk = None
+                else:  # Qwen3: each head vector
+                    q, k = layer.q_norm(q_flat.view(B, H, D)), layer.k_norm(k_flat.view(B, G, D))
+                    qk = torch.cat((q, k), dim=1)  # (B, H + G, D)
+            if qk is None:
+                qk = torch.cat((q_flat, k_flat), dim=-1).view(B, H + G, D)
             if self.rope_tables:
                 qk = qk * cos + qk.roll(D // 2, dims=-1) * sin  # (B, H + G, D)
             elif self.rope is not None:
                 qk = self.rope(qk.unsqueeze(2), positions).squeeze(2)  # (B, H + G, D)
             keys, values = cache.update(qk[:, H:].unsqueeze(2), v)  # (B, G, S, D)
+            if layer.window is not None and keys.shape[2] > layer.window:
+                keys, values = keys[:, :, -layer.window :], values[:, :, -layer.window :]
             S = keys.shape[2]
             q = qk[:, :H].reshape(B * G, H // G, D)  # a group's queries together
-            scores = torch.bmm(q, keys.reshape(B * G, S, D).transpose(1, 2))  # (B G, H/G, S)
-            weights = torch.softmax(scores.mul_(self.scale), dim=-1)
+            keys = keys.reshape(B * G, S, D)  # a view unless the window sliced the cache
+            scores = torch.bmm(q, keys.transpose(1, 2)).mul_(self.scale)  # (B G, H/G, S)
+            if layer.softcap is not None:  # Gemma 2, as attnlab.backends.base.softcap_scores
+                scores = scores.div_(layer.softcap).tanh_().mul_(layer.softcap)
+            weights = torch.softmax(scores, dim=-1)
             o = torch.bmm(weights, values.reshape(B * G, S, D)).view(B, H * D)  # (B, C)
-            x = x + layer.out.forward(o)  # (B, C)
-            h = layer.norm2(x)
+            a = layer.out.forward(o)  # (B, C)
+            if post:
+                a = layer.norm1(a)
+            elif layer.attn_post is not None:
+                a = layer.attn_post(a)
+            if layer.parallel:  # GPT-NeoX: the MLP reads the block's input too
+                h, x = layer.norm2(x), x + a  # (B, C)
+            else:
+                x = x + a  # (B, C)
+                h = x if post else layer.norm2(x)
             if layer.gate_up is not None:
                 gate, up = layer.gate_up.forward(h).chunk(2, dim=-1)  # (B, F) each
                 m = layer.act(gate) * up  # (B, F)
@@ -297,8 +370,12 @@ class DecodePlan:
                 m = layer.act(layer.gate.forward(h)) * layer.up.forward(h)
             else:
                 m = layer.act(layer.up.forward(h))
-            x = x + layer.down.forward(m)  # (B, C)
-        # Called as a module (hooks on the output head still see each step's (B, 1, C)).
+            m = layer.down.forward(m)  # (B, C)
+            if post:
+                m = layer.norm2(m)
+            elif layer.mlp_post is not None:
+                m = layer.mlp_post(m)
+            x = x + m  # (B, C)
         return parts.head(self.final_norm(x).unsqueeze(1))  # (B, 1, V)
 
 

@@ -334,7 +334,7 @@ def _generate_work(registry: ModelRegistry, name: str, text: str, params: dict[s
             rows.append(call.weights[0, 0, 0].float().cpu().tolist())
 
     peek = _Peek(loaded.model)
-    stream = TextStream(loaded.tokenizer)
+    stream = TextStream(loaded.tokenizer, ids[-1:])
     temperature, top_k, top_p = params["temperature"], params["top_k"], params["top_p"]
     gen = torch.Generator().manual_seed(params["seed"])
     reason = "length"
