@@ -1,4 +1,4 @@
-"""One SmolLM2 decode step per precision against the path before issue 14, interleaved.
+"""One SmolLM2 decode step per precision against transformers and the path before issue 14.
 
 Each step is one new token after a 64-token prompt; the sides alternate (order reversed
 every round) so load from other processes hits them alike; the median and best per side.
@@ -15,6 +15,7 @@ import sys
 import time
 
 import torch
+from bench_pretrained import smollm2_reference
 
 from attnlab.pretrained import load_pretrained
 
@@ -27,8 +28,21 @@ ids = torch.randint(0, 49152, (1, 64), generator=torch.Generator().manual_seed(0
 nxt = torch.tensor([[5]])
 runs = {}
 BEFORE = "before fp32 (growing cache, modules)"
+PEER = "transformers fp32 (sdpa, DynamicCache)"
+ref = smollm2_reference()
+
+
+class _Peer:
+    """transformers' model behind the same call: one token, its own cache."""
+
+    def __call__(self, x: torch.Tensor, kv_cache: list, logits_to_keep: int) -> None:
+        out = ref(x, past_key_values=kv_cache[0], use_cache=True, logits_to_keep=logits_to_keep)
+        kv_cache[0] = out.past_key_values
+
+
 with torch.no_grad():
-    caches = {BEFORE: (models["float32"], models["float32"].new_kv_cache())}
+    caches = {PEER: (_Peer(), [None])}
+    caches[BEFORE] = (models["float32"], models["float32"].new_kv_cache())
     for d, m in models.items():
         caches[f"fast {d}"] = (m, m.new_kv_cache(max_len=64 + 200))
     for name, (m, c) in caches.items():
@@ -39,10 +53,13 @@ with torch.no_grad():
             t = time.perf_counter()
             m(nxt, kv_cache=c, logits_to_keep=1)
             runs[name].append(time.perf_counter() - t)
+peer = statistics.median(runs[PEER])
 base = statistics.median(runs[BEFORE])
 head = f"threads {torch.get_num_threads()}, loadavg {os.getloadavg()[0]:.1f}"
 print(f"{head}, median of {len(runs[BEFORE])} interleaved steps after a 64-token prompt")
 for name, ts in runs.items():
     med = statistics.median(ts)
     rate = f"{med * 1e3:7.1f} ms/step  ({1 / med:5.1f} tokens/s)"
-    print(f"  {name:40s} {rate}  {base / med:4.2f}x before; best {min(ts) * 1e3:6.1f} ms")
+    ratios = f"{peer / med:4.2f}x transformers, {base / med:4.2f}x before"
+    print(f"  {name:40s} {rate}  {ratios}; best {min(ts) * 1e3:6.1f} ms")
+print(f"loadavg after: {os.getloadavg()[0]:.1f}")

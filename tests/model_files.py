@@ -103,6 +103,9 @@ _GPT2_TO_GGUF = {
     "transformer.h.{i}.mlp.c_proj": "blk.{i}.ffn_down",
 }
 PRE_TOKENIZER = {
+    "gpt_neox": "gpt-2",
+    "bloom": "default",
+    "olmo2": "gpt-2",
     "llama": "llama-bpe",
     "mistral": "llama-bpe",
     "qwen2": "qwen2",
@@ -119,6 +122,26 @@ def llama_cpp_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """llama.cpp's converter on q/k rows (weights and biases): ``(H, 2, D/2, ...)`` swapped."""
     shape = w.shape
     return w.reshape(n_heads, 2, shape[0] // n_heads // 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+
+
+def _llama3_rope_freqs(rope: dict, dim: int) -> np.ndarray:
+    """llama.cpp's converter for Llama 3 scaling: one divisor per frequency, float32."""
+    import math
+
+    freqs = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old = rope["original_max_position_embeddings"]
+    out = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
 
 
 def _gguf_name(hf_name: str, table: dict[str, str]) -> str | None:
@@ -176,6 +199,33 @@ def write_gguf(
         if "lm_head.weight" not in state:
             state["lm_head.weight"] = state["transformer.wte.weight"]
         table = {**table, "lm_head": "output"}
+    elif family in ("gpt_neox", "bloom"):  # LayerNorm, a per-head fused qkv
+        C = cfg["hidden_size"]
+        L = cfg.get("num_hidden_layers") or cfg["n_layer"]
+        H = G = cfg.get("num_attention_heads") or cfg["n_head"]
+        eps = cfg.get("layer_norm_eps") or cfg["layer_norm_epsilon"]
+        w.add_float32(f"{arch}.attention.layer_norm_epsilon", eps)
+        w.add_uint32(f"{arch}.feed_forward_length", cfg.get("intermediate_size") or 4 * C)
+        if family == "gpt_neox":  # as llama.cpp's GPTNeoXModel
+            w.add_uint32(f"{arch}.context_length", cfg["max_position_embeddings"])
+            fraction = rope.get("partial_rotary_factor", 1.0)
+            w.add_uint32(f"{arch}.rope.dimension_count", int(fraction * (C // H)))
+            w.add_float32(f"{arch}.rope.freq_base", rope["rope_theta"])
+            w.add_bool(f"{arch}.use_parallel_residual", cfg.get("use_parallel_residual", True))
+        else:  # llama.cpp's BloomModel writes seq_length, else the width
+            w.add_uint32(f"{arch}.context_length", cfg.get("seq_length") or C)
+        names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[family.upper().replace("_", "")], L)
+        table = {
+            n.rsplit(".", 1)[0]: g.rsplit(".", 1)[0]
+            for n in state
+            # llama.cpp's BLOOM converter strips "transformer." first
+            if (
+                g := names.get_name(
+                    n.removeprefix("transformer."), try_suffixes=(".weight", ".bias")
+                )
+            )
+            is not None
+        }
     else:
         C, L = cfg["hidden_size"], cfg["num_hidden_layers"]
         H, G = cfg["num_attention_heads"], cfg["num_key_value_heads"]
@@ -190,6 +240,10 @@ def write_gguf(
         if rope.get("rope_type") == "linear":
             w.add_string(f"{arch}.rope.scaling.type", "linear")
             w.add_float32(f"{arch}.rope.scaling.factor", rope["factor"])
+        if rope.get("rope_type") == "llama3":  # as llama.cpp's LlamaModel: a rope_freqs tensor
+            w.add_tensor(
+                "rope_freqs.weight", _llama3_rope_freqs(rope, cfg.get("head_dim") or C // H)
+            )
         if family == "phi3":  # as llama.cpp's Phi3MiniModel
             w.add_uint32(
                 f"{arch}.rope.dimension_count",
@@ -203,7 +257,7 @@ def write_gguf(
         if family == "mistral" and cfg.get("sliding_window"):
             w.add_uint32(f"{arch}.attention.sliding_window", cfg["sliding_window"])
         table = _LLAMA_TO_GGUF
-        if family in ("gemma2", "phi3"):  # llama.cpp's own name map (gguf.tensor_mapping)
+        if family in ("gemma2", "phi3", "olmo2"):  # llama.cpp's name map (gguf.tensor_mapping)
             names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[family.upper()], L)
             table = {
                 n.rsplit(".", 1)[0]: g.rsplit(".", 1)[0]
@@ -214,7 +268,9 @@ def write_gguf(
     w.add_uint32(f"{arch}.block_count", L)
     w.add_uint32(f"{arch}.attention.head_count", H)
     w.add_uint32(f"{arch}.attention.head_count_kv", G)
-    n_vocab = state["lm_head.weight" if "lm_head.weight" in state else "model.embed_tokens.weight"]
+    n_vocab = state.get("lm_head.weight")
+    if n_vocab is None:  # tied: the token embedding (the one 2-D "embed" tensor)
+        n_vocab = next(t for n, t in state.items() if "embed" in n and t.ndim == 2)
     if family in ("gemma2", "phi3"):  # SentencePiece, as their llama.cpp converters write
         tokens, scores, types = spm_vocab(n_vocab.shape[0])
         w.add_tokenizer_model("llama")
@@ -261,6 +317,9 @@ def write_gguf(
             perm = G
         if perm is not None:
             x = llama_cpp_permute(x, perm)
+        per_head = family in ("gpt_neox", "bloom") and "query_key_value" in name
+        if per_head:  # (H, 3, D, ...) rows -> q, k, v one after another
+            x = x.reshape(H, 3, C // H, *x.shape[1:]).transpose(0, 1).reshape(x.shape)
         arr = x.numpy()
         if arr.ndim == 2 and qtype != GGMLQuantizationType.F32:
             if qtype == GGMLQuantizationType.F16:
@@ -280,6 +339,8 @@ def write_gguf(
             y = y.reshape(perm, D2, 2, *y.shape[1:]).swapaxes(1, 2).reshape(y.shape)
         if conv1d:
             y = y.T.contiguous()
+        if per_head:
+            y = y.reshape(3, H, C // H, *y.shape[1:]).transpose(0, 1).reshape(y.shape)
         reference[name] = y - 1 if plus1 else y
     if extra is not None:  # more keys or tensors: extra(writer)
         extra(w)

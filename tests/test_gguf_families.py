@@ -39,6 +39,7 @@ CONFIGS = {
     },
     # llama.cpp writes Mistral as architecture "llama" (q/k permuted); the window rides in
     # llama.attention.sliding_window (llama.cpp's converter leaves it out: then none).
+    # Llama 3 RoPE scaling, which llama.cpp stores as a rope_freqs tensor of divisors.
     "mistral": {
         "hidden_size": 64,
         "intermediate_size": 96,
@@ -47,6 +48,14 @@ CONFIGS = {
         "num_key_value_heads": 2,
         "sliding_window": 5,
         "max_position_embeddings": 128,
+        "rope_parameters": {
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
     },
     "qwen2": {
         "hidden_size": 64,
@@ -106,6 +115,43 @@ CONFIGS = {
         "eos_token_id": 2,
     },
 }
+# The LayerNorm decoders with a per-head fused qkv (llama.cpp's converters reorder it to
+# q, k, v), and OLMo 2's post-norms and QK-norm across heads.
+CONFIGS.update(
+    {
+        "gpt_neox": {
+            "hidden_size": 64,
+            "intermediate_size": 96,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "max_position_embeddings": 128,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.25,
+            },
+            "pad_token_id": 1,
+            "eos_token_id": 2,
+        },
+        "bloom": {
+            "hidden_size": 64,
+            "n_layer": 2,
+            "n_head": 4,
+            "pad_token_id": 1,
+            "tie_word_embeddings": False,
+        },
+        "olmo2": {
+            "hidden_size": 64,
+            "intermediate_size": 96,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 128,
+            "pad_token_id": 1,
+            "eos_token_id": 2,
+        },
+    }
+)
 QTYPES = ["F32", "F16", "Q8_0", "Q4_0", "Q4_1"]
 
 
@@ -125,6 +171,8 @@ def test_gguf_logits_equal_transformers_on_the_dequantised_weights(
     path = tmp_path / f"{family}.{qtype}.gguf"
     reference_state = write_gguf(hf_dirs[family], path, family, qtype)
     ref = AutoModelForCausalLM.from_pretrained(hf_dirs[family], attn_implementation="eager")
+    if "embed_out.weight" in reference_state:  # transformers 5 loads GPT-NeoX's as lm_head
+        reference_state["lm_head.weight"] = reference_state.pop("embed_out.weight")
     missing, unexpected = ref.load_state_dict(reference_state, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}
     ref.eval()
@@ -189,6 +237,12 @@ def test_gguf_rope_variants_held_in_tensors_or_unknown_scalings_are_refused(hf_d
 
     write_gguf(hf_dirs["qwen2"], tmp_path / "yarn.gguf", "qwen2", "F32", extra=yarn)
     _refused(tmp_path / "yarn.gguf", "qwen2.rope.scaling.type", "'yarn'")
+
+    def short_freqs(w):  # llama.cpp's Llama 3 divisors, one per rotating pair: 8 here
+        w.add_tensor("rope_freqs.weight", np.ones(3, dtype=np.float32))
+
+    write_gguf(hf_dirs["qwen2"], tmp_path / "freqs.gguf", "qwen2", "F32", extra=short_freqs)
+    _refused(tmp_path / "freqs.gguf", "rope_freqs.weight", "must hold 8 factors")
 
     def odd_rotary(w):
         w.add_uint32("qwen3.rope.dimension_count", 7)
@@ -315,3 +369,18 @@ def test_streamed_sentencepiece_text_keeps_the_space_of_the_first_new_token(
     )
     assert code == 0, err
     assert out.rstrip("\n") == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_gguf_sentencepiece_tables_that_disagree_are_refused(hf_dirs, tmp_path, monkeypatch):
+    import model_files
+
+    real = model_files.spm_vocab
+
+    def short_scores(n_vocab):
+        tokens, scores, types = real(n_vocab)
+        return tokens, scores[:-3], types
+
+    monkeypatch.setattr(model_files, "spm_vocab", short_scores)
+    path = tmp_path / "short.gguf"
+    write_gguf(hf_dirs["phi3"], path, "phi3", "F32")
+    _refused(path, "tokenizer.ggml.scores", "one number per token")

@@ -12,6 +12,7 @@ from attnlab.quant import (
     BF16Linear,
     Int4Linear,
     Int8Linear,
+    column_major,
     fuse_rows,
     quantize_linear,
     quantize_model,
@@ -152,6 +153,25 @@ def test_fused_float_rows_share_storage_with_the_parts():
     torch.testing.assert_close(fused.weight[4:], parts[1].weight)  # ... reaches the fused
 
 
+def test_column_major_keeps_the_parameter_its_values_and_a_tied_embedding():
+    g = torch.Generator().manual_seed(6)
+    emb, head = nn.Embedding(40, 16), nn.Linear(16, 40, bias=False)
+    head.weight = emb.weight  # tied, as SmolLM2's head
+    with torch.no_grad():
+        emb.weight.copy_(torch.randn(40, 16, generator=g))
+    param, before = head.weight, head.weight.detach().clone()
+    x, ids = torch.randn(3, 16, generator=g), torch.tensor([[3, 39, 0]])
+    y, e = head(x), emb(ids)
+    column_major(head)
+    assert head.weight is param and emb.weight is param and param.shape == (40, 16)
+    assert param.stride() == (1, 40)  # (K, N) memory
+    assert torch.equal(param, before)
+    torch.testing.assert_close(head(x), y)  # a different kernel: sum order may differ
+    assert torch.equal(emb(ids), e)  # lookups read the strided rows
+    column_major(head)  # already column-major: unchanged
+    assert param.stride() == (1, 40)
+
+
 @pytest.mark.parametrize("layout", ["rows", "transposed"])
 def test_parts_of_one_fused_tensor_fuse_back_into_it_without_a_copy(layout):
     # As loaded: Phi-3's qkv_proj split into row blocks ("rows"), GPT-2's Conv1D c_attn
@@ -168,7 +188,11 @@ def test_parts_of_one_fused_tensor_fuse_back_into_it_without_a_copy(layout):
     separate = torch.cat([p(x) for p in parts], dim=-1)
     fused = fuse_rows(parts, share_float=True)
     assert fused is not None
-    assert fused.weight.data_ptr() == whole.data_ptr() and fused.weight.stride() == whole.stride()
+    if layout == "transposed":  # already column-major, the fast one-row layout: kept
+        assert fused.weight.data_ptr() == whole.data_ptr()
+        assert fused.weight.stride() == whole.stride()
+    else:  # row-major: copied once into column-major (quant.column_major explains why)
+        assert fused.weight.stride() == (1, 24) and torch.equal(fused.weight, whole)
     assert fused.bias.data_ptr() == bias.data_ptr()
     torch.testing.assert_close(fused(x), separate)
     # Rows out of order are not one tensor: copied, same products.

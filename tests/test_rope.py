@@ -265,3 +265,25 @@ def test_fraction_leaving_two_dims_is_fine_and_odd_is_not():
     assert Attention(32, 4, rope=RopeConfig(fraction=0.25)).rope.rotary_dims == 2  # type: ignore[union-attr]
     with pytest.raises(ValueError, match="fraction"):
         Attention(24, 4, rope=RopeConfig(fraction=0.5))  # D=6 -> 3 rotated dims
+
+
+def test_frequency_factors_divide_each_frequency_and_check_their_count():
+    """FrequencyFactors (llama.cpp's rope_freqs) with the divisors Llama 3 scaling implies
+    gives Llama3Scaling's frequencies; a wrong count or a non-positive factor is refused."""
+    from attnlab.rope import FrequencyFactors, Llama3Scaling
+
+    llama3 = Llama3Scaling(
+        factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=32
+    )
+    inv, _ = llama3.frequencies(10000.0, 16)
+    plain = 1.0 / 10000.0 ** (torch.arange(0, 16, 2, dtype=torch.float64) / 16)
+    factors = FrequencyFactors(tuple((plain / inv).tolist()))
+    got, attention_factor = factors.frequencies(10000.0, 16)
+    torch.testing.assert_close(got, inv, atol=0, rtol=1e-12)
+    assert attention_factor == 1.0 and factors.factors[0] == 1.0 and factors.factors[-1] == 8.0
+    with pytest.raises(ValueError, match="R/2 = 4"):
+        factors.frequencies(10000.0, 8)
+    with pytest.raises(ValueError, match="factors"):
+        FrequencyFactors((1.0, 0.0))
+    with pytest.raises(TypeError, match="tuple"):
+        FrequencyFactors([1.0, 2.0])  # type: ignore[arg-type]

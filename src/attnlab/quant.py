@@ -41,6 +41,7 @@ __all__ = [
     "Int4Linear",
     "Int8Linear",
     "WeightDtype",
+    "column_major",
     "fuse_rows",
     "quantize_linear",
     "quantize_model",
@@ -406,11 +407,12 @@ def fuse_rows(linears: Sequence[Any], *, share_float: bool = False) -> nn.Module
             if not share_float:
                 return None
             parts = [m.weight.detach() for m in linears]
-            # Pieces of one fused tensor (GPT-2's c_attn, Phi-3's qkv_proj as loaded)
-            # are that tensor again, not a copy.
+            # Pieces of one fused column-major tensor (GPT-2's Conv1D c_attn as loaded)
+            # are that tensor again, not a copy; anything else is stored column-major
+            # (see `column_major`): (K, sum N) memory, a (sum N, K) view.
             w = _stacked_rows(parts)
-            if w is None:
-                w = torch.cat(parts)  # (sum N, K)
+            if w is None or w.stride(0) != 1:
+                w = torch.cat([p.t() for p in parts], dim=1).t()  # (sum N, K)
             if bias is not None:
                 stacked = _stacked_rows([b.detach() for b in biases])  # type: ignore[union-attr]
                 bias = bias if stacked is None else stacked
@@ -452,6 +454,24 @@ def fuse_rows(linears: Sequence[Any], *, share_float: bool = False) -> nn.Module
                 bias,
             )
     return None
+
+
+def column_major(linear: object) -> None:
+    """Store a float ``nn.Linear``'s weight column-major, in place: the same ``Parameter``
+    (and shape (N, K)), now a transposed view of a contiguous (K, N) tensor.
+
+    A product of one row then reads the weight as ``mm(x, Wᵀ)`` with ``Wᵀ`` contiguous,
+    which PyTorch's CPU BLAS streams at the memory's read bandwidth; the row-major
+    (N, K) layout takes a dot-product kernel about 2-3x slower here (fp32, one thread:
+    ``benchmarks/bench_decode_bandwidth.py``). Products of many rows run at the same
+    speed either way. Tied weights (an embedding shared with the head) follow, being
+    the same ``Parameter``; the embedding's row lookups read the strided rows. Other
+    modules and already column-major weights are left as they are. Saving with
+    safetensors then needs ``.contiguous()`` (it refuses views).
+    """
+    if isinstance(linear, nn.Linear) and linear.weight.stride(0) != 1:
+        with torch.no_grad():
+            linear.weight.data = linear.weight.detach().t().contiguous().t()
 
 
 def _stacked_rows(parts: Sequence[torch.Tensor]) -> torch.Tensor | None:

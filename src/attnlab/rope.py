@@ -12,7 +12,8 @@ One :class:`RotaryEmbedding` serves every variant; what varies is data in a froz
   :class:`LinearScaling`, :class:`DynamicNTKScaling`, :class:`Llama3Scaling`,
   :class:`YarnScaling` (one class per kind, each with the fields of Hugging Face's
   ``rope_scaling`` / ``rope_parameters`` dict and the same formulas as
-  ``transformers.modeling_rope_utils``).
+  ``transformers.modeling_rope_utils``), or :class:`FrequencyFactors` (one divisor per
+  frequency, as llama.cpp stores Llama 3 scaling in GGUF files).
 
 :meth:`RopeConfig.from_hf_config` and :meth:`RotaryEmbedding.from_hf_config` read a Hugging
 Face ``config.json`` dict (old ``rope_scaling`` and new ``rope_parameters`` forms).
@@ -32,6 +33,7 @@ from torch import nn
 
 __all__ = [
     "DynamicNTKScaling",
+    "FrequencyFactors",
     "LinearScaling",
     "Llama3Scaling",
     "RopeConfig",
@@ -245,10 +247,51 @@ class YarnScaling:
         return inv, self.resolved_attention_factor()
 
 
-RopeScaling = LinearScaling | DynamicNTKScaling | Llama3Scaling | YarnScaling
+@dataclass(frozen=True)
+class FrequencyFactors:
+    """Every inverse frequency divided by a factor of its own: ``inv_freq_i / factors[i]``.
+
+    This is how llama.cpp stores Llama 3 scaling in a GGUF file (the ``rope_freqs``
+    tensor, which its converter computes from ``rope_scaling``), so a file is read without
+    knowing the parameters it came from.
+
+    Args:
+        factors: R/2 positive numbers, one per rotating pair.
+    """
+
+    factors: tuple[float, ...]
+    kind: ClassVar[str] = "factors"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.factors, tuple) or not self.factors:
+            raise TypeError(
+                f"`factors` must be a non-empty tuple of numbers, got {type(self.factors).__name__}"
+            )
+        for value in self.factors:
+            _positive("factors", value)
+
+    def frequencies(
+        self, base: float, dim: int, seq_len: int | None = None
+    ) -> tuple[torch.Tensor, float]:
+        """Inverse frequencies ``(R/2,)`` float64 and the attention factor (1 here).
+
+        Raises:
+            ValueError: ``factors`` does not hold R/2 values.
+        """
+        inv = _default_inv_freq(base, dim)
+        if len(self.factors) != inv.numel():
+            raise ValueError(
+                f"`factors` must hold one value per rotating pair (R/2 = {inv.numel()}), "
+                f"got {len(self.factors)}"
+            )
+        return inv / torch.tensor(self.factors, dtype=torch.float64), 1.0
+
+
+RopeScaling = LinearScaling | DynamicNTKScaling | Llama3Scaling | YarnScaling | FrequencyFactors
 _SCALINGS: dict[str, type] = {
     c.kind: c for c in (LinearScaling, DynamicNTKScaling, Llama3Scaling, YarnScaling)
 }
+_SCALING_CLASSES = (*_SCALINGS.values(), FrequencyFactors)
 
 
 @dataclass(frozen=True)
@@ -287,7 +330,7 @@ class RopeConfig:
             )
         if not isinstance(self.interleaved, bool):
             raise TypeError(f"`interleaved` must be a bool, got {type(self.interleaved).__name__}")
-        if self.scaling is not None and not isinstance(self.scaling, tuple(_SCALINGS.values())):
+        if self.scaling is not None and not isinstance(self.scaling, _SCALING_CLASSES):
             kinds = ", ".join(repr(k) for k in _SCALINGS)
             if isinstance(self.scaling, (str, Mapping)):
                 raise ValueError(
@@ -297,7 +340,7 @@ class RopeConfig:
                 )
             raise TypeError(
                 f"`scaling` must be None or one of LinearScaling, DynamicNTKScaling, "
-                f"Llama3Scaling, YarnScaling, got {type(self.scaling).__name__}"
+                f"Llama3Scaling, YarnScaling, FrequencyFactors, got {type(self.scaling).__name__}"
             )
 
     def rotary_dims(self, head_dim: int) -> int:

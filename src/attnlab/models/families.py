@@ -260,7 +260,6 @@ OLMO2 = dataclasses.replace(
         "out_bias": ("attention_bias",),
     },
     defaults={**_LLAMA_DEFAULTS, "qkv_bias": False, "out_bias": False},
-    refuse={},
     weights=(
         *(r for r in _LLAMA_WEIGHTS if "layernorm" not in r[0]),
         ("layers.{i}.post_attention_layernorm", "blocks.{i}.attn_norm", ""),
@@ -268,7 +267,17 @@ OLMO2 = dataclasses.replace(
         ("layers.{i}.self_attn.q_norm", "blocks.{i}.attention.q_norm", ""),
         ("layers.{i}.self_attn.k_norm", "blocks.{i}.attention.k_norm", ""),
     ),
-    gguf_weights=(),
+    # llama.cpp writes a window only for OLMo 3 (with a per-layer pattern): not expressed
+    refuse={"olmo2.attention.sliding_window": (None,)},
+    gguf_keys=_GGUF_KEYS_NO_WINDOW,
+    gguf_weights=(
+        *(r for r in _LLAMA_GGUF if "norm" not in r[0]),
+        ("output_norm", "norm", ""),
+        ("blk.{i}.post_attention_norm", "blocks.{i}.attn_norm", ""),
+        ("blk.{i}.post_ffw_norm", "blocks.{i}.mlp_norm", ""),
+        ("blk.{i}.attn_q_norm", "blocks.{i}.attention.q_norm", ""),
+        ("blk.{i}.attn_k_norm", "blocks.{i}.attention.k_norm", ""),
+    ),
 )
 
 PHI3 = dataclasses.replace(
@@ -361,6 +370,24 @@ GEMMA2 = dataclasses.replace(
     ),
 )
 
+# llama.cpp's names for the LayerNorm decoders with a fused qkv (gpt_neox, bloom); their
+# converters reorder the per-head (H, 3, D) rows to q, k, v one after the other.
+_FUSED_GGUF: tuple[WeightRule, ...] = (
+    ("token_embd", "tok_embeddings", ""),
+    ("output_norm", "norm", ""),
+    ("output", "lm_head", ""),
+    ("blk.{i}.attn_norm", "blocks.{i}.attn_norm", ""),
+    ("blk.{i}.attn_qkv", "blocks.{i}.attention.{qkv}", "qkv"),
+    ("blk.{i}.attn_output", "blocks.{i}.attention.out_proj", ""),
+    ("blk.{i}.ffn_norm", "blocks.{i}.mlp_norm", ""),
+    ("blk.{i}.ffn_up", "blocks.{i}.mlp.up", ""),
+    ("blk.{i}.ffn_down", "blocks.{i}.mlp.down", ""),
+)
+_LAYER_NORM_GGUF_KEYS = {
+    **_GGUF_KEYS_NO_WINDOW,
+    "norm_eps": ("{arch}.attention.layer_norm_epsilon",),
+}
+
 BLOOM = Family(
     name="bloom",
     kind="decoder",
@@ -408,6 +435,10 @@ BLOOM = Family(
         ("h.{i}.mlp.dense_4h_to_h", "blocks.{i}.mlp.down", ""),
     ),
     prefixes=("transformer.",),
+    # ALiBi has no position table: the file's context_length (llama.cpp's converter writes
+    # `seq_length` or else the width there) bounds nothing
+    gguf_keys={k: v for k, v in _LAYER_NORM_GGUF_KEYS.items() if k != "context_length"},
+    gguf_weights=(*_FUSED_GGUF, ("token_embd_norm", "embed_norm", "")),
 )
 
 GPT_NEOX = Family(
@@ -457,6 +488,11 @@ GPT_NEOX = Family(
     ),
     prefixes=("gpt_neox.",),
     ignore=(r".*rotary_emb\.inv_freq$", r".*attention\.(masked_)?bias$"),
+    gguf_keys={
+        **_LAYER_NORM_GGUF_KEYS,
+        "parallel_residual": ("{arch}.use_parallel_residual",),
+    },
+    gguf_weights=_FUSED_GGUF,
 )
 
 GPT2 = Family(

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from attnlab.attention import KVCache, StaticKVCache, recording_attention
-from attnlab.quant import fuse_rows
+from attnlab.quant import column_major, fuse_rows
 from attnlab.rope import DynamicNTKScaling, RotaryEmbedding
 
 __all__ = [
@@ -201,8 +201,9 @@ class DecodePlan:
             ``head``) or the book's GPT (``tok_emb``, ``pos_emb``, ``trf_blocks``,
             ``final_norm``, ``out_head``).
         share_float: also fuse float (``nn.Linear``) products, the parameters becoming
-            views of the fused weights (:func:`attnlab.quant.fuse_rows`); loaders of
-            inference models ask for it, models being trained should not.
+            views of the fused weights (:func:`attnlab.quant.fuse_rows`), and store every
+            float product's weight column-major (:func:`attnlab.quant.column_major`);
+            loaders of inference models ask for it, models being trained should not.
 
     Raises:
         ValueError: a layout :func:`why_not_fast_decode` rejects.
@@ -231,6 +232,9 @@ class DecodePlan:
             and not isinstance(rope.config.scaling, DynamicNTKScaling)
         )
         self.layers = [self._layer(block, share_float) for block in parts.blocks]
+        if share_float:  # the output head too; a tied embedding follows (the same Parameter)
+            for name in ("lm_head", "out_head"):
+                column_major(getattr(model, name, None))
         self.final_norm = _norm_fn(parts.final_norm)
         self._cos: torch.Tensor | None = None  # (L, D) fp32
         self._sin: torch.Tensor | None = None  # (L, D) fp32, first half negated
@@ -242,7 +246,7 @@ class DecodePlan:
         attn_post = getattr(block, "attn_post_norm", None)
         mlp_post = getattr(block, "mlp_post_norm", None)
         placement = getattr(block, "placement", "pre")
-        return _Layer(
+        layer = _Layer(
             attention=att,
             placement=placement,
             # The modules' post-norm block is sequential whatever `parallel` says.
@@ -267,6 +271,10 @@ class DecodePlan:
             down=down,
             act=act,
         )
+        if share:  # float weights column-major: one-row products 2-3x faster (fused ones are)
+            for m in (layer.q, layer.k, layer.v, layer.out, layer.gate, layer.up, layer.down):
+                column_major(m)
+        return layer
 
     def capturing(self) -> bool:
         """True when a layer was asked to ``capture`` its weights (the step skips layers)."""

@@ -34,7 +34,7 @@ from attnlab.models.encoder_decoder import EncoderDecoder, EncoderDecoderConfig
 from attnlab.models.families import ACTIVATION_NAMES, Family, WeightRule
 from attnlab.norms import QKNorm
 from attnlab.pretrained.errors import ModelFileError
-from attnlab.rope import LinearScaling, RopeConfig, RopeScaling
+from attnlab.rope import FrequencyFactors, LinearScaling, RopeConfig, RopeScaling
 
 __all__ = [
     "LIMITS",
@@ -264,9 +264,12 @@ def _rope_and_qk_norm(
         fields["sliding_window"] = None
 
     rope_dims = fields.pop("rope_dims", None)
+    factors = fields.pop("rope_factors", None)
     if fields.get("positions", "rope") == "rope":
         if gguf:
-            fields["rope"] = _gguf_rope(fields, source, where, base=base, rope_dims=rope_dims)
+            fields["rope"] = _gguf_rope(
+                fields, source, where, base=base, rope_dims=rope_dims, factors=factors
+            )
         else:
             try:
                 fields["rope"] = RopeConfig.from_hf_config(source)
@@ -285,10 +288,12 @@ def _gguf_rope(
     *,
     base: float | None,
     rope_dims: Any,
+    factors: tuple[float, ...] | None = None,
 ) -> RopeConfig:
     """The rotary settings of a GGUF file: ``rope.freq_base``, ``rope.dimension_count``
-    (partial rotary, Phi-3) and ``rope.scaling.type`` none / linear; any other scaling is
-    refused naming the key."""
+    (partial rotary, Phi-3), ``rope.scaling.type`` none / linear, and the ``rope_freqs``
+    tensor's per-frequency divisors (``factors``: Llama 3 scaling as llama.cpp writes it);
+    any other scaling is refused naming the key."""
     arch = source.get("general.architecture", "")
     head_dim = fields.get("head_dim") or fields["hidden_size"] // fields["num_heads"]
     fraction = 1.0
@@ -305,9 +310,13 @@ def _gguf_rope(
     scaling: RopeScaling | None = None
     if kind == "linear":
         factor = source.get(f"{arch}.rope.scaling.factor")
-        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+        if (
+            isinstance(factor, bool)
+            or not isinstance(factor, (int, float))
+            or not 0 < factor < math.inf
+        ):
             raise ModelFileError(
-                where, f"`{arch}.rope.scaling.factor` must be a number > 0, got {factor!r}"
+                where, f"`{arch}.rope.scaling.factor` must be a finite number > 0, got {factor!r}"
             )
         scaling = LinearScaling(float(factor))
     elif kind != "none":
@@ -316,6 +325,19 @@ def _gguf_rope(
             f"`{arch}.rope.scaling.type` = {kind!r} is not supported for GGUF files yet "
             "(supported: 'none', 'linear')",
         )
+    if factors is not None:
+        pairs = int(head_dim * fraction) // 2
+        if scaling is not None or len(factors) != pairs:
+            raise ModelFileError(
+                where,
+                f"tensor 'rope_freqs.weight' must hold {pairs} factors (one per rotating "
+                f"pair) and come without `{arch}.rope.scaling.type`; got {len(factors)} "
+                f"with scaling {kind!r}",
+            )
+        try:
+            scaling = FrequencyFactors(factors)
+        except (TypeError, ValueError) as e:
+            raise ModelFileError(where, f"tensor 'rope_freqs.weight': {e}") from None
     return RopeConfig(base=float(base or 10000.0), fraction=fraction, scaling=scaling)
 
 

@@ -125,10 +125,16 @@ def load_smollm2(*, backend: str = "auto") -> tuple[Decoder, PretrainedTokenizer
 
 # Tensors llama.cpp writes for RoPE variants attnlab does not read from GGUF yet.
 UNSUPPORTED_GGUF_TENSORS = {
-    "rope_freqs.weight": "Llama 3 RoPE frequency factors (rope_scaling llama3)",
     "rope_factors_long.weight": "Phi-3 longrope factors (rope_scaling longrope)",
     "rope_factors_short.weight": "Phi-3 longrope factors (rope_scaling longrope)",
 }
+# One divisor per RoPE frequency (llama.cpp's form of Llama 3 scaling): config, not weights.
+ROPE_FREQS = "rope_freqs.weight"
+
+
+def _weight_infos(contents: GGUFContents) -> dict[str, Any]:
+    """The file's tensors that are model weights (not ``rope_freqs``)."""
+    return {n: i for n, i in contents.tensor_infos.items() if n != ROPE_FREQS}
 
 
 def gguf_config(contents: GGUFContents) -> tuple[Family, AnyConfig]:
@@ -153,10 +159,17 @@ def gguf_config(contents: GGUFContents) -> tuple[Family, AnyConfig]:
         name: tuple(k.replace("{arch}", family.name) for k in candidates)
         for name, candidates in family.gguf_keys.items()
     }
-    extra = {
+    extra: dict[str, Any] = {
         "tie_embeddings": "output.weight" not in contents.tensor_infos,
         "vocab_size": len(contents.tokens),
     }
+    if ROPE_FREQS in contents.tensor_infos:
+        shape = contents.tensor_infos[ROPE_FREQS].shape
+        if len(shape) != 1 or shape[0] > 1 << 12:  # one per rotating pair: head_dim / 2
+            raise ModelFileError(
+                path, f"tensor {ROPE_FREQS!r} must be 1-D with <= 4096 values, got {shape}"
+            )
+        extra["rope_factors"] = tuple(float(x) for x in contents.tensor(ROPE_FREQS).tolist())
     return family, build_config(family, meta, where=path, keys=keys, extra=extra)
 
 
@@ -180,7 +193,7 @@ def load_gguf(
     path = Path(path)
     contents = read_gguf(path)
     family, config = gguf_config(contents)
-    names = {name: math.prod(info.shape) for name, info in contents.tensor_infos.items()}
+    names = {name: math.prod(info.shape) for name, info in _weight_infos(contents).items()}
     model = build_model(
         config,
         family.gguf_weights,
@@ -238,7 +251,7 @@ def gguf_int4_layers(path: str | Path) -> dict[str, Int4Linear]:
     path = Path(path)
     contents = read_gguf(path)
     family, config = gguf_config(contents)
-    infos = contents.tensor_infos
+    infos = _weight_infos(contents)
     plan = plan_weights(infos, family.gguf_weights, num_layers=config.num_layers, where=path)
     out: dict[str, Int4Linear] = {}
     for name, (targets, transform) in plan.items():
