@@ -242,9 +242,11 @@ def bench_variants(reps: int, threads: int) -> None:
         (4096, ["causal", "alibi", "relbias", "softcap", "sinks", "documents"]),
         (8192, ["causal", "window", "torch window"]),
     ]
+    clock = "thread CPU time" if TIMER is time.thread_time else "wall time"
     print(
         f"blockwise variants, causal, B=1, H={H}, D={D}, fp32, {threads} threads; time = "
-        f"min of >= {reps} interleaved runs; ratio = x plain causal blockwise of the same run"
+        f"min of >= {reps} interleaved runs ({clock}); ratio = x plain causal blockwise of "
+        f"the same run; {load()}"
     )
     for mode in ("fwd", "fwd+bwd"):
         print(f"\n== {mode} ==")
@@ -257,6 +259,7 @@ def bench_variants(reps: int, threads: int) -> None:
                 if n == "window":
                     note += f"; x torch window {times[n] / times['torch window']:.2f} (target < 1)"
                 print(f"T={T:>5} {n:<13} {times[n] * 1e3:9.1f} ms {ratio:6.2f}x{note}")
+    print(f"\n{load()} at the end")
 
 
 def _blockwise(mask: object, path: str | None = None) -> Callable[..., torch.Tensor]:
@@ -465,11 +468,7 @@ def main() -> None:
         overhead_main()
         return
     torch.set_num_threads(args.threads)
-    if args.variants:
-        bench_variants(args.reps, args.threads)
-        return
     global DTYPE, TIMER
-    DTYPE = GRID_DTYPES[args.dtype]
     if args.cpu_time:
         if args.threads != 1:
             print(
@@ -477,6 +476,10 @@ def main() -> None:
             )
             sys.exit(2)
         TIMER = time.thread_time
+    if args.variants:
+        bench_variants(args.reps, args.threads)
+        return
+    DTYPE = GRID_DTYPES[args.dtype]
     if args.targets:
         targets(args)
         return

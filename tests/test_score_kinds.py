@@ -138,6 +138,42 @@ def test_tiles_agree_with_dense():
         _tiles_agree_with_dense(mask, T, S)
 
 
+@pytest.mark.parametrize("bidirectional", [True, False])
+def test_constant_bias_exactly_where_the_dense_bias_is_one_number_per_head(bidirectional):
+    """``constant_bias`` of every tile of a grid (T != S, bottom-right) against the dense
+    bias: where it answers, each head's number equals every entry of the tile; where the
+    dense tile is constant per head beyond a whole bucket run, it answers."""
+    table = torch.randn(8, 3)
+    T, S, n = 40, 64, 8
+    bias = RelativePositionBias(table, bidirectional=bidirectional, num_buckets=8,
+                                max_distance=12)  # fmt: skip
+    masks = [
+        bias,
+        bias & CausalMask(),
+        bias
+        & DocumentMask(torch.zeros(1, T, dtype=torch.long), torch.ones(1, S, dtype=torch.long)),
+    ]
+    answered = 0
+    for mask in masks:
+        dense = mask.dense(T, S, dtype=torch.float64)  # (1, H, T, S)
+        for r0 in range(0, T, n):
+            for c0 in range(0, S, n):
+                rows, cols = slice(r0, r0 + n), slice(c0, c0 + n)
+                got = mask.constant_bias(T, S, rows, cols)
+                tile = dense[:, :, rows, cols].expand(1, 3, n, n)
+                if got is None:
+                    continue
+                answered += 1
+                assert got.shape == (1, 3, 1, 1)
+                torch.testing.assert_close(got.double().expand_as(tile), tile)
+        if mask is masks[-1]:  # documents never meet: no tile is "unmasked"
+            assert mask.constant_bias(T, S, slice(0, n), slice(0, n)) is None
+    assert answered > 0
+    # A tile that spans two buckets is not constant.
+    near = slice(T - n, T)
+    assert bias.constant_bias(T, S, near, slice(S - n, S)) is None
+
+
 def test_document_mask_skips_tiles_where_documents_never_meet():
     ids = torch.arange(8).repeat_interleave(16)[None]  # 8 documents of 16 tokens
     m = DocumentMask(ids) & CausalMask()

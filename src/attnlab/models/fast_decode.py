@@ -37,7 +37,7 @@ from torch import nn
 
 from attnlab.attention import KVCache, StaticKVCache, recording_attention
 from attnlab.quant import column_major, fuse_rows
-from attnlab.rope import DynamicNTKScaling, RotaryEmbedding
+from attnlab.rope import RotaryEmbedding
 
 __all__ = [
     "DecodePlan",
@@ -224,12 +224,13 @@ class DecodePlan:
         self.rope: RotaryEmbedding | None = att0.rope
         rope = self.rope
         # Full-width "rotate half" RoPE with fixed frequencies: tables once, two products.
-        # Any other variant (partial, interleaved, dynamic NTK) is applied by the module.
+        # Any other variant (partial, interleaved, dynamic NTK, LongRoPE) is applied by the
+        # module.
         self.rope_tables = (
             rope is not None
             and rope.rotary_dims == self.D
             and not rope.config.interleaved
-            and not isinstance(rope.config.scaling, DynamicNTKScaling)
+            and not rope.length_dependent
         )
         self.layers = [self._layer(block, share_float) for block in parts.blocks]
         if share_float:  # the output head too; a tied embedding follows (the same Parameter)
