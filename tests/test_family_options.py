@@ -187,3 +187,89 @@ def test_phi3_longrope_cached_decoding_equals_the_full_pass_on_each_side(phi3_lo
             first = model(ids[:, :-4], kv_cache=cache)
             steps = [model(ids[:, i : i + 1], kv_cache=cache) for i in range(n - 4, n)]
         torch.testing.assert_close(torch.cat([first, *steps], dim=1), full, atol=1e-5, rtol=0)
+
+
+# --------------------------------------------------------------------------- GPT-2 options
+
+GPT2 = {"n_embd": 64, "n_layer": 3, "n_head": 4, "n_positions": 64}
+GPT2_OPTIONS = {
+    "inverse layer idx": {"scale_attn_by_inverse_layer_idx": True},
+    "upcast": {"reorder_and_upcast_attn": True},
+    "both": {"scale_attn_by_inverse_layer_idx": True, "reorder_and_upcast_attn": True},
+    "unscaled": {"scale_attn_weights": False, "scale_attn_by_inverse_layer_idx": True},
+}
+
+
+@pytest.fixture(scope="module")
+def gpt2_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gpt2")
+    return {
+        name: save_hf("gpt2", {**GPT2, **extra}, root / name.replace(" ", "-"), torch.float32)
+        for name, extra in GPT2_OPTIONS.items()
+    }
+
+
+@pytest.mark.parametrize("option", sorted(GPT2_OPTIONS))
+def test_gpt2_score_options_match_transformers(gpt2_dirs, option):
+    """Logits and every layer's weights within 1e-5 of GPT2LMHeadModel (eager, which takes
+    its `_upcast_and_reordered_attn` path for reorder_and_upcast_attn), 12 greedy tokens
+    equal to its generate (through attnlab's fast step), and cached decoding equal to the
+    full pass."""
+    folder = gpt2_dirs[option]
+    model, _ = load_pretrained(folder)
+    ref = _reference(folder)
+    ids = _ids(20)
+    scaled = GPT2_OPTIONS[option].get("scale_attn_weights", True)
+    inverse = GPT2_OPTIONS[option].get("scale_attn_by_inverse_layer_idx", False)
+    base = 16**-0.5 if scaled else 1.0
+    scales = [block.attention.scale for block in model.blocks]
+    assert scales == ([base / (i + 1) for i in range(3)] if inverse else [None] * 3)
+    with torch.no_grad():
+        expected = ref(ids, output_attentions=True)
+        logits, weights = model(ids, need_weights=True)
+        cache = model.new_kv_cache(max_len=20)
+        first = model(ids[:, :-3], kv_cache=cache)
+        steps = [model(ids[:, i : i + 1], kv_cache=cache) for i in range(17, 20)]
+        theirs = ref.generate(
+            ids[:1, :8],
+            attention_mask=torch.ones_like(ids[:1, :8]),
+            max_new_tokens=12,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=None,
+        )
+    torch.testing.assert_close(logits, expected.logits, atol=1e-5, rtol=0)
+    for ours, their in zip(weights, expected.attentions, strict=True):
+        torch.testing.assert_close(ours, their, atol=1e-5, rtol=0)
+    torch.testing.assert_close(torch.cat([first, *steps], dim=1), logits, atol=1e-5, rtol=0)
+    assert generate(model, ids[:1, :8], 12).tolist() == theirs.tolist()
+    assert "_decode_plan" in model.__dict__
+
+
+def test_gpt2_inverse_layer_scale_changes_the_logits(gpt2_dirs):
+    """The test above can fail: the same weights with every layer at 1/sqrt(D) differ."""
+    import dataclasses
+
+    from attnlab.models.decoder import Decoder
+
+    model, _ = load_pretrained(gpt2_dirs["inverse layer idx"])
+    plain = Decoder(dataclasses.replace(model.config, layer_scales=None))
+    plain.load_state_dict(model.state_dict())
+    ids = _ids(20)
+    with torch.no_grad():
+        assert (model(ids) - plain.eval()(ids)).abs().max() > 1e-3
+
+
+def test_gpt2_score_switch_of_the_wrong_type_is_named(gpt2_dirs, tmp_path):
+    import json
+    import shutil
+
+    from attnlab.pretrained import ModelFileError
+
+    folder = tmp_path / "bad"
+    shutil.copytree(gpt2_dirs["upcast"], folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["scale_attn_by_inverse_layer_idx"] = "yes"
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelFileError, match="scale_attn_by_inverse_layer_idx"):
+        load_pretrained(folder)
