@@ -375,3 +375,29 @@ def test_alibi_in_row_blocks_matches_reference(monkeypatch, T, S, causal, dtype,
     for name, t, r in (("q", q, qr), ("k", k, kr), ("v", v, vr)):
         assert t.grad is not None and torch.isfinite(t.grad).all(), name
         torch.testing.assert_close(t.grad.double(), r.grad, **grad_tol(dtype), msg=name)
+
+
+@pytest.mark.skipif("fused" not in TILE_PATHS, reason="no fused tile op in this PyTorch")
+def test_alibi_exact_weights_across_default_row_blocks_with_sinks():
+    """Default blocks (1024-row blocks for ALiBi as one more head dim), T = 2100 so that rows
+    fall in three blocks: exact weights of rows in each block, with sinks, read from the
+    saved log-sum-exp, against the fp64 reference computed for those rows."""
+    from attnlab.backends import WeightsRequest
+    from attnlab.biases import AlibiBias
+    from attnlab.functional import scaled_dot_product_attention
+
+    gen = torch.Generator().manual_seed(5)
+    T, Hn, D = 2100, 2, 16
+    q, k, v = (torch.randn(1, Hn, T, D, generator=gen) for _ in range(3))
+    sinks = torch.randn(Hn, generator=gen)
+    rows = [0, 1023, 1024, 1500, 2099]
+    req = WeightsRequest(heads=(1, 0), rows=tuple(rows))
+    out, w = scaled_dot_product_attention(q, k, v, AlibiBias(Hn) & CausalMask(), sinks=sinks,
+                                          backend="blockwise", need_weights=req)  # fmt: skip
+    slopes = torch.tensor([2.0**-4, 2.0**-8], dtype=torch.float64)  # published, H = 2
+    qpos, kpos = torch.tensor(rows)[:, None], torch.arange(T)[None, :]
+    bias = (-slopes[:, None, None] * (qpos - kpos))[None]  # (1, H, rows, T)
+    ref_out, ref_w = reference_attention(q[:, :, rows], k, v, mask=(kpos <= qpos)[None, None],
+                                         bias=bias, sinks=sinks)  # fmt: skip
+    torch.testing.assert_close(w, ref_w[:, [1, 0]].float(), **tol(torch.float32))
+    torch.testing.assert_close(out[:, :, rows].double(), ref_out, **tol(torch.float32))

@@ -11,6 +11,12 @@ The protocol (shared by ``attnlab.models``):
   model decodes into with its fast one-token step; rebuilding the cache when the window
   slides reuses the same buffers, so memory stays flat however many tokens are made.
 - ``model.context_length``: the longest sequence the model accepts (int), or None.
+- optional: ``model.rope.switch_length`` (int or None): a sequence length past which the
+  rotary frequencies change (Phi-3's LongRoPE switches from its short to its long factors),
+  so keys cached while the sequence was shorter are stale. When the sequence crosses it,
+  the cache is rebuilt once from the whole sequence, as transformers' Phi-3
+  ``prepare_inputs_for_generation`` drops its cache, so cached decoding gives the logits
+  of the full pass.
 - optional: ``model(..., logits_to_keep=1)`` computes logits for the last position only.
   Generation uses it when the model's ``forward`` takes it (attnlab's GPT and Llama do), so
   encoding a prompt skips the output head over all but its last token.
@@ -183,6 +189,7 @@ def generate_stream(
     model, idx = _causal_lm(model, idx, valid)
     keep = {"logits_to_keep": 1} if _takes_logits_to_keep(model) else {}
     static = _takes(getattr(model, "new_kv_cache", None), "max_len")
+    switch = getattr(getattr(model, "rope", None), "switch_length", None)
     seq = idx
     cache: list[Any] | None = None
     start = 0  # index in `seq` of the first token the cache holds
@@ -193,9 +200,14 @@ def generate_stream(
             inp = seq if window is None else seq[:, -window:]  # (B, <=window)
             logits = model(inp, **keep)
         else:
-            if cache is None or (window is not None and seq.size(1) - start > window):
-                # First step, or the window slid past the cache's first position: (re)build the
-                # cache from the cropped window, so positions match what the uncached model sees.
+            if (
+                cache is None
+                or (window is not None and seq.size(1) - start > window)
+                or (isinstance(switch, int) and n_cached <= switch < seq.size(1) - start)
+            ):
+                # First step, the window slid past the cache's first position, or the sequence
+                # crossed the RoPE switch length: (re)build the cache from the cropped window,
+                # so positions and rotations match what the uncached model sees.
                 start = 0 if window is None else max(0, seq.size(1) - window)
                 if cache is not None and static:
                     for layer_cache in cache:

@@ -10,8 +10,8 @@ One :class:`RotaryEmbedding` serves every variant; what varies is data in a froz
   Meta's original Llama code).
 - ``scaling``: how the frequencies stretch for contexts longer than training:
   :class:`LinearScaling`, :class:`DynamicNTKScaling`, :class:`Llama3Scaling`,
-  :class:`YarnScaling` (one class per kind, each with the fields of Hugging Face's
-  ``rope_scaling`` / ``rope_parameters`` dict and the same formulas as
+  :class:`YarnScaling`, :class:`LongRopeScaling` (one class per kind, each with the fields
+  of Hugging Face's ``rope_scaling`` / ``rope_parameters`` dict and the same formulas as
   ``transformers.modeling_rope_utils``), or :class:`FrequencyFactors` (one divisor per
   frequency, as llama.cpp stores Llama 3 scaling in GGUF files).
 
@@ -36,6 +36,7 @@ __all__ = [
     "FrequencyFactors",
     "LinearScaling",
     "Llama3Scaling",
+    "LongRopeScaling",
     "RopeConfig",
     "RopeScaling",
     "RotaryEmbedding",
@@ -248,6 +249,86 @@ class YarnScaling:
 
 
 @dataclass(frozen=True)
+class LongRopeScaling:
+    """LongRoPE (``rope_type="longrope"``, Phi-3 128k / Phi-3.5): one divisor per frequency,
+    ``inv_freq_i / factors[i]``, from ``short_factor`` while the sequence fits the original
+    context and from ``long_factor`` once it is longer, and an attention factor that
+    multiplies cos and sin.
+
+    Which set applies is decided per call by the longest position, as transformers'
+    ``longrope_frequency_update`` does: a sequence of L positions uses ``long_factor`` when
+    ``L > original_max_position_embeddings``, ``short_factor`` otherwise. Keys cached by an
+    earlier, shorter call keep the short rotation, so a KV cache must be rebuilt when a
+    sequence crosses that length (:attr:`RotaryEmbedding.switch_length`; attnlab's
+    generation loop does it, as transformers' Phi-3 ``prepare_inputs_for_generation``).
+
+    Args:
+        short_factor: R/2 positive divisors for sequences within the original context.
+        long_factor: R/2 positive divisors for longer sequences.
+        original_max_position_embeddings: the context length the model was trained with.
+        factor: the context extension factor (``max_position_embeddings / original``
+            when the config does not give it); only sets the default attention factor.
+        attention_factor: explicit attention factor; None derives it from ``factor``:
+            ``sqrt(1 + ln(factor) / ln(original_max_position_embeddings))`` (1 when
+            ``factor <= 1``).
+    """
+
+    short_factor: tuple[float, ...]
+    long_factor: tuple[float, ...]
+    original_max_position_embeddings: int
+    factor: float = 1.0
+    attention_factor: float | None = None
+    kind: ClassVar[str] = "longrope"
+
+    def __post_init__(self) -> None:
+        for name in ("short_factor", "long_factor"):
+            value = getattr(self, name)
+            if not isinstance(value, tuple) or not value:
+                raise TypeError(
+                    f"`{name}` must be a non-empty tuple of numbers, got {type(value).__name__}"
+                )
+            for v in value:
+                _positive(name, v)
+        if len(self.short_factor) != len(self.long_factor):
+            raise ValueError(
+                f"`short_factor` and `long_factor` must have the same length (R/2), got "
+                f"{len(self.short_factor)} and {len(self.long_factor)}"
+            )
+        _positive("original_max_position_embeddings", self.original_max_position_embeddings)
+        _positive("factor", self.factor)
+        _positive("attention_factor", self.attention_factor, allow_none=True)
+
+    def resolved_attention_factor(self) -> float:
+        """The factor cos and sin are multiplied by."""
+        if self.attention_factor is not None:
+            return float(self.attention_factor)
+        if self.factor <= 1.0:
+            return 1.0
+        return math.sqrt(
+            1 + math.log(self.factor) / math.log(self.original_max_position_embeddings)
+        )
+
+    def frequencies(
+        self, base: float, dim: int, seq_len: int | None = None
+    ) -> tuple[torch.Tensor, float]:
+        """Inverse frequencies ``(R/2,)`` float64 for sequences of length ``seq_len`` (None:
+        the original context, the short factors) and the attention factor.
+
+        Raises:
+            ValueError: the factors do not hold R/2 values.
+        """
+        inv = _default_inv_freq(base, dim)
+        long = seq_len is not None and seq_len > self.original_max_position_embeddings
+        factors = self.long_factor if long else self.short_factor
+        if len(factors) != inv.numel():
+            raise ValueError(
+                f"`short_factor` / `long_factor` must hold one value per rotating pair "
+                f"(R/2 = {inv.numel()}), got {len(factors)}"
+            )
+        return inv / torch.tensor(factors, dtype=torch.float64), self.resolved_attention_factor()
+
+
+@dataclass(frozen=True)
 class FrequencyFactors:
     """Every inverse frequency divided by a factor of its own: ``inv_freq_i / factors[i]``.
 
@@ -287,9 +368,17 @@ class FrequencyFactors:
         return inv / torch.tensor(self.factors, dtype=torch.float64), 1.0
 
 
-RopeScaling = LinearScaling | DynamicNTKScaling | Llama3Scaling | YarnScaling | FrequencyFactors
+RopeScaling = (
+    LinearScaling
+    | DynamicNTKScaling
+    | Llama3Scaling
+    | YarnScaling
+    | LongRopeScaling
+    | FrequencyFactors
+)
 _SCALINGS: dict[str, type] = {
-    c.kind: c for c in (LinearScaling, DynamicNTKScaling, Llama3Scaling, YarnScaling)
+    c.kind: c
+    for c in (LinearScaling, DynamicNTKScaling, Llama3Scaling, YarnScaling, LongRopeScaling)
 }
 _SCALING_CLASSES = (*_SCALINGS.values(), FrequencyFactors)
 
@@ -304,7 +393,8 @@ class RopeConfig:
             (0, 1]; ``int(fraction * D)`` must be even (checked against D when built).
         interleaved: rotate pairs ``(2i, 2i+1)`` (GPT-J) instead of ``(i, i + R/2)``.
         scaling: None, or one of :class:`LinearScaling`, :class:`DynamicNTKScaling`,
-            :class:`Llama3Scaling`, :class:`YarnScaling`.
+            :class:`Llama3Scaling`, :class:`YarnScaling`, :class:`LongRopeScaling`,
+            :class:`FrequencyFactors`.
 
     Raises:
         ValueError: non-positive base, fraction outside (0, 1], an unknown scaling (e.g. a
@@ -340,7 +430,8 @@ class RopeConfig:
                 )
             raise TypeError(
                 f"`scaling` must be None or one of LinearScaling, DynamicNTKScaling, "
-                f"Llama3Scaling, YarnScaling, FrequencyFactors, got {type(self.scaling).__name__}"
+                f"Llama3Scaling, YarnScaling, LongRopeScaling, FrequencyFactors, got "
+                f"{type(self.scaling).__name__}"
             )
 
     def rotary_dims(self, head_dim: int) -> int:
@@ -448,6 +539,27 @@ class RopeConfig:
                 mscale_all_dim=merged.get("mscale_all_dim"),
                 truncate=bool(merged.get("truncate", True)),
             )
+        elif kind == "longrope":
+            orig = need("original_max_position_embeddings", orig)
+            factors = {}
+            for name in ("short_factor", "long_factor"):
+                value = need(name)
+                if not isinstance(value, (list, tuple)):
+                    raise ValueError(
+                        f"rope_type 'longrope' needs `{name}` as a list of numbers, got "
+                        f"{type(value).__name__}"
+                    )
+                factors[name] = tuple(value)
+            factor = merged.get("factor")
+            if factor is None:
+                factor = need("max_position_embeddings", max_pos) / orig
+            scaling = LongRopeScaling(
+                short_factor=factors["short_factor"],
+                long_factor=factors["long_factor"],
+                original_max_position_embeddings=orig,
+                factor=factor,
+                attention_factor=merged.get("attention_factor"),
+            )
         else:
             raise ValueError(
                 f"`rope_type` (rope_scaling / rope_parameters) must be one of 'default', "
@@ -532,6 +644,12 @@ class RotaryEmbedding(nn.Module):
         self._dynamic_len = (
             scaling.max_position_embeddings if isinstance(scaling, DynamicNTKScaling) else 0
         )
+        # LongRoPE: the long factors' frequencies, switched to past the original context.
+        self._long_inv = (
+            self._frequencies(scaling.original_max_position_embeddings + 1)[0]
+            if isinstance(scaling, LongRopeScaling)
+            else None
+        )
         self.inv_freq: torch.Tensor
         self.register_buffer("inv_freq", inv.float(), persistent=False)
         self._cos: torch.Tensor | None = None  # (L, R) float64
@@ -587,6 +705,31 @@ class RotaryEmbedding(nn.Module):
             self._set_inv(self._original_inv)
             self._dynamic_len = original
 
+    @property
+    def switch_length(self) -> int | None:
+        """The sequence length past which the frequencies change (LongRoPE's original
+        context), or None. Keys cached while a sequence was at most this long were rotated
+        with the other frequencies: a KV cache is rebuilt when a sequence crosses it."""
+        scaling = self.config.scaling
+        if isinstance(scaling, LongRopeScaling):
+            return scaling.original_max_position_embeddings
+        return None
+
+    @property
+    def length_dependent(self) -> bool:
+        """True when the frequencies depend on the sequence length (dynamic NTK, LongRoPE):
+        one cos/sin table built once does not serve every call."""
+        return isinstance(self.config.scaling, (DynamicNTKScaling, LongRopeScaling))
+
+    def _longrope_update(self, seq_len: int) -> None:
+        """transformers' ``longrope_frequency_update``: the long factors when the sequence
+        is longer than the original context, the short ones otherwise."""
+        assert self._long_inv is not None
+        long = seq_len > int(self.switch_length or 0)
+        inv = self._long_inv if long else self._original_inv
+        if inv is not self._inv:
+            self._set_inv(inv)
+
     def _tables(self, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if self._cos is None or self._cos.shape[0] < length or self._cos.device != device:
             n = max(length, 2 * (self._cos.shape[0] if self._cos is not None else 0), 256)
@@ -611,6 +754,8 @@ class RotaryEmbedding(nn.Module):
         longest = int(position_ids.max()) + 1
         if self._dynamic_len:
             self._dynamic_update(longest)
+        elif self._long_inv is not None:
+            self._longrope_update(longest)
         cos, sin = self._tables(longest, dev)
         idx = position_ids.to(dev)
         return cos[idx], sin[idx]
@@ -621,7 +766,8 @@ class RotaryEmbedding(nn.Module):
         With :class:`DynamicNTKScaling` the frequencies follow the longest position of this
         call as transformers' ``dynamic_rope_update`` does (grow when it passes the longest
         so far, reset when it is inside the original context), so, as there, keys cached at
-        an earlier length keep their earlier rotation.
+        an earlier length keep their earlier rotation. With :class:`LongRopeScaling` the
+        call's longest position picks the short or the long factors (see there).
 
         Args:
             x: ``(B, H, T, D)``.

@@ -107,6 +107,8 @@ class DecoderConfig:
             (Gemma 2's alternating local and global layers).
         attn_scale: the score scale (Gemma 2: ``query_pre_attn_scalar ** -0.5``); None =
             ``1/sqrt(D)``.
+        layer_scales: a score scale per layer, overriding ``attn_scale`` (GPT-2's
+            ``scale_attn_by_inverse_layer_idx``: layer i's ``1/(sqrt(D) (i + 1))``).
         attn_softcap: attention logit soft-capping (Gemma 2: 50), or None.
         final_softcap: output logit soft-capping ``c * tanh(logits / c)`` (Gemma 2: 30).
         embed_scale: multiply the token embeddings by ``sqrt(C)`` (Gemma).
@@ -148,6 +150,7 @@ class DecoderConfig:
     sliding_window: int | None = None
     layer_windows: tuple[int | None, ...] | None = None
     attn_scale: float | None = None
+    layer_scales: tuple[float, ...] | None = None
     attn_softcap: float | None = None
     final_softcap: float | None = None
     embed_scale: bool = False
@@ -255,9 +258,11 @@ class DecoderBlock(nn.Module):
         *,
         backend: str,
         window: int | None = None,
+        scale: float | None = None,
     ) -> None:
         super().__init__()
         C = config.hidden_size
+        scale = config.attn_scale if scale is None else scale
         self.placement = config.norm_placement
         self.parallel = config.parallel_residual
         self.causal = config.causal
@@ -273,7 +278,7 @@ class DecoderBlock(nn.Module):
             head_dim=config.head_dim,
             qk_norm=config.qk_norm,
             sliding_window=window,
-            scale=config.attn_scale,
+            scale=scale,
             softcap=config.attn_softcap,
         )
         if config.cross_attention:  # between self-attention and the MLP, pre-norm (T5)
@@ -434,8 +439,15 @@ class Decoder(nn.Module):
                 f"`layer_windows` must have one entry per layer ({config.num_layers}), got "
                 f"{len(windows)}"
             )
+        scales = config.layer_scales or (None,) * config.num_layers
+        if len(scales) != config.num_layers:
+            raise ValueError(
+                f"`layer_scales` must have one entry per layer ({config.num_layers}), got "
+                f"{len(scales)}"
+            )
         self.blocks = nn.ModuleList(
-            DecoderBlock(config, self.rope, backend=backend, window=w) for w in windows
+            DecoderBlock(config, self.rope, backend=backend, window=w, scale=a)
+            for w, a in zip(windows, scales, strict=True)
         )
         # T5: one table per stack (its first layer's in the checkpoint), shared by all layers.
         self.relative_bias = (

@@ -518,6 +518,11 @@ GPT2 = Family(
         "norm_eps": ("layer_norm_epsilon",),
         "tie_embeddings": ("tie_word_embeddings",),
         "activation": ("activation_function",),
+        # turned into `layer_scales` by the loader (attnlab.pretrained.build)
+        "scale_attn_weights": ("scale_attn_weights",),
+        "scale_attn_by_inverse_layer_idx": ("scale_attn_by_inverse_layer_idx",),
+        # fp32 scores: what attnlab computes in fp32 anyway (read, checked, not needed)
+        "reorder_and_upcast_attn": ("reorder_and_upcast_attn",),
     },
     defaults={
         "num_kv_heads": _same_as("num_heads"),
@@ -526,12 +531,7 @@ GPT2 = Family(
         "activation": "gelu_new",
         "norm_eps": 1e-5,
     },
-    refuse={
-        "scale_attn_weights": (None, True),
-        "scale_attn_by_inverse_layer_idx": (None, False),
-        "reorder_and_upcast_attn": (None, False),
-        "add_cross_attention": (None, False),
-    },
+    refuse={"add_cross_attention": (None, False)},
     weights=(
         ("wte", "tok_embeddings", ""),
         ("wpe", "pos_embeddings", ""),

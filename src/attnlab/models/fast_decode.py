@@ -38,7 +38,7 @@ from torch import nn
 
 from attnlab.attention import KVCache, StaticKVCache, recording_attention
 from attnlab.quant import column_major, fuse_rows
-from attnlab.rope import DynamicNTKScaling, RotaryEmbedding
+from attnlab.rope import RotaryEmbedding
 
 __all__ = [
     "DecodePlan",
@@ -73,7 +73,7 @@ _STEP_OPTIONS = frozenset(
         "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
         "intermediate_size", "context_length", "norm_eps", "tie_embeddings", "norm",
         "norm_bias", "mlp", "activation", "mlp_bias", "positions", "rope", "head_dim",
-        "qkv_bias", "out_bias", "attn_scale", "family", "norm_placement",
+        "qkv_bias", "out_bias", "attn_scale", "layer_scales", "family", "norm_placement",
         "parallel_residual", "qk_norm", "sliding_window", "layer_windows", "attn_softcap",
         "final_softcap", "embed_scale", "head_input_scale",
     }
@@ -171,6 +171,7 @@ class _Layer:
     parallel: bool  # x + attn(norm1(x)) + mlp(norm2(x))
     window: int | None  # keys a query sees (itself included); None = all
     softcap: float | None  # score soft-capping c * tanh(s / c)
+    scale: float | None  # this layer's score scale; None = the model's
     qk_norm: str | None  # None, "head" (each head vector) or "all" (across heads)
     q_norm: Norm | None
     k_norm: Norm | None
@@ -227,12 +228,13 @@ class DecodePlan:
         self.rope: RotaryEmbedding | None = att0.rope
         rope = self.rope
         # Full-width "rotate half" RoPE with fixed frequencies: tables once, two products.
-        # Any other variant (partial, interleaved, dynamic NTK) is applied by the module.
+        # Any other variant (partial, interleaved, dynamic NTK, LongRoPE) is applied by the
+        # module.
         self.rope_tables = (
             rope is not None
             and rope.rotary_dims == self.D
             and not rope.config.interleaved
-            and not isinstance(rope.config.scaling, DynamicNTKScaling)
+            and not rope.length_dependent
         )
         self.layers = [self._layer(block, share_float) for block in parts.blocks]
         if share_float:  # the output head too; a tied embedding follows (the same Parameter)
@@ -256,6 +258,7 @@ class DecodePlan:
             parallel=bool(getattr(block, "parallel", False)) and placement != "post",
             window=getattr(att, "sliding_window", None),
             softcap=getattr(att, "softcap", None),
+            scale=getattr(att, "scale", None),
             qk_norm=None if qk_norm is None else qk_norm.scope,
             q_norm=None if qk_norm is None else _norm_fn(att.q_norm),
             k_norm=None if qk_norm is None else _norm_fn(att.k_norm),
@@ -351,7 +354,8 @@ class DecodePlan:
             S = keys.shape[2]
             q = qk[:, :H].reshape(B * G, H // G, D)  # a group's queries together
             keys = keys.reshape(B * G, S, D)  # a view unless the window sliced the cache
-            scores = torch.bmm(q, keys.transpose(1, 2)).mul_(self.scale)  # (B G, H/G, S)
+            scale = self.scale if layer.scale is None else layer.scale
+            scores = torch.bmm(q, keys.transpose(1, 2)).mul_(scale)  # (B G, H/G, S)
             if layer.softcap is not None:  # Gemma 2, as attnlab.backends.base.softcap_scores
                 scores = scores.div_(layer.softcap).tanh_().mul_(layer.softcap)
             weights = torch.softmax(scores, dim=-1)

@@ -183,6 +183,7 @@ def build_config(
         if name not in fields:
             fields[name] = default(fields) if callable(default) else default
     _window_layers(fields, where)
+    _score_scales(fields, where)
     required = {f.name for f in dataclasses.fields(cls)} - {"family"}
     missing = sorted(required - set(fields) - _optional(cls))
     if missing:
@@ -197,7 +198,12 @@ def build_config(
             )
         fields["activation"] = ACTIVATION_NAMES[act]
     for name in list(fields):
-        if fields[name] is not None and name not in ("rope", "qk_norm", "layer_types"):
+        if fields[name] is not None and name not in (
+            "rope",
+            "qk_norm",
+            "layer_types",
+            "layer_scales",
+        ):
             fields[name] = _check_field(name, fields[name], hints.get(name), where)
     if cls is DecoderConfig:
         _rope_and_qk_norm(fields, source, where, gguf=gguf)
@@ -237,6 +243,38 @@ def _window_layers(fields: dict[str, Any], where: str) -> None:
     elif window is None and isinstance(types, list) and "sliding_attention" in types:
         # transformers: the sliding layers have no window when use_sliding_window is off
         fields["layer_types"] = ["full_attention"] * len(types)
+
+
+def _score_scales(fields: dict[str, Any], where: str) -> None:
+    """GPT-2's score-scale switches, in place: ``scale_attn_weights`` (``1/sqrt(D)``, or
+    no scaling when false) and ``scale_attn_by_inverse_layer_idx`` (layer i's scores also
+    divided by ``i + 1``) become ``layer_scales`` when they change anything;
+    ``reorder_and_upcast_attn`` (scores in fp32) is checked and dropped: attnlab's scores are
+    fp32 in an fp32 model, and bf16 runs keep attnlab's own backends' precision."""
+    switches = {}
+    for key in ("scale_attn_weights", "scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
+        if key in fields:
+            value = fields.pop(key)
+            if not isinstance(value, bool):
+                raise ModelFileError(where, f"`{key}` must be true or false, got {value!r}")
+            switches[key] = value
+    scaled = switches.get("scale_attn_weights", True)
+    inverse = switches.get("scale_attn_by_inverse_layer_idx", False)
+    if scaled and not inverse:
+        return
+    width, heads, layers = (
+        fields.get("hidden_size"),
+        fields.get("num_heads"),
+        fields.get("num_layers"),
+    )
+    sizes = (width, heads, layers)
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in sizes):
+        return  # the size checks that follow name the field
+    assert isinstance(width, int) and isinstance(heads, int) and isinstance(layers, int)
+    if layers > LIMITS["num_layers"]:
+        return
+    base = (width // heads) ** -0.5 if scaled else 1.0
+    fields["layer_scales"] = tuple(base / (i + 1 if inverse else 1) for i in range(layers))
 
 
 def _rope_and_qk_norm(
@@ -348,6 +386,7 @@ def _optional(cls: type) -> set[str]:
     ok |= {"positions_from_padding", "pad_token_id", "activation", "type_vocab_size"}
     ok |= {"tie_embeddings", "num_kv_heads", "norm_eps", "context_length", "head_dim"}
     ok |= {"rope", "qk_norm", "layer_windows", "attn_scale", "attn_softcap", "final_softcap"}
+    ok |= {"layer_scales"}
     ok |= {"embed_scale", "embed_norm"}
     ok |= {"relative_buckets", "relative_max_distance", "causal", "cross_attention"}
     ok |= {"output_head", "head_input_scale", "decoder_start_token_id"}
