@@ -52,6 +52,7 @@ import torch
 from _quiet import timed_pairs
 
 from attnlab.generation import generate
+from attnlab.models.fast_decode import why_not_fast_decode
 from attnlab.pretrained import load_pretrained, sentence_embeddings
 from attnlab.pretrained.loaders import minilm_dir, smollm2_path
 
@@ -320,7 +321,8 @@ def bench_families(
                 load_ours(), load_theirs()  # the models to generate with
                 ours_model, ref = loaded["attnlab"], loaded["hf"]
                 t0 = time.perf_counter()  # deferred to the first one-token step: shown
-                ours_model.prepare_decode()  # type: ignore[attr-defined]
+                if why_not_fast_decode(ours_model) is None:  # (not ALiBi)
+                    ours_model.prepare_decode()  # type: ignore[attr-defined]
                 plan_ms = 1e3 * (time.perf_counter() - t0)
                 g = torch.Generator().manual_seed(1)
                 ids = torch.randint(10, 8000, (1, prompt_len), generator=g)

@@ -475,7 +475,10 @@ def apply_transform(
         elif part == "qkv_heads":  # rows (H, 3, D): each head's q, k, v together
             H, D = config.num_heads, _head_dim(config)
             per_head = t.reshape(H, 3, D, *t.shape[1:])  # (H, 3, D, ...)
-            out = tuple(per_head[:, j].reshape(H * D, *t.shape[1:]) for j in range(3))
+            # One copy into (3, H, D, ...): q, k, v are then row blocks of one tensor,
+            # which the fused QKV product reuses (attnlab.quant.fuse_rows).
+            grouped = per_head.transpose(0, 1).reshape(3 * H * D, *t.shape[1:])
+            out = tuple(grouped.split(H * D, dim=0))
         elif part == "plus1":
             out = (t.float() + 1.0,)
         elif part == "gate_up":
