@@ -173,6 +173,11 @@ def test_phi3_longrope_generation_crosses_the_switch_like_transformers(phi3_long
         )
     assert ours.tolist() == uncached.tolist() == theirs.tolist()
     assert "_decode_plan" in model.__dict__  # the one-token steps took the fast path
+    # the server's wrapper (the logits bars) passes the switch on too
+    pytest.importorskip("starlette")
+    from attnlab.serve.app import _Peek
+
+    assert generate(_Peek(model), ids, 20).tolist() == theirs.tolist()
 
 
 @pytest.mark.parametrize("static", [False, True], ids=["growing", "static"])
