@@ -344,20 +344,36 @@ def test_decoder_bf16_checkpoint(checkpoints, family):
     assert 0 < ours_err <= 1.5 * their_err, (ours_err, their_err)
 
 
-@pytest.mark.parametrize("family", ["gpt2", "phi3"])
-def test_fused_projections_in_the_file_are_used_in_place(checkpoints, family):
-    """GPT-2's c_attn (a Conv1D: stored transposed) and Phi-3's qkv_proj / gate_up_proj
-    are split into our projections as views, and the fast step's fused products are those
-    tensors again: loading copies none of them."""
-    model, _ = load_pretrained(checkpoints[family][0])
-    plan = model._decode_plan
-    for layer, block in zip(plan.layers, model.blocks, strict=True):
-        att = block.attention
-        storage = att.W_query.weight.untyped_storage().data_ptr()
-        assert layer.qkv.weight.data_ptr() == att.W_query.weight.data_ptr()
-        assert att.W_value.weight.untyped_storage().data_ptr() == storage
-        if family == "phi3":
-            assert layer.gate_up.weight.data_ptr() == block.mlp.gate.weight.data_ptr()
+@pytest.mark.parametrize("dtype_dir", [0, 1], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("family", ["gpt2", "phi3", "qwen2"])
+def test_loading_copies_no_weight_and_the_step_fuses_what_the_file_stored_fused(
+    checkpoints, family, dtype_dir
+):
+    """Read in the file's dtype, every parameter is a view of the file (GPT-2's Conv1D
+    weights transposed views, Phi-3's qkv_proj / gate_up_proj and GPT-2's c_attn split
+    into row blocks); the fast step is built at the first decode. Then GPT-2's c_attn
+    (column-major as stored) is its fused QKV product as it is, and in bf16 so are Phi-3's
+    fused tensors and Qwen2's gate_proj + up_proj (side by side in the file); fp32 ones
+    are copied once into column-major memory (attnlab.quant.column_major)."""
+    dtype = (torch.float32, torch.bfloat16)[dtype_dir]
+    model, _ = load_pretrained(checkpoints[family][dtype_dir], dtype=dtype)
+    assert "_decode_plan" not in model.__dict__  # built at the first one-token step
+    file_storage = model.tok_embeddings.weight.untyped_storage().data_ptr()
+    for name, p in model.named_parameters():
+        assert p.untyped_storage().data_ptr() == file_storage, name
+    plan = model.prepare_decode()
+    assert plan.share_float  # what the loader asked for
+    for layer in plan.layers:
+        fused = [layer.qkv] + ([layer.gate_up] if family != "gpt2" else [])
+        for product in fused:
+            in_file = product.weight.untyped_storage().data_ptr() == file_storage
+            column_major = product.weight.stride(0) == 1
+            if dtype == torch.bfloat16:
+                # Qwen2's q, k, v are not adjacent in the file (k_proj, o_proj, q_proj,
+                # v_proj): copied into one
+                assert in_file == (product is layer.gate_up or family != "qwen2")
+            else:
+                assert column_major and in_file == (family == "gpt2")
 
 
 # --------------------------------------------------------------------------- encoders

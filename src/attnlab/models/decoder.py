@@ -486,14 +486,15 @@ class Decoder(nn.Module):
             return new_caches(len(self.blocks), max_len)
         return [block.attention.new_kv_cache() for block in self.blocks]  # type: ignore[union-attr,operator]
 
-    def prepare_decode(self, *, share_float: bool = False) -> DecodePlan:
+    def prepare_decode(self, *, share_float: bool | None = None) -> DecodePlan:
         """Build (once) the fused products and tables of the fast one-token step
         (:mod:`attnlab.models.fast_decode`); the first step over a static cache calls it.
 
         Args:
             share_float: fuse float Q/K/V and gate/up weights too, the parameters becoming
-                views of the fused ones (the loaders ask for it; see
-                :func:`attnlab.quant.fuse_rows`).
+                views of the fused ones, fp32 ones column-major (see
+                :func:`attnlab.quant.fuse_rows`); None: as the loader asked
+                (:func:`attnlab.models.fast_decode.defer_decode_plan`), else False.
 
         Raises:
             ValueError: a layout without the fast step (ALiBi or relative positions, an

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +43,7 @@ from attnlab.rope import RotaryEmbedding
 __all__ = [
     "DecodePlan",
     "decode_plan",
+    "defer_decode_plan",
     "fast_step",
     "new_caches",
     "takes_fast_step",
@@ -203,8 +205,9 @@ class DecodePlan:
             ``final_norm``, ``out_head``).
         share_float: also fuse float (``nn.Linear``) products, the parameters becoming
             views of the fused weights (:func:`attnlab.quant.fuse_rows`), and store every
-            float product's weight column-major (:func:`attnlab.quant.column_major`);
-            loaders of inference models ask for it, models being trained should not.
+            fp32 product's weight column-major (:func:`attnlab.quant.column_major`);
+            loaders of inference models ask for it (:func:`defer_decode_plan`), models
+            being trained should not.
 
     Raises:
         ValueError: a layout :func:`why_not_fast_decode` rejects.
@@ -407,14 +410,38 @@ def new_caches(n_layers: int, max_len: int | None) -> list[KVCache]:
     return [StaticKVCache(max_len) for _ in range(n_layers)]
 
 
-def decode_plan(model: Any, *, share_float: bool = False) -> DecodePlan:
+_PLAN_LOCK = threading.Lock()  # one build per model when threads share it (serve)
+
+
+def decode_plan(model: Any, *, share_float: bool | None = None) -> DecodePlan:
     """``model``'s :class:`DecodePlan`, built once (again when ``share_float`` is newly
-    asked for, or after :func:`attnlab.quant.quantize_model` dropped it)."""
-    plan: DecodePlan | None = model.__dict__.get("_decode_plan")
-    if plan is None or (share_float and not plan.share_float):
-        plan = DecodePlan(model, share_float=share_float)
-        model.__dict__["_decode_plan"] = plan
+    asked for, or after :func:`attnlab.quant.quantize_model` dropped it).
+
+    Args:
+        model: the model.
+        share_float: as :class:`DecodePlan`; None: what :func:`defer_decode_plan`
+            recorded for this model (the loaders: True), else False.
+    """
+    if share_float is None:
+        share_float = bool(model.__dict__.get("_decode_share_float", False))
+    with _PLAN_LOCK:
+        plan: DecodePlan | None = model.__dict__.get("_decode_plan")
+        if plan is None or (share_float and not plan.share_float):
+            plan = DecodePlan(model, share_float=share_float)
+            model.__dict__["_decode_plan"] = plan
     return plan
+
+
+def defer_decode_plan(model: Any, *, share_float: bool) -> None:
+    """Build ``model``'s :class:`DecodePlan` at its first one-token step, with
+    ``share_float``, instead of now.
+
+    The loaders call it: a plan with shared float weights copies the Q/K/V (and gate/up)
+    weights into one fused tensor each, unless the file already stores them side by
+    side, and fp32 weights into column-major memory; a model that is only traced,
+    explained or embedded never needs that, and loading stays a read of the file.
+    """
+    model.__dict__["_decode_share_float"] = share_float
 
 
 def fast_step(

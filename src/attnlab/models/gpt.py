@@ -279,8 +279,8 @@ class GPTModel(nn.Module):
         which one new token takes the fast decode step (:mod:`attnlab.models.fast_decode`)."""
         return new_caches(len(self.trf_blocks), max_len)
 
-    def prepare_decode(self, *, share_float: bool = False) -> DecodePlan:
-        """Build (once) the fast one-token step (see ``LlamaForCausalLM.prepare_decode``)."""
+    def prepare_decode(self, *, share_float: bool | None = None) -> DecodePlan:
+        """Build (once) the fast one-token step (see ``Decoder.prepare_decode``)."""
         return decode_plan(self, share_float=share_float)
 
     def forward(

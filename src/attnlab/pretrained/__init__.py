@@ -78,8 +78,9 @@ def load_pretrained(
             are converted), or a weight precision by name: ``"float32"``, ``"bfloat16"``,
             ``"int8"``, ``"int4"`` (weight-only, :mod:`attnlab.quant`: the linear layers'
             weights in that precision, activations, norms, attention and the KV cache
-            fp32; GGUF Q4_0/Q4_1 tensors keep their codes in ``"int4"``). Decoders are
-            returned with their fast one-token step built (fused Q/K/V and gate/up).
+            fp32; GGUF Q4_0/Q4_1 tensors keep their codes in ``"int4"``). Decoders build
+            their fast one-token step (fused Q/K/V and gate/up products) at their first
+            one-token decode, so loading copies no weight the file's layout can serve.
 
     Returns:
         ``(model, tokenizer)``, the model in eval mode.

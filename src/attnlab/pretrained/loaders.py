@@ -23,7 +23,7 @@ import torch
 from attnlab.models.decoder import Decoder
 from attnlab.models.encoder import Encoder
 from attnlab.models.families import Family
-from attnlab.models.fast_decode import why_not_fast_decode
+from attnlab.models.fast_decode import defer_decode_plan, why_not_fast_decode
 from attnlab.pretrained.build import (
     AnyConfig,
     apply_transform,
@@ -269,8 +269,9 @@ def gguf_int4_layers(path: str | Path) -> dict[str, Int4Linear]:
 
 
 def set_weight_dtype(model: Any, weight: str | None, source: Path | None = None) -> Any:
-    """Store ``model``'s linear weights in precision ``weight`` (None: leave them), then
-    build its fast decode step with the Q/K/V and gate/up products fused (decoders).
+    """Store ``model``'s linear weights in precision ``weight`` (None: leave them), and
+    ask for its fast decode step with the Q/K/V and gate/up products fused (decoders;
+    built at the first one-token step: :func:`attnlab.models.fast_decode.defer_decode_plan`).
 
     Args:
         model: a loaded model in eval mode.
@@ -283,7 +284,9 @@ def set_weight_dtype(model: Any, weight: str | None, source: Path | None = None)
         if weight == "int4" and source is not None and source.suffix.lower() == ".gguf":
             prepared = dict(gguf_int4_layers(source))
         quantize_model(model, weight, prepared=prepared)
-    fp32 = next(model.parameters()).dtype == torch.float32
-    if hasattr(model, "prepare_decode") and fp32 and why_not_fast_decode(model) is None:
-        model.prepare_decode(share_float=True)  # others decode through their modules
+    # The fused one-token step with shared float weights, built at the first step (any
+    # float dtype): pieces stored side by side in the file (a gate and an up projection,
+    # a fused qkv) fuse back without a copy, the others are copied once then.
+    if hasattr(model, "prepare_decode") and why_not_fast_decode(model) is None:
+        defer_decode_plan(model, share_float=True)  # others decode through their modules
     return model

@@ -67,7 +67,10 @@ class SafetensorsFile:
 
     path: Path
     tensors: dict[str, TensorInfo]
-    _data: np.ndarray | None = None  # the whole file, memory-mapped copy-on-write
+    # the whole file, memory-mapped copy-on-write, as one uint8 tensor: every tensor read
+    # from it is a view of this one storage, so tensors stored side by side (a gate and
+    # an up projection) can be used as one without a copy (attnlab.quant.fuse_rows)
+    _data: torch.Tensor | None = None
 
     def tensor(self, name: str) -> torch.Tensor:
         """Tensor ``name``, backed by a copy-on-write memory map of the file.
@@ -81,9 +84,9 @@ class SafetensorsFile:
         if info.nbytes == 0 or self._data is None:
             return torch.empty(info.shape, dtype=info.dtype)
         raw = self._data[info.offset : info.offset + info.nbytes]
-        if info.offset % 8:
-            raw = raw.copy()  # an unaligned tensor cannot be viewed as a wider dtype
-        return torch.from_numpy(raw).view(info.dtype).reshape(info.shape)
+        if info.offset % info.dtype.itemsize:
+            raw = raw.clone()  # an unaligned tensor cannot be viewed as a wider dtype
+        return raw.view(info.dtype).reshape(info.shape)
 
 
 def _fail(path: Path, problem: str) -> ModelFileError:
@@ -173,5 +176,5 @@ def read_safetensors(path: str | Path) -> SafetensorsFile:
     for (_, end_a, a), (begin_b, _, b) in itertools.pairwise(spans):
         if begin_b < end_a:
             raise _fail(path, f"tensors {a!r} and {b!r} overlap in the data")
-    data = np.memmap(path, dtype=np.uint8, mode="c") if data_size else None
+    data = torch.from_numpy(np.memmap(path, dtype=np.uint8, mode="c")) if data_size else None
     return SafetensorsFile(path, tensors, data)
