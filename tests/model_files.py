@@ -4,6 +4,8 @@ with gguf.GGUFWriter under llama.cpp's tensor names."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -250,6 +252,15 @@ def write_gguf(
                 int(rope.get("partial_rotary_factor", 1.0) * C) // H,
             )
             w.add_uint32(f"{arch}.attention.sliding_window", cfg.get("sliding_window") or 0)
+            if rope.get("rope_type") == "longrope":  # its attention factor from max / orig
+                orig = cfg["original_max_position_embeddings"]
+                scale = cfg["max_position_embeddings"] / orig
+                attn = math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1 else 1.0
+                w.add_uint32(f"{arch}.rope.scaling.original_context_length", orig)
+                w.add_float32(f"{arch}.rope.scaling.attn_factor", attn)
+                for which in ("long", "short"):
+                    factors = np.array(rope[f"{which}_factor"], dtype=np.float32)
+                    w.add_tensor(f"rope_factors_{which}.weight", factors)
         if family == "gemma2":  # as llama.cpp's Gemma2Model
             w.add_float32(f"{arch}.attn_logit_softcapping", cfg["attn_logit_softcapping"])
             w.add_float32(f"{arch}.final_logit_softcapping", cfg["final_logit_softcapping"])

@@ -173,6 +173,11 @@ def test_phi3_longrope_generation_crosses_the_switch_like_transformers(phi3_long
         )
     assert ours.tolist() == uncached.tolist() == theirs.tolist()
     assert "_decode_plan" in model.__dict__  # the one-token steps took the fast path
+    # the server's wrapper (the logits bars) passes the switch on too
+    pytest.importorskip("starlette")
+    from attnlab.serve.app import _Peek
+
+    assert generate(_Peek(model), ids, 20).tolist() == theirs.tolist()
 
 
 @pytest.mark.parametrize("static", [False, True], ids=["growing", "static"])
@@ -187,6 +192,36 @@ def test_phi3_longrope_cached_decoding_equals_the_full_pass_on_each_side(phi3_lo
             first = model(ids[:, :-4], kv_cache=cache)
             steps = [model(ids[:, i : i + 1], kv_cache=cache) for i in range(n - 4, n)]
         torch.testing.assert_close(torch.cat([first, *steps], dim=1), full, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
+def test_phi3_longrope_gguf_equals_the_safetensors_load(phi3_longrope, tmp_path, qtype):
+    """The checkpoint written as llama.cpp's Phi3MiniModel writes a longrope model
+    (``rope_factors_long`` / ``_short`` tensors, ``rope.scaling.original_context_length``,
+    ``rope.scaling.attn_factor``): the same LongRoPE config, and logits on both sides of
+    the switch within 1e-5 of transformers on the weights the file holds (F32: of the
+    safetensors load)."""
+    from model_files import write_gguf
+
+    reference = write_gguf(phi3_longrope, tmp_path / "m.gguf", "phi3", qtype)
+    model, _ = load_pretrained(tmp_path / "m.gguf")
+    hf_model, _ = load_pretrained(phi3_longrope)
+    ours, theirs = model.config.rope.scaling, hf_model.config.rope.scaling
+    assert isinstance(ours, LongRopeScaling) and isinstance(theirs, LongRopeScaling)
+    assert ours.short_factor == pytest.approx(theirs.short_factor)
+    assert ours.long_factor == pytest.approx(theirs.long_factor)
+    assert ours.original_max_position_embeddings == ORIGINAL
+    assert ours.resolved_attention_factor() == pytest.approx(
+        theirs.resolved_attention_factor(), rel=1e-6
+    )
+    ref = _reference(phi3_longrope)
+    ref.load_state_dict(reference, strict=False)
+    for n in (12, 30):
+        ids = _ids(n)
+        with torch.no_grad():
+            torch.testing.assert_close(model(ids), ref(ids).logits, atol=1e-5, rtol=0)
+            if qtype == "F32":
+                torch.testing.assert_close(model(ids), hf_model(ids), atol=1e-5, rtol=0)
 
 
 # --------------------------------------------------------------------------- GPT-2 options

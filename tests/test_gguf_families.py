@@ -225,12 +225,25 @@ def _refused(path, *words):
 def test_gguf_rope_variants_held_in_tensors_or_unknown_scalings_are_refused(hf_dirs, tmp_path):
     import numpy as np
 
-    def longrope(w):  # what llama.cpp's Phi3MiniModel writes for a 128k model
-        w.add_tensor("rope_factors_long.weight", np.ones(8, dtype=np.float32))
-        w.add_tensor("rope_factors_short.weight", np.ones(8, dtype=np.float32))
+    def longrope(w, n=4):  # llama.cpp's Phi3MiniModel's tensors, without the metadata keys
+        w.add_tensor("rope_factors_long.weight", np.ones(n, dtype=np.float32))
+        w.add_tensor("rope_factors_short.weight", np.ones(n, dtype=np.float32))
 
     write_gguf(hf_dirs["phi3"], tmp_path / "long.gguf", "phi3", "F32", extra=longrope)
-    _refused(tmp_path / "long.gguf", "rope_factors_long.weight", "longrope")
+    _refused(tmp_path / "long.gguf", "phi3.rope.scaling.original_context_length")
+
+    def half_longrope(w):  # one of the pair only
+        w.add_tensor("rope_factors_long.weight", np.ones(4, dtype=np.float32))
+
+    write_gguf(hf_dirs["phi3"], tmp_path / "half.gguf", "phi3", "F32", extra=half_longrope)
+    _refused(tmp_path / "half.gguf", "rope_factors_long.weight", "rope_factors_short.weight")
+
+    def wrong_length(w):
+        longrope(w, 8)  # partial rotary 0.5 of head dim 16: 4 pairs
+        w.add_uint32("phi3.rope.scaling.original_context_length", 16)
+
+    write_gguf(hf_dirs["phi3"], tmp_path / "wrong.gguf", "phi3", "F32", extra=wrong_length)
+    _refused(tmp_path / "wrong.gguf", "rope_factors_long.weight", "4 factors")
 
     def yarn(w):
         w.add_string("qwen2.rope.scaling.type", "yarn")

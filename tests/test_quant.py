@@ -170,6 +170,9 @@ def test_column_major_keeps_the_parameter_its_values_and_a_tied_embedding():
     assert torch.equal(emb(ids), e)  # lookups read the strided rows
     column_major(head)  # already column-major: unchanged
     assert param.stride() == (1, 40)
+    narrow = nn.Linear(40, 16)  # N <= K: row-major is as fast, left as it is
+    column_major(narrow)
+    assert narrow.weight.stride() == (40, 1)
 
 
 @pytest.mark.parametrize("layout", ["rows", "transposed"])

@@ -366,3 +366,70 @@ def test_t5_info_summarises_the_encoder_decoder(checkpoints, capsys):
     code, out, err = run_main(capsys, "info", "--model", str(folder))
     assert code == 0, err
     assert "2 encoder + 3 decoder" in out and "decoder cross" in out and "no limit" in out
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_t5_padded_decoder_input_matches_transformers(checkpoints, side):
+    """``decoder_valid`` = transformers' ``decoder_attention_mask`` on a batch whose decoder
+    rows are padded (right: targets of different lengths; left), with a padded source too:
+    logits and every layer's decoder self- and cross-attention weights within 1e-5 at every
+    position with a valid key to see (left padding's leading pads have none and are
+    undefined in both); padded decoder keys get no weight; cached decoding (a prefix, then
+    one token at a time, the flags growing with the cache) equals the full pass."""
+    folder = checkpoints["gated-gelu"]
+    model, tok = load_pretrained(folder)
+    ref = _reference(folder)
+    ids, valid = _batch(tok)
+    B, T = ids.shape[0], 21
+    dec = _decoder_ids(B, T)
+    lengths = [T, T - 6, T - 11][:B]
+    dec_valid = torch.zeros(B, T, dtype=torch.bool)
+    for row, n in enumerate(lengths):
+        if side == "right":
+            dec_valid[row, :n] = True
+        else:
+            dec_valid[row, T - n :] = True
+    dec = dec.masked_fill(~dec_valid, T5_CONFIG["pad_token_id"])
+    with torch.no_grad():
+        out = ref(
+            input_ids=ids,
+            attention_mask=valid.long(),
+            decoder_input_ids=dec,
+            decoder_attention_mask=dec_valid.long(),
+            output_attentions=True,
+        )
+        logits, weights = model(ids, dec, valid=valid, decoder_valid=dec_valid, need_weights=True)
+        unpadded = model(ids, dec, valid=valid)
+        cache = model.new_kv_cache()
+        cut = T - 4
+        first = model(
+            ids, dec[:, :cut], valid=valid, decoder_valid=dec_valid[:, :cut], kv_cache=cache
+        )
+        steps = [
+            model(
+                ids,
+                dec[:, i : i + 1],
+                valid=valid,
+                decoder_valid=dec_valid[:, : i + 1],
+                kv_cache=cache,
+            )
+            for i in range(cut, T)
+        ]
+    # a query sees a valid key unless it is a leading pad (causal: keys 0..t)
+    sees = dec_valid.long().cumsum(1) > 0  # (B, T)
+    torch.testing.assert_close(logits[sees], out.logits[sees], atol=1e-5, rtol=0)
+    cached = torch.cat([first, *steps], dim=1)
+    torch.testing.assert_close(cached[sees], logits[sees], atol=1e-5, rtol=0)
+    assert (unpadded[sees] - logits[sees]).abs().max() > 1e-3  # the flags change something
+    for ours, theirs in (
+        (weights.decoder, out.decoder_attentions),
+        (weights.cross, out.cross_attentions),
+    ):
+        for a, b in zip(ours, theirs, strict=True):
+            torch.testing.assert_close(
+                a.transpose(1, 2)[sees], b.transpose(1, 2)[sees], atol=1e-5, rtol=0
+            )
+    for w in weights.decoder:  # (B, H, T, T): padded keys get no weight
+        for row in range(B):
+            seen = w[row][:, sees[row]]  # (H, queries with a valid key, T)
+            assert bool((seen[..., ~dec_valid[row]] == 0).all())

@@ -246,7 +246,7 @@ DIR_CASES = {
     # These two name the weights file and say the config disagrees with it.
     "config more than the weights hold": _edit_config("model.safetensors", intermediate_size=60000),
     "config shapes disagree": _edit_config("model.safetensors", vocab_size=500),
-    "config unsupported rope_scaling": _edit_config(
+    "config longrope without its factors": _edit_config(
         rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0}
     ),
     "config heads do not divide": _edit_config(num_key_value_heads=3),

@@ -197,6 +197,7 @@ class EncoderDecoder(nn.Module):
         decoder_input_ids: torch.Tensor | None = None,
         *,
         valid: torch.Tensor | None = None,
+        decoder_valid: torch.Tensor | None = None,
         kv_cache: list[KVCache] | None = None,
         need_weights: bool = False,
         logits_to_keep: int | None = None,
@@ -209,6 +210,12 @@ class EncoderDecoder(nn.Module):
                 None: :meth:`shift_right` of ``input_ids`` (the text through both stacks,
                 teacher-forced, which is what ``trace_model`` shows).
             valid: (B, S) bool, False = padded source token.
+            decoder_valid: (B, T_all) bool, False = a padded decoder token (transformers'
+                ``decoder_attention_mask``); T_all counts the cached tokens too. Padded
+                decoder keys get no weight in the decoder's self-attention (on top of
+                the causal mask). A query whose every visible key is padded (left padding:
+                the pads before the first token) has no defined output; transformers gives
+                it a uniform row, attnlab another value: ignore those positions.
             kv_cache: the decoder's, from :meth:`new_kv_cache`; updated in place.
             need_weights: also return every layer's weights
                 (:class:`EncoderDecoderWeights`).
@@ -232,6 +239,7 @@ class EncoderDecoder(nn.Module):
             decoder_input_ids,
             kv_cache=kv_cache,
             need_weights=need_weights,
+            valid=decoder_valid,
             context=enc.hidden,
             context_valid=valid,
         )

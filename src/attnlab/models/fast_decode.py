@@ -277,7 +277,7 @@ class DecodePlan:
             down=down,
             act=act,
         )
-        if share:  # float weights column-major: one-row products 2-3x faster (fused ones are)
+        if share:  # wide float weights column-major: one-row products up to 2x faster
             for m in (layer.q, layer.k, layer.v, layer.out, layer.gate, layer.up, layer.down):
                 column_major(m)
         return layer

@@ -34,7 +34,13 @@ from attnlab.models.encoder_decoder import EncoderDecoder, EncoderDecoderConfig
 from attnlab.models.families import ACTIVATION_NAMES, Family, WeightRule
 from attnlab.norms import QKNorm
 from attnlab.pretrained.errors import ModelFileError
-from attnlab.rope import FrequencyFactors, LinearScaling, RopeConfig, RopeScaling
+from attnlab.rope import (
+    FrequencyFactors,
+    LinearScaling,
+    LongRopeScaling,
+    RopeConfig,
+    RopeScaling,
+)
 
 __all__ = [
     "LIMITS",
@@ -303,10 +309,17 @@ def _rope_and_qk_norm(
 
     rope_dims = fields.pop("rope_dims", None)
     factors = fields.pop("rope_factors", None)
+    longrope = fields.pop("rope_longrope", None)
     if fields.get("positions", "rope") == "rope":
         if gguf:
             fields["rope"] = _gguf_rope(
-                fields, source, where, base=base, rope_dims=rope_dims, factors=factors
+                fields,
+                source,
+                where,
+                base=base,
+                rope_dims=rope_dims,
+                factors=factors,
+                longrope=longrope,
             )
         else:
             try:
@@ -327,11 +340,14 @@ def _gguf_rope(
     base: float | None,
     rope_dims: Any,
     factors: tuple[float, ...] | None = None,
+    longrope: Mapping[str, tuple[float, ...]] | None = None,
 ) -> RopeConfig:
     """The rotary settings of a GGUF file: ``rope.freq_base``, ``rope.dimension_count``
-    (partial rotary, Phi-3), ``rope.scaling.type`` none / linear, and the ``rope_freqs``
-    tensor's per-frequency divisors (``factors``: Llama 3 scaling as llama.cpp writes it);
-    any other scaling is refused naming the key."""
+    (partial rotary, Phi-3), ``rope.scaling.type`` none / linear, the ``rope_freqs``
+    tensor's per-frequency divisors (``factors``: Llama 3 scaling as llama.cpp writes it),
+    and Phi-3's ``rope_factors_long`` / ``rope_factors_short`` tensors (``longrope``) with
+    ``rope.scaling.original_context_length`` and ``rope.scaling.attn_factor``; any other
+    scaling is refused naming the key."""
     arch = source.get("general.architecture", "")
     head_dim = fields.get("head_dim") or fields["hidden_size"] // fields["num_heads"]
     fraction = 1.0
@@ -376,7 +392,59 @@ def _gguf_rope(
             scaling = FrequencyFactors(factors)
         except (TypeError, ValueError) as e:
             raise ModelFileError(where, f"tensor 'rope_freqs.weight': {e}") from None
+    if longrope is not None:
+        pairs = int(head_dim * fraction) // 2
+        scaling = _gguf_longrope(fields, source, where, arch, kind, scaling, longrope, pairs)
     return RopeConfig(base=float(base or 10000.0), fraction=fraction, scaling=scaling)
+
+
+def _gguf_longrope(
+    fields: Mapping[str, Any],
+    source: Mapping[str, Any],
+    where: str,
+    arch: str,
+    kind: str,
+    scaling: RopeScaling | None,
+    longrope: Mapping[str, tuple[float, ...]],
+    pairs: int,
+) -> LongRopeScaling:
+    """Phi-3's LongRoPE as llama.cpp's converter writes it: the two factor tensors, the
+    original context in ``rope.scaling.original_context_length`` and the attention factor
+    in ``rope.scaling.attn_factor`` (the default formula on ``context_length / original``
+    when absent)."""
+    if scaling is not None:
+        raise ModelFileError(
+            where,
+            "tensors 'rope_factors_long.weight' / 'rope_factors_short.weight' come without "
+            f"`{arch}.rope.scaling.type` or 'rope_freqs.weight'; got scaling {kind!r}",
+        )
+    for name, values in longrope.items():
+        if len(values) != pairs:
+            raise ModelFileError(
+                where,
+                f"tensor 'rope_factors_{name}.weight' must hold {pairs} factors (one per "
+                f"rotating pair), got {len(values)}",
+            )
+    key = f"{arch}.rope.scaling.original_context_length"
+    orig = source.get(key)
+    if isinstance(orig, bool) or not isinstance(orig, int) or orig <= 0:
+        raise ModelFileError(
+            where,
+            f"Phi-3 LongRoPE factor tensors need `{key}` (an integer > 0), got {orig!r}",
+        )
+    attn = source.get(f"{arch}.rope.scaling.attn_factor")
+    context = fields.get("context_length")
+    factor = context / orig if isinstance(context, int) and context > 0 else 1.0
+    try:
+        return LongRopeScaling(
+            short_factor=longrope["short"],
+            long_factor=longrope["long"],
+            original_max_position_embeddings=orig,
+            factor=factor,
+            attention_factor=None if attn is None else attn,
+        )
+    except (TypeError, ValueError) as e:
+        raise ModelFileError(where, f"tensors 'rope_factors_*.weight': {e}") from None
 
 
 def _optional(cls: type) -> set[str]:

@@ -123,18 +123,26 @@ def load_smollm2(*, backend: str = "auto") -> tuple[Decoder, PretrainedTokenizer
     return model, tokenizer
 
 
-# Tensors llama.cpp writes for RoPE variants attnlab does not read from GGUF yet.
-UNSUPPORTED_GGUF_TENSORS = {
-    "rope_factors_long.weight": "Phi-3 longrope factors (rope_scaling longrope)",
-    "rope_factors_short.weight": "Phi-3 longrope factors (rope_scaling longrope)",
-}
-# One divisor per RoPE frequency (llama.cpp's form of Llama 3 scaling): config, not weights.
+# RoPE settings llama.cpp stores as tensors: config, not weights. rope_freqs: one divisor
+# per frequency (Llama 3 scaling); rope_factors_long / _short: Phi-3's LongRoPE factors.
 ROPE_FREQS = "rope_freqs.weight"
+LONGROPE_TENSORS = {"long": "rope_factors_long.weight", "short": "rope_factors_short.weight"}
+_ROPE_TENSORS = {ROPE_FREQS, *LONGROPE_TENSORS.values()}
 
 
 def _weight_infos(contents: GGUFContents) -> dict[str, Any]:
-    """The file's tensors that are model weights (not ``rope_freqs``)."""
-    return {n: i for n, i in contents.tensor_infos.items() if n != ROPE_FREQS}
+    """The file's tensors that are model weights (not the RoPE tensors)."""
+    return {n: i for n, i in contents.tensor_infos.items() if n not in _ROPE_TENSORS}
+
+
+def _rope_tensor(contents: GGUFContents, name: str) -> tuple[float, ...]:
+    """A 1-D RoPE factor tensor's values (one per rotating pair: at most 4096)."""
+    shape = contents.tensor_infos[name].shape
+    if len(shape) != 1 or shape[0] > 1 << 12:
+        raise ModelFileError(
+            contents.path, f"tensor {name!r} must be 1-D with <= 4096 values, got {shape}"
+        )
+    return tuple(float(x) for x in contents.tensor(name).tolist())
 
 
 def gguf_config(contents: GGUFContents) -> tuple[Family, AnyConfig]:
@@ -142,8 +150,8 @@ def gguf_config(contents: GGUFContents) -> tuple[Family, AnyConfig]:
     family's ``gguf_keys``; tied embeddings when there is no ``output.weight``).
 
     Raises:
-        ModelFileError: an unknown or unsupported architecture, a RoPE variant held in
-            tensors (named), or metadata the family cannot express.
+        ModelFileError: an unknown or unsupported architecture, RoPE factor tensors that
+            disagree with the metadata (named), or metadata the family cannot express.
     """
     path, meta = contents.path, contents.metadata
     family = find_family(meta.get("general.architecture"), path)
@@ -152,9 +160,6 @@ def gguf_config(contents: GGUFContents) -> tuple[Family, AnyConfig]:
         raise ModelFileError(
             path, f"GGUF files of architecture {family.name!r} are not supported yet{hint}"
         )
-    for name, what in UNSUPPORTED_GGUF_TENSORS.items():
-        if name in contents.tensor_infos:
-            raise ModelFileError(path, f"tensor {name!r} ({what}) is not supported yet")
     keys = {
         name: tuple(k.replace("{arch}", family.name) for k in candidates)
         for name, candidates in family.gguf_keys.items()
@@ -164,12 +169,16 @@ def gguf_config(contents: GGUFContents) -> tuple[Family, AnyConfig]:
         "vocab_size": len(contents.tokens),
     }
     if ROPE_FREQS in contents.tensor_infos:
-        shape = contents.tensor_infos[ROPE_FREQS].shape
-        if len(shape) != 1 or shape[0] > 1 << 12:  # one per rotating pair: head_dim / 2
-            raise ModelFileError(
-                path, f"tensor {ROPE_FREQS!r} must be 1-D with <= 4096 values, got {shape}"
-            )
-        extra["rope_factors"] = tuple(float(x) for x in contents.tensor(ROPE_FREQS).tolist())
+        extra["rope_factors"] = _rope_tensor(contents, ROPE_FREQS)
+    present = [n for n in LONGROPE_TENSORS.values() if n in contents.tensor_infos]
+    if present and len(present) != len(LONGROPE_TENSORS):
+        raise ModelFileError(
+            path,
+            f"tensor {present[0]!r} (Phi-3 LongRoPE factors) needs its partner "
+            f"{sorted(set(LONGROPE_TENSORS.values()) - set(present))[0]!r}, which is missing",
+        )
+    if present:
+        extra["rope_longrope"] = {k: _rope_tensor(contents, n) for k, n in LONGROPE_TENSORS.items()}
     return family, build_config(family, meta, where=path, keys=keys, extra=extra)
 
 

@@ -287,6 +287,8 @@ class _Peek:
 
         self.model = model
         self.context_length = getattr(model, "context_length", None)
+        # generation reads rope.switch_length (Phi-3 LongRoPE: rebuild the cache there)
+        self.rope = getattr(model, "rope", None)
         self.last: Any = None
         try:
             self._keep = "logits_to_keep" in inspect.signature(model.forward).parameters
