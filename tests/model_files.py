@@ -120,6 +120,17 @@ PRE_TOKENIZER = {
 GGUF_ARCH = {"mistral": "llama"}
 
 
+def assert_matches_reference(model, ref, ids: torch.Tensor, atol: float = 1e-5) -> None:
+    """attnlab's logits and every layer's attention weights equal a transformers model's
+    (eager attention) on ``ids``."""
+    with torch.no_grad():
+        expected = ref(ids, output_attentions=True)
+        logits, weights = model(ids, need_weights=True)
+    torch.testing.assert_close(logits, expected.logits, atol=atol, rtol=0)
+    for ours, theirs in zip(weights, expected.attentions, strict=True):
+        torch.testing.assert_close(ours, theirs, atol=atol, rtol=0)
+
+
 def llama_cpp_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """llama.cpp's converter on q/k rows (weights and biases): ``(H, 2, D/2, ...)`` swapped."""
     shape = w.shape

@@ -26,7 +26,7 @@ from attnlab.generation import generate
 from attnlab.models.decoder import Decoder
 from attnlab.models.encoder import Encoder
 from attnlab.pretrained import load_pretrained
-from model_files import CORPUS, save_hf, tokenizer_json
+from model_files import CORPUS, assert_matches_reference, save_hf, tokenizer_json
 
 # family -> config overrides (small but not trivial; the awkward options on)
 DECODERS: dict[str, dict] = {
@@ -266,12 +266,7 @@ def test_qwen_window_rule_from_older_configs_matches_transformers(
         expected_windows is None and model.config.sliding_window is None
     )
     ids = _prompt(tok)
-    with torch.no_grad():
-        expected = ref(ids, output_attentions=True)
-        logits, weights = model(ids, need_weights=True)
-    torch.testing.assert_close(logits, expected.logits, atol=1e-5, rtol=0)
-    for ours, theirs in zip(weights, expected.attentions, strict=True):
-        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
+    assert_matches_reference(model, ref, ids)
 
 
 @pytest.mark.parametrize("family", sorted(DECODERS))

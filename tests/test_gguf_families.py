@@ -23,7 +23,7 @@ if not all(importlib.util.find_spec(m) for m in ("transformers", "tokenizers", "
 from attnlab.generation import generate
 from attnlab.models.decoder import Decoder
 from attnlab.pretrained import ModelFileError, load_pretrained
-from model_files import CORPUS, GGUF_ARCH, save_hf, write_gguf
+from model_files import CORPUS, GGUF_ARCH, assert_matches_reference, save_hf, write_gguf
 
 CONFIGS = {
     "llama": {
@@ -179,16 +179,11 @@ def test_gguf_logits_equal_transformers_on_the_dequantised_weights(
     model, tok = load_pretrained(path)
     assert isinstance(model, Decoder) and model.config.family == GGUF_ARCH.get(family, family)
     ids = torch.tensor([tok.encode(CORPUS[1])])
-    with torch.no_grad():
-        expected = ref(ids, output_attentions=True)
-        logits, weights = model(ids, need_weights=True)
-    torch.testing.assert_close(logits, expected.logits, atol=1e-5, rtol=0)
-    for ours, theirs in zip(weights, expected.attentions, strict=True):
-        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
+    assert_matches_reference(model, ref, ids)
     if qtype == "F32":
         st_model, _ = load_pretrained(hf_dirs[family])
         with torch.no_grad():
-            torch.testing.assert_close(logits, st_model(ids), atol=1e-5, rtol=0)
+            torch.testing.assert_close(model(ids), st_model(ids), atol=1e-5, rtol=0)
         ours = generate(model, ids, 8)
         assert ours.tolist() == generate(st_model, ids, 8).tolist()
 
