@@ -154,10 +154,14 @@ def test_causal_tiles_above_the_diagonal_are_skipped(monkeypatch, path):
     # 4 x 4 tiles without a mask, 4 + 3 + 2 + 1 = 10 on and below the diagonal.
     assert (len(causal), len(calls)) == (10, 16)
     assert all(c[0] == path for c in causal + calls)
-    # The fused path computes diagonal tiles with the op's is_causal, the pure one with a
-    # partial tile from the mask.
-    diagonal = "causal" if path == "fused" else "partial"
-    assert sorted(c[1] for c in causal) == sorted(["full"] * 6 + [diagonal] * 4)
+    # Both paths compute a diagonal square as a causal tile (the fused path with the op's
+    # is_causal, the pure one with a fixed triangle, no mask from the mask object) ...
+    assert sorted(c[1] for c in causal) == sorted(["full"] * 6 + ["causal"] * 4)
+    # ... and pure tiles with more rows than keys take the mask's partial tiles instead.
+    calls.clear()
+    blockwise_attention(q, k, v, CausalMask(), **{**kw, "block_q": 32})
+    if path == "pure":
+        assert sorted(c[1] for c in calls) == sorted(["full"] * 2 + ["partial"] * 4)
 
 
 @pytest.mark.skipif("fused" not in TILE_PATHS, reason="no fused tile op in this PyTorch")
@@ -401,3 +405,89 @@ def test_alibi_exact_weights_across_default_row_blocks_with_sinks():
                                          bias=bias, sinks=sinks)  # fmt: skip
     torch.testing.assert_close(w, ref_w[:, [1, 0]].float(), **tol(torch.float32))
     torch.testing.assert_close(out[:, :, rows].double(), ref_out, **tol(torch.float32))
+
+
+def _record_capped(monkeypatch) -> list[bool]:
+    """Record what each soft-capped row block without a maximum returned (False: it fell
+    back to the general tiles)."""
+    results = []
+    real = blockwise._capped_row_block
+
+    def recording(*args, **kwargs):
+        results.append(real(*args, **kwargs))
+        return results[-1]
+
+    monkeypatch.setattr(blockwise, "_capped_row_block", recording)
+    return results
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("softcap", [1.5, 60.0])
+@pytest.mark.parametrize("kind", ["causal", "window", "padding"])
+def test_softcap_row_blocks_without_a_maximum_match_reference(monkeypatch, kind, softcap, dtype):
+    """Soft-capped pure tiles share one reference (the cap) instead of a row maximum, and
+    add up instead of merging: outputs, lse and gradients against the fp64 reference over
+    many tiles, GQA, a padded-out row (0 and -inf), T != S."""
+    T, S, H, G = 37, 45, 4, 2
+    gen = torch.Generator().manual_seed(7)
+    q = (torch.randn(2, H, T, 8, generator=gen, dtype=torch.float64) * 3).to(dtype)
+    k = (torch.randn(2, G, S, 8, generator=gen, dtype=torch.float64) * 3).to(dtype)
+    v = torch.randn(2, G, S, 8, generator=gen, dtype=torch.float64).to(dtype)
+    valid = torch.ones(2, S, dtype=torch.bool)
+    valid[1, 30:] = False
+    mask = {
+        "causal": CausalMask(),
+        "window": SlidingWindowMask(11),
+        "padding": PaddingMask(valid) & CausalMask(),
+    }[kind]
+    if kind == "padding":  # batch 1's first rows see only padded keys: nothing at all
+        valid[1, :12] = False
+        mask = PaddingMask(valid) & CausalMask()
+    results = _record_capped(monkeypatch)
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    res = blockwise_attention(qg, kg, vg, mask, dropout_p=0.0, scale=0.5, softcap=softcap,
+                              block_q=8, block_k=8, tile_path="pure")  # fmt: skip
+    dout = torch.randn(res.output.shape, generator=gen, dtype=torch.float64).to(dtype)
+    res.output.backward(dout)
+    # No fallback, except where a cap above 43 (fp32) meets rows that see nothing: their
+    # sum is 0, as an underflowed row's would be.
+    assert results
+    assert all(results) or (kind == "padding" and softcap == 60.0 and dtype != torch.float64)
+    r = [t.double().clone().requires_grad_() for t in (q, k, v)]
+    rk, rv = (t.repeat_interleave(H // G, dim=1) for t in r[1:])
+    dense = mask.dense(T, S).expand(2, 1, T, S)
+    ref, _ = reference_attention(r[0], rk, rv, mask=dense, scale=0.5, softcap=softcap)
+    ref.backward(dout.double())
+    t = tol(dtype)
+    torch.testing.assert_close(res.output.double(), ref, **t)
+    for got, want in zip((qg, kg, vg), r, strict=True):
+        # Gradients round at their own size (here up to ~13): scale the tolerance.
+        size = float(want.grad.abs().max())
+        torch.testing.assert_close(got.grad.double(), want.grad, rtol=t["rtol"],
+                                   atol=t["atol"] * max(1.0, size))  # fmt: skip
+    if kind == "padding":
+        empty = ~dense[1, 0].any(dim=-1)  # (T,) rows that see nothing
+        assert bool(empty.any())
+        assert bool((res.output[1][:, empty] == 0).all())
+        assert bool((res.lse[1][:, empty] == -math.inf).all())
+
+
+def test_softcap_rows_that_would_underflow_take_the_general_tiles(monkeypatch):
+    """With a cap above ~43, fp32 probabilities measured against the cap can underflow:
+    a row whose scores all sit near -c. Those row blocks run through the general tiles."""
+    q = torch.full((1, 1, 8, 16), 10.0)
+    k = torch.full((1, 1, 8, 16), -10.0)  # every score -1600 * 0.25 = -400: -c tanh(4)
+    v = torch.randn(1, 1, 8, 16, generator=torch.Generator().manual_seed(0))
+    results = _record_capped(monkeypatch)
+    res = blockwise_attention(
+        q, k, v, CausalMask(), dropout_p=0.0, scale=0.25, softcap=100.0, tile_path="pure"
+    )
+    assert results == [False]
+    # Equal scores: each row averages the values it sees.
+    want = v.cumsum(dim=2) / torch.arange(1, 9).view(1, 1, 8, 1)
+    torch.testing.assert_close(res.output, want)
+    dense = CausalMask().dense(8, 8)
+    ref, _ = reference_attention(
+        q.double(), k.double(), v.double(), mask=dense, scale=0.25, softcap=100.0
+    )
+    torch.testing.assert_close(res.output.double(), ref, **tol(torch.float32))

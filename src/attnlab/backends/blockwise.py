@@ -54,7 +54,9 @@ else :func:`force_tile_path` (a context manager, for tests and benchmarks), else
 
 from __future__ import annotations
 
+import functools
 import itertools
+import math
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -430,18 +432,27 @@ def _dense_tile(blk: MaskBlock, h0: int, h1: int, dtype: torch.dtype) -> torch.T
     )
 
 
-def _mask_scores(s: torch.Tensor, tile: _Tile, h0: int, h1: int) -> None:
-    """Apply a tile's mask in place to scores ``s`` (B, Hs, tq, tk)."""
-    if tile.kind == "causal":
-        tq, tk = s.shape[-2:]
-        above = torch.ones(tq, tk, dtype=torch.bool, device=s.device).triu_(1)
-        s.masked_fill_(above, _NEG_INF)
+@functools.lru_cache(maxsize=16)
+def _above_diagonal(tq: int, tk: int, device: torch.device) -> torch.Tensor:
+    """``(tq, tk)`` bool, True above the top-left diagonal: what a causal tile hides."""
+    return torch.ones(tq, tk, dtype=torch.bool, device=device).triu_(1)
+
+
+def _mask_scores(s: torch.Tensor, tile: _Tile, h0: int, h1: int, fill: float = _NEG_INF) -> None:
+    """Apply a tile's mask in place to scores ``s`` (B, Hs, tq, tk): its bias is added
+    and what it hides becomes ``fill`` (``-inf``; or 0 on probabilities, which a tile
+    with a bias cannot be given)."""
+    if tile.kind == "causal" and fill == 0.0:
+        s.tril_()
+    elif tile.kind == "causal":
+        s.masked_fill_(_above_diagonal(*s.shape[-2:], s.device), fill)
     elif tile.kind == "partial":
         assert tile.blk is not None
         if tile.blk.bias is not None:
+            assert fill == _NEG_INF, "a bias is added to scores, not to probabilities"
             s.add_(_heads(tile.blk.bias, h0, h1).to(s.dtype))
         if tile.blk.allowed is not None:
-            s.masked_fill_(~_heads(tile.blk.allowed, h0, h1), _NEG_INF)
+            s.masked_fill_(~_heads(tile.blk.allowed, h0, h1), fill)
 
 
 def _shift(tile: _Tile, h0: int, h1: int, dtype: torch.dtype) -> torch.Tensor:
@@ -530,6 +541,63 @@ def _tile_forward(
     if tile.kind == "shifted":
         lse = lse + _shift(tile, h0, h0 + Hs, cd)
     return out.view(B, Hs, tq, -1), lse
+
+
+def _capped_row_block(
+    q: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    rb: _RowBlock,
+    geo: _Geometry,
+    scale: float,
+    softcap: float,
+    h0: int,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+) -> bool:
+    """One row block of soft-capped attention on pure tiles, without a running max.
+
+    A soft-capped score is bounded: ``c tanh(s / c) - c`` lies in ``(-2c, 0)``, and it is
+    ``-2c sigmoid(-2 s / c)``. So every tile's probabilities can share one reference, the
+    bound itself: ``p = exp(c tanh(s / c) - c)``, no row maximum, no rescaling, and the
+    tiles of the row block add up (``acc += p @ v``, ``l += rowsum(p)``) instead of being
+    merged one by one; at the end ``out = acc / l`` and ``lse = log(l) + c``. Three passes
+    over a tile (sigmoid, scale, exp2) where the general tile makes seven, plus a merge.
+
+    ``p >= exp(-2c)``: in fp32 that is a normal number for ``c`` up to 43 (Gemma 2 uses 30
+    in its final logits, 50 in attention), so nothing underflows. For a larger ``c`` a row
+    can underflow only if all its scores sit near ``-c`` (or it sees no key at all); when
+    some row's ``l`` is that small this returns False without writing, and the caller runs
+    the block through the general tiles. Masks without a bias only (the caller's check).
+
+    q ``(B, Hs, tq, D)`` (query heads ``h0:``), key/value ``(B, Gs, S, D|Dv)``; writes
+    ``out`` ``(B, Hs, tq, Dv)`` and ``lse`` ``(B, Hs, tq)``.
+    """
+    B, Hs, tq, _ = q.shape
+    Gs, Dv = key.shape[1], value.shape[3]
+    cd = _compute_dtype(q.dtype)
+    qs = _gqa(q.to(cd) * (-2.0 * scale / softcap), Gs)  # (B, Gs, R*tq, D): -2 s / c
+    acc = torch.zeros(B, Gs, qs.shape[2], Dv, dtype=cd, device=q.device)
+    l = torch.zeros(B, Gs, qs.shape[2], 1, dtype=cd, device=q.device)
+    for lazy in rb.tiles:
+        tile = _resolve(lazy, rb, geo)
+        k, v = key[:, :, tile.c0 : tile.c1].to(cd), value[:, :, tile.c0 : tile.c1].to(cd)
+        p = (qs @ k.transpose(-2, -1)).sigmoid_().mul_(-2.0 * softcap * _LOG2E).exp2_()
+        if tile.kind != "full":
+            _mask_scores(p.view(B, Hs, tq, -1), tile, h0, h0 + Hs, fill=0.0)
+        l.add_(p.sum(dim=-1, keepdim=True))
+        acc.add_(p @ v)  # (B, Gs, R*tq, Dv)
+    info = torch.finfo(cd)
+    tiny = info.tiny
+    # Every p is a normal number when exp(-2c) is; else a row's sum l >= S^2 tiny / eps
+    # still bounds what underflowed (< tiny per key, even flushed to zero) below eps of
+    # its largest p (>= l / S).
+    n = key.shape[2]
+    if 2.0 * softcap * _LOG2E > -math.log2(tiny) - 1 and bool((l < n * n * tiny / info.eps).any()):
+        return False  # may have underflowed: the general tiles keep a row maximum
+    out.copy_(acc.div_(l.clamp(min=tiny)).view(B, Hs, tq, Dv))  # 0 where l == 0
+    lse.copy_(l.log_().add_(softcap).view(B, Hs, tq))  # -inf where l == 0
+    return True
 
 
 def _tile_backward(
@@ -792,7 +860,8 @@ def _prepare(
     plan = _plan(mask, T, S, q_offset=q_offset, k_offset=k_offset,
                  T_total=T if T_total is None else T_total,
                  S_total=S if S_total is None else S_total,
-                 bq=bq, bk=bk, coalesce=coalesce, causal_tiles=path == "fused",
+                 bq=bq, bk=bk, coalesce=coalesce,
+                 causal_tiles=path == "fused" or bq <= bk,
                  device=query.device)  # fmt: skip
     if path == "fused" and lin is None and len(plan) == 1 and len(plan[0].tiles) == 1:
         rb, tile = plan[0], plan[0].tiles[0]
@@ -832,6 +901,9 @@ def _forward(
     cd = _compute_dtype(query.dtype)
     out = torch.zeros(B, H, T, Dv, dtype=cd, device=query.device)
     lse = torch.full((B, H, T), _NEG_INF, dtype=cd, device=query.device)
+    # Soft-capped scores are bounded: pure tiles then need no running maximum.
+    bounded = path == "pure" and (mask is None or not mask.has_bias)
+    cap = softcap if bounded else None
 
     def work(g0: int, g1: int) -> None:
         h0, h1 = g0 * R, g1 * R
@@ -841,6 +913,11 @@ def _forward(
                 lin.enter(key, g0, g1, rb, geo, scale)
             q = query[:, h0:h1, rb.r0 : rb.r1]  # (B, Hs, tq, D)
             acc, acc_lse = out[:, h0:h1, rb.r0 : rb.r1], lse[:, h0:h1, rb.r0 : rb.r1]
+            capped = cap is not None and _capped_row_block(
+                q, k, v, rb, geo, scale, cap, h0, acc, acc_lse
+            )
+            if capped:
+                continue
             for i, lazy in enumerate(rb.tiles):
                 tile = _resolve(lazy, rb, geo)
                 o, l = _tile_forward(path, q, k[:, :, tile.c0 : tile.c1],
