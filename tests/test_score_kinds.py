@@ -360,3 +360,19 @@ def test_biases_and_documents_decode_through_the_kv_cache(backend):
             layer(x[:, t : t + 1], attn_mask=mask(t, t + 1), is_causal=True, kv_cache=cache)
         )
     torch.testing.assert_close(torch.cat(steps, dim=1), full, **tol(torch.float64))
+
+
+@pytest.mark.parametrize("bidirectional", [True, False])
+@pytest.mark.parametrize(("num_buckets", "max_distance"), [(32, 128), (8, 20)])
+def test_t5_bucket_of_one_distance_equals_the_tensor_rule(bidirectional, num_buckets, max_distance):
+    """The planner's per-distance lookup equals relative_position_bucket, beyond
+    max_distance too."""
+    mask = RelativePositionBias(
+        torch.zeros(num_buckets, 2), bidirectional=bidirectional, num_buckets=num_buckets,
+        max_distance=max_distance,
+    )  # fmt: skip
+    rel = torch.arange(-3 * max_distance, 3 * max_distance + 1)
+    want = relative_position_bucket(
+        rel, bidirectional=bidirectional, num_buckets=num_buckets, max_distance=max_distance
+    )
+    assert [mask._bucket_of(int(d)) for d in rel] == want.tolist()

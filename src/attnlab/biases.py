@@ -22,6 +22,10 @@ from attnlab.masks import AttentionMask, Index, MaskBlock, _positions, _span
 
 __all__ = ["AlibiBias", "RelativePositionBias", "alibi_slopes", "relative_position_bucket"]
 
+# Tiles a RelativePositionBias keeps (a blockwise call uses two or three: the diagonal
+# square, the tile left of it, a short last row block).
+_KEPT_TILES = 4
+
 
 def alibi_slopes(num_heads: int) -> torch.Tensor:
     """The standard ALiBi slopes (Press et al., 2022) for ``num_heads`` heads, fp64.
@@ -215,6 +219,8 @@ class RelativePositionBias(AttentionMask):
                 f"{tuple(table.shape)}; pass num_buckets= to match the table"
             )
         self.table = table
+        self._tiles: dict[tuple, torch.Tensor] = {}  # see _toeplitz
+        self._near: list[int] | None = None  # see _bucket_of
         self.bidirectional = bidirectional
         self.num_buckets = num_buckets
         self.max_distance = max_distance
@@ -246,12 +252,8 @@ class RelativePositionBias(AttentionMask):
             # A contiguous tile is a Toeplitz matrix: key - query runs over tq + tk - 1
             # distances; bucket those, then lay the rows out as sliding windows.
             (q0, q1), (k0, k1) = rs, cs
-            tq, tk = q1 - q0, k1 - k0
             lo = k0 - (q1 - 1 + S - T)  # the smallest key - query of the tile
-            per_distance = self._per_distance(torch.arange(lo, lo + tq + tk - 1, device=dev), dev)
-            # window m holds distances lo + m .. lo + m + tk - 1: row i is window tq-1-i
-            bias = per_distance.unfold(1, tk, 1).flip(1)  # (H, tq, tk)
-            return MaskBlock("partial", bias=bias[None])  # (1, H, tq, tk)
+            return MaskBlock("partial", bias=self._toeplitz(lo, q1 - q0, k1 - k0, dev))
         qpos = _positions(rows, T, dev) + (S - T)
         kpos = _positions(cols, S, dev)
         rel = kpos[None, :] - qpos[:, None]  # (tq, tk) key - query
@@ -259,6 +261,28 @@ class RelativePositionBias(AttentionMask):
         hi = int(rel.max()) if rel.numel() else 0
         per_distance = self._per_distance(torch.arange(lo, hi + 1, device=dev), dev)
         return MaskBlock("partial", bias=per_distance[:, rel - lo][None])  # (1, H, tq, tk)
+
+    def _toeplitz(self, lo: int, tq: int, tk: int, dev: torch.device | str) -> torch.Tensor:
+        """The bias of a contiguous ``(tq, tk)`` tile whose smallest key - query is ``lo``,
+        ``(1, H, tq, tk)``: it depends on nothing else, so the tiles along a diagonal of a
+        blockwise call are one tensor, built once (kept while the table is unchanged and
+        outside autograd; a few per mask; the caller must not write to it)."""
+        try:  # an inference tensor has no version counter: then nothing is kept
+            version = self.table._version
+        except RuntimeError:
+            version = None
+        keep = version is not None and not (self.table.requires_grad and torch.is_grad_enabled())
+        key = (lo, tq, tk, str(dev), self.table.dtype, version)
+        if keep and (hit := self._tiles.get(key)) is not None:
+            return hit
+        per_distance = self._per_distance(torch.arange(lo, lo + tq + tk - 1, device=dev), dev)
+        # window m holds distances lo + m .. lo + m + tk - 1: row i is window tq-1-i
+        bias = per_distance.unfold(1, tk, 1).flip(1)[None]  # (1, H, tq, tk)
+        if keep:
+            if len(self._tiles) >= _KEPT_TILES:
+                self._tiles.clear()
+            self._tiles[key] = bias
+        return bias
 
     def constant_bias(self, T, S, rows, cols, *, device=None):
         rs, cs = _span(rows, T), _span(cols, S)
@@ -272,10 +296,20 @@ class RelativePositionBias(AttentionMask):
         # The bucket is monotone in key - query on each side of 0, so equal buckets at both
         # ends mean one bucket for the whole tile (far from the diagonal: the last one).
         dev = device if device is not None else self.table.device
-        ends = self._buckets(torch.tensor([lo, hi], device=dev))
-        if int(ends[0]) != int(ends[1]):
+        bucket = self._bucket_of(lo)
+        if bucket != self._bucket_of(hi):
             return None
-        return self.table.to(dev)[ends[0]][None, :, None, None]  # (1, H, 1, 1)
+        return self.table.to(dev)[bucket][None, :, None, None]  # (1, H, 1, 1)
+
+    def _bucket_of(self, distance: int) -> int:
+        """:func:`relative_position_bucket` of one key - query, without a tensor op (a
+        blockwise plan asks for two per tile): looked up in the buckets of
+        ``-max_distance..max_distance``, beyond which the bucket no longer changes."""
+        if self._near is None:
+            m = self.max_distance
+            self._near = self._buckets(torch.arange(-m, m + 1)).tolist()
+        m = self.max_distance
+        return self._near[min(max(distance, -m), m) + m]
 
     def _buckets(self, distances: torch.Tensor) -> torch.Tensor:
         return relative_position_bucket(

@@ -228,6 +228,10 @@ class _Tile:
     # A "shifted" tile is unmasked with a bias that is one number per head (its blk.bias,
     # (1, H, 1, 1)): computed as a full tile whose log-sum-exp moves by that number.
     lazy: bool = False
+    # A lazy, biased tile that is the square on the row block's diagonal: when the rest of
+    # its mask is exactly the causal triangle it runs as a "causal" tile carrying the bias
+    # (the op's is_causal with the bias as its mask: the half above the diagonal skipped).
+    diagonal: bool = False
 
 
 @dataclass(frozen=True)
@@ -338,7 +342,7 @@ def _plan(
             if status == "full":
                 tiles.append(_Tile(k0, k1, "full"))
             elif status == "partial" and blk is None:  # a biased tile is computed when it runs
-                tiles.append(_Tile(k0, k1, "partial", lazy=True))
+                tiles.append(_Tile(k0, k1, "partial", lazy=True, diagonal=(k0, k1) == (d0, d1)))
             elif status == "partial":
                 assert blk is not None
                 causal = (k0, k1) == (d0, d1) and _is_causal_square(blk)
@@ -401,6 +405,12 @@ def _resolve(tile: _Tile, rb: _RowBlock, geo: _Geometry) -> _Tile:
     if blk.status != "partial":  # block_status was conservative: nothing to see here
         shape = (1, 1, rb.r1 - rb.r0, tile.c1 - tile.c0)
         blk = MaskBlock("partial", allowed=torch.zeros(shape, dtype=torch.bool, device=geo.device))
+    if (
+        tile.diagonal
+        and blk.bias is not None
+        and _is_causal_square(MaskBlock("partial", blk.allowed))
+    ):
+        return _Tile(tile.c0, tile.c1, "causal", MaskBlock("partial", bias=blk.bias))
     return _Tile(tile.c0, tile.c1, "partial", blk)
 
 
@@ -442,6 +452,9 @@ def _mask_scores(s: torch.Tensor, tile: _Tile, h0: int, h1: int, fill: float = _
     """Apply a tile's mask in place to scores ``s`` (B, Hs, tq, tk): its bias is added
     and what it hides becomes ``fill`` (``-inf``; or 0 on probabilities, which a tile
     with a bias cannot be given)."""
+    if tile.kind == "causal" and tile.blk is not None:  # a causal square with its bias
+        assert tile.blk.bias is not None and fill == _NEG_INF
+        s.add_(_heads(tile.blk.bias, h0, h1).to(s.dtype))
     if tile.kind == "causal" and fill == 0.0:
         s.tril_()
     elif tile.kind == "causal":
@@ -500,8 +513,7 @@ def _tile_forward(
         assert softcap is None, "the fused op has no soft-capping"
         assert _FUSED_OPS is not None
         dense = None
-        if tile.kind == "partial":
-            assert tile.blk is not None
+        if tile.blk is not None and tile.kind in ("partial", "causal"):
             dense = _dense_tile(tile.blk, h0, h0 + Hs, _compute_dtype(q.dtype))
         out, lse = _FUSED_OPS[0](
             q, k, v, 0.0, tile.kind == "causal", attn_mask=dense, scale=scale
@@ -514,7 +526,10 @@ def _tile_forward(
             # any (a bias tile has none, and the full check costs a pass over the tile).
             maybe = lse == 0
             if bool(maybe.any()):
-                lse = lse.masked_fill(maybe & (dense == _NEG_INF).all(dim=-1), _NEG_INF)
+                hidden = dense == _NEG_INF
+                if tile.kind == "causal":  # its bias only: the triangle hides the rest
+                    hidden |= _above_diagonal(*hidden.shape[-2:], hidden.device)
+                lse = lse.masked_fill(maybe & hidden.all(dim=-1), _NEG_INF)
         return out, lse
     Gs, tk = k.shape[1], k.shape[2]
     cd = _compute_dtype(q.dtype)
@@ -630,8 +645,7 @@ def _tile_backward(
         assert softcap is None and bias_grad is None, "the fused op has neither"
         assert _FUSED_OPS is not None
         dense = None
-        if tile.kind == "partial":
-            assert tile.blk is not None
+        if tile.blk is not None and tile.kind in ("partial", "causal"):
             dense = _dense_tile(tile.blk, h0, h0 + Hs, _compute_dtype(q.dtype))
         dq, dk, dv = _FUSED_OPS[1](
             dout, q, k, v, out, lse, 0.0, tile.kind == "causal", attn_mask=dense, scale=scale
