@@ -655,18 +655,31 @@ def _tile_backward(
     B, _, tq, D = q.shape
     Gs, tk = k.shape[1], k.shape[2]
     cd = _compute_dtype(q.dtype)
-    qg = _gqa(q.to(cd) * scale, Gs)  # (B, Gs, R*tq, D)
+    # With a soft-cap, q carries 2 / c too: s is then 2 s / c, the sigmoid's argument.
+    q_scale = scale if softcap is None else 2.0 * scale / softcap
+    qg = _gqa(q.to(cd) * q_scale, Gs)  # (B, Gs, R*tq, D)
     dog = _gqa(dout.to(cd), Gs)  # (B, Gs, R*tq, Dv)
     kc, vc = k.to(cd), v.to(cd)
     s = qg @ kc.transpose(-2, -1)  # (B, Gs, R*tq, tk)
     sig = None
+    biased = tile.blk is not None and tile.blk.bias is not None
     if softcap is not None:  # as the forward: c tanh(s / c) + c; keep the sigmoid
-        sig = s.mul_(2.0 / softcap).sigmoid_()
-        s = sig * (2.0 * softcap)
+        sig = s.sigmoid_()
         lse = lse + softcap
-    if tile.kind not in ("full", "shifted"):
-        _mask_scores(s.view(B, Hs, tq, tk), tile, h0, h0 + Hs)
-    p = _exp_(s.sub_(_gqa(lse.unsqueeze(-1), Gs)))  # probabilities, in place
+    if softcap is not None and not biased:
+        # p = exp(2c sig - lse) in one pass from sig (the row constant broadcast), then
+        # the tile's mask on p: 0 where hidden.
+        assert sig is not None
+        neg_lse = _gqa(lse.unsqueeze(-1), Gs) * -_LOG2E
+        p = torch.add(neg_lse, sig, alpha=2.0 * softcap * _LOG2E).exp2_()
+        if tile.kind not in ("full", "shifted"):
+            _mask_scores(p.view(B, Hs, tq, tk), tile, h0, h0 + Hs, fill=0.0)
+    else:
+        if sig is not None and softcap is not None:
+            s = sig * (2.0 * softcap)
+        if tile.kind not in ("full", "shifted"):
+            _mask_scores(s.view(B, Hs, tq, tk), tile, h0, h0 + Hs)
+        p = _exp_(s.sub_(_gqa(lse.unsqueeze(-1), Gs)))  # probabilities, in place
     dv = p.transpose(-2, -1) @ dog  # (B, Gs, tk, Dv)
     dp = dog @ vc.transpose(-2, -1)  # (B, Gs, R*tq, tk)
     ds = p.mul_(dp.sub_(_gqa(delta.unsqueeze(-1), Gs)))  # dS = p * (dp - delta)
@@ -677,9 +690,9 @@ def _tile_backward(
         ds.mul_(sig.addcmul_(sig, sig, value=-1.0))
         chain = 4.0
     dq = (ds @ kc).mul_(scale * chain)  # (B, Gs, R*tq, D)
-    dk = ds.transpose(-2, -1) @ qg  # (B, Gs, tk, D); qg carries the scale
-    if chain != 1.0:
-        dk.mul_(chain)
+    dk = ds.transpose(-2, -1) @ qg  # (B, Gs, tk, D); qg carries q_scale
+    if chain * scale != q_scale:
+        dk.mul_(chain * scale / q_scale)
     return dq.view(B, Hs, tq, D), dk, dv
 
 
