@@ -491,3 +491,23 @@ def test_softcap_rows_that_would_underflow_take_the_general_tiles(monkeypatch):
         q.double(), k.double(), v.double(), mask=dense, scale=0.25, softcap=100.0
     )
     torch.testing.assert_close(res.output.double(), ref, **tol(torch.float32))
+
+
+@pytest.mark.skipif("fused" not in TILE_PATHS, reason="no fused tile op in this PyTorch")
+def test_narrow_masks_take_smaller_row_blocks():
+    """A mask whose rows see a narrow band of keys (a window) plans row blocks of 128;
+    masks with wide rows, and biases, keep 256 (both measured faster so)."""
+    q = k = v = torch.randn(1, 2, 2048, 8)
+    valid = torch.ones(1, 2048, dtype=torch.bool)
+    valid[:, 1900:] = False
+
+    def rows(mask):
+        plan = blockwise._prepare(q, k, v, mask, 0, 0, None, None, None, None, None)[1]
+        return {rb.r1 - rb.r0 for rb in plan}
+
+    assert rows(SlidingWindowMask(512)) == {128}
+    assert rows(PaddingMask(valid) & CausalMask()) == {256}
+    from attnlab.biases import RelativePositionBias
+
+    table = torch.randn(32, 2)
+    assert rows(RelativePositionBias(table, bidirectional=False) & CausalMask()) == {256}

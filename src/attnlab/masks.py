@@ -27,6 +27,7 @@ attend to nothing gets output 0 and weights 0 on every backend.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Literal
 
@@ -93,6 +94,21 @@ def _span(index: Index, n: int) -> tuple[int, int] | None:
         start, stop, step = index.indices(n)
         return (start, stop) if step == 1 else None
     return None
+
+
+@functools.lru_cache(maxsize=32)
+def _band(
+    d0: int, tq: int, tk: int, lo: int, hi: int | None, device: torch.device | str | None
+) -> torch.Tensor:
+    """``(1, 1, tq, tk)`` bool: row i may see key j when ``lo <= d0 + i - j <= hi`` (no
+    upper bound for ``hi=None``), ``d0`` the first row's position minus the first key's.
+    Causal and sliding-window tiles of a contiguous span depend on nothing else, so the
+    tiles along a diagonal are one tensor (kept; callers must not write to it)."""
+    d = torch.arange(d0, d0 + tq, device=device)[:, None] - torch.arange(tk, device=device)
+    allowed = d >= lo
+    if hi is not None:
+        allowed &= d <= hi
+    return allowed[None, None]
 
 
 def _select(t: torch.Tensor, dim: int, index: Index) -> torch.Tensor:
@@ -285,7 +301,8 @@ class CausalMask(AttentionMask):
     def may_empty_rows(self, T: int, S: int) -> bool:
         return self.offset(T, S) < 0
 
-    def block(self, T, S, rows=None, cols=None, *, device=None):
+    def _span_block(self, T: int, S: int, rows: Index, cols: Index) -> MaskBlock | None:
+        """The tile's block without tensors when it is empty or full, else None."""
         off = self.offset(T, S)
         rs, cs = _span(rows, T), _span(cols, S)
         if rs is not None and cs is not None:
@@ -294,6 +311,23 @@ class CausalMask(AttentionMask):
                 return _EMPTY
             if k1 - 1 <= q0 + off:
                 return _FULL
+        return None
+
+    def block_status(self, T, S, rows=None, cols=None):
+        known = self._span_block(T, S, rows, cols)
+        return "partial" if known is None else known.status
+
+    def block(self, T, S, rows=None, cols=None, *, device=None):
+        known = self._span_block(T, S, rows, cols)
+        if known is not None:
+            return known
+        off = self.offset(T, S)
+        rs, cs = _span(rows, T), _span(cols, S)
+        if rs is not None and cs is not None:
+            (q0, q1), (k0, k1) = rs, cs
+            return MaskBlock(
+                "partial", allowed=_band(q0 + off - k0, q1 - q0, k1 - k0, 0, None, device)
+            )
         qpos = _positions(rows, T, device) + off
         kpos = _positions(cols, S, device)
         return MaskBlock("partial", allowed=(kpos[None, :] <= qpos[:, None])[None, None])
@@ -340,7 +374,8 @@ class SlidingWindowMask(AttentionMask):
         # A row is empty when its window lies entirely outside 0..S-1.
         return off < 0 or (T - 1 + off) - self.window + 1 > S - 1
 
-    def block(self, T, S, rows=None, cols=None, *, device=None):
+    def _span_block(self, T: int, S: int, rows: Index, cols: Index) -> MaskBlock | None:
+        """The tile's block without tensors when it is empty or full, else None."""
         off, w = self.offset(T, S), self.window
         rs, cs = _span(rows, T), _span(cols, S)
         if rs is not None and cs is not None:
@@ -354,6 +389,23 @@ class SlidingWindowMask(AttentionMask):
             row_hi = p0 if self.causal else p0 + w - 1  # the most restrictive row
             if k1 - 1 <= row_hi and k0 >= p1 - w + 1:
                 return _FULL
+        return None
+
+    def block_status(self, T, S, rows=None, cols=None):
+        known = self._span_block(T, S, rows, cols)
+        return "partial" if known is None else known.status
+
+    def block(self, T, S, rows=None, cols=None, *, device=None):
+        known = self._span_block(T, S, rows, cols)
+        if known is not None:
+            return known
+        off, w = self.offset(T, S), self.window
+        rs, cs = _span(rows, T), _span(cols, S)
+        if rs is not None and cs is not None:
+            (q0, q1), (k0, k1) = rs, cs
+            lo = 0 if self.causal else 1 - w  # the query - key distances the rows see
+            band = _band(q0 + off - k0, q1 - q0, k1 - k0, lo, w - 1, device)
+            return MaskBlock("partial", allowed=band)
         qpos = (_positions(rows, T, device) + off)[:, None]
         kpos = _positions(cols, S, device)[None, :]
         d = qpos - kpos
