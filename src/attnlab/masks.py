@@ -268,8 +268,58 @@ class AttentionMask:
         return AndMask(*left, *right)
 
 
+class _BandMask(AttentionMask):
+    """A mask that allows query position p to see key j when ``lo <= p - j <= hi``
+    (``hi`` None: no upper bound): causal and sliding-window masks. Subclasses give
+    :meth:`offset` and :meth:`_limits`; the tiles, their status and their tensors follow."""
+
+    def offset(self, T: int, S: int) -> int:
+        raise NotImplementedError
+
+    def _limits(self) -> tuple[int, int | None]:
+        raise NotImplementedError
+
+    def _span_block(self, T: int, S: int, rows: Index, cols: Index) -> MaskBlock | None:
+        """The tile's block without tensors when it is empty or full, else None."""
+        rs, cs = _span(rows, T), _span(cols, S)
+        if rs is None or cs is None:
+            return None
+        (q0, q1), (k0, k1) = rs, cs
+        if q1 <= q0 or k1 <= k0:
+            return _EMPTY
+        lo, hi = self._limits()
+        off = self.offset(T, S)
+        d_min, d_max = q0 + off - (k1 - 1), q1 - 1 + off - k0  # query - key over the tile
+        if d_max < lo or (hi is not None and d_min > hi):
+            return _EMPTY
+        if d_min >= lo and (hi is None or d_max <= hi):
+            return _FULL
+        return None
+
+    def block_status(self, T, S, rows=None, cols=None):
+        known = self._span_block(T, S, rows, cols)
+        return "partial" if known is None else known.status
+
+    def block(self, T, S, rows=None, cols=None, *, device=None):
+        known = self._span_block(T, S, rows, cols)
+        if known is not None:
+            return known
+        lo, hi = self._limits()
+        off = self.offset(T, S)
+        rs, cs = _span(rows, T), _span(cols, S)
+        if rs is not None and cs is not None:
+            (q0, q1), (k0, k1) = rs, cs
+            band = _band(q0 + off - k0, q1 - q0, k1 - k0, lo, hi, device)
+            return MaskBlock("partial", allowed=band)
+        d = (_positions(rows, T, device) + off)[:, None] - _positions(cols, S, device)[None, :]
+        allowed = d >= lo
+        if hi is not None:
+            allowed &= d <= hi
+        return MaskBlock("partial", allowed=allowed[None, None])
+
+
 @dataclass(frozen=True, eq=False)
-class CausalMask(AttentionMask):
+class CausalMask(_BandMask):
     """Causal mask: query i may attend to key j when j is not in its future.
 
     Args:
@@ -301,40 +351,12 @@ class CausalMask(AttentionMask):
     def may_empty_rows(self, T: int, S: int) -> bool:
         return self.offset(T, S) < 0
 
-    def _span_block(self, T: int, S: int, rows: Index, cols: Index) -> MaskBlock | None:
-        """The tile's block without tensors when it is empty or full, else None."""
-        off = self.offset(T, S)
-        rs, cs = _span(rows, T), _span(cols, S)
-        if rs is not None and cs is not None:
-            (q0, q1), (k0, k1) = rs, cs
-            if q1 <= q0 or k1 <= k0 or k0 > q1 - 1 + off:
-                return _EMPTY
-            if k1 - 1 <= q0 + off:
-                return _FULL
-        return None
-
-    def block_status(self, T, S, rows=None, cols=None):
-        known = self._span_block(T, S, rows, cols)
-        return "partial" if known is None else known.status
-
-    def block(self, T, S, rows=None, cols=None, *, device=None):
-        known = self._span_block(T, S, rows, cols)
-        if known is not None:
-            return known
-        off = self.offset(T, S)
-        rs, cs = _span(rows, T), _span(cols, S)
-        if rs is not None and cs is not None:
-            (q0, q1), (k0, k1) = rs, cs
-            return MaskBlock(
-                "partial", allowed=_band(q0 + off - k0, q1 - q0, k1 - k0, 0, None, device)
-            )
-        qpos = _positions(rows, T, device) + off
-        kpos = _positions(cols, S, device)
-        return MaskBlock("partial", allowed=(kpos[None, :] <= qpos[:, None])[None, None])
+    def _limits(self) -> tuple[int, int | None]:
+        return 0, None
 
 
 @dataclass(frozen=True, eq=False)
-class SlidingWindowMask(AttentionMask):
+class SlidingWindowMask(_BandMask):
     """Each query attends only to keys within ``window`` positions of it.
 
     With ``causal=True`` (default) query at position p attends to keys ``p-window+1 .. p``
@@ -374,43 +396,8 @@ class SlidingWindowMask(AttentionMask):
         # A row is empty when its window lies entirely outside 0..S-1.
         return off < 0 or (T - 1 + off) - self.window + 1 > S - 1
 
-    def _span_block(self, T: int, S: int, rows: Index, cols: Index) -> MaskBlock | None:
-        """The tile's block without tensors when it is empty or full, else None."""
-        off, w = self.offset(T, S), self.window
-        rs, cs = _span(rows, T), _span(cols, S)
-        if rs is not None and cs is not None:
-            (q0, q1), (k0, k1) = rs, cs
-            p0, p1 = q0 + off, q1 - 1 + off  # first and last query position
-            hi = p1 if self.causal else p1 + w - 1  # largest key any row may see
-            lo = p0 - w + 1  # smallest key any row may see
-            if q1 <= q0 or k1 <= k0 or k0 > hi or k1 - 1 < lo:
-                return _EMPTY
-            # Every row sees every key of the tile?
-            row_hi = p0 if self.causal else p0 + w - 1  # the most restrictive row
-            if k1 - 1 <= row_hi and k0 >= p1 - w + 1:
-                return _FULL
-        return None
-
-    def block_status(self, T, S, rows=None, cols=None):
-        known = self._span_block(T, S, rows, cols)
-        return "partial" if known is None else known.status
-
-    def block(self, T, S, rows=None, cols=None, *, device=None):
-        known = self._span_block(T, S, rows, cols)
-        if known is not None:
-            return known
-        off, w = self.offset(T, S), self.window
-        rs, cs = _span(rows, T), _span(cols, S)
-        if rs is not None and cs is not None:
-            (q0, q1), (k0, k1) = rs, cs
-            lo = 0 if self.causal else 1 - w  # the query - key distances the rows see
-            band = _band(q0 + off - k0, q1 - q0, k1 - k0, lo, w - 1, device)
-            return MaskBlock("partial", allowed=band)
-        qpos = (_positions(rows, T, device) + off)[:, None]
-        kpos = _positions(cols, S, device)[None, :]
-        d = qpos - kpos
-        allowed = (d >= 0) & (d < w) if self.causal else d.abs() < w
-        return MaskBlock("partial", allowed=allowed[None, None])
+    def _limits(self) -> tuple[int, int | None]:
+        return (0 if self.causal else 1 - self.window), self.window - 1
 
 
 class PaddingMask(AttentionMask):
