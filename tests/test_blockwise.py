@@ -134,9 +134,9 @@ def _count_tiles(monkeypatch) -> list[tuple[str, str, tuple[int, ...]]]:
     calls = []
     real = blockwise._tile_forward
 
-    def counting(path, q, k, v, tile, scale, h0, softcap=None):
+    def counting(path, q, k, v, tile, scale, h0, softcap=None, ws=None):
         calls.append((path, tile.kind, tuple(k.shape)))
-        return real(path, q, k, v, tile, scale, h0, softcap)
+        return real(path, q, k, v, tile, scale, h0, softcap, ws)
 
     monkeypatch.setattr(blockwise, "_tile_forward", counting)
     return calls
