@@ -445,6 +445,12 @@ def main() -> None:
     grid.add_argument("--grid-min-t", type=int, default=16)
     grid.add_argument("--grid-max-t", type=int, default=2048)
     grid.add_argument("--grid-reps", type=int, default=5, help="interleaved rounds per cell")
+    grid.add_argument(
+        "--second-look",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="after the grid, time close or failing cells once more (min over both looks)",
+    )
     grid.add_argument("--dtypes", default="float32,bfloat16")
     grid.add_argument("--passes", default="forward,forward+backward")
     grid.add_argument("--masks", default="causal,none,padding")
@@ -754,37 +760,81 @@ def grid_ts(args: argparse.Namespace) -> list[int]:
     return Ts
 
 
+def _time_cell(
+    args: argparse.Namespace, cell: dict, with_auto: bool, rounds: int, budget_s: float = 6.0
+) -> dict[str, float]:
+    """Seconds per call of every capable backend (and auto) in one grid cell."""
+    dname, pass_, mask, T = cell["dtype"], cell["pass"], cell["mask"], cell["T"]
+    run = [n for n in AUTO_ORDER if n != "math" or args.math_max_t >= T]
+    inputs = grid_inputs(GRID_DTYPES[dname], pass_, T)
+    fns = {n: grid_call(n, inputs, pass_, mask, T) for n in run}
+    if with_auto:
+        fns["auto"] = grid_call("auto", inputs, pass_, mask, T)
+    sec = bench_cell(fns, rounds, budget_s)
+    return _settle_close_calls(fns, sec, run, cell.get("auto_chose", ""), rounds)
+
+
+def _judge(cell: dict, sec: dict[str, float], with_auto: bool) -> None:
+    """Fill a cell's times (ms) and, with auto, its fastest backend and auto's ratio."""
+    ms = {n: sec[n] * 1e3 for n in sec}
+    cell["ms"] = ms
+    if with_auto:
+        fastest = min((n for n in ms if n != "auto"), key=lambda n: ms[n])
+        cell["fastest"] = fastest
+        cell["ratio"] = ms["auto"] / ms[fastest]
+
+
+def _cell_line(cell: dict, with_auto: bool) -> str:
+    ms = cell["ms"]
+    line = f"{cell['dtype']:>8} {cell['pass']:>16} {cell['mask']:>7} T={cell['T']:<5} "
+    line += " ".join(f"{n} {ms[n]:.3g}" for n in ms)
+    if with_auto:
+        line += f"  -> auto={cell['auto_chose']} {cell['ratio']:.2f}x {cell['fastest']}"
+    return line + " ms"
+
+
+def _needs_second_look(cell: dict, with_auto: bool) -> bool:
+    """A cell whose verdict may be a passing state of the machine: auto above 1.05x the
+    fastest backend, or (building the table) the two fastest backends within ``CLOSE``."""
+    if with_auto:
+        return bool(cell["ratio"] > 1.05)
+    t = sorted(v for n, v in cell["ms"].items() if n != "auto")
+    return len(t) > 1 and t[1] <= t[0] * (1 + CLOSE)
+
+
 def measure_grid(args: argparse.Namespace, with_auto: bool) -> list[dict]:
-    """Time every capable backend (and auto) in every cell; one dict per cell."""
+    """Time every capable backend (and auto) in every cell; one dict per cell.
+
+    A cell is timed within a few seconds, and this VM's state can hold that long: the
+    same cell measured sdpa 0.55 ms in one pass and 0.82 ms (every round) in the next,
+    minutes apart, while math hardly moved, which decided the cell. So after the grid,
+    the cells whose verdict is close or failing (:func:`_needs_second_look`) are timed
+    once more, every contender again, and each keeps its minimum over both looks: the
+    same rule for every contender, so a second look can show a gap that is real and
+    remove one that was the machine. The first look's times stay in the cell
+    (``first_ms``) and the report counts both."""
     cells = []
-    names = [n for n in AUTO_ORDER]
     for dname in args.dtypes.split(","):
         for pass_ in args.passes.split(","):
             for mask in args.masks.split(","):
                 for T in grid_ts(args):
-                    run = [n for n in names if n != "math" or args.math_max_t >= T]
-                    inputs = grid_inputs(GRID_DTYPES[dname], pass_, T)
-                    fns = {n: grid_call(n, inputs, pass_, mask, T) for n in run}
+                    cell: dict = {"dtype": dname, "pass": pass_, "mask": mask, "T": T}
                     if with_auto:
-                        fns["auto"] = grid_call("auto", inputs, pass_, mask, T)
-                    sec = bench_cell(fns, args.grid_reps)
-                    auto_chose = (
-                        grid_auto_choice(GRID_DTYPES[dname], pass_, mask, T) if with_auto else ""
-                    )
-                    sec = _settle_close_calls(fns, sec, run, auto_chose, args.grid_reps)
-                    ms = {n: sec[n] * 1e3 for n in sec}
-                    cell = {"dtype": dname, "pass": pass_, "mask": mask, "T": T, "ms": ms}
-                    fastest = min(run, key=lambda n: ms[n])
-                    line = f"{dname:>8} {pass_:>16} {mask:>7} T={T:<5} " + " ".join(
-                        f"{n} {ms[n]:.3g}" for n in fns
-                    )
-                    if with_auto:
-                        cell["auto_chose"] = auto_chose
-                        cell["fastest"] = fastest
-                        cell["ratio"] = ms["auto"] / ms[fastest]
-                        line += f"  -> auto={cell['auto_chose']} {cell['ratio']:.2f}x {fastest}"
-                    print(line + " ms", flush=True)
+                        cell["auto_chose"] = grid_auto_choice(GRID_DTYPES[dname], pass_, mask, T)
+                    _judge(cell, _time_cell(args, cell, with_auto, args.grid_reps), with_auto)
+                    print(_cell_line(cell, with_auto), flush=True)
                     cells.append(cell)
+    again = [c for c in cells if _needs_second_look(c, with_auto)]
+    if again and args.second_look:
+        print(f"second look at {len(again)} cells:", flush=True)
+        for cell in again:
+            first = dict(cell["ms"])
+            sec = _time_cell(args, cell, with_auto, 3 * args.grid_reps, budget_s=24.0)
+            cell["first_ms"] = first
+            if with_auto:
+                cell["first_ratio"] = cell["ratio"]
+            _judge(cell, {n: min(first[n], sec[n] * 1e3) / 1e3 for n in first}, with_auto)
+            print(_cell_line(cell, with_auto), flush=True)
     return cells
 
 
@@ -915,11 +965,16 @@ def print_grid(cells: list[dict]) -> None:
                     parts.append(f"{c['auto_chose'] + flag} {c['ratio']:.2f}x".rjust(24))
                 print(f"{T:>6} " + " ".join(parts))
     bad = [c for c in cells if c["ratio"] > 1.05]
-    print(f"\nworst ratio {worst:.3f}; cells above 1.05x: {len(bad)} of {len(cells)}")
-    for c in bad:
+    first = [c for c in cells if c.get("first_ratio", c["ratio"]) > 1.05]
+    print(
+        f"\nworst ratio {worst:.3f}; cells above 1.05x: {len(bad)} of {len(cells)} "
+        f"({len(first)} at the first look)"
+    )
+    for c in first:
+        second = f" (first look {c['first_ratio']:.2f}x)" if "first_ratio" in c else ""
         print(
             f"  {c['dtype']} {c['pass']} {c['mask']} T={c['T']}: auto={c['auto_chose']} "
-            f"{c['ratio']:.2f}x the fastest ({c['fastest']})"
+            f"{c['ratio']:.2f}x the fastest ({c['fastest']}){second}"
         )
 
 

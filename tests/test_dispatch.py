@@ -466,7 +466,7 @@ def test_the_grid_runs_and_draws(tmp_path, capsys):
     bench = _bench_module()
     args = argparse.Namespace(
         dtypes="bfloat16", passes="forward+backward", masks="causal", grid_min_t=16,
-        grid_max_t=16, grid_reps=1, math_max_t=16,
+        grid_max_t=16, grid_reps=1, math_max_t=16, second_look=True,
     )  # fmt: skip
     cells = bench.measure_grid(args, with_auto=True)
     (cell,) = cells
@@ -481,3 +481,52 @@ def test_the_grid_runs_and_draws(tmp_path, capsys):
     png = tmp_path / "grid.png"
     bench.plot_grid(cells, str(png), "test")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_grid_takes_a_second_look_at_close_and_failing_cells(monkeypatch, capsys):
+    """A failing or close cell is timed again after the grid; every contender keeps its
+    minimum over both looks, and the report counts the first look too."""
+    import argparse
+
+    bench = _bench_module()
+    looks = {  # (T, look) -> seconds: T=16 fails at first, T=32 fails twice, T=64 is clear
+        (16, 0): {"sdpa": 1.0, "blockwise": 2.0, "math": 3.0, "auto": 1.3},
+        (16, 1): {"sdpa": 1.1, "blockwise": 2.0, "math": 3.0, "auto": 1.02},
+        (32, 0): {"sdpa": 2.0, "blockwise": 1.0, "math": 3.0, "auto": 2.0},
+        (32, 1): {"sdpa": 1.9, "blockwise": 0.9, "math": 3.0, "auto": 1.9},
+        (64, 0): {"sdpa": 1.0, "blockwise": 2.0, "math": 3.0, "auto": 1.0},
+    }
+    seen: list[int] = []
+
+    def fake(args, cell, with_auto, rounds, budget_s=6.0):
+        look = seen.count(cell["T"])
+        seen.append(cell["T"])
+        return dict(looks[(cell["T"], look)])
+
+    monkeypatch.setattr(bench, "_time_cell", fake)
+    args = argparse.Namespace(
+        dtypes="float32", passes="forward", masks="causal", grid_min_t=16, grid_max_t=64,
+        grid_reps=1, math_max_t=64, second_look=True,
+    )  # fmt: skip
+    cells = {c["T"]: c for c in bench.measure_grid(args, with_auto=True)}
+    assert seen == [16, 32, 64, 16, 32]  # the clear cell is not timed again
+    assert cells[16]["ms"]["sdpa"] == pytest.approx(1000.0)  # min over both looks
+    assert cells[16]["ratio"] == pytest.approx(1.02) and cells[16]["first_ratio"] == 1.3
+    assert cells[32]["ratio"] == pytest.approx(1.9 / 0.9) and cells[32]["fastest"] == "blockwise"
+    assert "first_ratio" not in cells[64]
+    bench.print_grid(list(cells.values()))
+    out = capsys.readouterr().out
+    assert "cells above 1.05x: 1 of 3 (2 at the first look)" in out
+    assert "(first look 1.30x)" in out
+    # Building the table: only cells whose two fastest backends are close look again.
+    seen.clear()
+    looks[(64, 0)] = {"sdpa": 1.0, "blockwise": 1.05, "math": 3.0}
+    looks[(64, 1)] = {"sdpa": 1.2, "blockwise": 0.9, "math": 3.0}
+    for key in [(16, 0), (32, 0)]:
+        looks[key].pop("auto")
+    bench.measure_grid(args, with_auto=False)
+    assert seen == [16, 32, 64, 64]
+    args.second_look = False
+    seen.clear()
+    bench.measure_grid(args, with_auto=False)
+    assert seen == [16, 32, 64]
