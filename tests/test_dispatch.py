@@ -524,8 +524,12 @@ def test_the_grid_takes_a_second_look_at_close_and_failing_cells(monkeypatch, ca
     looks[(64, 1)] = {"sdpa": 1.2, "blockwise": 0.9, "math": 3.0}
     for key in [(16, 0), (32, 0)]:
         looks[key].pop("auto")
-    bench.measure_grid(args, with_auto=False)
+    table = {c["T"]: c for c in bench.measure_grid(args, with_auto=False)}
     assert seen == [16, 32, 64, 64]
+    # Ranking, each backend counts with its slower look: fast in one state of the machine
+    # and slow in the other ranks behind fast in both.
+    assert table[64]["ms"] == pytest.approx({"sdpa": 1200.0, "blockwise": 1050.0, "math": 3000.0})
+    assert bench.ranking(table[64]["ms"])[0] == "blockwise"
     args.second_look = False
     seen.clear()
     bench.measure_grid(args, with_auto=False)
