@@ -498,7 +498,8 @@ def test_the_grid_takes_a_second_look_at_close_and_failing_cells(monkeypatch, ca
     }
     seen: list[int] = []
 
-    def fake(args, cell, with_auto, rounds, budget_s=6.0):
+    def fake(args, cell, with_auto, rounds, budget_s=6.0, settle=True):
+        assert settle == (cell["T"] not in seen)  # the second look is not rechecked again
         look = seen.count(cell["T"])
         seen.append(cell["T"])
         return dict(looks[(cell["T"], look)])
