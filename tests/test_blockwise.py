@@ -36,14 +36,14 @@ def test_many_small_tiles_match_reference(kind, is_causal, T, S, path):
     k = torch.randn(2, 2, S, 9, generator=gen, dtype=torch.float64, requires_grad=True)
     v = torch.randn(2, 2, S, Dv, generator=gen, dtype=torch.float64, requires_grad=True)
     dout = torch.randn(2, 4, T, Dv, generator=gen, dtype=torch.float64)
-    user_mask = make_mask(kind, T, S, gen)
+    user_mask, allowed, bias = make_mask(kind, T, S, gen)
     mask = as_mask(user_mask, is_causal)
     res = blockwise_attention(
         q, k, v, mask, dropout_p=0.0, scale=0.3, block_q=5, block_k=7, tile_path=path
     )
     res.output.backward(dout)
     grads = [t.grad.clone() for t in (q, k, v)]
-    dmask, dbias = reference_for(user_mask, is_causal, T, S)
+    dmask, dbias = reference_for(allowed, bias, is_causal, T, S)
     ref, w = reference_attention(q, k, v, mask=dmask, bias=dbias, scale=0.3)
     for t in (q, k, v):
         t.grad = None
@@ -51,10 +51,18 @@ def test_many_small_tiles_match_reference(kind, is_causal, T, S, path):
     torch.testing.assert_close(res.output, ref, **F64)
     for g, t in zip(grads, (q, k, v), strict=True):
         torch.testing.assert_close(g, t.grad, **F64)
-    # The saved log-sum-exp reproduces the weights: w = exp(s - lse).
+    # The saved log-sum-exp reproduces the weights: w = exp(s - lse), with s the scaled,
+    # biased, masked scores computed here and w the reference's weights.
     assert res.lse is not None and res.lse.shape == (2, 4, T)
+    s = (q.detach() @ k.detach().repeat_interleave(2, dim=1).transpose(-2, -1)) * 0.3
+    if dbias is not None:
+        s = s + dbias
+    if dmask is not None:
+        s = s.masked_fill(~dmask, -math.inf)  # (B, H, T, S)
     empty = w.sum(-1) == 0
     assert torch.equal(res.lse == -math.inf, empty)
+    lse = res.lse.masked_fill(empty, 0.0)  # an empty row has no weight to reproduce: exp(-inf)
+    torch.testing.assert_close(torch.exp(s - lse[..., None]), w.detach(), **F64)
 
 
 @pytest.mark.parametrize("path", TILE_PATHS)
