@@ -230,6 +230,13 @@ def test_exact_weights_memory_is_the_size_of_the_request():
     assert w.shape == (1, 1, 1, S)
     one_head_keys = S * D * 4
     assert peak < one_head_keys + 8 * S * 4 + 64 * 1024, peak
+    # Positive controls: the meter counts what the call allocates -- at least the result it
+    # returns, and all of one head's (T, S) weights when every row is asked for.
+    assert peak >= w.numel() * 4, peak
+    full, full_peak = peak_allocated(
+        lambda: exact_attention_weights(q, k, is_causal=True, heads=[5])
+    )
+    assert full.shape == (1, 1, T, S) and full_peak >= T * S * 4, full_peak
 
 
 def test_explain_dispatch_names_every_backend():
