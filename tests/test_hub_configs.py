@@ -603,3 +603,28 @@ def test_gguf_gemma3_layers_follow_llama_cpp(gguf_dirs, tmp_path):
     assert model.config.family == "gemma3" and model.config.qk_norm is not None
     bases = [b.attention.rope.config.base for b in model.blocks]
     assert bases == [10000.0] * 5 + [1e6, 10000.0]
+
+
+# --------------------------------------------------------------------------- extras
+
+
+def test_loading_needs_none_of_the_test_references(hub_dirs, gguf_dirs, tmp_path):
+    """`attnlab[pretrained]` leaves transformers and sentence-transformers out (they are the
+    `test-ref` extra): loading files and embedding sentences must not import them."""
+    import subprocess
+    import sys
+
+    write_gguf(gguf_dirs["llama-head-dim"], tmp_path / "m.gguf", "llama", "Q8_0")
+    code = f"""
+import sys
+for name in ("transformers", "sentence_transformers"):
+    sys.modules[name] = None  # any import of them raises ImportError
+from attnlab.pretrained import load_pretrained
+for path in {[str(hub_dirs[f]) for f in ("llama", "gemma3", "bert", "t5")]!r}:
+    load_pretrained(path)
+model, tok = load_pretrained({str(tmp_path / "m.gguf")!r})
+print("ok", type(model).__name__)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "ok Decoder"
