@@ -628,3 +628,20 @@ print("ok", type(model).__name__)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "ok Decoder"
+
+
+def test_gguf_gemma3_info_shows_both_rope_bases_and_the_window_pattern(gguf_dirs, tmp_path, capsys):
+    import json as json_
+
+    from cli_runner import run_main
+
+    path = tmp_path / "gemma3.gguf"
+    write_gguf(gguf_dirs["gemma3"], path, "gemma3", "Q8_0")
+    code, out, err = run_main(capsys, "info", "--model", str(path), "--json", "-t", "16")
+    assert code == 0, err
+    data = json_.loads(out)
+    assert [lay["sliding_window"] for lay in data["per_layer"]] == [5] * 5 + [None, 5]
+    assert data["rope"]["base"] == 1e6 and data["rope"]["layer_bases"] == [10000.0]
+    code, out, err = run_main(capsys, "info", "--model", str(path))
+    assert code == 0, err
+    assert "base 1e+06" in out and "some layers base" in out

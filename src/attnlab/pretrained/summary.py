@@ -42,7 +42,8 @@ class ModelSummary:
         heads, kv_heads, head_dim: H, G, D of the first layer.
         positions: ``"rope"``, ``"learned"``, ``"alibi"``, ``"relative"`` (T5) or
             ``"learned+types"`` (encoders).
-        rope: base, rotated fraction, interleaving and scaling kind, or None.
+        rope: base, rotated fraction, interleaving and scaling kind (and `layer_bases`:
+            the other bases some layers rotate with, Gemma 3's local ones), or None.
         norm: e.g. ``"rms pre"``, ``"layer post"``.
         mlp: e.g. ``"gated silu"``.
         context_length: longest input, or None (no limit: T5's relative positions).
@@ -157,6 +158,10 @@ def summarize_model(model: Any, *, probe_length: int = 1024) -> ModelSummary:
             "interleaved": rc.interleaved,
             "scaling": None if rc.scaling is None else type(rc.scaling).__name__,
         }
+        # layers with a RoPE of their own (Gemma 3's local layers): their bases
+        own = {b.attention.rope.config.base for b in model.blocks} - {rc.base}
+        if own:
+            rope["layer_bases"] = sorted(own)
     attn_softcap = final_softcap = None
     if isinstance(model, Decoder):
         c = model.config
