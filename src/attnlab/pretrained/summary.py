@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from attnlab.rope import RotaryEmbedding
+
 __all__ = ["LayerSummary", "ModelSummary", "summarize_model"]
 
 
@@ -149,7 +151,7 @@ def summarize_model(model: Any, *, probe_length: int = 1024) -> ModelSummary:
         )
         per_layer.append(LayerSummary(i, H, G, D, window, str(exp.chosen), role))
     first = layers[0][1]
-    rope = None
+    rope: dict[str, Any] | None = None
     if isinstance(model, Decoder) and model.rope is not None:
         rc = model.rope.config
         rope = {
@@ -159,7 +161,9 @@ def summarize_model(model: Any, *, probe_length: int = 1024) -> ModelSummary:
             "scaling": None if rc.scaling is None else type(rc.scaling).__name__,
         }
         # layers with a RoPE of their own (Gemma 3's local layers): their bases
-        own = {b.attention.rope.config.base for b in model.blocks} - {rc.base}
+        own = {float(m.config.base) for m in model.modules() if isinstance(m, RotaryEmbedding)} - {
+            rc.base
+        }
         if own:
             rope["layer_bases"] = sorted(own)
     attn_softcap = final_softcap = None
