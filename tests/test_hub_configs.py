@@ -645,3 +645,57 @@ def test_gguf_gemma3_info_shows_both_rope_bases_and_the_window_pattern(gguf_dirs
     code, out, err = run_main(capsys, "info", "--model", str(path))
     assert code == 0, err
     assert "base 1e+06" in out and "some layers base" in out
+
+
+def test_gemma3_multimodal_checkpoint_loads_its_text_model(tmp_path):
+    """A `gemma3` (image-text) checkpoint: the text model's settings under `text_config`
+    (in the hub's shape: a few keys, transformers' defaults for the rest), its weights
+    beside the vision tower's, which a text model leaves out."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    text = {
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "model_type": "gemma3_text",
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 32,
+        "query_pre_attn_scalar": 24,
+        "rope_scaling": {"factor": 2.0, "rope_type": "linear"},
+        "sliding_window": 5,
+        "sliding_window_pattern": 3,
+        "vocab_size": 512,
+    }
+    vision = {
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "image_size": 28,
+        "patch_size": 14,
+        "model_type": "siglip_vision_model",
+    }
+    tokens = {"image_token_index": 500, "boi_token_index": 498, "eoi_token_index": 499}
+    config = Gemma3Config(
+        text_config={**text, **_SMALL}, vision_config=vision, mm_tokens_per_image=4, **tokens
+    )
+    torch.manual_seed(0)
+    Gemma3ForConditionalGeneration(config).save_pretrained(tmp_path, safe_serialization=True)
+    hub = {
+        "architectures": ["Gemma3ForConditionalGeneration"],
+        "model_type": "gemma3",
+        "mm_tokens_per_image": 4,
+        "text_config": text,
+        "vision_config": vision,
+        **tokens,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(hub))
+    tokenizer_json(tmp_path)
+    model, _ = load_pretrained(tmp_path)
+    assert isinstance(model, Decoder) and model.config.family == "gemma3"
+    assert model.config.layer_windows == (5, 5, None, 5)
+    ref = Gemma3ForConditionalGeneration.from_pretrained(
+        tmp_path, attn_implementation="eager", dtype=torch.float32
+    ).eval()
+    assert_matches_reference(model, ref, _ids(2, 20))
