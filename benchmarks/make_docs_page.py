@@ -22,7 +22,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _records import QUIET_CORES, ROOT, latest, load_records  # noqa: E402
+from _records import QUIET_CORES, ROOT, latest, load_records
 
 PAGE = ROOT / "docs" / "benchmarks.md"
 FIGURE = ROOT / "docs" / "img" / "benchmarks.png"
@@ -121,7 +121,8 @@ def render(records: list[dict[str, Any]]) -> str:
         for f in rec["figures"]:
             arrow = "↑" if f.get("better") == "higher" else "↓"
             ratio = "" if f.get("ratio") is None else f"{f['ratio']:.2f}x {arrow}"
-            peer_value = "" if f.get("peer_value") is None else f"{_num(f['peer_value'])} {f['unit']}"
+            pv = f.get("peer_value")
+            peer_value = "" if pv is None else f"{_num(pv)} {f['unit']}"
             note = f" ({f['note']})" if f.get("note") else ""
             out.append(
                 f"| {f['name']}{note} | {_num(f['value'])} {f['unit']} | {f.get('peer') or ''} "
@@ -188,7 +189,7 @@ def main() -> None:
         return
     PAGE.write_text(text)
     plot(records, FIGURE)
-    print(f"wrote {PAGE.relative_to(ROOT)} and {FIGURE.relative_to(ROOT)} from {len(records)} records")
+    print(f"wrote {PAGE.relative_to(ROOT)}, {FIGURE.relative_to(ROOT)} ({len(records)} records)")
 
 
 if __name__ == "__main__":
