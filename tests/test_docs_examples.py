@@ -85,8 +85,15 @@ def parse_blocks(path: Path) -> list[Block]:
             k += 1
         requires = tuple(r.strip() for r in markers.get("requires", "").split(",") if r.strip())
         out.append(
-            Block(path, i + 1, lang, "\n".join(body) + "\n", markers.get("norun"), requires,
-                  markers.get("slow"))  # fmt: skip
+            Block(
+                path,
+                i + 1,
+                lang,
+                "\n".join(body) + "\n",
+                markers.get("norun"),
+                requires,
+                markers.get("slow"),
+            )
         )
         i = k + 1
     return out
