@@ -86,7 +86,7 @@ def render(records: list[dict[str, Any]]) -> str:
         out += ["No records yet: run a benchmark script (see How we measure).", ""]
         return "\n".join(out)
     out += [
-        "![every ratio of the records below](img/benchmarks.png)",
+        "![every speed ratio of the records below](img/benchmarks.png)",
         "",
         "| benchmark | configuration | date | threads | machine state |",
         "|---|---|---|---|---|",
@@ -137,13 +137,17 @@ def render(records: list[dict[str, Any]]) -> str:
 
 
 def plot(records: list[dict[str, Any]], path: Path) -> None:
-    """Every ratio of ``records`` as horizontal bars, one panel per record, log scale."""
+    """Every speed ratio of ``records`` as horizontal bars, one panel per record, log scale."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [(r, [f for f in r["figures"] if f.get("ratio")]) for r in records]
+    # Speed only (memory and other units stay in the tables), so one axis reads as time.
+    speed = {"ms", "s", "tokens/s", "sentences/s"}
+    panels = [
+        (r, [f for f in r["figures"] if f.get("ratio") and f["unit"] in speed]) for r in records
+    ]
     panels = [(r, figs) for r, figs in panels if figs]
     if not panels:
         return

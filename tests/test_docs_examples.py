@@ -236,3 +236,7 @@ def test_readme_is_short_and_names_every_command() -> None:
     assert not missing, f"README.md does not show these commands: {missing}"
     for word in ("issue ", " UTC", "loadavg", "load average"):
         assert word not in readme, f"README.md reads like a log: {word!r}"
+    targets = re.findall(r"\]\(((?:docs/)[^)#\s]+)", readme)
+    assert targets, "README.md links into docs/"
+    broken = [t for t in targets if not (ROOT / t).is_file()]
+    assert not broken, f"README.md links to missing files: {broken}"
