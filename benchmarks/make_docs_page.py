@@ -142,6 +142,7 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     # Speed only (memory and other units stay in the tables), so one axis reads as time.
     speed = {"ms", "s", "tokens/s", "sentences/s"}
@@ -161,9 +162,15 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
         ratios = [f["ratio"] for f in figs]
         colors = ["#2a9d8f" if _good(f) else "#e76f51" for f in figs]
         y = range(len(figs))
-        ax.barh(list(y), ratios, color=colors, height=0.7)
+        # Bars grow from 1 (the peer) to the ratio, on a log axis: 2x and 0.5x look alike.
+        ax.barh(list(y), [r - 1 for r in ratios], left=1, color=colors, height=0.7)
         ax.axvline(1.0, color="black", lw=0.8)
         ax.set_xscale("log")
+        lo, hi = min(*ratios, 1.0) / 1.15, max(*ratios, 1.0) * 1.15
+        ax.set_xlim(lo, hi)
+        ticks = [t for t in (0.1, 0.2, 0.5, 0.8, 1, 1.25, 2, 5, 10, 20) if lo <= t <= hi]
+        ax.set_xticks(ticks, [f"{t:g}x" for t in ticks])
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_yticks(list(y), names, fontsize=7)
         ax.invert_yaxis()
         state = "quiet" if rec["quiet"].get("quiet") else "busy machine"
