@@ -483,7 +483,8 @@ def load_and_check(path: Path) -> Outcome:
     try:
         with guarded():
             model, tok = load_pretrained(path)
-            ids = torch.tensor([tok.encode("Hello world, 42!")[:16] or [0]])
+            limit = getattr(model.config, "context_length", None) or 16
+            ids = torch.tensor([tok.encode("Hello world, 42!")[: min(16, limit)] or [0]])
             with torch.no_grad():
                 logits = model(ids)
             logits = logits[0] if isinstance(logits, tuple) else logits

@@ -105,13 +105,18 @@ def _check_field(name: str, value: Any, kind: Any, where: str) -> Any:
                 "refusing to allocate it",
             )
         return value
-    if kind is float or name in ("norm_eps", "layer_norm_eps", "rope_theta"):
+    # `float | None` and `bool | None` fields are checked like `float` and `bool` (None
+    # never reaches here).
+    kinds = set(typing.get_args(kind)) - {type(None)} if typing.get_args(kind) else {kind}
+    if kinds == {float} or name in ("norm_eps", "layer_norm_eps", "rope_theta"):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
             raise ModelFileError(where, f"`{name}` must be a positive number, got {value!r}")
+        if not isinstance(value, float) and value.bit_length() > 1000:  # float() overflows
+            raise ModelFileError(where, f"`{name}` = {value} is out of range")
         if not math.isfinite(float(value)):
             raise ModelFileError(where, f"`{name}` must be finite, got {value!r}")
         return float(value)
-    if kind is bool and not isinstance(value, bool):
+    if kinds == {bool} and not isinstance(value, bool):
         raise ModelFileError(where, f"`{name}` must be true or false, got {value!r}")
     return value
 
@@ -197,7 +202,7 @@ def build_config(
         raise ModelFileError(where, f"lacks the required key(s) {wanted} for {family.name}")
     if "activation" in fields:
         act = fields["activation"]
-        if act not in ACTIVATION_NAMES:
+        if not isinstance(act, str) or act not in ACTIVATION_NAMES:
             raise ModelFileError(
                 where,
                 f"activation {act!r} is not supported; supported: {sorted(ACTIVATION_NAMES)}",
@@ -215,6 +220,8 @@ def build_config(
         _rope_and_qk_norm(fields, source, where, gguf=gguf)
     config = cls(**fields)
     heads = config.num_heads
+    if isinstance(config, DecoderConfig) and config.positions == "rope":
+        _check_rotary(config, keys, where)
     if config.hidden_size % heads and getattr(config, "head_dim", None) is None:
         raise ModelFileError(
             where, f"hidden size {config.hidden_size} is not divisible by {heads} heads"
@@ -224,6 +231,25 @@ def build_config(
             where, f"{heads} query heads are not divisible by {config.num_kv_heads} kv heads"
         )
     return config
+
+
+def _check_rotary(config: DecoderConfig, keys: Mapping[str, tuple[str, ...]], where: str) -> None:
+    """The rotary embedding the model will build, built once here (it is small): a head dim
+    or rotary fraction it refuses becomes an error naming the keys it comes from."""
+    from attnlab.rope import RotaryEmbedding
+
+    assert config.rope is not None
+    try:
+        RotaryEmbedding.from_config(config.attention_head_dim, config.rope)
+    except (ValueError, TypeError) as e:
+        width, heads = keys["hidden_size"][0], keys["num_heads"][0]
+        source = f"`{keys['head_dim'][0]}`" if "head_dim" in keys else ""
+        source += f"{' or ' if source else ''}`{width}` / `{heads}`"
+        raise ModelFileError(
+            where,
+            f"the rotary embedding refuses head dim {config.attention_head_dim} (from "
+            f"{source}) with the rope settings: {e}",
+        ) from None
 
 
 def _window_layers(fields: dict[str, Any], where: str) -> None:
@@ -700,7 +726,15 @@ def build_model(
         model = model_class(config)(config, backend=backend)  # type: ignore[arg-type]
     weights: dict[str, torch.Tensor] = {}
     for name, (targets, transform) in plan.items():
-        parts = apply_transform(get(name), transform, config)
+        tensor = get(name)
+        try:
+            parts = apply_transform(tensor, transform, config)
+        except (ValueError, RuntimeError) as e:  # a shape the transform cannot split
+            raise ModelFileError(
+                where,
+                f"tensor {name!r} of shape {tuple(tensor.shape)} does not fit the config "
+                f"(transform {transform!r}): {e}",
+            ) from None
         if len(parts) != len(targets):
             raise ModelFileError(where, f"tensor {name!r} cannot be split into {targets}")
         for target, t in zip(targets, parts, strict=True):
