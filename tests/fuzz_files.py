@@ -420,6 +420,70 @@ def mutate_hf(folder: Path, rng: random.Random) -> str:
     return what
 
 
+# --------------------------------------------------------------------------- replays
+# The findings kept as regression cases, replayed by name rather than by seed: a seed's
+# mutation depends on the base file's bytes, these edits only on its structure.
+
+
+def _field(layout: Layout, kind: str, key: str, nth: int = 0) -> Field:
+    return [f for f in layout.fields if f.kind == kind and f.key == key][nth]
+
+
+def edit_string(blob: bytes, layout: Layout, key: str, old: str, new: str) -> bytes:
+    """Replace the string ``old`` of metadata ``key`` (an array of strings or one string)
+    by ``new`` of the same byte length."""
+    a, b = old.encode(), new.encode()
+    assert len(a) == len(b), (old, new)
+    f = next(
+        f
+        for f in layout.fields
+        if f.kind == "string" and f.key == key and blob[f.offset : f.offset + f.size] == a
+    )
+    return blob[: f.offset] + b + blob[f.offset + f.size :]
+
+
+def edit_int(blob: bytes, layout: Layout, kind: str, key: str, value: int, nth: int = 0) -> bytes:
+    """Set the ``nth`` integer field of ``kind`` (dim, ggml_type, ...) of ``key``."""
+    f = _field(layout, kind, key, nth)
+    out = bytearray(blob)
+    _put(out, f.offset, f.fmt, value)
+    return bytes(out)
+
+
+def edit_q8_scale(blob: bytes, layout: Layout, tensor: str, block: int, f16: bytes) -> bytes:
+    """Set the fp16 scale of a Q8_0 tensor's ``block`` to the raw bytes ``f16``."""
+    start = next(t[2] for t in layout.tensors if t[0] == tensor and t[1] == 8)
+    at = start + 34 * block
+    return blob[:at] + f16 + blob[at + 2 :]
+
+
+def edit_f32(blob: bytes, layout: Layout, tensor: str, index: int, value: float) -> bytes:
+    """Set one value of an F32 tensor."""
+    start = next(t[2] for t in layout.tensors if t[0] == tensor and t[1] == 0)
+    at = start + 4 * index
+    return blob[:at] + struct.pack("<f", value) + blob[at + 4 :]
+
+
+def edit_config(folder: Path, **changes: object) -> None:
+    """Set values in ``config.json`` (as Python's json writes them: NaN, Infinity)."""
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.update(changes)
+    (folder / "config.json").write_text(json.dumps(cfg))
+
+
+def edit_safetensors(folder: Path, tensor: str | None, index: int, value: float) -> None:
+    """Set one float32 value of ``tensor`` in ``model.safetensors``; with ``tensor`` None,
+    shift the header length by ``index`` instead (the data then starts off by that much)."""
+    st = folder / "model.safetensors"
+    n, header, data = _st_split(st)
+    if tensor is None:
+        st.write_bytes(struct.pack("<Q", n + index) + header + data)
+        return
+    begin = json.loads(header)[tensor]["data_offsets"][0] + 4 * index
+    d = data[:begin] + struct.pack("<f", value) + data[begin + 4 :]
+    st.write_bytes(struct.pack("<Q", n) + header + d)
+
+
 # --------------------------------------------------------------------------- running
 
 

@@ -11,7 +11,25 @@ import pytest
 if not all(importlib.util.find_spec(m) for m in ("transformers", "tokenizers", "gguf")):
     pytest.skip("needs transformers, tokenizers and gguf", allow_module_level=True)
 
-from fuzz_files import Outcome, gguf_layout, make_base_files, run_gguf_case, run_hf_case, sweep
+import math
+import shutil
+
+from fuzz_files import (
+    REFUSED,
+    Outcome,
+    edit_config,
+    edit_f32,
+    edit_int,
+    edit_q8_scale,
+    edit_safetensors,
+    edit_string,
+    gguf_layout,
+    load_and_check,
+    make_base_files,
+    run_gguf_case,
+    run_hf_case,
+    sweep,
+)
 
 # Bounded for CI: each case is a ~10-30 ms in-process load of a 2-layer model.
 GGUF_SEEDS = range(0, 250)
@@ -55,3 +73,117 @@ def test_fuzz_sweep_larger(base, tmp_path, kind):
         counts, failures = sweep(lambda s: run_hf_case(folder, s, tmp_path), SLOW_SEEDS)
     assert not failures, _report(failures)
     assert sum(counts.values()) == len(SLOW_SEEDS)
+
+
+# ------------------------------------------------------------------ regressions
+# What the fuzzer found, one case per kind of finding, named by the seed that found it
+# (seeds 0..2999 of tests/fuzz_files.py before the fixes), replayed as an explicit edit.
+# Each must be refused with a ModelFileError naming the file and this text.
+
+NAN16, INF16, NEG_INF16 = b"\x00\x7e", b"\x00\x7c", b"\x00\xfc"
+GGUF_REGRESSIONS = {
+    # tokenizers' "Error while initializing BPE: Token `Êt` out of vocabulary"
+    "seed 15: a merge names a token the vocabulary lacks": (
+        lambda b, L: edit_string(b, L, "tokenizer.ggml.merges", "Ġ t", "Ê t"),
+        "tokenizer.ggml.merges[0] = 'Ê t' needs the token 'Êt'",
+    ),
+    "seed 140: a token a merge needs is renamed": (
+        lambda b, L: edit_string(b, L, "tokenizer.ggml.tokens", "m", " "),
+        "needs the token 'm', which tokenizer.ggml.tokens lacks",
+    ),
+    # NotImplementedError before
+    "seed 1931: an unknown tokenizer model": (
+        lambda b, L: edit_string(b, L, "tokenizer.ggml.model", "gpt2", "gat2"),
+        "`tokenizer.ggml.model` = 'gat2' is not supported",
+    ),
+    # numpy's "cannot reshape array of size 2112 into shape (2,8,2,64)" before
+    "seed 2024: k rows that do not split into heads": (
+        lambda b, L: edit_int(b, L, "dim", "blk.0.attn_k.weight", 33, nth=1),
+        "blk.0.attn_k.weight",
+    ),
+    # gguf's "Dequantization for Q8_1 is not yet implemented" (NotImplementedError) before
+    "seed 2870: a type that cannot be dequantised": (
+        lambda b, L: edit_int(b, L, "ggml_type", "blk.0.ffn_down.weight", 9),
+        "tensor 'blk.0.ffn_down.weight': Dequantization for Q8_1",
+    ),
+    # the next five loaded with NaN / inf logits before
+    "seed 0: a Q8_0 scale of -inf": (
+        lambda b, L: edit_q8_scale(b, L, "blk.1.attn_output.weight", 10, NEG_INF16),
+        "tensor 'blk.1.attn_output.weight' holds 1 non-finite quantisation scale(s)",
+    ),
+    "seed 93: a Q8_0 scale of NaN": (
+        lambda b, L: edit_q8_scale(b, L, "blk.1.attn_v.weight", 45, NAN16),
+        "tensor 'blk.1.attn_v.weight' holds 1 non-finite quantisation scale(s)",
+    ),
+    "seed 455: a Q8_0 scale of inf in the output head": (
+        lambda b, L: edit_q8_scale(b, L, "output.weight", 300, INF16),
+        "tensor 'output.weight' holds 1 non-finite quantisation scale(s)",
+    ),
+    "seed 2: NaN in an F32 norm": (
+        lambda b, L: edit_f32(b, L, "blk.0.attn_norm.weight", 11, math.nan),
+        "tensor 'blk.0.attn_norm.weight' holds 1 non-finite value(s)",
+    ),
+    "seed 29: Q8_0 blocks read as BF16": (
+        lambda b, L: edit_int(b, L, "ggml_type", "blk.0.ffn_gate.weight", 30),
+        "tensor 'blk.0.ffn_gate.weight' holds",
+    ),
+}
+
+HF_REGRESSIONS = {
+    # AttributeError: 'float' object has no attribute 'values' before (also list, str, bool)
+    "seed 16: rope_parameters a number": (
+        {"rope_parameters": -0.5},
+        "`rope_parameters` must be an object (dict), got float",
+    ),
+    "seed 236: rope_parameters a list": (
+        {"rope_parameters": ["silu"]},
+        "`rope_parameters` must be an object (dict), got list",
+    ),
+    "seed 1144: rope_parameters a string": (
+        {"rope_parameters": "silu"},
+        "`rope_parameters` must be an object (dict), got str",
+    ),
+    # OverflowError: int too large to convert to float before
+    "seed 182: rms_norm_eps 10^400": ({"rms_norm_eps": 10**400}, "`rms_norm_eps` = 1000"),
+    # TypeError: unhashable type before
+    "seed 853: hidden_act a list": ({"hidden_act": ["silu"]}, "activation ['silu']"),
+    "seed 2839: hidden_act a dict": ({"hidden_act": {"a": 1}}, "activation {'a': 1}"),
+    # RotaryEmbedding's ValueError, naming neither file nor key, before
+    "seed 599: head_dim 3": ({"head_dim": 3}, "refuses head dim 3 (from `head_dim`"),
+    # the next three loaded with NaN / inf logits before
+    "seed 60: NaN in a weight": (
+        ("model.layers.0.mlp.gate_proj.weight", 42, math.nan),
+        "tensor 'model.layers.0.mlp.gate_proj.weight' holds 1 non-finite value(s)",
+    ),
+    "seed 73: inf in a weight": (
+        ("model.layers.0.mlp.down_proj.weight", 24, math.inf),
+        "tensor 'model.layers.0.mlp.down_proj.weight' holds 1 non-finite value(s)",
+    ),
+    "seed 59: safetensors header length one short": ((None, -1, 0.0), "non-finite value(s)"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(GGUF_REGRESSIONS))
+def test_fuzz_regression_gguf(base, tmp_path, case):
+    _, blob, layout = base
+    edit, expected = GGUF_REGRESSIONS[case]
+    path = tmp_path / "found.gguf"
+    path.write_bytes(edit(blob, layout))
+    outcome = load_and_check(path)
+    assert outcome.kind == REFUSED, outcome
+    assert expected in outcome.detail and "found.gguf" in outcome.detail, outcome.detail
+
+
+@pytest.mark.parametrize("case", sorted(HF_REGRESSIONS))
+def test_fuzz_regression_hf(base, tmp_path, case):
+    folder = shutil.copytree(base[0], tmp_path / "found")
+    edit, expected = HF_REGRESSIONS[case]
+    if isinstance(edit, dict):
+        edit_config(folder, **edit)
+        named = "config.json"
+    else:
+        edit_safetensors(folder, *edit)
+        named = "model.safetensors"
+    outcome = load_and_check(folder)
+    assert outcome.kind == REFUSED, outcome
+    assert expected in outcome.detail and named in outcome.detail, outcome.detail

@@ -89,18 +89,21 @@ def lookup(source: Mapping[str, Any], key: str) -> Any:
     return value
 
 
-def _check_field(name: str, value: Any, kind: Any, where: str) -> Any:
-    """Type- and range-check one config field; return it (ints stay ints)."""
+def _check_field(name: str, value: Any, kind: Any, where: str, key: str | None = None) -> Any:
+    """Type- and range-check one config field; return it (ints stay ints). Messages name
+    ``key``, the config key the value was read from (default: the field's name)."""
+    label = key or name
+    shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:60] + "..."
     if name in LIMITS:
         if isinstance(value, float) and value.is_integer():
             value = int(value)
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ModelFileError(where, f"`{name}` must be an integer, got {value!r}")
+            raise ModelFileError(where, f"`{label}` must be an integer, got {shown}")
         low = 0 if name in _TOKEN_IDS else 1
         if not low <= value <= LIMITS[name]:
             raise ModelFileError(
                 where,
-                f"`{name}` = {value} is outside the sane range {low}..{LIMITS[name]}; "
+                f"`{label}` = {shown} is outside the sane range {low}..{LIMITS[name]}; "
                 "refusing to allocate it",
             )
         return value
@@ -109,14 +112,14 @@ def _check_field(name: str, value: Any, kind: Any, where: str) -> Any:
     kinds = set(typing.get_args(kind)) - {type(None)} if typing.get_args(kind) else {kind}
     if kinds == {float} or name in ("norm_eps", "layer_norm_eps", "rope_theta"):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            raise ModelFileError(where, f"`{name}` must be a positive number, got {value!r}")
+            raise ModelFileError(where, f"`{label}` must be a positive number, got {shown}")
         if not isinstance(value, float) and value.bit_length() > 1000:  # float() overflows
-            raise ModelFileError(where, f"`{name}` = {value} is out of range")
+            raise ModelFileError(where, f"`{label}` = {shown} is out of range")
         if not math.isfinite(float(value)):
-            raise ModelFileError(where, f"`{name}` must be finite, got {value!r}")
+            raise ModelFileError(where, f"`{label}` must be finite, got {shown}")
         return float(value)
     if kinds == {bool} and not isinstance(value, bool):
-        raise ModelFileError(where, f"`{name}` must be true or false, got {value!r}")
+        raise ModelFileError(where, f"`{label}` must be true or false, got {shown}")
     return value
 
 
@@ -175,6 +178,7 @@ def build_config(
                 f"`{key}` = {value!r} is not supported for {family.name} yet "
                 f"(supported: {', '.join(repr(a) for a in shown)})",
             )
+    read_from: dict[str, str] = {}  # field -> the key it was read from, for messages
     for name, candidates in keys.items():
         for key in candidates:
             value = lookup(config, key)
@@ -182,6 +186,7 @@ def build_config(
                 continue
             if value is not _MISSING and value is not None:
                 fields[name] = value
+                read_from[name] = key
                 break
     for name, value in (extra or {}).items():
         fields.setdefault(name, value)
@@ -202,7 +207,8 @@ def build_config(
         fields["activation"] = ACTIVATION_NAMES[act]
     for name in list(fields):
         if fields[name] is not None and name not in _STRUCTURED:
-            fields[name] = _check_field(name, fields[name], hints.get(name), where)
+            value = fields[name]
+            fields[name] = _check_field(name, value, hints.get(name), where, read_from.get(name))
     if family.hook is not None:
         try:
             family.hook(fields, config, source)
