@@ -628,3 +628,74 @@ print("ok", type(model).__name__)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "ok Decoder"
+
+
+def test_gguf_gemma3_info_shows_both_rope_bases_and_the_window_pattern(gguf_dirs, tmp_path, capsys):
+    import json as json_
+
+    from cli_runner import run_main
+
+    path = tmp_path / "gemma3.gguf"
+    write_gguf(gguf_dirs["gemma3"], path, "gemma3", "Q8_0")
+    code, out, err = run_main(capsys, "info", "--model", str(path), "--json", "-t", "16")
+    assert code == 0, err
+    data = json_.loads(out)
+    assert [lay["sliding_window"] for lay in data["per_layer"]] == [5] * 5 + [None, 5]
+    assert data["rope"]["base"] == 1e6 and data["rope"]["layer_bases"] == [10000.0]
+    code, out, err = run_main(capsys, "info", "--model", str(path))
+    assert code == 0, err
+    assert "base 1e+06" in out and "some layers base" in out
+
+
+def test_gemma3_multimodal_checkpoint_loads_its_text_model(tmp_path):
+    """A `gemma3` (image-text) checkpoint: the text model's settings under `text_config`
+    (in the hub's shape: a few keys, transformers' defaults for the rest), its weights
+    beside the vision tower's, which a text model leaves out."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    text = {
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "model_type": "gemma3_text",
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 32,
+        "query_pre_attn_scalar": 24,
+        "rope_scaling": {"factor": 2.0, "rope_type": "linear"},
+        "sliding_window": 5,
+        "sliding_window_pattern": 3,
+        "vocab_size": 512,
+    }
+    vision = {
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "image_size": 28,
+        "patch_size": 14,
+        "model_type": "siglip_vision_model",
+    }
+    tokens = {"image_token_index": 500, "boi_token_index": 498, "eoi_token_index": 499}
+    config = Gemma3Config(
+        text_config={**text, **_SMALL}, vision_config=vision, mm_tokens_per_image=4, **tokens
+    )
+    torch.manual_seed(0)
+    Gemma3ForConditionalGeneration(config).save_pretrained(tmp_path, safe_serialization=True)
+    hub = {
+        "architectures": ["Gemma3ForConditionalGeneration"],
+        "model_type": "gemma3",
+        "mm_tokens_per_image": 4,
+        "text_config": text,
+        "vision_config": vision,
+        **tokens,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(hub))
+    tokenizer_json(tmp_path)
+    model, _ = load_pretrained(tmp_path)
+    assert isinstance(model, Decoder) and model.config.family == "gemma3"
+    assert model.config.layer_windows == (5, 5, None, 5)
+    ref = Gemma3ForConditionalGeneration.from_pretrained(
+        tmp_path, attn_implementation="eager", dtype=torch.float32
+    ).eval()
+    assert_matches_reference(model, ref, _ids(2, 20))
