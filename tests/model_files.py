@@ -114,8 +114,11 @@ PRE_TOKENIZER = {
     "qwen3": "qwen2",
     "gpt2": "gpt-2",
     "gemma2": "default",
+    "gemma3": "default",
     "phi3": "default",
 }
+# SentencePiece vocabularies in GGUF (the others: GPT-2 BPE from tokenizer.json)
+_SPM = ("gemma2", "gemma3", "phi3")
 # llama.cpp has no "mistral" architecture: its converter writes Mistral as "llama".
 GGUF_ARCH = {"mistral": "llama"}
 
@@ -129,6 +132,19 @@ def assert_matches_reference(model, ref, ids: torch.Tensor, atol: float = 1e-5) 
     torch.testing.assert_close(logits, expected.logits, atol=atol, rtol=0)
     for ours, theirs in zip(weights, expected.attentions, strict=True):
         torch.testing.assert_close(ours, theirs, atol=atol, rtol=0)
+
+
+def gguf_reference(hf_folder, reference_state: dict[str, torch.Tensor]):
+    """transformers' model of ``hf_folder`` (eager attention) with every weight replaced by
+    ``reference_state`` (what :func:`write_gguf` returns: the GGUF file's weights)."""
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(hf_folder, attn_implementation="eager")
+    if "embed_out.weight" in reference_state:  # transformers 5 loads GPT-NeoX's as lm_head
+        reference_state["lm_head.weight"] = reference_state.pop("embed_out.weight")
+    missing, unexpected = ref.load_state_dict(reference_state, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    return ref.eval()
 
 
 def llama_cpp_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -203,6 +219,7 @@ def write_gguf(
     arch = GGUF_ARCH.get(family, family)
     w = GGUFWriter(out_path, arch)
     rope = cfg.get("rope_parameters") or {}
+    rope = rope.get("full_attention", rope)  # Gemma 3: the global layers' (the file's base)
     if family == "gpt2":
         C, L, H, G = cfg["n_embd"], cfg["n_layer"], cfg["n_head"], cfg["n_head"]
         w.add_uint32(f"{arch}.context_length", cfg["n_positions"])
@@ -250,6 +267,8 @@ def write_gguf(
         if cfg.get("head_dim") and family != "phi3":
             w.add_uint32(f"{arch}.attention.key_length", cfg["head_dim"])
             w.add_uint32(f"{arch}.attention.value_length", cfg["head_dim"])
+        if arch == "llama":  # as llama.cpp's LlamaModel: the head dim, whatever C / H is
+            w.add_uint32(f"{arch}.rope.dimension_count", cfg.get("head_dim") or C // H)
         if rope.get("rope_type") == "linear":
             w.add_string(f"{arch}.rope.scaling.type", "linear")
             w.add_float32(f"{arch}.rope.scaling.factor", rope["factor"])
@@ -276,10 +295,12 @@ def write_gguf(
             w.add_float32(f"{arch}.attn_logit_softcapping", cfg["attn_logit_softcapping"])
             w.add_float32(f"{arch}.final_logit_softcapping", cfg["final_logit_softcapping"])
             w.add_uint32(f"{arch}.attention.sliding_window", cfg["sliding_window"])
+        if family == "gemma3":  # as llama.cpp's Gemma3Model
+            w.add_uint32(f"{arch}.attention.sliding_window", cfg["sliding_window"])
         if family == "mistral" and cfg.get("sliding_window"):
             w.add_uint32(f"{arch}.attention.sliding_window", cfg["sliding_window"])
         table = _LLAMA_TO_GGUF
-        if family in ("gemma2", "phi3", "olmo2"):  # llama.cpp's name map (gguf.tensor_mapping)
+        if family in ("gemma2", "gemma3", "phi3", "olmo2"):  # llama.cpp's name map
             names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[family.upper()], L)
             table = {
                 n.rsplit(".", 1)[0]: g.rsplit(".", 1)[0]
@@ -293,7 +314,7 @@ def write_gguf(
     n_vocab = state.get("lm_head.weight")
     if n_vocab is None:  # tied: the token embedding (the one 2-D "embed" tensor)
         n_vocab = next(t for n, t in state.items() if "embed" in n and t.ndim == 2)
-    if family in ("gemma2", "phi3"):  # SentencePiece, as their llama.cpp converters write
+    if family in _SPM:  # SentencePiece, as their llama.cpp converters write
         tokens, scores, types = spm_vocab(n_vocab.shape[0])
         w.add_tokenizer_model("llama")
         w.add_tokenizer_pre("default")
@@ -303,7 +324,7 @@ def write_gguf(
         w.add_unk_token_id(0)
         w.add_bos_token_id(1)
         w.add_eos_token_id(2)
-        if family == "gemma2":
+        if family in ("gemma2", "gemma3"):
             w.add_add_space_prefix(False)
     else:
         tok = json.loads((hf_folder / "tokenizer.json").read_text())
@@ -326,7 +347,7 @@ def write_gguf(
         gname = _gguf_name(name, table)
         assert gname is not None, name
         x = t.float()
-        plus1 = family == "gemma2" and name.endswith("norm.weight")
+        plus1 = family in ("gemma2", "gemma3") and name.endswith("norm.weight")
         if plus1:  # llama.cpp's Gemma converter stores 1 + weight
             x = x + 1
         conv1d = family == "gpt2" and name.endswith(".weight") and ".c_" in name

@@ -105,6 +105,8 @@ class DecoderConfig:
         qk_norm: normalisation of queries and keys (Qwen3, OLMo 2), or None.
         layer_windows: a window (or None) per layer, overriding ``sliding_window``
             (Gemma 2's alternating local and global layers).
+        layer_ropes: a rotary embedding's settings per layer, None = ``rope`` (Gemma 3's
+            local layers rotate with their own base).
         attn_scale: the score scale (Gemma 2: ``query_pre_attn_scalar ** -0.5``); None =
             ``1/sqrt(D)``.
         layer_scales: a score scale per layer, overriding ``attn_scale`` (GPT-2's
@@ -149,6 +151,7 @@ class DecoderConfig:
     qk_norm: QKNorm | None = None
     sliding_window: int | None = None
     layer_windows: tuple[int | None, ...] | None = None
+    layer_ropes: tuple[RopeConfig | None, ...] | None = None
     attn_scale: float | None = None
     layer_scales: tuple[float, ...] | None = None
     attn_softcap: float | None = None
@@ -440,14 +443,30 @@ class Decoder(nn.Module):
                 f"{len(windows)}"
             )
         scales = config.layer_scales or (None,) * config.num_layers
-        if len(scales) != config.num_layers:
-            raise ValueError(
-                f"`layer_scales` must have one entry per layer ({config.num_layers}), got "
-                f"{len(scales)}"
-            )
+        ropes = config.layer_ropes or (None,) * config.num_layers
+        for name, values in (("layer_scales", scales), ("layer_ropes", ropes)):
+            if len(values) != config.num_layers:
+                raise ValueError(
+                    f"`{name}` must have one entry per layer ({config.num_layers}), got "
+                    f"{len(values)}"
+                )
+        # One embedding per distinct setting, shared by the layers that use it.
+        embeddings: dict[RopeConfig, RotaryEmbedding] = {}
+        if self.rope is not None:
+            embeddings[config.rope] = self.rope
+
+        def layer_rope(settings: RopeConfig | None) -> RotaryEmbedding | None:
+            if settings is None or self.rope is None:
+                return self.rope
+            if settings not in embeddings:
+                embeddings[settings] = RotaryEmbedding.from_config(
+                    config.attention_head_dim, settings
+                )
+            return embeddings[settings]
+
         self.blocks = nn.ModuleList(
-            DecoderBlock(config, self.rope, backend=backend, window=w, scale=a)
-            for w, a in zip(windows, scales, strict=True)
+            DecoderBlock(config, layer_rope(r), backend=backend, window=w, scale=a)
+            for w, a, r in zip(windows, scales, ropes, strict=True)
         )
         # T5: one table per stack (its first layer's in the checkpoint), shared by all layers.
         self.relative_bias = (
