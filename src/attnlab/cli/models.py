@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from attnlab.cli.output import UserError, user_input
+from attnlab.cli.output import UserError, output, user_input
 
 __all__ = [
     "check_dtype",
@@ -48,7 +48,7 @@ def load_pretrained_kind(
         )
     try:
         with user_input():
-            return load_pretrained(key, backend=backend, dtype=dtype)
+            return load_pretrained(key, backend=backend, dtype=dtype, announce=output.note)
     except MissingPackageError as e:
         raise UserError(str(e)) from e
 
@@ -117,7 +117,7 @@ def load_pretrained_model(name: str) -> tuple[Any, Any, str]:
         raise UserError(f"--model needs attnlab.pretrained, which is missing: {e}") from e
     try:
         with user_input():
-            model, tokenizer = load_pretrained(name)
+            model, tokenizer = load_pretrained(name, announce=output.note)
     except ImportError as e:  # the weights' package is not installed
         raise UserError(str(e)) from e
     return model, tokenizer, name
