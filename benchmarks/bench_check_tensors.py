@@ -3,6 +3,7 @@
 
 - ``smollm2-135m-instruct`` (Q4_1 GGUF): the GGUF reader checks the quantisation scales of
   Q4_0/Q4_1/Q8_0 blocks and every value of other types;
+- ``gemma3-270m`` (Q4_K_M GGUF: K-quants, every dequantised value checked);
 - ``all-minilm-l6-v2`` (a Hugging Face directory, fp32 safetensors): every value, which
   also reads the whole memory-mapped file at load.
 
@@ -35,7 +36,9 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=3, help="interleaved pairs (best of)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument(
-        "--models", nargs="+", default=["smollm2-135m-instruct", "all-minilm-l6-v2"]
+        "--models",
+        nargs="+",
+        default=["smollm2-135m-instruct", "gemma3-270m", "all-minilm-l6-v2"],
     )
     parser.add_argument("--out", default=str(Path(__file__).parent / "results/check_tensors.json"))
     args = parser.parse_args()
