@@ -75,6 +75,38 @@ def make_base_files(root: Path) -> tuple[Path, bytes]:
     return folder, gguf_path.read_bytes()
 
 
+# Gemma 2 as tests/test_gguf_families.py writes it: a SentencePiece vocabulary (scores,
+# token types, byte tokens), soft-caps, a window on every other layer, H * D != C.
+GEMMA2 = {
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "query_pre_attn_scalar": 32,
+    "sliding_window": 5,
+    "attn_logit_softcapping": 5.0,
+    "final_logit_softcapping": 10.0,
+    "max_position_embeddings": 128,
+    "tie_word_embeddings": True,
+    "pad_token_id": 1,
+    "eos_token_id": 2,
+    "bos_token_id": 0,
+}
+
+
+def make_gemma2_base_files(root: Path) -> tuple[Path, bytes]:
+    """A tiny Gemma 2 HF directory and its Q8_0 GGUF conversion with a SentencePiece
+    vocabulary (bytes)."""
+    from model_files import save_hf, write_gguf
+
+    folder = save_hf("gemma2", GEMMA2, root / "gemma2", torch.float32)
+    path = root / "gemma2.gguf"
+    write_gguf(folder, path, "gemma2", "Q8_0")
+    return folder, path.read_bytes()
+
+
 # --------------------------------------------------------------------------- GGUF layout
 
 
@@ -269,8 +301,14 @@ def mutate_gguf(blob: bytes, layout: Layout, rng: random.Random) -> tuple[bytes,
         at = start + 34 * block
         out[at : at + 2] = rng.choice(_F16_SPECIAL)
         return bytes(out), f"Q8_0 scale of {name!r} block {block} -> {bytes(out[at : at + 2])!r}"
+    merges = [f for f in fields if f.kind == "string" and f.key == "tokenizer.ggml.merges"]
+    if kind == "merge_token" and not merges:  # a SentencePiece vocabulary: its scores
+        f = rng.choice([f for f in fields if f.kind == "value" and f.key.startswith("tok")])
+        base = struct.unpack_from(f.fmt, blob, f.offset)[0]
+        v = rng.choice(_FLOATS) if f.fmt in ("<f", "<d") else rng.choice(_INTERESTING_INTS)
+        _put(out, f.offset, f.fmt, v)
+        return bytes(out), f"value in {f.key!r} at {f.offset}: {base} -> {v}"
     if kind == "merge_token":  # one side of a merge -> another token of the same byte length
-        merges = [f for f in fields if f.kind == "string" and f.key == "tokenizer.ggml.merges"]
         tokens = [f for f in fields if f.kind == "string" and f.key == "tokenizer.ggml.tokens"]
         f = rng.choice(merges)
         left, right = blob[f.offset : f.offset + f.size].split(b" ", 1)
@@ -293,7 +331,7 @@ def mutate_gguf(blob: bytes, layout: Layout, rng: random.Random) -> tuple[bytes,
 # --------------------------------------------------------------------------- HF mutators
 
 # Config keys the llama-layout families read (present or not in the base file).
-_CONFIG_KEYS = (
+LLAMA_CONFIG_KEYS = (
     "vocab_size",
     "hidden_size",
     "num_hidden_layers",
@@ -316,6 +354,16 @@ _CONFIG_KEYS = (
     "model_type",
     "torch_dtype",
     "layer_types",
+)
+# Gemma 2's own keys on top.
+GEMMA2LLAMA_CONFIG_KEYS = (
+    *LLAMA_CONFIG_KEYS,
+    "hidden_activation",
+    "attn_logit_softcapping",
+    "final_logit_softcapping",
+    "query_pre_attn_scalar",
+    "layer_types",
+    "pad_token_id",
 )
 _ROPE_KEYS = (
     "rope_type",
@@ -367,8 +415,9 @@ def _st_split(path: Path) -> tuple[int, bytes, bytes]:
     return n, blob[8 : 8 + n], blob[8 + n :]
 
 
-def mutate_hf(folder: Path, rng: random.Random) -> str:
-    """One random mutation of the directory, in place; returns what was done."""
+def mutate_hf(folder: Path, rng: random.Random, keys: tuple[str, ...] = LLAMA_CONFIG_KEYS) -> str:
+    """One random mutation of the directory, in place (config values among ``keys``);
+    returns what was done."""
     kind = rng.choices(
         ["st_flip", "st_digit", "st_length", "st_data", "cfg_value", "cfg_rope", "cfg_delete"],
         weights=[8, 14, 4, 6, 40, 20, 8],
@@ -413,7 +462,7 @@ def mutate_hf(folder: Path, rng: random.Random) -> str:
         cfg["rope_parameters"] = rope
         what = f"config: rope_parameters[{key!r}] = {value!r}"
     else:
-        key, value = rng.choice(_CONFIG_KEYS), rng.choice(_HOSTILE)
+        key, value = rng.choice(keys), rng.choice(_HOSTILE)
         cfg[key] = value
         what = f"config: {key!r} = {value!r}"
     cfg_path.write_text(json.dumps(cfg))  # NaN / Infinity as Python's json writes them
@@ -583,14 +632,16 @@ def run_gguf_case(base: bytes, layout: Layout, seed: int, tmp: Path) -> tuple[st
         path.unlink()
 
 
-def run_hf_case(base: Path, seed: int, tmp: Path) -> tuple[str, Outcome]:
+def run_hf_case(
+    base: Path, seed: int, tmp: Path, keys: tuple[str, ...] = LLAMA_CONFIG_KEYS
+) -> tuple[str, Outcome]:
     """Mutate a copy of the HF directory with ``seed``, load it; (what was done, outcome)."""
     import shutil
 
     folder = tmp / f"fuzz-{seed}"
     shutil.copytree(base, folder)
     try:
-        what = mutate_hf(folder, random.Random(seed))
+        what = mutate_hf(folder, random.Random(seed), keys)
         return what, load_and_check(folder)
     finally:
         shutil.rmtree(folder)
@@ -620,6 +671,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--gguf", type=int, default=300, help="GGUF cases (seeds 0..N-1)")
     parser.add_argument("--hf", type=int, default=200, help="HF directory cases")
+    parser.add_argument("--spm", type=int, default=0, help="Gemma 2 (SentencePiece) GGUF cases")
+    parser.add_argument("--hf-gemma2", type=int, default=0, help="Gemma 2 HF directory cases")
     parser.add_argument("--first", type=int, default=0, help="first seed")
     args = parser.parse_args()
     torch.set_num_threads(2)
@@ -627,9 +680,14 @@ def main() -> None:
         tmp = Path(d)
         folder, blob = make_base_files(tmp)
         layout = gguf_layout(blob)
+        g_folder, spm = make_gemma2_base_files(tmp)
+        spm_layout = gguf_layout(spm)
+        keys = GEMMA2LLAMA_CONFIG_KEYS
         for name, n, run in (
             ("gguf", args.gguf, lambda s: run_gguf_case(blob, layout, s, tmp)),
             ("hf", args.hf, lambda s: run_hf_case(folder, s, tmp)),
+            ("spm", args.spm, lambda s: run_gguf_case(spm, spm_layout, s, tmp)),
+            ("hf-gemma2", args.hf_gemma2, lambda s: run_hf_case(g_folder, s, tmp, keys)),
         ):
             t0 = time.perf_counter()
             counts, failures = sweep(run, range(args.first, args.first + n))

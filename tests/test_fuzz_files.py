@@ -15,6 +15,8 @@ import math
 import shutil
 
 from fuzz_files import (
+    GEMMA2_CONFIG_KEYS,
+    LLAMA_CONFIG_KEYS,
     REFUSED,
     Outcome,
     edit_config,
@@ -26,14 +28,16 @@ from fuzz_files import (
     gguf_layout,
     load_and_check,
     make_base_files,
+    make_gemma2_base_files,
     run_gguf_case,
     run_hf_case,
     sweep,
 )
 
-# Bounded for CI: each case is a ~10-30 ms in-process load of a 2-layer model.
+# Bounded for CI: each case is a ~10-30 ms in-process load of a 2- or 3-layer model.
 GGUF_SEEDS = range(0, 250)
 HF_SEEDS = range(0, 250)
+GEMMA2_SEEDS = range(0, 100)  # a SentencePiece GGUF file, and Gemma 2's own config keys
 SLOW_SEEDS = range(250, 3000)
 
 
@@ -41,6 +45,13 @@ SLOW_SEEDS = range(250, 3000)
 def base(tmp_path_factory):
     root = tmp_path_factory.mktemp("fuzz-base")
     folder, blob = make_base_files(root)
+    return folder, blob, gguf_layout(blob)
+
+
+@pytest.fixture(scope="module")
+def gemma2_base(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fuzz-gemma2")
+    folder, blob = make_gemma2_base_files(root)
     return folder, blob, gguf_layout(blob)
 
 
@@ -63,14 +74,26 @@ def test_fuzzed_hf_directories_load_or_raise_model_file_error(base, tmp_path):
     assert counts.get("loaded", 0) > 20 and counts.get("ModelFileError", 0) > 50, counts
 
 
+def test_fuzzed_gemma2_files_load_or_raise_model_file_error(gemma2_base, tmp_path):
+    folder, blob, layout = gemma2_base
+    for run in (
+        lambda s: run_gguf_case(blob, layout, s, tmp_path),
+        lambda s: run_hf_case(folder, s, tmp_path, GEMMA2_CONFIG_KEYS),
+    ):
+        counts, failures = sweep(run, GEMMA2_SEEDS)
+        assert not failures, _report(failures)
+        assert counts.get("loaded", 0) > 10 and counts.get("ModelFileError", 0) > 10, counts
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["gguf", "hf"])
-def test_fuzz_sweep_larger(base, tmp_path, kind):
-    folder, blob, layout = base
-    if kind == "gguf":
+@pytest.mark.parametrize("kind", ["gguf", "hf", "gemma2-gguf", "gemma2-hf"])
+def test_fuzz_sweep_larger(base, gemma2_base, tmp_path, kind):
+    folder, blob, layout = gemma2_base if kind.startswith("gemma2") else base
+    if kind.endswith("gguf"):
         counts, failures = sweep(lambda s: run_gguf_case(blob, layout, s, tmp_path), SLOW_SEEDS)
     else:
-        counts, failures = sweep(lambda s: run_hf_case(folder, s, tmp_path), SLOW_SEEDS)
+        keys = GEMMA2_CONFIG_KEYS if kind.startswith("gemma2") else LLAMA_CONFIG_KEYS
+        counts, failures = sweep(lambda s: run_hf_case(folder, s, tmp_path, keys), SLOW_SEEDS)
     assert not failures, _report(failures)
     assert sum(counts.values()) == len(SLOW_SEEDS)
 
@@ -161,6 +184,30 @@ HF_REGRESSIONS = {
     ),
     "seed 59: safetensors header length one short": ((None, -1, 0.0), "non-finite value(s)"),
 }
+
+
+# Found by the Gemma 2 directory sweep (seeds of --hf-gemma2): a soft-cap of 1e308 is inf
+# in float32, and cap * tanh(x / cap) then NaN.
+GEMMA2_REGRESSIONS = {
+    "seed 328: final_logit_softcapping 1e308": (
+        {"final_logit_softcapping": 1e308},
+        "`final_logit_softcapping` = 1e+308 is beyond float32's range",
+    ),
+    "seed 1309: attn_logit_softcapping 1e308": (
+        {"attn_logit_softcapping": 1e308},
+        "`attn_logit_softcapping` = 1e+308 is beyond float32's range",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(GEMMA2_REGRESSIONS))
+def test_fuzz_regression_gemma2_hf(gemma2_base, tmp_path, case):
+    folder = shutil.copytree(gemma2_base[0], tmp_path / "found")
+    edit, expected = GEMMA2_REGRESSIONS[case]
+    edit_config(folder, **edit)
+    outcome = load_and_check(folder)
+    assert outcome.kind == REFUSED, outcome
+    assert expected in outcome.detail and "config.json" in outcome.detail, outcome.detail
 
 
 @pytest.mark.parametrize("case", sorted(GGUF_REGRESSIONS))

@@ -70,6 +70,7 @@ LIMITS = {
     "relative_max_distance": 1 << 24,
     "decoder_start_token_id": 1 << 22,
 }
+_FLOAT32_MAX = 3.4028234663852886e38
 _TOKEN_IDS = ("pad_token_id", "decoder_start_token_id")
 AnyConfig = DecoderConfig | EncoderConfig | EncoderDecoderConfig
 AnyModel = Decoder | Encoder | EncoderDecoder
@@ -117,6 +118,8 @@ def _check_field(name: str, value: Any, kind: Any, where: str, key: str | None =
             raise ModelFileError(where, f"`{label}` = {shown} is out of range")
         if not math.isfinite(float(value)):
             raise ModelFileError(where, f"`{label}` must be finite, got {shown}")
+        if float(value) > _FLOAT32_MAX:  # the model computes in float32: it would be inf
+            raise ModelFileError(where, f"`{label}` = {shown} is beyond float32's range")
         return float(value)
     if kinds == {bool} and not isinstance(value, bool):
         raise ModelFileError(where, f"`{label}` must be true or false, got {shown}")
