@@ -356,7 +356,7 @@ LLAMA_CONFIG_KEYS = (
     "layer_types",
 )
 # Gemma 2's own keys on top.
-GEMMA2LLAMA_CONFIG_KEYS = (
+GEMMA2_CONFIG_KEYS = (
     *LLAMA_CONFIG_KEYS,
     "hidden_activation",
     "attn_logit_softcapping",
@@ -682,7 +682,7 @@ def main() -> None:
         layout = gguf_layout(blob)
         g_folder, spm = make_gemma2_base_files(tmp)
         spm_layout = gguf_layout(spm)
-        keys = GEMMA2LLAMA_CONFIG_KEYS
+        keys = GEMMA2_CONFIG_KEYS
         for name, n, run in (
             ("gguf", args.gguf, lambda s: run_gguf_case(blob, layout, s, tmp)),
             ("hf", args.hf, lambda s: run_hf_case(folder, s, tmp)),
