@@ -253,6 +253,84 @@ HUB: dict[str, dict] = {
         "use_cache": True,
         "vocab_size": 512,
     },
+    # ibm-granite/granite-3.0-2b-instruct: the four multipliers
+    "granite": {
+        "architectures": ["GraniteForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.1,
+        "attention_multiplier": 0.05,
+        "bos_token_id": 0,
+        "embedding_multiplier": 12.0,
+        "eos_token_id": 0,
+        "hidden_act": "silu",
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "logits_scaling": 8.0,
+        "max_position_embeddings": 128,
+        "mlp_bias": False,
+        "model_type": "granite",
+        "num_attention_heads": 4,
+        "num_hidden_layers": 2,
+        "num_key_value_heads": 2,
+        "pad_token_id": 0,
+        "residual_multiplier": 0.22,
+        "rms_norm_eps": 1e-05,
+        "rope_scaling": None,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": True,
+        "vocab_size": 512,
+    },
+    # bigcode/starcoder2-3b: LayerNorm with biases, a window on every layer
+    "starcoder2": {
+        "architectures": ["Starcoder2ForCausalLM"],
+        "attention_dropout": 0.1,
+        "bos_token_id": 0,
+        "embedding_dropout": 0.1,
+        "eos_token_id": 0,
+        "hidden_act": "gelu_pytorch_tanh",
+        "hidden_size": 64,
+        "initializer_range": 0.018042,
+        "intermediate_size": 96,
+        "max_position_embeddings": 128,
+        "mlp_type": "default",
+        "model_type": "starcoder2",
+        "norm_epsilon": 1e-05,
+        "norm_type": "layer_norm",
+        "num_attention_heads": 4,
+        "num_hidden_layers": 2,
+        "num_key_value_heads": 2,
+        "residual_dropout": 0.1,
+        "rope_theta": 999999.4420358813,
+        "sliding_window": 6,
+        "use_bias": True,
+        "use_cache": True,
+        "vocab_size": 512,
+    },
+    # stabilityai/stablelm-2-1_6b: partial rotary, LayerNorm, q/k/v biases
+    "stablelm": {
+        "architectures": ["StableLmForCausalLM"],
+        "bos_token_id": 0,
+        "eos_token_id": 0,
+        "hidden_act": "silu",
+        "hidden_dropout": 0.0,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "layer_norm_eps": 1e-05,
+        "max_position_embeddings": 128,
+        "model_type": "stablelm",
+        "num_attention_heads": 4,
+        "num_hidden_layers": 2,
+        "num_key_value_heads": 4,
+        "partial_rotary_factor": 0.25,
+        "qk_layernorm": False,
+        "rope_scaling": None,
+        "rope_theta": 10000,
+        "tie_word_embeddings": False,
+        "use_cache": True,
+        "use_parallel_residual": False,
+        "use_qkv_bias": True,
+        "vocab_size": 512,
+    },
     # EleutherAI/pythia-70m: RoPE as rotary_pct / rotary_emb_base
     "gpt_neox": {
         "architectures": ["GPTNeoXForCausalLM"],
@@ -526,6 +604,13 @@ def test_gemma3_hub_layout_has_five_to_one_style_pattern_and_local_rope(hub_dirs
 
 # --------------------------------------------------------------------------- GGUF
 
+
+def _overrides(family: str) -> dict:
+    """A hub config as overrides for :func:`model_files.save_hf`."""
+    drop = ("architectures", "model_type", "vocab_size", "initializer_range")
+    return {k: v for k, v in HUB[family].items() if k not in drop}
+
+
 GGUF_CONFIGS: dict[str, tuple[str, dict]] = {
     # A Llama-layout model whose head dim is not C / H (Mistral Nemo and its fine-tunes):
     # llama.cpp writes llama.attention.key_length / value_length and a rope dimension
@@ -543,6 +628,12 @@ GGUF_CONFIGS: dict[str, tuple[str, dict]] = {
             "tie_word_embeddings": False,
         },
     ),
+    # the newer families as llama.cpp's converters write them (Granite: q/k permuted and
+    # its four multipliers as keys; StarCoder2: LayerNorm biases, no window; StableLM:
+    # partial rotary as rope.dimension_count)
+    "granite": ("granite", _overrides("granite")),
+    "starcoder2": ("starcoder2", {**_overrides("starcoder2"), "sliding_window": None}),
+    "stablelm": ("stablelm", _overrides("stablelm")),
     # Gemma 3 as transformers' Gemma3TextConfig (the 270M's shape: H * D = 4 * 256 > 640)
     "gemma3": (
         "gemma3_text",
@@ -580,11 +671,13 @@ def gguf_dirs(tmp_path_factory):
 def test_gguf_layouts_match_transformers_on_the_dequantised_weights(
     gguf_dirs, tmp_path, name, qtype
 ):
-    family = "gemma3" if name == "gemma3" else "llama"
+    family = "llama" if name == "llama-head-dim" else name
     path = tmp_path / f"{name}.{qtype}.gguf"
     ref = gguf_reference(gguf_dirs[name], write_gguf(gguf_dirs[name], path, family, qtype))
     model, _ = load_pretrained(path)
-    assert isinstance(model, Decoder) and model.config.head_dim == 32
+    assert isinstance(model, Decoder) and model.config.family == family
+    if name in ("llama-head-dim", "gemma3"):
+        assert model.config.head_dim == 32
     ids = _ids(2, 20)  # past the window (5) of the local layers
     assert_matches_reference(model, ref, ids)
     if qtype == "F32":  # and the same model as the Hugging Face directory

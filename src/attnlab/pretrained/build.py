@@ -72,6 +72,16 @@ LIMITS = {
 }
 _FLOAT32_MAX = 3.4028234663852886e38
 _TOKEN_IDS = ("pad_token_id", "decoder_start_token_id")
+# Numbers that must be finite and > 0.
+_POSITIVE = (
+    "norm_eps",
+    "layer_norm_eps",
+    "rope_theta",
+    "attn_scale",
+    "embed_multiplier",
+    "residual_multiplier",
+    "logits_scaling",
+)
 AnyConfig = DecoderConfig | EncoderConfig | EncoderDecoderConfig
 AnyModel = Decoder | Encoder | EncoderDecoder
 _MISSING = object()
@@ -111,7 +121,7 @@ def _check_field(name: str, value: Any, kind: Any, where: str, key: str | None =
     # `float | None` and `bool | None` fields are checked like `float` and `bool` (None
     # never reaches here).
     kinds = set(typing.get_args(kind)) - {type(None)} if typing.get_args(kind) else {kind}
-    if kinds == {float} or name in ("norm_eps", "layer_norm_eps", "rope_theta"):
+    if kinds == {float} or name in _POSITIVE:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
             raise ModelFileError(where, f"`{label}` must be a positive number, got {shown}")
         if not isinstance(value, float) and value.bit_length() > 1000:  # float() overflows
