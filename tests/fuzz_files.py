@@ -44,7 +44,7 @@ _SCALARS = {
 }
 _STRING, _ARRAY = 8, 9
 # ggml type ids and their (block elements, block bytes), the common ones.
-_GGML_TYPES = {0: (1, 4), 1: (1, 2), 2: (32, 18), 3: (32, 20), 8: (32, 34), 30: (1, 2)}
+_GGML_TYPES = {0: (1, 4), 1: (1, 2), 2: (32, 18), 3: (32, 20), 8: (32, 34), 9: (32, 36), 30: (1, 2)}
 
 LLAMA = {
     "hidden_size": 64,
@@ -497,6 +497,16 @@ def edit_int(blob: bytes, layout: Layout, kind: str, key: str, value: int, nth: 
     out = bytearray(blob)
     _put(out, f.offset, f.fmt, value)
     return bytes(out)
+
+
+def edit_last_type(blob: bytes, layout: Layout, ggml_type: int, fill: bytes) -> bytes:
+    """Give the last tensor in the data another ggml type and fill its data with ``fill``
+    bytes, the file grown to hold it (so that only the type or the values can stop it)."""
+    name, _, start, n = max(layout.tensors, key=lambda t: t[2])
+    block, size = _GGML_TYPES[ggml_type]
+    out = edit_int(blob, layout, "ggml_type", name, ggml_type)
+    end = start + n // block * size
+    return out[:start] + fill * (end - start) + out[end:]
 
 
 def edit_q8_scale(blob: bytes, layout: Layout, tensor: str, block: int, f16: bytes) -> bytes:

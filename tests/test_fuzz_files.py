@@ -22,6 +22,7 @@ from fuzz_files import (
     edit_config,
     edit_f32,
     edit_int,
+    edit_last_type,
     edit_q8_scale,
     edit_safetensors,
     edit_string,
@@ -126,8 +127,8 @@ GGUF_REGRESSIONS = {
     ),
     # gguf's "Dequantization for Q8_1 is not yet implemented" (NotImplementedError) before
     "seed 2870: a type that cannot be dequantised": (
-        lambda b, L: edit_int(b, L, "ggml_type", "blk.0.ffn_down.weight", 9),
-        "tensor 'blk.0.ffn_down.weight': Dequantization for Q8_1",
+        lambda b, L: edit_last_type(b, L, 9, b"\x00"),
+        "Dequantization for Q8_1",
     ),
     # the next five loaded with NaN / inf logits before
     "seed 0: a Q8_0 scale of -inf": (
@@ -147,8 +148,14 @@ GGUF_REGRESSIONS = {
         "tensor 'blk.0.attn_norm.weight' holds 1 non-finite value(s)",
     ),
     "seed 29: Q8_0 blocks read as BF16": (
-        lambda b, L: edit_int(b, L, "ggml_type", "blk.0.ffn_gate.weight", 30),
-        "tensor 'blk.0.ffn_gate.weight' holds",
+        lambda b, L: edit_last_type(b, L, 30, b"\xff"),  # 0xffff: a bfloat16 NaN
+        "non-finite value(s)",
+    ),
+    # found by the Gemma 2 GGUF sweep: an F32 norm read from another tensor's Q8_0 bytes
+    # (finite garbage, NaN logits)
+    "gemma2 seed 2093: a tensor's data offset moved onto another tensor": (
+        lambda b, L: edit_int(b, L, "data_offset", "blk.0.ffn_norm.weight", 0),
+        "overlap in the data",
     ),
 }
 

@@ -22,6 +22,7 @@ For the 4-bit formats weights ``0..15`` are the low nibbles of ``qs[0..15]`` and
 
 from __future__ import annotations
 
+import itertools
 import math
 import struct
 from dataclasses import dataclass
@@ -479,6 +480,12 @@ def read_gguf(path: str | Path) -> GGUFContents:
             offset=start,
             nbytes=nbytes,
         )
+    # Overlapping tensors are no writer's output: one tensor's bytes read as another's
+    # type give finite garbage the value checks cannot tell from weights.
+    spans = sorted((i.offset, i.offset + i.nbytes, i.name) for i in infos.values())
+    for (_, end_a, a), (begin_b, _, b) in itertools.pairwise(spans):
+        if begin_b < end_a:
+            raise ModelFileError(path, f"tensors {a!r} and {b!r} overlap in the data")
     metadata = {k: v for k, v in kv.items() if k not in _BIG_ARRAYS}
     tokens = kv.get("tokenizer.ggml.tokens", [])
     token_types = kv.get("tokenizer.ggml.token_type", [])
