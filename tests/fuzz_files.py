@@ -20,6 +20,7 @@ import random
 import resource
 import signal
 import struct
+import time
 import traceback
 import warnings
 from collections.abc import Callable, Iterator
@@ -567,14 +568,19 @@ def guarded(seconds: int = TIME_LIMIT_S, headroom: int = ADDRESS_SPACE_HEADROOM)
     # One thread: a tiny model's matmuls wait on a busy machine's thread pool otherwise.
     torch.set_num_threads(1)
     resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
-    signal.alarm(seconds)
+    # An outer alarm (pytest-timeout's signal method) is put back afterwards, less the time
+    # the case took.
+    outer, _ = signal.setitimer(signal.ITIMER_REAL, seconds)
+    started = time.monotonic()
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)  # numpy on NaN scales
             yield
     finally:
-        signal.alarm(0)
+        signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
+        if outer:
+            signal.setitimer(signal.ITIMER_REAL, max(outer - (time.monotonic() - started), 1e-3))
         resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
         torch.set_num_threads(threads)
 
@@ -675,7 +681,6 @@ def main() -> None:
     import argparse
     import sys
     import tempfile
-    import time
 
     sys.path.insert(0, str(Path(__file__).parent))
     parser = argparse.ArgumentParser(description=__doc__)
