@@ -116,6 +116,9 @@ PRE_TOKENIZER = {
     "gemma2": "default",
     "gemma3": "default",
     "phi3": "default",
+    "granite": "refact",
+    "starcoder2": "starcoder",
+    "stablelm": "gpt-2",  # StableLM 2 writes "stablelm2", which attnlab does not split yet
 }
 # SentencePiece vocabularies in GGUF (the others: GPT-2 BPE from tokenizer.json)
 _SPM = ("gemma2", "gemma3", "phi3")
@@ -261,14 +264,27 @@ def write_gguf(
         H, G = cfg["num_attention_heads"], cfg["num_key_value_heads"]
         w.add_uint32(f"{arch}.context_length", cfg["max_position_embeddings"])
         w.add_uint32(f"{arch}.feed_forward_length", cfg["intermediate_size"])
-        w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg["rms_norm_eps"])
+        if family in ("starcoder2", "stablelm"):  # LayerNorm
+            eps = cfg.get("norm_epsilon") or cfg["layer_norm_eps"]
+            w.add_float32(f"{arch}.attention.layer_norm_epsilon", eps)
+        else:
+            w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg["rms_norm_eps"])
         if family != "gemma2":  # llama.cpp's Gemma 2 converter writes no base (10000)
             w.add_float32(f"{arch}.rope.freq_base", rope["rope_theta"])
         if cfg.get("head_dim") and family != "phi3":
             w.add_uint32(f"{arch}.attention.key_length", cfg["head_dim"])
             w.add_uint32(f"{arch}.attention.value_length", cfg["head_dim"])
-        if arch == "llama":  # as llama.cpp's LlamaModel: the head dim, whatever C / H is
+        if arch in ("llama", "granite"):  # as llama.cpp's LlamaModel: the head dim
             w.add_uint32(f"{arch}.rope.dimension_count", cfg.get("head_dim") or C // H)
+        if family == "granite":  # as llama.cpp's GraniteModel
+            w.add_float32(f"{arch}.attention.scale", cfg["attention_multiplier"])
+            w.add_float32(f"{arch}.embedding_scale", cfg["embedding_multiplier"])
+            w.add_float32(f"{arch}.residual_scale", cfg["residual_multiplier"])
+            w.add_float32(f"{arch}.logit_scale", cfg["logits_scaling"])
+        if family == "stablelm":  # as llama.cpp's StableLMModel
+            fraction = rope.get("partial_rotary_factor", 0.25)
+            w.add_uint32(f"{arch}.rope.dimension_count", int(fraction * (C // H)))
+            w.add_bool(f"{arch}.use_parallel_residual", cfg.get("use_parallel_residual", False))
         if rope.get("rope_type") == "linear":
             w.add_string(f"{arch}.rope.scaling.type", "linear")
             w.add_float32(f"{arch}.rope.scaling.factor", rope["factor"])
@@ -300,7 +316,7 @@ def write_gguf(
         if family == "mistral" and cfg.get("sliding_window"):
             w.add_uint32(f"{arch}.attention.sliding_window", cfg["sliding_window"])
         table = _LLAMA_TO_GGUF
-        if family in ("gemma2", "gemma3", "phi3", "olmo2"):  # llama.cpp's name map
+        if family not in ("llama", "mistral", "qwen2", "qwen3"):  # llama.cpp's name map
             names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[family.upper()], L)
             table = {
                 n.rsplit(".", 1)[0]: g.rsplit(".", 1)[0]
@@ -354,9 +370,9 @@ def write_gguf(
         if conv1d:
             x = x.T.contiguous()
         perm = None
-        if arch == "llama" and ".q_proj." in name:
+        if arch in ("llama", "granite") and ".q_proj." in name:
             perm = H
-        elif arch == "llama" and ".k_proj." in name:
+        elif arch in ("llama", "granite") and ".k_proj." in name:
             perm = G
         if perm is not None:
             x = llama_cpp_permute(x, perm)

@@ -253,6 +253,84 @@ HUB: dict[str, dict] = {
         "use_cache": True,
         "vocab_size": 512,
     },
+    # ibm-granite/granite-3.0-2b-instruct: the four multipliers
+    "granite": {
+        "architectures": ["GraniteForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.1,
+        "attention_multiplier": 0.05,
+        "bos_token_id": 0,
+        "embedding_multiplier": 12.0,
+        "eos_token_id": 0,
+        "hidden_act": "silu",
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "logits_scaling": 8.0,
+        "max_position_embeddings": 128,
+        "mlp_bias": False,
+        "model_type": "granite",
+        "num_attention_heads": 4,
+        "num_hidden_layers": 2,
+        "num_key_value_heads": 2,
+        "pad_token_id": 0,
+        "residual_multiplier": 0.22,
+        "rms_norm_eps": 1e-05,
+        "rope_scaling": None,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": True,
+        "vocab_size": 512,
+    },
+    # bigcode/starcoder2-3b: LayerNorm with biases, a window on every layer
+    "starcoder2": {
+        "architectures": ["Starcoder2ForCausalLM"],
+        "attention_dropout": 0.1,
+        "bos_token_id": 0,
+        "embedding_dropout": 0.1,
+        "eos_token_id": 0,
+        "hidden_act": "gelu_pytorch_tanh",
+        "hidden_size": 64,
+        "initializer_range": 0.018042,
+        "intermediate_size": 96,
+        "max_position_embeddings": 128,
+        "mlp_type": "default",
+        "model_type": "starcoder2",
+        "norm_epsilon": 1e-05,
+        "norm_type": "layer_norm",
+        "num_attention_heads": 4,
+        "num_hidden_layers": 2,
+        "num_key_value_heads": 2,
+        "residual_dropout": 0.1,
+        "rope_theta": 999999.4420358813,
+        "sliding_window": 6,
+        "use_bias": True,
+        "use_cache": True,
+        "vocab_size": 512,
+    },
+    # stabilityai/stablelm-2-1_6b: partial rotary, LayerNorm, q/k/v biases
+    "stablelm": {
+        "architectures": ["StableLmForCausalLM"],
+        "bos_token_id": 0,
+        "eos_token_id": 0,
+        "hidden_act": "silu",
+        "hidden_dropout": 0.0,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "layer_norm_eps": 1e-05,
+        "max_position_embeddings": 128,
+        "model_type": "stablelm",
+        "num_attention_heads": 4,
+        "num_hidden_layers": 2,
+        "num_key_value_heads": 4,
+        "partial_rotary_factor": 0.25,
+        "qk_layernorm": False,
+        "rope_scaling": None,
+        "rope_theta": 10000,
+        "tie_word_embeddings": False,
+        "use_cache": True,
+        "use_parallel_residual": False,
+        "use_qkv_bias": True,
+        "vocab_size": 512,
+    },
     # EleutherAI/pythia-70m: RoPE as rotary_pct / rotary_emb_base
     "gpt_neox": {
         "architectures": ["GPTNeoXForCausalLM"],
@@ -526,6 +604,13 @@ def test_gemma3_hub_layout_has_five_to_one_style_pattern_and_local_rope(hub_dirs
 
 # --------------------------------------------------------------------------- GGUF
 
+
+def _overrides(family: str) -> dict:
+    """A hub config as overrides for :func:`model_files.save_hf`."""
+    drop = ("architectures", "model_type", "vocab_size", "initializer_range")
+    return {k: v for k, v in HUB[family].items() if k not in drop}
+
+
 GGUF_CONFIGS: dict[str, tuple[str, dict]] = {
     # A Llama-layout model whose head dim is not C / H (Mistral Nemo and its fine-tunes):
     # llama.cpp writes llama.attention.key_length / value_length and a rope dimension
@@ -543,6 +628,12 @@ GGUF_CONFIGS: dict[str, tuple[str, dict]] = {
             "tie_word_embeddings": False,
         },
     ),
+    # the newer families as llama.cpp's converters write them (Granite: q/k permuted and
+    # its four multipliers as keys; StarCoder2: LayerNorm biases, no window; StableLM:
+    # partial rotary as rope.dimension_count)
+    "granite": ("granite", _overrides("granite")),
+    "starcoder2": ("starcoder2", {**_overrides("starcoder2"), "sliding_window": None}),
+    "stablelm": ("stablelm", _overrides("stablelm")),
     # Gemma 3 as transformers' Gemma3TextConfig (the 270M's shape: H * D = 4 * 256 > 640)
     "gemma3": (
         "gemma3_text",
@@ -580,11 +671,13 @@ def gguf_dirs(tmp_path_factory):
 def test_gguf_layouts_match_transformers_on_the_dequantised_weights(
     gguf_dirs, tmp_path, name, qtype
 ):
-    family = "gemma3" if name == "gemma3" else "llama"
+    family = "llama" if name == "llama-head-dim" else name
     path = tmp_path / f"{name}.{qtype}.gguf"
     ref = gguf_reference(gguf_dirs[name], write_gguf(gguf_dirs[name], path, family, qtype))
     model, _ = load_pretrained(path)
-    assert isinstance(model, Decoder) and model.config.head_dim == 32
+    assert isinstance(model, Decoder) and model.config.family == family
+    if name in ("llama-head-dim", "gemma3"):
+        assert model.config.head_dim == 32
     ids = _ids(2, 20)  # past the window (5) of the local layers
     assert_matches_reference(model, ref, ids)
     if qtype == "F32":  # and the same model as the Hugging Face directory
@@ -628,3 +721,74 @@ print("ok", type(model).__name__)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "ok Decoder"
+
+
+def test_gguf_gemma3_info_shows_both_rope_bases_and_the_window_pattern(gguf_dirs, tmp_path, capsys):
+    import json as json_
+
+    from cli_runner import run_main
+
+    path = tmp_path / "gemma3.gguf"
+    write_gguf(gguf_dirs["gemma3"], path, "gemma3", "Q8_0")
+    code, out, err = run_main(capsys, "info", "--model", str(path), "--json", "-t", "16")
+    assert code == 0, err
+    data = json_.loads(out)
+    assert [lay["sliding_window"] for lay in data["per_layer"]] == [5] * 5 + [None, 5]
+    assert data["rope"]["base"] == 1e6 and data["rope"]["layer_bases"] == [10000.0]
+    code, out, err = run_main(capsys, "info", "--model", str(path))
+    assert code == 0, err
+    assert "base 1e+06" in out and "some layers base" in out
+
+
+def test_gemma3_multimodal_checkpoint_loads_its_text_model(tmp_path):
+    """A `gemma3` (image-text) checkpoint: the text model's settings under `text_config`
+    (in the hub's shape: a few keys, transformers' defaults for the rest), its weights
+    beside the vision tower's, which a text model leaves out."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    text = {
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "model_type": "gemma3_text",
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 32,
+        "query_pre_attn_scalar": 24,
+        "rope_scaling": {"factor": 2.0, "rope_type": "linear"},
+        "sliding_window": 5,
+        "sliding_window_pattern": 3,
+        "vocab_size": 512,
+    }
+    vision = {
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "image_size": 28,
+        "patch_size": 14,
+        "model_type": "siglip_vision_model",
+    }
+    tokens = {"image_token_index": 500, "boi_token_index": 498, "eoi_token_index": 499}
+    config = Gemma3Config(
+        text_config={**text, **_SMALL}, vision_config=vision, mm_tokens_per_image=4, **tokens
+    )
+    torch.manual_seed(0)
+    Gemma3ForConditionalGeneration(config).save_pretrained(tmp_path, safe_serialization=True)
+    hub = {
+        "architectures": ["Gemma3ForConditionalGeneration"],
+        "model_type": "gemma3",
+        "mm_tokens_per_image": 4,
+        "text_config": text,
+        "vision_config": vision,
+        **tokens,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(hub))
+    tokenizer_json(tmp_path)
+    model, _ = load_pretrained(tmp_path)
+    assert isinstance(model, Decoder) and model.config.family == "gemma3"
+    assert model.config.layer_windows == (5, 5, None, 5)
+    ref = Gemma3ForConditionalGeneration.from_pretrained(
+        tmp_path, attn_implementation="eager", dtype=torch.float32
+    ).eval()
+    assert_matches_reference(model, ref, _ids(2, 20))

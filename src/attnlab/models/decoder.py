@@ -114,6 +114,11 @@ class DecoderConfig:
         attn_softcap: attention logit soft-capping (Gemma 2: 50), or None.
         final_softcap: output logit soft-capping ``c * tanh(logits / c)`` (Gemma 2: 30).
         embed_scale: multiply the token embeddings by ``sqrt(C)`` (Gemma).
+        embed_multiplier: multiply the token embeddings by it (Granite's
+            ``embedding_multiplier``).
+        residual_multiplier: each block adds its attention and MLP outputs scaled by it
+            (Granite).
+        logits_scaling: the logits are divided by it (Granite), before any soft-capping.
         embed_norm: a norm right after the token embedding (BLOOM).
         qkv_bias: biases on the query/key/value projections.
         out_bias: bias on the attention output projection.
@@ -157,6 +162,9 @@ class DecoderConfig:
     attn_softcap: float | None = None
     final_softcap: float | None = None
     embed_scale: bool = False
+    embed_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
     relative_buckets: int = 32
     relative_max_distance: int = 128
     causal: bool = True
@@ -268,6 +276,7 @@ class DecoderBlock(nn.Module):
         scale = config.attn_scale if scale is None else scale
         self.placement = config.norm_placement
         self.parallel = config.parallel_residual
+        self.residual_multiplier = config.residual_multiplier
         self.causal = config.causal
         self.attn_norm = make_norm(config)
         self.attention = Attention(
@@ -372,15 +381,17 @@ class DecoderBlock(nn.Module):
         self-attention's own causal or window mask; ``context``/``context_mask`` feed the
         cross attention.
         """
+        r = self.residual_multiplier
         if self.placement == "post":
             a, weights = self._attend(x, kv_cache, need_weights, bias)
-            x = x + self.attn_norm(a)  # (B, T, C)
-            return x + self.mlp_norm(self.mlp(x)), weights, None
+            x = x + self.attn_norm(a) * r if r != 1.0 else x + self.attn_norm(a)  # (B, T, C)
+            m = self.mlp_norm(self.mlp(x))
+            return (x + m * r if r != 1.0 else x + m), weights, None
         a, weights = self._attend(self.attn_norm(x), kv_cache, need_weights, bias)
         if self.attn_post_norm is not None:
             a = self.attn_post_norm(a)
         h = self.mlp_norm(x) if self.parallel else None  # parallel: both read x
-        x = x + a  # (B, T, C)
+        x = x + a * r if r != 1.0 else x + a  # (B, T, C)
         cross_weights = None
         if h is None:
             x, cross_weights = self._cross(x, context, context_mask, kv_cache, need_weights)
@@ -388,7 +399,7 @@ class DecoderBlock(nn.Module):
         m = self.mlp(h)
         if self.mlp_post_norm is not None:
             m = self.mlp_post_norm(m)
-        return x + m, weights, cross_weights  # (B, T, C)
+        return (x + m * r if r != 1.0 else x + m), weights, cross_weights  # (B, T, C)
 
 
 class Decoder(nn.Module):
@@ -636,6 +647,8 @@ class Decoder(nn.Module):
         if self.config.embed_scale:
             # Gemma: sqrt(C) rounded to the activation dtype first, as the reference does.
             x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
+        if self.config.embed_multiplier != 1.0:
+            x = x * self.config.embed_multiplier
         if self.pos_embeddings is not None:
             positions = torch.arange(past, past + T, device=input_ids.device)  # (T,)
             x = x + self.pos_embeddings(positions)  # (B, T, C)
@@ -683,6 +696,8 @@ class Decoder(nn.Module):
         if self.config.head_input_scale != 1.0:
             hidden = hidden * self.config.head_input_scale
         logits = self.lm_head(hidden)  # (B, T, V)
+        if self.config.logits_scaling != 1.0:
+            logits = logits / self.config.logits_scaling
         if self.config.final_softcap is not None:
             c = self.config.final_softcap
             logits = torch.tanh(logits / c) * c  # (B, T, V)

@@ -641,21 +641,35 @@ BLOOM = Family(
 )
 
 
+def _partial_rope(
+    fields: dict[str, Any],
+    config: Mapping[str, Any],
+    *,
+    base_key: str | None = None,
+    fraction_key: str | None = None,
+    fraction: float = 0.25,
+) -> None:
+    """RoPE from ``config.json`` for a family whose rotated fraction defaults to
+    ``fraction`` (not 1) and whose base and fraction may have their own names; the keys
+    of ``rope_parameters`` / ``rope_scaling`` come first."""
+    params = {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
+    base = params.get("rope_theta", config.get("rope_theta"))
+    if base is None and base_key is not None:
+        base = config.get(base_key)
+    part = params.get("partial_rotary_factor", config.get("partial_rotary_factor"))
+    if part is None and fraction_key is not None:
+        part = config.get(fraction_key)
+    params["rope_theta"] = 10_000.0 if base is None else base
+    params["partial_rotary_factor"] = fraction if part is None else part
+    fields["rope"] = RopeConfig.from_hf_config({**config, "rope_parameters": params})
+
+
 def _gpt_neox_rope(fields: dict[str, Any], config: Mapping[str, Any], source: Source) -> None:
     """GPT-NeoX's own names for its RoPE in ``config.json`` (Pythia's hub configs):
     ``rotary_emb_base`` (default 10000) and ``rotary_pct`` (default 0.25, transformers'
-    ``GPTNeoXConfig``), both under ``rope_parameters`` / ``rope_scaling`` when those
-    give none."""
-    if source == "gguf":
-        return
-    params = {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
-    base = params.get("rope_theta", config.get("rope_theta", config.get("rotary_emb_base")))
-    fraction = params.get(
-        "partial_rotary_factor", config.get("partial_rotary_factor", config.get("rotary_pct"))
-    )
-    params["rope_theta"] = 10_000.0 if base is None else base
-    params["partial_rotary_factor"] = 0.25 if fraction is None else fraction
-    fields["rope"] = RopeConfig.from_hf_config({**config, "rope_parameters": params})
+    ``GPTNeoXConfig``), where ``rope_parameters`` / ``rope_scaling`` give none."""
+    if source == "hf":
+        _partial_rope(fields, config, base_key="rotary_emb_base", fraction_key="rotary_pct")
 
 
 GPT_NEOX = Family(
@@ -786,6 +800,115 @@ GPT2 = Family(
     gguf_weights={**_FUSED_GGUF, "pos_embeddings": ("position_embd", "")},
     hook=_gpt2_score_scales,
 )
+
+GRANITE = dataclasses.replace(
+    LLAMA,
+    name="granite",
+    fixed={**LLAMA.fixed, "family": "granite"},
+    keys={
+        **LLAMA.keys,
+        "attn_scale": ("attention_multiplier",),
+        "embed_multiplier": ("embedding_multiplier",),
+        "residual_multiplier": ("residual_multiplier",),
+        "logits_scaling": ("logits_scaling",),
+    },
+    # transformers' GraniteConfig: every multiplier 1 (the score scale too, not 1/sqrt(D))
+    defaults={**LLAMA.defaults, "attn_scale": 1.0},
+    refuse={},
+    gguf_keys={
+        **_GGUF_KEYS,
+        "attn_scale": ("{arch}.attention.scale",),
+        "embed_multiplier": ("{arch}.embedding_scale",),
+        "residual_multiplier": ("{arch}.residual_scale",),
+        "logits_scaling": ("{arch}.logit_scale",),
+    },
+    # llama.cpp: no attention.scale in the file means 1/sqrt(D)
+    gguf_defaults={"attn_scale": None},
+    # llama.cpp's GraniteModel is its LlamaModel: q/k rows permuted (LLAMA's gguf_weights)
+)
+
+_PLAIN_MLP_GGUF = _without(_LLAMA_GGUF, "blocks.{i}.mlp.gate")
+
+STARCODER2 = Family(
+    name="starcoder2",
+    kind="decoder",
+    fixed={
+        "norm": "layer",
+        "norm_bias": True,
+        "mlp": "plain",
+        "positions": "rope",
+        "family": "starcoder2",
+    },
+    keys={
+        **_LLAMA_KEYS,
+        "norm_eps": ("norm_epsilon",),
+        "qkv_bias": ("use_bias",),
+        "out_bias": ("use_bias",),
+        "mlp_bias": ("use_bias",),
+    },
+    defaults={
+        **_LLAMA_DEFAULTS,
+        "activation": "gelu_pytorch_tanh",
+        "tie_embeddings": True,
+        "qkv_bias": True,
+        "out_bias": True,
+        "mlp_bias": True,
+        "norm_eps": 1e-5,
+    },
+    refuse={"norm_type": (None, "layer_norm"), "mlp_type": (None, "default")},
+    weights={
+        **_without(_LLAMA_WEIGHTS, "blocks.{i}.mlp.gate"),
+        "blocks.{i}.mlp.up": ("layers.{i}.mlp.c_fc", ""),
+        "blocks.{i}.mlp.down": ("layers.{i}.mlp.c_proj", ""),
+    },
+    prefixes=("model.",),
+    ignore=(r".*rotary_emb\.inv_freq$",),
+    # llama.cpp writes no window for starcoder2 and applies none
+    gguf_keys=_GGUF_KEYS_NO_WINDOW,
+    gguf_weights=_PLAIN_MLP_GGUF,
+)
+
+
+def _stablelm(fields: dict[str, Any], config: Mapping[str, Any], source: Source) -> None:
+    """StableLM's rotated fraction: ``partial_rotary_factor``, 0.25 when absent (as
+    transformers' ``StableLmConfig``)."""
+    if source == "hf":
+        _partial_rope(fields, config)
+
+
+STABLELM = Family(
+    name="stablelm",
+    kind="decoder",
+    fixed={
+        "norm": "layer",
+        "norm_bias": True,
+        "mlp": "gated",
+        "positions": "rope",
+        "out_bias": False,
+        "mlp_bias": False,
+        "family": "stablelm",
+    },
+    keys={
+        **_LLAMA_KEYS,
+        "norm_eps": ("layer_norm_eps",),
+        "qkv_bias": ("use_qkv_bias",),
+    },
+    defaults={**_LLAMA_DEFAULTS, "qkv_bias": False, "norm_eps": 1e-5},
+    # the parallel form shares one norm, and the QK-norm is a LayerNorm per head: neither
+    # is expressed yet (StableLM 2 1.6B and 3B have neither)
+    refuse={
+        "use_parallel_residual": (None, False),
+        "qk_layernorm": (None, False),
+        "stablelm.use_parallel_residual": (None, False),
+    },
+    weights=_LLAMA_WEIGHTS,
+    prefixes=("model.",),
+    ignore=(r".*rotary_emb\.inv_freq$",),
+    gguf_keys=_LAYER_NORM_GGUF_KEYS,
+    gguf_weights=_LLAMA_GGUF,  # llama.cpp's StableLMModel does not permute q/k
+    hook=_stablelm,
+)
+
 
 # --------------------------------------------------------------------------- encoders
 
@@ -949,6 +1072,9 @@ FAMILIES: dict[str, Family] = {
         PHI3,
         GEMMA2,
         GEMMA3,
+        GRANITE,
+        STARCODER2,
+        STABLELM,
         GPT_NEOX,
         BLOOM,
         GPT2,

@@ -71,6 +71,16 @@ LIMITS = {
     "decoder_start_token_id": 1 << 22,
 }
 _TOKEN_IDS = ("pad_token_id", "decoder_start_token_id")
+# Numbers that must be finite and > 0.
+_POSITIVE = (
+    "norm_eps",
+    "layer_norm_eps",
+    "rope_theta",
+    "attn_scale",
+    "embed_multiplier",
+    "residual_multiplier",
+    "logits_scaling",
+)
 AnyConfig = DecoderConfig | EncoderConfig | EncoderDecoderConfig
 AnyModel = Decoder | Encoder | EncoderDecoder
 _MISSING = object()
@@ -104,7 +114,7 @@ def _check_field(name: str, value: Any, kind: Any, where: str) -> Any:
                 "refusing to allocate it",
             )
         return value
-    if kind is float or name in ("norm_eps", "layer_norm_eps", "rope_theta"):
+    if kind is float or name in _POSITIVE:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
             raise ModelFileError(where, f"`{name}` must be a positive number, got {value!r}")
         if not math.isfinite(float(value)):

@@ -305,9 +305,15 @@ def gguf_config(contents: GGUFContents) -> tuple[Family, AnyConfig]:
     """
     path, meta = contents.path, contents.metadata
     family = family_from(meta.get("general.architecture"), path, "gguf")
+    infos = contents.tensor_infos
+    # llama.cpp reads the optional biases by their presence (no metadata says so); a
+    # family whose page fixes them keeps its own value
     extra: dict[str, Any] = {
-        "tie_embeddings": "output.weight" not in contents.tensor_infos,
+        "tie_embeddings": "output.weight" not in infos,
         "vocab_size": len(contents.tokens),
+        "qkv_bias": "blk.0.attn_q.bias" in infos or "blk.0.attn_qkv.bias" in infos,
+        "out_bias": "blk.0.attn_output.bias" in infos,
+        "mlp_bias": "blk.0.ffn_up.bias" in infos,
     }
     if ROPE_FREQS in contents.tensor_infos:
         extra["rope_factors"] = _rope_tensor(contents, ROPE_FREQS)
