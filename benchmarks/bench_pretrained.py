@@ -343,7 +343,7 @@ def bench_families(
     rec = Recorder(
         "bench_pretrained",
         "families",
-        "your own model: a random 8-layer, 512-wide checkpoint of each decoder family saved "
+        f"your own model: a random 8-layer, 512-wide checkpoint of {', '.join(families)} saved "
         "by transformers; load time (load_pretrained against from_pretrained, median of "
         f"{load_reps} interleaved pairs) and greedy tokens/s ({prompt_len}-token prompt + "
         f"{new_tokens} new, KV cache, median of {reps} pairs) against transformers",

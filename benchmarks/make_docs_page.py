@@ -86,7 +86,7 @@ def render(records: list[dict[str, Any]]) -> str:
         out += ["No records yet: run a benchmark script (see How we measure).", ""]
         return "\n".join(out)
     out += [
-        "![every ratio of the records below](img/benchmarks.png)",
+        "![every speed ratio of the records below](img/benchmarks.png)",
         "",
         "| benchmark | configuration | date | threads | machine state |",
         "|---|---|---|---|---|",
@@ -137,13 +137,18 @@ def render(records: list[dict[str, Any]]) -> str:
 
 
 def plot(records: list[dict[str, Any]], path: Path) -> None:
-    """Every ratio of ``records`` as horizontal bars, one panel per record, log scale."""
+    """Every speed ratio of ``records`` as horizontal bars, one panel per record, log scale."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
-    panels = [(r, [f for f in r["figures"] if f.get("ratio")]) for r in records]
+    # Speed only (memory and other units stay in the tables), so one axis reads as time.
+    speed = {"ms", "s", "tokens/s", "sentences/s"}
+    panels = [
+        (r, [f for f in r["figures"] if f.get("ratio") and f["unit"] in speed]) for r in records
+    ]
     panels = [(r, figs) for r, figs in panels if figs]
     if not panels:
         return
@@ -157,9 +162,15 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
         ratios = [f["ratio"] for f in figs]
         colors = ["#2a9d8f" if _good(f) else "#e76f51" for f in figs]
         y = range(len(figs))
-        ax.barh(list(y), ratios, color=colors, height=0.7)
+        # Bars grow from 1 (the peer) to the ratio, on a log axis: 2x and 0.5x look alike.
+        ax.barh(list(y), [r - 1 for r in ratios], left=1, color=colors, height=0.7)
         ax.axvline(1.0, color="black", lw=0.8)
         ax.set_xscale("log")
+        lo, hi = min(*ratios, 1.0) / 1.15, max(*ratios, 1.0) * 1.15
+        ax.set_xlim(lo, hi)
+        ticks = [t for t in (0.1, 0.2, 0.5, 0.8, 1, 1.25, 2, 5, 10, 20) if lo <= t <= hi]
+        ax.set_xticks(ticks, [f"{t:g}x" for t in ticks])
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_yticks(list(y), names, fontsize=7)
         ax.invert_yaxis()
         state = "quiet" if rec["quiet"].get("quiet") else "busy machine"

@@ -290,3 +290,19 @@ def test_cli_info_and_packaged_name(gemma3_file, gemma3_cache):
     packaged = run_cli("info", "--model", "gemma3-270m", env={CACHE_ENV: str(gemma3_cache)})
     assert packaged.returncode == 0, packaged.stderr
     assert "assembling" not in packaged.stderr
+
+
+def test_serve_offers_the_packaged_name_when_installed(monkeypatch):
+    from attnlab.serve.models import default_specs, spec_for
+
+    spec = spec_for("gemma3-270m")  # nothing is loaded until the first request
+    assert (spec.name, spec.kind) == ("gemma3-270m", "causal-lm")
+    offered = [s.name for s in default_specs()]
+    assert ("gemma3-270m" in offered) == _have(GEMMA3_MODULES[0])
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == GEMMA3_MODULES[0] else real(name, *a),
+    )
+    assert "gemma3-270m" not in [s.name for s in default_specs()]

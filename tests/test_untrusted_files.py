@@ -81,6 +81,7 @@ def _gguf_cases():
         "string length in array beyond file": lambda b: _patch(
             b, _find(b, "tokenizer.ggml.tokens") + 16, "<Q", 1 << 50
         ),
+        "bad utf-8 token": lambda b: _patch(b, _find(b, "tokenizer.ggml.tokens") + 24, "<B", 0xFF),
         "too many dims": lambda b: _patch(b, _tensor_info(b, "token_embd.weight"), "<I", 100),
         "dims product overflows": lambda b: _patch(
             _patch(b, _tensor_info(b, "token_embd.weight") + 4, "<Q", 1 << 63),

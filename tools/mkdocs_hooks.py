@@ -12,7 +12,7 @@ from typing import Any
 MARKER = "<!-- cli-reference -->"
 
 
-def cli_reference_markdown(width: int = 100) -> str:
+def cli_reference_markdown(width: int = 88) -> str:
     """Markdown for every ``attnlab`` command: its one-line summary and its ``--help``."""
     import typer
 

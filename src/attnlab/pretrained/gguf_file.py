@@ -70,9 +70,14 @@ def dequantize_q4_1(blocks: np.ndarray) -> np.ndarray:
 
 
 def dequantize_q8_0(blocks: np.ndarray) -> np.ndarray:
-    """Q8_0 blocks (N, 34) uint8 -> (N, 32) float32, ``q * d``."""
-    out = np.ascontiguousarray(blocks[:, 2:]).view(np.int8).astype(np.float32)  # (N, Q)
-    out *= _f16_columns(blocks, 1)
+    """Q8_0 blocks (N, 34) uint8 -> (N, 32) float32, ``q * d``.
+
+    One pass that writes the output once (the codes read in place, converted inside the
+    multiply): Gemma's 262k x 640 embedding is Q8_0, and a separate int8 -> float32 copy
+    then an in-place multiply took 5x longer on it.
+    """
+    out = np.empty((blocks.shape[0], QK), dtype=np.float32)  # (N, Q)
+    np.multiply(blocks[:, 2:].view(np.int8), _f16_columns(blocks, 1), out=out)
     return out
 
 
@@ -284,6 +289,7 @@ _SCALAR_FORMATS = {
     12: "<d",
 }
 _STRING, _ARRAY = 8, 9
+_U64 = struct.Struct("<Q")
 
 
 _MAX_DIMS = 4  # GGML_MAX_DIMS
@@ -335,6 +341,34 @@ class _Cursor:
         self.pos += n
         return text
 
+    def strings(self, count: int) -> list[str]:
+        """``count`` strings in a row (a vocabulary: 262k of them in Gemma's files).
+
+        The same checks as :meth:`string`, in one loop without its per-call overhead: the
+        tokenizer tables were most of the header's parse time.
+        """
+        buf, pos, end = self.buf, self.pos, len(self.buf)
+        length_at = _U64.unpack_from
+        out: list[str] = []
+        append = out.append
+        for i in range(count):
+            if pos + 8 > end:
+                self.pos = pos
+                self.need(8, f"string {i} length")
+            (n,) = length_at(buf, pos)
+            pos += 8
+            if n > end - pos:
+                self.pos = pos
+                self.need(n, f"string {i} of length {n}")
+            try:
+                append(str(buf[pos : pos + n], "utf-8"))
+            except UnicodeDecodeError:
+                self.pos = pos
+                raise self.fail(f"string {i} is not valid UTF-8") from None
+            pos += n
+        self.pos = pos
+        return out
+
     def count(self, what: str, min_item_bytes: int) -> int:
         """A u64 count, refused if the rest of the file cannot hold that many items."""
         n = self.scalar("<Q", what)
@@ -367,6 +401,8 @@ class _Cursor:
             if item_type not in (_STRING, _ARRAY):
                 raise self.fail(f"unknown array item type {item_type}")
             count = self.count("array length", 8 if item_type == _STRING else 12)
+            if item_type == _STRING:
+                return self.strings(count)
             return [self.value(item_type, depth + 1) for _ in range(count)]
         if vtype not in _SCALAR_FORMATS:
             raise self.fail(f"unknown value type {vtype}")
