@@ -30,6 +30,7 @@ __all__ = [
     "HeadScores",
     "ablate",
     "ablation_effect",
+    "default_input",
     "head_scores",
     "induction_input",
     "logit_lens",
@@ -72,6 +73,24 @@ def induction_input(
     generator = torch.Generator().manual_seed(seed)
     first = torch.randint(0, vocab_size, (n,), generator=generator)  # (n,)
     return torch.cat([first, first])  # (2n,)
+
+
+def default_input(
+    model: torch.nn.Module, n: int = INDUCTION_LENGTH, seed: int = INDUCTION_SEED
+) -> list[int]:
+    """:func:`induction_input` for ``model``'s vocabulary (its token embedding's size).
+
+    Raises:
+        ValueError: ``2n`` longer than the model's context length.
+    """
+    ids = induction_input(_vocab_size(model), n, seed).tolist()
+    context = getattr(model, "context_length", None)
+    if isinstance(context, int) and len(ids) > context:
+        raise ValueError(
+            f"`n`={n} makes a {2 * n}-token input, longer than the model's context "
+            f"length {context}; pass n <= {context // 2}"
+        )
+    return ids
 
 
 def _repeat_length(ids: Sequence[int]) -> int | None:
@@ -133,16 +152,7 @@ def head_scores(
         TypeError: the model has no attnlab attention layers.
         ValueError: fewer than 2 ids, ``n`` out of range.
     """
-    if ids is None:
-        token_ids = induction_input(_vocab_size(model), n, seed).tolist()
-        context = getattr(model, "context_length", None)
-        if isinstance(context, int) and len(token_ids) > context:
-            raise ValueError(
-                f"`n`={n} makes a {2 * n}-token input, longer than the model's context "
-                f"length {context}; pass n <= {context // 2}"
-            )
-    else:
-        token_ids = _ids_list(ids)
+    token_ids = default_input(model, n, seed) if ids is None else _ids_list(ids)
     if len(token_ids) < 2:
         raise ValueError(f"`ids` must hold at least 2 tokens, got {len(token_ids)}")
     trace = trace_model(model, token_ids, source="head_scores")

@@ -24,8 +24,10 @@ from attnlab.explain.trace import AttentionTrace
 __all__ = [
     "DECIMALS",
     "Paragraph",
+    "ablation_table",
     "format_number",
     "matrix_table",
+    "roles_table",
     "step_renderables",
     "walkthrough_renderables",
     "wrap_text",
@@ -434,3 +436,54 @@ def step_renderables(
             )
         )
     return out
+
+
+def roles_table(scores: dict[str, torch.Tensor], k: int = 5) -> Table:
+    """The strongest ``k`` heads of every role (:func:`attnlab.explain.head_scores`).
+
+    Args:
+        scores: role -> ``(L, H)`` scores.
+        k: heads shown per role.
+
+    Returns:
+        A table, one row per role, cells ``"L.H score"`` strongest first.
+    """
+    from attnlab.explain.heads import strongest_heads
+
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
+    table.add_column("role", style="cyan", no_wrap=True)
+    for j in range(k):
+        table.add_column(f"#{j + 1}", justify="right", no_wrap=True)
+    for role, values in scores.items():
+        cells = [f"{layer}.{head} {score:.2f}" for layer, head, score in strongest_heads(values, k)]
+        table.add_row(role.replace("_", " "), *cells)
+    return table
+
+
+def ablation_table(
+    title: str,
+    before: tuple[list[str], list[float]],
+    after: tuple[list[str], list[float]],
+    after_header: str,
+) -> Table:
+    """Two top-k next-token lists side by side: the model's own and with heads ablated.
+
+    Args:
+        title: the table's label.
+        before: (token texts, probabilities) of the unchanged model, most likely first.
+        after: the same with the heads switched off.
+        after_header: the second column's header (which heads are off).
+
+    Returns:
+        A table, one row per rank.
+    """
+    table = Table(
+        title=title or None, title_justify="left", title_style="bold", box=box.SIMPLE_HEAD,
+        pad_edge=False, show_edge=False,
+    )  # fmt: skip
+    table.add_column("#", justify="right")
+    table.add_column("model", no_wrap=True)
+    table.add_column(after_header, no_wrap=True)
+    for i, (b_tok, b_p, a_tok, a_p) in enumerate(zip(*before, *after, strict=True), 1):
+        table.add_row(str(i), f"{b_tok!r} {b_p:.3f}", f"{a_tok!r} {a_p:.3f}")
+    return table
