@@ -539,6 +539,7 @@ def render_page(lang: str = "en") -> tuple[str, str]:
         '<section role="tabpanel" id="panel-model" aria-labelledby="tab-model" hidden></section>\n'
         '<section role="tabpanel" id="panel-walk" aria-labelledby="tab-walk" hidden></section>\n'
         '<section id="panel-step" aria-live="polite" hidden></section>\n'
+        '<section id="panel-heads" aria-label="heads" hidden></section>\n'
         '<section id="panel-generate" aria-label="generate"></section>\n'
         f'<script type="application/json" id="attnlab-serve">{strings}</script>\n'
         f"<script>{page_js}</script>\n<script>{serve_js}</script>\n</body>\n</html>\n"
