@@ -58,6 +58,7 @@
   function fmt(v) { return v === null ? "-inf" : v.toFixed(4); }
   function tokLabel(t) {
     if (t === "") return "\u2205";
+    if (/^ +$/.test(t)) return t.replace(/ /g, "\u2423"); // a token of spaces: visible
     return t.replace(/\n/g, "\u21b5").replace(/\t/g, "\u21e5");
   }
 
