@@ -391,29 +391,9 @@
     Object.keys(vals || {}).forEach(function (k) { s = s.split("{" + k + "}").join(vals[k]); });
     return s;
   }
-  /* viridis, 9 stops: perceptually uniform, readable in grey and by colour-blind readers */
-  var VIRIDIS = [[68, 1, 84], [71, 44, 122], [59, 81, 139], [44, 113, 142], [33, 144, 141],
-    [39, 173, 129], [92, 200, 99], [170, 220, 50], [253, 231, 37]];
-  function viridis(v) {
-    v = Math.max(0, Math.min(1, v || 0)) * (VIRIDIS.length - 1);
-    var i = Math.min(Math.floor(v), VIRIDIS.length - 2), f = v - i;
-    var a = VIRIDIS[i], b = VIRIDIS[i + 1];
-    return "rgb(" + [0, 1, 2].map(function (c) {
-      return Math.round(a[c] + (b[c] - a[c]) * f);
-    }).join(",") + ")";
-  }
-  function inkFor(v) { return v > 0.6 ? "#111" : "#fff"; }
-  function colourBar() {
-    var bar = el("div", "hd-cbar");
-    bar.appendChild(el("span", null, "0"));
-    var g = el("span", "hd-grad");
-    g.style.background = "linear-gradient(to right," + VIRIDIS.map(function (c) {
-      return "rgb(" + c.join(",") + ")"; }).join(",") + ")";
-    bar.appendChild(g);
-    bar.appendChild(el("span", null, "1"));
-    return bar;
-  }
-
+  var viridis = window.attnlabColour.viridis; // page.js: one colour scale for both pages
+  function colourBar() { return window.attnlabColour.bar("1"); }
+  function inkFor(v) { return v > 0.6 ? "#111" : "#fff"; } // text readable on viridis(v)
   var hv = { view: "roles", off: [], roles: null, rolesModel: null };
   function headsKey(l, h) { return l + "." + h; }
   function isOff(l, h) { return hv.off.indexOf(headsKey(l, h)) >= 0; }
