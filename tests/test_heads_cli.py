@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -28,6 +29,7 @@ LLAMA = {
     "tie_word_embeddings": False,
 }
 TEXT = "The cat sat on the mat, and the dog sat on the log."
+SHORT = "The cat sat on the mat."
 
 
 @pytest.fixture(scope="module")
@@ -132,3 +134,47 @@ def test_explain_ablate_shows_the_prediction_with_and_without(files, tmp_path, m
     assert any(f"{p_before:.3f}" in row and f"{p_after:.3f}" in row for row in rows), r.stdout
     kl = (before * (before.log() - after.log())).sum().item()
     assert f"last position: {kl:.4f} nats" in r.stdout
+
+
+@pytest.mark.parametrize("columns", [60, 100])
+def test_explain_terminal_heatmap_never_cuts_a_number(files, tmp_path, columns):
+    from transformers import AutoModelForCausalLM
+
+    from attnlab.pretrained import load_pretrained
+
+    _, tok = load_pretrained(files[0])
+    ids = tok.encode(SHORT)
+    T = len(ids)
+    assert 12 < T <= 32  # shown as a heatmap, wider than 60 columns
+    ref = AutoModelForCausalLM.from_pretrained(files[0], attn_implementation="eager").eval()
+    with torch.no_grad():
+        weights = ref(torch.tensor([ids]), output_attentions=True).attentions[1][0, 3]
+    r = run_cli("explain", SHORT, "--model", str(files[0]), "--layer", "1", "--head", "3",
+                "--out", "o", cwd=tmp_path, columns=columns)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    table = [ln for ln in r.stdout.splitlines() if re.search(r"\d\.\d\d|\u00b7", ln)]
+    assert table and max(len(line) for line in table) <= columns
+    rows: dict[int, list[str]] = {}
+    labels = [repr(t)[1:-1] for t in (tok.decode([i]) for i in ids)]
+    row = 0
+    for line in r.stdout.splitlines():
+        cells = line.split()
+        if (
+            cells
+            and all(re.fullmatch(r"\d\.\d\d|\u00b7", c) for c in cells[-1:])
+            and any(re.fullmatch(r"\d\.\d\d|\u00b7", c) for c in cells)
+        ):
+            numbers = [c for c in cells if re.fullmatch(r"\d\.\d\d|\u00b7", c)]
+            rows.setdefault(row % T, []).extend(numbers)
+            row += 1
+    assert sorted(rows) == list(range(T)) and row % T == 0 and row > 0
+    for i in range(T):
+        assert len(rows[i]) == T  # every column of every row, none cut
+        for j, cell in enumerate(rows[i]):
+            w = float(weights[i, j])
+            if cell == "\u00b7":
+                assert w == 0.0
+            else:
+                assert abs(float(cell) - w) <= 0.005 + 1e-6, (i, j, cell, w)
+    assert "shade: 0 .. " in r.stdout
+    assert labels[0] in r.stdout

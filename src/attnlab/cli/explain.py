@@ -202,7 +202,7 @@ def _explain_renderables(trace: Any, layer: int, head: int, lang: str) -> list[R
     from rich.text import Text
 
     from attnlab.explain.i18n import message
-    from attnlab.explain.text import format_number, matrix_table
+    from attnlab.explain.text import format_number, heatmap_tables, matrix_table
 
     mode = (
         message("explain.dense", lang)
@@ -225,7 +225,7 @@ def _explain_renderables(trace: Any, layer: int, head: int, lang: str) -> list[R
     )
     tokens = list(trace.tokens)
     out: list[RenderableType] = [Text(summary, style="bold"), Text("")]
-    if len(tokens) <= 12:
+    if len(tokens) <= 12 and trace.layer_names is not None:  # the seed's numbers, 4 decimals
         out.append(Text(message("explain.weights", lang, layer=name, head=head), style="bold"))
         out.append(
             matrix_table(
@@ -235,6 +235,12 @@ def _explain_renderables(trace: Any, layer: int, head: int, lang: str) -> list[R
                 col_labels=tokens,
             )
         )
+        return out
+    if len(tokens) <= 32:  # a model's weights: shaded cells, two decimals, never cut
+        out.append(Text(message("explain.weights", lang, layer=name, head=head), style="bold"))
+        weights = trace.head_weights(layer, head)
+        keys = list(trace.key_tokens)
+        out.extend(heatmap_tables("", weights, tokens, keys, width=output.console.width))
         return out
     shown = 12
     indices, values = trace.head_top_keys(layer, head, 3)  # (T, 3) each
