@@ -10,6 +10,7 @@ model's attention (:func:`trace_model`) and ``html`` writes the interactive page
 
 from __future__ import annotations
 
+from attnlab.explain import html as _html  # noqa: F401  (registers ModelTrace's Jupyter view)
 from attnlab.explain.heads import (
     AblationEffect,
     ablate,
