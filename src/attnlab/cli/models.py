@@ -124,11 +124,7 @@ def load_pretrained_model(name: str, dtype: Any = "float32") -> tuple[Any, Any, 
         raise UserError(f"--model needs attnlab.pretrained, which is missing: {e}") from e
     try:
         with user_input():
-<<<<<<< HEAD
-            model, tokenizer = load_pretrained(name, dtype=dtype)
-=======
-            model, tokenizer = load_pretrained(name, announce=output.note)
->>>>>>> h-fuzz
+            model, tokenizer = load_pretrained(name, dtype=dtype, announce=output.note)
     except ImportError as e:  # the weights' package is not installed
         raise UserError(str(e)) from e
     return model, tokenizer, name
