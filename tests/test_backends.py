@@ -22,6 +22,7 @@ from attnlab.masks import (
     AdditiveMask,
     BooleanMask,
     CausalMask,
+    ChunkedMask,
     PaddingMask,
     SlidingWindowMask,
 )
@@ -36,7 +37,9 @@ BACKEND_CASES = [
     for p in (TILE_PATHS if b == "blockwise" else [None])
 ]
 DTYPES = [torch.float32, torch.bfloat16, torch.float64]
-MASK_KINDS = ["none", "causal_top_left", "padding", "window", "boolean", "additive", "combined"]
+MASK_KINDS = [
+    "none", "causal_top_left", "padding", "window", "chunked", "boolean", "additive", "combined",
+]  # fmt: skip
 B, H, G = 2, 4, 2
 
 
@@ -49,6 +52,8 @@ def make_mask(kind: str, T: int, S: int, gen: torch.Generator):
         return PaddingMask.from_lengths([max(1, S - 2), 0], S)
     if kind == "window":
         return SlidingWindowMask(4)
+    if kind == "chunked":
+        return ChunkedMask(5)
     if kind == "boolean":
         return BooleanMask(torch.rand(B, H, T, S, generator=gen) > 0.3)
     if kind == "additive":

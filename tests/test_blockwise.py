@@ -18,7 +18,14 @@ from attnlab.backends.blockwise import (
     force_tile_path,
     merge_partials,
 )
-from attnlab.masks import AdditiveMask, CausalMask, PaddingMask, SlidingWindowMask, as_mask
+from attnlab.masks import (
+    AdditiveMask,
+    CausalMask,
+    ChunkedMask,
+    PaddingMask,
+    SlidingWindowMask,
+    as_mask,
+)
 from reference import reference_attention, tol
 from test_backends import MASK_KINDS, TILE_PATHS, make_mask, reference_for
 
@@ -162,6 +169,19 @@ def test_causal_tiles_above_the_diagonal_are_skipped(monkeypatch, path):
     blockwise_attention(q, k, v, CausalMask(), **{**kw, "block_q": 32})
     if path == "pure":
         assert sorted(c[1] for c in calls) == sorted(["full"] * 2 + ["partial"] * 4)
+
+
+@pytest.mark.parametrize("path", TILE_PATHS)
+def test_chunked_tiles_across_chunks_are_skipped(monkeypatch, path):
+    calls = _count_tiles(monkeypatch)
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 1, 64, 8, generator=gen, dtype=torch.float64) for _ in range(3))
+    kw = {"dropout_p": 0.0, "scale": 0.5, "block_q": 16, "block_k": 16, "tile_path": path}
+    res = blockwise_attention(q, k, v, ChunkedMask(16), **kw)
+    # One diagonal square per chunk; the 6 tiles below the diagonal are in other chunks.
+    assert [c[1] for c in calls] == ["causal"] * 4
+    ref, _ = reference_attention(q, k, v, mask=ChunkedMask(16).dense(64, 64), scale=0.5)
+    torch.testing.assert_close(res.output, ref, **F64)
 
 
 @pytest.mark.skipif("fused" not in TILE_PATHS, reason="no fused tile op in this PyTorch")

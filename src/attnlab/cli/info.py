@@ -14,7 +14,9 @@ from attnlab.cli.output import UserError, output, user_input
 _INFO_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16",
                 "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
                 "float64": "float64", "fp64": "float64"}  # fmt: skip
-_INFO_MASKS = ("none", "causal", "padding", "window", "boolean", "alibi", "relbias", "document")
+_INFO_MASKS = (
+    "none", "causal", "padding", "window", "chunked", "boolean", "alibi", "relbias", "document",
+)  # fmt: skip
 
 
 @app.command()
@@ -33,7 +35,8 @@ def info(
     mask: Annotated[
         str,
         typer.Option(
-            help="none, causal, padding, window, boolean, alibi (causal ALiBi), relbias "
+            help="none, causal, padding, window, chunked (Llama 4 local chunks of 256), boolean, "
+            "alibi (causal ALiBi), relbias "
             "(T5 relative position bias, learned table) or document (packed, causal)."
         ),
     ] = "causal",
@@ -88,6 +91,7 @@ def info(
     from attnlab.masks import (
         BooleanMask,
         CausalMask,
+        ChunkedMask,
         DocumentMask,
         PaddingMask,
         SlidingWindowMask,
@@ -114,6 +118,7 @@ def info(
         "causal": CausalMask(),
         "padding": PaddingMask(torch.ones(1, 1, dtype=torch.bool).expand(batch, S)),
         "window": SlidingWindowMask(min(256, S)) if mask == "window" else None,
+        "chunked": ChunkedMask(min(256, S)) if mask == "chunked" else None,
         "boolean": BooleanMask(torch.ones(1, 1, 1, 1, dtype=torch.bool).expand(1, 1, T, S)),
         "alibi": AlibiBias(heads) & CausalMask() if mask == "alibi" else None,
         "relbias": RelativePositionBias(torch.zeros(32, heads, requires_grad=True))
