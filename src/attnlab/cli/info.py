@@ -310,6 +310,11 @@ def _info_model(name: str, seq_len: int, backend: str, as_json: bool) -> None:
         + (", interleaved" if rope["interleaved"] else "")
         + f", scaling {rope['scaling'] or 'none'}"
         + "".join(f"; some layers base {b:g}" for b in rope.get("layer_bases", ()))
+        + (
+            "; no rotary (NoPE) on layers " + ", ".join(map(str, rope["nope_layers"]))
+            if rope.get("nope_layers")
+            else ""
+        )
     )
     windows = sorted({str(lay.sliding_window) for lay in summary.per_layer})
     caps = {"attention": summary.attn_softcap, "final": summary.final_softcap}

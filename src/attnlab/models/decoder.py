@@ -107,6 +107,9 @@ class DecoderConfig:
             (Gemma 2's alternating local and global layers).
         layer_ropes: a rotary embedding's settings per layer, None = ``rope`` (Gemma 3's
             local layers rotate with their own base).
+        layer_rotary: whether each layer rotates its queries and keys; a layer that does
+            not has no position signal but the causal mask (SmolLM3's and Llama 4's NoPE
+            layers). None = every layer rotates.
         attn_scale: the score scale (Gemma 2: ``query_pre_attn_scalar ** -0.5``); None =
             ``1/sqrt(D)``.
         layer_scales: a score scale per layer, overriding ``attn_scale`` (GPT-2's
@@ -157,6 +160,7 @@ class DecoderConfig:
     sliding_window: int | None = None
     layer_windows: tuple[int | None, ...] | None = None
     layer_ropes: tuple[RopeConfig | None, ...] | None = None
+    layer_rotary: tuple[bool, ...] | None = None
     attn_scale: float | None = None
     layer_scales: tuple[float, ...] | None = None
     attn_softcap: float | None = None
@@ -455,7 +459,12 @@ class Decoder(nn.Module):
             )
         scales = config.layer_scales or (None,) * config.num_layers
         ropes = config.layer_ropes or (None,) * config.num_layers
-        for name, values in (("layer_scales", scales), ("layer_ropes", ropes)):
+        rotary = config.layer_rotary or (True,) * config.num_layers
+        for name, values in (
+            ("layer_scales", scales),
+            ("layer_ropes", ropes),
+            ("layer_rotary", rotary),
+        ):
             if len(values) != config.num_layers:
                 raise ValueError(
                     f"`{name}` must have one entry per layer ({config.num_layers}), got "
@@ -466,7 +475,9 @@ class Decoder(nn.Module):
         if self.rope is not None:
             embeddings[config.rope] = self.rope
 
-        def layer_rope(settings: RopeConfig | None) -> RotaryEmbedding | None:
+        def layer_rope(settings: RopeConfig | None, rotates: bool) -> RotaryEmbedding | None:
+            if not rotates:
+                return None
             if settings is None or self.rope is None:
                 return self.rope
             if settings not in embeddings:
@@ -476,8 +487,8 @@ class Decoder(nn.Module):
             return embeddings[settings]
 
         self.blocks = nn.ModuleList(
-            DecoderBlock(config, layer_rope(r), backend=backend, window=w, scale=a)
-            for w, a, r in zip(windows, scales, ropes, strict=True)
+            DecoderBlock(config, layer_rope(r, rot), backend=backend, window=w, scale=a)
+            for w, a, r, rot in zip(windows, scales, ropes, rotary, strict=True)
         )
         # T5: one table per stack (its first layer's in the checkpoint), shared by all layers.
         self.relative_bias = (

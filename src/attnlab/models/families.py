@@ -374,6 +374,77 @@ OLMO2 = dataclasses.replace(
     },
 )
 
+
+def _per_layer_flags(fields: dict[str, Any], key: str) -> tuple[bool, ...] | None:
+    """Pop a list of one 0/1 (or true/false) per layer, checked, as booleans."""
+    value = fields.pop(key, None)
+    if value is None:
+        return None
+    layers = fields["num_layers"]
+    if (
+        not isinstance(value, list)
+        or len(value) != layers
+        or any(v not in (0, 1) or isinstance(v, float) for v in value)
+    ):
+        raise ValueError(f"`{key}` must list one 0 or 1 per layer ({layers}), got {value!r}")
+    return tuple(bool(v) for v in value)
+
+
+def _period(fields: dict[str, Any], key: str) -> int:
+    """Pop an every-n-th-layer period (an integer >= 1)."""
+    value = fields.pop(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"`{key}` must be an integer >= 1, got {value!r}")
+    return value
+
+
+def _smollm3(fields: dict[str, Any], config: Mapping[str, Any], source: Source) -> None:
+    """SmolLM3's NoPE layers and windows, as transformers' ``SmolLM3Config`` derives them.
+
+    ``no_rope_layers`` holds one 1 (the layer rotates) or 0 (no rotary: NoPE) per layer;
+    without it every ``no_rope_layer_interval``-th layer (default 4) is NoPE. A window
+    counts only with ``use_sliding_window``, and then (unless ``layer_types`` says it per
+    layer) on the NoPE layers.
+    """
+    period = _period(fields, "no_rope_layer_interval")
+    rotary = _per_layer_flags(fields, "no_rope_layers")
+    if rotary is None:
+        rotary = tuple(bool((i + 1) % period) for i in range(fields["num_layers"]))
+    if not all(rotary):
+        fields["layer_rotary"] = rotary
+    if not _flag(fields, "use_sliding_window", False):
+        fields.pop("sliding_window", None)
+        fields["layer_types"] = None
+    elif fields.get("layer_types") is None and fields.get("sliding_window") is not None:
+        fields["layer_types"] = ["full_attention" if r else "sliding_attention" for r in rotary]
+
+
+SMOLLM3 = dataclasses.replace(
+    LLAMA,
+    name="smollm3",
+    fixed={**LLAMA.fixed, "family": "smollm3"},
+    keys={
+        **_LLAMA_KEYS,
+        **_ATTENTION_BIAS_KEYS,
+        "mlp_bias": ("mlp_bias",),
+        "layer_types": ("layer_types",),
+        "use_sliding_window": ("use_sliding_window",),
+        "no_rope_layers": ("no_rope_layers",),
+        "no_rope_layer_interval": ("no_rope_layer_interval",),
+    },
+    defaults={
+        **_LLAMA_DEFAULTS,
+        **_NO_BIAS,
+        "mlp_bias": False,
+        "tie_embeddings": True,
+        "no_rope_layer_interval": 4,
+    },
+    refuse={},
+    gguf_keys={},
+    gguf_weights={},
+    hook=_smollm3,
+)
+
 _Q_K_V = tuple(f"blocks.{{i}}.attention.{w}" for w in ("W_query", "W_key", "W_value"))
 PHI3 = dataclasses.replace(
     LLAMA,
@@ -1070,6 +1141,7 @@ FAMILIES: dict[str, Family] = {
         QWEN3,
         OLMO2,
         PHI3,
+        SMOLLM3,
         GEMMA2,
         GEMMA3,
         GRANITE,

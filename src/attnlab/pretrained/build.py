@@ -232,7 +232,9 @@ def build_config(
 
 
 # Fields that are not single values (checked where they are built).
-_STRUCTURED = ("rope", "qk_norm", "layer_types", "layer_scales", "layer_ropes")
+_STRUCTURED = (
+    "rope", "qk_norm", "layer_types", "layer_scales", "layer_ropes", "no_rope_layers",
+)  # fmt: skip
 
 
 def _decoder_fields(

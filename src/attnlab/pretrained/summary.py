@@ -45,7 +45,8 @@ class ModelSummary:
         positions: ``"rope"``, ``"learned"``, ``"alibi"``, ``"relative"`` (T5) or
             ``"learned+types"`` (encoders).
         rope: base, rotated fraction, interleaving and scaling kind (and `layer_bases`:
-            the other bases some layers rotate with, Gemma 3's local ones), or None.
+            the other bases some layers rotate with, Gemma 3's local ones; `nope_layers`:
+            the layers that do not rotate, SmolLM3's), or None.
         norm: e.g. ``"rms pre"``, ``"layer post"``.
         mlp: e.g. ``"gated silu"``.
         context_length: longest input, or None (no limit: T5's relative positions).
@@ -166,6 +167,10 @@ def summarize_model(model: Any, *, probe_length: int = 1024) -> ModelSummary:
         }
         if own:
             rope["layer_bases"] = sorted(own)
+        # NoPE layers (SmolLM3, Llama 4): no rotary at all
+        nope = [i for i, b in enumerate(model.blocks) if getattr(b.attention, "rope", 0) is None]
+        if nope:
+            rope["nope_layers"] = nope
     attn_softcap = final_softcap = None
     if isinstance(model, Decoder):
         c = model.config

@@ -1,0 +1,169 @@
+"""The newest open models' attention and feed-forward, each family a tiny random
+checkpoint built with transformers here and compared with transformers computed here
+(fp32, eager attention): logits and every layer's attention weights, greedy tokens with
+the KV cache, cached decoding against the full pass; bad configs name the field."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+if not all(importlib.util.find_spec(m) for m in ("transformers", "tokenizers", "safetensors")):
+    pytest.skip("needs transformers, tokenizers and safetensors", allow_module_level=True)
+
+from attnlab.generation import generate
+from attnlab.models.decoder import Decoder
+from attnlab.pretrained import ModelFileError, load_pretrained
+from cli_runner import run_main
+from model_files import assert_matches_reference, save_hf
+
+_SMALL = {
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 128,
+    "pad_token_id": 1,
+    "bos_token_id": 0,
+    "eos_token_id": 2,
+}
+FAMILIES: dict[str, dict] = {
+    # NoPE on layers 3 and 7 (every 4th); untied head
+    "smollm3": {
+        **_SMALL,
+        "num_hidden_layers": 8,
+        "tie_word_embeddings": False,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    },
+    # NoPE layers given explicitly, with windows on them
+    "smollm3-window": {
+        **_SMALL,
+        "num_hidden_layers": 3,
+        "no_rope_layers": [0, 1, 0],
+        "use_sliding_window": True,
+        "sliding_window": 5,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    },
+}
+
+
+def _model_type(name: str) -> str:
+    return name.split("-")[0]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("newest")
+    return {
+        name: save_hf(_model_type(name), overrides, root / name, torch.float32)
+        for name, overrides in FAMILIES.items()
+    }
+
+
+def _reference(folder):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        folder, attn_implementation="eager", dtype=torch.float32
+    ).eval()
+
+
+def _ids(n: int = 24, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 512, (1, n), generator=g)
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_logits_and_every_attention_match_transformers(checkpoints, name):
+    model, _ = load_pretrained(checkpoints[name])
+    assert isinstance(model, Decoder) and model.config.family == _model_type(name)
+    ref = _reference(checkpoints[name])
+    ids = _ids()
+    assert_matches_reference(model, ref, ids)
+    with torch.no_grad():
+        assert ref(ids).logits.std() > 0.1  # not a degenerate model
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_greedy_tokens_with_the_kv_cache_match_transformers(checkpoints, name):
+    model, _ = load_pretrained(checkpoints[name])
+    ref = _reference(checkpoints[name])
+    ids = _ids(12, seed=1)
+    ours = generate(model, ids, 16)
+    with torch.no_grad():
+        theirs = ref.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=16,
+            do_sample=False,
+            pad_token_id=1,
+            eos_token_id=None,
+        )
+    assert ours.tolist() == theirs.tolist()
+    assert len(set(ours[0, ids.shape[1] :].tolist())) > 1
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["growing", "static"])
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_cached_decoding_equals_the_full_pass(checkpoints, name, static):
+    model, _ = load_pretrained(checkpoints[name], backend="math")
+    ids = _ids(20, seed=2)
+    with torch.no_grad():
+        full = model(ids)
+        cache = model.new_kv_cache(max_len=ids.shape[1]) if static else model.new_kv_cache()
+        first = model(ids[:, :-4], kv_cache=cache)
+        steps = [model(ids[:, i : i + 1], kv_cache=cache) for i in range(16, 20)]
+    torch.testing.assert_close(torch.cat([first, *steps], dim=1), full, atol=1e-5, rtol=0)
+
+
+def test_smollm3_nope_layers_have_no_rotary(checkpoints):
+    model, _ = load_pretrained(checkpoints["smollm3"])
+    rotary = [block.attention.rope is not None for block in model.blocks]
+    assert rotary == [True, True, True, False, True, True, True, False]
+    model, _ = load_pretrained(checkpoints["smollm3-window"])
+    assert [block.attention.rope is not None for block in model.blocks] == [False, True, False]
+    assert model.config.layer_windows == (5, None, 5)  # windows on the NoPE layers
+
+
+def _edited(checkpoints, tmp_path, name: str, **edits) -> object:
+    folder = tmp_path / name
+    shutil.copytree(checkpoints[name], folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(edits)
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("name", "edits", "match"),
+    [
+        ("smollm3", {"no_rope_layers": [1, 0]}, "`no_rope_layers` must list one 0 or 1 per"),
+        ("smollm3", {"no_rope_layers": [2] * 8}, "`no_rope_layers` must list one 0 or 1 per"),
+        (
+            "smollm3",
+            {"no_rope_layers": None, "no_rope_layer_interval": 0},
+            "`no_rope_layer_interval` must be an integer >= 1",
+        ),
+    ],
+)
+def test_bad_configs_name_the_field(checkpoints, tmp_path, name, edits, match):
+    folder = _edited(checkpoints, tmp_path, name, **edits)
+    with pytest.raises(ModelFileError, match=match):
+        load_pretrained(folder)
+
+
+def test_info_names_the_nope_layers(checkpoints, capsys):
+    code, out, err = run_main(capsys, "info", "--model", str(checkpoints["smollm3"]), "--json")
+    assert code == 0, err
+    assert json.loads(out)["rope"]["nope_layers"] == [3, 7]
+    code, out, err = run_main(capsys, "info", "--model", str(checkpoints["smollm3"]))
+    assert code == 0, err
+    assert "(NoPE)" in out
