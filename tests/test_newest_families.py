@@ -52,6 +52,21 @@ FAMILIES: dict[str, dict] = {
         "sliding_window": 5,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
     },
+    # NoPE on layers 1 and 3 (interval 2); chunks of 4 on the rotary layers (prompts of 12
+    # to 24 tokens cross several); temperature floor 3 so that the scale changes within
+    # a prompt; dense feed-forward only
+    "llama4_text": {
+        **_SMALL,
+        "num_hidden_layers": 4,
+        "head_dim": 16,
+        "intermediate_size_mlp": 80,
+        "moe_layers": [],
+        "no_rope_layer_interval": 2,
+        "attention_chunk_size": 4,
+        "floor_scale": 3,
+        "attn_scale": 0.5,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    },
 }
 
 
@@ -124,6 +139,21 @@ def test_cached_decoding_equals_the_full_pass(checkpoints, name, static):
     torch.testing.assert_close(torch.cat([first, *steps], dim=1), full, atol=1e-5, rtol=0)
 
 
+def test_llama4_layers(checkpoints):
+    """Rotary layers: chunks and the L2 QK-norm; NoPE layers: global, temperature tuned."""
+    model, _ = load_pretrained(checkpoints["llama4_text"])
+    layers = [block.attention for block in model.blocks]
+    assert [a.rope is not None for a in layers] == [True, False, True, False]
+    assert [a.attention_chunk for a in layers] == [4, None, 4, None]
+    assert [a.qk_norm is not None for a in layers] == [True, False, True, False]
+    assert [a.temperature for a in layers] == [None, (3.0, 0.5), None, (3.0, 0.5)]
+    # a query late in the prompt sees nothing before its chunk on a rotary layer
+    with torch.no_grad():
+        _, weights = model(_ids(10), need_weights=True)
+    assert bool((weights[0][0, :, 9, :8] == 0).all()) and bool((weights[0][0, :, 9, 8:] > 0).all())
+    assert bool((weights[1][0, :, 9] > 0).all())
+
+
 def test_smollm3_nope_layers_have_no_rotary(checkpoints):
     model, _ = load_pretrained(checkpoints["smollm3"])
     rotary = [block.attention.rope is not None for block in model.blocks]
@@ -140,6 +170,21 @@ def _edited(checkpoints, tmp_path, name: str, **edits) -> object:
     config.update(edits)
     (folder / "config.json").write_text(json.dumps(config))
     return folder
+
+
+@pytest.mark.parametrize(
+    ("edits", "match"),
+    [
+        ({"attention_chunk_size": 0}, "`attention_chunk_size` must be an integer >= 1"),
+        ({"moe_layers": [1]}, "`moe_layers` = \\[1\\]: mixture-of-experts"),
+        ({"floor_scale": 0}, "`floor_scale` must be > 0"),
+        ({"layer_types": ["sliding_attention"] * 4}, "`layer_types` holds an unsupported"),
+    ],
+)
+def test_llama4_bad_configs_name_the_field(checkpoints, tmp_path, edits, match):
+    folder = _edited(checkpoints, tmp_path, "llama4_text", **edits)
+    with pytest.raises(ModelFileError, match=match):
+        load_pretrained(folder)
 
 
 @pytest.mark.parametrize(
@@ -167,3 +212,8 @@ def test_info_names_the_nope_layers(checkpoints, capsys):
     code, out, err = run_main(capsys, "info", "--model", str(checkpoints["smollm3"]))
     assert code == 0, err
     assert "(NoPE)" in out
+    code, out, err = run_main(capsys, "info", "--model", str(checkpoints["llama4_text"]), "--json")
+    assert code == 0, err
+    info = json.loads(out)
+    assert [lay["attention_chunk"] for lay in info["per_layer"]] == [4, None, 4, None]
+    assert info["rope"]["interleaved"] and info["rope"]["nope_layers"] == [1, 3]

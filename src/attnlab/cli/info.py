@@ -341,7 +341,16 @@ def _info_model(name: str, seq_len: int, backend: str, as_json: bool) -> None:
     ):
         table.add_row(field, value)
     layers = Table(title=f"attention layers: backend for a call of T={summary.probe_length}")
-    for col in ("layer", "attention", "heads", "kv heads", "head dim", "window", "backend"):
+    for col in (
+        "layer",
+        "attention",
+        "heads",
+        "kv heads",
+        "head dim",
+        "window",
+        "chunk",
+        "backend",
+    ):
         layers.add_column(col)
     for lay in summary.per_layer:
         layers.add_row(
@@ -351,6 +360,7 @@ def _info_model(name: str, seq_len: int, backend: str, as_json: bool) -> None:
             str(lay.kv_heads),
             str(lay.head_dim),
             str(lay.sliding_window or "-"),
+            str(lay.attention_chunk or "-"),
             lay.backend,
         )
     output.show(table, layers)

@@ -112,6 +112,12 @@ class DecoderConfig:
         layer_rotary: whether each layer rotates its queries and keys; a layer that does
             not has no position signal but the causal mask (SmolLM3's and Llama 4's NoPE
             layers). None = every layer rotates.
+        layer_chunks: a chunk length (or None) per layer: chunked local attention, each
+            query sees its own chunk causally (Llama 4's rotary layers); None = no chunks.
+        layer_qk_norm: whether each layer applies ``qk_norm`` (Llama 4: its rotary layers
+            only); None = every layer.
+        attn_temperature: ``(floor_scale, scale)`` of Llama 4's attention temperature
+            tuning, applied on the layers that do not rotate (``layer_rotary``), or None.
         attn_scale: the score scale (Gemma 2: ``query_pre_attn_scalar ** -0.5``); None =
             ``1/sqrt(D)``.
         layer_scales: a score scale per layer, overriding ``attn_scale`` (GPT-2's
@@ -164,6 +170,9 @@ class DecoderConfig:
     layer_windows: tuple[int | None, ...] | None = None
     layer_ropes: tuple[RopeConfig | None, ...] | None = None
     layer_rotary: tuple[bool, ...] | None = None
+    layer_chunks: tuple[int | None, ...] | None = None
+    layer_qk_norm: tuple[bool, ...] | None = None
+    attn_temperature: tuple[float, float] | None = None
     attn_scale: float | None = None
     layer_scales: tuple[float, ...] | None = None
     attn_softcap: float | None = None
@@ -277,6 +286,8 @@ class DecoderBlock(nn.Module):
         backend: str,
         window: int | None = None,
         scale: float | None = None,
+        chunk: int | None = None,
+        qk_norm: bool = True,
     ) -> None:
         super().__init__()
         C = config.hidden_size
@@ -295,10 +306,12 @@ class DecoderBlock(nn.Module):
             rope=rope,
             backend=backend,
             head_dim=config.head_dim,
-            qk_norm=config.qk_norm,
+            qk_norm=config.qk_norm if qk_norm else None,
             sliding_window=window,
             scale=scale,
             softcap=config.attn_softcap,
+            attention_chunk=chunk,
+            temperature=config.attn_temperature if rope is None else None,  # NoPE layers
         )
         if config.cross_attention:  # between self-attention and the MLP, pre-norm (T5)
             self.cross_norm: nn.Module | None = make_norm(config)
@@ -467,10 +480,14 @@ class Decoder(nn.Module):
         scales = config.layer_scales or (None,) * config.num_layers
         ropes = config.layer_ropes or (None,) * config.num_layers
         rotary = config.layer_rotary or (True,) * config.num_layers
+        chunks = config.layer_chunks or (None,) * config.num_layers
+        qk_norms = config.layer_qk_norm or (True,) * config.num_layers
         for name, values in (
             ("layer_scales", scales),
             ("layer_ropes", ropes),
             ("layer_rotary", rotary),
+            ("layer_chunks", chunks),
+            ("layer_qk_norm", qk_norms),
         ):
             if len(values) != config.num_layers:
                 raise ValueError(
@@ -493,9 +510,12 @@ class Decoder(nn.Module):
                 )
             return embeddings[settings]
 
+        per_layer = zip(windows, scales, ropes, rotary, chunks, qk_norms, strict=True)
         self.blocks = nn.ModuleList(
-            DecoderBlock(config, layer_rope(r, rot), backend=backend, window=w, scale=a)
-            for w, a, r, rot in zip(windows, scales, ropes, rotary, strict=True)
+            DecoderBlock(
+                config, layer_rope(r, rot), backend=backend, window=w, scale=a, chunk=c, qk_norm=n
+            )
+            for w, a, r, rot, c, n in per_layer
         )
         # T5: one table per stack (its first layer's in the checkpoint), shared by all layers.
         self.relative_bias = (

@@ -445,6 +445,114 @@ SMOLLM3 = dataclasses.replace(
     hook=_smollm3,
 )
 
+
+def _llama4(fields: dict[str, Any], config: Mapping[str, Any], source: Source) -> None:
+    """Llama 4's text layers, as transformers' ``Llama4TextConfig`` derives them.
+
+    NoPE layers from ``no_rope_layers`` (1 = rotates; empty or absent: every
+    ``no_rope_layer_interval``-th layer, default 4, is NoPE). The rotary layers attend in
+    chunks of ``attention_chunk_size`` (``layer_types`` ``"chunked_attention"`` where it is
+    given) and normalise queries and keys with a weightless L2 norm (``use_qk_norm``); the
+    NoPE layers sharpen their queries with ``attn_temperature_tuning`` (``floor_scale``,
+    ``attn_scale``). RoPE rotates interleaved pairs (transformers' complex product).
+    Mixture-of-experts layers (``moe_layers``, or every ``interleave_moe_layer_step``-th
+    layer) are refused: only dense configs load.
+    """
+    layers = fields["num_layers"]
+    period = _period(fields, "no_rope_layer_interval")
+    if fields.get("no_rope_layers") == []:
+        fields.pop("no_rope_layers")
+    rotary = _per_layer_flags(fields, "no_rope_layers")
+    if rotary is None:
+        rotary = tuple(bool((i + 1) % period) for i in range(layers))
+    fields["layer_rotary"] = rotary
+    chunk = fields.pop("attention_chunk_size")
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        raise ValueError(f"`attention_chunk_size` must be an integer >= 1 or null, got {chunk!r}")
+    types = fields.pop("layer_types", None)
+    if types is None:
+        types = ["chunked_attention" if r and chunk else "full_attention" for r in rotary]
+    if not isinstance(types, list) or len(types) != layers:
+        raise ValueError(f"`layer_types` must list one type per layer ({layers}), got {types!r}")
+    if any(t not in ("chunked_attention", "full_attention") for t in types):
+        raise ValueError(f"`layer_types` holds an unsupported type: {sorted(set(map(str, types)))}")
+    if "chunked_attention" in types and chunk is None:
+        raise ValueError("`layer_types` has chunked layers but `attention_chunk_size` is null")
+    fields["layer_chunks"] = tuple(chunk if t == "chunked_attention" else None for t in types)
+    fields["layer_types"] = None
+    if _flag(fields, "use_qk_norm", True):
+        fields["qk_norm"] = "l2_head"
+        fields["layer_qk_norm"] = rotary
+    if _flag(fields, "attn_temperature_tuning", True):
+        floor_scale, scale = fields.pop("temperature_floor"), fields.pop("temperature_scale")
+        for key, value in (("floor_scale", floor_scale), ("attn_scale", scale)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"`{key}` must be a number, got {value!r}")
+        if not floor_scale > 0:
+            raise ValueError(f"`floor_scale` must be > 0, got {floor_scale!r}")
+        fields["attn_temperature"] = (float(floor_scale), float(scale))
+    else:
+        fields.pop("temperature_floor")
+        fields.pop("temperature_scale")
+    step = fields.pop("interleave_moe_layer_step")
+    moe = fields.pop("moe_layers", None)
+    if moe is None:
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise ValueError(f"`interleave_moe_layer_step` must be an integer, got {step!r}")
+        moe = list(range(step - 1, layers, step)) if step > 0 else []
+    if moe:
+        raise ValueError(
+            f"`moe_layers` = {moe}: mixture-of-experts layers are not supported for "
+            "llama4_text yet (dense configs only: `moe_layers` [])"
+        )
+    try:
+        fields["rope"] = dataclasses.replace(RopeConfig.from_hf_config(config), interleaved=True)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"rope settings: {e}") from None
+
+
+LLAMA4_TEXT = dataclasses.replace(
+    LLAMA,
+    name="llama4_text",
+    fixed={**LLAMA.fixed, "family": "llama4_text"},
+    keys={
+        **_LLAMA_KEYS,
+        **_ATTENTION_BIAS_KEYS,
+        "intermediate_size": ("intermediate_size_mlp",),
+        "layer_types": ("layer_types",),
+        "no_rope_layers": ("no_rope_layers",),
+        "no_rope_layer_interval": ("no_rope_layer_interval",),
+        "attention_chunk_size": ("attention_chunk_size",),
+        "use_qk_norm": ("use_qk_norm",),
+        "attn_temperature_tuning": ("attn_temperature_tuning",),
+        # not the score scale: Llama 4's temperature tuning
+        "temperature_floor": ("floor_scale",),
+        "temperature_scale": ("attn_scale",),
+        "moe_layers": ("moe_layers",),
+        "interleave_moe_layer_step": ("interleave_moe_layer_step",),
+    },
+    defaults={
+        **_LLAMA_DEFAULTS,
+        **_NO_BIAS,
+        "intermediate_size": 16384,
+        "no_rope_layer_interval": 4,
+        "attention_chunk_size": 8192,
+        "temperature_floor": 8192,
+        "temperature_scale": 0.1,
+        "interleave_moe_layer_step": 1,
+    },
+    refuse={},
+    weights={
+        **_LLAMA_WEIGHTS,
+        "blocks.{i}.mlp.gate": ("layers.{i}.feed_forward.gate_proj", ""),
+        "blocks.{i}.mlp.up": ("layers.{i}.feed_forward.up_proj", ""),
+        "blocks.{i}.mlp.down": ("layers.{i}.feed_forward.down_proj", ""),
+    },
+    gguf_keys={},
+    gguf_weights={},
+    hook=_llama4,
+)
+
 _Q_K_V = tuple(f"blocks.{{i}}.attention.{w}" for w in ("W_query", "W_key", "W_value"))
 PHI3 = dataclasses.replace(
     LLAMA,
@@ -1152,6 +1260,7 @@ FAMILIES: dict[str, Family] = {
         OLMO2,
         PHI3,
         SMOLLM3,
+        LLAMA4_TEXT,
         GEMMA2,
         GEMMA3,
         GRANITE,

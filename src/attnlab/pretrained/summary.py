@@ -20,7 +20,8 @@ class LayerSummary:
     """One attention layer: its heads, window, and the backend a call of length T runs on.
 
     ``role`` says which attention it is: ``"self"`` (a decoder's or an encoder's), or in an
-    encoder-decoder ``"encoder"``, ``"decoder self"`` and ``"decoder cross"``.
+    encoder-decoder ``"encoder"``, ``"decoder self"`` and ``"decoder cross"``;
+    ``attention_chunk`` the chunk length of chunked local attention (Llama 4), or None.
     """
 
     index: int
@@ -30,6 +31,7 @@ class LayerSummary:
     sliding_window: int | None
     backend: str
     role: str = "self"
+    attention_chunk: int | None = None
 
 
 @dataclass(frozen=True)
@@ -113,7 +115,7 @@ def summarize_model(model: Any, *, probe_length: int = 1024) -> ModelSummary:
         TypeError: a model that is none of these.
     """
     from attnlab.backends import explain_dispatch
-    from attnlab.masks import CausalMask, SlidingWindowMask
+    from attnlab.masks import AttentionMask, CausalMask, ChunkedMask, SlidingWindowMask
     from attnlab.models.decoder import Decoder
     from attnlab.models.encoder import Encoder
     from attnlab.models.encoder_decoder import EncoderDecoder
@@ -141,7 +143,16 @@ def summarize_model(model: Any, *, probe_length: int = 1024) -> ModelSummary:
             return torch.zeros((1,) * len(shape), dtype=dtype).expand(*shape)
 
         window = getattr(layer, "sliding_window", None)
-        mask = (SlidingWindowMask(window) if window else CausalMask()) if causal else None
+        chunk = getattr(layer, "attention_chunk", None)
+        mask: AttentionMask | None = None
+        if causal:
+            mask = (
+                SlidingWindowMask(window)
+                if window
+                else ChunkedMask(chunk)
+                if chunk and chunk < T
+                else CausalMask()
+            )
         exp = explain_dispatch(
             shaped(1, H, T, D),
             shaped(1, G, T, D),
@@ -150,7 +161,7 @@ def summarize_model(model: Any, *, probe_length: int = 1024) -> ModelSummary:
             0.0,
             backend=layer.backend,
         )
-        per_layer.append(LayerSummary(i, H, G, D, window, str(exp.chosen), role))
+        per_layer.append(LayerSummary(i, H, G, D, window, str(exp.chosen), role, chunk))
     first = layers[0][1]
     rope: dict[str, Any] | None = None
     if isinstance(model, Decoder) and model.rope is not None:
