@@ -21,6 +21,7 @@ if not all(importlib.util.find_spec(m) for m in ("transformers", "tokenizers", "
 
 from attnlab.generation import generate
 from attnlab.models.decoder import Decoder
+from attnlab.models.moe import MixtureOfExperts, MoEConfig
 from attnlab.pretrained import ModelFileError, load_pretrained
 from cli_runner import run_main
 from model_files import assert_matches_reference, save_hf
@@ -66,6 +67,35 @@ FAMILIES: dict[str, dict] = {
         "floor_scale": 3,
         "attn_scale": 0.5,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    },
+    # 4 experts, 2 per token (renormalised); a window shorter than the prompt
+    "mixtral": {
+        **_SMALL,
+        "intermediate_size": 48,
+        "num_hidden_layers": 2,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "sliding_window": 9,
+    },
+    # layer 0 dense (mlp_only_layers), layers 1 and 2 experts; top-3 of 5 not renormalised
+    "qwen3_moe": {
+        **_SMALL,
+        "num_hidden_layers": 3,
+        "head_dim": 32,
+        "moe_intermediate_size": 32,
+        "num_experts": 5,
+        "num_experts_per_tok": 3,
+        "norm_topk_prob": False,
+        "mlp_only_layers": [0],
+    },
+    "qwen3_moe-renorm": {
+        **_SMALL,
+        "num_hidden_layers": 2,
+        "moe_intermediate_size": 32,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 2,  # layer 1 only
     },
 }
 
@@ -154,6 +184,75 @@ def test_llama4_layers(checkpoints):
     assert bool((weights[1][0, :, 9] > 0).all())
 
 
+def test_moe_layers_where_the_config_puts_them(checkpoints):
+    kinds = {
+        name: [type(block.mlp).__name__ for block in load_pretrained(checkpoints[name])[0].blocks]
+        for name in ("mixtral", "qwen3_moe", "qwen3_moe-renorm")
+    }
+    assert kinds == {
+        "mixtral": ["MixtureOfExperts"] * 2,
+        "qwen3_moe": ["MLP", "MixtureOfExperts", "MixtureOfExperts"],
+        "qwen3_moe-renorm": ["MLP", "MixtureOfExperts"],
+    }
+    model, _ = load_pretrained(checkpoints["qwen3_moe"])
+    moe = model.blocks[1].mlp.config
+    assert (moe.num_experts, moe.top_k, moe.expert_size, moe.renormalize) == (5, 3, 32, False)
+
+
+def test_an_expert_no_token_chose_is_never_computed():
+    """Poison the experts no token chose with NaN: a dense computation of every expert
+    would spread the NaN (0 * NaN), routing only the chosen ones does not."""
+    torch.manual_seed(0)
+    moe = MixtureOfExperts(16, MoEConfig(8, 2, 12))
+    x = torch.randn(1, 3, 16)  # 3 tokens x 2 choices: at least 2 of 8 experts idle
+    with torch.no_grad():
+        before = moe(x)
+        chosen = set(moe.last_routing.experts.flatten().tolist())
+        idle = sorted(set(range(8)) - chosen)
+        assert len(idle) >= 2
+        for e in idle:
+            moe.experts.gate.weight[e] = float("nan")
+            moe.experts.down.weight[e] = float("nan")
+        after = moe(x)
+    assert torch.equal(before, after)
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_sigmoid_router_shared_expert_and_weighted_inputs_match_llama4_moe(top_k):
+    """The module against transformers' Llama4TextMoe (sigmoid router on the top-k
+    logits, the weight scaling each expert's input, a shared expert), weights copied."""
+    from transformers import AutoConfig
+    from transformers.models.llama4.modeling_llama4 import Llama4TextMoe
+
+    C, F, E = 16, 12, 4
+    hf = AutoConfig.for_model(
+        "llama4_text", hidden_size=C, intermediate_size=F, num_local_experts=E,
+        num_experts_per_tok=top_k, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+    )  # fmt: skip
+    torch.manual_seed(1)
+    theirs = Llama4TextMoe(hf).eval()
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.normal_(0, 0.3)
+    config = MoEConfig(
+        E, top_k, F, router="sigmoid", renormalize=False, weight_inputs=True, shared_size=F
+    )
+    ours = MixtureOfExperts(C, config, activation="silu")
+    with torch.no_grad():
+        ours.router.weight.copy_(theirs.router.weight)
+        gate_up = theirs.experts.gate_up_proj  # (E, C, 2F): x @ it
+        ours.experts.gate.weight.copy_(gate_up[..., :F].transpose(1, 2))
+        ours.experts.up.weight.copy_(gate_up[..., F:].transpose(1, 2))
+        ours.experts.down.weight.copy_(theirs.experts.down_proj.transpose(1, 2))
+        for name in ("gate", "up", "down"):
+            getattr(ours.shared, name).weight.copy_(
+                getattr(theirs.shared_expert, f"{name}_proj").weight
+            )
+        x = torch.randn(2, 5, C)
+        expected, _ = theirs(x)
+        torch.testing.assert_close(ours(x), expected.view(2, 5, C), atol=1e-5, rtol=0)
+
+
 def test_smollm3_nope_layers_have_no_rotary(checkpoints):
     model, _ = load_pretrained(checkpoints["smollm3"])
     rotary = [block.attention.rope is not None for block in model.blocks]
@@ -192,6 +291,19 @@ def test_llama4_bad_configs_name_the_field(checkpoints, tmp_path, edits, match):
     [
         ("smollm3", {"no_rope_layers": [1, 0]}, "`no_rope_layers` must list one 0 or 1 per"),
         ("smollm3", {"no_rope_layers": [2] * 8}, "`no_rope_layers` must list one 0 or 1 per"),
+        (
+            "mixtral",
+            {"num_experts_per_tok": 5},
+            "`num_experts_per_tok` = 5 chooses more experts than exist",
+        ),
+        ("qwen3_moe", {"num_local_experts": -1}, "`num_local_experts` must be an integer >= 1"),
+        (
+            "qwen3_moe",
+            {"num_experts_per_tok": 6},
+            "`num_experts_per_tok` = 6 chooses more experts than exist",
+        ),
+        ("qwen3_moe", {"mlp_only_layers": [7]}, "`mlp_only_layers` must list layer indices"),
+        ("qwen3_moe", {"decoder_sparse_step": 0}, "`decoder_sparse_step` must be an integer"),
         (
             "smollm3",
             {"no_rope_layers": None, "no_rope_layer_interval": 0},

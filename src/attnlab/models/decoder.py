@@ -53,6 +53,7 @@ from attnlab.biases import AlibiBias, RelativePositionBias
 from attnlab.masks import AttentionMask, PaddingMask
 from attnlab.models._lm import keep_last, set_attention_backend
 from attnlab.models.fast_decode import DecodePlan, decode_plan, fast_step, new_caches
+from attnlab.models.moe import MixtureOfExperts, MoEConfig
 from attnlab.norms import QKNorm, RMSNorm
 from attnlab.rope import RopeConfig, RotaryEmbedding
 
@@ -118,6 +119,10 @@ class DecoderConfig:
             only); None = every layer.
         attn_temperature: ``(floor_scale, scale)`` of Llama 4's attention temperature
             tuning, applied on the layers that do not rotate (``layer_rotary``), or None.
+        moe: the mixture-of-experts feed-forward (:class:`attnlab.models.moe.MoEConfig`) of
+            the layers ``layer_moe`` names, or None (every layer dense).
+        layer_moe: whether each layer's feed-forward is the mixture of experts (the others:
+            the dense MLP of ``intermediate_size``); None = every layer when ``moe`` is set.
         attn_scale: the score scale (Gemma 2: ``query_pre_attn_scalar ** -0.5``); None =
             ``1/sqrt(D)``.
         layer_scales: a score scale per layer, overriding ``attn_scale`` (GPT-2's
@@ -173,6 +178,8 @@ class DecoderConfig:
     layer_chunks: tuple[int | None, ...] | None = None
     layer_qk_norm: tuple[bool, ...] | None = None
     attn_temperature: tuple[float, float] | None = None
+    moe: MoEConfig | None = None
+    layer_moe: tuple[bool, ...] | None = None
     attn_scale: float | None = None
     layer_scales: tuple[float, ...] | None = None
     attn_softcap: float | None = None
@@ -288,6 +295,7 @@ class DecoderBlock(nn.Module):
         scale: float | None = None,
         chunk: int | None = None,
         qk_norm: bool = True,
+        moe: bool = False,
     ) -> None:
         super().__init__()
         C = config.hidden_size
@@ -330,13 +338,17 @@ class DecoderBlock(nn.Module):
             self.cross_norm = self.cross_attention = None
         self.shared_norm = config.parallel_residual and config.parallel_shared_norm
         self.mlp_norm: nn.Module | None = None if self.shared_norm else make_norm(config)
-        self.mlp = MLP(
-            C,
-            config.intermediate_size,
-            gated=config.mlp == "gated",
-            activation=config.activation,
-            bias=config.mlp_bias,
-        )
+        self.mlp: MLP | MixtureOfExperts
+        if moe and config.moe is not None:
+            self.mlp = MixtureOfExperts(C, config.moe, activation=config.activation)
+        else:
+            self.mlp = MLP(
+                C,
+                config.intermediate_size,
+                gated=config.mlp == "gated",
+                activation=config.activation,
+                bias=config.mlp_bias,
+            )
         if self.placement == "sandwich":
             self.attn_post_norm: nn.Module | None = make_norm(config)
             self.mlp_post_norm: nn.Module | None = make_norm(config)
@@ -482,12 +494,16 @@ class Decoder(nn.Module):
         rotary = config.layer_rotary or (True,) * config.num_layers
         chunks = config.layer_chunks or (None,) * config.num_layers
         qk_norms = config.layer_qk_norm or (True,) * config.num_layers
+        moes = config.layer_moe or (config.moe is not None,) * config.num_layers
+        if config.layer_moe is not None and config.moe is None:
+            raise ValueError("`layer_moe` needs `moe` (the experts' configuration)")
         for name, values in (
             ("layer_scales", scales),
             ("layer_ropes", ropes),
             ("layer_rotary", rotary),
             ("layer_chunks", chunks),
             ("layer_qk_norm", qk_norms),
+            ("layer_moe", moes),
         ):
             if len(values) != config.num_layers:
                 raise ValueError(
@@ -510,12 +526,19 @@ class Decoder(nn.Module):
                 )
             return embeddings[settings]
 
-        per_layer = zip(windows, scales, ropes, rotary, chunks, qk_norms, strict=True)
+        per_layer = zip(windows, scales, ropes, rotary, chunks, qk_norms, moes, strict=True)
         self.blocks = nn.ModuleList(
             DecoderBlock(
-                config, layer_rope(r, rot), backend=backend, window=w, scale=a, chunk=c, qk_norm=n
+                config,
+                layer_rope(r, rot),
+                backend=backend,
+                window=w,
+                scale=a,
+                chunk=c,
+                qk_norm=n,
+                moe=m,
             )
-            for w, a, r, rot, c, n in per_layer
+            for w, a, r, rot, c, n, m in per_layer
         )
         # T5: one table per stack (its first layer's in the checkpoint), shared by all layers.
         self.relative_bias = (

@@ -48,6 +48,7 @@ from typing import Any, Literal
 from attnlab.models.decoder import DecoderConfig
 from attnlab.models.encoder import EncoderConfig
 from attnlab.models.encoder_decoder import EncoderDecoderConfig
+from attnlab.models.moe import MoEConfig
 from attnlab.rope import RopeConfig
 
 __all__ = [
@@ -551,6 +552,140 @@ LLAMA4_TEXT = dataclasses.replace(
     gguf_keys={},
     gguf_weights={},
     hook=_llama4,
+)
+
+
+def _count(fields: dict[str, Any], key: str, *, least: int = 1) -> int:
+    """Pop an integer option that must be at least ``least``."""
+    value = fields.pop(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"`{key}` must be an integer >= {least}, got {value!r}")
+    return value
+
+
+def _experts(
+    fields: dict[str, Any],
+    *,
+    size_key: str,
+    renormalize: bool | str,
+    router: str = "softmax",
+    shared_size: int | None = None,
+    weight_inputs: bool = False,
+) -> MoEConfig:
+    """The experts' configuration from ``num_local_experts``, ``num_experts_per_tok`` and
+    the expert width under ``size_key`` (popped); ``renormalize`` a fixed rule or the key
+    of a true/false option (Qwen3-MoE's ``norm_topk_prob``)."""
+    experts = _count(fields, "num_local_experts")
+    top_k = _count(fields, "num_experts_per_tok")
+    if top_k > experts:
+        raise ValueError(
+            f"`num_experts_per_tok` = {top_k} chooses more experts than exist "
+            f"(`num_local_experts` = {experts})"
+        )
+    size = fields["intermediate_size"] if size_key == "intermediate_size" else None
+    size = _count(fields, size_key) if size is None else size
+    norm = renormalize if isinstance(renormalize, bool) else _flag(fields, renormalize, False)
+    return MoEConfig(
+        experts,
+        top_k,
+        size,
+        router=router,  # type: ignore[arg-type]
+        renormalize=norm,
+        shared_size=shared_size,
+        weight_inputs=weight_inputs,
+    )
+
+
+def _mixtral(fields: dict[str, Any], config: Mapping[str, Any], source: Source) -> None:
+    """Mixtral: every layer's feed-forward is the experts (softmax router, top-k weights
+    renormalised), each of ``intermediate_size``; ``router_jitter_noise`` only trains."""
+    fields["moe"] = _experts(fields, size_key="intermediate_size", renormalize=True)
+
+
+def _qwen3_moe(fields: dict[str, Any], config: Mapping[str, Any], source: Source) -> None:
+    """Qwen3-MoE: Qwen3's attention and window rule; the experts (softmax router,
+    ``norm_topk_prob`` renormalises, each of ``moe_intermediate_size``) on every
+    ``decoder_sparse_step``-th layer not in ``mlp_only_layers``, the dense MLP of
+    ``intermediate_size`` on the others (every layer with 0 experts), as transformers'
+    ``Qwen3MoeDecoderLayer`` chooses."""
+    _qwen_windows(fields, config, source)
+    if fields.get("num_local_experts") == 0:  # transformers: no experts, every layer dense
+        for key in ("num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
+                    "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers"):  # fmt: skip
+            fields.pop(key, None)
+        return
+    moe = _experts(fields, size_key="moe_intermediate_size", renormalize="norm_topk_prob")
+    step = _count(fields, "decoder_sparse_step")
+    dense = fields.pop("mlp_only_layers", None) or []
+    layers = fields["num_layers"]
+    if not isinstance(dense, list) or any(
+        isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < layers for i in dense
+    ):
+        raise ValueError(
+            f"`mlp_only_layers` must list layer indices 0..{layers - 1}, got {dense!r}"
+        )
+    fields["moe"] = moe
+    fields["layer_moe"] = tuple(i not in dense and (i + 1) % step == 0 for i in range(layers))
+
+
+_DENSE_MLP = ("blocks.{i}.mlp.gate", "blocks.{i}.mlp.up", "blocks.{i}.mlp.down")
+_EXPERT_KEYS: dict[str, tuple[str, ...]] = {
+    "num_local_experts": ("num_local_experts", "num_experts"),
+    "num_experts_per_tok": ("num_experts_per_tok",),
+}
+
+MIXTRAL = dataclasses.replace(
+    LLAMA,
+    name="mixtral",
+    fixed={**LLAMA.fixed, "family": "mixtral"},
+    keys={**_LLAMA_KEYS, **_EXPERT_KEYS},
+    defaults={**_LLAMA_DEFAULTS, **_NO_BIAS, "num_local_experts": 8, "num_experts_per_tok": 2},
+    refuse={},
+    weights={
+        **_without(
+            _LLAMA_WEIGHTS, "blocks.{i}.mlp.gate", "blocks.{i}.mlp.up", "blocks.{i}.mlp.down"
+        ),
+        "blocks.{i}.mlp.router": ("layers.{i}.block_sparse_moe.gate", ""),
+        # one tensor per expert in the file, stacked into (E, ...) rows
+        "blocks.{i}.mlp.experts.gate": ("layers.{i}.block_sparse_moe.experts.{j}.w1", ""),
+        "blocks.{i}.mlp.experts.up": ("layers.{i}.block_sparse_moe.experts.{j}.w3", ""),
+        "blocks.{i}.mlp.experts.down": ("layers.{i}.block_sparse_moe.experts.{j}.w2", ""),
+    },
+    gguf_keys={},
+    gguf_weights={},
+    hook=_mixtral,
+)
+
+QWEN3_MOE = dataclasses.replace(
+    QWEN3,
+    name="qwen3_moe",
+    fixed={**QWEN3.fixed, "family": "qwen3_moe"},
+    keys={
+        **QWEN3.keys,
+        **_EXPERT_KEYS,
+        "moe_intermediate_size": ("moe_intermediate_size",),
+        "norm_topk_prob": ("norm_topk_prob",),
+        "decoder_sparse_step": ("decoder_sparse_step",),
+        "mlp_only_layers": ("mlp_only_layers",),
+    },
+    defaults={
+        **QWEN3.defaults,
+        "num_local_experts": 128,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 768,
+        "norm_topk_prob": False,
+        "decoder_sparse_step": 1,
+    },
+    weights={
+        **QWEN3.weights,
+        "blocks.{i}.mlp.router": ("layers.{i}.mlp.gate", ""),
+        "blocks.{i}.mlp.experts.gate": ("layers.{i}.mlp.experts.{j}.gate_proj", ""),
+        "blocks.{i}.mlp.experts.up": ("layers.{i}.mlp.experts.{j}.up_proj", ""),
+        "blocks.{i}.mlp.experts.down": ("layers.{i}.mlp.experts.{j}.down_proj", ""),
+    },
+    gguf_keys={},
+    gguf_weights={},
+    hook=_qwen3_moe,
 )
 
 _Q_K_V = tuple(f"blocks.{{i}}.attention.{w}" for w in ("W_query", "W_key", "W_value"))
@@ -1261,6 +1396,8 @@ FAMILIES: dict[str, Family] = {
         PHI3,
         SMOLLM3,
         LLAMA4_TEXT,
+        MIXTRAL,
+        QWEN3_MOE,
         GEMMA2,
         GEMMA3,
         GRANITE,

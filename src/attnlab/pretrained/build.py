@@ -234,7 +234,7 @@ def build_config(
 # Fields that are not single values (checked where they are built).
 _STRUCTURED = (
     "rope", "qk_norm", "layer_types", "layer_scales", "layer_ropes", "no_rope_layers",
-    "moe_layers",
+    "moe_layers", "mlp_only_layers", "moe",
 )  # fmt: skip
 
 
