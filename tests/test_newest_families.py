@@ -56,12 +56,28 @@ FAMILIES: dict[str, dict] = {
     # NoPE on layers 1 and 3 (interval 2); chunks of 4 on the rotary layers (prompts of 12
     # to 24 tokens cross several); temperature floor 3 so that the scale changes within
     # a prompt; dense feed-forward only
-    "llama4_text": {
+    "llama4_text-dense": {
         **_SMALL,
         "num_hidden_layers": 4,
         "head_dim": 16,
         "intermediate_size_mlp": 80,
         "moe_layers": [],
+        "no_rope_layer_interval": 2,
+        "attention_chunk_size": 4,
+        "floor_scale": 3,
+        "attn_scale": 0.5,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    },
+    # layers 1 and 3 route to experts (top-2 of 4, sigmoid, a shared expert)
+    "llama4_text": {
+        **_SMALL,
+        "num_hidden_layers": 4,
+        "head_dim": 16,
+        "intermediate_size": 32,
+        "intermediate_size_mlp": 80,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "interleave_moe_layer_step": 2,
         "no_rope_layer_interval": 2,
         "attention_chunk_size": 4,
         "floor_scale": 3,
@@ -187,10 +203,11 @@ def test_llama4_layers(checkpoints):
 def test_moe_layers_where_the_config_puts_them(checkpoints):
     kinds = {
         name: [type(block.mlp).__name__ for block in load_pretrained(checkpoints[name])[0].blocks]
-        for name in ("mixtral", "qwen3_moe", "qwen3_moe-renorm")
+        for name in ("mixtral", "qwen3_moe", "qwen3_moe-renorm", "llama4_text")
     }
     assert kinds == {
         "mixtral": ["MixtureOfExperts"] * 2,
+        "llama4_text": ["MLP", "MixtureOfExperts"] * 2,
         "qwen3_moe": ["MLP", "MixtureOfExperts", "MixtureOfExperts"],
         "qwen3_moe-renorm": ["MLP", "MixtureOfExperts"],
     }
@@ -275,7 +292,8 @@ def _edited(checkpoints, tmp_path, name: str, **edits) -> object:
     ("edits", "match"),
     [
         ({"attention_chunk_size": 0}, "`attention_chunk_size` must be an integer >= 1"),
-        ({"moe_layers": [1]}, "`moe_layers` = \\[1\\]: mixture-of-experts"),
+        ({"moe_layers": [9]}, "`moe_layers` must list layer indices 0..3"),
+        ({"num_experts_per_tok": 5}, "`num_experts_per_tok` = 5 chooses more experts"),
         ({"floor_scale": 0}, "`floor_scale` must be > 0"),
         ({"layer_types": ["sliding_attention"] * 4}, "`layer_types` holds an unsupported"),
     ],

@@ -447,6 +447,13 @@ SMOLLM3 = dataclasses.replace(
 )
 
 
+_DENSE_MLP = ("blocks.{i}.mlp.gate", "blocks.{i}.mlp.up", "blocks.{i}.mlp.down")
+_EXPERT_KEYS: dict[str, tuple[str, ...]] = {
+    "num_local_experts": ("num_local_experts", "num_experts"),
+    "num_experts_per_tok": ("num_experts_per_tok",),
+}
+
+
 def _llama4(fields: dict[str, Any], config: Mapping[str, Any], source: Source) -> None:
     """Llama 4's text layers, as transformers' ``Llama4TextConfig`` derives them.
 
@@ -456,8 +463,10 @@ def _llama4(fields: dict[str, Any], config: Mapping[str, Any], source: Source) -
     given) and normalise queries and keys with a weightless L2 norm (``use_qk_norm``); the
     NoPE layers sharpen their queries with ``attn_temperature_tuning`` (``floor_scale``,
     ``attn_scale``). RoPE rotates interleaved pairs (transformers' complex product).
-    Mixture-of-experts layers (``moe_layers``, or every ``interleave_moe_layer_step``-th
-    layer) are refused: only dense configs load.
+    The layers in ``moe_layers`` (else every ``interleave_moe_layer_step``-th) route to
+    experts of width ``intermediate_size`` (sigmoid router, the weight scaling the expert's
+    input, a shared expert of the same width); the others run the dense MLP of
+    ``intermediate_size_mlp``.
     """
     layers = fields["num_layers"]
     period = _period(fields, "no_rope_layer_interval")
@@ -501,11 +510,24 @@ def _llama4(fields: dict[str, Any], config: Mapping[str, Any], source: Source) -
         if isinstance(step, bool) or not isinstance(step, int):
             raise ValueError(f"`interleave_moe_layer_step` must be an integer, got {step!r}")
         moe = list(range(step - 1, layers, step)) if step > 0 else []
+    if not isinstance(moe, list) or any(
+        isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < layers for i in moe
+    ):
+        raise ValueError(f"`moe_layers` must list layer indices 0..{layers - 1}, got {moe!r}")
+    width = config.get("intermediate_size", 8192)  # the experts' (the dense MLP's: _mlp)
+    if isinstance(width, bool) or not isinstance(width, int) or width < 1:
+        raise ValueError(f"`intermediate_size` must be an integer >= 1, got {width!r}")
+    experts = _experts(
+        fields,
+        size=width,
+        renormalize=False,
+        router="sigmoid",
+        shared_size=width,
+        weight_inputs=True,
+    )
     if moe:
-        raise ValueError(
-            f"`moe_layers` = {moe}: mixture-of-experts layers are not supported for "
-            "llama4_text yet (dense configs only: `moe_layers` [])"
-        )
+        fields["moe"] = experts
+        fields["layer_moe"] = tuple(i in moe for i in range(layers))
     try:
         fields["rope"] = dataclasses.replace(RopeConfig.from_hf_config(config), interleaved=True)
     except (ValueError, TypeError) as e:
@@ -531,6 +553,7 @@ LLAMA4_TEXT = dataclasses.replace(
         "temperature_scale": ("attn_scale",),
         "moe_layers": ("moe_layers",),
         "interleave_moe_layer_step": ("interleave_moe_layer_step",),
+        **_EXPERT_KEYS,
     },
     defaults={
         **_LLAMA_DEFAULTS,
@@ -541,6 +564,8 @@ LLAMA4_TEXT = dataclasses.replace(
         "temperature_floor": 8192,
         "temperature_scale": 0.1,
         "interleave_moe_layer_step": 1,
+        "num_local_experts": 16,
+        "num_experts_per_tok": 1,
     },
     refuse={},
     weights={
@@ -548,6 +573,20 @@ LLAMA4_TEXT = dataclasses.replace(
         "blocks.{i}.mlp.gate": ("layers.{i}.feed_forward.gate_proj", ""),
         "blocks.{i}.mlp.up": ("layers.{i}.feed_forward.up_proj", ""),
         "blocks.{i}.mlp.down": ("layers.{i}.feed_forward.down_proj", ""),
+        "blocks.{i}.mlp.router": ("layers.{i}.feed_forward.router", ""),
+        # transformers' stacked experts, (E, in, out), gate and up side by side
+        "blocks.{i}.mlp.experts.{gate_up}": (
+            "layers.{i}.feed_forward.experts.gate_up_proj",
+            "Tx+gate_up",
+        ),
+        "blocks.{i}.mlp.experts.down": ("layers.{i}.feed_forward.experts.down_proj", "Tx"),
+        **{
+            f"blocks.{{i}}.mlp.shared.{w}": (
+                f"layers.{{i}}.feed_forward.shared_expert.{w}_proj",
+                "",
+            )
+            for w in ("gate", "up", "down")
+        },
     },
     gguf_keys={},
     gguf_weights={},
@@ -566,15 +605,16 @@ def _count(fields: dict[str, Any], key: str, *, least: int = 1) -> int:
 def _experts(
     fields: dict[str, Any],
     *,
-    size_key: str,
+    size_key: str = "",
+    size: int | None = None,
     renormalize: bool | str,
     router: str = "softmax",
     shared_size: int | None = None,
     weight_inputs: bool = False,
 ) -> MoEConfig:
     """The experts' configuration from ``num_local_experts``, ``num_experts_per_tok`` and
-    the expert width under ``size_key`` (popped); ``renormalize`` a fixed rule or the key
-    of a true/false option (Qwen3-MoE's ``norm_topk_prob``)."""
+    the expert width ``size`` or the one under ``size_key`` (popped); ``renormalize`` a
+    fixed rule or the key of a true/false option (Qwen3-MoE's ``norm_topk_prob``)."""
     experts = _count(fields, "num_local_experts")
     top_k = _count(fields, "num_experts_per_tok")
     if top_k > experts:
@@ -582,8 +622,9 @@ def _experts(
             f"`num_experts_per_tok` = {top_k} chooses more experts than exist "
             f"(`num_local_experts` = {experts})"
         )
-    size = fields["intermediate_size"] if size_key == "intermediate_size" else None
-    size = _count(fields, size_key) if size is None else size
+    if size is None:
+        size = fields["intermediate_size"] if size_key == "intermediate_size" else None
+        size = _count(fields, size_key) if size is None else size
     norm = renormalize if isinstance(renormalize, bool) else _flag(fields, renormalize, False)
     return MoEConfig(
         experts,
@@ -627,12 +668,6 @@ def _qwen3_moe(fields: dict[str, Any], config: Mapping[str, Any], source: Source
     fields["moe"] = moe
     fields["layer_moe"] = tuple(i not in dense and (i + 1) % step == 0 for i in range(layers))
 
-
-_DENSE_MLP = ("blocks.{i}.mlp.gate", "blocks.{i}.mlp.up", "blocks.{i}.mlp.down")
-_EXPERT_KEYS: dict[str, tuple[str, ...]] = {
-    "num_local_experts": ("num_local_experts", "num_experts"),
-    "num_experts_per_tok": ("num_experts_per_tok",),
-}
 
 MIXTRAL = dataclasses.replace(
     LLAMA,
