@@ -24,7 +24,7 @@ from attnlab.models.decoder import Decoder
 from attnlab.models.moe import MixtureOfExperts, MoEConfig
 from attnlab.pretrained import ModelFileError, load_pretrained
 from cli_runner import run_main
-from model_files import assert_matches_reference, save_hf
+from model_files import assert_matches_reference, gguf_reference, save_hf, write_gguf
 
 _SMALL = {
     "hidden_size": 64,
@@ -93,10 +93,12 @@ FAMILIES: dict[str, dict] = {
         "num_experts_per_tok": 2,
         "sliding_window": 9,
     },
-    # layer 0 dense (mlp_only_layers), layers 1 and 2 experts; top-3 of 5 not renormalised
+    # layers 1 and 3 experts (0 in mlp_only_layers, 2 off decoder_sparse_step); top-3 of
+    # 5 not renormalised
     "qwen3_moe": {
         **_SMALL,
-        "num_hidden_layers": 3,
+        "num_hidden_layers": 4,
+        "decoder_sparse_step": 2,
         "head_dim": 32,
         "moe_intermediate_size": 32,
         "num_experts": 5,
@@ -104,6 +106,7 @@ FAMILIES: dict[str, dict] = {
         "norm_topk_prob": False,
         "mlp_only_layers": [0],
     },
+    # experts on every layer, renormalised: what llama.cpp's qwen3moe runs (and GGUF holds)
     "qwen3_moe-renorm": {
         **_SMALL,
         "num_hidden_layers": 2,
@@ -111,7 +114,6 @@ FAMILIES: dict[str, dict] = {
         "num_experts": 4,
         "num_experts_per_tok": 2,
         "norm_topk_prob": True,
-        "decoder_sparse_step": 2,  # layer 1 only
     },
 }
 
@@ -208,8 +210,8 @@ def test_moe_layers_where_the_config_puts_them(checkpoints):
     assert kinds == {
         "mixtral": ["MixtureOfExperts"] * 2,
         "llama4_text": ["MLP", "MixtureOfExperts"] * 2,
-        "qwen3_moe": ["MLP", "MixtureOfExperts", "MixtureOfExperts"],
-        "qwen3_moe-renorm": ["MLP", "MixtureOfExperts"],
+        "qwen3_moe": ["MLP", "MixtureOfExperts"] * 2,
+        "qwen3_moe-renorm": ["MixtureOfExperts"] * 2,
     }
     model, _ = load_pretrained(checkpoints["qwen3_moe"])
     moe = model.blocks[1].mlp.config
@@ -270,6 +272,22 @@ def test_sigmoid_router_shared_expert_and_weighted_inputs_match_llama4_moe(top_k
         torch.testing.assert_close(ours(x), expected.view(2, 5, C), atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
+def test_qwen3_moe_gguf_matches_transformers_on_the_dequantised_weights(
+    checkpoints, tmp_path, qtype
+):
+    """A qwen3moe GGUF file as llama.cpp's converter writes it (experts stacked (E, ...),
+    expert_count / expert_used_count / expert_feed_forward_length) against transformers
+    with the file's weights; llama.cpp always renormalises the top-k weights."""
+    path = tmp_path / "m.gguf"
+    reference_state = write_gguf(checkpoints["qwen3_moe-renorm"], path, "qwen3_moe", qtype)
+    model, _ = load_pretrained(path)
+    assert [type(b.mlp).__name__ for b in model.blocks] == ["MixtureOfExperts"] * 2
+    assert model.blocks[0].mlp.config.renormalize
+    ref = gguf_reference(checkpoints["qwen3_moe-renorm"], reference_state)
+    assert_matches_reference(model, ref, _ids())
+
+
 def test_smollm3_nope_layers_have_no_rotary(checkpoints):
     model, _ = load_pretrained(checkpoints["smollm3"])
     rotary = [block.attention.rope is not None for block in model.blocks]
@@ -320,7 +338,7 @@ def test_llama4_bad_configs_name_the_field(checkpoints, tmp_path, edits, match):
             {"num_experts_per_tok": 6},
             "`num_experts_per_tok` = 6 chooses more experts than exist",
         ),
-        ("qwen3_moe", {"mlp_only_layers": [7]}, "`mlp_only_layers` must list layer indices"),
+        ("qwen3_moe", {"mlp_only_layers": [9]}, "`mlp_only_layers` must list layer indices"),
         ("qwen3_moe", {"decoder_sparse_step": 0}, "`decoder_sparse_step` must be an integer"),
         (
             "smollm3",

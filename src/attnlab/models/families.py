@@ -31,6 +31,8 @@ tables for the names and hyperparameters, a little code per architecture):
 - ``hook``: the family's own code, ``hook(fields, config, source)``: it turns the options
   into config fields (Qwen's window rule, Gemma's local/global layers, GPT-2's score
   switches), in place, and raises ``ValueError`` naming the key it cannot accept;
+- ``gguf_arch``: llama.cpp's ``general.architecture`` when it is not ``name``
+  (``qwen3moe``);
 - ``model_types``: more ``model_type`` names for the same page (``gemma3_text``), and
   ``text_config``: the ``config.json`` key that holds the text model's settings in a
   multimodal checkpoint.
@@ -108,6 +110,7 @@ class Family:
     gguf_defaults: Mapping[str, Any] = field(default_factory=dict)
     gguf_weights: WeightTable = field(default_factory=dict)
     hook: Hook | None = None
+    gguf_arch: str | None = None
     model_types: tuple[str, ...] = ()
     text_config: str | None = None
 
@@ -129,9 +132,14 @@ class Family:
         if source == "hf":
             return dict(self.keys)
         return {
-            name: tuple(k.replace("{arch}", self.name) for k in candidates)
+            name: tuple(k.replace("{arch}", self.arch) for k in candidates)
             for name, candidates in self.gguf_keys.items()
         }
+
+    @property
+    def arch(self) -> str:
+        """The GGUF ``general.architecture`` of this family."""
+        return self.gguf_arch or self.name
 
     def defaults_for(self, source: Source) -> dict[str, Any]:
         """The defaults for ``source`` (GGUF: llama.cpp's assumptions over ``defaults``)."""
@@ -718,8 +726,23 @@ QWEN3_MOE = dataclasses.replace(
         "blocks.{i}.mlp.experts.up": ("layers.{i}.mlp.experts.{j}.up_proj", ""),
         "blocks.{i}.mlp.experts.down": ("layers.{i}.mlp.experts.{j}.down_proj", ""),
     },
-    gguf_keys={},
-    gguf_weights={},
+    # llama.cpp's qwen3moe: experts on every layer, the top-k weights always renormalised
+    gguf_arch="qwen3moe",
+    gguf_keys={
+        **_GGUF_KEYS_NO_WINDOW,
+        "num_local_experts": ("{arch}.expert_count",),
+        "num_experts_per_tok": ("{arch}.expert_used_count",),
+        "moe_intermediate_size": ("{arch}.expert_feed_forward_length",),
+    },
+    gguf_defaults={"norm_topk_prob": True, "decoder_sparse_step": 1},
+    gguf_weights={
+        **_without(_LLAMA_GGUF, *_DENSE_MLP),
+        **_QK_NORM_GGUF,
+        "blocks.{i}.mlp.router": ("blk.{i}.ffn_gate_inp", ""),
+        "blocks.{i}.mlp.experts.gate": ("blk.{i}.ffn_gate_exps", ""),
+        "blocks.{i}.mlp.experts.up": ("blk.{i}.ffn_up_exps", ""),
+        "blocks.{i}.mlp.experts.down": ("blk.{i}.ffn_down_exps", ""),
+    },
     hook=_qwen3_moe,
 )
 
@@ -1448,6 +1471,8 @@ FAMILIES: dict[str, Family] = {
 }
 # config.json `model_type` -> family (a page may answer to several names)
 _BY_MODEL_TYPE = {t: f for f in FAMILIES.values() for t in (f.name, *f.model_types)}
+# GGUF `general.architecture` -> family
+_BY_GGUF_ARCH = {f.arch: f for f in FAMILIES.values()}
 
 
 def family_for(name: object, source: Source = "hf") -> Family:
@@ -1459,7 +1484,7 @@ def family_for(name: object, source: Source = "hf") -> Family:
     """
     if not isinstance(name, str):
         raise ValueError(f"lacks the model type (which family this is), got {name!r}")
-    table = _BY_MODEL_TYPE if source == "hf" else FAMILIES
+    table = _BY_MODEL_TYPE if source == "hf" else _BY_GGUF_ARCH
     if name not in table:
         raise ValueError(
             f"model type {name!r} is not supported; supported: {', '.join(sorted(table))}"
