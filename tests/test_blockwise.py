@@ -185,6 +185,30 @@ def test_chunked_tiles_across_chunks_are_skipped(monkeypatch, path):
 
 
 @pytest.mark.skipif("fused" not in TILE_PATHS, reason="no fused tile op in this PyTorch")
+@pytest.mark.parametrize(("T", "S", "chunk"), [(600, 600, 128), (300, 700, 100), (1, 700, 128)])
+def test_fused_chunked_default_tiles_are_one_causal_square_per_chunk(monkeypatch, T, S, chunk):
+    """Default sizes on the fused path: one row block per chunk, its keys one causal square
+    on the diagonal (the op's is_causal), nothing across chunks; equal to the reference,
+    gradients too (T != S: bottom-right aligned)."""
+    calls = _count_tiles(monkeypatch)
+    gen = torch.Generator().manual_seed(6)
+    q = torch.randn(1, 2, T, 16, generator=gen, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 2, S, 16, generator=gen, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, 2, S, 16, generator=gen, dtype=torch.float64, requires_grad=True)
+    mask = ChunkedMask(chunk)
+    res = blockwise_attention(q, k, v, mask, dropout_p=0.0, scale=0.25, tile_path="fused")
+    if (S - T) % chunk == 0:
+        assert {c[1] for c in calls} == {"causal"}
+        assert len(calls) == math.ceil(T / chunk) * 2  # per chunk, per head
+    dout = torch.randn(res.output.shape, generator=gen, dtype=torch.float64)
+    ours = torch.autograd.grad(res.output, (q, k, v), dout)
+    ref, _ = reference_attention(q, k, v, mask=mask.dense(T, S), scale=0.25)
+    torch.testing.assert_close(res.output, ref, **F64)
+    for a, b in zip(ours, torch.autograd.grad(ref, (q, k, v), dout), strict=True):
+        torch.testing.assert_close(a, b, **F64)
+
+
+@pytest.mark.skipif("fused" not in TILE_PATHS, reason="no fused tile op in this PyTorch")
 def test_fused_unmasked_and_causal_are_one_op_call_equal_to_torch(monkeypatch):
     """Without a mask or with a plain causal one (T == S), the fused path is one call of
     PyTorch's own kernel: bit-identical to F.scaled_dot_product_attention, gradients too;
