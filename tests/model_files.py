@@ -121,6 +121,7 @@ PRE_TOKENIZER = {
     "mistral": "llama-bpe",
     "qwen2": "qwen2",
     "qwen3": "qwen2",
+    "qwen3_moe": "qwen2",
     "gpt2": "gpt-2",
     "gemma2": "default",
     "gemma3": "default",
@@ -132,7 +133,14 @@ PRE_TOKENIZER = {
 # SentencePiece vocabularies in GGUF (the others: GPT-2 BPE from tokenizer.json)
 _SPM = ("gemma2", "gemma3", "phi3")
 # llama.cpp has no "mistral" architecture: its converter writes Mistral as "llama".
-GGUF_ARCH = {"mistral": "llama"}
+GGUF_ARCH = {"mistral": "llama", "qwen3_moe": "qwen3moe"}
+# Mixture-of-experts layers: llama.cpp's converter stacks the experts' tensors (E, ...).
+_EXPERTS_TO_GGUF = {
+    "model.layers.{i}.mlp.gate": "blk.{i}.ffn_gate_inp",
+    "model.layers.{i}.mlp.experts.gate_proj": "blk.{i}.ffn_gate_exps",
+    "model.layers.{i}.mlp.experts.up_proj": "blk.{i}.ffn_up_exps",
+    "model.layers.{i}.mlp.experts.down_proj": "blk.{i}.ffn_down_exps",
+}
 
 
 def assert_matches_reference(model, ref, ids: torch.Tensor, atol: float = 1e-5) -> None:
@@ -151,6 +159,20 @@ def gguf_reference(hf_folder, reference_state: dict[str, torch.Tensor]):
     ``reference_state`` (what :func:`write_gguf` returns: the GGUF file's weights)."""
     from transformers import AutoModelForCausalLM
 
+    if any(".experts.0." in n for n in reference_state):
+        # transformers 5 fuses per-expert tensors when it loads a file, not in
+        # load_state_dict: save the weights beside the config and load them as a checkpoint
+        import shutil
+        import tempfile
+        from pathlib import Path
+
+        from safetensors.torch import save_file
+
+        folder = Path(tempfile.mkdtemp()) / "reference"
+        shutil.copytree(hf_folder, folder)
+        state = {n: t.contiguous() for n, t in reference_state.items()}
+        save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        return AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
     ref = AutoModelForCausalLM.from_pretrained(hf_folder, attn_implementation="eager")
     if "embed_out.weight" in reference_state:  # transformers 5 loads GPT-NeoX's as lm_head
         reference_state["lm_head.weight"] = reference_state.pop("embed_out.weight")
@@ -235,6 +257,16 @@ def write_gguf(
             stacked.setdefault(n.split(".norms.")[0] + ".weight", []).append(n)
         for new, parts in stacked.items():
             parts.sort(key=lambda k: int(k.split(".norms.")[1].split(".")[0]))
+            state[new] = torch.stack([state.pop(k) for k in parts])
+    experts: dict[str, int] = {}  # stacked name -> number of experts
+    if family == "qwen3_moe":  # as llama.cpp's Qwen2MoeModel: one (E, ...) tensor each
+        for n in sorted(k for k in state if ".mlp.experts." in k):
+            layer, rest = n.split(".mlp.experts.")
+            new = f"{layer}.mlp.experts.{rest.split('.', 1)[1]}"
+            experts[new] = experts.get(new, 0) + 1
+        for new, count in experts.items():
+            layer, w_name = new.split(".mlp.experts.")
+            parts = [f"{layer}.mlp.experts.{e}.{w_name}" for e in range(count)]
             state[new] = torch.stack([state.pop(k) for k in parts])
     w = GGUFWriter(out_path, arch)
     rope = cfg.get("rope_parameters") or {}
@@ -331,8 +363,12 @@ def write_gguf(
             w.add_uint32(f"{arch}.attention.sliding_window", cfg["sliding_window"])
         if family == "mistral" and cfg.get("sliding_window"):
             w.add_uint32(f"{arch}.attention.sliding_window", cfg["sliding_window"])
-        table = _LLAMA_TO_GGUF
-        if family not in ("llama", "mistral", "qwen2", "qwen3"):  # llama.cpp's name map
+        table = {**_LLAMA_TO_GGUF, **_EXPERTS_TO_GGUF}
+        if family == "qwen3_moe":  # as llama.cpp's Qwen2MoeModel
+            w.add_uint32(f"{arch}.expert_count", cfg["num_local_experts"])
+            w.add_uint32(f"{arch}.expert_used_count", cfg["num_experts_per_tok"])
+            w.add_uint32(f"{arch}.expert_feed_forward_length", cfg["moe_intermediate_size"])
+        if family not in ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe"):  # llama.cpp's map
             names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[family.upper()], L)
             table = {
                 n.rsplit(".", 1)[0]: g.rsplit(".", 1)[0]
@@ -417,6 +453,10 @@ def write_gguf(
         if per_head:
             y = y.reshape(3, H, C // H, *y.shape[1:]).transpose(0, 1).reshape(y.shape)
         reference[name] = y - 1 if plus1 else y
+    for new in experts:  # back to one tensor per expert, as transformers reads
+        layer, w_name = new.split(".mlp.experts.")
+        for e, t in enumerate(reference.pop(new).unbind(0)):
+            reference[f"{layer}.mlp.experts.{e}.{w_name}"] = t
     for new, parts in stacked.items():  # back to one tensor per head
         rows = reference.pop(new)
         reference.update({k: rows[j] for j, k in enumerate(parts)})

@@ -22,6 +22,7 @@ from attnlab.masks import (
     AdditiveMask,
     BooleanMask,
     CausalMask,
+    ChunkedMask,
     PaddingMask,
     SlidingWindowMask,
 )
@@ -36,7 +37,9 @@ BACKEND_CASES = [
     for p in (TILE_PATHS if b == "blockwise" else [None])
 ]
 DTYPES = [torch.float32, torch.bfloat16, torch.float64]
-MASK_KINDS = ["none", "causal_top_left", "padding", "window", "boolean", "additive", "combined"]
+MASK_KINDS = [
+    "none", "causal_top_left", "padding", "window", "chunked", "boolean", "additive", "combined",
+]  # fmt: skip
 B, H, G = 2, 4, 2
 
 
@@ -59,6 +62,8 @@ def make_mask(kind: str, T: int, S: int, gen: torch.Generator):
         return PaddingMask.from_lengths(lengths, S), _keys_below(lengths, S), None
     if kind == "window":  # causal window of 4: the query's key position and the 3 before
         return SlidingWindowMask(4), (kpos <= qpos) & (kpos > qpos - 4), None
+    if kind == "chunked":  # chunks of 5 key positions, causal inside a chunk
+        return ChunkedMask(5), (kpos <= qpos) & (kpos // 5 == qpos // 5), None
     if kind == "boolean":
         allowed = torch.rand(B, H, T, S, generator=gen) > 0.3
         return BooleanMask(allowed), allowed, None

@@ -19,7 +19,14 @@ from attnlab.backends.blockwise import (
     merge_partials,
 )
 from attnlab.functional import scaled_dot_product_attention
-from attnlab.masks import AdditiveMask, CausalMask, PaddingMask, SlidingWindowMask, as_mask
+from attnlab.masks import (
+    AdditiveMask,
+    CausalMask,
+    ChunkedMask,
+    PaddingMask,
+    SlidingWindowMask,
+    as_mask,
+)
 from reference import reference_attention, tol
 from test_backends import MASK_KINDS, TILE_PATHS, make_mask, reference_for
 
@@ -171,6 +178,43 @@ def test_causal_tiles_above_the_diagonal_are_skipped(monkeypatch, path):
     blockwise_attention(q, k, v, CausalMask(), **{**kw, "block_q": 32})
     if path == "pure":
         assert sorted(c[1] for c in calls) == sorted(["full"] * 2 + ["partial"] * 4)
+
+
+@pytest.mark.parametrize("path", TILE_PATHS)
+def test_chunked_tiles_across_chunks_are_skipped(monkeypatch, path):
+    calls = _count_tiles(monkeypatch)
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 1, 64, 8, generator=gen, dtype=torch.float64) for _ in range(3))
+    kw = {"dropout_p": 0.0, "scale": 0.5, "block_q": 16, "block_k": 16, "tile_path": path}
+    res = blockwise_attention(q, k, v, ChunkedMask(16), **kw)
+    # One diagonal square per chunk; the 6 tiles below the diagonal are in other chunks.
+    assert [c[1] for c in calls] == ["causal"] * 4
+    ref, _ = reference_attention(q, k, v, mask=ChunkedMask(16).dense(64, 64), scale=0.5)
+    torch.testing.assert_close(res.output, ref, **F64)
+
+
+@pytest.mark.skipif("fused" not in TILE_PATHS, reason="no fused tile op in this PyTorch")
+@pytest.mark.parametrize(("T", "S", "chunk"), [(600, 600, 128), (300, 700, 100), (1, 700, 128)])
+def test_fused_chunked_default_tiles_are_one_causal_square_per_chunk(monkeypatch, T, S, chunk):
+    """Default sizes on the fused path: one row block per chunk, its keys one causal square
+    on the diagonal (the op's is_causal), nothing across chunks; equal to the reference,
+    gradients too (T != S: bottom-right aligned)."""
+    calls = _count_tiles(monkeypatch)
+    gen = torch.Generator().manual_seed(6)
+    q = torch.randn(1, 2, T, 16, generator=gen, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 2, S, 16, generator=gen, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, 2, S, 16, generator=gen, dtype=torch.float64, requires_grad=True)
+    mask = ChunkedMask(chunk)
+    res = blockwise_attention(q, k, v, mask, dropout_p=0.0, scale=0.25, tile_path="fused")
+    if (S - T) % chunk == 0:
+        assert {c[1] for c in calls} == {"causal"}
+        assert len(calls) == math.ceil(T / chunk) * 2  # per chunk, per head
+    dout = torch.randn(res.output.shape, generator=gen, dtype=torch.float64)
+    ours = torch.autograd.grad(res.output, (q, k, v), dout)
+    ref, _ = reference_attention(q, k, v, mask=mask.dense(T, S), scale=0.25)
+    torch.testing.assert_close(res.output, ref, **F64)
+    for a, b in zip(ours, torch.autograd.grad(ref, (q, k, v), dout), strict=True):
+        torch.testing.assert_close(a, b, **F64)
 
 
 @pytest.mark.skipif("fused" not in TILE_PATHS, reason="no fused tile op in this PyTorch")

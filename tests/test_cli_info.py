@@ -124,10 +124,17 @@ def test_info_lists_the_variants_and_which_backend_serves_them():
     result = run_cli("info", "--mask", "document", "--softcap", "30", columns=240, timeout=120)
     flat = " ".join(result.stdout.split())
     assert result.returncode == 0, result.stderr
-    for variant in ("AlibiBias", "RelativePositionBias", "DocumentMask", "softcap=", "sinks="):
+    for variant in ("AlibiBias", "RelativePositionBias", "DocumentMask", "ChunkedMask", "softcap=",
+                    "sinks="):  # fmt: skip
         assert variant in flat
     assert "PyTorch's kernel has no logit soft-capping" in flat  # sdpa's reason, verbatim
     assert "backend='auto' -> sdpa" not in flat  # softcap: sdpa cannot serve this call
+
+
+def test_info_chunked_mask(capsys):
+    code, out, err = run_main(capsys, "info", "--mask", "chunked", "--seq-len", "1024")
+    assert code == 0, err
+    assert "chunked (256)" in " ".join(out.split())
 
 
 @pytest.mark.parametrize(

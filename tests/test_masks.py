@@ -11,6 +11,7 @@ from attnlab.masks import (
     AndMask,
     BooleanMask,
     CausalMask,
+    ChunkedMask,
     PaddingMask,
     SlidingWindowMask,
     as_mask,
@@ -47,6 +48,38 @@ def test_sliding_window(causal):
             assert bool(m[i, j]) == expect
 
 
+@pytest.mark.parametrize(
+    ("T", "S", "alignment"),
+    [(10, 10, "bottom_right"), (4, 11, "bottom_right"), (6, 3, "bottom_right"), (7, 9, "top_left")],
+)
+def test_chunked_sees_its_own_chunk_causally(T, S, alignment):
+    c = 3
+    m = ChunkedMask(c, alignment=alignment)
+    dense = m.dense(T, S)[0, 0]
+    off = S - T if alignment == "bottom_right" else 0
+    for i in range(T):
+        p = i + off  # the query's absolute position
+        for j in range(S):
+            expect = p >= 0 and j <= p and j // c == p // c
+            assert bool(dense[i, j]) == expect, (i, j)
+    assert m.may_empty_rows(T, S) == (off < 0)
+    # col_range bounds every row block's keys: nothing allowed outside it.
+    for q0 in range(T):
+        for q1 in range(q0 + 1, T + 1):
+            lo, hi = m.col_range(T, S, q0, q1)
+            assert not bool(dense[q0:q1, :lo].any()) and not bool(dense[q0:q1, hi:].any())
+
+
+def test_chunked_tiles_across_chunks_are_empty():
+    m = ChunkedMask(4)
+    # rows 8..11 (chunk 2) against keys 0..7 (chunks 0, 1): skipped though causal allows
+    assert m.block_status(16, 16, slice(8, 12), slice(0, 8)) == "empty"
+    assert m.block(16, 16, slice(8, 12), slice(0, 8)).status == "empty"
+    assert m.block(16, 16, slice(8, 12), slice(8, 12)).status == "partial"
+    assert m.block(16, 16, slice(10, 12), slice(8, 10)).status == "full"
+    assert m.col_range(16, 16, 9, 12) == (8, 12)
+
+
 def test_padding_from_lengths():
     m = PaddingMask.from_lengths([2, 4], 4)
     assert m.valid.tolist() == [[True, True, False, False], [True] * 4]
@@ -76,6 +109,9 @@ MASKS = [
     PaddingMask.from_lengths([0, 5, 11], 11),
     BooleanMask(torch.rand(3, 1, 13, 11) > 0.5),
     PaddingMask.from_lengths([4, 7, 11], 11) & SlidingWindowMask(5),
+    ChunkedMask(4),
+    ChunkedMask(3, alignment="top_left"),
+    ChunkedMask(5) & PaddingMask.from_lengths([4, 7, 11], 11),
 ]
 
 
@@ -131,6 +167,8 @@ def test_bad_masks_raise():
         AdditiveMask(torch.tensor([[float("nan")]]))
     with pytest.raises(ValueError, match="window"):
         SlidingWindowMask(0)
+    with pytest.raises(ValueError, match="`chunk` must be an int >= 1, got 0"):
+        ChunkedMask(0)
     with pytest.raises(ValueError, match="alignment"):
         CausalMask("bottom")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"\(B, S\)"):

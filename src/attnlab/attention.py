@@ -7,6 +7,7 @@ Shape legend: B batch, H query heads, G key/value heads, T query length, S key l
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -23,7 +24,7 @@ from attnlab.functional import (
     exact_attention_weights,
     scaled_dot_product_attention,
 )
-from attnlab.masks import AttentionMask, SlidingWindowMask, as_mask
+from attnlab.masks import AttentionMask, ChunkedMask, SlidingWindowMask, as_mask
 from attnlab.norms import QKNorm
 from attnlab.rope import RopeConfig, RotaryEmbedding, rotate_half
 
@@ -418,6 +419,12 @@ class Attention(nn.Module):
         sinks: attention sinks (gpt-oss): True for a learned per-head logit
             :attr:`sinks` (an ``nn.Parameter`` ``(H,)``, initialised to 0), a tensor
             ``(H,)`` for its initial value, or None/False for none.
+        attention_chunk: chunked local attention (Llama 4): a query sees only the keys of
+            its own chunk of this many positions, causally (:class:`attnlab.masks.ChunkedMask`;
+            the cache keeps every key); combined with any ``attn_mask``.
+        temperature: ``(floor_scale, scale)``: the queries at position p are multiplied by
+            ``1 + scale * log(1 + floor((p + 1) / floor_scale))`` (Llama 4's attention
+            temperature tuning on its NoPE layers), or None.
 
     Attributes:
         capture: None by default. Set to True (all weights) or to a
@@ -429,8 +436,9 @@ class Attention(nn.Module):
     Raises:
         ValueError: ``embed_dim`` not divisible by ``num_heads`` (without ``head_dim``),
             ``num_kv_heads`` not dividing ``num_heads``, bad dropout, unknown backend, a
-            RotaryEmbedding of the wrong head dim, a non-positive ``head_dim``, ``scale``
-            or ``sliding_window``.
+            RotaryEmbedding of the wrong head dim, a non-positive ``head_dim``, ``scale``,
+            ``sliding_window`` or ``attention_chunk``, both a window and chunks, a bad
+            ``temperature``.
         TypeError: ``qk_norm`` not a QKNorm.
     """
 
@@ -453,6 +461,8 @@ class Attention(nn.Module):
         sliding_window: int | None = None,
         softcap: float | None = None,
         sinks: bool | torch.Tensor | None = None,
+        attention_chunk: int | None = None,
+        temperature: tuple[float, float] | None = None,
     ) -> None:
         super().__init__()
         for name, val in (
@@ -460,6 +470,7 @@ class Attention(nn.Module):
             ("num_heads", num_heads),
             ("head_dim", 1 if head_dim is None else head_dim),
             ("sliding_window", 1 if sliding_window is None else sliding_window),
+            ("attention_chunk", 1 if attention_chunk is None else attention_chunk),
         ):
             if isinstance(val, bool) or not isinstance(val, int) or val <= 0:
                 raise ValueError(f"`{name}` must be a positive int, got {val!r}")
@@ -467,6 +478,19 @@ class Attention(nn.Module):
             isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < 1e300
         ):
             raise ValueError(f"`scale` must be a positive finite number or None, got {scale!r}")
+        if temperature is not None and (
+            not isinstance(temperature, tuple)
+            or len(temperature) != 2
+            or any(isinstance(t, bool) or not isinstance(t, (int, float)) for t in temperature)
+            or not temperature[0] > 0
+            or not math.isfinite(temperature[1])
+        ):
+            raise ValueError(
+                "`temperature` must be None or (floor_scale > 0, scale), e.g. (8192.0, 0.1), "
+                f"got {temperature!r}"
+            )
+        if attention_chunk is not None and sliding_window is not None:
+            raise ValueError("`attention_chunk` and `sliding_window` cannot both be set")
         if qk_norm is not None and not isinstance(qk_norm, QKNorm):
             raise TypeError(
                 f"`qk_norm` must be None or a QKNorm, e.g. QKNorm('rms', scope='head'), got "
@@ -501,6 +525,10 @@ class Attention(nn.Module):
         self.out_proj = nn.Linear(num_heads * D, embed_dim, bias=out_bias)
         self.scale = None if scale is None else float(scale)
         self.sliding_window = sliding_window
+        self.attention_chunk = attention_chunk
+        self.temperature = (
+            None if temperature is None else (float(temperature[0]), float(temperature[1]))
+        )
         self.qk_norm = qk_norm
         self.q_norm: nn.Module | None = None
         self.k_norm: nn.Module | None = None
@@ -653,6 +681,13 @@ class Attention(nn.Module):
             keys = self.rope(keys, pos)
         elif position_ids is not None:
             raise ValueError("`position_ids` is only used with rope; this layer has rope=None")
+        if self.temperature is not None:
+            # Llama 4's NoPE layers: queries sharpen with the log of their position
+            floor_scale, tscale = self.temperature
+            pos = self._positions(position_ids, B, T, kv_cache, x.device)
+            t = torch.log1p(torch.floor((pos.float() + 1.0) / floor_scale)) * tscale + 1.0
+            t = t[:, None, :, None] if t.ndim == 2 else t[:, None]  # (B, 1, T, 1) or (T, 1)
+            queries = queries * t.to(queries.dtype)  # (B, H, T, D)
 
         if kv_cache is not None and not cross_cached:
             keys, values = kv_cache.update(keys, values)  # (B, G, S, D)
@@ -728,8 +763,14 @@ class Attention(nn.Module):
     def _mask(
         self, attn_mask: AttentionMask | torch.Tensor | None, is_causal: bool, S: int
     ) -> AttentionMask | None:
-        """The call's mask: the user's, causal, and this layer's sliding window (left out
-        when it cannot remove a key, S <= window, so fused kernels keep their fast path)."""
+        """The call's mask: the user's, causal, and this layer's sliding window or chunks (left
+        out when they cannot remove a key, S <= window or chunk, so fused kernels keep their
+        fast path)."""
+        if self.attention_chunk is not None and self.attention_chunk < S:
+            # chunks are causal; they hold with a cache of every key from position 0
+            chunks = ChunkedMask(self.attention_chunk)
+            user = as_mask(attn_mask)
+            return chunks if user is None else user & chunks
         if self.sliding_window is None or self.sliding_window >= S:
             return as_mask(attn_mask, is_causal)
         window = SlidingWindowMask(self.sliding_window, causal=is_causal)
@@ -772,6 +813,8 @@ class Attention(nn.Module):
                 ("scale", self.scale),
                 ("qk_norm", self.qk_norm),
                 ("sliding_window", self.sliding_window),
+                ("attention_chunk", self.attention_chunk),
+                ("temperature", self.temperature),
             )
             if value is not None
         )

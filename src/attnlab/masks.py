@@ -40,6 +40,7 @@ __all__ = [
     "BlockStatus",
     "BooleanMask",
     "CausalMask",
+    "ChunkedMask",
     "DocumentMask",
     "Index",
     "MaskBlock",
@@ -400,6 +401,89 @@ class SlidingWindowMask(_BandMask):
         return (0 if self.causal else 1 - self.window), self.window - 1
 
 
+@dataclass(frozen=True, eq=False)
+class ChunkedMask(AttentionMask):
+    """Chunked local attention (Llama 4): the sequence is cut into chunks of ``chunk``
+    positions and a query sees only the keys of its own chunk, causally.
+
+    Query at position p attends to key j when ``j <= p`` and ``j // chunk == p // chunk``.
+    Positions align as in :class:`CausalMask` (bottom-right by default, so a KV cache
+    that holds every key from position 0 gives the same mask as the full pass). Tiles
+    whose rows and columns lie in different chunks are ``"empty"``, so a tiling backend
+    costs about ``T * chunk`` instead of ``T**2 / 2``.
+
+    Args:
+        chunk: chunk length in positions, >= 1.
+        alignment: ``"bottom_right"`` (default) or ``"top_left"``.
+
+    Raises:
+        ValueError: ``chunk`` is not an int >= 1, or an unknown ``alignment``.
+    """
+
+    chunk: int
+    alignment: Alignment = "bottom_right"
+    kind = "chunked"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.chunk, bool) or not isinstance(self.chunk, int) or self.chunk < 1:
+            raise ValueError(f"`chunk` must be an int >= 1, got {self.chunk!r}")
+        if self.alignment not in ("bottom_right", "top_left"):
+            raise ValueError(
+                f"`alignment` must be 'bottom_right' or 'top_left', got {self.alignment!r}"
+            )
+
+    def offset(self, T: int, S: int) -> int:
+        """Absolute position of query 0."""
+        return S - T if self.alignment == "bottom_right" else 0
+
+    def col_range(self, T: int, S: int, q0: int, q1: int) -> tuple[int, int]:
+        if q1 <= q0:
+            return 0, 0
+        off = self.offset(T, S)
+        first = max(0, q0 + off)  # rows before key 0 see nothing
+        lo = min(S, (first // self.chunk) * self.chunk)
+        return lo, max(lo, min(S, q1 + off))
+
+    def may_empty_rows(self, T: int, S: int) -> bool:
+        return self.offset(T, S) < 0
+
+    def _span_status(self, T: int, S: int, rows: Index, cols: Index) -> BlockStatus | None:
+        """The tile's status from its corners when it is a contiguous span, else None."""
+        rs, cs = _span(rows, T), _span(cols, S)
+        if rs is None or cs is None:
+            return None
+        (q0, q1), (k0, k1) = rs, cs
+        if q1 <= q0 or k1 <= k0:
+            return "empty"
+        off, c = self.offset(T, S), self.chunk
+        p0, p1 = q0 + off, q1 - 1 + off  # first and last query position
+        if p1 < k0 or p1 // c < k0 // c or p0 // c > (k1 - 1) // c:
+            return "empty"  # all keys in the future, or the chunks never meet
+        if p0 >= k1 - 1 and p0 // c == p1 // c == k0 // c == (k1 - 1) // c:
+            return "full"
+        return "partial"
+
+    def block_status(self, T, S, rows=None, cols=None):
+        return self._span_status(T, S, rows, cols) or "partial"
+
+    def block(self, T, S, rows=None, cols=None, *, device=None):
+        status = self._span_status(T, S, rows, cols)
+        if status == "empty":
+            return _EMPTY
+        if status == "full":
+            return _FULL
+        p = _positions(rows, T, device) + self.offset(T, S)  # (rows,)
+        j = _positions(cols, S, device)  # (cols,)
+        # floor division keeps negative positions (rows before key 0) out of every chunk
+        allowed = (j[None, :] <= p[:, None]) & (
+            torch.div(j, self.chunk, rounding_mode="floor")[None, :]
+            == torch.div(p, self.chunk, rounding_mode="floor")[:, None]
+        )
+        if not bool(allowed.any()):
+            return _EMPTY
+        return MaskBlock("partial", allowed=allowed[None, None])
+
+
 class PaddingMask(AttentionMask):
     """Key padding: keys marked False in ``valid`` are never attended to.
 
@@ -746,6 +830,8 @@ def describe(mask: AttentionMask | None) -> str:
         return " & ".join(describe(p) for p in mask.parts)
     if isinstance(mask, CausalMask):
         return f"causal ({mask.alignment})"
+    if isinstance(mask, ChunkedMask):
+        return f"chunked ({mask.chunk})"
     return mask.kind
 
 

@@ -11,7 +11,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-__all__ = ["HeadwiseNorm", "QKNorm", "RMSNorm"]
+__all__ = ["HeadwiseNorm", "L2Norm", "QKNorm", "RMSNorm"]
 
 
 class RMSNorm(nn.Module):
@@ -37,13 +37,35 @@ class RMSNorm(nn.Module):
         return f"{self.weight.shape[0]}, eps={self.eps}"
 
 
+class L2Norm(nn.Module):
+    """``x / sqrt(mean(x^2) + eps)`` over the last dim, computed in fp32, no weight (Llama 4's
+    QK-norm). Without a weight it commutes with RoPE (a rotation keeps the mean square).
+
+    Args:
+        eps: added to the mean square.
+    """
+
+    def __init__(self, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(..., C) -> (..., C)."""
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.square().mean(dim=-1, keepdim=True) + self.eps)).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"eps={self.eps}"
+
+
 @dataclass(frozen=True)
 class QKNorm:
     """Normalise queries and keys before RoPE (and before the scores), as these models do.
 
     Args:
-        kind: ``"rms"`` (:class:`RMSNorm`: Qwen3, Gemma 3, OLMo 2) or ``"layer"``
-            (``torch.nn.LayerNorm`` with weight and bias: Persimmon, StableLM 2).
+        kind: ``"rms"`` (:class:`RMSNorm`: Qwen3, Gemma 3, OLMo 2), ``"layer"``
+            (``torch.nn.LayerNorm`` with weight and bias: Persimmon, StableLM 2) or ``"l2"``
+            (:class:`L2Norm`, RMS without a weight: Llama 4; scope ``"head"`` only).
         scope: ``"head"``: one norm of width D shared by all heads, applied to each head
             vector (Qwen3, Gemma 3); ``"all"``: one norm over all heads' concatenation,
             width ``H*D`` for queries and ``G*D`` for keys (OLMo 2); ``"each_head"``: each
@@ -57,13 +79,13 @@ class QKNorm:
         ValueError: unknown ``kind`` or ``scope``, non-positive ``eps``.
     """
 
-    kind: Literal["rms", "layer"] = "rms"
+    kind: Literal["rms", "layer", "l2"] = "rms"
     scope: Literal["head", "all", "each_head"] = "head"
     eps: float = 1e-6
 
     def __post_init__(self) -> None:
-        if self.kind not in ("rms", "layer"):
-            raise ValueError(f"`kind` must be 'rms' or 'layer', got {self.kind!r}")
+        if self.kind not in ("rms", "layer", "l2"):
+            raise ValueError(f"`kind` must be 'rms', 'layer' or 'l2', got {self.kind!r}")
         if self.scope not in ("head", "all", "each_head"):
             raise ValueError(
                 f"`scope` must be 'head' (per head vector), 'all' (across heads) or "
@@ -71,9 +93,13 @@ class QKNorm:
             )
         if isinstance(self.eps, bool) or not isinstance(self.eps, (int, float)) or self.eps <= 0:
             raise ValueError(f"`eps` must be a positive number, got {self.eps!r}")
+        if self.kind == "l2" and self.scope != "head":
+            raise ValueError(f"`kind` 'l2' has no weight: use scope 'head', got {self.scope!r}")
 
     def build(self, width: int, heads: int = 1) -> nn.Module:
         """A fresh norm over a last dim of ``width`` (``heads``: for ``"each_head"``)."""
+        if self.kind == "l2":
+            return L2Norm(self.eps)
         if self.scope == "each_head":
             return HeadwiseNorm(heads, width, kind=self.kind, eps=self.eps)
         if self.kind == "rms":

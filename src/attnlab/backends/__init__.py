@@ -492,7 +492,13 @@ def explain_dispatch(
 
 def _variant_calls() -> list[tuple[str, dict[str, object]]]:
     from attnlab.biases import AlibiBias, RelativePositionBias
-    from attnlab.masks import CausalMask, DocumentMask, PaddingMask, SlidingWindowMask
+    from attnlab.masks import (
+        CausalMask,
+        ChunkedMask,
+        DocumentMask,
+        PaddingMask,
+        SlidingWindowMask,
+    )
 
     H, T = 2, 4
     ids = torch.tensor([[0, 0, 1, 1]])
@@ -500,6 +506,7 @@ def _variant_calls() -> list[tuple[str, dict[str, object]]]:
         ("causal", {"is_causal": True}),
         ("PaddingMask", {"attn_mask": PaddingMask(torch.ones(1, T).bool())}),
         ("SlidingWindowMask", {"attn_mask": SlidingWindowMask(2)}),
+        ("ChunkedMask (Llama 4)", {"attn_mask": ChunkedMask(2)}),
         ("AlibiBias (ALiBi)", {"attn_mask": AlibiBias(H), "is_causal": True}),
         (
             "RelativePositionBias (T5), learned",

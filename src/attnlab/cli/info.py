@@ -14,7 +14,9 @@ from attnlab.cli.output import UserError, output, user_input
 _INFO_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16",
                 "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
                 "float64": "float64", "fp64": "float64"}  # fmt: skip
-_INFO_MASKS = ("none", "causal", "padding", "window", "boolean", "alibi", "relbias", "document")
+_INFO_MASKS = (
+    "none", "causal", "padding", "window", "chunked", "boolean", "alibi", "relbias", "document",
+)  # fmt: skip
 
 
 @app.command()
@@ -39,7 +41,8 @@ def info(
     mask: Annotated[
         str,
         typer.Option(
-            help="none, causal, padding, window, boolean, alibi (causal ALiBi), relbias "
+            help="none, causal, padding, window, chunked (Llama 4 local chunks of 256), boolean, "
+            "alibi (causal ALiBi), relbias "
             "(T5 relative position bias, learned table) or document (packed, causal)."
         ),
     ] = "causal",
@@ -94,6 +97,7 @@ def info(
     from attnlab.masks import (
         BooleanMask,
         CausalMask,
+        ChunkedMask,
         DocumentMask,
         PaddingMask,
         SlidingWindowMask,
@@ -120,6 +124,7 @@ def info(
         "causal": CausalMask(),
         "padding": PaddingMask(torch.ones(1, 1, dtype=torch.bool).expand(batch, S)),
         "window": SlidingWindowMask(min(256, S)) if mask == "window" else None,
+        "chunked": ChunkedMask(min(256, S)) if mask == "chunked" else None,
         "boolean": BooleanMask(torch.ones(1, 1, 1, 1, dtype=torch.bool).expand(1, 1, T, S)),
         "alibi": AlibiBias(heads) & CausalMask() if mask == "alibi" else None,
         "relbias": RelativePositionBias(torch.zeros(32, heads, requires_grad=True))
@@ -317,6 +322,11 @@ def _info_model(name: str, seq_len: int, backend: str, as_json: bool, dtype: str
         + (", interleaved" if rope["interleaved"] else "")
         + f", scaling {rope['scaling'] or 'none'}"
         + "".join(f"; some layers base {b:g}" for b in rope.get("layer_bases", ()))
+        + (
+            "; no rotary (NoPE) on layers " + ", ".join(map(str, rope["nope_layers"]))
+            if rope.get("nope_layers")
+            else ""
+        )
     )
     windows = sorted({str(lay.sliding_window) for lay in summary.per_layer})
     caps = {"attention": summary.attn_softcap, "final": summary.final_softcap}
@@ -343,7 +353,16 @@ def _info_model(name: str, seq_len: int, backend: str, as_json: bool, dtype: str
     ):
         table.add_row(field, value)
     layers = Table(title=f"attention layers: backend for a call of T={summary.probe_length}")
-    for col in ("layer", "attention", "heads", "kv heads", "head dim", "window", "backend"):
+    for col in (
+        "layer",
+        "attention",
+        "heads",
+        "kv heads",
+        "head dim",
+        "window",
+        "chunk",
+        "backend",
+    ):
         layers.add_column(col)
     for lay in summary.per_layer:
         layers.add_row(
@@ -353,6 +372,7 @@ def _info_model(name: str, seq_len: int, backend: str, as_json: bool, dtype: str
             str(lay.kv_heads),
             str(lay.head_dim),
             str(lay.sliding_window or "-"),
+            str(lay.attention_chunk or "-"),
             lay.backend,
         )
     output.show(table, layers)

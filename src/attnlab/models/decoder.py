@@ -53,6 +53,7 @@ from attnlab.biases import AlibiBias, RelativePositionBias
 from attnlab.masks import AttentionMask, PaddingMask
 from attnlab.models._lm import keep_last, residual_after_block, set_attention_backend
 from attnlab.models.fast_decode import DecodePlan, decode_plan, fast_step, new_caches
+from attnlab.models.moe import MixtureOfExperts, MoEConfig
 from attnlab.norms import QKNorm, RMSNorm
 from attnlab.rope import RopeConfig, RotaryEmbedding
 
@@ -109,6 +110,19 @@ class DecoderConfig:
             (Gemma 2's alternating local and global layers).
         layer_ropes: a rotary embedding's settings per layer, None = ``rope`` (Gemma 3's
             local layers rotate with their own base).
+        layer_rotary: whether each layer rotates its queries and keys; a layer that does
+            not has no position signal but the causal mask (SmolLM3's and Llama 4's NoPE
+            layers). None = every layer rotates.
+        layer_chunks: a chunk length (or None) per layer: chunked local attention, each
+            query sees its own chunk causally (Llama 4's rotary layers); None = no chunks.
+        layer_qk_norm: whether each layer applies ``qk_norm`` (Llama 4: its rotary layers
+            only); None = every layer.
+        attn_temperature: ``(floor_scale, scale)`` of Llama 4's attention temperature
+            tuning, applied on the layers that do not rotate (``layer_rotary``), or None.
+        moe: the mixture-of-experts feed-forward (:class:`attnlab.models.moe.MoEConfig`) of
+            the layers ``layer_moe`` names, or None (every layer dense).
+        layer_moe: whether each layer's feed-forward is the mixture of experts (the others:
+            the dense MLP of ``intermediate_size``); None = every layer when ``moe`` is set.
         attn_scale: the score scale (Gemma 2: ``query_pre_attn_scalar ** -0.5``); None =
             ``1/sqrt(D)``.
         layer_scales: a score scale per layer, overriding ``attn_scale`` (GPT-2's
@@ -160,6 +174,12 @@ class DecoderConfig:
     sliding_window: int | None = None
     layer_windows: tuple[int | None, ...] | None = None
     layer_ropes: tuple[RopeConfig | None, ...] | None = None
+    layer_rotary: tuple[bool, ...] | None = None
+    layer_chunks: tuple[int | None, ...] | None = None
+    layer_qk_norm: tuple[bool, ...] | None = None
+    attn_temperature: tuple[float, float] | None = None
+    moe: MoEConfig | None = None
+    layer_moe: tuple[bool, ...] | None = None
     attn_scale: float | None = None
     layer_scales: tuple[float, ...] | None = None
     attn_softcap: float | None = None
@@ -273,6 +293,9 @@ class DecoderBlock(nn.Module):
         backend: str,
         window: int | None = None,
         scale: float | None = None,
+        chunk: int | None = None,
+        qk_norm: bool = True,
+        moe: bool = False,
     ) -> None:
         super().__init__()
         C = config.hidden_size
@@ -291,10 +314,12 @@ class DecoderBlock(nn.Module):
             rope=rope,
             backend=backend,
             head_dim=config.head_dim,
-            qk_norm=config.qk_norm,
+            qk_norm=config.qk_norm if qk_norm else None,
             sliding_window=window,
             scale=scale,
             softcap=config.attn_softcap,
+            attention_chunk=chunk,
+            temperature=config.attn_temperature if rope is None else None,  # NoPE layers
         )
         if config.cross_attention:  # between self-attention and the MLP, pre-norm (T5)
             self.cross_norm: nn.Module | None = make_norm(config)
@@ -313,13 +338,17 @@ class DecoderBlock(nn.Module):
             self.cross_norm = self.cross_attention = None
         self.shared_norm = config.parallel_residual and config.parallel_shared_norm
         self.mlp_norm: nn.Module | None = None if self.shared_norm else make_norm(config)
-        self.mlp = MLP(
-            C,
-            config.intermediate_size,
-            gated=config.mlp == "gated",
-            activation=config.activation,
-            bias=config.mlp_bias,
-        )
+        self.mlp: MLP | MixtureOfExperts
+        if moe and config.moe is not None:
+            self.mlp = MixtureOfExperts(C, config.moe, activation=config.activation)
+        else:
+            self.mlp = MLP(
+                C,
+                config.intermediate_size,
+                gated=config.mlp == "gated",
+                activation=config.activation,
+                bias=config.mlp_bias,
+            )
         if self.placement == "sandwich":
             self.attn_post_norm: nn.Module | None = make_norm(config)
             self.mlp_post_norm: nn.Module | None = make_norm(config)
@@ -462,7 +491,20 @@ class Decoder(nn.Module):
             )
         scales = config.layer_scales or (None,) * config.num_layers
         ropes = config.layer_ropes or (None,) * config.num_layers
-        for name, values in (("layer_scales", scales), ("layer_ropes", ropes)):
+        rotary = config.layer_rotary or (True,) * config.num_layers
+        chunks = config.layer_chunks or (None,) * config.num_layers
+        qk_norms = config.layer_qk_norm or (True,) * config.num_layers
+        moes = config.layer_moe or (config.moe is not None,) * config.num_layers
+        if config.layer_moe is not None and config.moe is None:
+            raise ValueError("`layer_moe` needs `moe` (the experts' configuration)")
+        for name, values in (
+            ("layer_scales", scales),
+            ("layer_ropes", ropes),
+            ("layer_rotary", rotary),
+            ("layer_chunks", chunks),
+            ("layer_qk_norm", qk_norms),
+            ("layer_moe", moes),
+        ):
             if len(values) != config.num_layers:
                 raise ValueError(
                     f"`{name}` must have one entry per layer ({config.num_layers}), got "
@@ -473,7 +515,9 @@ class Decoder(nn.Module):
         if self.rope is not None:
             embeddings[config.rope] = self.rope
 
-        def layer_rope(settings: RopeConfig | None) -> RotaryEmbedding | None:
+        def layer_rope(settings: RopeConfig | None, rotates: bool) -> RotaryEmbedding | None:
+            if not rotates:
+                return None
             if settings is None or self.rope is None:
                 return self.rope
             if settings not in embeddings:
@@ -482,9 +526,19 @@ class Decoder(nn.Module):
                 )
             return embeddings[settings]
 
+        per_layer = zip(windows, scales, ropes, rotary, chunks, qk_norms, moes, strict=True)
         self.blocks = nn.ModuleList(
-            DecoderBlock(config, layer_rope(r), backend=backend, window=w, scale=a)
-            for w, a, r in zip(windows, scales, ropes, strict=True)
+            DecoderBlock(
+                config,
+                layer_rope(r, rot),
+                backend=backend,
+                window=w,
+                scale=a,
+                chunk=c,
+                qk_norm=n,
+                moe=m,
+            )
+            for w, a, r, rot, c, n, m in per_layer
         )
         # T5: one table per stack (its first layer's in the checkpoint), shared by all layers.
         self.relative_bias = (

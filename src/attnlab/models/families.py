@@ -31,6 +31,8 @@ tables for the names and hyperparameters, a little code per architecture):
 - ``hook``: the family's own code, ``hook(fields, config, source)``: it turns the options
   into config fields (Qwen's window rule, Gemma's local/global layers, GPT-2's score
   switches), in place, and raises ``ValueError`` naming the key it cannot accept;
+- ``gguf_arch``: llama.cpp's ``general.architecture`` when it is not ``name``
+  (``qwen3moe``);
 - ``model_types``: more ``model_type`` names for the same page (``gemma3_text``), and
   ``text_config``: the ``config.json`` key that holds the text model's settings in a
   multimodal checkpoint.
@@ -48,6 +50,7 @@ from typing import Any, Literal
 from attnlab.models.decoder import DecoderConfig
 from attnlab.models.encoder import EncoderConfig
 from attnlab.models.encoder_decoder import EncoderDecoderConfig
+from attnlab.models.moe import MoEConfig
 from attnlab.rope import RopeConfig
 
 __all__ = [
@@ -107,6 +110,7 @@ class Family:
     gguf_defaults: Mapping[str, Any] = field(default_factory=dict)
     gguf_weights: WeightTable = field(default_factory=dict)
     hook: Hook | None = None
+    gguf_arch: str | None = None
     model_types: tuple[str, ...] = ()
     text_config: str | None = None
 
@@ -128,9 +132,14 @@ class Family:
         if source == "hf":
             return dict(self.keys)
         return {
-            name: tuple(k.replace("{arch}", self.name) for k in candidates)
+            name: tuple(k.replace("{arch}", self.arch) for k in candidates)
             for name, candidates in self.gguf_keys.items()
         }
+
+    @property
+    def arch(self) -> str:
+        """The GGUF ``general.architecture`` of this family."""
+        return self.gguf_arch or self.name
 
     def defaults_for(self, source: Source) -> dict[str, Any]:
         """The defaults for ``source`` (GGUF: llama.cpp's assumptions over ``defaults``)."""
@@ -372,6 +381,369 @@ OLMO2 = dataclasses.replace(
         "blocks.{i}.attn_norm": ("blk.{i}.post_attention_norm", ""),
         "blocks.{i}.mlp_norm": ("blk.{i}.post_ffw_norm", ""),
     },
+)
+
+
+def _per_layer_flags(fields: dict[str, Any], key: str) -> tuple[bool, ...] | None:
+    """Pop a list of one 0/1 (or true/false) per layer, checked, as booleans."""
+    value = fields.pop(key, None)
+    if value is None:
+        return None
+    layers = fields["num_layers"]
+    if (
+        not isinstance(value, list)
+        or len(value) != layers
+        or any(v not in (0, 1) or isinstance(v, float) for v in value)
+    ):
+        raise ValueError(f"`{key}` must list one 0 or 1 per layer ({layers}), got {value!r}")
+    return tuple(bool(v) for v in value)
+
+
+def _period(fields: dict[str, Any], key: str) -> int:
+    """Pop an every-n-th-layer period (an integer >= 1)."""
+    value = fields.pop(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"`{key}` must be an integer >= 1, got {value!r}")
+    return value
+
+
+def _smollm3(fields: dict[str, Any], config: Mapping[str, Any], source: Source) -> None:
+    """SmolLM3's NoPE layers and windows, as transformers' ``SmolLM3Config`` derives them.
+
+    ``no_rope_layers`` holds one 1 (the layer rotates) or 0 (no rotary: NoPE) per layer;
+    without it every ``no_rope_layer_interval``-th layer (default 4) is NoPE. A window
+    counts only with ``use_sliding_window``, and then (unless ``layer_types`` says it per
+    layer) on the NoPE layers.
+    """
+    period = _period(fields, "no_rope_layer_interval")
+    rotary = _per_layer_flags(fields, "no_rope_layers")
+    if rotary is None:
+        rotary = tuple(bool((i + 1) % period) for i in range(fields["num_layers"]))
+    if not all(rotary):
+        fields["layer_rotary"] = rotary
+    if not _flag(fields, "use_sliding_window", False):
+        fields.pop("sliding_window", None)
+        fields["layer_types"] = None
+    elif fields.get("layer_types") is None and fields.get("sliding_window") is not None:
+        fields["layer_types"] = ["full_attention" if r else "sliding_attention" for r in rotary]
+
+
+SMOLLM3 = dataclasses.replace(
+    LLAMA,
+    name="smollm3",
+    fixed={**LLAMA.fixed, "family": "smollm3"},
+    keys={
+        **_LLAMA_KEYS,
+        **_ATTENTION_BIAS_KEYS,
+        "mlp_bias": ("mlp_bias",),
+        "layer_types": ("layer_types",),
+        "use_sliding_window": ("use_sliding_window",),
+        "no_rope_layers": ("no_rope_layers",),
+        "no_rope_layer_interval": ("no_rope_layer_interval",),
+    },
+    defaults={
+        **_LLAMA_DEFAULTS,
+        **_NO_BIAS,
+        "mlp_bias": False,
+        "tie_embeddings": True,
+        "no_rope_layer_interval": 4,
+    },
+    refuse={},
+    gguf_keys={},
+    gguf_weights={},
+    hook=_smollm3,
+)
+
+
+_DENSE_MLP = ("blocks.{i}.mlp.gate", "blocks.{i}.mlp.up", "blocks.{i}.mlp.down")
+_EXPERT_KEYS: dict[str, tuple[str, ...]] = {
+    "num_local_experts": ("num_local_experts", "num_experts"),
+    "num_experts_per_tok": ("num_experts_per_tok",),
+}
+
+
+def _llama4(fields: dict[str, Any], config: Mapping[str, Any], source: Source) -> None:
+    """Llama 4's text layers, as transformers' ``Llama4TextConfig`` derives them.
+
+    NoPE layers from ``no_rope_layers`` (1 = rotates; empty or absent: every
+    ``no_rope_layer_interval``-th layer, default 4, is NoPE). The rotary layers attend in
+    chunks of ``attention_chunk_size`` (``layer_types`` ``"chunked_attention"`` where it is
+    given) and normalise queries and keys with a weightless L2 norm (``use_qk_norm``); the
+    NoPE layers sharpen their queries with ``attn_temperature_tuning`` (``floor_scale``,
+    ``attn_scale``). RoPE rotates interleaved pairs (transformers' complex product).
+    The layers in ``moe_layers`` (else every ``interleave_moe_layer_step``-th) route to
+    experts of width ``intermediate_size`` (sigmoid router, the weight scaling the expert's
+    input, a shared expert of the same width); the others run the dense MLP of
+    ``intermediate_size_mlp``.
+    """
+    layers = fields["num_layers"]
+    period = _period(fields, "no_rope_layer_interval")
+    if fields.get("no_rope_layers") == []:
+        fields.pop("no_rope_layers")
+    rotary = _per_layer_flags(fields, "no_rope_layers")
+    if rotary is None:
+        rotary = tuple(bool((i + 1) % period) for i in range(layers))
+    fields["layer_rotary"] = rotary
+    chunk = fields.pop("attention_chunk_size")
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        raise ValueError(f"`attention_chunk_size` must be an integer >= 1 or null, got {chunk!r}")
+    types = fields.pop("layer_types", None)
+    if types is None:
+        types = ["chunked_attention" if r and chunk else "full_attention" for r in rotary]
+    if not isinstance(types, list) or len(types) != layers:
+        raise ValueError(f"`layer_types` must list one type per layer ({layers}), got {types!r}")
+    if any(t not in ("chunked_attention", "full_attention") for t in types):
+        raise ValueError(f"`layer_types` holds an unsupported type: {sorted(set(map(str, types)))}")
+    if "chunked_attention" in types and chunk is None:
+        raise ValueError("`layer_types` has chunked layers but `attention_chunk_size` is null")
+    fields["layer_chunks"] = tuple(chunk if t == "chunked_attention" else None for t in types)
+    fields["layer_types"] = None
+    if _flag(fields, "use_qk_norm", True):
+        fields["qk_norm"] = "l2_head"
+        fields["layer_qk_norm"] = rotary
+    if _flag(fields, "attn_temperature_tuning", True):
+        floor_scale, scale = fields.pop("temperature_floor"), fields.pop("temperature_scale")
+        for key, value in (("floor_scale", floor_scale), ("attn_scale", scale)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"`{key}` must be a number, got {value!r}")
+        if not floor_scale > 0:
+            raise ValueError(f"`floor_scale` must be > 0, got {floor_scale!r}")
+        fields["attn_temperature"] = (float(floor_scale), float(scale))
+    else:
+        fields.pop("temperature_floor")
+        fields.pop("temperature_scale")
+    step = fields.pop("interleave_moe_layer_step")
+    moe = fields.pop("moe_layers", None)
+    if moe is None:
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise ValueError(f"`interleave_moe_layer_step` must be an integer, got {step!r}")
+        moe = list(range(step - 1, layers, step)) if step > 0 else []
+    if not isinstance(moe, list) or any(
+        isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < layers for i in moe
+    ):
+        raise ValueError(f"`moe_layers` must list layer indices 0..{layers - 1}, got {moe!r}")
+    width = config.get("intermediate_size", 8192)  # the experts' (the dense MLP's: _mlp)
+    if isinstance(width, bool) or not isinstance(width, int) or width < 1:
+        raise ValueError(f"`intermediate_size` must be an integer >= 1, got {width!r}")
+    experts = _experts(
+        fields,
+        size=width,
+        renormalize=False,
+        router="sigmoid",
+        shared_size=width,
+        weight_inputs=True,
+    )
+    if moe:
+        fields["moe"] = experts
+        fields["layer_moe"] = tuple(i in moe for i in range(layers))
+    try:
+        fields["rope"] = dataclasses.replace(RopeConfig.from_hf_config(config), interleaved=True)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"rope settings: {e}") from None
+
+
+LLAMA4_TEXT = dataclasses.replace(
+    LLAMA,
+    name="llama4_text",
+    fixed={**LLAMA.fixed, "family": "llama4_text"},
+    keys={
+        **_LLAMA_KEYS,
+        **_ATTENTION_BIAS_KEYS,
+        "intermediate_size": ("intermediate_size_mlp",),
+        "layer_types": ("layer_types",),
+        "no_rope_layers": ("no_rope_layers",),
+        "no_rope_layer_interval": ("no_rope_layer_interval",),
+        "attention_chunk_size": ("attention_chunk_size",),
+        "use_qk_norm": ("use_qk_norm",),
+        "attn_temperature_tuning": ("attn_temperature_tuning",),
+        # not the score scale: Llama 4's temperature tuning
+        "temperature_floor": ("floor_scale",),
+        "temperature_scale": ("attn_scale",),
+        "moe_layers": ("moe_layers",),
+        "interleave_moe_layer_step": ("interleave_moe_layer_step",),
+        **_EXPERT_KEYS,
+    },
+    defaults={
+        **_LLAMA_DEFAULTS,
+        **_NO_BIAS,
+        "intermediate_size": 16384,
+        "no_rope_layer_interval": 4,
+        "attention_chunk_size": 8192,
+        "temperature_floor": 8192,
+        "temperature_scale": 0.1,
+        "interleave_moe_layer_step": 1,
+        "num_local_experts": 16,
+        "num_experts_per_tok": 1,
+    },
+    refuse={},
+    weights={
+        **_LLAMA_WEIGHTS,
+        "blocks.{i}.mlp.gate": ("layers.{i}.feed_forward.gate_proj", ""),
+        "blocks.{i}.mlp.up": ("layers.{i}.feed_forward.up_proj", ""),
+        "blocks.{i}.mlp.down": ("layers.{i}.feed_forward.down_proj", ""),
+        "blocks.{i}.mlp.router": ("layers.{i}.feed_forward.router", ""),
+        # transformers' stacked experts, (E, in, out), gate and up side by side
+        "blocks.{i}.mlp.experts.{gate_up}": (
+            "layers.{i}.feed_forward.experts.gate_up_proj",
+            "Tx+gate_up",
+        ),
+        "blocks.{i}.mlp.experts.down": ("layers.{i}.feed_forward.experts.down_proj", "Tx"),
+        **{
+            f"blocks.{{i}}.mlp.shared.{w}": (
+                f"layers.{{i}}.feed_forward.shared_expert.{w}_proj",
+                "",
+            )
+            for w in ("gate", "up", "down")
+        },
+    },
+    gguf_keys={},
+    gguf_weights={},
+    hook=_llama4,
+)
+
+
+def _count(fields: dict[str, Any], key: str, *, least: int = 1) -> int:
+    """Pop an integer option that must be at least ``least``."""
+    value = fields.pop(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"`{key}` must be an integer >= {least}, got {value!r}")
+    return value
+
+
+def _experts(
+    fields: dict[str, Any],
+    *,
+    size_key: str = "",
+    size: int | None = None,
+    renormalize: bool | str,
+    router: str = "softmax",
+    shared_size: int | None = None,
+    weight_inputs: bool = False,
+) -> MoEConfig:
+    """The experts' configuration from ``num_local_experts``, ``num_experts_per_tok`` and
+    the expert width ``size`` or the one under ``size_key`` (popped); ``renormalize`` a
+    fixed rule or the key of a true/false option (Qwen3-MoE's ``norm_topk_prob``)."""
+    experts = _count(fields, "num_local_experts")
+    top_k = _count(fields, "num_experts_per_tok")
+    if top_k > experts:
+        raise ValueError(
+            f"`num_experts_per_tok` = {top_k} chooses more experts than exist "
+            f"(`num_local_experts` = {experts})"
+        )
+    if size is None:
+        size = fields["intermediate_size"] if size_key == "intermediate_size" else None
+        size = _count(fields, size_key) if size is None else size
+    norm = renormalize if isinstance(renormalize, bool) else _flag(fields, renormalize, False)
+    return MoEConfig(
+        experts,
+        top_k,
+        size,
+        router=router,  # type: ignore[arg-type]
+        renormalize=norm,
+        shared_size=shared_size,
+        weight_inputs=weight_inputs,
+    )
+
+
+def _mixtral(fields: dict[str, Any], config: Mapping[str, Any], source: Source) -> None:
+    """Mixtral: every layer's feed-forward is the experts (softmax router, top-k weights
+    renormalised), each of ``intermediate_size``; ``router_jitter_noise`` only trains."""
+    fields["moe"] = _experts(fields, size_key="intermediate_size", renormalize=True)
+
+
+def _qwen3_moe(fields: dict[str, Any], config: Mapping[str, Any], source: Source) -> None:
+    """Qwen3-MoE: Qwen3's attention and window rule; the experts (softmax router,
+    ``norm_topk_prob`` renormalises, each of ``moe_intermediate_size``) on every
+    ``decoder_sparse_step``-th layer not in ``mlp_only_layers``, the dense MLP of
+    ``intermediate_size`` on the others (every layer with 0 experts), as transformers'
+    ``Qwen3MoeDecoderLayer`` chooses."""
+    _qwen_windows(fields, config, source)
+    if fields.get("num_local_experts") == 0:  # transformers: no experts, every layer dense
+        for key in ("num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
+                    "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers"):  # fmt: skip
+            fields.pop(key, None)
+        return
+    moe = _experts(fields, size_key="moe_intermediate_size", renormalize="norm_topk_prob")
+    step = _count(fields, "decoder_sparse_step")
+    dense = fields.pop("mlp_only_layers", None) or []
+    layers = fields["num_layers"]
+    if not isinstance(dense, list) or any(
+        isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < layers for i in dense
+    ):
+        raise ValueError(
+            f"`mlp_only_layers` must list layer indices 0..{layers - 1}, got {dense!r}"
+        )
+    fields["moe"] = moe
+    fields["layer_moe"] = tuple(i not in dense and (i + 1) % step == 0 for i in range(layers))
+
+
+MIXTRAL = dataclasses.replace(
+    LLAMA,
+    name="mixtral",
+    fixed={**LLAMA.fixed, "family": "mixtral"},
+    keys={**_LLAMA_KEYS, **_EXPERT_KEYS},
+    defaults={**_LLAMA_DEFAULTS, **_NO_BIAS, "num_local_experts": 8, "num_experts_per_tok": 2},
+    refuse={},
+    weights={
+        **_without(
+            _LLAMA_WEIGHTS, "blocks.{i}.mlp.gate", "blocks.{i}.mlp.up", "blocks.{i}.mlp.down"
+        ),
+        "blocks.{i}.mlp.router": ("layers.{i}.block_sparse_moe.gate", ""),
+        # one tensor per expert in the file, stacked into (E, ...) rows
+        "blocks.{i}.mlp.experts.gate": ("layers.{i}.block_sparse_moe.experts.{j}.w1", ""),
+        "blocks.{i}.mlp.experts.up": ("layers.{i}.block_sparse_moe.experts.{j}.w3", ""),
+        "blocks.{i}.mlp.experts.down": ("layers.{i}.block_sparse_moe.experts.{j}.w2", ""),
+    },
+    gguf_keys={},
+    gguf_weights={},
+    hook=_mixtral,
+)
+
+QWEN3_MOE = dataclasses.replace(
+    QWEN3,
+    name="qwen3_moe",
+    fixed={**QWEN3.fixed, "family": "qwen3_moe"},
+    keys={
+        **QWEN3.keys,
+        **_EXPERT_KEYS,
+        "moe_intermediate_size": ("moe_intermediate_size",),
+        "norm_topk_prob": ("norm_topk_prob",),
+        "decoder_sparse_step": ("decoder_sparse_step",),
+        "mlp_only_layers": ("mlp_only_layers",),
+    },
+    defaults={
+        **QWEN3.defaults,
+        "num_local_experts": 128,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 768,
+        "norm_topk_prob": False,
+        "decoder_sparse_step": 1,
+    },
+    weights={
+        **QWEN3.weights,
+        "blocks.{i}.mlp.router": ("layers.{i}.mlp.gate", ""),
+        "blocks.{i}.mlp.experts.gate": ("layers.{i}.mlp.experts.{j}.gate_proj", ""),
+        "blocks.{i}.mlp.experts.up": ("layers.{i}.mlp.experts.{j}.up_proj", ""),
+        "blocks.{i}.mlp.experts.down": ("layers.{i}.mlp.experts.{j}.down_proj", ""),
+    },
+    # llama.cpp's qwen3moe: experts on every layer, the top-k weights always renormalised
+    gguf_arch="qwen3moe",
+    gguf_keys={
+        **_GGUF_KEYS_NO_WINDOW,
+        "num_local_experts": ("{arch}.expert_count",),
+        "num_experts_per_tok": ("{arch}.expert_used_count",),
+        "moe_intermediate_size": ("{arch}.expert_feed_forward_length",),
+    },
+    gguf_defaults={"norm_topk_prob": True, "decoder_sparse_step": 1},
+    gguf_weights={
+        **_without(_LLAMA_GGUF, *_DENSE_MLP),
+        **_QK_NORM_GGUF,
+        "blocks.{i}.mlp.router": ("blk.{i}.ffn_gate_inp", ""),
+        "blocks.{i}.mlp.experts.gate": ("blk.{i}.ffn_gate_exps", ""),
+        "blocks.{i}.mlp.experts.up": ("blk.{i}.ffn_up_exps", ""),
+        "blocks.{i}.mlp.experts.down": ("blk.{i}.ffn_down_exps", ""),
+    },
+    hook=_qwen3_moe,
 )
 
 _Q_K_V = tuple(f"blocks.{{i}}.attention.{w}" for w in ("W_query", "W_key", "W_value"))
@@ -1080,6 +1452,10 @@ FAMILIES: dict[str, Family] = {
         QWEN3,
         OLMO2,
         PHI3,
+        SMOLLM3,
+        LLAMA4_TEXT,
+        MIXTRAL,
+        QWEN3_MOE,
         GEMMA2,
         GEMMA3,
         GRANITE,
@@ -1095,6 +1471,8 @@ FAMILIES: dict[str, Family] = {
 }
 # config.json `model_type` -> family (a page may answer to several names)
 _BY_MODEL_TYPE = {t: f for f in FAMILIES.values() for t in (f.name, *f.model_types)}
+# GGUF `general.architecture` -> family
+_BY_GGUF_ARCH = {f.arch: f for f in FAMILIES.values()}
 
 
 def family_for(name: object, source: Source = "hf") -> Family:
@@ -1106,7 +1484,7 @@ def family_for(name: object, source: Source = "hf") -> Family:
     """
     if not isinstance(name, str):
         raise ValueError(f"lacks the model type (which family this is), got {name!r}")
-    table = _BY_MODEL_TYPE if source == "hf" else FAMILIES
+    table = _BY_MODEL_TYPE if source == "hf" else _BY_GGUF_ARCH
     if name not in table:
         raise ValueError(
             f"model type {name!r} is not supported; supported: {', '.join(sorted(table))}"

@@ -269,7 +269,10 @@ def _check_rotary(config: DecoderConfig, keys: Mapping[str, tuple[str, ...]], wh
 
 
 # Fields that are not single values (checked where they are built).
-_STRUCTURED = ("rope", "qk_norm", "layer_types", "layer_scales", "layer_ropes")
+_STRUCTURED = (
+    "rope", "qk_norm", "layer_types", "layer_scales", "layer_ropes", "no_rope_layers",
+    "moe_layers", "mlp_only_layers", "moe",
+)  # fmt: skip
 
 
 def _decoder_fields(
@@ -453,7 +456,8 @@ _PIECES = {"{qkv}": ("W_query", "W_key", "W_value"), "{gate_up}": ("gate", "up")
 
 def _rule_regex(pattern: str) -> re.Pattern[str]:
     body = re.escape(pattern).replace(r"\{i\}", r"(?P<i>\d+)").replace(r"\{j\}", r"(?P<j>\d+)")
-    return re.compile(rf"^{body}\.(?P<leaf>weight|bias)$")
+    # transformers keeps some stacked tensors as bare parameters (Llama 4's experts)
+    return re.compile(rf"^{body}(?:\.(?P<leaf>weight|bias))?$")
 
 
 def plan_weights(
@@ -497,10 +501,11 @@ def plan_weights(
             target = ours.replace("{i}", layer or "")
             pieces = next((v for k, v in _PIECES.items() if k in target), None)
             if pieces is None:
-                targets: tuple[str, ...] = (f"{target}.{m['leaf']}",)
+                targets: tuple[str, ...] = (f"{target}.{m['leaf'] or 'weight'}",)
             else:
                 key = next(k for k in _PIECES if k in target)
-                targets = tuple(f"{target.replace(key, p)}.{m['leaf']}" for p in pieces)
+                leaf = m["leaf"] or "weight"
+                targets = tuple(f"{target.replace(key, p)}.{leaf}" for p in pieces)
             row = m.groupdict().get("j")
             if row is not None:  # one row of a target stacked from several tensors
                 transform = f"row:{row}"
@@ -536,8 +541,10 @@ def apply_transform(
             out = tuple(grouped.split(H * D, dim=0))
         elif part == "plus1":
             out = (t.float() + 1.0,)
-        elif part == "gate_up":
-            out = tuple(torch.chunk(t, 2, dim=0))
+        elif part == "gate_up":  # (2F, C), or stacked experts (E, 2F, C)
+            out = tuple(torch.chunk(t, 2, dim=0 if t.ndim < 3 else -2))
+        elif part == "Tx":  # stacked experts stored (E, in, out): ours are (E, out, in)
+            out = (t.transpose(-1, -2),)
         elif part in ("rope_q", "rope_k") and t.ndim == 2:
             heads = config.num_heads if part == "rope_q" else config.num_kv_heads  # type: ignore[union-attr]
             out = (unpermute_rotary(t, heads),)

@@ -44,7 +44,7 @@ def _default(value: Any) -> str:
 
 def _family_row(family: Family) -> str:
     types = _code((family.name, *family.model_types))
-    gguf = f"`{family.name}`" if family.gguf_weights else "-"
+    gguf = f"`{family.arch}`" if family.gguf_weights else "-"
     sets = _code(f"{k}={v!r}" for k, v in family.fixed.items() if k != "family")
     own = "-"
     if family.hook is not None:  # the first sentence of its docstring

@@ -20,7 +20,8 @@ class LayerSummary:
     """One attention layer: its heads, window, and the backend a call of length T runs on.
 
     ``role`` says which attention it is: ``"self"`` (a decoder's or an encoder's), or in an
-    encoder-decoder ``"encoder"``, ``"decoder self"`` and ``"decoder cross"``.
+    encoder-decoder ``"encoder"``, ``"decoder self"`` and ``"decoder cross"``;
+    ``attention_chunk`` the chunk length of chunked local attention (Llama 4), or None.
     """
 
     index: int
@@ -30,6 +31,7 @@ class LayerSummary:
     sliding_window: int | None
     backend: str
     role: str = "self"
+    attention_chunk: int | None = None
 
 
 @dataclass(frozen=True)
@@ -45,7 +47,8 @@ class ModelSummary:
         positions: ``"rope"``, ``"learned"``, ``"alibi"``, ``"relative"`` (T5) or
             ``"learned+types"`` (encoders).
         rope: base, rotated fraction, interleaving and scaling kind (and `layer_bases`:
-            the other bases some layers rotate with, Gemma 3's local ones), or None.
+            the other bases some layers rotate with, Gemma 3's local ones; `nope_layers`:
+            the layers that do not rotate, SmolLM3's), or None.
         norm: e.g. ``"rms pre"``, ``"layer post"``.
         mlp: e.g. ``"gated silu"``.
         context_length: longest input, or None (no limit: T5's relative positions).
@@ -112,7 +115,7 @@ def summarize_model(model: Any, *, probe_length: int = 1024) -> ModelSummary:
         TypeError: a model that is none of these.
     """
     from attnlab.backends import explain_dispatch
-    from attnlab.masks import CausalMask, SlidingWindowMask
+    from attnlab.masks import AttentionMask, CausalMask, ChunkedMask, SlidingWindowMask
     from attnlab.models.decoder import Decoder
     from attnlab.models.encoder import Encoder
     from attnlab.models.encoder_decoder import EncoderDecoder
@@ -140,7 +143,16 @@ def summarize_model(model: Any, *, probe_length: int = 1024) -> ModelSummary:
             return torch.zeros((1,) * len(shape), dtype=dtype).expand(*shape)
 
         window = getattr(layer, "sliding_window", None)
-        mask = (SlidingWindowMask(window) if window else CausalMask()) if causal else None
+        chunk = getattr(layer, "attention_chunk", None)
+        mask: AttentionMask | None = None
+        if causal:
+            mask = (
+                SlidingWindowMask(window)
+                if window
+                else ChunkedMask(chunk)
+                if chunk and chunk < T
+                else CausalMask()
+            )
         exp = explain_dispatch(
             shaped(1, H, T, D),
             shaped(1, G, T, D),
@@ -149,7 +161,7 @@ def summarize_model(model: Any, *, probe_length: int = 1024) -> ModelSummary:
             0.0,
             backend=layer.backend,
         )
-        per_layer.append(LayerSummary(i, H, G, D, window, str(exp.chosen), role))
+        per_layer.append(LayerSummary(i, H, G, D, window, str(exp.chosen), role, chunk))
     first = layers[0][1]
     rope: dict[str, Any] | None = None
     if isinstance(model, Decoder) and model.rope is not None:
@@ -166,6 +178,10 @@ def summarize_model(model: Any, *, probe_length: int = 1024) -> ModelSummary:
         }
         if own:
             rope["layer_bases"] = sorted(own)
+        # NoPE layers (SmolLM3, Llama 4): no rotary at all
+        nope = [i for i, b in enumerate(model.blocks) if getattr(b.attention, "rope", 0) is None]
+        if nope:
+            rope["nope_layers"] = nope
     attn_softcap = final_softcap = None
     if isinstance(model, Decoder):
         c = model.config

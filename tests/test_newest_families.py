@@ -1,0 +1,367 @@
+"""The newest open models' attention and feed-forward, each family a tiny random
+checkpoint built with transformers here and compared with transformers computed here
+(fp32, eager attention): logits and every layer's attention weights, greedy tokens with
+the KV cache, cached decoding against the full pass; bad configs name the field."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+if not all(importlib.util.find_spec(m) for m in ("transformers", "tokenizers", "safetensors")):
+    pytest.skip("needs transformers, tokenizers and safetensors", allow_module_level=True)
+
+from attnlab.generation import generate
+from attnlab.models.decoder import Decoder
+from attnlab.models.moe import MixtureOfExperts, MoEConfig
+from attnlab.pretrained import ModelFileError, load_pretrained
+from cli_runner import run_main
+from model_files import assert_matches_reference, gguf_reference, save_hf, write_gguf
+
+_SMALL = {
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 128,
+    "pad_token_id": 1,
+    "bos_token_id": 0,
+    "eos_token_id": 2,
+}
+FAMILIES: dict[str, dict] = {
+    # NoPE on layers 3 and 7 (every 4th); untied head
+    "smollm3": {
+        **_SMALL,
+        "num_hidden_layers": 8,
+        "tie_word_embeddings": False,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    },
+    # NoPE layers given explicitly, with windows on them
+    "smollm3-window": {
+        **_SMALL,
+        "num_hidden_layers": 3,
+        "no_rope_layers": [0, 1, 0],
+        "use_sliding_window": True,
+        "sliding_window": 5,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    },
+    # NoPE on layers 1 and 3 (interval 2); chunks of 4 on the rotary layers (prompts of 12
+    # to 24 tokens cross several); temperature floor 3 so that the scale changes within
+    # a prompt; dense feed-forward only
+    "llama4_text-dense": {
+        **_SMALL,
+        "num_hidden_layers": 4,
+        "head_dim": 16,
+        "intermediate_size_mlp": 80,
+        "moe_layers": [],
+        "no_rope_layer_interval": 2,
+        "attention_chunk_size": 4,
+        "floor_scale": 3,
+        "attn_scale": 0.5,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    },
+    # layers 1 and 3 route to experts (top-2 of 4, sigmoid, a shared expert)
+    "llama4_text": {
+        **_SMALL,
+        "num_hidden_layers": 4,
+        "head_dim": 16,
+        "intermediate_size": 32,
+        "intermediate_size_mlp": 80,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "interleave_moe_layer_step": 2,
+        "no_rope_layer_interval": 2,
+        "attention_chunk_size": 4,
+        "floor_scale": 3,
+        "attn_scale": 0.5,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    },
+    # 4 experts, 2 per token (renormalised); a window shorter than the prompt
+    "mixtral": {
+        **_SMALL,
+        "intermediate_size": 48,
+        "num_hidden_layers": 2,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "sliding_window": 9,
+    },
+    # layers 1 and 3 experts (0 in mlp_only_layers, 2 off decoder_sparse_step); top-3 of
+    # 5 not renormalised
+    "qwen3_moe": {
+        **_SMALL,
+        "num_hidden_layers": 4,
+        "decoder_sparse_step": 2,
+        "head_dim": 32,
+        "moe_intermediate_size": 32,
+        "num_experts": 5,
+        "num_experts_per_tok": 3,
+        "norm_topk_prob": False,
+        "mlp_only_layers": [0],
+    },
+    # experts on every layer, renormalised: what llama.cpp's qwen3moe runs (and GGUF holds)
+    "qwen3_moe-renorm": {
+        **_SMALL,
+        "num_hidden_layers": 2,
+        "moe_intermediate_size": 32,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": True,
+    },
+}
+
+
+def _model_type(name: str) -> str:
+    return name.split("-")[0]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("newest")
+    return {
+        name: save_hf(_model_type(name), overrides, root / name, torch.float32)
+        for name, overrides in FAMILIES.items()
+    }
+
+
+def _reference(folder):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        folder, attn_implementation="eager", dtype=torch.float32
+    ).eval()
+
+
+def _ids(n: int = 24, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 512, (1, n), generator=g)
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_logits_and_every_attention_match_transformers(checkpoints, name):
+    model, _ = load_pretrained(checkpoints[name])
+    assert isinstance(model, Decoder) and model.config.family == _model_type(name)
+    ref = _reference(checkpoints[name])
+    ids = _ids()
+    assert_matches_reference(model, ref, ids)
+    with torch.no_grad():
+        assert ref(ids).logits.std() > 0.1  # not a degenerate model
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_greedy_tokens_with_the_kv_cache_match_transformers(checkpoints, name):
+    model, _ = load_pretrained(checkpoints[name])
+    ref = _reference(checkpoints[name])
+    ids = _ids(12, seed=1)
+    ours = generate(model, ids, 16)
+    with torch.no_grad():
+        theirs = ref.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=16,
+            do_sample=False,
+            pad_token_id=1,
+            eos_token_id=None,
+        )
+    assert ours.tolist() == theirs.tolist()
+    assert len(set(ours[0, ids.shape[1] :].tolist())) > 1
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["growing", "static"])
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_cached_decoding_equals_the_full_pass(checkpoints, name, static):
+    model, _ = load_pretrained(checkpoints[name], backend="math")
+    ids = _ids(20, seed=2)
+    with torch.no_grad():
+        full = model(ids)
+        cache = model.new_kv_cache(max_len=ids.shape[1]) if static else model.new_kv_cache()
+        first = model(ids[:, :-4], kv_cache=cache)
+        steps = [model(ids[:, i : i + 1], kv_cache=cache) for i in range(16, 20)]
+    torch.testing.assert_close(torch.cat([first, *steps], dim=1), full, atol=1e-5, rtol=0)
+
+
+def test_llama4_layers(checkpoints):
+    """Rotary layers: chunks and the L2 QK-norm; NoPE layers: global, temperature tuned."""
+    model, _ = load_pretrained(checkpoints["llama4_text"])
+    layers = [block.attention for block in model.blocks]
+    assert [a.rope is not None for a in layers] == [True, False, True, False]
+    assert [a.attention_chunk for a in layers] == [4, None, 4, None]
+    assert [a.qk_norm is not None for a in layers] == [True, False, True, False]
+    assert [a.temperature for a in layers] == [None, (3.0, 0.5), None, (3.0, 0.5)]
+    # a query late in the prompt sees nothing before its chunk on a rotary layer
+    with torch.no_grad():
+        _, weights = model(_ids(10), need_weights=True)
+    assert bool((weights[0][0, :, 9, :8] == 0).all()) and bool((weights[0][0, :, 9, 8:] > 0).all())
+    assert bool((weights[1][0, :, 9] > 0).all())
+
+
+def test_moe_layers_where_the_config_puts_them(checkpoints):
+    kinds = {
+        name: [type(block.mlp).__name__ for block in load_pretrained(checkpoints[name])[0].blocks]
+        for name in ("mixtral", "qwen3_moe", "qwen3_moe-renorm", "llama4_text")
+    }
+    assert kinds == {
+        "mixtral": ["MixtureOfExperts"] * 2,
+        "llama4_text": ["MLP", "MixtureOfExperts"] * 2,
+        "qwen3_moe": ["MLP", "MixtureOfExperts"] * 2,
+        "qwen3_moe-renorm": ["MixtureOfExperts"] * 2,
+    }
+    model, _ = load_pretrained(checkpoints["qwen3_moe"])
+    moe = model.blocks[1].mlp.config
+    assert (moe.num_experts, moe.top_k, moe.expert_size, moe.renormalize) == (5, 3, 32, False)
+
+
+def test_an_expert_no_token_chose_is_never_computed():
+    """Poison the experts no token chose with NaN: a dense computation of every expert
+    would spread the NaN (0 * NaN), routing only the chosen ones does not."""
+    torch.manual_seed(0)
+    moe = MixtureOfExperts(16, MoEConfig(8, 2, 12))
+    x = torch.randn(1, 3, 16)  # 3 tokens x 2 choices: at least 2 of 8 experts idle
+    with torch.no_grad():
+        before = moe(x)
+        chosen = set(moe.last_routing.experts.flatten().tolist())
+        idle = sorted(set(range(8)) - chosen)
+        assert len(idle) >= 2
+        for e in idle:
+            moe.experts.gate.weight[e] = float("nan")
+            moe.experts.down.weight[e] = float("nan")
+        after = moe(x)
+    assert torch.equal(before, after)
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_sigmoid_router_shared_expert_and_weighted_inputs_match_llama4_moe(top_k):
+    """The module against transformers' Llama4TextMoe (sigmoid router on the top-k
+    logits, the weight scaling each expert's input, a shared expert), weights copied."""
+    from transformers import AutoConfig
+    from transformers.models.llama4.modeling_llama4 import Llama4TextMoe
+
+    C, F, E = 16, 12, 4
+    hf = AutoConfig.for_model(
+        "llama4_text", hidden_size=C, intermediate_size=F, num_local_experts=E,
+        num_experts_per_tok=top_k, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+    )  # fmt: skip
+    torch.manual_seed(1)
+    theirs = Llama4TextMoe(hf).eval()
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.normal_(0, 0.3)
+    config = MoEConfig(
+        E, top_k, F, router="sigmoid", renormalize=False, weight_inputs=True, shared_size=F
+    )
+    ours = MixtureOfExperts(C, config, activation="silu")
+    with torch.no_grad():
+        ours.router.weight.copy_(theirs.router.weight)
+        gate_up = theirs.experts.gate_up_proj  # (E, C, 2F): x @ it
+        ours.experts.gate.weight.copy_(gate_up[..., :F].transpose(1, 2))
+        ours.experts.up.weight.copy_(gate_up[..., F:].transpose(1, 2))
+        ours.experts.down.weight.copy_(theirs.experts.down_proj.transpose(1, 2))
+        for name in ("gate", "up", "down"):
+            getattr(ours.shared, name).weight.copy_(
+                getattr(theirs.shared_expert, f"{name}_proj").weight
+            )
+        x = torch.randn(2, 5, C)
+        expected, _ = theirs(x)
+        torch.testing.assert_close(ours(x), expected.view(2, 5, C), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
+def test_qwen3_moe_gguf_matches_transformers_on_the_dequantised_weights(
+    checkpoints, tmp_path, qtype
+):
+    """A qwen3moe GGUF file as llama.cpp's converter writes it (experts stacked (E, ...),
+    expert_count / expert_used_count / expert_feed_forward_length) against transformers
+    with the file's weights; llama.cpp always renormalises the top-k weights."""
+    path = tmp_path / "m.gguf"
+    reference_state = write_gguf(checkpoints["qwen3_moe-renorm"], path, "qwen3_moe", qtype)
+    model, _ = load_pretrained(path)
+    assert [type(b.mlp).__name__ for b in model.blocks] == ["MixtureOfExperts"] * 2
+    assert model.blocks[0].mlp.config.renormalize
+    ref = gguf_reference(checkpoints["qwen3_moe-renorm"], reference_state)
+    assert_matches_reference(model, ref, _ids())
+
+
+def test_smollm3_nope_layers_have_no_rotary(checkpoints):
+    model, _ = load_pretrained(checkpoints["smollm3"])
+    rotary = [block.attention.rope is not None for block in model.blocks]
+    assert rotary == [True, True, True, False, True, True, True, False]
+    model, _ = load_pretrained(checkpoints["smollm3-window"])
+    assert [block.attention.rope is not None for block in model.blocks] == [False, True, False]
+    assert model.config.layer_windows == (5, None, 5)  # windows on the NoPE layers
+
+
+def _edited(checkpoints, tmp_path, name: str, **edits) -> object:
+    folder = tmp_path / name
+    shutil.copytree(checkpoints[name], folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(edits)
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("edits", "match"),
+    [
+        ({"attention_chunk_size": 0}, "`attention_chunk_size` must be an integer >= 1"),
+        ({"moe_layers": [9]}, "`moe_layers` must list layer indices 0..3"),
+        ({"num_experts_per_tok": 5}, "`num_experts_per_tok` = 5 chooses more experts"),
+        ({"floor_scale": 0}, "`floor_scale` must be > 0"),
+        ({"layer_types": ["sliding_attention"] * 4}, "`layer_types` holds an unsupported"),
+    ],
+)
+def test_llama4_bad_configs_name_the_field(checkpoints, tmp_path, edits, match):
+    folder = _edited(checkpoints, tmp_path, "llama4_text", **edits)
+    with pytest.raises(ModelFileError, match=match):
+        load_pretrained(folder)
+
+
+@pytest.mark.parametrize(
+    ("name", "edits", "match"),
+    [
+        ("smollm3", {"no_rope_layers": [1, 0]}, "`no_rope_layers` must list one 0 or 1 per"),
+        ("smollm3", {"no_rope_layers": [2] * 8}, "`no_rope_layers` must list one 0 or 1 per"),
+        (
+            "mixtral",
+            {"num_experts_per_tok": 5},
+            "`num_experts_per_tok` = 5 chooses more experts than exist",
+        ),
+        ("qwen3_moe", {"num_local_experts": -1}, "`num_local_experts` must be an integer >= 1"),
+        (
+            "qwen3_moe",
+            {"num_experts_per_tok": 6},
+            "`num_experts_per_tok` = 6 chooses more experts than exist",
+        ),
+        ("qwen3_moe", {"mlp_only_layers": [9]}, "`mlp_only_layers` must list layer indices"),
+        ("qwen3_moe", {"decoder_sparse_step": 0}, "`decoder_sparse_step` must be an integer"),
+        (
+            "smollm3",
+            {"no_rope_layers": None, "no_rope_layer_interval": 0},
+            "`no_rope_layer_interval` must be an integer >= 1",
+        ),
+    ],
+)
+def test_bad_configs_name_the_field(checkpoints, tmp_path, name, edits, match):
+    folder = _edited(checkpoints, tmp_path, name, **edits)
+    with pytest.raises(ModelFileError, match=match):
+        load_pretrained(folder)
+
+
+def test_info_names_the_nope_layers(checkpoints, capsys):
+    code, out, err = run_main(capsys, "info", "--model", str(checkpoints["smollm3"]), "--json")
+    assert code == 0, err
+    assert json.loads(out)["rope"]["nope_layers"] == [3, 7]
+    code, out, err = run_main(capsys, "info", "--model", str(checkpoints["smollm3"]))
+    assert code == 0, err
+    assert "(NoPE)" in out
+    code, out, err = run_main(capsys, "info", "--model", str(checkpoints["llama4_text"]), "--json")
+    assert code == 0, err
+    info = json.loads(out)
+    assert [lay["attention_chunk"] for lay in info["per_layer"]] == [4, None, 4, None]
+    assert info["rope"]["interleaved"] and info["rope"]["nope_layers"] == [1, 3]
