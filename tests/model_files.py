@@ -220,6 +220,13 @@ def write_gguf(
     state = load_file(hf_folder / "model.safetensors")
     qtype = GGMLQuantizationType[qtype_name]
     arch = GGUF_ARCH.get(family, family)
+    stacked: dict[str, list[str]] = {}
+    if family == "stablelm":  # as llama.cpp's StableLMModel: the per-head norms stacked
+        for n in (k for k in state if ".norms." in k):
+            stacked.setdefault(n.split(".norms.")[0] + ".weight", []).append(n)
+        for new, parts in stacked.items():
+            parts.sort(key=lambda k: int(k.split(".norms.")[1].split(".")[0]))
+            state[new] = torch.stack([state.pop(k) for k in parts])
     w = GGUFWriter(out_path, arch)
     rope = cfg.get("rope_parameters") or {}
     rope = rope.get("full_attention", rope)  # Gemma 3: the global layers' (the file's base)
@@ -380,7 +387,7 @@ def write_gguf(
         if per_head:  # (H, 3, D, ...) rows -> q, k, v one after another
             x = x.reshape(H, 3, C // H, *x.shape[1:]).transpose(0, 1).reshape(x.shape)
         arr = x.numpy()
-        if arr.ndim == 2 and qtype != GGMLQuantizationType.F32:
+        if arr.ndim == 2 and qtype != GGMLQuantizationType.F32 and "norm" not in gname:
             if qtype == GGMLQuantizationType.F16:
                 stored = arr.astype(np.float16)
                 w.add_tensor(gname, stored)
@@ -401,6 +408,9 @@ def write_gguf(
         if per_head:
             y = y.reshape(3, H, C // H, *y.shape[1:]).transpose(0, 1).reshape(y.shape)
         reference[name] = y - 1 if plus1 else y
+    for new, parts in stacked.items():  # back to one tensor per head
+        rows = reference.pop(new)
+        reference.update({k: rows[j] for j, k in enumerate(parts)})
     if extra is not None:  # more keys or tensors: extra(writer)
         extra(w)
     w.write_header_to_file()

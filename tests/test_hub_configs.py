@@ -331,6 +331,29 @@ HUB: dict[str, dict] = {
         "use_qkv_bias": True,
         "vocab_size": 512,
     },
+    # stabilityai/stablelm-2-12b: parallel residual through one norm, a LayerNorm per head
+    # on queries and keys (each head its own weight)
+    "stablelm-12b": {
+        "architectures": ["StableLmForCausalLM"],
+        "bos_token_id": 0,
+        "eos_token_id": 0,
+        "hidden_act": "silu",
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "layer_norm_eps": 1e-05,
+        "max_position_embeddings": 128,
+        "model_type": "stablelm",
+        "num_attention_heads": 4,
+        "num_hidden_layers": 2,
+        "num_key_value_heads": 2,
+        "partial_rotary_factor": 0.25,
+        "qk_layernorm": True,
+        "rope_theta": 10000,
+        "tie_word_embeddings": False,
+        "use_parallel_residual": True,
+        "use_qkv_bias": False,
+        "vocab_size": 512,
+    },
     # EleutherAI/pythia-70m: RoPE as rotary_pct / rotary_emb_base
     "gpt_neox": {
         "architectures": ["GPTNeoXForCausalLM"],
@@ -634,6 +657,7 @@ GGUF_CONFIGS: dict[str, tuple[str, dict]] = {
     "granite": ("granite", _overrides("granite")),
     "starcoder2": ("starcoder2", {**_overrides("starcoder2"), "sliding_window": None}),
     "stablelm": ("stablelm", _overrides("stablelm")),
+    "stablelm-12b": ("stablelm", _overrides("stablelm-12b")),
     # Gemma 3 as transformers' Gemma3TextConfig (the 270M's shape: H * D = 4 * 256 > 640)
     "gemma3": (
         "gemma3_text",
@@ -671,7 +695,7 @@ def gguf_dirs(tmp_path_factory):
 def test_gguf_layouts_match_transformers_on_the_dequantised_weights(
     gguf_dirs, tmp_path, name, qtype
 ):
-    family = "llama" if name == "llama-head-dim" else name
+    family = {"llama-head-dim": "llama", "stablelm-12b": "stablelm"}.get(name, name)
     path = tmp_path / f"{name}.{qtype}.gguf"
     ref = gguf_reference(gguf_dirs[name], write_gguf(gguf_dirs[name], path, family, qtype))
     model, _ = load_pretrained(path)

@@ -98,6 +98,8 @@ class DecoderConfig:
         activation: ``"silu"``, ``"gelu"``, ``"gelu_tanh"`` or ``"relu"``.
         mlp_bias: biases in the feed-forward projections.
         parallel_residual: attention and MLP read the same input and add together.
+        parallel_shared_norm: in the parallel form, the MLP reads the attention's normed
+            input (one norm per block: StableLM 2, GPT-J) rather than its own norm.
         positions: ``"rope"``, ``"learned"`` or ``"alibi"`` (:class:`attnlab.biases.AlibiBias`
             with the standard slopes, BLOOM) or ``"relative"`` (T5).
         rope: the rotary embedding's settings (base, partial rotary, scaling).
@@ -148,6 +150,7 @@ class DecoderConfig:
     activation: Activation = "silu"
     mlp_bias: bool = False
     parallel_residual: bool = False
+    parallel_shared_norm: bool = False
     positions: Literal["rope", "learned", "alibi", "relative"] = "rope"
     rope: RopeConfig = RopeConfig(base=100000.0)  # noqa: RUF009 (frozen, shared safely)
     head_dim: int | None = None
@@ -308,7 +311,8 @@ class DecoderBlock(nn.Module):
             )
         else:
             self.cross_norm = self.cross_attention = None
-        self.mlp_norm = make_norm(config)
+        self.shared_norm = config.parallel_residual and config.parallel_shared_norm
+        self.mlp_norm: nn.Module | None = None if self.shared_norm else make_norm(config)
         self.mlp = MLP(
             C,
             config.intermediate_size,
@@ -385,17 +389,20 @@ class DecoderBlock(nn.Module):
         if self.placement == "post":
             a, weights = self._attend(x, kv_cache, need_weights, bias)
             x = x + self.attn_norm(a) * r if r != 1.0 else x + self.attn_norm(a)  # (B, T, C)
-            m = self.mlp_norm(self.mlp(x))
+            m = self.mlp_norm(self.mlp(x))  # type: ignore[misc]
             return (x + m * r if r != 1.0 else x + m), weights, None
-        a, weights = self._attend(self.attn_norm(x), kv_cache, need_weights, bias)
+        normed = self.attn_norm(x)
+        a, weights = self._attend(normed, kv_cache, need_weights, bias)
         if self.attn_post_norm is not None:
             a = self.attn_post_norm(a)
-        h = self.mlp_norm(x) if self.parallel else None  # parallel: both read x
+        h = None
+        if self.parallel:  # both read x (through one norm when shared)
+            h = normed if self.mlp_norm is None else self.mlp_norm(x)
         x = x + a * r if r != 1.0 else x + a  # (B, T, C)
         cross_weights = None
         if h is None:
             x, cross_weights = self._cross(x, context, context_mask, kv_cache, need_weights)
-            h = self.mlp_norm(x)
+            h = self.mlp_norm(x)  # type: ignore[misc]
         m = self.mlp(h)
         if self.mlp_post_norm is not None:
             m = self.mlp_post_norm(m)

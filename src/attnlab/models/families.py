@@ -870,10 +870,16 @@ STARCODER2 = Family(
 
 
 def _stablelm(fields: dict[str, Any], config: Mapping[str, Any], source: Source) -> None:
-    """StableLM's rotated fraction: ``partial_rotary_factor``, 0.25 when absent (as
-    transformers' ``StableLmConfig``)."""
+    """StableLM's rotated fraction (``partial_rotary_factor``, 0.25 when absent, as
+    transformers' ``StableLmConfig``) and its QK-norm: a LayerNorm per head with its own
+    weight, from ``qk_layernorm`` (GGUF: the ``attn_q_norm`` tensors, as llama.cpp)."""
     if source == "hf":
         _partial_rope(fields, config)
+        qk = _flag(fields, "qk_layernorm", False)
+    else:
+        qk = fields.pop("qk_norm_tensors")
+    if qk:
+        fields["qk_norm"] = "layer_each_head"
 
 
 STABLELM = Family(
@@ -886,29 +892,33 @@ STABLELM = Family(
         "positions": "rope",
         "out_bias": False,
         "mlp_bias": False,
+        # the parallel form reads one norm for attention and MLP
+        "parallel_shared_norm": True,
         "family": "stablelm",
     },
     keys={
         **_LLAMA_KEYS,
         "norm_eps": ("layer_norm_eps",),
         "qkv_bias": ("use_qkv_bias",),
+        "parallel_residual": ("use_parallel_residual",),
+        "qk_layernorm": ("qk_layernorm",),
     },
     defaults={**_LLAMA_DEFAULTS, "qkv_bias": False, "norm_eps": 1e-5},
-    # the parallel form shares one norm, and the QK-norm is a LayerNorm per head: neither
-    # is expressed yet (StableLM 2 1.6B and 3B have neither)
-    refuse={
-        "use_parallel_residual": (None, False),
-        "qk_layernorm": (None, False),
-        "stablelm.use_parallel_residual": (None, False),
+    weights={
+        **_LLAMA_WEIGHTS,
+        "blocks.{i}.attention.q_norm": ("layers.{i}.self_attn.q_layernorm.norms.{j}", ""),
+        "blocks.{i}.attention.k_norm": ("layers.{i}.self_attn.k_layernorm.norms.{j}", ""),
     },
-    weights=_LLAMA_WEIGHTS,
     prefixes=("model.",),
     ignore=(r".*rotary_emb\.inv_freq$",),
-    gguf_keys=_LAYER_NORM_GGUF_KEYS,
-    gguf_weights=_LLAMA_GGUF,  # llama.cpp's StableLMModel does not permute q/k
+    gguf_keys={
+        **_LAYER_NORM_GGUF_KEYS,
+        "parallel_residual": ("{arch}.use_parallel_residual",),
+    },
+    # llama.cpp's StableLMModel does not permute q/k; it stacks the per-head norms
+    gguf_weights={**_LLAMA_GGUF, **_QK_NORM_GGUF},
     hook=_stablelm,
 )
-
 
 # --------------------------------------------------------------------------- encoders
 

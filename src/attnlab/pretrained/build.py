@@ -283,10 +283,15 @@ def _decoder_fields(
                 fields["rope"] = RopeConfig.from_hf_config(config)
             except (ValueError, TypeError) as e:
                 raise ModelFileError(where, f"rope settings: {e}") from None
+    present = fields.pop("qk_norm_tensors", False)  # GGUF: attn_q_norm tensors in the file
     kind = fields.pop("qk_norm", None)
-    if kind is not None:
-        eps = float(fields.get("norm_eps", 1e-6))
-        fields["qk_norm"] = QKNorm("rms", "head" if kind == "rms_head" else "all", eps=eps)
+    if present and kind is None:
+        raise ModelFileError(
+            where, "tensors 'blk.*.attn_q_norm' are in the file, but this family has no QK-norm"
+        )
+    if kind is not None:  # "<norm>_<scope>": rms_head, rms_all, layer_each_head
+        norm, scope = kind.split("_", 1)
+        fields["qk_norm"] = QKNorm(norm, scope, eps=float(fields.get("norm_eps", 1e-6)))
 
 
 def _gguf_rope(
@@ -410,7 +415,7 @@ _PIECES = {"{qkv}": ("W_query", "W_key", "W_value"), "{gate_up}": ("gate", "up")
 
 
 def _rule_regex(pattern: str) -> re.Pattern[str]:
-    body = re.escape(pattern).replace(r"\{i\}", r"(?P<i>\d+)")
+    body = re.escape(pattern).replace(r"\{i\}", r"(?P<i>\d+)").replace(r"\{j\}", r"(?P<j>\d+)")
     return re.compile(rf"^{body}\.(?P<leaf>weight|bias)$")
 
 
@@ -459,6 +464,9 @@ def plan_weights(
             else:
                 key = next(k for k in _PIECES if k in target)
                 targets = tuple(f"{target.replace(key, p)}.{m['leaf']}" for p in pieces)
+            row = m.groupdict().get("j")
+            if row is not None:  # one row of a target stacked from several tensors
+                transform = f"row:{row}"
             plan[name] = (targets, transform)
             break
         else:
@@ -640,7 +648,11 @@ def build_model(
     with skip_random_init():
         model = model_class(config)(config, backend=backend)  # type: ignore[arg-type]
     weights: dict[str, torch.Tensor] = {}
+    rows: dict[str, dict[int, torch.Tensor]] = {}
     for name, (targets, transform) in plan.items():
+        if transform.startswith("row:"):  # StableLM's per-head norms, one tensor per head
+            rows.setdefault(targets[0], {})[int(transform[4:])] = get(name)
+            continue
         parts = apply_transform(get(name), transform, config)
         if len(parts) != len(targets):
             raise ModelFileError(where, f"tensor {name!r} cannot be split into {targets}")
@@ -648,6 +660,12 @@ def build_model(
             if target in weights:
                 raise ModelFileError(where, f"two tensors map to {target!r}")
             weights[target] = t
+    for target, stacked in rows.items():
+        if sorted(stacked) != list(range(len(stacked))) or target in weights:
+            raise ModelFileError(
+                where, f"{target!r} needs rows 0..n-1 once each, got rows {sorted(stacked)}"
+            )
+        weights[target] = torch.stack([stacked[j] for j in range(len(stacked))])
     if getattr(config, "tie_embeddings", False):
         # tied: the embedding serves both
         weights.pop(

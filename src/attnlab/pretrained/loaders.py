@@ -314,6 +314,7 @@ def gguf_config(contents: GGUFContents) -> tuple[Family, AnyConfig]:
         "qkv_bias": "blk.0.attn_q.bias" in infos or "blk.0.attn_qkv.bias" in infos,
         "out_bias": "blk.0.attn_output.bias" in infos,
         "mlp_bias": "blk.0.ffn_up.bias" in infos,
+        "qk_norm_tensors": "blk.0.attn_q_norm.weight" in infos,
     }
     if ROPE_FREQS in contents.tensor_infos:
         extra["rope_factors"] = _rope_tensor(contents, ROPE_FREQS)
