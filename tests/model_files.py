@@ -18,15 +18,16 @@ CORPUS = [
 VOCAB = 160
 
 
-def tokenizer_json(folder) -> None:
-    """A small byte-level BPE tokenizer, trained here, saved as tokenizer.json."""
+def tokenizer_json(folder, vocab: int = VOCAB) -> None:
+    """A small byte-level BPE tokenizer, trained here, saved as tokenizer.json (``vocab``
+    above the 260 bytes and special tokens gives it merges)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB,
+        vocab_size=vocab,
         special_tokens=["<s>", "<pad>", "</s>", "<unk>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
@@ -61,7 +62,15 @@ def spm_vocab(n_vocab: int) -> tuple[list[str], list[float], list[int]]:
     )
 
 
-def save_hf(family: str, overrides: dict, folder, dtype: torch.dtype, *, encoder: bool = False):
+def save_hf(
+    family: str,
+    overrides: dict,
+    folder,
+    dtype: torch.dtype,
+    *,
+    encoder: bool = False,
+    tokenizer_vocab: int = VOCAB,
+):
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
     config = AutoConfig.for_model(family, vocab_size=512, initializer_range=0.1, **overrides)
@@ -70,7 +79,7 @@ def save_hf(family: str, overrides: dict, folder, dtype: torch.dtype, *, encoder
     model = auto.from_config(config, attn_implementation="eager").to(dtype).eval()
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder, safe_serialization=True)
-    tokenizer_json(folder)
+    tokenizer_json(folder, tokenizer_vocab)
     return folder
 
 

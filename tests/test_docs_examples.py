@@ -4,8 +4,9 @@
   earlier one defined), in a fresh working directory.
 - ``bash`` blocks: every line that starts with ``attnlab`` runs as the real command, in
   this process (``attnlab.cli.main``), one working directory per block, and must exit 0.
-  Other lines (``pip install``, ``python -m venv``, ``curl``, ``mkdocs``) are not run. A
-  redirect or pipe after an ``attnlab`` command is dropped (the command still runs).
+  Other lines (``pip install``, ``python -m venv``, ``curl``, ``mkdocs``) are not run, nor
+  is ``attnlab serve`` (a server runs until stopped). A redirect or pipe after an
+  ``attnlab`` command is dropped (the command still runs).
 
 A block is left out, or held back, by an HTML comment on the line directly before it
 (several such comments may stack):
@@ -107,6 +108,8 @@ def attnlab_commands(code: str) -> list[list[str]]:
         if not line.strip().startswith("attnlab "):
             continue
         words = shlex.split(line, comments=True)
+        if words[1:2] == ["serve"]:
+            continue
         args: list[str] = []
         for w in words[1:]:
             if w in _SHELL_STOP or w.startswith((">", "|")):
@@ -223,6 +226,7 @@ def test_parser_reads_markers_and_commands(tmp_path: Path) -> None:
     assert blocks[1].requires == ("not_a_module_xyz",) and blocks[1].slow == "long"
     assert blocks[1].missing() == ["not_a_module_xyz"]
     assert attnlab_commands(blocks[2].code) == [["walkthrough", "--json"], ["info", "--table"]]
+    assert attnlab_commands("attnlab serve --port 0\n") == []
 
 
 def test_readme_is_short_and_names_every_command() -> None:

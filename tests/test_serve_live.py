@@ -31,11 +31,15 @@ ARTIFACTS = Path(__file__).parent / "artifacts"
 class ServeProcess:
     """``python -m attnlab serve ARGS --port 0`` in a subprocess; its URL from the first line."""
 
-    def __init__(self, *args: str, cwd: Path) -> None:
+    def __init__(self, *args: str, cwd: Path, sigint_ignored: bool = False) -> None:
         env = dict(os.environ, PYTHONPATH=str(SRC), HF_HUB_OFFLINE="1", COLUMNS="200")
+        # sigint_ignored: start it the way a non-interactive shell starts a background job
+        # (SIGINT ignored, inherited by what it runs).
+        ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored else None
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "attnlab", "serve", "--port", "0", *args],
             cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            preexec_fn=ignore,
         )  # fmt: skip
         assert self.proc.stdout is not None
         self.line = self.proc.stdout.readline().strip()
@@ -68,6 +72,10 @@ def tiny_checkpoint(folder: Path) -> Path:
 
 
 def test_the_command_binds_loopback_and_stops_on_ctrl_c(tmp_path):
+    """Ctrl-C after a request, and Ctrl-C at once after the startup line: the window
+    between that line and uvicorn installing its signal handlers is closed because the
+    line is printed from inside uvicorn's startup, after the handlers are in place (the
+    sigint_ignored test below loses that Ctrl-C without it, every time)."""
     s = ServeProcess("--model", "example:journey", cwd=tmp_path)
     assert s.url.startswith("http://127.0.0.1:") and "other machines" not in s.line
     r = httpx.post(f"{s.url}/api/trace", json={"model": "example:journey"}, timeout=60)
@@ -79,6 +87,18 @@ def test_the_command_binds_loopback_and_stops_on_ctrl_c(tmp_path):
     out = ServeProcess("--model", "example:journey", "--host", "0.0.0.0", cwd=tmp_path)
     assert "listening on 0.0.0.0: other machines can reach it" in out.line
     assert out.stop() == 0
+
+
+def test_ctrl_c_right_after_the_startup_line_stops_a_server_started_with_sigint_ignored(
+    tmp_path,
+):
+    # In a process that inherits SIGINT ignored (a full test run started from a script or
+    # CI, a background job), a Ctrl-C sent after the startup line but before uvicorn's
+    # handlers were installed was dropped by the kernel and the server kept running.
+    for _ in range(3):
+        s = ServeProcess("--model", "example:journey", cwd=tmp_path, sigint_ignored=True)
+        assert s.stop() == 0
+        assert "stopped" in s.proc.stderr.read()
 
 
 @pytest.mark.parametrize(

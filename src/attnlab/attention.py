@@ -7,7 +7,7 @@ Shape legend: B batch, H query heads, G key/value heads, T query length, S key l
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -31,12 +31,14 @@ __all__ = [
     "Attention",
     "AttentionCall",
     "AttentionRecorder",
+    "HeadEditor",
     "KVCache",
     "QKNorm",
     "RollingKVCache",
     "RopeConfig",
     "RotaryEmbedding",
     "StaticKVCache",
+    "edit_heads",
     "record_attention",
     "recording_attention",
     "rotate_half",
@@ -323,9 +325,38 @@ class AttentionRecorder(Protocol):
 _RECORDER: ContextVar[AttentionRecorder | None] = ContextVar("attnlab_recorder", default=None)
 
 
+# Changes a layer's per-head outputs before its output projection: (layer, context
+# (B, T, H*Dv)) -> a tensor of the same shape. Set per call by `edit_heads`.
+HeadEditor = Callable[["Attention", torch.Tensor], torch.Tensor]
+_EDITOR: ContextVar[HeadEditor | None] = ContextVar("attnlab_head_editor", default=None)
+
+
 def recording_attention() -> bool:
-    """True inside :func:`record_attention` (fast paths that skip the layers step aside)."""
-    return _RECORDER.get() is not None
+    """True inside :func:`record_attention` or :func:`edit_heads` (fast paths that skip
+    the layers step aside)."""
+    return _RECORDER.get() is not None or _EDITOR.get() is not None
+
+
+@contextmanager
+def edit_heads(editor: HeadEditor) -> Iterator[None]:
+    """Let ``editor`` change every :class:`Attention` layer's per-head outputs, in this call only.
+
+    Inside the block each layer calls ``editor(layer, context)`` with its heads' outputs
+    side by side, ``context`` ``(B, T, H*Dv)`` (head ``h`` is the slice
+    ``[h*Dv, (h+1)*Dv)``), right before its output projection, and projects what the
+    editor returns (same shape) instead. This is the one place an experiment switches
+    heads off (:func:`attnlab.explain.ablate`); like :func:`record_attention` it travels
+    with the call (a context variable), so other threads using the model see no edit.
+
+    Args:
+        editor: ``(layer, context) -> context``; return ``context`` itself to leave a
+            layer as it is.
+    """
+    token = _EDITOR.set(editor)
+    try:
+        yield
+    finally:
+        _EDITOR.reset(token)
 
 
 @contextmanager
@@ -662,7 +693,16 @@ class Attention(nn.Module):
 
         if capture is not None:
             self.captured = weights_for(capture)
-        context = out.transpose(1, 2).reshape(B, T, H * D)  # (B, T, C)
+        context = out.transpose(1, 2).reshape(B, T, H * D)  # (B, T, H*D)
+        editor = _EDITOR.get()
+        if editor is not None:
+            edited = editor(self, context)
+            if not isinstance(edited, torch.Tensor) or edited.shape != context.shape:
+                got = tuple(edited.shape) if isinstance(edited, torch.Tensor) else type(edited)
+                raise RuntimeError(
+                    f"a head editor must return a tensor of shape {tuple(context.shape)}, got {got}"
+                )
+            context = edited
         out = self.out_proj(context)  # (B, T, C)
         if recorder is not None and wanted is not None:
             recorder.record(

@@ -475,6 +475,12 @@ class RopeConfig:
         """
         if not isinstance(config, Mapping):
             raise TypeError(f"`config` must be a dict, got {type(config).__name__}")
+        for key in ("rope_parameters", "rope_scaling"):
+            if config.get(key) is not None and not isinstance(config[key], Mapping):
+                raise TypeError(
+                    f"`{key}` must be an object (dict), got {type(config[key]).__name__} "
+                    f"{config[key]!r}"
+                )
         params: Mapping[str, Any] = config.get("rope_parameters") or {}
         if layer_type is not None:
             if layer_type not in params or not isinstance(params[layer_type], Mapping):

@@ -17,7 +17,8 @@ from attnlab.cli.output import Output, UserError, output, user_input
 # The command modules register themselves on `app` when imported; this order is the
 # order of `attnlab --help`.
 COMMAND_MODULES = (
-    "walkthrough", "train", "generate", "embed", "explain", "ring_demo", "info", "serve",
+    "walkthrough", "train", "generate", "embed", "explain", "heads", "ring_demo", "info",
+    "serve",
 )  # fmt: skip
 for _name in COMMAND_MODULES:
     import_module(f"attnlab.cli.{_name}")

@@ -67,6 +67,21 @@ def explain(
         int | None,
         typer.Option(help="Query token of --steps (from 0; default the last token)."),
     ] = None,
+    ablate: Annotated[
+        str | None,
+        typer.Option(
+            "--ablate",
+            help="Switch these heads off (LAYER.HEAD pairs, e.g. 3.2,5.0) and show the "
+            "next-token prediction with and without them (needs a model).",
+        ),
+    ] = None,
+    ablate_mode: Annotated[
+        str,
+        typer.Option(
+            "--ablate-mode",
+            help="How --ablate removes a head's output: zero, or mean (its mean over positions).",
+        ),
+    ] = "zero",
 ) -> None:
     """Show what attention looked at: an interactive page (and figures) for an example or model.
 
@@ -95,6 +110,16 @@ def explain(
         )
     if token is not None and not steps:
         raise UserError("--token chooses the query of --steps; add --steps")
+    ablated: list[tuple[int, int]] = []
+    if ablate is not None:
+        from attnlab.explain.heads import parse_heads
+
+        if checkpoint is None and model is None:
+            raise UserError("--ablate needs a model (--checkpoint DIR or --model NAME)")
+        if ablate_mode not in ("zero", "mean"):
+            raise UserError(f"unknown --ablate-mode {ablate_mode!r}; choose zero or mean")
+        with user_input():
+            ablated = parse_heads(ablate)
 
     walk = None
     flow_source: Any = None
@@ -141,6 +166,8 @@ def explain(
         raise UserError(f"`--head` must be in 0..{trace.num_heads - 1} here, got {head}")
 
     output.show(*_explain_renderables(trace, layer, head, lang))
+    if ablated:
+        output.show(*_ablation_renderables(net, tokenizer, trace, ablated, ablate_mode))
     if steps:
         output.show(*_step_renderables(net, text, tokenizer, source, layer, head, token, lang))
 
@@ -175,7 +202,7 @@ def _explain_renderables(trace: Any, layer: int, head: int, lang: str) -> list[R
     from rich.text import Text
 
     from attnlab.explain.i18n import message
-    from attnlab.explain.text import format_number, matrix_table
+    from attnlab.explain.text import format_number, heatmap_tables, matrix_table
 
     mode = (
         message("explain.dense", lang)
@@ -198,7 +225,7 @@ def _explain_renderables(trace: Any, layer: int, head: int, lang: str) -> list[R
     )
     tokens = list(trace.tokens)
     out: list[RenderableType] = [Text(summary, style="bold"), Text("")]
-    if len(tokens) <= 12:
+    if len(tokens) <= 12 and trace.layer_names is not None:  # the seed's numbers, 4 decimals
         out.append(Text(message("explain.weights", lang, layer=name, head=head), style="bold"))
         out.append(
             matrix_table(
@@ -208,6 +235,12 @@ def _explain_renderables(trace: Any, layer: int, head: int, lang: str) -> list[R
                 col_labels=tokens,
             )
         )
+        return out
+    if len(tokens) <= 32:  # a model's weights: shaded cells, two decimals, never cut
+        out.append(Text(message("explain.weights", lang, layer=name, head=head), style="bold"))
+        weights = trace.head_weights(layer, head)
+        keys = list(trace.key_tokens)
+        out.extend(heatmap_tables("", weights, tokens, keys, width=output.console.width))
         return out
     shown = 12
     indices, values = trace.head_top_keys(layer, head, 3)  # (T, 3) each
@@ -226,6 +259,48 @@ def _explain_renderables(trace: Any, layer: int, head: int, lang: str) -> list[R
     out.append(table)
     out.append(Text(message("explain.more", lang, n=len(tokens) - shown), style="dim"))
     return out
+
+
+def _ablation_renderables(
+    net: Any, tokenizer: Any, trace: Any, heads: list[tuple[int, int]], mode: str, k: int = 5
+) -> list[RenderableType]:
+    """The next-token prediction at the last position with and without ``heads``."""
+    from rich.text import Text
+
+    from attnlab.explain.heads import ablate, ablation_effect, top_tokens
+    from attnlab.explain.model_trace import _token_texts
+    from attnlab.explain.text import ablation_table
+
+    ids = list(trace.token_ids)
+    with user_input():
+        after = ablate(net, ids, heads, mode=mode)  # type: ignore[arg-type]
+    before = ablate(net, ids, [])
+    effect = ablation_effect(before, after, k)
+    names = ", ".join(f"{layer}.{h}" for layer, h in heads)
+    columns = []
+    for logits in (before, after):
+        probs, top = top_tokens(logits[0, -1], k)  # (k,)
+        texts = _token_texts(tokenizer, top.tolist())
+        columns.append((texts, probs.tolist()))
+    kl = effect.kl[0]
+    worst = int(kl.argmax())
+    return [
+        Text(""),
+        Text(
+            f"Next token after {trace.tokens[-1]!r}, heads {names} switched off ({mode}):",
+            style="bold",
+        ),
+        ablation_table(
+            "",
+            columns[0],
+            columns[1],
+            f"without {names}",
+        ),
+        Text(
+            f"KL(model || ablated) at the last position: {float(kl[-1]):.4f} nats; "
+            f"largest at position {worst} ({trace.tokens[worst]!r}): {float(kl[worst]):.4f}"
+        ),
+    ]
 
 
 def _step_renderables(

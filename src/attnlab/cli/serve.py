@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from asyncio import CancelledError
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -101,7 +102,12 @@ def serve(
 
     try:
         run_server(application, host=host, port=port, on_start=started)
-    except KeyboardInterrupt:  # Ctrl-C is how a server is stopped: a clean exit
-        output.note("stopped")
+    except (KeyboardInterrupt, CancelledError):  # Ctrl-C is how a server is stopped
+        # (CancelledError: Python 3.11's asyncio.Runner can lose its count of a SIGINT
+        # that lands while it installs its handler, and re-raise the cancellation.)
+        pass
     except OSError as e:
         raise UserError(f"cannot listen on {host}:{port}: {e.strerror or e}") from e
+    # uvicorn re-raises the signal it stopped on through the handler it found at start:
+    # KeyboardInterrupt by default, nothing when SIGINT was ignored; stopped either way.
+    output.note("stopped")

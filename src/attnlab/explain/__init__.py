@@ -3,11 +3,23 @@
 ``trace`` computes and holds the numbers; ``text`` turns a trace into terminal
 tables; ``figures`` draws it with matplotlib (imported lazily); ``i18n`` holds the
 explanations in English and Traditional Chinese; ``model_trace`` captures any attnlab
-model's attention (:func:`trace_model`) and ``html`` writes the interactive page.
+model's attention (:func:`trace_model`) and ``html`` writes the interactive page;
+``heads`` says what heads do (:func:`head_scores`, :func:`ablate`, :func:`logit_lens`,
+:func:`rollout`).
 """
 
 from __future__ import annotations
 
+from attnlab.explain import html as _html  # noqa: F401  (registers ModelTrace's Jupyter view)
+from attnlab.explain.heads import (
+    AblationEffect,
+    ablate,
+    ablation_effect,
+    head_scores,
+    logit_lens,
+    rollout,
+    top_tokens,
+)
 from attnlab.explain.model_trace import ModelTrace, trace_model
 from attnlab.explain.trace import (
     AttentionForm,
@@ -21,6 +33,7 @@ from attnlab.explain.trace import (
 )
 
 __all__ = [
+    "AblationEffect",
     "AttentionForm",
     "AttentionTrace",
     "Checks",
@@ -28,6 +41,12 @@ __all__ = [
     "ModuleRun",
     "Projection",
     "TokenStep",
+    "ablate",
+    "ablation_effect",
+    "head_scores",
+    "logit_lens",
+    "rollout",
+    "top_tokens",
     "trace_attention",
     "trace_example",
     "trace_model",

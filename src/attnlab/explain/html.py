@@ -502,3 +502,13 @@ def walkthrough_from_renderables(renderables: list[Any]) -> PageWalkthrough:
             )
         )
     return PageWalkthrough(steps=tuple(steps), intro=" \u2014 ".join(intro))
+
+
+def _register() -> None:
+    """Make ``ModelTrace._repr_html_`` (Jupyter) draw with :func:`render_iframe`."""
+    from attnlab.explain.model_trace import set_html_renderer
+
+    set_html_renderer(render_iframe)
+
+
+_register()

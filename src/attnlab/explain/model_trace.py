@@ -227,11 +227,21 @@ class ModelTrace:
         kk = min(k, self.top_indices.shape[-1])
         return self.top_indices[li, hi, :, :kk], self.top_values[li, hi, :, :kk]
 
-    def _repr_html_(self) -> str:
-        """Jupyter: the interactive page inline (an isolated iframe)."""
-        from attnlab.explain.html import render_iframe
+    def _repr_html_(self) -> str | None:
+        """Jupyter: the interactive page inline (an isolated iframe), drawn by the renderer
+        the page module registers (:func:`set_html_renderer`); None (plain repr) without."""
+        return None if _HTML_RENDERER is None else _HTML_RENDERER(self)
 
-        return render_iframe(self)
+
+# The page module (attnlab.explain.html) registers its renderer here when it is imported
+# (attnlab.explain imports it), so this data module does not import its own renderer.
+_HTML_RENDERER: Callable[[ModelTrace], str] | None = None
+
+
+def set_html_renderer(renderer: Callable[[ModelTrace], str] | None) -> None:
+    """Use ``renderer(trace) -> html`` for :meth:`ModelTrace._repr_html_` (Jupyter)."""
+    global _HTML_RENDERER
+    _HTML_RENDERER = renderer
 
 
 # --------------------------------------------------------------------------- capture

@@ -6,6 +6,37 @@
 (function () {
   "use strict";
 
+  /* viridis (9 stops): perceptually uniform, readable in grey and by colour-blind
+   * readers. Shared with the serve page's views (window.attnlabColour). */
+  var VIRIDIS = [[68, 1, 84], [71, 44, 122], [59, 81, 139], [44, 113, 142], [33, 144, 141],
+    [39, 173, 129], [92, 200, 99], [170, 220, 50], [253, 231, 37]];
+  function viridisRgb(v) {
+    v = Math.max(0, Math.min(1, v || 0)) * (VIRIDIS.length - 1);
+    var i = Math.min(Math.floor(v), VIRIDIS.length - 2), f = v - i;
+    var a = VIRIDIS[i], b = VIRIDIS[i + 1];
+    return [0, 1, 2].map(function (c) { return Math.round(a[c] + (b[c] - a[c]) * f); });
+  }
+  function viridis(v) { return "rgb(" + viridisRgb(v).join(",") + ")"; }
+  /* A colour bar from 0 to `top` (its numbers as text, so they can be read and copied). */
+  function colourBar(top) {
+    function span(cls, text) {
+      var e = document.createElement("span");
+      if (cls) e.className = cls;
+      if (text !== undefined) e.textContent = text;
+      return e;
+    }
+    var bar = document.createElement("div");
+    bar.className = "cbar";
+    bar.appendChild(span(null, "0"));
+    var g = span("cbar-grad");
+    g.style.background = "linear-gradient(to right," + VIRIDIS.map(function (c) {
+      return "rgb(" + c.join(",") + ")"; }).join(",") + ")";
+    bar.appendChild(g);
+    bar.appendChild(span("cbar-top", top === undefined ? "1" : String(top)));
+    return bar;
+  }
+  window.attnlabColour = { viridis: viridis, bar: colourBar };
+
   /* Draw the views from DATA; attnlab serve calls it again (window.attnlabRender) with
    * every new trace, into the same panels. */
   function render(DATA) {
@@ -568,7 +599,7 @@
     grid.appendChild(axisLabels("mx-rows", A.tokens, false));
     var cv = el("canvas", "matrix");
     cv.id = "matrix";
-    var img = heatImage(hi, state.layer, 256);
+    var img = heatImage(hi, state.layer, 256, true);
     cv.width = img.width;
     cv.height = img.height;
     cv.getContext("2d").putImageData(img, 0, 0);
@@ -576,6 +607,9 @@
     cv.setAttribute("aria-label", S_.matrix_caption.replace("{head}", A.heads[hi]));
     grid.appendChild(cv);
     grid.appendChild(el("span", "mx-axis mx-axis-q", S_.queries + " ↓"));
+    var bar = colourBar(fmt(img.top));
+    bar.classList.add("mx-cbar");
+    grid.appendChild(bar);
     var out = el("p", "small", "\u00a0");
     out.id = "matrix-hover";
     function at(ev) {
@@ -597,7 +631,7 @@
     insp.appendChild(wrap);
   }
 
-  function heatImage(hi, li, maxBins) {
+  function heatImage(hi, li, maxBins, perceptual) {
     var rows = Math.min(T, maxBins), cols = Math.min(S, maxBins);
     var grid = new Float32Array(rows * cols);
     var hd = head(li, hi);
@@ -610,15 +644,27 @@
         if (w > grid[r * cols + c]) grid[r * cols + c] = w;
       }
     }
-    var rgb = hexToRgb(headColor(A.heads[hi]));
+    // The heatmap: linear viridis from 0 to the largest weight shown (the colour bar says
+    // which), so near-uniform rows keep their contrast instead of washing out. The
+    // thumbnails: the head's own colour on white (white = no weight), as in the head view.
+    var top = 0;
+    for (var m = 0; m < rows * cols; m++) if (grid[m] > top) top = grid[m];
+    var rgb = perceptual ? null : hexToRgb(headColor(A.heads[hi]));
     var img = new ImageData(cols, rows);
     for (var i = 0; i < rows * cols; i++) {
-      var a = Math.sqrt(grid[i]);
-      img.data[4 * i] = Math.round(255 + (rgb[0] - 255) * a);
-      img.data[4 * i + 1] = Math.round(255 + (rgb[1] - 255) * a);
-      img.data[4 * i + 2] = Math.round(255 + (rgb[2] - 255) * a);
+      var c;
+      if (perceptual) {
+        c = viridisRgb(top > 0 ? grid[i] / top : 0);
+      } else {
+        var a = Math.sqrt(grid[i]);
+        c = [0, 1, 2].map(function (ch) { return Math.round(255 + (rgb[ch] - 255) * a); });
+      }
+      img.data[4 * i] = c[0];
+      img.data[4 * i + 1] = c[1];
+      img.data[4 * i + 2] = c[2];
       img.data[4 * i + 3] = 255;
     }
+    img.top = top;
     return img;
   }
 

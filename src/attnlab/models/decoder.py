@@ -51,7 +51,7 @@ from torch import nn
 from attnlab.attention import Attention, KVCache
 from attnlab.biases import AlibiBias, RelativePositionBias
 from attnlab.masks import AttentionMask, PaddingMask
-from attnlab.models._lm import keep_last, set_attention_backend
+from attnlab.models._lm import keep_last, residual_after_block, set_attention_backend
 from attnlab.models.fast_decode import DecodePlan, decode_plan, fast_step, new_caches
 from attnlab.norms import QKNorm, RMSNorm
 from attnlab.rope import RopeConfig, RotaryEmbedding
@@ -686,11 +686,20 @@ class Decoder(nn.Module):
                 context=context,
                 context_mask=context_mask,
             )
+            residual_after_block(i, x)
             if w is not None:
                 all_weights.append(w)
             if cw is not None:
                 cross_weights.append(cw)
         return StackOutput(self.norm(x), all_weights, cross_weights)
+
+    def readout(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits from a residual stream: the final norm, then :meth:`head`.
+
+        Shape:
+            x ``(B, T, C)`` -> ``(B, T, V)``.
+        """
+        return self.head(self.norm(x))  # (B, T, V)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits (B, T, V) from final hidden states (B, T, C).

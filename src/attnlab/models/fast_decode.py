@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from attnlab.attention import KVCache, StaticKVCache, recording_attention
+from attnlab.models._lm import watching_residual
 from attnlab.quant import column_major, fuse_rows
 from attnlab.rope import RotaryEmbedding
 
@@ -400,7 +401,7 @@ def takes_fast_step(
     """
     if input_ids.shape[1] != 1 or need_weights or not kv_cache or model.training:
         return False
-    if torch.is_grad_enabled() or recording_attention():
+    if torch.is_grad_enabled() or recording_attention() or watching_residual():
         return False
     return all(isinstance(c, StaticKVCache) for c in kv_cache)
 

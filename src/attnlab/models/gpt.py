@@ -28,7 +28,7 @@ from attnlab.attention import Attention, KVCache
 from attnlab.backends import available_backends
 from attnlab.checkpoint import CheckpointError, check_state_dict, load_checkpoint
 from attnlab.generation import generate, generate_stream
-from attnlab.models._lm import keep_last
+from attnlab.models._lm import keep_last, residual_after_block
 from attnlab.models.fast_decode import DecodePlan, decode_plan, fast_step, new_caches
 
 __all__ = [
@@ -354,9 +354,17 @@ class GPTModel(nn.Module):
         x = self.drop_emb(x)
         for i, block in enumerate(self.trf_blocks):
             x = block(x, None if kv_cache is None else kv_cache[i])  # (B, T, C)
+            residual_after_block(i, x)
         x = keep_last(x, logits_to_keep)  # (B, T or logits_to_keep, C)
-        x = self.final_norm(x)
-        return self.out_head(x)  # (B, T, V)
+        return self.readout(x)  # (B, T, V)
+
+    def readout(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits from a residual stream: the final LayerNorm, then the output head.
+
+        Shape:
+            x ``(..., C)`` -> ``(..., V)``.
+        """
+        return self.out_head(self.final_norm(x))  # (..., V)
 
     def _check_positions(self, position_ids: object, input_ids: torch.Tensor) -> torch.Tensor:
         B, T = input_ids.shape

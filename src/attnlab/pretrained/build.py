@@ -70,6 +70,7 @@ LIMITS = {
     "relative_max_distance": 1 << 24,
     "decoder_start_token_id": 1 << 22,
 }
+_FLOAT32_MAX = 3.4028234663852886e38
 _TOKEN_IDS = ("pad_token_id", "decoder_start_token_id")
 # Numbers that must be finite and > 0.
 _POSITIVE = (
@@ -99,29 +100,39 @@ def lookup(source: Mapping[str, Any], key: str) -> Any:
     return value
 
 
-def _check_field(name: str, value: Any, kind: Any, where: str) -> Any:
-    """Type- and range-check one config field; return it (ints stay ints)."""
+def _check_field(name: str, value: Any, kind: Any, where: str, key: str | None = None) -> Any:
+    """Type- and range-check one config field; return it (ints stay ints). Messages name
+    ``key``, the config key the value was read from (default: the field's name)."""
+    label = key or name
+    shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:60] + "..."
     if name in LIMITS:
         if isinstance(value, float) and value.is_integer():
             value = int(value)
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ModelFileError(where, f"`{name}` must be an integer, got {value!r}")
+            raise ModelFileError(where, f"`{label}` must be an integer, got {shown}")
         low = 0 if name in _TOKEN_IDS else 1
         if not low <= value <= LIMITS[name]:
             raise ModelFileError(
                 where,
-                f"`{name}` = {value} is outside the sane range {low}..{LIMITS[name]}; "
+                f"`{label}` = {shown} is outside the sane range {low}..{LIMITS[name]}; "
                 "refusing to allocate it",
             )
         return value
-    if kind is float or name in _POSITIVE:
+    # `float | None` and `bool | None` fields are checked like `float` and `bool` (None
+    # never reaches here).
+    kinds = set(typing.get_args(kind)) - {type(None)} if typing.get_args(kind) else {kind}
+    if kinds == {float} or name in _POSITIVE:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            raise ModelFileError(where, f"`{name}` must be a positive number, got {value!r}")
+            raise ModelFileError(where, f"`{label}` must be a positive number, got {shown}")
+        if not isinstance(value, float) and value.bit_length() > 1000:  # float() overflows
+            raise ModelFileError(where, f"`{label}` = {shown} is out of range")
         if not math.isfinite(float(value)):
-            raise ModelFileError(where, f"`{name}` must be finite, got {value!r}")
+            raise ModelFileError(where, f"`{label}` must be finite, got {shown}")
+        if float(value) > _FLOAT32_MAX:  # the model computes in float32: it would be inf
+            raise ModelFileError(where, f"`{label}` = {shown} is beyond float32's range")
         return float(value)
-    if kind is bool and not isinstance(value, bool):
-        raise ModelFileError(where, f"`{name}` must be true or false, got {value!r}")
+    if kinds == {bool} and not isinstance(value, bool):
+        raise ModelFileError(where, f"`{label}` must be true or false, got {shown}")
     return value
 
 
@@ -180,6 +191,7 @@ def build_config(
                 f"`{key}` = {value!r} is not supported for {family.name} yet "
                 f"(supported: {', '.join(repr(a) for a in shown)})",
             )
+    read_from: dict[str, str] = {}  # field -> the key it was read from, for messages
     for name, candidates in keys.items():
         for key in candidates:
             value = lookup(config, key)
@@ -187,6 +199,7 @@ def build_config(
                 continue
             if value is not _MISSING and value is not None:
                 fields[name] = value
+                read_from[name] = key
                 break
     for name, value in (extra or {}).items():
         fields.setdefault(name, value)
@@ -199,7 +212,7 @@ def build_config(
         raise ModelFileError(where, f"lacks the required key(s) {wanted} for {family.name}")
     if "activation" in fields:
         act = fields["activation"]
-        if act not in ACTIVATION_NAMES:
+        if not isinstance(act, str) or act not in ACTIVATION_NAMES:
             raise ModelFileError(
                 where,
                 f"activation {act!r} is not supported; supported: {sorted(ACTIVATION_NAMES)}",
@@ -207,7 +220,8 @@ def build_config(
         fields["activation"] = ACTIVATION_NAMES[act]
     for name in list(fields):
         if fields[name] is not None and name not in _STRUCTURED:
-            fields[name] = _check_field(name, fields[name], hints.get(name), where)
+            value = fields[name]
+            fields[name] = _check_field(name, value, hints.get(name), where, read_from.get(name))
     if family.hook is not None:
         try:
             family.hook(fields, config, source)
@@ -219,6 +233,8 @@ def build_config(
     assert not unknown, f"{family.name}: options {unknown} left over (a page without its hook?)"
     config_obj = cls(**fields)
     heads = config_obj.num_heads
+    if isinstance(config_obj, DecoderConfig) and config_obj.positions == "rope":
+        _check_rotary(config_obj, keys, where)
     if config_obj.hidden_size % heads and getattr(config_obj, "head_dim", None) is None:
         raise ModelFileError(
             where, f"hidden size {config_obj.hidden_size} is not divisible by {heads} heads"
@@ -229,6 +245,27 @@ def build_config(
             f"{heads} query heads are not divisible by {config_obj.num_kv_heads} kv heads",
         )
     return config_obj
+
+
+def _check_rotary(config: DecoderConfig, keys: Mapping[str, tuple[str, ...]], where: str) -> None:
+    """The rotary embeddings the model will build, built once here (they are small): a head
+    dim or rotary fraction they refuse becomes an error naming the keys it comes from."""
+    from attnlab.rope import RotaryEmbedding
+
+    for rope in [config.rope, *(config.layer_ropes or ())]:
+        if rope is None:
+            continue
+        try:
+            RotaryEmbedding.from_config(config.attention_head_dim, rope)
+        except (ValueError, TypeError) as e:
+            width, heads = keys["hidden_size"][0], keys["num_heads"][0]
+            source = f"`{keys['head_dim'][0]}`" if "head_dim" in keys else ""
+            source += f"{' or ' if source else ''}`{width}` / `{heads}`"
+            raise ModelFileError(
+                where,
+                f"the rotary embedding refuses head dim {config.attention_head_dim} (from "
+                f"{source}) with the rope settings: {e}",
+            ) from None
 
 
 # Fields that are not single values (checked where they are built).
@@ -653,7 +690,15 @@ def build_model(
         if transform.startswith("row:"):  # StableLM's per-head norms, one tensor per head
             rows.setdefault(targets[0], {})[int(transform[4:])] = get(name)
             continue
-        parts = apply_transform(get(name), transform, config)
+        tensor = get(name)
+        try:
+            parts = apply_transform(tensor, transform, config)
+        except (ValueError, RuntimeError) as e:  # a shape the transform cannot split
+            raise ModelFileError(
+                where,
+                f"tensor {name!r} of shape {tuple(tensor.shape)} does not fit the config "
+                f"(transform {transform!r}): {e}",
+            ) from None
         if len(parts) != len(targets):
             raise ModelFileError(where, f"tensor {name!r} cannot be split into {targets}")
         for target, t in zip(targets, parts, strict=True):
@@ -665,7 +710,10 @@ def build_model(
             raise ModelFileError(
                 where, f"{target!r} needs rows 0..n-1 once each, got rows {sorted(stacked)}"
             )
-        weights[target] = torch.stack([stacked[j] for j in range(len(stacked))])
+        try:
+            weights[target] = torch.stack([stacked[j] for j in range(len(stacked))])
+        except RuntimeError as e:  # rows of different shapes
+            raise ModelFileError(where, f"the rows of {target!r} do not stack: {e}") from None
     if getattr(config, "tie_embeddings", False):
         # tied: the embedding serves both
         weights.pop(

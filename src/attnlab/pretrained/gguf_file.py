@@ -22,6 +22,7 @@ For the 4-bit formats weights ``0..15`` are the low nibbles of ``qs[0..15]`` and
 
 from __future__ import annotations
 
+import itertools
 import math
 import struct
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from attnlab.pretrained.errors import ModelFileError
+from attnlab.pretrained.errors import ModelFileError, check_finite
 
 # Shape legend: N blocks, Q = 32 weights per block, R rows, K = row length (ne0).
 
@@ -123,6 +124,7 @@ _BLOCK_KERNELS = {
     "Q4_1": (20, dequantize_q4_1),
     "Q8_0": (34, dequantize_q8_0),
 }
+_BLOCK_SCALES = {"Q4_0": 1, "Q4_1": 2, "Q8_0": 1}  # f16 scales at the start of each block
 
 
 def dequantize(data: np.ndarray, type_name: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -229,12 +231,29 @@ class GGUFContents:
     _data: np.ndarray  # the whole file, memory-mapped uint8
 
     def tensor(self, name: str) -> torch.Tensor:
-        """Tensor ``name`` dequantised to float32 (a fresh tensor, not a view of the file)."""
+        """Tensor ``name`` dequantised to float32 (a fresh tensor, not a view of the file).
+
+        Raises:
+            ModelFileError: no such tensor, a type that cannot be dequantised, or NaN / inf
+                in its values or quantisation scales (named).
+        """
         if name not in self.tensor_infos:
             raise ModelFileError(self.path, f"has no tensor {name!r}")
         info = self.tensor_infos[name]
         raw = self._data[info.offset : info.offset + info.nbytes]
-        return dequantize(raw, info.type_name, info.shape)
+        if info.type_name in _BLOCK_KERNELS:
+            # q * d (+ m) is finite exactly when the block's d (and m) are: checking the
+            # scales (1/32 of the values) checks the tensor.
+            block_bytes, _ = _BLOCK_KERNELS[info.type_name]
+            scales = _f16_columns(raw.reshape(-1, block_bytes), _BLOCK_SCALES[info.type_name])
+            check_finite(scales, name, self.path, what="quantisation scale")
+        try:
+            out = dequantize(raw, info.type_name, info.shape)
+        except NotImplementedError as e:
+            raise ModelFileError(self.path, f"tensor {name!r}: {e}") from None
+        if info.type_name not in _BLOCK_KERNELS:
+            check_finite(out, name, self.path)
+        return out
 
     def raw(self, name: str) -> np.ndarray:
         """Tensor ``name``'s bytes as stored (a view of the memory-mapped file)."""
@@ -497,6 +516,12 @@ def read_gguf(path: str | Path) -> GGUFContents:
             offset=start,
             nbytes=nbytes,
         )
+    # Overlapping tensors are no writer's output: one tensor's bytes read as another's
+    # type give finite garbage the value checks cannot tell from weights.
+    spans = sorted((i.offset, i.offset + i.nbytes, i.name) for i in infos.values())
+    for (_, end_a, a), (begin_b, _, b) in itertools.pairwise(spans):
+        if begin_b < end_a:
+            raise ModelFileError(path, f"tensors {a!r} and {b!r} overlap in the data")
     metadata = {k: v for k, v in kv.items() if k not in _BIG_ARRAYS}
     tokens = kv.get("tokenizer.ggml.tokens", [])
     token_types = kv.get("tokenizer.ggml.token_type", [])

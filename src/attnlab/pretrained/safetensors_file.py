@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from attnlab.pretrained.errors import ModelFileError
+from attnlab.pretrained.errors import ModelFileError, check_finite
 
 __all__ = ["SafetensorsFile", "TensorInfo", "read_safetensors"]
 
@@ -76,7 +76,7 @@ class SafetensorsFile:
         """Tensor ``name``, backed by a copy-on-write memory map of the file.
 
         Raises:
-            ModelFileError: ``name`` is not in the file.
+            ModelFileError: ``name`` is not in the file, or its values hold NaN or inf.
         """
         if name not in self.tensors:
             raise ModelFileError(self.path, f"has no tensor {name!r}")
@@ -86,7 +86,9 @@ class SafetensorsFile:
         raw = self._data[info.offset : info.offset + info.nbytes]
         if info.offset % info.dtype.itemsize:
             raw = raw.clone()  # an unaligned tensor cannot be viewed as a wider dtype
-        return raw.view(info.dtype).reshape(info.shape)
+        out = raw.view(info.dtype).reshape(info.shape)
+        check_finite(out, name, self.path)
+        return out
 
 
 def _fail(path: Path, problem: str) -> ModelFileError:

@@ -14,7 +14,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +26,24 @@ if TYPE_CHECKING:
 
 # llama.cpp token types (llama.h, LLAMA_TOKEN_TYPE_*).
 _CONTROL, _USER_DEFINED = 3, 4
+
+
+@contextmanager
+def tokenizer_errors(path: str | Path, what: str) -> Iterator[None]:
+    """The one place where an error building a tokenizer from a file becomes a
+    ``ModelFileError`` naming the file: the ``tokenizers`` library's own exceptions (plain
+    ``Exception``, and Rust panics, which pyo3 raises as a ``BaseException``) and any other
+    error of the building code. Interrupts and exits pass through."""
+    from attnlab.pretrained.errors import ModelFileError
+
+    try:
+        yield
+    except ModelFileError:
+        raise
+    except BaseException as e:
+        if not isinstance(e, Exception) and type(e).__name__ != "PanicException":
+            raise  # KeyboardInterrupt, SystemExit, an alarm
+        raise ModelFileError(path, f"{what}: {e}") from None
 
 
 class PretrainedTokenizer:
@@ -170,10 +189,8 @@ def tokenizer_from_json(
     path = Path(path)
     if not path.is_file():
         raise ModelFileError(path, "is missing (the tokenizer)")
-    try:
+    with tokenizer_errors(path, "is not a tokenizers file"):
         backend = Tokenizer.from_file(str(path))
-    except Exception as e:  # the Rust side reports every problem as one exception type
-        raise ModelFileError(path, f"is not a tokenizers file ({e})") from None
     special = special or {}
 
     def find(key: str, *fallbacks: str) -> int | None:
@@ -300,17 +317,20 @@ def tokenizer_from_gguf(contents: GGUFContents) -> PretrainedTokenizer:
         The tokenizer, with the file's control tokens as special tokens and its chat template.
 
     Raises:
-        NotImplementedError: for a tokenizer model or pre-tokenizer not handled here.
-        ModelFileError: token tables of different lengths or the wrong types.
+        ModelFileError: a tokenizer model or pre-tokenizer not handled here, token tables
+            of different lengths or the wrong types, a merge naming a token the vocabulary
+            lacks, a special token id out of range, or anything the ``tokenizers`` library
+            refuses (:func:`tokenizer_errors`).
     """
     from attnlab.pretrained.errors import ModelFileError
 
     meta = contents.metadata
     kind = meta.get("tokenizer.ggml.model")
     if kind not in ("gpt2", "llama"):
-        raise NotImplementedError(
-            f"GGUF tokenizer model {kind!r} is not supported; supported: byte-level BPE "
-            "('gpt2') and SentencePiece ('llama')"
+        raise ModelFileError(
+            contents.path,
+            f"`tokenizer.ggml.model` = {kind!r} is not supported; supported: byte-level BPE "
+            "('gpt2') and SentencePiece ('llama')",
         )
     tokens, types = contents.tokens, contents.token_types
     if not all(isinstance(t, str) for t in tokens) or len(types) != len(tokens):
@@ -319,18 +339,40 @@ def tokenizer_from_gguf(contents: GGUFContents) -> PretrainedTokenizer:
             f"tokenizer.ggml.tokens ({len(tokens)}) and token_type ({len(types)}) must be "
             "equally long lists of strings and ints",
         )
-    backend = _bpe_backend(contents) if kind == "gpt2" else _sentencepiece_backend(contents)
-    eos = meta.get("tokenizer.ggml.eos_token_id")
-    bos = meta.get("tokenizer.ggml.bos_token_id")
-    pad = meta.get("tokenizer.ggml.padding_token_id", eos if eos is not None else 0)
-    return PretrainedTokenizer(
-        backend,
-        pad_id=int(pad),
-        eos_id=None if eos is None else int(eos),
-        bos_id=None if bos is None else int(bos),
-        max_length=meta.get(f"{meta.get('general.architecture', '')}.context_length"),
-        chat_template=meta.get("tokenizer.chat_template"),
-    )
+    eos, bos = _token_id(contents, "eos"), _token_id(contents, "bos")
+    pad = _token_id(contents, "padding")
+    pad = pad if pad is not None else (eos if eos is not None else 0)
+    template = meta.get("tokenizer.chat_template")
+    if template is not None and not isinstance(template, str):
+        raise ModelFileError(contents.path, "`tokenizer.chat_template` must be a string")
+    context = meta.get(f"{meta.get('general.architecture', '')}.context_length")
+    with tokenizer_errors(contents.path, "the tokenizer (tokenizer.ggml.*) cannot be built"):
+        backend = _bpe_backend(contents) if kind == "gpt2" else _sentencepiece_backend(contents)
+        return PretrainedTokenizer(
+            backend,
+            pad_id=pad,
+            eos_id=eos,
+            bos_id=bos,
+            max_length=context if isinstance(context, int) and context > 0 else None,
+            chat_template=template,
+        )
+
+
+def _token_id(contents: GGUFContents, key: str) -> int | None:
+    """``tokenizer.ggml.{key}_token_id``: None when absent, else an id in the vocabulary."""
+    from attnlab.pretrained.errors import ModelFileError
+
+    name = f"tokenizer.ggml.{key}_token_id"
+    value = contents.metadata.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ModelFileError(contents.path, f"`{name}` must be an integer, got {value!r}")
+    if not 0 <= value < len(contents.tokens):
+        raise ModelFileError(
+            contents.path, f"`{name}` = {value} is not a token id (0..{len(contents.tokens) - 1})"
+        )
+    return value
 
 
 def _add_special_tokens(backend: Any, contents: GGUFContents) -> None:
@@ -358,6 +400,14 @@ def _bpe_backend(contents: GGUFContents) -> Any:
         raise ModelFileError(contents.path, "tokenizer.ggml.merges must be 'left right' strings")
     vocab = {token: i for i, token in enumerate(contents.tokens)}
     merges = [(left, right) for left, right in (m.split(" ", 1) for m in raw_merges)]
+    for i, (left, right) in enumerate(merges):
+        for token in (left, right, left + right):
+            if token not in vocab:  # the tokenizers library refuses it (or panics)
+                raise ModelFileError(
+                    contents.path,
+                    f"tokenizer.ggml.merges[{i}] = {raw_merges[i]!r} needs the token "
+                    f"{token!r}, which tokenizer.ggml.tokens lacks",
+                )
     backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
     backend.pre_tokenizer = _pre_tokenizer(
         str(contents.metadata.get("tokenizer.ggml.pre", "default"))

@@ -9,6 +9,15 @@ Routes:
   data (the same format the static page embeds) for every layer and head.
 - ``POST /api/step``: ``{"model", "text", "layer", "head", "token", "lang"?}`` -> the walk
   into one head for one query token (:mod:`attnlab.explain.steps`).
+- ``POST /api/heads``: ``{"model", "text"?}`` -> every head's role scores
+  (:func:`attnlab.explain.head_scores`): on the text, or without one on 32 random tokens
+  (seed 0) repeated twice.
+- ``POST /api/ablate``: ``{"model", "text", "heads": [[layer, head], ...], "mode"?, "k"?}``
+  -> the next-token distribution at the last position with and without those heads, the
+  KL divergence per position.
+- ``POST /api/lens``: ``{"model", "text", "k"?}`` -> the logit lens: the top tokens after
+  every block at every position.
+- ``POST /api/rollout``: ``{"model", "text", "residual"?}`` -> attention rollout ``(T, T)``.
 - ``POST /api/generate``: ``{"model", "text", "max_new_tokens"?, "temperature"?,
   "top_k"?, "top_p"?, "seed"?, "layer"?, "head"?}`` -> server-sent events, one per
   token (the next-token distribution, the text, the attention of the query that
@@ -270,6 +279,107 @@ def _step_work(registry: ModelRegistry, name: str, text: str, layer: int, head: 
             "layer": layer, "head": head, "token": token, "checks": walk_.checks}  # fmt: skip
 
 
+def _causal_model(registry: ModelRegistry, name: str) -> LoadedModel:
+    loaded = _load(registry, name)
+    if loaded.example is not None or not loaded.causal:
+        raise ApiError(422, f"model {name!r} is not a causal language model: head roles, "
+                            "ablation, the logit lens and rollout need one")  # fmt: skip
+    return loaded
+
+
+def _tops(loaded: LoadedModel, logits: Any, k: int) -> list[dict[str, Any]]:
+    """The ``k`` most likely next tokens of one row of logits ``(V,)``."""
+    from attnlab.explain.heads import top_tokens
+    from attnlab.explain.model_trace import _token_texts
+
+    probs, ids = top_tokens(logits, k)
+    spelled = _token_texts(loaded.tokenizer, ids.tolist())
+    return [{"id": int(i), "token": t, "p": float(p)}
+            for i, t, p in zip(ids.tolist(), spelled, probs.tolist(), strict=True)]  # fmt: skip
+
+
+def _heads_work(registry: ModelRegistry, name: str, text: str,
+                limits: ServeLimits) -> dict[str, Any]:  # fmt: skip
+    from attnlab.explain.heads import INDUCTION_LENGTH, INDUCTION_SEED, head_scores
+
+    loaded = _causal_model(registry, name)
+    ids = _encode(loaded, text, limits) if text.strip() else None
+    with _user_errors():
+        scores = head_scores(loaded.model, ids)
+    L, H = next(iter(scores.values())).shape
+    about = f"{INDUCTION_LENGTH} random tokens (seed {INDUCTION_SEED}) repeated twice"
+    if ids is not None:
+        about = f"{len(ids)} tokens of the text"
+    return {"model": name, "layers": int(L), "heads": int(H), "input": about,
+            "roles": list(scores),
+            "scores": {r: v.tolist() for r, v in scores.items()}}  # fmt: skip
+
+
+def _ablate_work(registry: ModelRegistry, name: str, text: str, heads: list[tuple[int, int]],
+                 mode: str, k: int, limits: ServeLimits) -> dict[str, Any]:  # fmt: skip
+    from attnlab.explain.heads import ablate, ablation_effect
+    from attnlab.explain.model_trace import _token_texts
+
+    loaded = _causal_model(registry, name)
+    ids = _encode(loaded, text, limits)
+    with _user_errors():
+        after = ablate(loaded.model, ids, heads, mode=mode)  # type: ignore[arg-type]
+    before = ablate(loaded.model, ids, [])
+    effect = ablation_effect(before, after, k)
+    return {"model": name, "heads": [list(h) for h in heads], "mode": mode,
+            "tokens": _token_texts(loaded.tokenizer, ids), "position": len(ids) - 1,
+            "before": _tops(loaded, before[0, -1], k), "after": _tops(loaded, after[0, -1], k),
+            "kl": effect.kl[0].tolist()}  # fmt: skip
+
+
+def _lens_work(registry: ModelRegistry, name: str, text: str, k: int,
+               limits: ServeLimits) -> dict[str, Any]:  # fmt: skip
+    from attnlab.explain.heads import logit_lens, top_tokens
+    from attnlab.explain.model_trace import _token_texts
+
+    loaded = _causal_model(registry, name)
+    ids = _encode(loaded, text, limits)
+    with _user_errors():
+        lens = logit_lens(loaded.model, ids)  # (L, 1, T, V)
+    probs, top = top_tokens(lens[:, 0], k)  # (L, T, k)
+    flat = sorted(set(top.flatten().tolist()))
+    spelled = dict(zip(flat, _token_texts(loaded.tokenizer, flat), strict=True))
+    return {"model": name, "tokens": _token_texts(loaded.tokenizer, ids),
+            "layers": int(lens.shape[0]),
+            "top": [[[{"id": int(i), "token": spelled[int(i)], "p": float(p)}
+                      for i, p in zip(top[l_, t].tolist(), probs[l_, t].tolist(), strict=True)]
+                     for t in range(top.shape[1])] for l_ in range(top.shape[0])]}  # fmt: skip
+
+
+def _rollout_work(registry: ModelRegistry, name: str, text: str, residual: float,
+                  limits: ServeLimits) -> dict[str, Any]:  # fmt: skip
+    from attnlab.explain.heads import rollout
+    from attnlab.explain.model_trace import trace_model
+
+    loaded = _causal_model(registry, name)
+    ids = _encode(loaded, text, limits)
+    with _user_errors():
+        trace = trace_model(loaded.model, ids, tokenizer=loaded.tokenizer)
+    assert trace.weights is not None
+    return {"model": name, "tokens": list(trace.tokens), "residual": residual,
+            "rollout": rollout(trace.weights, residual).tolist()}  # fmt: skip
+
+
+def _head_pairs(body: dict[str, Any]) -> list[tuple[int, int]]:
+    raw = body.get("heads")
+    if not isinstance(raw, list) or len(raw) > 4096:
+        raise ApiError(422, "`heads` must be a list of [layer, head] pairs (at most 4096)")
+    pairs = []
+    for item in raw:
+        if (not isinstance(item, list) or len(item) != 2
+                or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                           for v in item)):  # fmt: skip
+            raise ApiError(422, f"`heads` must hold [layer, head] pairs of ints >= 0, got "
+                                f"{json.dumps(item)[:60]}")  # fmt: skip
+        pairs.append((item[0], item[1]))
+    return pairs
+
+
 @contextmanager
 def _user_errors() -> Iterator[None]:
     """Library ValueError/TypeError (checked arguments) -> 422."""
@@ -429,6 +539,7 @@ def render_page(lang: str = "en") -> tuple[str, str]:
         '<section role="tabpanel" id="panel-model" aria-labelledby="tab-model" hidden></section>\n'
         '<section role="tabpanel" id="panel-walk" aria-labelledby="tab-walk" hidden></section>\n'
         '<section id="panel-step" aria-live="polite" hidden></section>\n'
+        '<section id="panel-heads" aria-label="heads" hidden></section>\n'
         '<section id="panel-generate" aria-label="generate"></section>\n'
         f'<script type="application/json" id="attnlab-serve">{strings}</script>\n'
         f"<script>{page_js}</script>\n<script>{serve_js}</script>\n</body>\n</html>\n"
@@ -505,6 +616,42 @@ def create_app(
                                 _lang(body), limits)  # fmt: skip
         return JSONResponse(result)
 
+    async def heads(request: Request) -> Response:
+        body = await _read_json(request, limits)
+        name = _model_name(body, registry)
+        text = _text(body, limits, required=False)
+        return JSONResponse(await pool.run(_heads_work, registry, name, text, limits))
+
+    async def ablation(request: Request) -> Response:
+        body = await _read_json(request, limits)
+        name = _model_name(body, registry)
+        text = _text(body, limits)
+        pairs = _head_pairs(body)
+        mode = body.get("mode", "zero")
+        if mode not in ("zero", "mean"):
+            raise ApiError(422, f"`mode` must be 'zero' or 'mean', got {str(mode)[:40]!r}")
+        k = _int(body, "k", 10, 1, limits.max_top_k, "max_top_k")
+        assert k is not None
+        return JSONResponse(await pool.run(_ablate_work, registry, name, text, pairs, mode, k,
+                                           limits))  # fmt: skip
+
+    async def lens(request: Request) -> Response:
+        body = await _read_json(request, limits)
+        name = _model_name(body, registry)
+        text = _text(body, limits)
+        k = _int(body, "k", 3, 1, 10, None)
+        assert k is not None
+        return JSONResponse(await pool.run(_lens_work, registry, name, text, k, limits))
+
+    async def rollout(request: Request) -> Response:
+        body = await _read_json(request, limits)
+        name = _model_name(body, registry)
+        text = _text(body, limits)
+        residual = _float(body, "residual", 0.5, 0.0, 1.0)
+        assert residual is not None
+        return JSONResponse(await pool.run(_rollout_work, registry, name, text, residual,
+                                           limits))  # fmt: skip
+
     async def generate(request: Request) -> Response:
         body = await _read_json(request, limits)
         name = _model_name(body, registry)
@@ -577,6 +724,10 @@ def create_app(
             Route("/api/trace", trace, methods=["POST"]),
             Route("/api/step", step, methods=["POST"]),
             Route("/api/generate", generate, methods=["POST"]),
+            Route("/api/heads", heads, methods=["POST"]),
+            Route("/api/ablate", ablation, methods=["POST"]),
+            Route("/api/lens", lens, methods=["POST"]),
+            Route("/api/rollout", rollout, methods=["POST"]),
         ],
         exception_handlers={
             ApiError: on_api_error,

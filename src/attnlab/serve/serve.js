@@ -58,6 +58,7 @@
   function fmt(v) { return v === null ? "-inf" : v.toFixed(4); }
   function tokLabel(t) {
     if (t === "") return "\u2205";
+    if (/^ +$/.test(t)) return t.replace(/ /g, "\u2423"); // a token of spaces: visible
     return t.replace(/\n/g, "\u21b5").replace(/\t/g, "\u21e5");
   }
 
@@ -134,6 +135,7 @@
     textBox.disabled = !!ex;
     textBox.title = ex ? T_.example_text : "";
     $("panel-generate").hidden = !m || m.kind !== "causal-lm" && m.kind !== "checkpoint";
+    $("panel-heads").hidden = !headsApplies();
   }
 
   /* ---------------------------------------------------------------- the trace */
@@ -158,6 +160,7 @@
       status(tr("ready", { m: res.model, n: a.tokens.length, l: a.num_layers,
         h: a.num_heads }) + " \u2014 " + T_.step_hint);
       $("panel-step").hidden = true;
+      showHeads(false);
       api.traced = (api.traced || 0) + 1;
       document.body.dataset.traced = String(api.traced);
     }).catch(function (e) {
@@ -364,9 +367,236 @@
     });
   }
 
+  /* ------------------------------------------------ what heads do: roles, lens, rollout */
+  var HT = {
+    "en": { heads: "What the heads do", roles: "Roles (click a head to switch it off)",
+      lens: "Logit lens", rollout: "Rollout", off: "heads off", none_off: "no head off",
+      original: "model", ablated: "with {h} off", kl: "KL(model \u2016 ablated) at the last " +
+      "position: {v} nats", lens_hint: "Top token after each block (rows) at each position " +
+      "(columns); colour: its probability.", rollout_hint: "Attention rollout (residual " +
+      "0.5): how much each input token (column) reaches each position (row) through all " +
+      "layers.", reset: "switch all on", input: "scored on {i}",
+      previous_token: "previous token", first_token: "first token",
+      current_token: "current token", induction: "induction" },
+    "zh-TW": { heads: "注意力頭在做什麼", roles: "角色（點一個頭把它關掉）", lens: "Logit lens",
+      rollout: "Rollout", off: "關掉的頭", none_off: "沒有關掉的頭", original: "模型",
+      ablated: "關掉 {h}", kl: "最後位置的 KL(模型 \u2016 關掉後)：{v} nats",
+      lens_hint: "每一層（列）之後、每個位置（欄）的最可能詞元；顏色：機率。",
+      rollout_hint: "注意力 rollout（殘差 0.5）：每個輸入詞元（欄）經過所有層到達每個位置（列）的程度。",
+      reset: "全部打開", input: "評分輸入：{i}", previous_token: "前一個詞元",
+      first_token: "第一個詞元", current_token: "目前詞元", induction: "歸納（induction）" },
+  }[LANG];
+  function htr(key, vals) {
+    var s = HT[key];
+    Object.keys(vals || {}).forEach(function (k) { s = s.split("{" + k + "}").join(vals[k]); });
+    return s;
+  }
+  var viridis = window.attnlabColour.viridis; // page.js: one colour scale for both pages
+  function colourBar() { return window.attnlabColour.bar("1"); }
+  function inkFor(v) { return v > 0.6 ? "#111" : "#fff"; } // text readable on viridis(v)
+  var hv = { view: "roles", off: [], roles: null, rolesModel: null };
+  function headsKey(l, h) { return l + "." + h; }
+  function isOff(l, h) { return hv.off.indexOf(headsKey(l, h)) >= 0; }
+  function buildHeads() {
+    var p = $("panel-heads");
+    p.appendChild(el("h2", null, HT.heads));
+    var tabs = el("div", "hd-tabs");
+    [["roles", HT.roles], ["lens", HT.lens], ["rollout", HT.rollout]].forEach(function (t) {
+      var b = el("button", "act", t[1]);
+      b.type = "button";
+      b.id = "hd-tab-" + t[0];
+      b.addEventListener("click", function () { hv.view = t[0]; showHeads(true); });
+      tabs.appendChild(b);
+    });
+    p.appendChild(tabs);
+    hv.body = el("div");
+    hv.body.id = "hd-body";
+    p.appendChild(hv.body);
+  }
+  function headsApplies() {
+    var m = currentModel();
+    return !!m && (m.kind === "causal-lm" || m.kind === "checkpoint");
+  }
+  function showHeads(force) {
+    var p = $("panel-heads");
+    p.hidden = !headsApplies();
+    if (p.hidden || !api.trace) return;
+    ["roles", "lens", "rollout"].forEach(function (v) {
+      $("hd-tab-" + v).classList.toggle("on", v === hv.view);
+    });
+    if (api.trace.model !== hv.rolesModel) { hv.off = []; hv.roles = null; }
+    if (hv.view === "roles") showRoles();
+    else if (hv.view === "lens") showLens();
+    else showRollout();
+  }
+  function headsDone(what) {
+    document.body.dataset[what] = String((+document.body.dataset[what] || 0) + 1);
+  }
+  function showRoles() {
+    var model = api.trace.model;
+    var ready = hv.roles && hv.rolesModel === model ? Promise.resolve(hv.roles)
+      : postJSON("/api/heads", { model: model }).then(function (res) {
+        hv.roles = res; hv.rolesModel = model; return res; });
+    ready.then(function (res) {
+      if (hv.view !== "roles") return;
+      hv.body.textContent = "";
+      hv.body.appendChild(el("p", "hint", htr("input", { i: res.input })));
+      var grids = el("div", "hd-grids");
+      res.roles.forEach(function (role) {
+        var box = el("div", "hd-role");
+        box.dataset.role = role;
+        box.appendChild(el("h3", null, HT[role] || role));
+        var t = el("table", "hd-grid");
+        var hr = el("tr");
+        hr.appendChild(el("th", null, "L\\H"));
+        for (var h = 0; h < res.heads; h++) hr.appendChild(el("th", null, h));
+        t.appendChild(hr);
+        res.scores[role].forEach(function (row, l) {
+          var tr_ = el("tr");
+          tr_.appendChild(el("th", null, l));
+          row.forEach(function (v, h) {
+            var td = el("td", "hd-cell" + (isOff(l, h) ? " off" : ""), v.toFixed(2));
+            td.style.background = viridis(v);
+            td.style.color = inkFor(v);
+            td.dataset.layer = String(l);
+            td.dataset.head = String(h);
+            td.title = (HT[role] || role) + " \u2014 layer " + l + ", head " + h + ": " +
+              v.toFixed(4);
+            td.addEventListener("click", function () { toggleHead(l, h); });
+            tr_.appendChild(td);
+          });
+          t.appendChild(tr_);
+        });
+        box.appendChild(t);
+        grids.appendChild(box);
+      });
+      hv.body.appendChild(grids);
+      hv.body.appendChild(colourBar());
+      hv.dist = el("div", "hd-dist");
+      hv.dist.id = "hd-dist";
+      hv.body.appendChild(hv.dist);
+      headsDone("roles");
+      runAblation();
+    }).catch(function (e) { status(e.message, true); });
+  }
+  function toggleHead(l, h) {
+    var k = headsKey(l, h), i = hv.off.indexOf(k);
+    if (i >= 0) hv.off.splice(i, 1); else hv.off.push(k);
+    Array.prototype.forEach.call(hv.body.querySelectorAll(".hd-cell"), function (td) {
+      td.classList.toggle("off", isOff(+td.dataset.layer, +td.dataset.head));
+    });
+    runAblation();
+  }
+  var ablSeq = 0;
+  function runAblation() {
+    var heads = hv.off.map(function (k) { return k.split(".").map(Number); });
+    var mine = ++ablSeq;
+    postJSON("/api/ablate", { model: api.trace.model, text: textBox.value, heads: heads,
+      k: 8 }).then(function (res) {
+      if (mine !== ablSeq) return;
+      api.ablation = res;
+      renderDist(res);
+      headsDone("ablated");
+    }).catch(function (e) { status(e.message, true); });
+  }
+  function distColumn(title, tops, id) {
+    var col = el("div", "hd-col");
+    col.id = id;
+    col.appendChild(el("h4", null, title));
+    var bars = el("div", "bars");
+    var max = tops.length ? tops[0].p : 1;
+    tops.forEach(function (t) {
+      bars.appendChild(el("span", "tk", tokLabel(t.token)));
+      var b = el("div", "bar");
+      b.style.width = (100 * t.p / Math.max(max, 1e-9)).toFixed(1) + "%";
+      b.dataset.p = String(t.p);
+      bars.appendChild(b);
+      bars.appendChild(el("span", "p", t.p.toFixed(4)));
+    });
+    col.appendChild(bars);
+    return col;
+  }
+  function renderDist(res) {
+    hv.dist.textContent = "";
+    var names = res.heads.map(function (x) { return x.join("."); }).join(", ");
+    var row = el("div", "hd-cols");
+    row.appendChild(distColumn(HT.original, res.before, "hd-before"));
+    row.appendChild(distColumn(names ? htr("ablated", { h: names }) : HT.none_off, res.after,
+      "hd-after"));
+    hv.dist.appendChild(row);
+    hv.dist.appendChild(el("p", "small", htr("kl", { v: res.kl[res.kl.length - 1].toFixed(4) })));
+    if (names) {
+      var reset = el("button", "more", HT.reset);
+      reset.type = "button";
+      reset.addEventListener("click", function () {
+        hv.off = [];
+        Array.prototype.forEach.call(hv.body.querySelectorAll(".hd-cell.off"),
+          function (td) { td.classList.remove("off"); });
+        runAblation();
+      });
+      hv.dist.appendChild(reset);
+    }
+  }
+  function labelledHeatmap(rows, cols, values, cell, cls) {
+    var t = el("table", "hd-heat " + (cls || ""));
+    var hr = el("tr");
+    hr.appendChild(el("th"));
+    cols.forEach(function (c) { hr.appendChild(el("th", "hd-colh", tokLabel(c))); });
+    t.appendChild(hr);
+    values.forEach(function (row, i) {
+      var tr_ = el("tr");
+      tr_.appendChild(el("th", "hd-rowh", rows[i]));
+      row.forEach(function (v, j) { tr_.appendChild(cell(v, i, j)); });
+      t.appendChild(tr_);
+    });
+    var wrap = el("div", "hd-scroll");
+    wrap.appendChild(t);
+    return wrap;
+  }
+  function showLens() {
+    var model = api.trace.model;
+    postJSON("/api/lens", { model: model, text: textBox.value, k: 3 }).then(function (res) {
+      if (hv.view !== "lens") return;
+      hv.body.textContent = "";
+      hv.body.appendChild(el("p", "hint", HT.lens_hint));
+      var rows = res.top.map(function (_, l) { return "L" + l; });
+      hv.body.appendChild(labelledHeatmap(rows, res.tokens, res.top, function (tops, l, t) {
+        var best = tops[0];
+        var td = el("td", "hd-lens", tokLabel(best.token));
+        td.style.background = viridis(best.p);
+        td.style.color = inkFor(best.p);
+        td.title = "layer " + l + ", after " + JSON.stringify(res.tokens[t]) + ": " +
+          tops.map(function (x) { return JSON.stringify(x.token) + " " + x.p.toFixed(4); })
+            .join(", ");
+        return td;
+      }, "lens"));
+      hv.body.appendChild(colourBar());
+      headsDone("lens");
+    }).catch(function (e) { status(e.message, true); });
+  }
+  function showRollout() {
+    var model = api.trace.model;
+    postJSON("/api/rollout", { model: model, text: textBox.value }).then(function (res) {
+      if (hv.view !== "rollout") return;
+      hv.body.textContent = "";
+      hv.body.appendChild(el("p", "hint", HT.rollout_hint));
+      var rows = res.tokens.map(function (t, i) { return i + " " + tokLabel(t); });
+      hv.body.appendChild(labelledHeatmap(rows, res.tokens, res.rollout, function (v, i, j) {
+        var td = el("td", "hd-roll");
+        td.style.background = viridis(v);
+        td.title = JSON.stringify(res.tokens[i]) + " \u2190 " + JSON.stringify(res.tokens[j]) +
+          ": " + v.toFixed(4);
+        return td;
+      }, "rollout"));
+      hv.body.appendChild(colourBar());
+      headsDone("rollout");
+    }).catch(function (e) { status(e.message, true); });
+  }
+
   /* ---------------------------------------------------------------------- main */
   buildControls();
   buildGenerate();
+  buildHeads();
   fetch("/api/models").then(function (r) { return r.json(); }).then(function (j) {
     api.models = j.models;
     CONF.limits = j.limits;

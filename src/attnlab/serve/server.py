@@ -52,7 +52,8 @@ def serve(
         app: the ASGI app (:func:`attnlab.serve.create_app`).
         host: the address to listen on (127.0.0.1 unless told otherwise).
         port: the TCP port (0: any free port).
-        on_start: called with the URL once the socket listens.
+        on_start: called with the URL once the server is serving and Ctrl-C (SIGINT)
+            and SIGTERM stop it: a signal sent after this call always stops the server.
 
     Raises:
         OSError: the address cannot be bound.
@@ -62,11 +63,23 @@ def serve(
     sock = bind(host, port)
     real_port = sock.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
+    url = f"http://{shown}:{real_port}"
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets=sockets)
+            # Announce only now: uvicorn installs its SIGINT/SIGTERM handlers when it
+            # starts serving (Server.capture_signals), not before. A signal sent between
+            # an earlier announcement and that moment met the process's inherited
+            # disposition, and a process started with SIGINT ignored (a background job
+            # of a non-interactive shell, and whatever it starts) lost that Ctrl-C and
+            # kept serving. From here on every SIGINT reaches uvicorn's handler.
+            if self.started and on_start is not None:
+                on_start(url)
+
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
                             timeout_graceful_shutdown=3)  # fmt: skip
-    server = uvicorn.Server(config)
-    if on_start is not None:
-        on_start(f"http://{shown}:{real_port}")
+    server = Server(config)
     try:
         server.run(sockets=[sock])
     finally:
