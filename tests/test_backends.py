@@ -41,35 +41,50 @@ B, H, G = 2, 4, 2
 
 
 def make_mask(kind: str, T: int, S: int, gen: torch.Generator):
+    """An attnlab mask of ``kind`` and, built here from the same draws without attnlab's
+    ``Mask.dense()``, the reference's dense form: ``(mask, allowed, bias)``, ``allowed`` a
+    boolean tensor (True = may attend) or None, ``bias`` an additive float64 tensor or None.
+
+    Positions align bottom-right when T != S (the last query with the last key), as
+    attnlab's masks document: query ``p`` sits at key position ``p + S - T``.
+    """
+    qpos = torch.arange(T)[:, None] + (S - T)  # (T, 1) query positions on the key axis
+    kpos = torch.arange(S)[None, :]  # (1, S)
     if kind == "none":
-        return None
+        return None, None, None
     if kind == "causal_top_left":
-        return CausalMask("top_left")
+        return CausalMask("top_left"), kpos <= torch.arange(T)[:, None], None
     if kind == "padding":  # batch item 1 is all padding: every one of its rows is empty
-        return PaddingMask.from_lengths([max(1, S - 2), 0], S)
-    if kind == "window":
-        return SlidingWindowMask(4)
+        lengths = [max(1, S - 2), 0]
+        return PaddingMask.from_lengths(lengths, S), _keys_below(lengths, S), None
+    if kind == "window":  # causal window of 4: the query's key position and the 3 before
+        return SlidingWindowMask(4), (kpos <= qpos) & (kpos > qpos - 4), None
     if kind == "boolean":
-        return BooleanMask(torch.rand(B, H, T, S, generator=gen) > 0.3)
+        allowed = torch.rand(B, H, T, S, generator=gen) > 0.3
+        return BooleanMask(allowed), allowed, None
     if kind == "additive":
         bias = torch.randn(1, H, T, S, generator=gen)
-        return AdditiveMask(
-            bias.masked_fill(torch.rand(1, H, T, S, generator=gen) > 0.8, -math.inf)
-        )
-    if kind == "combined":
-        return PaddingMask.from_lengths([S, max(1, S // 2)], S) & SlidingWindowMask(6, causal=False)
+        bias = bias.masked_fill(torch.rand(1, H, T, S, generator=gen) > 0.8, -math.inf)
+        return AdditiveMask(bias), None, bias.double()
+    if kind == "combined":  # padding and a two-sided window of 6: |query - key| < 6
+        lengths = [S, max(1, S // 2)]
+        mask = PaddingMask.from_lengths(lengths, S) & SlidingWindowMask(6, causal=False)
+        return mask, _keys_below(lengths, S) & ((qpos - kpos).abs() < 6), None
     raise AssertionError(kind)
 
 
-def reference_for(mask, is_causal, T, S):
-    """Dense (bool mask, float bias) for tests/reference.py."""
-    m = mask
+def _keys_below(lengths: list[int], S: int) -> torch.Tensor:
+    """(B, 1, 1, S): key j of batch item b is real when j < lengths[b]."""
+    return (torch.arange(S)[None, :] < torch.tensor(lengths)[:, None])[:, None, None, :]
+
+
+def reference_for(allowed, bias, is_causal, T, S):
+    """The dense (bool mask, float bias) for tests/reference.py, with ``is_causal``'s
+    bottom-right causal mask added (key position at most the query's)."""
     if is_causal:
-        m = CausalMask() if m is None else m & CausalMask()
-    if m is None:
-        return None, None
-    dense = m.dense(T, S, dtype=torch.float64)
-    return (dense, None) if dense.dtype == torch.bool else (None, dense)
+        causal = torch.arange(S)[None, :] <= torch.arange(T)[:, None] + (S - T)  # (T, S)
+        allowed = causal if allowed is None else allowed & causal
+    return allowed, bias
 
 
 def grad_tol(dtype: torch.dtype) -> dict[str, float]:
@@ -99,12 +114,12 @@ def _run_case(backend, dtype, is_causal, kind, T, S, D, seed):
     k = torch.randn(B, G, S, D, generator=gen).to(dtype).requires_grad_()
     v = torch.randn(B, G, S, D, generator=gen).to(dtype).requires_grad_()
     dout = torch.randn(B, H, T, D, generator=gen).to(dtype)
-    mask = make_mask(kind, T, S, gen)
+    mask, allowed, bias = make_mask(kind, T, S, gen)
     out = scaled_dot_product_attention(q, k, v, mask, is_causal=is_causal, backend=backend)
     out.backward(dout)
 
     qr, kr, vr = (t.detach().double().requires_grad_() for t in (q, k, v))
-    dmask, dbias = reference_for(mask, is_causal, T, S)
+    dmask, dbias = reference_for(allowed, bias, is_causal, T, S)
     ref, _ = reference_attention(qr, kr, vr, mask=dmask, bias=dbias)
     ref.backward(dout.double())
 
@@ -215,6 +230,13 @@ def test_exact_weights_memory_is_the_size_of_the_request():
     assert w.shape == (1, 1, 1, S)
     one_head_keys = S * D * 4
     assert peak < one_head_keys + 8 * S * 4 + 64 * 1024, peak
+    # Positive controls: the meter counts what the call allocates -- at least the result it
+    # returns, and all of one head's (T, S) weights when every row is asked for.
+    assert peak >= w.numel() * 4, peak
+    full, full_peak = peak_allocated(
+        lambda: exact_attention_weights(q, k, is_causal=True, heads=[5])
+    )
+    assert full.shape == (1, 1, T, S) and full_peak >= T * S * 4, full_peak
 
 
 def test_explain_dispatch_names_every_backend():

@@ -130,9 +130,29 @@ def test_info_lists_the_variants_and_which_backend_serves_them():
     assert "backend='auto' -> sdpa" not in flat  # softcap: sdpa cannot serve this call
 
 
-def test_info_sinks_and_bias_masks(capsys):
-    for args in (("--mask", "alibi"), ("--mask", "relbias"), ("--sinks",)):
-        code, _, err = run_main(capsys, "info", *args)
-        assert code == 0, err
+@pytest.mark.parametrize(
+    ("args", "header", "verdicts"),
+    [
+        # The ring backend's refusal names the mask the dispatcher was given: what info built.
+        (("--mask", "alibi"), "mask=alibi dropout=0.0 forward:",
+         ["got alibi & causal (bottom_right)"]),
+        (("--mask", "relbias"), "mask=relbias dropout=0.0 forward:",
+         ["got relative_position"]),
+        # Sinks: sdpa cannot serve them, so auto goes to blockwise, and says why.
+        (("--sinks",), "dropout=0.0 sinks forward: backend='auto' -> blockwise",
+         ["sdpa not chosen: PyTorch's kernel does not return the row log-sum-exp that "
+          "attention sinks join", "ring not chosen: ring does not implement attention sinks"]),
+    ],
+)  # fmt: skip
+def test_info_sinks_and_bias_masks(args, header, verdicts):
+    result = run_cli("info", *args, columns=400, timeout=120)
+    assert result.returncode == 0, result.stderr
+    lines = [" ".join(line.replace("│", " ").split()) for line in result.stdout.splitlines()]
+    assert any(header in line for line in lines), header
+    for verdict in verdicts:
+        assert any(line.startswith(("ring", "sdpa")) and verdict in line for line in lines), verdict
+
+
+def test_info_softcap_must_be_positive(capsys):
     code, _, err = run_main(capsys, "info", "--softcap", "0")
     assert code == 2 and "`softcap` must be a positive" in err

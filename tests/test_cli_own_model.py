@@ -42,6 +42,17 @@ def files(tmp_path_factory):
     return llama, gguf_path, bert
 
 
+@pytest.fixture(scope="module")
+def q4_gguf(files, tmp_path_factory):
+    path = tmp_path_factory.mktemp("own_q4") / "llama.Q4_0.gguf"
+    write_gguf(files[0], path, "llama", "Q4_0")
+    return path
+
+
+def _linear_kinds(model) -> set[str]:
+    return {type(m).__name__ for m in model.modules() if type(m).__name__.endswith("Linear")}
+
+
 def test_info_model_json_and_table(files, capsys):
     from attnlab.pretrained import load_pretrained
 
@@ -69,6 +80,57 @@ def test_generate_from_a_gguf_file_matches_the_library(files, capsys):
     ids = torch.tensor([tok.encode("The cat")])
     expected = tok.decode(generate(model, ids, 6)[0].tolist())
     assert expected in out.replace("\n", "") or expected.strip() in out
+
+
+@pytest.mark.parametrize(
+    ("which", "dtype", "linears"),
+    [
+        ("gguf", "int4", {"Int4Linear"}),  # Q4_0 codes kept, the output head too
+        ("dir", "int4", {"Int4Linear", "Int8Linear"}),  # the output head in int8
+        ("dir", "int8", {"Int8Linear"}),
+        ("gguf", "bfloat16", {"BF16Linear"}),
+        ("dir", "float32", {"Linear"}),
+    ],
+)
+def test_generate_from_a_path_runs_in_the_dtype_asked_for(
+    files, q4_gguf, capsys, monkeypatch, which, dtype, linears
+):
+    """`generate --model PATH --dtype D` generates with the model in precision D, and its text
+    is what the library's model in D generates."""
+    import attnlab.generation
+    from attnlab.generation import generate
+    from attnlab.pretrained import load_pretrained
+
+    path = q4_gguf if which == "gguf" else files[0]
+    seen = []
+    real_stream = attnlab.generation.generate_stream
+
+    def recording_stream(model, *args, **kwargs):
+        seen.append(model)
+        return real_stream(model, *args, **kwargs)
+
+    monkeypatch.setattr(attnlab.generation, "generate_stream", recording_stream)
+    args = ("generate", "--model", str(path), "--dtype", dtype, "The cat", "-n", "6")
+    code, out, err = run_main(capsys, *args)
+    assert code == 0, err
+    assert len(seen) == 1 and _linear_kinds(seen[0]) == linears
+    model, tok = load_pretrained(path, dtype=dtype)
+    assert _linear_kinds(model) == linears
+    ids = torch.tensor([tok.encode("The cat")])
+    expected = tok.decode(generate(model, ids, 6)[0].tolist())
+    assert expected in out.replace("\n", "") or expected.strip() in out
+
+
+def test_info_model_loads_in_the_dtype_asked_for(files, capsys):
+    for dtype, want in (("bf16", "bfloat16"), ("float16", "float16"), ("float32", "float32")):
+        code, out, err = run_main(
+            capsys, "info", "--model", str(files[1]), "--dtype", dtype, "--json", "-t", "8"
+        )
+        assert code == 0, err
+        assert json.loads(out)["dtype"] == want
+    code, _, err = run_main(capsys, "info", "--model", str(files[0]), "--dtype", "float64")
+    assert code == 2 and err.count("\n") == 1
+    assert "--dtype 'float64' with --model: a model loads in one of float32" in err
 
 
 def test_embed_and_explain_take_a_directory(files, tmp_path, capsys):

@@ -20,7 +20,10 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(180)]
 def test_ring_demo_prints_error_time_and_memory_per_rank(tmp_path: Path) -> None:
     env = dict(os.environ, COLUMNS="120")
     env["PYTHONPATH"] = str(SRC) + os.pathsep + env.get("PYTHONPATH", "")
-    args = ["ring-demo", "--nproc", "2", "--seq-len", "128", "--heads", "2", "--head-dim", "16"]
+    # Shards big enough to show in the memory column: each rank holds q, k, v of T/2 tokens.
+    T, H, D = 4096, 2, 64
+    args = ["ring-demo", "--nproc", "2", "--seq-len", str(T), "--heads", str(H),
+            "--head-dim", str(D)]  # fmt: skip
     result = subprocess.run(
         [sys.executable, "-m", "attnlab", *args],
         cwd=tmp_path,
@@ -31,12 +34,18 @@ def test_ring_demo_prints_error_time_and_memory_per_rank(tmp_path: Path) -> None
     )
     assert result.returncode == 0, result.stderr
     out = result.stdout
-    assert "T=128 over 2 ranks (zigzag)" in out
+    assert f"T={T} over 2 ranks (zigzag)" in out
     error = float(re.search(r"max \|ring - single process\| = (\S+)", out).group(1))
     assert error < 1e-5
     rows = re.findall(r"│\s+(\d)\s+│\s+([\d.]+)\s+│.*│\s+([\d.]+|n/a)\s+│", out)
     assert [r[0] for r in rows] == ["0", "1"]
     assert all(float(r[1]) > 0 for r in rows)
+    # Peak MiB (last column): at least the rank's own q, k, v shards, far below what one
+    # process would hold for a T x T score matrix per head (128 MiB here).
+    shards_mib = 3 * H * (T // 2) * D * 4 / 2**20  # 3 MiB
+    if sys.platform == "linux":  # the resident-set peak can be reset: the column is measured
+        peaks = [float(r[2]) for r in rows]
+        assert all(shards_mib <= p < H * T * T * 4 / 2**20 for p in peaks), (peaks, out)
 
 
 @pytest.mark.parametrize(

@@ -2,25 +2,20 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 from pathlib import Path
 
 import pytest
+import torch
 
+import attnlab.checkpoint as checkpoint
+import attnlab.models.gpt as gpt
 from cli_runner import run_cli
 
 
 def run_explain(*args: str, cwd: Path):
     return run_cli("explain", *args, cwd=cwd)
-
-
-def _importable(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except ModuleNotFoundError:  # the parent package is missing
-        return False
 
 
 def page_data(path: Path) -> dict:
@@ -79,10 +74,6 @@ def test_toy_example_in_traditional_chinese_to_a_chosen_file(tmp_path):
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(tmp_path, args, needle):
-    if needle in ("no-such-model", "missing-dir"):
-        module = "attnlab.pretrained" if needle == "no-such-model" else "attnlab.models.gpt"
-        if not _importable(module):
-            needle = "which is missing"  # a build without that source: one line, exit 2
     r = run_explain(*args, cwd=tmp_path)
     assert r.returncode == 2, (r.stdout, r.stderr)
     lines = r.stderr.strip().splitlines()
@@ -93,13 +84,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, args, needle):
 
 
 def test_trained_checkpoint(tmp_path):
-    gpt = pytest.importorskip("attnlab.models.gpt", reason="needs the GPT model")
-    checkpoint = pytest.importorskip("attnlab.checkpoint", reason="needs GPT checkpoints")
-    import torch
-
-    cfg = gpt.GPTConfig.preset("tiny") if hasattr(gpt.GPTConfig, "preset") else None
-    if cfg is None:  # pragma: no cover
-        pytest.skip("GPTConfig.preset is not available")
+    cfg = gpt.GPTConfig.preset("tiny")
     torch.manual_seed(0)
     model = gpt.GPTModel(cfg)
     checkpoint.save_checkpoint(
@@ -130,10 +115,6 @@ def test_pretrained_model(tmp_path):
 
 @pytest.mark.slow
 def test_steps_walk_into_a_head_of_a_checkpoint(tmp_path):
-    gpt = pytest.importorskip("attnlab.models.gpt", reason="needs the GPT model")
-    checkpoint = pytest.importorskip("attnlab.checkpoint", reason="needs GPT checkpoints")
-    import torch
-
     cfg = gpt.GPTConfig.preset("tiny")
     torch.manual_seed(0)
     model = gpt.GPTModel(cfg)

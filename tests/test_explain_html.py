@@ -56,8 +56,30 @@ def test_long_input_embeds_top_keys_within_budget():
     np.testing.assert_allclose(val, want_val.numpy(), atol=1 / 65535)
     # Indices agree wherever the weight is not tied with its neighbour.
     assert (idx == want_idx.numpy()).mean() > 0.99
-    # A default page at 2,048 tokens stays within the default budget.
+    # A small trace is embedded whole (dense) under the default budget.
     assert keys_per_query(synthetic_trace(64, 1, 1), EDGE_BUDGET) == 64
+
+
+def test_default_page_at_2048_tokens_stays_within_the_default_budget():
+    """GPT-2's shape (12 layers x 12 heads) at 2,048 tokens: what the page embeds (keys per
+    query x heads x queries) fits EDGE_BUDGET, and is what page_data writes."""
+    T, L, H, K = 2048, 12, 12, 8
+    g = torch.Generator().manual_seed(4)
+    values = torch.rand(L, H, T, K, generator=g).sort(dim=-1, descending=True).values
+    indices = torch.randint(0, T, (L, H, T, K), generator=g)
+    toks = tuple(f"t{i}" for i in range(T))
+    trace = ModelTrace(tokens=toks, key_tokens=toks, layers=tuple(range(L)),
+                       heads=tuple(range(H)), num_layers=L, num_heads=H,
+                       top_indices=indices, top_values=values)  # fmt: skip
+    k = keys_per_query(trace)
+    assert 1 <= k <= K
+    assert k * L * H * T <= EDGE_BUDGET, k
+    data = page_data(trace)["attention"]
+    assert not data["dense"] and data["k"] == k
+    embedded = sum(
+        _decode(head["i"], "<u2").size for layer in data["data"] for head in layer
+    )  # fmt: skip
+    assert embedded == k * L * H * T <= EDGE_BUDGET
 
 
 def test_topk_trace_never_embeds_more_than_it_has():

@@ -12,9 +12,8 @@ import pytest
 import torch
 from torch import nn
 
+from attnlab.attention import Attention
 from attnlab.explain.model_trace import ModelTrace, trace_model
-
-Attention = pytest.importorskip("attnlab.attention", reason="needs the attention core").Attention
 
 
 class TinyModel(nn.Module):

@@ -71,5 +71,21 @@ def test_save_walkthrough_figures_in_chinese(tmp_path):
     pytest.importorskip("pylopdf_fonts_zh_tw", reason="pip install 'attnlab[zh-tw]'")
     paths = save_walkthrough_figures(trace_example("journey"), tmp_path, lang="zh-TW")
     assert len(paths) == 6 and all(p.stat().st_size > 1000 for p in paths)
-    svg = (tmp_path / "attention-weights-simplified.svg").read_text(encoding="utf-8")
-    assert "簡化的注意力權重" in svg or "<path" in svg  # text drawn as paths in the font
+    # matplotlib's SVG draws text as glyph outlines: each text's string is kept in a comment
+    # before its glyphs, and each glyph is defined under an id that starts with its font's
+    # name. The Chinese titles must be there, drawn with the CJK font's glyphs.
+    cjk_glyph = 'id="' + fonts.figure_font().replace(" ", "")  # "Noto Sans TC" -> NotoSansTC
+    titles = {
+        "attention-weights-simplified": "<!-- 簡化的注意力權重：softmax(X·Xᵀ, dim=-1) -->",
+        "attention-weights-trainable": "<!-- 具可訓練權重的注意力權重：softmax(Q·Kᵀ / √d_k",
+        "attention-flow": "<!-- 縮放點積自注意力：範例「journey」",
+    }
+    for stem, title in titles.items():
+        svg = (tmp_path / f"{stem}.svg").read_text(encoding="utf-8")
+        assert title in svg, stem
+        assert "<!-- 鍵" in svg or "<!-- 輸入 X -->" in svg, stem  # axis / box labels too
+        assert cjk_glyph in svg, stem
+    # Positive control: the English figures hold none of it.
+    en = save_walkthrough_figures(trace_example("journey"), tmp_path / "en", lang="en")
+    svg = en[1].read_text(encoding="utf-8")
+    assert "簡化" not in svg and cjk_glyph not in svg

@@ -73,10 +73,19 @@ def test_attention_weights_scale_and_rows_sum_to_one():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_attention_weights_half_precision_softmax_in_fp32(dtype):
     scores = torch.randn(4, 50, generator=torch.Generator().manual_seed(2)) * 4
-    w = attention_weights(scores.to(dtype), scale=0.25)
+    half = scores.to(dtype)
+    w = attention_weights(half, scale=0.25)
     assert w.dtype == dtype
-    expected = torch.softmax(scores.to(dtype).float() * 0.25, dim=-1).to(dtype)
-    torch.testing.assert_close(w, expected, **tol(dtype))
+    # Exactly PyTorch's fp32 softmax of the same scores, rounded once at the end.
+    expected = torch.softmax(half.float() * 0.25, dim=-1).to(dtype)
+    torch.testing.assert_close(w, expected, atol=0, rtol=0)
+    # Positive control: a softmax computed entirely in half precision (every op rounds)
+    # differs from it, so the exact comparison tells the two apart; the dtype's tolerance
+    # would not (they differ by at most 4.9e-4 in bf16, 1.2e-4 in fp16).
+    x = half * 0.25
+    e = (x - x.amax(dim=-1, keepdim=True)).exp()
+    in_half = e / e.sum(dim=-1, keepdim=True)
+    assert in_half.dtype == dtype and not torch.equal(in_half, expected)
 
 
 def test_context_vectors_are_weighted_sums():

@@ -103,12 +103,23 @@ def test_top_p_keeps_the_nucleus():
 
 
 def test_eos_stops_each_row():
-    model = ToyLM(context_length=None)
-    full = generate(model, torch.tensor([[1, 2]]), 10)
-    eos = int(full[0, 4])
-    out = generate(ToyLM(context_length=None), torch.tensor([[1, 2]]), 10, eos_id=eos)
-    first = int((full[0, 2:] == eos).nonzero()[0]) + 3
-    assert out.shape[1] == first and int(out[0, -1]) == eos
+    """Two rows reach EOS at different steps: the first keeps emitting EOS while the other
+    goes on, and generation stops when the last row has emitted it."""
+    prompt = torch.tensor([[1, 2], [1, 7]])
+    eos = 10
+    free = generate(ToyLM(context_length=None), prompt, 10)[:, 2:]  # no EOS handling
+    firsts = [int((row == eos).nonzero()[0]) for row in free]  # first EOS of each row
+    assert firsts[1] < firsts[0]  # row 1 finishes first ...
+    assert bool((free[1, firsts[1] + 1 : firsts[0] + 1] != eos).any())  # ... then goes on
+    out = generate(ToyLM(context_length=None), prompt, 10, eos_id=eos)
+    assert out.shape == (2, 2 + firsts[0] + 1)  # stops at the last row's EOS
+    for r, first in enumerate(firsts):
+        new = out[r, 2:]
+        assert torch.equal(new[: first + 1], free[r, : first + 1])  # its own tokens up to EOS
+        assert bool((new[first:] == eos).all())  # then EOS
+    # One row alone stops at its own EOS.
+    alone = generate(ToyLM(context_length=None), prompt[1:], 10, eos_id=eos)
+    assert torch.equal(alone[0], out[1, : 2 + firsts[1] + 1])
 
 
 def test_stream_yields_the_same_tokens_as_generate():

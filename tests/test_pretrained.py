@@ -93,17 +93,19 @@ def _assert_close_by_position(
     rtol: float,
     query_dim: int = 1,
 ) -> None:
-    """1e-5 at real tokens; 2e-4 at padding positions (queries nothing downstream reads).
+    """1e-5 at real tokens; 1e-4 at padding positions (queries nothing downstream reads).
 
     A [PAD] query's hidden state has a tiny spread, so each LayerNorm amplifies the
-    kernels' rounding there: on AVX-512 CPUs torch's fused kernels differ from the eager
-    reference by up to ~5e-5 at padded positions (3e-6 at real tokens) after 6 layers.
+    kernels' rounding there: on an AVX-512 CPU (AMD EPYC) the fused kernels (sdpa,
+    blockwise) differ from the eager reference by up to 5.0e-5 in the hidden states and
+    1.6e-5 in the weights at padded positions after 6 layers, 3.2e-6 and 7.6e-6 at real
+    tokens. ``math`` is tested bit for bit instead.
     """
     shape = [valid.shape[0]] + [1] * (ours.ndim - 1)
     shape[query_dim] = valid.shape[1]
     rows = valid.view(shape).expand_as(ours)
     torch.testing.assert_close(ours[rows], theirs[rows], atol=1e-5, rtol=rtol)
-    torch.testing.assert_close(ours[~rows], theirs[~rows], atol=2e-4, rtol=rtol)
+    torch.testing.assert_close(ours[~rows], theirs[~rows], atol=1e-4, rtol=rtol)
 
 
 @pytest.fixture(scope="module")
@@ -187,15 +189,23 @@ def test_minilm_hidden_states_and_every_attention_match_transformers(
             hidden_fast = model(ids, valid)  # the path without weights (fused kernels)
         finally:
             model.set_backend("auto")
-    # math runs the same operations as the eager reference; fused kernels sum in another order.
-    rtol = 0.0 if backend == "math" else 1e-5
-    for ours_h in (hidden, hidden_fast):
-        _assert_close_by_position(ours_h, expected.last_hidden_state, valid, rtol=rtol)
     assert len(weights) == len(expected.attentions) == 6
-    for ours, theirs in zip(weights, expected.attentions, strict=True):
-        assert ours.shape == theirs.shape == (len(SENTENCES), 12, ids.shape[1], ids.shape[1])
-        _assert_close_by_position(ours, theirs, valid, rtol=0.0, query_dim=2)
+    for ours in weights:
+        assert ours.shape == (len(SENTENCES), 12, ids.shape[1], ids.shape[1])
         assert bool((ours[~valid[:, None, None, :].expand_as(ours)] == 0).all())
+    if backend == "math":
+        # math runs the eager reference's operations in its order: equal bit for bit, at
+        # every position, padding included.
+        for ours_h in (hidden, hidden_fast):
+            assert torch.equal(ours_h, expected.last_hidden_state)
+        for ours, theirs in zip(weights, expected.attentions, strict=True):
+            assert torch.equal(ours, theirs)
+        return
+    # The fused kernels sum in another order.
+    for ours_h in (hidden, hidden_fast):
+        _assert_close_by_position(ours_h, expected.last_hidden_state, valid, rtol=1e-5)
+    for ours, theirs in zip(weights, expected.attentions, strict=True):
+        _assert_close_by_position(ours, theirs, valid, rtol=0.0, query_dim=2)
 
 
 @needs_minilm

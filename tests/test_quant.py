@@ -220,12 +220,17 @@ def _q4_1_blocks(rng: np.random.Generator, n_blocks: int) -> np.ndarray:
 
 
 def test_gguf_q4_1_codes_pack_to_the_same_weights_as_ggml_dequantises():
+    gquants = pytest.importorskip("gguf.quants", reason="pip install 'attnlab[pretrained]'")
     rng = np.random.default_rng(3)
     R, K = 64, 64
     blocks = _q4_1_blocks(rng, R * K // 32)
-    expected = dequantize(blocks, "Q4_1", (R, K))  # the numpy ggml kernel
+    # gguf-py's own Q4_1 dequantisation (llama.cpp's Python package), on the file's bytes.
+    raw = blocks.reshape(R, K // 32 * 20)  # one row of blocks per weight row, as stored
+    expected = torch.from_numpy(gquants.dequantize(raw, gquants.GGMLQuantizationType.Q4_1))
+    assert expected.shape == (R, K)
     codes, scales, zeros = int4_codes(blocks, "Q4_1", (R, K))
     lin = Int4Linear.from_codes(codes, scales, zeros)
     torch.testing.assert_close(lin.weight, expected, atol=0, rtol=0)
+    torch.testing.assert_close(dequantize(blocks, "Q4_1", (R, K)), expected, atol=0, rtol=0)
     with pytest.raises(ValueError, match="Q4_0/Q4_1"):
         int4_codes(blocks, "Q8_0", (R, K))

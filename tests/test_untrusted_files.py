@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import struct
 import time
 
@@ -62,43 +63,77 @@ def _header_end(blob: bytes) -> int:
     return i + 4 + 2 * 8 + 4 + 8
 
 
+_BEYOND = r"needs \d+ bytes at offset \d+, the file has \d+ left \(truncated or corrupt\)"
+_NO_FIT = r"cannot fit in the \d+ bytes left"
+_NOT_GGUF = r"is not a GGUF file of version 2 or 3"
+
+
 def _gguf_cases():
+    """Each case: (how to break the good file, what the error must say about the problem)."""
     cases = {
-        "empty": lambda b: b"",
-        "wrong magic": lambda b: b"GGUX" + b[4:],
-        "version 1": lambda b: _patch(b, 4, "<I", 1),
-        "version 99": lambda b: _patch(b, 4, "<I", 99),
-        "tensor count beyond file": lambda b: _patch(b, 8, "<Q", 1 << 60),
-        "kv count beyond file": lambda b: _patch(b, 16, "<Q", 1 << 60),
-        "key length beyond file": lambda b: _patch(b, 24, "<Q", 1 << 62),
-        "unknown value type": lambda b: _patch(
-            b, 32 + struct.unpack_from("<Q", b, 24)[0], "<I", 77
+        "empty": (lambda b: b"", r"is 0 bytes, too short for a GGUF header"),
+        "wrong magic": (lambda b: b"GGUX" + b[4:], _NOT_GGUF + r" \(magic b'GGUX'"),
+        "version 1": (lambda b: _patch(b, 4, "<I", 1), _NOT_GGUF + r".*version 1\)"),
+        "version 99": (lambda b: _patch(b, 4, "<I", 99), _NOT_GGUF + r".*version 99\)"),
+        "tensor count beyond file": (
+            lambda b: _patch(b, 8, "<Q", 1 << 60),
+            r"tensor count = \d+ " + _NO_FIT,
         ),
-        "bad utf-8 key": lambda b: b[:32] + b"\xff\xfe" + b[34:],
-        "token array length beyond file": lambda b: _patch(
-            b, _find(b, "tokenizer.ggml.tokens") + 8, "<Q", 1 << 55
+        "kv count beyond file": (
+            lambda b: _patch(b, 16, "<Q", 1 << 60),
+            r"key-value count = \d+ " + _NO_FIT,
         ),
-        "string length in array beyond file": lambda b: _patch(
-            b, _find(b, "tokenizer.ggml.tokens") + 16, "<Q", 1 << 50
+        "key length beyond file": (
+            lambda b: _patch(b, 24, "<Q", 1 << 62),
+            r"key 0: key of length \d+ " + _BEYOND,
         ),
-        "too many dims": lambda b: _patch(b, _tensor_info(b, "token_embd.weight"), "<I", 100),
-        "dims product overflows": lambda b: _patch(
-            _patch(b, _tensor_info(b, "token_embd.weight") + 4, "<Q", 1 << 63),
-            _tensor_info(b, "token_embd.weight") + 12,
-            "<Q",
-            1 << 63,
+        "unknown value type": (
+            lambda b: _patch(b, 32 + struct.unpack_from("<Q", b, 24)[0], "<I", 77),
+            r"unknown value type 77",
         ),
-        "unknown ggml type": lambda b: _patch(
-            b, _tensor_info(b, "token_embd.weight") + 4 + 16, "<I", 999
+        "bad utf-8 key": (lambda b: b[:32] + b"\xff\xfe" + b[34:], r"key is not valid UTF-8"),
+        "token array length beyond file": (
+            lambda b: _patch(b, _find(b, "tokenizer.ggml.tokens") + 8, "<Q", 1 << 55),
+            r"'tokenizer.ggml.tokens': array length = \d+ " + _NO_FIT,
         ),
-        "tensor offset past end": lambda b: _patch(
-            b, _tensor_info(b, "blk.1.ffn_down.weight") + 4 + 16 + 4, "<Q", 1 << 40
+        "string length in array beyond file": (
+            lambda b: _patch(b, _find(b, "tokenizer.ggml.tokens") + 16, "<Q", 1 << 50),
+            r"'tokenizer.ggml.tokens': string of length \d+ " + _BEYOND,
         ),
-        "tensor data cut off": lambda b: b[: len(b) - 100],
+        "too many dims": (
+            lambda b: _patch(b, _tensor_info(b, "token_embd.weight"), "<I", 100),
+            r"'token_embd.weight': has 100 dimensions, expected 1..4",
+        ),
+        "dims product overflows": (
+            lambda b: _patch(
+                _patch(b, _tensor_info(b, "token_embd.weight") + 4, "<Q", 1 << 63),
+                _tensor_info(b, "token_embd.weight") + 12,
+                "<Q",
+                1 << 63,
+            ),
+            r"'token_embd.weight': dimensions \[\d+, \d+\] .* are not a sane shape",
+        ),
+        "unknown ggml type": (
+            lambda b: _patch(b, _tensor_info(b, "token_embd.weight") + 4 + 16, "<I", 999),
+            r"'token_embd.weight': unknown ggml type 999",
+        ),
+        "tensor offset past end": (
+            lambda b: _patch(
+                b, _tensor_info(b, "blk.1.ffn_down.weight") + 4 + 16 + 4, "<Q", 1 << 40
+            ),
+            r"'blk.1.ffn_down.weight': data at offset 1099511627776 .* lies past the end",
+        ),
+        "tensor data cut off": (
+            lambda b: b[: len(b) - 100],
+            r"data at offset \d+ .* lies past the end of the file",
+        ),
     }
     # Truncated inside each part of the header: every 1/14th of it.
     for k in range(1, 14):
-        cases[f"truncated at {k}/14 of the header"] = lambda b, k=k: b[: _header_end(b) * k // 14]
+        cases[f"truncated at {k}/14 of the header"] = (
+            lambda b, k=k: b[: _header_end(b) * k // 14],
+            f"{_NO_FIT}|{_BEYOND}",
+        )
     return cases
 
 
@@ -108,12 +143,15 @@ GGUF_CASES = _gguf_cases()
 @pytest.mark.parametrize("case", sorted(GGUF_CASES))
 def test_broken_gguf_raises_one_clear_error(good, tmp_path, case):
     path = tmp_path / "broken.gguf"
-    path.write_bytes(GGUF_CASES[case](good[1]))
+    edit, problem = GGUF_CASES[case]
+    path.write_bytes(edit(good[1]))
     t0 = time.perf_counter()
     with pytest.raises(ModelFileError) as err:
         load_pretrained(path)
     assert time.perf_counter() - t0 < 1.0
-    assert "broken.gguf" in str(err.value)
+    message = str(err.value)
+    assert message.startswith(f"{path}: "), message  # the file ...
+    assert re.search(problem, message), message  # ... and the problem
     assert isinstance(err.value, ValueError)
 
 
@@ -250,10 +288,11 @@ DIR_CASES = {
         rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0}
     ),
     "config heads do not divide": _edit_config(num_key_value_heads=3),
+    # The folder, what it holds, and why attnlab will not open it.
     "only a pickle": lambda folder: (
         (folder / "model.safetensors").unlink(),
         (folder / "pytorch_model.bin").write_bytes(b"\x80\x04pickle"),
-        "pytorch_model.bin" and folder.name,
+        f"{folder}: holds only pytorch_model.bin (a pickle, which attnlab never opens)",
     )[-1],
     "tokenizer.json garbage": _write("tokenizer.json", b"\x00\x01 not a tokenizer"),
 }

@@ -29,7 +29,13 @@ def info(
         int | None, typer.Option("--kv-heads", help="Key/value heads G (default H).")
     ] = None,
     head_dim: Annotated[int, typer.Option("--head-dim", help="Head dim D.")] = 64,
-    dtype: Annotated[str, typer.Option(help="float32, bfloat16, float16 or float64.")] = "float32",
+    dtype: Annotated[
+        str,
+        typer.Option(
+            help="float32, bfloat16, float16 or float64; with --model, the dtype the model "
+            "loads in (float32, bfloat16 or float16)."
+        ),
+    ] = "float32",
     mask: Annotated[
         str,
         typer.Option(
@@ -75,7 +81,7 @@ def info(
         output.show(*_info_presets(preset))
         return
     if model is not None:
-        _info_model(model, seq_len, backend, as_json)
+        _info_model(model, seq_len, backend, as_json, dtype)
         return
     if as_json:
         raise UserError("--json needs --model (the summary of one model)")
@@ -273,11 +279,12 @@ def _info_presets(preset: str | None) -> list[RenderableType]:
     return [table]
 
 
-def _info_model(name: str, seq_len: int, backend: str, as_json: bool) -> None:
-    """``attnlab info --model``: the model's summary table (or JSON)."""
+def _info_model(name: str, seq_len: int, backend: str, as_json: bool, dtype: str) -> None:
+    """``attnlab info --model``: the model's summary table (or JSON), loaded in ``dtype``."""
     import dataclasses
     import json
 
+    import torch
     from rich.table import Table
 
     from attnlab.cli.models import check_local_backend, load_pretrained_model
@@ -286,7 +293,12 @@ def _info_model(name: str, seq_len: int, backend: str, as_json: bool) -> None:
     check_local_backend(backend)
     if seq_len < 1:
         raise UserError(f"`--seq-len` must be a positive int, got {seq_len}")
-    net, _, source = load_pretrained_model(name)
+    model_dtypes = ("float32", "bfloat16", "float16")
+    if _INFO_DTYPES.get(dtype) not in model_dtypes:
+        raise UserError(
+            f"--dtype {dtype!r} with --model: a model loads in one of {', '.join(model_dtypes)}"
+        )
+    net, _, source = load_pretrained_model(name, getattr(torch, _INFO_DTYPES[dtype]))
     if backend != "auto":
         net.set_backend(backend)
     with user_input():

@@ -40,7 +40,7 @@ def load_pretrained_kind(
     key = name.lower()
     fitting = sorted(n for n, (k, _) in PRETRAINED_MODELS.items() if k == kind)
     if key not in PRETRAINED_MODELS and Path(name).exists():
-        return load_model_path(name, kind, backend)
+        return load_model_path(name, kind, backend, dtype)
     if key not in PRETRAINED_MODELS or PRETRAINED_MODELS[key][0] != kind:
         raise UserError(
             f"unknown --model {name!r} here; choose one of {', '.join(fitting)}, or give a "
@@ -53,14 +53,20 @@ def load_pretrained_kind(
         raise UserError(str(e)) from e
 
 
-def load_model_path(path: str, kind: str, backend: str = "auto") -> tuple[Any, Any]:
-    """A model directory or GGUF file; ``kind`` (encoder/causal-lm) must fit the command."""
+def load_model_path(
+    path: str, kind: str, backend: str = "auto", dtype: Any = "float32"
+) -> tuple[Any, Any]:
+    """A model directory or GGUF file; ``kind`` (encoder/causal-lm) must fit the command.
+
+    ``dtype`` is ``load_pretrained``'s: a weight precision by name (``--dtype`` of
+    ``generate``) or a ``torch.dtype`` (``--dtype`` of ``info``).
+    """
     from attnlab.models.decoder import Decoder
     from attnlab.models.encoder_decoder import EncoderDecoder
     from attnlab.pretrained import load_pretrained
 
     with user_input():
-        model, tok = load_pretrained(Path(path), backend=backend)
+        model, tok = load_pretrained(Path(path), backend=backend, dtype=dtype)
     is_lm = isinstance(model, (Decoder, EncoderDecoder))  # both generate
     if (kind == "causal-lm" and not is_lm) or (kind == "encoder" and is_lm):
         got = "a decoder (causal LM)" if is_lm else "an encoder"
@@ -109,15 +115,16 @@ def load_checkpoint_model(directory: Path) -> tuple[Any, Any, str]:
     return model.eval(), get_tokenizer(), f"GPT checkpoint {directory} (step {ckpt.step})"
 
 
-def load_pretrained_model(name: str) -> tuple[Any, Any, str]:
-    """A packaged pretrained model, its tokenizer, and a label."""
+def load_pretrained_model(name: str, dtype: Any = "float32") -> tuple[Any, Any, str]:
+    """A packaged pretrained model, a model directory or a GGUF file, its tokenizer, and a
+    label; ``dtype`` as in ``load_pretrained``."""
     try:
         from attnlab.pretrained import load_pretrained
     except ImportError as e:  # pragma: no cover - a partial install
         raise UserError(f"--model needs attnlab.pretrained, which is missing: {e}") from e
     try:
         with user_input():
-            model, tokenizer = load_pretrained(name)
+            model, tokenizer = load_pretrained(name, dtype=dtype)
     except ImportError as e:  # the weights' package is not installed
         raise UserError(str(e)) from e
     return model, tokenizer, name
