@@ -68,7 +68,7 @@ def prepare(
 ) -> Prepared:
     """Plan a chunk. ALiBi runs as one more head dim only where ``linear_bias`` (the
     forward): the op's backward is slower at D + 1 than 256 x 256 tiles with a dense bias
-    (benchmarks/bench_attention.py --targets --mask-backward)."""
+    (benchmarks/bench_attention.py --variants)."""
     B, H, T, _ = query.shape
     S = key.shape[2]
     path = TILE_PATHS.choose(query, key, value, opts.tile_path, pure_because(opts.softcap))

@@ -16,7 +16,7 @@ from attnlab.masks import AndMask, AttentionMask, CausalMask
 
 # Rows per block: the key column is centred on each row block, so its rounding error grows
 # with the block (fp32: ~6e-8 * slope * rows / 2 on a score); 1024 rows cost little more
-# than one call (benchmarks/bench_attention.py --targets, ALiBi).
+# than one call (benchmarks/bench_attention.py --variants).
 LINEAR_BLOCK_Q = 1024
 
 

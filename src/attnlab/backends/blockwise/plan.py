@@ -145,7 +145,7 @@ def block_sizes(
     bq = _FUSED_BLOCK_Q
     T_total = T if opts.T_total is None else opts.T_total
     S_total = S if opts.S_total is None else opts.S_total
-    if not mask.has_bias:  # biased tiles are slower in narrow blocks (bench_attention.py)
+    if not mask.has_bias:  # biased tiles run slower in narrow blocks (--variants)
         mid = max(0, T_total // 2 - _FUSED_BLOCK_Q // 2)
         lo, hi = mask.col_range(T_total, S_total, mid, min(T_total, mid + _FUSED_BLOCK_Q))
         bq = _NARROW_BLOCK_Q if hi - lo <= _NARROW_KEYS else bq

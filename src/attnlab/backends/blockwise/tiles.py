@@ -174,7 +174,7 @@ def tile_forward(
     Gs, tk = k.shape[1], k.shape[2]
     cd = compute_dtype(q.dtype)
     # A soft-capped score is taken as c tanh(s / c) + c = 2c sigmoid(2 s / c): PyTorch's CPU
-    # sigmoid is faster than its tanh (bench_attention.py --targets, softcap); 2 / c joins
+    # sigmoid is faster than its tanh (bench_attention.py --variants); 2 / c joins
     # the query scale, and the + c (the same for every score) comes off the lse at the end.
     qscale = scale if softcap is None else 2.0 * scale / softcap
     qg = _gqa(q.to(cd) * qscale, Gs)  # (B, Gs, R*tq, D)
