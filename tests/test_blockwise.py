@@ -10,13 +10,15 @@ import torch
 import torch.nn.functional as F
 
 from attnlab._memory import peak_allocated
-from attnlab.backends import blockwise
 from attnlab.backends.blockwise import (
+    ChunkOptions,
     attend_chunk,
     attend_chunk_backward,
     blockwise_attention,
+    chunk,
     force_tile_path,
     merge_partials,
+    tiles,
 )
 from attnlab.functional import scaled_dot_product_attention
 from attnlab.masks import (
@@ -148,13 +150,13 @@ def test_chunks_merged_by_lse_equal_the_whole(path):
 def _count_tiles(monkeypatch) -> list[tuple[str, str, tuple[int, ...]]]:
     """Record (path, tile kind, key shape) of every tile the forward computes."""
     calls = []
-    real = blockwise._tile_forward
+    real = tiles.tile_forward
 
     def counting(path, q, k, v, tile, scale, h0, softcap=None, ws=None):
         calls.append((path, tile.kind, tuple(k.shape)))
         return real(path, q, k, v, tile, scale, h0, softcap, ws)
 
-    monkeypatch.setattr(blockwise, "_tile_forward", counting)
+    monkeypatch.setattr(tiles, "tile_forward", counting)
     return calls
 
 
@@ -373,10 +375,9 @@ def test_t5_bias_far_tiles_are_shifted_tiles_matching_reference(monkeypatch, cas
     q, k, v, dout, table, sink, mask, allowed, bucket = _t5_case(
         "bidirectional" in parts, "causal" in parts, "sinks" in parts, "docs" in parts, dtype
     )
-    from attnlab.backends.blockwise import _BlockwiseAttention
-
-    out, _ = _BlockwiseAttention.apply(q, k, v, mask, 0.25, 8, 8, path, None, sink,
-                                       *mask.grad_tensors())  # fmt: skip
+    out = blockwise_attention(
+        q, k, v, mask, dropout_p=0.0, scale=0.25, sinks=sink, block_q=8, block_k=8, tile_path=path
+    ).output
     out.backward(dout)
     assert "shifted" in {c[1] for c in calls}  # the far tiles took the shifted form
     assert all(c[0] == path for c in calls)
@@ -474,13 +475,13 @@ def _record_capped(monkeypatch) -> list[bool]:
     """Record what each soft-capped row block without a maximum returned (False: it fell
     back to the general tiles)."""
     results = []
-    real = blockwise._capped_row_block
+    real = tiles.capped_row_block
 
     def recording(*args, **kwargs):
         results.append(real(*args, **kwargs))
         return results[-1]
 
-    monkeypatch.setattr(blockwise, "_capped_row_block", recording)
+    monkeypatch.setattr(tiles, "capped_row_block", recording)
     return results
 
 
@@ -565,7 +566,7 @@ def test_narrow_masks_take_smaller_row_blocks():
     valid[:, 1900:] = False
 
     def rows(mask):
-        plan = blockwise._prepare(q, k, v, mask, 0, 0, None, None, None, None, None)[1]
+        plan = chunk.prepare(q, k, v, mask, ChunkOptions()).plan
         return {rb.r1 - rb.r0 for rb in plan}
 
     assert rows(SlidingWindowMask(512)) == {128}

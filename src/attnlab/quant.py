@@ -14,15 +14,14 @@ that readers of the weights (the explainer) see a plain matrix.
   format with groups of 32 (Q4_0: ``zero = 0``; Q4_1: ``w = q*d + m``, so
   ``zero = m + 8d``) and are taken as they are, codes unchanged (:meth:`Int4Linear.from_codes`).
 
-Both int kernels need bfloat16 activations, scales and zeros on the CPU (fp32 inputs
-are accepted by them but run 10-40x slower, measured). They are made for a few rows
-(decoding): from ``dense_from_rows`` rows of input on (a prompt), the int layers instead
-dequantise their weight to bfloat16 for that one call and run the regular bf16 ``mm``
-(int8: the codes converted, the per-row scale applied to the product's columns; int4:
-the packed codes unpacked, ``q * scale + (zero - 8 scale)`` per group); nothing is kept,
-so memory stays that of the codes. The crossover is measured by
-``benchmarks/bench_int_prefill.py``. Products of rows stacked together (one QKV product)
-are built by :func:`fuse_rows`.
+Both int kernels need bfloat16 activations, scales and zeros on the CPU (they accept fp32
+inputs, but their fast path is bf16's). They are made for a few rows (decoding): from
+``dense_from_rows`` rows of input on (a prompt), the int layers instead dequantise their
+weight to bfloat16 for that one call and run the regular bf16 ``mm`` (int8: the codes
+converted, the per-row scale applied to the product's columns; int4: the packed codes
+unpacked, ``q * scale + (zero - 8 scale)`` per group); nothing is kept, so memory stays
+that of the codes. ``benchmarks/bench_int_prefill.py`` finds the crossover. Products of
+rows stacked together (one QKV product) are built by :func:`fuse_rows`.
 
 Shape legend: N output features (rows), K input features, M rows of input (B*T).
 """
@@ -104,7 +103,8 @@ class Int8Linear(nn.Module):
     qweight: torch.Tensor
     scales: torch.Tensor
     bias: torch.Tensor | None
-    #: From this many rows of input on, dequantise and use bf16 ``mm`` (measured crossover).
+    #: From this many rows of input on, dequantise and use bf16 ``mm`` (the crossover in
+    #: ``benchmarks/bench_int_prefill.py``).
     dense_from_rows: int = 16
 
     def __init__(
@@ -166,7 +166,8 @@ class Int4Linear(nn.Module):
     packed: torch.Tensor
     scales_and_zeros: torch.Tensor
     bias: torch.Tensor | None
-    #: From this many rows of input on, dequantise and use bf16 ``mm`` (measured crossover).
+    #: From this many rows of input on, dequantise and use bf16 ``mm`` (the crossover in
+    #: ``benchmarks/bench_int_prefill.py``).
     dense_from_rows: int = 128
 
     def __init__(
@@ -249,7 +250,7 @@ class Int4Linear(nn.Module):
         K, N, gs = self.in_features, self.out_features, self.group_size
         q = self.codes_t().view(K // gs, gs, N).to(dtype)  # (K/gs, gs, N)
         s, z = self.scales_and_zeros.to(dtype).unbind(-1)  # (K/gs, N) each
-        # Contiguous operands: addcmul broadcasts strided ones 8x slower (measured).
+        # Contiguous operands: addcmul broadcasts strided ones slowly (bench_int_prefill.py).
         zero = (z - 8 * s).unsqueeze(1)  # (K/gs, 1, N)
         return torch.addcmul(zero, q, s.contiguous().unsqueeze(1)).view(K, N)
 
@@ -348,8 +349,8 @@ def quantize_model(
         prepared: modules already quantised by name (e.g. int4 straight from GGUF blocks);
             they replace the linear of that name as they are.
         int8_names: with ``dtype="int4"``, linears of these names get int8 instead (the
-            output head: in int4 it alone gave SmolLM2 6.6% relative logit error, in
-            int8 1.5% with everything else int4; measured).
+            output head: int4 there costs most of the logit error, see
+            ``benchmarks/bench_pretrained.py``).
 
     Returns:
         ``model``.
@@ -463,19 +464,15 @@ def column_major(linear: object) -> None:
     (and shape (N, K)), now a transposed view of a contiguous (K, N) tensor.
 
     A product of one row then reads the weight as ``mm(x, Wᵀ)`` with ``Wᵀ`` contiguous,
-    which PyTorch's CPU BLAS streams at the memory's read bandwidth; the row-major
-    (N, K) layout takes a dot-product kernel about 2-3x slower here (fp32, one thread:
-    ``benchmarks/bench_decode_bandwidth.py``). Products of many rows run at the same
-    speed either way. Only wide outputs gain: with ``N <= K`` the row-major layout is as
-    fast or faster (SmolLM2's down projection, 576x1536: 15.1 against 11.7 GB/s; its
-    output projection, 576x576: 11.3 against 11.6; the fused QKV, 960x576: 11.0 against
-    14.9; the head, 49152x576: 11.4 against 22.7; one thread), so those stay row-major.
-    Tied weights (an embedding shared with the head) follow, being the same
-    ``Parameter``; the embedding's row lookups read the strided rows. Other modules,
-    already column-major weights and bf16 / fp16 weights are left as they are (in bf16
-    the row-major layout is as fast or faster for one row: a 2048 x 512 product took
-    95 us row-major, 160 us column-major, one thread). Saving with safetensors then
-    needs ``.contiguous()`` (it refuses views).
+    which PyTorch's CPU BLAS streams at the memory's read bandwidth, where the row-major
+    (N, K) layout takes a slower dot-product kernel; products of many rows run at the
+    same speed either way. Only wide outputs (``N > K``) gain, so narrower ones stay
+    row-major, and so do bf16 / fp16 weights, whose one-row products are as fast or
+    faster row-major (all of it: ``benchmarks/bench_decode_bandwidth.py``). Tied weights
+    (an embedding shared with the head) follow, being the same ``Parameter``; the
+    embedding's row lookups read the strided rows. Other modules and already
+    column-major weights are left as they are. Saving with safetensors then needs
+    ``.contiguous()`` (it refuses views).
     """
     if (
         isinstance(linear, nn.Linear)

@@ -110,8 +110,48 @@ def get_backend(name: str) -> Backend:
 # --- the crossover table ------------------------------------------------------------------
 
 _NOT_LOADED = object()
-_table: DispatchTable | object | None = _NOT_LOADED
-_table_note = ""  # why there is no table, when there is none
+
+
+class _TableSource:
+    """The crossover table ``auto`` ranks by: loaded on first use (see
+    :func:`dispatch_table`), replaced by :func:`set_dispatch_table`, and the note saying
+    why there is none when there is none."""
+
+    def __init__(self) -> None:
+        self.table: DispatchTable | object | None = _NOT_LOADED
+        self.note = ""
+
+    def get(self) -> DispatchTable | None:
+        """The table, loading it on first use."""
+        if self.table is _NOT_LOADED:
+            self.table, self.note = self._load()
+        return self.table  # type: ignore[return-value]
+
+    def set(self, table: DispatchTable | object | None) -> None:
+        """Use ``table`` (None: none; ``_NOT_LOADED``: load the default on next use)."""
+        self.table = table
+        self.note = "set_dispatch_table(None)" if table is None else ""
+
+    @staticmethod
+    def _load() -> tuple[DispatchTable | None, str]:
+        env = os.environ.get("ATTNLAB_DISPATCH_TABLE")
+        if env is not None and env.strip().lower() in ("", "none", "off"):
+            return None, "ATTNLAB_DISPATCH_TABLE=none"
+        if env is not None:
+            if not Path(env).is_file():
+                raise FileNotFoundError(
+                    f"ATTNLAB_DISPATCH_TABLE={env!r} does not exist; point it at a table "
+                    "written by `python benchmarks/bench_attention.py --write-table FILE`, "
+                    "or set it to 'none' for the fixed order"
+                )
+            return load_dispatch_table(env, tuple(_REGISTRY)), ""
+        if DEFAULT_TABLE_PATH.is_file():
+            return load_dispatch_table(DEFAULT_TABLE_PATH, tuple(_REGISTRY)), ""
+        return None, f"no table file ({DEFAULT_TABLE_PATH} is missing)"
+
+
+#: The table source every ``auto`` decision of this process reads.
+_TABLE = _TableSource()
 
 
 def dispatch_table() -> DispatchTable | None:
@@ -125,24 +165,7 @@ def dispatch_table() -> DispatchTable | None:
         DispatchTableError: the table file is malformed.
         FileNotFoundError: ``$ATTNLAB_DISPATCH_TABLE`` names a file that does not exist.
     """
-    global _table, _table_note
-    if _table is _NOT_LOADED:
-        env = os.environ.get("ATTNLAB_DISPATCH_TABLE")
-        if env is not None and env.strip().lower() in ("", "none", "off"):
-            _table, _table_note = None, "ATTNLAB_DISPATCH_TABLE=none"
-        elif env is not None:
-            if not Path(env).is_file():
-                raise FileNotFoundError(
-                    f"ATTNLAB_DISPATCH_TABLE={env!r} does not exist; point it at a table "
-                    "written by `python benchmarks/bench_attention.py --write-table FILE`, "
-                    "or set it to 'none' for the fixed order"
-                )
-            _table = load_dispatch_table(env, tuple(_REGISTRY))
-        elif DEFAULT_TABLE_PATH.is_file():
-            _table = load_dispatch_table(DEFAULT_TABLE_PATH, tuple(_REGISTRY))
-        else:
-            _table, _table_note = None, f"no table file ({DEFAULT_TABLE_PATH} is missing)"
-    return _table  # type: ignore[return-value]
+    return _TABLE.get()
 
 
 def set_dispatch_table(table: DispatchTable | str | Path | object | None = _NOT_LOADED) -> None:
@@ -156,11 +179,9 @@ def set_dispatch_table(table: DispatchTable | str | Path | object | None = _NOT_
     Raises:
         DispatchTableError, FileNotFoundError: as :func:`load_dispatch_table`.
     """
-    global _table, _table_note
     if isinstance(table, (str, Path)):
         table = load_dispatch_table(table, tuple(_REGISTRY))
-    _table = table
-    _table_note = "set_dispatch_table(None)" if table is None else ""
+    _TABLE.set(table)
     clear_dispatch_cache()
 
 
@@ -168,7 +189,7 @@ def _table_row(request: AttentionRequest) -> tuple[TableRow | None, str]:
     """The row covering the request and a note saying why there is none."""
     table = dispatch_table()
     if table is None:
-        return None, _table_note
+        return None, _TABLE.note
     if request.device_type != table.device:
         return (
             None,
@@ -226,13 +247,9 @@ def select_backend(name: str, request: AttentionRequest) -> Backend:
 
 # --- the decision cache -------------------------------------------------------------------
 
-_CACHE_LIMIT = 4096
-# key -> (backend, mask, scale, weights, softcap); the mask only when the call had no
-# attn_mask (None or a CausalMask: no tensors), so the cache never keeps a tensor alive.
+# The cached decision: (backend, mask, scale, weights, softcap); the mask only when the call
+# had no attn_mask (None or a CausalMask: no tensors), so the cache never keeps a tensor alive.
 _Decision = tuple[Backend, AttentionMask | None, float, WeightsRequest | None, float | None]
-_cache: dict[tuple, _Decision] = {}
-_hits = 0
-_misses = 0
 
 
 @dataclass(frozen=True)
@@ -244,16 +261,54 @@ class DispatchCacheInfo:
     size: int
 
 
+class _DecisionCache:
+    """Validation and selection decisions by call signature (see :func:`_call_key`), with
+    their hit and miss counts; emptied whole when it reaches ``limit`` entries."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._entries: dict[tuple, _Decision] = {}
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, key: tuple) -> _Decision | None:
+        """The decision cached for ``key`` (counted as a hit), or None.
+
+        Raises:
+            TypeError: ``key`` is unhashable.
+        """
+        hit = self._entries.get(key)
+        if hit is not None:
+            self.hits += 1
+        return hit
+
+    def put(self, key: tuple, decision: _Decision) -> None:
+        """Cache a decision just made (counted as a miss)."""
+        self.misses += 1
+        if len(self._entries) >= self.limit:
+            self._entries.clear()
+        self._entries[key] = decision
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self.hits = self.misses = 0
+
+    def info(self) -> DispatchCacheInfo:
+        return DispatchCacheInfo(hits=self.hits, misses=self.misses, size=len(self._entries))
+
+
+#: The decisions of every call through :func:`resolve_call` in this process.
+_DECISIONS = _DecisionCache(limit=4096)
+
+
 def dispatch_cache_info() -> DispatchCacheInfo:
     """How often a call's decision came from the cache, and how many are cached."""
-    return DispatchCacheInfo(hits=_hits, misses=_misses, size=len(_cache))
+    return _DECISIONS.info()
 
 
 def clear_dispatch_cache() -> None:
     """Forget every cached decision (done whenever the registry or the table changes)."""
-    global _hits, _misses
-    _cache.clear()
-    _hits = _misses = 0
+    _DECISIONS.clear()
 
 
 class _UncacheableError(Exception):
@@ -314,13 +369,27 @@ def _call_key(
         query.requires_grad or key.requires_grad or value.requires_grad
     )
     return (
-        query.shape, key.shape, value.shape,
-        query.dtype, key.dtype, value.dtype,
-        query.device, key.device, value.device,
-        grad, mask_key, is_causal,
-        type(dropout_p), dropout_p, type(scale), scale, backend, need_weights,
-        type(softcap), softcap,
-    )  # fmt: skip
+        query.shape,
+        key.shape,
+        value.shape,
+        query.dtype,
+        key.dtype,
+        value.dtype,
+        query.device,
+        key.device,
+        value.device,
+        grad,
+        mask_key,
+        is_causal,
+        type(dropout_p),
+        dropout_p,
+        type(scale),
+        scale,
+        backend,
+        need_weights,
+        type(softcap),
+        softcap,
+    )
 
 
 def resolve_call(
@@ -352,35 +421,47 @@ def resolve_call(
     Raises:
         TypeError, ValueError: as :func:`prepare_call` and :func:`select_backend`.
     """
-    global _hits, _misses
     ck = None
     if sinks is None:
         ck = _call_key(
-            query, key, value, attn_mask, dropout_p, is_causal, scale, backend, need_weights,
+            query,
+            key,
+            value,
+            attn_mask,
+            dropout_p,
+            is_causal,
+            scale,
+            backend,
+            need_weights,
             softcap,
-        )  # fmt: skip
+        )
     if ck is not None:
         try:
-            hit = _cache.get(ck)
+            hit = _DECISIONS.get(ck)
         except TypeError:  # an unhashable scale or dropout_p: validation will say so
             ck, hit = None, None
         if hit is not None:
-            _hits += 1
             be, mask, scale_f, weights, softcap_f = hit
             if attn_mask is not None:  # the same structure, but this call's tensors
                 mask = as_mask(attn_mask, is_causal)  # type: ignore[arg-type]
             return be, mask, scale_f, weights, softcap_f, None
     call = prepare_call(
-        query, key, value, attn_mask, dropout_p, is_causal, scale, backend, need_weights,
-        softcap=softcap, sinks=sinks,
-    )  # fmt: skip
+        query,
+        key,
+        value,
+        attn_mask,
+        dropout_p,
+        is_causal,
+        scale,
+        backend,
+        need_weights,
+        softcap=softcap,
+        sinks=sinks,
+    )
     be = select_backend(backend, call.request)
     if ck is not None and be.cache_decisions:
-        _misses += 1
-        if len(_cache) >= _CACHE_LIMIT:
-            _cache.clear()
         kept = call.mask if attn_mask is None else None
-        _cache[ck] = (be, kept, call.scale, call.weights, call.softcap)
+        _DECISIONS.put(ck, (be, kept, call.scale, call.weights, call.softcap))
     return be, call.mask, call.scale, call.weights, call.softcap, call.sinks
 
 
@@ -440,8 +521,9 @@ def explain(request: AttentionRequest, backend: str = "auto") -> DispatchExplana
         elif backend != "auto":
             reasons.append((name, f"capable, but backend={backend!r} was asked for"))
         elif row is not None and name in row.order:
-            reasons.append((name, f"capable, but slower: table row {row.index} ranks "
-                                  f"{' < '.join(row.order)}"))  # fmt: skip
+            reasons.append(
+                (name, f"capable, but slower: table row {row.index} ranks {' < '.join(row.order)}")
+            )
         elif (
             name in ranked
             and chosen.name in ranked
@@ -483,9 +565,18 @@ def explain_dispatch(
         ValueError, TypeError: the same as ``scaled_dot_product_attention``.
     """
     call = prepare_call(
-        query, key, value, attn_mask, dropout_p, is_causal, scale, backend, need_weights,
-        softcap=softcap, sinks=sinks,
-    )  # fmt: skip
+        query,
+        key,
+        value,
+        attn_mask,
+        dropout_p,
+        is_causal,
+        scale,
+        backend,
+        need_weights,
+        softcap=softcap,
+        sinks=sinks,
+    )
     request = call.request
     return explain(request, backend)
 
@@ -529,9 +620,18 @@ def variant_support() -> list[tuple[str, dict[str, str | None]]]:
         x = torch.zeros(1, 2, 4, 8, requires_grad=True)
         with torch.enable_grad():
             call = prepare_call(
-                x, x, x, kwargs.get("attn_mask"), 0.0, kwargs.get("is_causal", False), None,
-                "auto", False, softcap=kwargs.get("softcap"), sinks=kwargs.get("sinks"),
-            )  # fmt: skip
+                x,
+                x,
+                x,
+                kwargs.get("attn_mask"),
+                0.0,
+                kwargs.get("is_causal", False),
+                None,
+                "auto",
+                False,
+                softcap=kwargs.get("softcap"),
+                sinks=kwargs.get("sinks"),
+            )
         rows.append((label, {n: be.why_not(call.request) for n, be in _REGISTRY.items()}))
     return rows
 
