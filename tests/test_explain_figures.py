@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
 
 import pytest
@@ -42,7 +43,24 @@ def test_plot_functions_draw_into_a_given_ax(journey):
     ax1, ax2 = fig.subplots(1, 2)
     assert plot_attention_weights(journey.trainable.weights, journey.tokens, ax=ax1) is fig
     assert plot_attention_flow(journey, ax=ax2) is fig
-    assert "matplotlib.pyplot" not in sys.modules  # no pyplot, no GUI backend
+
+
+def test_plotting_never_imports_pyplot():
+    # In a fresh interpreter: other tests (the docs' examples) import pyplot in this one.
+    code = (
+        "import sys\n"
+        "from matplotlib.figure import Figure\n"
+        "from attnlab.explain.figures import plot_attention_flow, plot_attention_weights\n"
+        "from attnlab.explain.trace import trace_example\n"
+        "j = trace_example('journey')\n"
+        "ax1, ax2 = Figure().subplots(1, 2)\n"
+        "plot_attention_weights(j.trainable.weights, j.tokens, ax=ax1)\n"
+        "plot_attention_flow(j, ax=ax2)\n"
+        "print('matplotlib.pyplot' in sys.modules)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"  # no pyplot, no GUI backend
 
 
 def test_flow_diagram_is_annotated_with_this_examples_shapes(journey):

@@ -311,10 +311,10 @@ def test_t5_config_errors_name_the_field(checkpoints, tmp_path):
     config = json.loads((folder / "config.json").read_text())
     for change, field in (
         ({"is_decoder": True}, "is_decoder"),
-        ({"d_kv": 10**5}, "head_dim"),
+        ({"d_kv": 10**5}, "d_kv"),
         ({"num_decoder_layers": 10**6}, "num_decoder_layers"),
         ({"feed_forward_proj": "gated-swish7", "dense_act_fn": "swish7"}, "swish7"),
-        ({"relative_attention_num_buckets": 0}, "relative_buckets"),
+        ({"relative_attention_num_buckets": 0}, "relative_attention_num_buckets"),
     ):
         (folder / "config.json").write_text(json.dumps({**config, **change}))
         with pytest.raises(ModelFileError, match=field):
