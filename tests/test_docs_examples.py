@@ -34,7 +34,17 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
-COMMANDS = ["walkthrough", "train", "generate", "embed", "explain", "ring-demo", "info", "serve"]
+COMMANDS = [
+    "walkthrough",
+    "train",
+    "generate",
+    "embed",
+    "explain",
+    "heads",
+    "ring-demo",
+    "info",
+    "serve",
+]
 
 _FENCE = re.compile(r"^(\s*)(```+|~~~+)\s*([\w+-]*)\s*$")
 _MARKER = re.compile(r"^\s*<!--\s*(norun|requires|slow)\s*:\s*(.*?)\s*-->\s*$")
