@@ -23,7 +23,8 @@ A :class:`Family` says, for one ``model_type`` (Hugging Face ``config.json``) or
   nothing the model uses (a pooler, a masked-LM head, buffers);
 - the same for GGUF: ``gguf_keys`` (``{arch}`` is the architecture), ``gguf_defaults``
   (what llama.cpp's loader assumes for this architecture where the file says nothing, over
-  ``defaults``) and ``gguf_weights`` under llama.cpp's tensor names.
+  ``defaults``) and ``gguf_weights`` under llama.cpp's tensor names; ``gguf_arch`` is
+  llama.cpp's name for the architecture where it is not ``name`` (GPT-NeoX: ``gptneox``).
 
 This is the llama.cpp ``LLM_ARCH`` idea: a new family is a page here, not a module.
 """
@@ -77,6 +78,12 @@ class Family:
     gguf_keys: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     gguf_defaults: Mapping[str, Any] = field(default_factory=dict)
     gguf_weights: tuple[WeightRule, ...] = ()
+    gguf_arch: str = ""
+
+    @property
+    def gguf_architecture(self) -> str:
+        """llama.cpp's ``general.architecture`` for this family (``gguf_arch``, else ``name``)."""
+        return self.gguf_arch or self.name
 
     @property
     def config_class(
@@ -443,6 +450,7 @@ BLOOM = Family(
 
 GPT_NEOX = Family(
     name="gpt_neox",
+    gguf_arch="gptneox",  # llama.cpp's LLM_ARCH_GPTNEOX
     kind="decoder",
     fixed={
         "norm": "layer",

@@ -47,6 +47,7 @@ __all__ = [
     "build_config",
     "build_model",
     "find_family",
+    "find_gguf_family",
     "plan_weights",
     "skip_random_init",
 ]
@@ -132,6 +133,26 @@ def find_family(name: object, where: str | Path) -> Family:
             f"model type {name!r} is not supported; supported: {', '.join(sorted(FAMILIES))}",
         )
     return FAMILIES[name]
+
+
+def find_gguf_family(arch: object, where: str | Path) -> Family:
+    """The family for a GGUF file's ``general.architecture`` (llama.cpp's names, e.g.
+    ``gptneox`` for ``gpt_neox``).
+
+    Raises:
+        ModelFileError: a missing or unknown architecture (the message lists the known ones).
+    """
+    from attnlab.models.families import FAMILIES
+
+    by_arch = {f.gguf_architecture: f for f in FAMILIES.values()}
+    if not isinstance(arch, str):
+        raise ModelFileError(where, f"lacks `general.architecture`, got {arch!r}")
+    if arch not in by_arch:
+        raise ModelFileError(
+            where,
+            f"model type {arch!r} is not supported; supported: {', '.join(sorted(by_arch))}",
+        )
+    return by_arch[arch]
 
 
 def build_config(

@@ -29,7 +29,7 @@ from attnlab.pretrained.build import (
     apply_transform,
     build_config,
     build_model,
-    find_family,
+    find_gguf_family,
     plan_weights,
 )
 from attnlab.pretrained.errors import ModelFileError
@@ -154,14 +154,14 @@ def gguf_config(contents: GGUFContents) -> tuple[Family, AnyConfig]:
             disagree with the metadata (named), or metadata the family cannot express.
     """
     path, meta = contents.path, contents.metadata
-    family = find_family(meta.get("general.architecture"), path)
+    family = find_gguf_family(meta.get("general.architecture"), path)
     if not family.gguf_weights:
         hint = "; llama.cpp writes Mistral as 'llama'" if family.name == "mistral" else ""
         raise ModelFileError(
             path, f"GGUF files of architecture {family.name!r} are not supported yet{hint}"
         )
     keys = {
-        name: tuple(k.replace("{arch}", family.name) for k in candidates)
+        name: tuple(k.replace("{arch}", family.gguf_architecture) for k in candidates)
         for name, candidates in family.gguf_keys.items()
     }
     extra: dict[str, Any] = {
