@@ -181,8 +181,14 @@ PRE_TOKENIZER = {
     "qwen3": "qwen2",
     "gpt2": "gpt-2",
     "gemma2": "default",
+    "gemma3": "default",
     "phi3": "default",
+    "granite": "refact",
+    "starcoder2": "starcoder",
+    "stablelm": "gpt-2",  # StableLM 2 writes "stablelm2", which attnlab does not split yet
 }
+# SentencePiece vocabularies in GGUF (the others: GPT-2 BPE from tokenizer.json)
+_SPM = ("gemma2", "gemma3", "phi3")
 # llama.cpp has no "mistral" architecture: its converter writes Mistral as "llama"; and it
 # names GPT-NeoX "gptneox".
 GGUF_ARCH = {"mistral": "llama", "gpt_neox": "gptneox"}
@@ -197,6 +203,19 @@ def assert_matches_reference(model, ref, ids: torch.Tensor, atol: float = 1e-5) 
     torch.testing.assert_close(logits, expected.logits, atol=atol, rtol=0)
     for ours, theirs in zip(weights, expected.attentions, strict=True):
         torch.testing.assert_close(ours, theirs, atol=atol, rtol=0)
+
+
+def gguf_reference(hf_folder, reference_state: dict[str, torch.Tensor]):
+    """transformers' model of ``hf_folder`` (eager attention) with every weight replaced by
+    ``reference_state`` (what :func:`write_gguf` returns: the GGUF file's weights)."""
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(hf_folder, attn_implementation="eager")
+    if "embed_out.weight" in reference_state:  # transformers 5 loads GPT-NeoX's as lm_head
+        reference_state["lm_head.weight"] = reference_state.pop("embed_out.weight")
+    missing, unexpected = ref.load_state_dict(reference_state, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    return ref.eval()
 
 
 def llama_cpp_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -269,8 +288,16 @@ def write_gguf(
     state = load_file(hf_folder / "model.safetensors")
     qtype = GGMLQuantizationType[qtype_name]
     arch = GGUF_ARCH.get(family, family)
+    stacked: dict[str, list[str]] = {}
+    if family == "stablelm":  # as llama.cpp's StableLMModel: the per-head norms stacked
+        for n in (k for k in state if ".norms." in k):
+            stacked.setdefault(n.split(".norms.")[0] + ".weight", []).append(n)
+        for new, parts in stacked.items():
+            parts.sort(key=lambda k: int(k.split(".norms.")[1].split(".")[0]))
+            state[new] = torch.stack([state.pop(k) for k in parts])
     w = GGUFWriter(out_path, arch)
     rope = cfg.get("rope_parameters") or {}
+    rope = rope.get("full_attention", rope)  # Gemma 3: the global layers' (the file's base)
     if family == "gpt2":
         C, L, H, G = cfg["n_embd"], cfg["n_layer"], cfg["n_head"], cfg["n_head"]
         w.add_uint32(f"{arch}.context_length", cfg["n_positions"])
@@ -312,12 +339,27 @@ def write_gguf(
         H, G = cfg["num_attention_heads"], cfg["num_key_value_heads"]
         w.add_uint32(f"{arch}.context_length", cfg["max_position_embeddings"])
         w.add_uint32(f"{arch}.feed_forward_length", cfg["intermediate_size"])
-        w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg["rms_norm_eps"])
+        if family in ("starcoder2", "stablelm"):  # LayerNorm
+            eps = cfg.get("norm_epsilon") or cfg["layer_norm_eps"]
+            w.add_float32(f"{arch}.attention.layer_norm_epsilon", eps)
+        else:
+            w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg["rms_norm_eps"])
         if family != "gemma2":  # llama.cpp's Gemma 2 converter writes no base (10000)
             w.add_float32(f"{arch}.rope.freq_base", rope["rope_theta"])
         if cfg.get("head_dim") and family != "phi3":
             w.add_uint32(f"{arch}.attention.key_length", cfg["head_dim"])
             w.add_uint32(f"{arch}.attention.value_length", cfg["head_dim"])
+        if arch in ("llama", "granite"):  # as llama.cpp's LlamaModel: the head dim
+            w.add_uint32(f"{arch}.rope.dimension_count", cfg.get("head_dim") or C // H)
+        if family == "granite":  # as llama.cpp's GraniteModel
+            w.add_float32(f"{arch}.attention.scale", cfg["attention_multiplier"])
+            w.add_float32(f"{arch}.embedding_scale", cfg["embedding_multiplier"])
+            w.add_float32(f"{arch}.residual_scale", cfg["residual_multiplier"])
+            w.add_float32(f"{arch}.logit_scale", cfg["logits_scaling"])
+        if family == "stablelm":  # as llama.cpp's StableLMModel
+            fraction = rope.get("partial_rotary_factor", 0.25)
+            w.add_uint32(f"{arch}.rope.dimension_count", int(fraction * (C // H)))
+            w.add_bool(f"{arch}.use_parallel_residual", cfg.get("use_parallel_residual", False))
         if rope.get("rope_type") == "linear":
             w.add_string(f"{arch}.rope.scaling.type", "linear")
             w.add_float32(f"{arch}.rope.scaling.factor", rope["factor"])
@@ -344,10 +386,12 @@ def write_gguf(
             w.add_float32(f"{arch}.attn_logit_softcapping", cfg["attn_logit_softcapping"])
             w.add_float32(f"{arch}.final_logit_softcapping", cfg["final_logit_softcapping"])
             w.add_uint32(f"{arch}.attention.sliding_window", cfg["sliding_window"])
+        if family == "gemma3":  # as llama.cpp's Gemma3Model
+            w.add_uint32(f"{arch}.attention.sliding_window", cfg["sliding_window"])
         if family == "mistral" and cfg.get("sliding_window"):
             w.add_uint32(f"{arch}.attention.sliding_window", cfg["sliding_window"])
         table = _LLAMA_TO_GGUF
-        if family in ("gemma2", "phi3", "olmo2"):  # llama.cpp's name map (gguf.tensor_mapping)
+        if family not in ("llama", "mistral", "qwen2", "qwen3"):  # llama.cpp's name map
             names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[family.upper()], L)
             table = {
                 n.rsplit(".", 1)[0]: g.rsplit(".", 1)[0]
@@ -361,7 +405,7 @@ def write_gguf(
     n_vocab = state.get("lm_head.weight")
     if n_vocab is None:  # tied: the token embedding (the one 2-D "embed" tensor)
         n_vocab = next(t for n, t in state.items() if "embed" in n and t.ndim == 2)
-    if family in ("gemma2", "phi3"):  # SentencePiece, as their llama.cpp converters write
+    if family in _SPM:  # SentencePiece, as their llama.cpp converters write
         tokens, scores, types = spm_vocab(n_vocab.shape[0])
         w.add_tokenizer_model("llama")
         w.add_tokenizer_pre("default")
@@ -371,7 +415,7 @@ def write_gguf(
         w.add_unk_token_id(0)
         w.add_bos_token_id(1)
         w.add_eos_token_id(2)
-        if family == "gemma2":
+        if family in ("gemma2", "gemma3"):
             w.add_add_space_prefix(False)
     else:
         tok = json.loads((hf_folder / "tokenizer.json").read_text())
@@ -394,16 +438,16 @@ def write_gguf(
         gname = _gguf_name(name, table)
         assert gname is not None, name
         x = t.float()
-        plus1 = family == "gemma2" and name.endswith("norm.weight")
+        plus1 = family in ("gemma2", "gemma3") and name.endswith("norm.weight")
         if plus1:  # llama.cpp's Gemma converter stores 1 + weight
             x = x + 1
         conv1d = family == "gpt2" and name.endswith(".weight") and ".c_" in name
         if conv1d:
             x = x.T.contiguous()
         perm = None
-        if arch == "llama" and ".q_proj." in name:
+        if arch in ("llama", "granite") and ".q_proj." in name:
             perm = H
-        elif arch == "llama" and ".k_proj." in name:
+        elif arch in ("llama", "granite") and ".k_proj." in name:
             perm = G
         if perm is not None:
             x = llama_cpp_permute(x, perm)
@@ -411,7 +455,7 @@ def write_gguf(
         if per_head:  # (H, 3, D, ...) rows -> q, k, v one after another
             x = x.reshape(H, 3, C // H, *x.shape[1:]).transpose(0, 1).reshape(x.shape)
         arr = x.numpy()
-        if arr.ndim == 2 and qtype != GGMLQuantizationType.F32:
+        if arr.ndim == 2 and qtype != GGMLQuantizationType.F32 and "norm" not in gname:
             if qtype == GGMLQuantizationType.F16:
                 stored = arr.astype(np.float16)
                 w.add_tensor(gname, stored)
@@ -432,6 +476,9 @@ def write_gguf(
         if per_head:
             y = y.reshape(3, H, C // H, *y.shape[1:]).transpose(0, 1).reshape(y.shape)
         reference[name] = y - 1 if plus1 else y
+    for new, parts in stacked.items():  # back to one tensor per head
+        rows = reference.pop(new)
+        reference.update({k: rows[j] for j, k in enumerate(parts)})
     if extra is not None:  # more keys or tensors: extra(writer)
         extra(w)
     w.write_header_to_file()

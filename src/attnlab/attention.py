@@ -475,8 +475,8 @@ class Attention(nn.Module):
         self.k_norm: nn.Module | None = None
         if qk_norm is not None:
             across = qk_norm.scope == "all"
-            self.q_norm = qk_norm.build(num_heads * D if across else D)
-            self.k_norm = qk_norm.build(G * D if across else D)
+            self.q_norm = qk_norm.build(num_heads * D if across else D, heads=num_heads)
+            self.k_norm = qk_norm.build(G * D if across else D, heads=G)
         if rope is None or rope is False:
             self.rope: RotaryEmbedding | None = None
         elif rope is True:
@@ -611,7 +611,7 @@ class Attention(nn.Module):
                     keys = (
                         self.k_norm(k_flat).view(B, S_new, G, D).transpose(1, 2)
                     )  # (B, G, S_new, D)
-            else:  # Qwen3, Gemma 3: each head vector
+            else:  # Qwen3, Gemma 3: each head vector (StableLM 2: each with its own weight)
                 queries = self.q_norm(queries)
                 if not cross_cached:
                     keys = self.k_norm(keys)

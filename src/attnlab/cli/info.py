@@ -304,6 +304,7 @@ def _info_model(name: str, seq_len: int, backend: str, as_json: bool) -> None:
         else f"base {rope['base']:g}, fraction {rope['fraction']:g}"
         + (", interleaved" if rope["interleaved"] else "")
         + f", scaling {rope['scaling'] or 'none'}"
+        + "".join(f"; some layers base {b:g}" for b in rope.get("layer_bases", ()))
     )
     windows = sorted({str(lay.sliding_window) for lay in summary.per_layer})
     caps = {"attention": summary.attn_softcap, "final": summary.final_softcap}

@@ -98,6 +98,8 @@ class DecoderConfig:
         activation: ``"silu"``, ``"gelu"``, ``"gelu_tanh"`` or ``"relu"``.
         mlp_bias: biases in the feed-forward projections.
         parallel_residual: attention and MLP read the same input and add together.
+        parallel_shared_norm: in the parallel form, the MLP reads the attention's normed
+            input (one norm per block: StableLM 2, GPT-J) rather than its own norm.
         positions: ``"rope"``, ``"learned"`` or ``"alibi"`` (:class:`attnlab.biases.AlibiBias`
             with the standard slopes, BLOOM) or ``"relative"`` (T5).
         rope: the rotary embedding's settings (base, partial rotary, scaling).
@@ -105,6 +107,8 @@ class DecoderConfig:
         qk_norm: normalisation of queries and keys (Qwen3, OLMo 2), or None.
         layer_windows: a window (or None) per layer, overriding ``sliding_window``
             (Gemma 2's alternating local and global layers).
+        layer_ropes: a rotary embedding's settings per layer, None = ``rope`` (Gemma 3's
+            local layers rotate with their own base).
         attn_scale: the score scale (Gemma 2: ``query_pre_attn_scalar ** -0.5``); None =
             ``1/sqrt(D)``.
         layer_scales: a score scale per layer, overriding ``attn_scale`` (GPT-2's
@@ -112,6 +116,11 @@ class DecoderConfig:
         attn_softcap: attention logit soft-capping (Gemma 2: 50), or None.
         final_softcap: output logit soft-capping ``c * tanh(logits / c)`` (Gemma 2: 30).
         embed_scale: multiply the token embeddings by ``sqrt(C)`` (Gemma).
+        embed_multiplier: multiply the token embeddings by it (Granite's
+            ``embedding_multiplier``).
+        residual_multiplier: each block adds its attention and MLP outputs scaled by it
+            (Granite).
+        logits_scaling: the logits are divided by it (Granite), before any soft-capping.
         embed_norm: a norm right after the token embedding (BLOOM).
         qkv_bias: biases on the query/key/value projections.
         out_bias: bias on the attention output projection.
@@ -141,6 +150,7 @@ class DecoderConfig:
     activation: Activation = "silu"
     mlp_bias: bool = False
     parallel_residual: bool = False
+    parallel_shared_norm: bool = False
     positions: Literal["rope", "learned", "alibi", "relative"] = "rope"
     rope: RopeConfig = RopeConfig(base=100000.0)  # noqa: RUF009 (frozen, shared safely)
     head_dim: int | None = None
@@ -149,11 +159,15 @@ class DecoderConfig:
     qk_norm: QKNorm | None = None
     sliding_window: int | None = None
     layer_windows: tuple[int | None, ...] | None = None
+    layer_ropes: tuple[RopeConfig | None, ...] | None = None
     attn_scale: float | None = None
     layer_scales: tuple[float, ...] | None = None
     attn_softcap: float | None = None
     final_softcap: float | None = None
     embed_scale: bool = False
+    embed_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
     relative_buckets: int = 32
     relative_max_distance: int = 128
     causal: bool = True
@@ -265,6 +279,7 @@ class DecoderBlock(nn.Module):
         scale = config.attn_scale if scale is None else scale
         self.placement = config.norm_placement
         self.parallel = config.parallel_residual
+        self.residual_multiplier = config.residual_multiplier
         self.causal = config.causal
         self.attn_norm = make_norm(config)
         self.attention = Attention(
@@ -296,7 +311,8 @@ class DecoderBlock(nn.Module):
             )
         else:
             self.cross_norm = self.cross_attention = None
-        self.mlp_norm = make_norm(config)
+        self.shared_norm = config.parallel_residual and config.parallel_shared_norm
+        self.mlp_norm: nn.Module | None = None if self.shared_norm else make_norm(config)
         self.mlp = MLP(
             C,
             config.intermediate_size,
@@ -369,23 +385,28 @@ class DecoderBlock(nn.Module):
         self-attention's own causal or window mask; ``context``/``context_mask`` feed the
         cross attention.
         """
+        r = self.residual_multiplier
         if self.placement == "post":
             a, weights = self._attend(x, kv_cache, need_weights, bias)
-            x = x + self.attn_norm(a)  # (B, T, C)
-            return x + self.mlp_norm(self.mlp(x)), weights, None
-        a, weights = self._attend(self.attn_norm(x), kv_cache, need_weights, bias)
+            x = x + self.attn_norm(a) * r if r != 1.0 else x + self.attn_norm(a)  # (B, T, C)
+            m = self.mlp_norm(self.mlp(x))  # type: ignore[misc]
+            return (x + m * r if r != 1.0 else x + m), weights, None
+        normed = self.attn_norm(x)
+        a, weights = self._attend(normed, kv_cache, need_weights, bias)
         if self.attn_post_norm is not None:
             a = self.attn_post_norm(a)
-        h = self.mlp_norm(x) if self.parallel else None  # parallel: both read x
-        x = x + a  # (B, T, C)
+        h = None
+        if self.parallel:  # both read x (through one norm when shared)
+            h = normed if self.mlp_norm is None else self.mlp_norm(x)
+        x = x + a * r if r != 1.0 else x + a  # (B, T, C)
         cross_weights = None
         if h is None:
             x, cross_weights = self._cross(x, context, context_mask, kv_cache, need_weights)
-            h = self.mlp_norm(x)
+            h = self.mlp_norm(x)  # type: ignore[misc]
         m = self.mlp(h)
         if self.mlp_post_norm is not None:
             m = self.mlp_post_norm(m)
-        return x + m, weights, cross_weights  # (B, T, C)
+        return (x + m * r if r != 1.0 else x + m), weights, cross_weights  # (B, T, C)
 
 
 class Decoder(nn.Module):
@@ -440,14 +461,30 @@ class Decoder(nn.Module):
                 f"{len(windows)}"
             )
         scales = config.layer_scales or (None,) * config.num_layers
-        if len(scales) != config.num_layers:
-            raise ValueError(
-                f"`layer_scales` must have one entry per layer ({config.num_layers}), got "
-                f"{len(scales)}"
-            )
+        ropes = config.layer_ropes or (None,) * config.num_layers
+        for name, values in (("layer_scales", scales), ("layer_ropes", ropes)):
+            if len(values) != config.num_layers:
+                raise ValueError(
+                    f"`{name}` must have one entry per layer ({config.num_layers}), got "
+                    f"{len(values)}"
+                )
+        # One embedding per distinct setting, shared by the layers that use it.
+        embeddings: dict[RopeConfig, RotaryEmbedding] = {}
+        if self.rope is not None:
+            embeddings[config.rope] = self.rope
+
+        def layer_rope(settings: RopeConfig | None) -> RotaryEmbedding | None:
+            if settings is None or self.rope is None:
+                return self.rope
+            if settings not in embeddings:
+                embeddings[settings] = RotaryEmbedding.from_config(
+                    config.attention_head_dim, settings
+                )
+            return embeddings[settings]
+
         self.blocks = nn.ModuleList(
-            DecoderBlock(config, self.rope, backend=backend, window=w, scale=a)
-            for w, a in zip(windows, scales, strict=True)
+            DecoderBlock(config, layer_rope(r), backend=backend, window=w, scale=a)
+            for w, a, r in zip(windows, scales, ropes, strict=True)
         )
         # T5: one table per stack (its first layer's in the checkpoint), shared by all layers.
         self.relative_bias = (
@@ -617,6 +654,8 @@ class Decoder(nn.Module):
         if self.config.embed_scale:
             # Gemma: sqrt(C) rounded to the activation dtype first, as the reference does.
             x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
+        if self.config.embed_multiplier != 1.0:
+            x = x * self.config.embed_multiplier
         if self.pos_embeddings is not None:
             positions = torch.arange(past, past + T, device=input_ids.device)  # (T,)
             x = x + self.pos_embeddings(positions)  # (B, T, C)
@@ -664,6 +703,8 @@ class Decoder(nn.Module):
         if self.config.head_input_scale != 1.0:
             hidden = hidden * self.config.head_input_scale
         logits = self.lm_head(hidden)  # (B, T, V)
+        if self.config.logits_scaling != 1.0:
+            logits = logits / self.config.logits_scaling
         if self.config.final_softcap is not None:
             c = self.config.final_softcap
             logits = torch.tanh(logits / c) * c  # (B, T, V)

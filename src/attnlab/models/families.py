@@ -1,32 +1,43 @@
 """Model families as data: one page each, read by the one decoder and the one encoder.
 
 A :class:`Family` says, for one ``model_type`` (Hugging Face ``config.json``) or
-``general.architecture`` (GGUF):
+``general.architecture`` (GGUF), everything attnlab needs to load it (llama.cpp's split:
+tables for the names and hyperparameters, a little code per architecture):
 
 - ``fixed``: the architecture options that never vary in this family (norm kind and
   placement, MLP kind, residual style, position scheme, biases), as fields of
   :class:`attnlab.models.decoder.DecoderConfig` / :class:`attnlab.models.encoder.EncoderConfig`;
 - ``keys``: where each remaining field is read in ``config.json`` (the first key present
   wins; ``a.b`` reads a nested dict) and ``defaults`` when none is (a callable default gets
-  the fields read so far);
+  the fields read so far); a name that is not a config field is an *option* that only the
+  family's ``hook`` reads (and removes);
+- ``required``: the fields a file must give (every other field has a default);
 - ``refuse``: config keys whose value this family cannot express unless it is one of the
   given values (the loader then names the field);
-- ``weights``: ``(source module, our module, transform)`` with ``{i}`` for the layer index;
-  ``.weight``/``.bias`` follow the module name. Transforms: ``""`` as is, ``"T"`` transpose
-  (GPT-2's ``Conv1D``), ``"qkv"`` split a fused query/key/value projection into ours,
-  ``"T+qkv"`` both, ``"qkv_heads"`` split one interleaved per head (GPT-NeoX's
-  ``(H, 3, D)`` rows), ``"gate_up"`` split a fused gate/up projection (Phi-3),
-  ``"plus1"`` add 1 (Gemma's RMSNorm multiplies by ``1 + weight``),
-  ``"rope_q"``/``"rope_k"`` undo llama.cpp's q/k row permutation; the targets
-  ``{qkv}`` and ``{gate_up}`` stand for the pieces;
+- ``weights``: our module (``{i}`` for the layer index) -> ``(source module, transform)``;
+  ``.weight``/``.bias`` follow the module name, ``a|b`` accepts either source name. Keyed
+  by target, so a family that differs from another overrides or drops named entries.
+  Transforms: ``""`` as is, ``"T"`` transpose (GPT-2's ``Conv1D``), ``"qkv"`` split a fused
+  query/key/value projection into ours, ``"T+qkv"`` both, ``"qkv_heads"`` split one
+  interleaved per head (GPT-NeoX's ``(H, 3, D)`` rows), ``"gate_up"`` split a fused
+  gate/up projection (Phi-3), ``"plus1"`` add 1 (Gemma's RMSNorm multiplies by
+  ``1 + weight``), ``"rope_q"``/``"rope_k"`` undo llama.cpp's q/k row permutation; the
+  targets ``{qkv}`` and ``{gate_up}`` stand for the pieces;
 - ``prefixes`` stripped from source names and ``ignore`` (regexes) for tensors that carry
   nothing the model uses (a pooler, a masked-LM head, buffers);
 - the same for GGUF: ``gguf_keys`` (``{arch}`` is the architecture), ``gguf_defaults``
   (what llama.cpp's loader assumes for this architecture where the file says nothing, over
-  ``defaults``) and ``gguf_weights`` under llama.cpp's tensor names; ``gguf_arch`` is
-  llama.cpp's name for the architecture where it is not ``name`` (GPT-NeoX: ``gptneox``).
+  ``defaults``) and ``gguf_weights`` under llama.cpp's tensor names (empty: no GGUF);
+  ``gguf_arch`` is llama.cpp's ``general.architecture`` where it is not ``name``
+  (GPT-NeoX: ``gptneox``);
+- ``hook``: the family's own code, ``hook(fields, config, source)``: it turns the options
+  into config fields (Qwen's window rule, Gemma's local/global layers, GPT-2's score
+  switches), in place, and raises ``ValueError`` naming the key it cannot accept;
+- ``model_types``: more ``model_type`` names for the same page (``gemma3_text``), and
+  ``text_config``: the ``config.json`` key that holds the text model's settings in a
+  multimodal checkpoint.
 
-This is the llama.cpp ``LLM_ARCH`` idea: a new family is a page here, not a module.
+A new family is a page here, not a module.
 """
 
 from __future__ import annotations
@@ -39,11 +50,26 @@ from typing import Any, Literal
 from attnlab.models.decoder import DecoderConfig
 from attnlab.models.encoder import EncoderConfig
 from attnlab.models.encoder_decoder import EncoderDecoderConfig
+from attnlab.rope import RopeConfig
 
-__all__ = ["ACTIVATION_NAMES", "FAMILIES", "Family", "WeightRule", "family_for"]
+__all__ = [
+    "ACTIVATION_NAMES",
+    "FAMILIES",
+    "Family",
+    "Source",
+    "WeightRule",
+    "WeightTable",
+    "family_for",
+]
 
-# (source module pattern, our module pattern, transform)
+# (source module pattern, our module pattern, transform): what the loader matches names by
 WeightRule = tuple[str, str, str]
+# our module pattern -> (source module pattern(s) "a|b", transform): what a page writes
+WeightTable = Mapping[str, tuple[str, str]]
+# where a config comes from: a Hugging Face config.json or GGUF metadata
+Source = Literal["hf", "gguf"]
+# hook(fields, config, source): the family's own rules, in place (see the module docstring)
+Hook = Callable[[dict[str, Any], Mapping[str, Any], Source], None]
 
 # Hugging Face activation names -> attnlab's.
 ACTIVATION_NAMES = {
@@ -61,6 +87,9 @@ ACTIVATION_NAMES = {
     "gated-relu": "relu",
 }
 
+# The sizes every file must give (each family adds its own).
+_SIZES = ("vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size")
+
 
 @dataclass(frozen=True)
 class Family:
@@ -71,13 +100,17 @@ class Family:
     fixed: Mapping[str, Any]
     keys: Mapping[str, tuple[str, ...]]
     defaults: Mapping[str, Any] = field(default_factory=dict)
+    required: tuple[str, ...] = _SIZES
     refuse: Mapping[str, tuple[Any, ...]] = field(default_factory=dict)
-    weights: tuple[WeightRule, ...] = ()
+    weights: WeightTable = field(default_factory=dict)
     prefixes: tuple[str, ...] = ()
     ignore: tuple[str, ...] = ()
     gguf_keys: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     gguf_defaults: Mapping[str, Any] = field(default_factory=dict)
-    gguf_weights: tuple[WeightRule, ...] = ()
+    gguf_weights: WeightTable = field(default_factory=dict)
+    hook: Hook | None = None
+    model_types: tuple[str, ...] = ()
+    text_config: str | None = None
     gguf_arch: str = ""
 
     @property
@@ -98,49 +131,105 @@ class Family:
         """The config fields this family's config class has."""
         return {f.name for f in dataclasses.fields(self.config_class)}
 
+    def key_map(self, source: Source) -> dict[str, tuple[str, ...]]:
+        """Where each field is read for ``source`` (GGUF: ``{arch}`` filled in)."""
+        if source == "hf":
+            return dict(self.keys)
+        return {
+            name: tuple(k.replace("{arch}", self.gguf_architecture) for k in candidates)
+            for name, candidates in self.gguf_keys.items()
+        }
+
+    def defaults_for(self, source: Source) -> dict[str, Any]:
+        """The defaults for ``source`` (GGUF: llama.cpp's assumptions over ``defaults``)."""
+        return {**self.defaults, **self.gguf_defaults} if source == "gguf" else dict(self.defaults)
+
+    def weight_rules(self, source: Source) -> tuple[WeightRule, ...]:
+        """The weight table for ``source`` as ``(source, ours, transform)`` rules."""
+        table = self.weights if source == "hf" else self.gguf_weights
+        return tuple(
+            (src, ours, transform)
+            for ours, (sources, transform) in table.items()
+            for src in sources.split("|")
+        )
+
 
 def _same_as(name: str) -> Callable[[dict[str, Any]], Any]:
     return lambda fields: fields[name]
 
 
+def _without(table: WeightTable, *targets: str) -> dict[str, tuple[str, str]]:
+    """``table`` less the entries for ``targets`` (each must be there: a typo fails)."""
+    missing = [t for t in targets if t not in table]
+    assert not missing, f"no weight rule for {missing}"
+    return {k: v for k, v in table.items() if k not in targets}
+
+
+def _flag(fields: dict[str, Any], key: str, default: bool) -> bool:
+    """Pop a true/false option."""
+    value = fields.pop(key, default)
+    if not isinstance(value, bool):
+        raise ValueError(f"`{key}` must be true or false, got {value!r}")
+    return value
+
+
+def _alternating(layers: int, period: int) -> list[str]:
+    """transformers' and llama.cpp's local/global pattern: every ``period``-th layer
+    global, the others local (Gemma 2: period 2, layer 0 local; Gemma 3: 5 local, 1 global)."""
+    return ["sliding_attention" if (i + 1) % period else "full_attention" for i in range(layers)]
+
+
+def _pre_attn_scalar(fields: dict[str, Any]) -> None:
+    """Gemma's ``query_pre_attn_scalar`` as the score scale ``scalar ** -0.5``."""
+    scalar = fields.pop("query_pre_attn_scalar", None)
+    if scalar is None:
+        return
+    if isinstance(scalar, bool) or not isinstance(scalar, (int, float)) or not scalar > 0:
+        raise ValueError(f"`query_pre_attn_scalar` must be > 0, got {scalar!r}")
+    fields["attn_scale"] = float(scalar) ** -0.5
+
+
 # --------------------------------------------------------------------------- decoders
 
 # Hugging Face Llama-layout names (Llama, Mistral, Qwen2, ...), after "model." is stripped.
-_LLAMA_WEIGHTS: tuple[WeightRule, ...] = (
-    ("embed_tokens", "tok_embeddings", ""),
-    ("norm", "norm", ""),
-    ("lm_head", "lm_head", ""),
-    ("layers.{i}.input_layernorm", "blocks.{i}.attn_norm", ""),
-    ("layers.{i}.self_attn.q_proj", "blocks.{i}.attention.W_query", ""),
-    ("layers.{i}.self_attn.k_proj", "blocks.{i}.attention.W_key", ""),
-    ("layers.{i}.self_attn.v_proj", "blocks.{i}.attention.W_value", ""),
-    ("layers.{i}.self_attn.o_proj", "blocks.{i}.attention.out_proj", ""),
-    ("layers.{i}.post_attention_layernorm", "blocks.{i}.mlp_norm", ""),
-    ("layers.{i}.mlp.gate_proj", "blocks.{i}.mlp.gate", ""),
-    ("layers.{i}.mlp.up_proj", "blocks.{i}.mlp.up", ""),
-    ("layers.{i}.mlp.down_proj", "blocks.{i}.mlp.down", ""),
-)
+_LLAMA_WEIGHTS: WeightTable = {
+    "tok_embeddings": ("embed_tokens", ""),
+    "norm": ("norm", ""),
+    "lm_head": ("lm_head", ""),
+    "blocks.{i}.attn_norm": ("layers.{i}.input_layernorm", ""),
+    "blocks.{i}.attention.W_query": ("layers.{i}.self_attn.q_proj", ""),
+    "blocks.{i}.attention.W_key": ("layers.{i}.self_attn.k_proj", ""),
+    "blocks.{i}.attention.W_value": ("layers.{i}.self_attn.v_proj", ""),
+    "blocks.{i}.attention.out_proj": ("layers.{i}.self_attn.o_proj", ""),
+    "blocks.{i}.mlp_norm": ("layers.{i}.post_attention_layernorm", ""),
+    "blocks.{i}.mlp.gate": ("layers.{i}.mlp.gate_proj", ""),
+    "blocks.{i}.mlp.up": ("layers.{i}.mlp.up_proj", ""),
+    "blocks.{i}.mlp.down": ("layers.{i}.mlp.down_proj", ""),
+}
+_QK_NORM_WEIGHTS: WeightTable = {
+    "blocks.{i}.attention.q_norm": ("layers.{i}.self_attn.q_norm", ""),
+    "blocks.{i}.attention.k_norm": ("layers.{i}.self_attn.k_norm", ""),
+}
 
-# llama.cpp's names for the same layout (llama, qwen2, mistral in GGUF).
-_LLAMA_GGUF: tuple[WeightRule, ...] = (
-    ("token_embd", "tok_embeddings", ""),
-    ("output_norm", "norm", ""),
-    ("output", "lm_head", ""),
-    ("blk.{i}.attn_norm", "blocks.{i}.attn_norm", ""),
-    ("blk.{i}.attn_q", "blocks.{i}.attention.W_query", ""),
-    ("blk.{i}.attn_k", "blocks.{i}.attention.W_key", ""),
-    ("blk.{i}.attn_v", "blocks.{i}.attention.W_value", ""),
-    ("blk.{i}.attn_output", "blocks.{i}.attention.out_proj", ""),
-    ("blk.{i}.ffn_norm", "blocks.{i}.mlp_norm", ""),
-    ("blk.{i}.ffn_gate", "blocks.{i}.mlp.gate", ""),
-    ("blk.{i}.ffn_up", "blocks.{i}.mlp.up", ""),
-    ("blk.{i}.ffn_down", "blocks.{i}.mlp.down", ""),
-)
-# llama.cpp's converter permutes the q/k rows of the "llama" architecture (only).
-_LLAMA_GGUF_PERMUTED = tuple(
-    (src, ours, {"blk.{i}.attn_q": "rope_q", "blk.{i}.attn_k": "rope_k"}.get(src, t))
-    for src, ours, t in _LLAMA_GGUF
-)
+# llama.cpp's names for the same layout (llama, qwen2, qwen3, ... in GGUF).
+_LLAMA_GGUF: WeightTable = {
+    "tok_embeddings": ("token_embd", ""),
+    "norm": ("output_norm", ""),
+    "lm_head": ("output", ""),
+    "blocks.{i}.attn_norm": ("blk.{i}.attn_norm", ""),
+    "blocks.{i}.attention.W_query": ("blk.{i}.attn_q", ""),
+    "blocks.{i}.attention.W_key": ("blk.{i}.attn_k", ""),
+    "blocks.{i}.attention.W_value": ("blk.{i}.attn_v", ""),
+    "blocks.{i}.attention.out_proj": ("blk.{i}.attn_output", ""),
+    "blocks.{i}.mlp_norm": ("blk.{i}.ffn_norm", ""),
+    "blocks.{i}.mlp.gate": ("blk.{i}.ffn_gate", ""),
+    "blocks.{i}.mlp.up": ("blk.{i}.ffn_up", ""),
+    "blocks.{i}.mlp.down": ("blk.{i}.ffn_down", ""),
+}
+_QK_NORM_GGUF: WeightTable = {
+    "blocks.{i}.attention.q_norm": ("blk.{i}.attn_q_norm", ""),
+    "blocks.{i}.attention.k_norm": ("blk.{i}.attn_k_norm", ""),
+}
 
 _LLAMA_KEYS: dict[str, tuple[str, ...]] = {
     "vocab_size": ("vocab_size",),
@@ -161,6 +250,11 @@ _LLAMA_DEFAULTS: dict[str, Any] = {
     "tie_embeddings": False,
     "activation": "silu",
 }
+_ATTENTION_BIAS_KEYS = {"qkv_bias": ("attention_bias",), "out_bias": ("attention_bias",)}
+_NO_BIAS = {"qkv_bias": False, "out_bias": False}
+# Every architecture's keys as llama.cpp writes them. The head dims (key_length,
+# value_length) are written by its converters whenever `head_dim` is in config.json, for
+# every architecture; `value_head_dim` is checked against the head dim by the loader.
 _GGUF_KEYS: dict[str, tuple[str, ...]] = {
     "hidden_size": ("{arch}.embedding_length",),
     "num_layers": ("{arch}.block_count",),
@@ -169,6 +263,8 @@ _GGUF_KEYS: dict[str, tuple[str, ...]] = {
     "intermediate_size": ("{arch}.feed_forward_length",),
     "context_length": ("{arch}.context_length",),
     "norm_eps": ("{arch}.attention.layer_norm_rms_epsilon", "{arch}.attention.layer_norm_epsilon"),
+    "head_dim": ("{arch}.attention.key_length",),
+    "value_head_dim": ("{arch}.attention.value_length",),
     "rope_theta": ("{arch}.rope.freq_base",),
     "rope_dims": ("{arch}.rope.dimension_count",),  # partial rotary: dims that rotate per head
     "vocab_size": ("{arch}.vocab_size",),
@@ -178,38 +274,56 @@ _GGUF_KEYS: dict[str, tuple[str, ...]] = {
 }
 # Qwen2/Qwen3 windows apply to some layers only; llama.cpp ignores the key for them.
 _GGUF_KEYS_NO_WINDOW = {k: v for k, v in _GGUF_KEYS.items() if k != "sliding_window"}
-# Qwen2/Qwen3: `sliding_window` counts only with `use_sliding_window`, and then on the layers
-# from `max_window_layers` on (transformers' rule; its configs also write the result as
-# `layer_types`, which wins). The two keys are read here and resolved by the loader.
+
+
+def _qwen_windows(fields: dict[str, Any], config: Mapping[str, Any], source: Source) -> None:
+    """Qwen2/Qwen3's window rule: ``sliding_window`` counts only with
+    ``use_sliding_window``, and then (unless ``layer_types`` says it per layer) on the
+    layers from ``max_window_layers`` on, as transformers builds its ``layer_types``.
+    llama.cpp ignores windows for these architectures (its GGUF keys read none)."""
+    use = _flag(fields, "use_sliding_window", False)
+    first = fields.pop("max_window_layers", 28)  # transformers' default
+    if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+        raise ValueError(f"`max_window_layers` must be an integer >= 0, got {first!r}")
+    if source == "gguf":
+        return
+    if not use:
+        fields.pop("sliding_window", None)
+    window, types = fields.get("sliding_window"), fields.get("layer_types")
+    if types is None and window is not None:
+        fields["layer_types"] = [
+            "sliding_attention" if i >= first else "full_attention"
+            for i in range(fields["num_layers"])
+        ]
+    elif window is None and isinstance(types, list) and "sliding_attention" in types:
+        # transformers: the sliding layers have no window when use_sliding_window is off
+        fields["layer_types"] = ["full_attention"] * len(types)
+
+
 _QWEN_KEYS: dict[str, tuple[str, ...]] = {
     **_LLAMA_KEYS,
     "layer_types": ("layer_types",),
     "use_sliding_window": ("use_sliding_window",),
     "max_window_layers": ("max_window_layers",),
 }
-_QWEN_DEFAULTS: dict[str, Any] = {
-    **_LLAMA_DEFAULTS,
-    "use_sliding_window": False,
-    "max_window_layers": 28,  # transformers' default
-}
 
 LLAMA = Family(
     name="llama",
     kind="decoder",
     fixed={"norm": "rms", "mlp": "gated", "positions": "rope", "family": "llama"},
-    keys={
-        **_LLAMA_KEYS,
-        "qkv_bias": ("attention_bias",),
-        "out_bias": ("attention_bias",),
-        "mlp_bias": ("mlp_bias",),
-    },
-    defaults={**_LLAMA_DEFAULTS, "qkv_bias": False, "out_bias": False, "mlp_bias": False},
+    keys={**_LLAMA_KEYS, **_ATTENTION_BIAS_KEYS, "mlp_bias": ("mlp_bias",)},
+    defaults={**_LLAMA_DEFAULTS, **_NO_BIAS, "mlp_bias": False},
     refuse={"pretraining_tp": (None, 1)},
     weights=_LLAMA_WEIGHTS,
     prefixes=("model.",),
     ignore=(r".*rotary_emb\.inv_freq$",),
     gguf_keys=_GGUF_KEYS,
-    gguf_weights=_LLAMA_GGUF_PERMUTED,
+    # llama.cpp's converter permutes the q/k rows of the "llama" architecture (only).
+    gguf_weights={
+        **_LLAMA_GGUF,
+        "blocks.{i}.attention.W_query": ("blk.{i}.attn_q", "rope_q"),
+        "blocks.{i}.attention.W_key": ("blk.{i}.attn_k", "rope_k"),
+    },
 )
 
 MISTRAL = dataclasses.replace(
@@ -219,7 +333,7 @@ MISTRAL = dataclasses.replace(
     keys=_LLAMA_KEYS,
     defaults=_LLAMA_DEFAULTS,
     refuse={},
-    gguf_weights=(),  # llama.cpp writes Mistral files as architecture "llama"
+    gguf_weights={},  # llama.cpp writes Mistral files as architecture "llama"
 )
 
 QWEN2 = dataclasses.replace(
@@ -227,66 +341,48 @@ QWEN2 = dataclasses.replace(
     name="qwen2",
     fixed={**LLAMA.fixed, "family": "qwen2", "qkv_bias": True, "out_bias": False},
     keys=_QWEN_KEYS,
-    defaults=_QWEN_DEFAULTS,
+    defaults=_LLAMA_DEFAULTS,
     refuse={},
     gguf_keys=_GGUF_KEYS_NO_WINDOW,
     gguf_weights=_LLAMA_GGUF,  # the qwen2 converter does not permute q/k
+    hook=_qwen_windows,
 )
 
 QWEN3 = dataclasses.replace(
-    LLAMA,
+    QWEN2,
     name="qwen3",
     fixed={**LLAMA.fixed, "family": "qwen3", "qk_norm": "rms_head"},
-    keys={
-        **_QWEN_KEYS,
-        "qkv_bias": ("attention_bias",),
-        "out_bias": ("attention_bias",),
-    },
-    defaults={**_QWEN_DEFAULTS, "qkv_bias": False, "out_bias": False},
-    refuse={},
-    weights=(
-        *_LLAMA_WEIGHTS,
-        ("layers.{i}.self_attn.q_norm", "blocks.{i}.attention.q_norm", ""),
-        ("layers.{i}.self_attn.k_norm", "blocks.{i}.attention.k_norm", ""),
-    ),
-    gguf_keys={**_GGUF_KEYS_NO_WINDOW, "head_dim": ("{arch}.attention.key_length",)},
-    gguf_weights=(
-        *_LLAMA_GGUF,  # the qwen3 converter does not permute q/k
-        ("blk.{i}.attn_q_norm", "blocks.{i}.attention.q_norm", ""),
-        ("blk.{i}.attn_k_norm", "blocks.{i}.attention.k_norm", ""),
-    ),
+    keys={**_QWEN_KEYS, **_ATTENTION_BIAS_KEYS},
+    defaults={**_LLAMA_DEFAULTS, **_NO_BIAS},
+    weights={**_LLAMA_WEIGHTS, **_QK_NORM_WEIGHTS},
+    gguf_weights={**_LLAMA_GGUF, **_QK_NORM_GGUF},  # the qwen3 converter does not permute q/k
 )
 
 OLMO2 = dataclasses.replace(
     LLAMA,
     name="olmo2",
     fixed={**LLAMA.fixed, "family": "olmo2", "norm_placement": "post", "qk_norm": "rms_all"},
-    keys={
-        **_LLAMA_KEYS,
-        "qkv_bias": ("attention_bias",),
-        "out_bias": ("attention_bias",),
+    keys={**_LLAMA_KEYS, **_ATTENTION_BIAS_KEYS},
+    defaults={**_LLAMA_DEFAULTS, **_NO_BIAS},
+    # post-norm: the norms after attention and after the MLP
+    weights={
+        **_LLAMA_WEIGHTS,
+        **_QK_NORM_WEIGHTS,
+        "blocks.{i}.attn_norm": ("layers.{i}.post_attention_layernorm", ""),
+        "blocks.{i}.mlp_norm": ("layers.{i}.post_feedforward_layernorm", ""),
     },
-    defaults={**_LLAMA_DEFAULTS, "qkv_bias": False, "out_bias": False},
-    weights=(
-        *(r for r in _LLAMA_WEIGHTS if "layernorm" not in r[0]),
-        ("layers.{i}.post_attention_layernorm", "blocks.{i}.attn_norm", ""),
-        ("layers.{i}.post_feedforward_layernorm", "blocks.{i}.mlp_norm", ""),
-        ("layers.{i}.self_attn.q_norm", "blocks.{i}.attention.q_norm", ""),
-        ("layers.{i}.self_attn.k_norm", "blocks.{i}.attention.k_norm", ""),
-    ),
     # llama.cpp writes a window only for OLMo 3 (with a per-layer pattern): not expressed
     refuse={"olmo2.attention.sliding_window": (None,)},
     gguf_keys=_GGUF_KEYS_NO_WINDOW,
-    gguf_weights=(
-        *(r for r in _LLAMA_GGUF if "norm" not in r[0]),
-        ("output_norm", "norm", ""),
-        ("blk.{i}.post_attention_norm", "blocks.{i}.attn_norm", ""),
-        ("blk.{i}.post_ffw_norm", "blocks.{i}.mlp_norm", ""),
-        ("blk.{i}.attn_q_norm", "blocks.{i}.attention.q_norm", ""),
-        ("blk.{i}.attn_k_norm", "blocks.{i}.attention.k_norm", ""),
-    ),
+    gguf_weights={
+        **_LLAMA_GGUF,
+        **_QK_NORM_GGUF,
+        "blocks.{i}.attn_norm": ("blk.{i}.post_attention_norm", ""),
+        "blocks.{i}.mlp_norm": ("blk.{i}.post_ffw_norm", ""),
+    },
 )
 
+_Q_K_V = tuple(f"blocks.{{i}}.attention.{w}" for w in ("W_query", "W_key", "W_value"))
 PHI3 = dataclasses.replace(
     LLAMA,
     name="phi3",
@@ -294,21 +390,66 @@ PHI3 = dataclasses.replace(
     keys=_LLAMA_KEYS,
     defaults=_LLAMA_DEFAULTS,
     refuse={},
-    weights=(
-        *(r for r in _LLAMA_WEIGHTS if "_proj" not in r[0] or "o_proj" in r[0]),
-        ("layers.{i}.self_attn.qkv_proj", "blocks.{i}.attention.{qkv}", "qkv"),
-        ("layers.{i}.mlp.gate_up_proj", "blocks.{i}.mlp.{gate_up}", "gate_up"),
-        ("layers.{i}.mlp.down_proj", "blocks.{i}.mlp.down", ""),
-    ),
+    # fused: one qkv projection, one gate/up projection (gate first)
+    weights={
+        **_without(_LLAMA_WEIGHTS, *_Q_K_V, "blocks.{i}.mlp.gate", "blocks.{i}.mlp.up"),
+        "blocks.{i}.attention.{qkv}": ("layers.{i}.self_attn.qkv_proj", "qkv"),
+        "blocks.{i}.mlp.{gate_up}": ("layers.{i}.mlp.gate_up_proj", "gate_up"),
+    },
     # llama.cpp keeps Phi-3's fused tensors: attn_qkv, and ffn_up holding gate then up.
-    gguf_weights=(
-        *(r for r in _LLAMA_GGUF if r[0][-2:] not in ("_q", "_k", "_v") and "ffn_" not in r[0]),
-        ("blk.{i}.ffn_norm", "blocks.{i}.mlp_norm", ""),
-        ("blk.{i}.attn_qkv", "blocks.{i}.attention.{qkv}", "qkv"),
-        ("blk.{i}.ffn_up", "blocks.{i}.mlp.{gate_up}", "gate_up"),
-        ("blk.{i}.ffn_down", "blocks.{i}.mlp.down", ""),
-    ),
+    gguf_weights={
+        **_without(_LLAMA_GGUF, *_Q_K_V, "blocks.{i}.mlp.gate", "blocks.{i}.mlp.up"),
+        "blocks.{i}.attention.{qkv}": ("blk.{i}.attn_qkv", "qkv"),
+        "blocks.{i}.mlp.{gate_up}": ("blk.{i}.ffn_up", "gate_up"),
+    },
 )
+
+# llama.cpp's type for a Gemma of this many layers is its "27B", whose score scale is
+# 1/sqrt(C/H) rather than 1/sqrt(head_dim) (its GGUF files carry no query_pre_attn_scalar).
+GEMMA2_27B_LAYERS = 46
+GEMMA3_27B_LAYERS = 62
+
+
+def _gguf_gemma_scale(fields: dict[str, Any], layers_27b: int) -> None:
+    """llama.cpp's Gemma score scale (``f_attention_scale``) for a GGUF file."""
+    if fields["num_layers"] == layers_27b:
+        fields["attn_scale"] = (fields["hidden_size"] // fields["num_heads"]) ** -0.5
+
+
+def _gemma2(fields: dict[str, Any], config: Mapping[str, Any], source: Source) -> None:
+    """Gemma 2's local/global layers and score scale. Without ``layer_types`` (the hub's
+    configs, and every GGUF file) the even layers are local (the window) and the odd ones
+    global, as transformers' ``Gemma2Config`` and llama.cpp (its SWA pattern 2) both do."""
+    if fields.get("layer_types") is None and fields.get("sliding_window") is not None:
+        fields["layer_types"] = _alternating(fields["num_layers"], 2)
+    _pre_attn_scalar(fields)
+    if source == "gguf":
+        _gguf_gemma_scale(fields, GEMMA2_27B_LAYERS)
+
+
+# Gemma's Hugging Face norms multiply by (1 + weight); llama.cpp's converter stores the sum.
+_GEMMA_WEIGHTS: WeightTable = {
+    **_LLAMA_WEIGHTS,
+    "norm": ("norm", "plus1"),
+    "blocks.{i}.attn_norm": ("layers.{i}.input_layernorm", "plus1"),
+    "blocks.{i}.attn_post_norm": ("layers.{i}.post_attention_layernorm", "plus1"),
+    "blocks.{i}.mlp_norm": ("layers.{i}.pre_feedforward_layernorm", "plus1"),
+    "blocks.{i}.mlp_post_norm": ("layers.{i}.post_feedforward_layernorm", "plus1"),
+}
+_GEMMA_GGUF: WeightTable = {
+    **_LLAMA_GGUF,
+    "blocks.{i}.attn_post_norm": ("blk.{i}.post_attention_norm", ""),
+    "blocks.{i}.mlp_post_norm": ("blk.{i}.post_ffw_norm", ""),
+}
+_GEMMA_KEYS: dict[str, tuple[str, ...]] = {
+    **_LLAMA_KEYS,
+    **_ATTENTION_BIAS_KEYS,
+    "activation": ("hidden_activation", "hidden_act"),
+    "attn_softcap": ("attn_logit_softcapping",),
+    "final_softcap": ("final_logit_softcapping",),
+    "query_pre_attn_scalar": ("query_pre_attn_scalar",),
+    "layer_types": ("layer_types",),
+}
 
 GEMMA2 = dataclasses.replace(
     LLAMA,
@@ -319,77 +460,136 @@ GEMMA2 = dataclasses.replace(
         "norm_placement": "sandwich",
         "embed_scale": True,
     },
-    keys={
-        **{k: v for k, v in _LLAMA_KEYS.items() if k != "activation"},
-        "activation": ("hidden_activation", "hidden_act"),
-        "attn_softcap": ("attn_logit_softcapping",),
-        "final_softcap": ("final_logit_softcapping",),
-        "query_pre_attn_scalar": ("query_pre_attn_scalar",),
-        "layer_types": ("layer_types",),
-        "qkv_bias": ("attention_bias",),
-        "out_bias": ("attention_bias",),
-    },
+    keys=_GEMMA_KEYS,
     defaults={
         **_LLAMA_DEFAULTS,
+        **_NO_BIAS,
         "activation": "gelu_pytorch_tanh",
         "tie_embeddings": True,
-        "qkv_bias": False,
-        "out_bias": False,
     },
     refuse={"use_bidirectional_attention": (None, False)},
-    weights=(
-        *(r for r in _LLAMA_WEIGHTS if "layernorm" not in r[0] and r[0] != "norm"),
-        ("norm", "norm", "plus1"),
-        ("layers.{i}.input_layernorm", "blocks.{i}.attn_norm", "plus1"),
-        ("layers.{i}.post_attention_layernorm", "blocks.{i}.attn_post_norm", "plus1"),
-        ("layers.{i}.pre_feedforward_layernorm", "blocks.{i}.mlp_norm", "plus1"),
-        ("layers.{i}.post_feedforward_layernorm", "blocks.{i}.mlp_post_norm", "plus1"),
-    ),
+    weights=_GEMMA_WEIGHTS,
     gguf_keys={
         **_GGUF_KEYS,
-        "head_dim": ("{arch}.attention.key_length",),
         "attn_softcap": ("{arch}.attn_logit_softcapping",),
         "final_softcap": ("{arch}.final_logit_softcapping",),
     },
-    gguf_defaults={
-        # llama.cpp: even layers local (window), odd layers global, as transformers'
-        # default `layer_types`; the score scale 1/sqrt(head_dim), 1/sqrt(C/H) for the
-        # 46-layer 27B (the file has no `query_pre_attn_scalar`).
-        "layer_types": lambda f: (
-            [("sliding_attention", "full_attention")[i % 2] for i in range(f["num_layers"])]
-            if f.get("sliding_window")
-            else None
-        ),
-        "query_pre_attn_scalar": lambda f: (
-            f["hidden_size"] // f["num_heads"]
-            if f["num_layers"] == 46
-            else f.get("head_dim") or f["hidden_size"] // f["num_heads"]
-        ),
+    gguf_weights=_GEMMA_GGUF,
+    hook=_gemma2,
+)
+
+# transformers' Gemma3TextConfig defaults: the hub's multimodal configs leave most keys to
+# them (a `text_config` of five keys is common).
+_GEMMA3_DEFAULTS: dict[str, Any] = {
+    **_LLAMA_DEFAULTS,
+    **_NO_BIAS,
+    "vocab_size": 262_208,
+    "num_heads": 8,
+    "num_kv_heads": 4,
+    "head_dim": 256,
+    "context_length": 131_072,
+    "norm_eps": 1e-6,
+    "activation": "gelu_pytorch_tanh",
+    "tie_embeddings": True,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+    "sliding_window_pattern": 6,
+    "rope_theta": 1_000_000.0,
+    "rope_local_base_freq": 10_000.0,
+}
+# llama.cpp's base for the local layers of a gemma3 file (`rope_freq_base_train_swa`).
+GEMMA3_GGUF_LOCAL_BASE = 10_000.0
+
+
+def _gemma3(fields: dict[str, Any], config: Mapping[str, Any], source: Source) -> None:
+    """Gemma 3's local/global layers, each kind with its own RoPE, and its score scale.
+
+    The pattern is ``layer_types``, else ``sliding_window_pattern`` (every n-th layer
+    global; transformers' default 6), and for GGUF files llama.cpp's rule (5 local : 1
+    global). The local layers rotate with ``rope_local_base_freq`` and no scaling; the
+    global ones with ``rope_theta`` and the ``rope_scaling`` (transformers 5 writes both
+    as ``rope_parameters`` per layer type). In GGUF the local base is llama.cpp's 10000.
+    """
+    period = fields.pop("sliding_window_pattern")
+    local_base = fields.pop("rope_local_base_freq")
+    if isinstance(period, bool) or not isinstance(period, int) or period < 1:
+        raise ValueError(f"`sliding_window_pattern` must be an integer >= 1, got {period!r}")
+    if source == "gguf":
+        local_base = GEMMA3_GGUF_LOCAL_BASE
+        fields["layer_types"] = None
+    if fields.get("layer_types") is None:
+        fields["layer_types"] = _alternating(fields["num_layers"], period)
+    _pre_attn_scalar(fields)
+    if source == "gguf":
+        _gguf_gemma_scale(fields, GEMMA3_27B_LAYERS)
+        local = RopeConfig(base=local_base)
+    else:
+        params = config.get("rope_parameters")
+        if isinstance(params, Mapping) and isinstance(params.get("sliding_attention"), Mapping):
+            fields["rope"] = RopeConfig.from_hf_config(config, layer_type="full_attention")
+            local = RopeConfig.from_hf_config(config, layer_type="sliding_attention")
+        else:
+            base = fields.pop("rope_theta")
+            fields["rope"] = RopeConfig.from_hf_config({**config, "rope_theta": base})
+            if isinstance(local_base, bool) or not isinstance(local_base, (int, float)):
+                raise ValueError(f"`rope_local_base_freq` must be a number, got {local_base!r}")
+            local = RopeConfig(base=float(local_base))
+    types = fields["layer_types"]
+    if isinstance(types, list):
+        fields["layer_ropes"] = tuple(local if t == "sliding_attention" else None for t in types)
+
+
+GEMMA3 = dataclasses.replace(
+    GEMMA2,
+    name="gemma3",
+    fixed={**GEMMA2.fixed, "family": "gemma3", "qk_norm": "rms_head"},
+    keys={
+        **_GEMMA_KEYS,
+        "rope_theta": ("rope_theta",),
+        "rope_local_base_freq": ("rope_local_base_freq",),
+        "sliding_window_pattern": ("sliding_window_pattern",),
     },
-    # llama.cpp's converter stores Gemma's norms as `1 + weight` already: taken as they are.
-    gguf_weights=(
-        *(r for r in _LLAMA_GGUF if "norm" not in r[0]),
-        ("output_norm", "norm", ""),
-        ("blk.{i}.attn_norm", "blocks.{i}.attn_norm", ""),
-        ("blk.{i}.post_attention_norm", "blocks.{i}.attn_post_norm", ""),
-        ("blk.{i}.ffn_norm", "blocks.{i}.mlp_norm", ""),
-        ("blk.{i}.post_ffw_norm", "blocks.{i}.mlp_post_norm", ""),
+    defaults=_GEMMA3_DEFAULTS,
+    required=("hidden_size", "num_layers", "intermediate_size"),
+    weights={
+        **_GEMMA_WEIGHTS,
+        "blocks.{i}.attention.q_norm": ("layers.{i}.self_attn.q_norm", "plus1"),
+        "blocks.{i}.attention.k_norm": ("layers.{i}.self_attn.k_norm", "plus1"),
+    },
+    # transformers 5's multimodal checkpoint nests the text model under
+    # model.language_model, older ones under language_model.model; the vision tower and
+    # its projector are not part of a text model.
+    prefixes=("model.language_model.", "language_model.model.", "language_model.", "model."),
+    ignore=(
+        r".*rotary_emb\.inv_freq$",
+        r"^(model\.)?vision_tower\..*",
+        r"^(model\.)?multi_modal_projector\..*",
     ),
+    gguf_keys=_GGUF_KEYS,
+    gguf_defaults={
+        "head_dim": lambda f: f["hidden_size"] // f["num_heads"],
+        "query_pre_attn_scalar": None,
+        "rope_theta": 1_000_000.0,
+    },
+    gguf_weights={**_GEMMA_GGUF, **_QK_NORM_GGUF},
+    hook=_gemma3,
+    model_types=("gemma3_text",),
+    text_config="text_config",
 )
 
 # llama.cpp's names for the LayerNorm decoders with a fused qkv (gpt_neox, bloom); their
 # converters reorder the per-head (H, 3, D) rows to q, k, v one after the other.
-_FUSED_GGUF: tuple[WeightRule, ...] = (
-    ("token_embd", "tok_embeddings", ""),
-    ("output_norm", "norm", ""),
-    ("output", "lm_head", ""),
-    ("blk.{i}.attn_norm", "blocks.{i}.attn_norm", ""),
-    ("blk.{i}.attn_qkv", "blocks.{i}.attention.{qkv}", "qkv"),
-    ("blk.{i}.attn_output", "blocks.{i}.attention.out_proj", ""),
-    ("blk.{i}.ffn_norm", "blocks.{i}.mlp_norm", ""),
-    ("blk.{i}.ffn_up", "blocks.{i}.mlp.up", ""),
-    ("blk.{i}.ffn_down", "blocks.{i}.mlp.down", ""),
-)
+_FUSED_GGUF: WeightTable = {
+    "tok_embeddings": ("token_embd", ""),
+    "norm": ("output_norm", ""),
+    "lm_head": ("output", ""),
+    "blocks.{i}.attn_norm": ("blk.{i}.attn_norm", ""),
+    "blocks.{i}.attention.{qkv}": ("blk.{i}.attn_qkv", "qkv"),
+    "blocks.{i}.attention.out_proj": ("blk.{i}.attn_output", ""),
+    "blocks.{i}.mlp_norm": ("blk.{i}.ffn_norm", ""),
+    "blocks.{i}.mlp.up": ("blk.{i}.ffn_up", ""),
+    "blocks.{i}.mlp.down": ("blk.{i}.ffn_down", ""),
+}
 _LAYER_NORM_GGUF_KEYS = {
     **_GGUF_KEYS_NO_WINDOW,
     "norm_eps": ("{arch}.attention.layer_norm_epsilon",),
@@ -429,24 +629,56 @@ BLOOM = Family(
         "apply_residual_connection_post_layernorm": (None, False),
         "slow_but_exact": (None, False),
     },
-    weights=(
-        ("word_embeddings", "tok_embeddings", ""),
-        ("word_embeddings_layernorm", "embed_norm", ""),
-        ("ln_f", "norm", ""),
-        ("lm_head", "lm_head", ""),
-        ("h.{i}.input_layernorm", "blocks.{i}.attn_norm", ""),
-        ("h.{i}.post_attention_layernorm", "blocks.{i}.mlp_norm", ""),
-        ("h.{i}.self_attention.query_key_value", "blocks.{i}.attention.{qkv}", "qkv_heads"),
-        ("h.{i}.self_attention.dense", "blocks.{i}.attention.out_proj", ""),
-        ("h.{i}.mlp.dense_h_to_4h", "blocks.{i}.mlp.up", ""),
-        ("h.{i}.mlp.dense_4h_to_h", "blocks.{i}.mlp.down", ""),
-    ),
+    weights={
+        "tok_embeddings": ("word_embeddings", ""),
+        "embed_norm": ("word_embeddings_layernorm", ""),
+        "norm": ("ln_f", ""),
+        "lm_head": ("lm_head", ""),
+        "blocks.{i}.attn_norm": ("h.{i}.input_layernorm", ""),
+        "blocks.{i}.mlp_norm": ("h.{i}.post_attention_layernorm", ""),
+        "blocks.{i}.attention.{qkv}": ("h.{i}.self_attention.query_key_value", "qkv_heads"),
+        "blocks.{i}.attention.out_proj": ("h.{i}.self_attention.dense", ""),
+        "blocks.{i}.mlp.up": ("h.{i}.mlp.dense_h_to_4h", ""),
+        "blocks.{i}.mlp.down": ("h.{i}.mlp.dense_4h_to_h", ""),
+    },
     prefixes=("transformer.",),
     # ALiBi has no position table: the file's context_length (llama.cpp's converter writes
     # `seq_length` or else the width there) bounds nothing
     gguf_keys={k: v for k, v in _LAYER_NORM_GGUF_KEYS.items() if k != "context_length"},
-    gguf_weights=(*_FUSED_GGUF, ("token_embd_norm", "embed_norm", "")),
+    gguf_weights={**_FUSED_GGUF, "embed_norm": ("token_embd_norm", "")},
 )
+
+
+def _partial_rope(
+    fields: dict[str, Any],
+    config: Mapping[str, Any],
+    *,
+    base_key: str | None = None,
+    fraction_key: str | None = None,
+    fraction: float = 0.25,
+) -> None:
+    """RoPE from ``config.json`` for a family whose rotated fraction defaults to
+    ``fraction`` (not 1) and whose base and fraction may have their own names; the keys
+    of ``rope_parameters`` / ``rope_scaling`` come first."""
+    params = {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
+    base = params.get("rope_theta", config.get("rope_theta"))
+    if base is None and base_key is not None:
+        base = config.get(base_key)
+    part = params.get("partial_rotary_factor", config.get("partial_rotary_factor"))
+    if part is None and fraction_key is not None:
+        part = config.get(fraction_key)
+    params["rope_theta"] = 10_000.0 if base is None else base
+    params["partial_rotary_factor"] = fraction if part is None else part
+    fields["rope"] = RopeConfig.from_hf_config({**config, "rope_parameters": params})
+
+
+def _gpt_neox_rope(fields: dict[str, Any], config: Mapping[str, Any], source: Source) -> None:
+    """GPT-NeoX's own names for its RoPE in ``config.json`` (Pythia's hub configs):
+    ``rotary_emb_base`` (default 10000) and ``rotary_pct`` (default 0.25, transformers'
+    ``GPTNeoXConfig``), where ``rope_parameters`` / ``rope_scaling`` give none."""
+    if source == "hf":
+        _partial_rope(fields, config, base_key="rotary_emb_base", fraction_key="rotary_pct")
+
 
 GPT_NEOX = Family(
     name="gpt_neox",
@@ -471,8 +703,7 @@ GPT_NEOX = Family(
         "tie_embeddings": ("tie_word_embeddings",),
         "activation": ("hidden_act",),
         "parallel_residual": ("use_parallel_residual",),
-        "qkv_bias": ("attention_bias",),
-        "out_bias": ("attention_bias",),
+        **_ATTENTION_BIAS_KEYS,
     },
     defaults={
         "num_kv_heads": _same_as("num_heads"),  # GPT-NeoX has no grouped-query attention
@@ -482,18 +713,17 @@ GPT_NEOX = Family(
         "qkv_bias": True,
         "out_bias": True,
     },
-    weights=(
-        ("embed_in", "tok_embeddings", ""),
-        ("final_layer_norm", "norm", ""),
-        ("lm_head", "lm_head", ""),
-        ("embed_out", "lm_head", ""),
-        ("layers.{i}.input_layernorm", "blocks.{i}.attn_norm", ""),
-        ("layers.{i}.post_attention_layernorm", "blocks.{i}.mlp_norm", ""),
-        ("layers.{i}.attention.query_key_value", "blocks.{i}.attention.{qkv}", "qkv_heads"),
-        ("layers.{i}.attention.dense", "blocks.{i}.attention.out_proj", ""),
-        ("layers.{i}.mlp.dense_h_to_4h", "blocks.{i}.mlp.up", ""),
-        ("layers.{i}.mlp.dense_4h_to_h", "blocks.{i}.mlp.down", ""),
-    ),
+    weights={
+        "tok_embeddings": ("embed_in", ""),
+        "norm": ("final_layer_norm", ""),
+        "lm_head": ("embed_out|lm_head", ""),
+        "blocks.{i}.attn_norm": ("layers.{i}.input_layernorm", ""),
+        "blocks.{i}.mlp_norm": ("layers.{i}.post_attention_layernorm", ""),
+        "blocks.{i}.attention.{qkv}": ("layers.{i}.attention.query_key_value", "qkv_heads"),
+        "blocks.{i}.attention.out_proj": ("layers.{i}.attention.dense", ""),
+        "blocks.{i}.mlp.up": ("layers.{i}.mlp.dense_h_to_4h", ""),
+        "blocks.{i}.mlp.down": ("layers.{i}.mlp.dense_4h_to_h", ""),
+    },
     prefixes=("gpt_neox.",),
     ignore=(r".*rotary_emb\.inv_freq$", r".*attention\.(masked_)?bias$"),
     gguf_keys={
@@ -501,7 +731,25 @@ GPT_NEOX = Family(
         "parallel_residual": ("{arch}.use_parallel_residual",),
     },
     gguf_weights=_FUSED_GGUF,
+    hook=_gpt_neox_rope,
 )
+
+
+def _gpt2_score_scales(fields: dict[str, Any], config: Mapping[str, Any], source: Source) -> None:
+    """GPT-2's score-scale switches: ``scale_attn_weights`` (``1/sqrt(D)``, or no scaling
+    when false) and ``scale_attn_by_inverse_layer_idx`` (layer i's scores also divided by
+    ``i + 1``) become ``layer_scales`` when they change anything;
+    ``reorder_and_upcast_attn`` (scores in fp32) is checked and dropped: attnlab's scores are
+    fp32 in an fp32 model, and bf16 runs keep attnlab's own backends' precision."""
+    scaled = _flag(fields, "scale_attn_weights", True)
+    inverse = _flag(fields, "scale_attn_by_inverse_layer_idx", False)
+    _flag(fields, "reorder_and_upcast_attn", False)
+    if scaled and not inverse:
+        return
+    width, heads, layers = fields["hidden_size"], fields["num_heads"], fields["num_layers"]
+    base = (width // heads) ** -0.5 if scaled else 1.0
+    fields["layer_scales"] = tuple(base / (i + 1 if inverse else 1) for i in range(layers))
+
 
 GPT2 = Family(
     name="gpt2",
@@ -526,10 +774,9 @@ GPT2 = Family(
         "norm_eps": ("layer_norm_epsilon",),
         "tie_embeddings": ("tie_word_embeddings",),
         "activation": ("activation_function",),
-        # turned into `layer_scales` by the loader (attnlab.pretrained.build)
+        # options of the hook (_gpt2_score_scales)
         "scale_attn_weights": ("scale_attn_weights",),
         "scale_attn_by_inverse_layer_idx": ("scale_attn_by_inverse_layer_idx",),
-        # fp32 scores: what attnlab computes in fp32 anyway (read, checked, not needed)
         "reorder_and_upcast_attn": ("reorder_and_upcast_attn",),
     },
     defaults={
@@ -540,36 +787,146 @@ GPT2 = Family(
         "norm_eps": 1e-5,
     },
     refuse={"add_cross_attention": (None, False)},
-    weights=(
-        ("wte", "tok_embeddings", ""),
-        ("wpe", "pos_embeddings", ""),
-        ("ln_f", "norm", ""),
-        ("lm_head", "lm_head", ""),
-        ("h.{i}.ln_1", "blocks.{i}.attn_norm", ""),
-        ("h.{i}.attn.c_attn", "blocks.{i}.attention.{qkv}", "T+qkv"),
-        ("h.{i}.attn.c_proj", "blocks.{i}.attention.out_proj", "T"),
-        ("h.{i}.ln_2", "blocks.{i}.mlp_norm", ""),
-        ("h.{i}.mlp.c_fc", "blocks.{i}.mlp.up", "T"),
-        ("h.{i}.mlp.c_proj", "blocks.{i}.mlp.down", "T"),
-    ),
+    weights={
+        "tok_embeddings": ("wte", ""),
+        "pos_embeddings": ("wpe", ""),
+        "norm": ("ln_f", ""),
+        "lm_head": ("lm_head", ""),
+        "blocks.{i}.attn_norm": ("h.{i}.ln_1", ""),
+        "blocks.{i}.attention.{qkv}": ("h.{i}.attn.c_attn", "T+qkv"),
+        "blocks.{i}.attention.out_proj": ("h.{i}.attn.c_proj", "T"),
+        "blocks.{i}.mlp_norm": ("h.{i}.ln_2", ""),
+        "blocks.{i}.mlp.up": ("h.{i}.mlp.c_fc", "T"),
+        "blocks.{i}.mlp.down": ("h.{i}.mlp.c_proj", "T"),
+    },
     prefixes=("transformer.",),
     ignore=(r".*\.attn\.(masked_)?bias$",),
     gguf_keys={
         **_GGUF_KEYS,
         "norm_eps": ("{arch}.attention.layer_norm_epsilon",),
     },
-    gguf_weights=(
-        ("token_embd", "tok_embeddings", ""),
-        ("position_embd", "pos_embeddings", ""),
-        ("output_norm", "norm", ""),
-        ("output", "lm_head", ""),
-        ("blk.{i}.attn_norm", "blocks.{i}.attn_norm", ""),
-        ("blk.{i}.attn_qkv", "blocks.{i}.attention.{qkv}", "qkv"),
-        ("blk.{i}.attn_output", "blocks.{i}.attention.out_proj", ""),
-        ("blk.{i}.ffn_norm", "blocks.{i}.mlp_norm", ""),
-        ("blk.{i}.ffn_up", "blocks.{i}.mlp.up", ""),
-        ("blk.{i}.ffn_down", "blocks.{i}.mlp.down", ""),
-    ),
+    # llama.cpp's converter stores GPT-2's Conv1D weights transposed (as nn.Linear's)
+    gguf_weights={**_FUSED_GGUF, "pos_embeddings": ("position_embd", "")},
+    hook=_gpt2_score_scales,
+)
+
+GRANITE = dataclasses.replace(
+    LLAMA,
+    name="granite",
+    fixed={**LLAMA.fixed, "family": "granite"},
+    keys={
+        **LLAMA.keys,
+        "attn_scale": ("attention_multiplier",),
+        "embed_multiplier": ("embedding_multiplier",),
+        "residual_multiplier": ("residual_multiplier",),
+        "logits_scaling": ("logits_scaling",),
+    },
+    # transformers' GraniteConfig: every multiplier 1 (the score scale too, not 1/sqrt(D))
+    defaults={**LLAMA.defaults, "attn_scale": 1.0},
+    refuse={},
+    gguf_keys={
+        **_GGUF_KEYS,
+        "attn_scale": ("{arch}.attention.scale",),
+        "embed_multiplier": ("{arch}.embedding_scale",),
+        "residual_multiplier": ("{arch}.residual_scale",),
+        "logits_scaling": ("{arch}.logit_scale",),
+    },
+    # llama.cpp: no attention.scale in the file means 1/sqrt(D)
+    gguf_defaults={"attn_scale": None},
+    # llama.cpp's GraniteModel is its LlamaModel: q/k rows permuted (LLAMA's gguf_weights)
+)
+
+_PLAIN_MLP_GGUF = _without(_LLAMA_GGUF, "blocks.{i}.mlp.gate")
+
+STARCODER2 = Family(
+    name="starcoder2",
+    kind="decoder",
+    fixed={
+        "norm": "layer",
+        "norm_bias": True,
+        "mlp": "plain",
+        "positions": "rope",
+        "family": "starcoder2",
+    },
+    keys={
+        **_LLAMA_KEYS,
+        "norm_eps": ("norm_epsilon",),
+        "qkv_bias": ("use_bias",),
+        "out_bias": ("use_bias",),
+        "mlp_bias": ("use_bias",),
+    },
+    defaults={
+        **_LLAMA_DEFAULTS,
+        "activation": "gelu_pytorch_tanh",
+        "tie_embeddings": True,
+        "qkv_bias": True,
+        "out_bias": True,
+        "mlp_bias": True,
+        "norm_eps": 1e-5,
+    },
+    refuse={"norm_type": (None, "layer_norm"), "mlp_type": (None, "default")},
+    weights={
+        **_without(_LLAMA_WEIGHTS, "blocks.{i}.mlp.gate"),
+        "blocks.{i}.mlp.up": ("layers.{i}.mlp.c_fc", ""),
+        "blocks.{i}.mlp.down": ("layers.{i}.mlp.c_proj", ""),
+    },
+    prefixes=("model.",),
+    ignore=(r".*rotary_emb\.inv_freq$",),
+    # llama.cpp writes no window for starcoder2 and applies none
+    gguf_keys=_GGUF_KEYS_NO_WINDOW,
+    gguf_weights=_PLAIN_MLP_GGUF,
+)
+
+
+def _stablelm(fields: dict[str, Any], config: Mapping[str, Any], source: Source) -> None:
+    """StableLM's rotated fraction (``partial_rotary_factor``, 0.25 when absent, as
+    transformers' ``StableLmConfig``) and its QK-norm: a LayerNorm per head with its own
+    weight, from ``qk_layernorm`` (GGUF: the ``attn_q_norm`` tensors, as llama.cpp)."""
+    if source == "hf":
+        _partial_rope(fields, config)
+        qk = _flag(fields, "qk_layernorm", False)
+    else:
+        qk = fields.pop("qk_norm_tensors")
+    if qk:
+        fields["qk_norm"] = "layer_each_head"
+
+
+STABLELM = Family(
+    name="stablelm",
+    kind="decoder",
+    fixed={
+        "norm": "layer",
+        "norm_bias": True,
+        "mlp": "gated",
+        "positions": "rope",
+        "out_bias": False,
+        "mlp_bias": False,
+        # the parallel form reads one norm for attention and MLP
+        "parallel_shared_norm": True,
+        "family": "stablelm",
+    },
+    keys={
+        **_LLAMA_KEYS,
+        "norm_eps": ("layer_norm_eps",),
+        "qkv_bias": ("use_qkv_bias",),
+        "parallel_residual": ("use_parallel_residual",),
+        "qk_layernorm": ("qk_layernorm",),
+    },
+    defaults={**_LLAMA_DEFAULTS, "qkv_bias": False, "norm_eps": 1e-5},
+    weights={
+        **_LLAMA_WEIGHTS,
+        "blocks.{i}.attention.q_norm": ("layers.{i}.self_attn.q_layernorm.norms.{j}", ""),
+        "blocks.{i}.attention.k_norm": ("layers.{i}.self_attn.k_layernorm.norms.{j}", ""),
+    },
+    prefixes=("model.",),
+    ignore=(r".*rotary_emb\.inv_freq$",),
+    gguf_keys={
+        **_LAYER_NORM_GGUF_KEYS,
+        "parallel_residual": ("{arch}.use_parallel_residual",),
+    },
+    # llama.cpp's StableLMModel does not permute q/k; it stacks the per-head norms
+    gguf_weights={**_LLAMA_GGUF, **_QK_NORM_GGUF},
+    hook=_stablelm,
 )
 
 # --------------------------------------------------------------------------- encoders
@@ -591,25 +948,26 @@ BERT = Family(
         "activation": ("hidden_act",),
     },
     defaults={"pad_token_id": 0, "activation": "gelu", "type_vocab_size": 2},
+    required=(*_SIZES, "max_position_embeddings", "layer_norm_eps"),
     refuse={
         "position_embedding_type": (None, "absolute"),
         "is_decoder": (None, False),
         "add_cross_attention": (None, False),
     },
-    weights=(
-        ("embeddings.word_embeddings", "word_embeddings", ""),
-        ("embeddings.position_embeddings", "position_embeddings", ""),
-        ("embeddings.token_type_embeddings", "token_type_embeddings", ""),
-        ("embeddings.LayerNorm", "embed_norm", ""),
-        ("encoder.layer.{i}.attention.self.query", "layers.{i}.attention.W_query", ""),
-        ("encoder.layer.{i}.attention.self.key", "layers.{i}.attention.W_key", ""),
-        ("encoder.layer.{i}.attention.self.value", "layers.{i}.attention.W_value", ""),
-        ("encoder.layer.{i}.attention.output.dense", "layers.{i}.attention.out_proj", ""),
-        ("encoder.layer.{i}.attention.output.LayerNorm", "layers.{i}.attn_norm", ""),
-        ("encoder.layer.{i}.intermediate.dense", "layers.{i}.ffn_in", ""),
-        ("encoder.layer.{i}.output.dense", "layers.{i}.ffn_out", ""),
-        ("encoder.layer.{i}.output.LayerNorm", "layers.{i}.ffn_norm", ""),
-    ),
+    weights={
+        "word_embeddings": ("embeddings.word_embeddings", ""),
+        "position_embeddings": ("embeddings.position_embeddings", ""),
+        "token_type_embeddings": ("embeddings.token_type_embeddings", ""),
+        "embed_norm": ("embeddings.LayerNorm", ""),
+        "layers.{i}.attention.W_query": ("encoder.layer.{i}.attention.self.query", ""),
+        "layers.{i}.attention.W_key": ("encoder.layer.{i}.attention.self.key", ""),
+        "layers.{i}.attention.W_value": ("encoder.layer.{i}.attention.self.value", ""),
+        "layers.{i}.attention.out_proj": ("encoder.layer.{i}.attention.output.dense", ""),
+        "layers.{i}.attn_norm": ("encoder.layer.{i}.attention.output.LayerNorm", ""),
+        "layers.{i}.ffn_in": ("encoder.layer.{i}.intermediate.dense", ""),
+        "layers.{i}.ffn_out": ("encoder.layer.{i}.output.dense", ""),
+        "layers.{i}.ffn_norm": ("encoder.layer.{i}.output.LayerNorm", ""),
+    },
     prefixes=("bert.",),
     ignore=(r"^pooler\..*", r"^cls\..*", r".*position_ids$"),
 )
@@ -626,37 +984,37 @@ ROBERTA = dataclasses.replace(
 # --------------------------------------------------------------------------- encoder-decoders
 
 
-def _t5_stack(stack: str, layer_names: tuple[tuple[str, str], ...]) -> tuple[WeightRule, ...]:
-    """T5's names for one stack; ``layer_names`` maps its sub-layer paths to ours."""
-    rules: list[WeightRule] = [
-        (f"{stack}.final_layer_norm", f"{stack}.norm", ""),
+def _t5_stack(stack: str, layer_names: Mapping[str, str]) -> dict[str, tuple[str, str]]:
+    """T5's names for one stack; ``layer_names`` maps our sub-layer paths to its."""
+    table = {
+        f"{stack}.norm": (f"{stack}.final_layer_norm", ""),
         # The table lives in the first layer; attnlab's stack owns it and shares it.
-        (
+        f"{stack}.relative_bias": (
             f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias",
-            f"{stack}.relative_bias",
             "",
         ),
-    ]
-    for src, ours in layer_names:
-        rules.append((f"{stack}.block.{{i}}.{src}", f"{stack}.blocks.{{i}}.{ours}", ""))
-    return tuple(rules)
+    }
+    for ours, src in layer_names.items():
+        alternatives = "|".join(f"{stack}.block.{{i}}.{s}" for s in src.split("|"))
+        table[f"{stack}.blocks.{{i}}.{ours}"] = (alternatives, "")
+    return table
 
 
-def _t5_attention(src: str, ours: str) -> tuple[tuple[str, str], ...]:
-    return tuple(
-        (f"{src}.{a}", f"{ours}.{b}")
+def _t5_attention(src: str, ours: str) -> dict[str, str]:
+    return {
+        f"{ours}.{b}": f"{src}.{a}"
         for a, b in (("q", "W_query"), ("k", "W_key"), ("v", "W_value"), ("o", "out_proj"))
-    )
+    }
 
 
-def _t5_mlp(layer: int) -> tuple[tuple[str, str], ...]:
-    return (
-        (f"layer.{layer}.DenseReluDense.wi", "mlp.up"),  # ReLU T5
-        (f"layer.{layer}.DenseReluDense.wi_0", "mlp.gate"),  # gated (v1.1, Flan)
-        (f"layer.{layer}.DenseReluDense.wi_1", "mlp.up"),
-        (f"layer.{layer}.DenseReluDense.wo", "mlp.down"),
-        (f"layer.{layer}.layer_norm", "mlp_norm"),
-    )
+def _t5_mlp(layer: int) -> dict[str, str]:
+    d = f"layer.{layer}.DenseReluDense"
+    return {
+        "mlp.gate": f"{d}.wi_0",  # gated (v1.1, Flan)
+        "mlp.up": f"{d}.wi|{d}.wi_1",  # ReLU T5 | gated
+        "mlp.down": f"{d}.wo",
+        "mlp_norm": f"layer.{layer}.layer_norm",
+    }
 
 
 T5 = Family(
@@ -696,28 +1054,28 @@ T5 = Family(
         "norm_eps": 1e-6,
     },
     refuse={"is_decoder": (None, False), "is_encoder_decoder": (None, True)},
-    weights=(
-        ("shared", "shared", ""),
-        ("lm_head", "decoder.lm_head", ""),
-        *_t5_stack(
+    weights={
+        "shared": ("shared", ""),
+        "decoder.lm_head": ("lm_head", ""),
+        **_t5_stack(
             "encoder",
-            (
-                *_t5_attention("layer.0.SelfAttention", "attention"),
-                ("layer.0.layer_norm", "attn_norm"),
-                *_t5_mlp(1),
-            ),
+            {
+                **_t5_attention("layer.0.SelfAttention", "attention"),
+                "attn_norm": "layer.0.layer_norm",
+                **_t5_mlp(1),
+            },
         ),
-        *_t5_stack(
+        **_t5_stack(
             "decoder",
-            (
-                *_t5_attention("layer.0.SelfAttention", "attention"),
-                ("layer.0.layer_norm", "attn_norm"),
-                *_t5_attention("layer.1.EncDecAttention", "cross_attention"),
-                ("layer.1.layer_norm", "cross_norm"),
-                *_t5_mlp(2),
-            ),
+            {
+                **_t5_attention("layer.0.SelfAttention", "attention"),
+                "attn_norm": "layer.0.layer_norm",
+                **_t5_attention("layer.1.EncDecAttention", "cross_attention"),
+                "cross_norm": "layer.1.layer_norm",
+                **_t5_mlp(2),
+            },
         ),
-    ),
+    },
     # Copies of `shared` that some writers keep; the stacks use `shared` itself.
     ignore=(r"^(encoder|decoder)\.embed_tokens\.weight$",),
 )
@@ -732,6 +1090,10 @@ FAMILIES: dict[str, Family] = {
         OLMO2,
         PHI3,
         GEMMA2,
+        GEMMA3,
+        GRANITE,
+        STARCODER2,
+        STABLELM,
         GPT_NEOX,
         BLOOM,
         GPT2,
@@ -740,17 +1102,28 @@ FAMILIES: dict[str, Family] = {
         T5,
     )
 }
+# config.json `model_type` -> family (a page may answer to several names)
+_BY_MODEL_TYPE = {t: f for f in FAMILIES.values() for t in (f.name, *f.model_types)}
+# GGUF `general.architecture` -> family
+_BY_GGUF_ARCH = {f.gguf_architecture: f for f in FAMILIES.values()}
 
 
-def family_for(name: str, *, source: str) -> Family:
-    """The family for a ``model_type`` / GGUF architecture.
+def family_for(name: object, source: Source = "hf") -> Family:
+    """The family for a ``config.json`` ``model_type`` or a GGUF ``general.architecture``.
 
     Raises:
-        ValueError: an unknown name; the message lists the supported ones.
+        ValueError: a missing or unknown name (the message lists the supported ones), or a
+            family that attnlab does not read from GGUF files.
     """
-    if name not in FAMILIES:
+    if not isinstance(name, str):
+        raise ValueError(f"lacks the model type (which family this is), got {name!r}")
+    table = _BY_MODEL_TYPE if source == "hf" else _BY_GGUF_ARCH
+    if name not in table:
         raise ValueError(
-            f"{source}: model type {name!r} is not supported; supported: "
-            f"{', '.join(sorted(FAMILIES))}"
+            f"model type {name!r} is not supported; supported: {', '.join(sorted(table))}"
         )
-    return FAMILIES[name]
+    family = table[name]
+    if source == "gguf" and not family.gguf_weights:
+        hint = "; llama.cpp writes Mistral as 'llama'" if family.name == "mistral" else ""
+        raise ValueError(f"GGUF files of architecture {name!r} are not supported yet{hint}")
+    return family

@@ -156,6 +156,9 @@ def why_not_fast_decode(model: Any) -> str | None:
             return "cross-attention widths"
         if getattr(att, "sinks", None) is not None:
             return "attention option sinks"
+        qk_norm = getattr(att, "qk_norm", None)
+        if qk_norm is not None and qk_norm.scope == "each_head":
+            return "a QK-norm weight per head"
         norms = [norm1, norm2, getattr(block, "attn_post_norm", None)]
         norms += [getattr(block, "mlp_post_norm", None), getattr(att, "q_norm", None)]
         for norm in (n for n in norms if n is not None):

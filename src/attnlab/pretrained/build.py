@@ -16,7 +16,6 @@ No math here: only names, shapes and checks.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import re
 import typing
@@ -31,7 +30,7 @@ from torch import nn
 from attnlab.models.decoder import Decoder, DecoderConfig
 from attnlab.models.encoder import Encoder, EncoderConfig
 from attnlab.models.encoder_decoder import EncoderDecoder, EncoderDecoderConfig
-from attnlab.models.families import ACTIVATION_NAMES, Family, WeightRule
+from attnlab.models.families import ACTIVATION_NAMES, Family, Source, WeightRule, family_for
 from attnlab.norms import QKNorm
 from attnlab.pretrained.errors import ModelFileError
 from attnlab.rope import (
@@ -46,8 +45,7 @@ __all__ = [
     "LIMITS",
     "build_config",
     "build_model",
-    "find_family",
-    "find_gguf_family",
+    "family_from",
     "plan_weights",
     "skip_random_init",
 ]
@@ -73,6 +71,16 @@ LIMITS = {
     "decoder_start_token_id": 1 << 22,
 }
 _TOKEN_IDS = ("pad_token_id", "decoder_start_token_id")
+# Numbers that must be finite and > 0.
+_POSITIVE = (
+    "norm_eps",
+    "layer_norm_eps",
+    "rope_theta",
+    "attn_scale",
+    "embed_multiplier",
+    "residual_multiplier",
+    "logits_scaling",
+)
 AnyConfig = DecoderConfig | EncoderConfig | EncoderDecoderConfig
 AnyModel = Decoder | Encoder | EncoderDecoder
 _MISSING = object()
@@ -106,7 +114,7 @@ def _check_field(name: str, value: Any, kind: Any, where: str) -> Any:
                 "refusing to allocate it",
             )
         return value
-    if kind is float or name in ("norm_eps", "layer_norm_eps", "rope_theta"):
+    if kind is float or name in _POSITIVE:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
             raise ModelFileError(where, f"`{name}` must be a positive number, got {value!r}")
         if not math.isfinite(float(value)):
@@ -117,60 +125,34 @@ def _check_field(name: str, value: Any, kind: Any, where: str) -> Any:
     return value
 
 
-def find_family(name: object, where: str | Path) -> Family:
-    """The family for ``model_type`` / ``general.architecture`` ``name``.
-
-    Raises:
-        ModelFileError: a missing or unknown name (the message lists the supported ones).
-    """
-    from attnlab.models.families import FAMILIES
-
-    if not isinstance(name, str):
-        raise ModelFileError(where, f"lacks the model type (which family this is), got {name!r}")
-    if name not in FAMILIES:
-        raise ModelFileError(
-            where,
-            f"model type {name!r} is not supported; supported: {', '.join(sorted(FAMILIES))}",
-        )
-    return FAMILIES[name]
-
-
-def find_gguf_family(arch: object, where: str | Path) -> Family:
-    """The family for a GGUF file's ``general.architecture`` (llama.cpp's names, e.g.
-    ``gptneox`` for ``gpt_neox``).
-
-    Raises:
-        ModelFileError: a missing or unknown architecture (the message lists the known ones).
-    """
-    from attnlab.models.families import FAMILIES
-
-    by_arch = {f.gguf_architecture: f for f in FAMILIES.values()}
-    if not isinstance(arch, str):
-        raise ModelFileError(where, f"lacks `general.architecture`, got {arch!r}")
-    if arch not in by_arch:
-        raise ModelFileError(
-            where,
-            f"model type {arch!r} is not supported; supported: {', '.join(sorted(by_arch))}",
-        )
-    return by_arch[arch]
+def family_from(name: object, where: str | Path, source: Source = "hf") -> Family:
+    """:func:`attnlab.models.families.family_for`, its refusal as a :class:`ModelFileError`
+    naming the file."""
+    try:
+        return family_for(name, source)
+    except ValueError as e:
+        raise ModelFileError(where, str(e)) from None
 
 
 def build_config(
     family: Family,
-    source: Mapping[str, Any],
+    config: Mapping[str, Any],
     *,
     where: str | Path,
-    keys: Mapping[str, tuple[str, ...]] | None = None,
+    source: Source = "hf",
     extra: Mapping[str, Any] | None = None,
 ) -> AnyConfig:
-    """Read a family's config from ``source`` (``config.json`` or GGUF metadata).
+    """Read a family's config from ``config.json`` or GGUF metadata.
+
+    The fields are read through the family's key map for ``source``, defaults fill the
+    rest, the sizes are checked, then the family's hook turns its options into fields;
+    the RoPE, the per-layer windows and the QK-norm become their frozen configs last.
 
     Args:
         family: the family description.
-        source: the parsed config (a dict).
+        config: the parsed config (a dict): ``config.json`` or the GGUF metadata.
         where: the file, for messages.
-        keys: the key map (default ``family.keys``; GGUF passes ``family.gguf_keys``
-            with ``{arch}`` already filled in).
+        source: ``"hf"`` or ``"gguf"``: which of the family's key maps and defaults apply.
         extra: fields known from elsewhere (GGUF: tied embeddings, vocabulary size).
 
     Returns:
@@ -181,14 +163,16 @@ def build_config(
             option this family cannot express yet, an unknown activation.
     """
     where = str(where)
-    gguf = keys is not None and keys is not family.keys
-    keys = family.keys if keys is None else keys
-    defaults = {**family.defaults, **family.gguf_defaults} if gguf else family.defaults
+    if source == "hf" and family.text_config is not None:
+        nested = config.get(family.text_config)
+        if isinstance(nested, Mapping):  # a multimodal checkpoint: the text model's part
+            config = nested
+    keys = family.key_map(source)
     cls = family.config_class
     hints = typing.get_type_hints(cls)
     fields: dict[str, Any] = dict(family.fixed)
     for key, allowed in family.refuse.items():
-        value = lookup(source, key)
+        value = lookup(config, key)
         if value is not _MISSING and value not in allowed:
             shown = [a for a in allowed if a is not None] or [None]
             raise ModelFileError(
@@ -198,7 +182,7 @@ def build_config(
             )
     for name, candidates in keys.items():
         for key in candidates:
-            value = lookup(source, key)
+            value = lookup(config, key)
             if name == "sliding_window" and value == 0:  # GGUF's "no window"
                 continue
             if value is not _MISSING and value is not None:
@@ -206,13 +190,10 @@ def build_config(
                 break
     for name, value in (extra or {}).items():
         fields.setdefault(name, value)
-    for name, default in defaults.items():
+    for name, default in family.defaults_for(source).items():
         if name not in fields:
             fields[name] = default(fields) if callable(default) else default
-    _window_layers(fields, where)
-    _score_scales(fields, where)
-    required = {f.name for f in dataclasses.fields(cls)} - {"family"}
-    missing = sorted(required - set(fields) - _optional(cls))
+    missing = sorted(set(family.required) - {n for n, v in fields.items() if v is not None})
     if missing:
         wanted = [keys.get(m, (m,))[0] for m in missing]
         raise ModelFileError(where, f"lacks the required key(s) {wanted} for {family.name}")
@@ -225,95 +206,42 @@ def build_config(
             )
         fields["activation"] = ACTIVATION_NAMES[act]
     for name in list(fields):
-        if fields[name] is not None and name not in (
-            "rope",
-            "qk_norm",
-            "layer_types",
-            "layer_scales",
-        ):
+        if fields[name] is not None and name not in _STRUCTURED:
             fields[name] = _check_field(name, fields[name], hints.get(name), where)
+    if family.hook is not None:
+        try:
+            family.hook(fields, config, source)
+        except (ValueError, TypeError) as e:
+            raise ModelFileError(where, str(e)) from None
     if cls is DecoderConfig:
-        _rope_and_qk_norm(fields, source, where, gguf=gguf)
-    config = cls(**fields)
-    heads = config.num_heads
-    if config.hidden_size % heads and getattr(config, "head_dim", None) is None:
+        _decoder_fields(fields, config, where, source=source)
+    unknown = sorted(set(fields) - family.field_names())
+    assert not unknown, f"{family.name}: options {unknown} left over (a page without its hook?)"
+    config_obj = cls(**fields)
+    heads = config_obj.num_heads
+    if config_obj.hidden_size % heads and getattr(config_obj, "head_dim", None) is None:
         raise ModelFileError(
-            where, f"hidden size {config.hidden_size} is not divisible by {heads} heads"
+            where, f"hidden size {config_obj.hidden_size} is not divisible by {heads} heads"
         )
-    if isinstance(config, DecoderConfig) and heads % config.num_kv_heads:
+    if isinstance(config_obj, DecoderConfig) and heads % config_obj.num_kv_heads:
         raise ModelFileError(
-            where, f"{heads} query heads are not divisible by {config.num_kv_heads} kv heads"
+            where,
+            f"{heads} query heads are not divisible by {config_obj.num_kv_heads} kv heads",
         )
-    return config
+    return config_obj
 
 
-def _window_layers(fields: dict[str, Any], where: str) -> None:
-    """Qwen2/Qwen3's window rule, in place: ``sliding_window`` only with
-    ``use_sliding_window``, and then (unless ``layer_types`` says it per layer) on the layers
-    from ``max_window_layers`` on, as transformers builds its ``layer_types``."""
-    if "use_sliding_window" not in fields:
-        return
-    use = fields.pop("use_sliding_window")
-    first = fields.pop("max_window_layers")
-    if not isinstance(use, bool):
-        raise ModelFileError(where, f"`use_sliding_window` must be true or false, got {use!r}")
-    if isinstance(first, bool) or not isinstance(first, int) or first < 0:
-        raise ModelFileError(where, f"`max_window_layers` must be an integer >= 0, got {first!r}")
-    if not use:
-        fields.pop("sliding_window", None)
-    window, types = fields.get("sliding_window"), fields.get("layer_types")
-    layers = fields.get("num_layers")
-    if types is None and window is not None and isinstance(layers, int) and layers <= 1 << 16:
-        fields["layer_types"] = [
-            "sliding_attention" if i >= first else "full_attention" for i in range(layers)
-        ]
-    elif window is None and isinstance(types, list) and "sliding_attention" in types:
-        # transformers: the sliding layers have no window when use_sliding_window is off
-        fields["layer_types"] = ["full_attention"] * len(types)
+# Fields that are not single values (checked where they are built).
+_STRUCTURED = ("rope", "qk_norm", "layer_types", "layer_scales", "layer_ropes")
 
 
-def _score_scales(fields: dict[str, Any], where: str) -> None:
-    """GPT-2's score-scale switches, in place: ``scale_attn_weights`` (``1/sqrt(D)``, or
-    no scaling when false) and ``scale_attn_by_inverse_layer_idx`` (layer i's scores also
-    divided by ``i + 1``) become ``layer_scales`` when they change anything;
-    ``reorder_and_upcast_attn`` (scores in fp32) is checked and dropped: attnlab's scores are
-    fp32 in an fp32 model, and bf16 runs keep attnlab's own backends' precision."""
-    switches = {}
-    for key in ("scale_attn_weights", "scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
-        if key in fields:
-            value = fields.pop(key)
-            if not isinstance(value, bool):
-                raise ModelFileError(where, f"`{key}` must be true or false, got {value!r}")
-            switches[key] = value
-    scaled = switches.get("scale_attn_weights", True)
-    inverse = switches.get("scale_attn_by_inverse_layer_idx", False)
-    if scaled and not inverse:
-        return
-    width, heads, layers = (
-        fields.get("hidden_size"),
-        fields.get("num_heads"),
-        fields.get("num_layers"),
-    )
-    sizes = (width, heads, layers)
-    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in sizes):
-        return  # the size checks that follow name the field
-    assert isinstance(width, int) and isinstance(heads, int) and isinstance(layers, int)
-    if layers > LIMITS["num_layers"]:
-        return
-    base = (width // heads) ** -0.5 if scaled else 1.0
-    fields["layer_scales"] = tuple(base / (i + 1 if inverse else 1) for i in range(layers))
-
-
-def _rope_and_qk_norm(
-    fields: dict[str, Any], source: Mapping[str, Any], where: str, *, gguf: bool
+def _decoder_fields(
+    fields: dict[str, Any], config: Mapping[str, Any], where: str, *, source: Source
 ) -> None:
-    """Turn the rotary settings and the QK-norm kind into their frozen configs, in place."""
+    """The decoder's structured fields, in place: ``layer_types`` as a window per layer,
+    the GGUF value head dim checked, the rotary settings and the QK-norm kind as their
+    frozen configs (a family's hook may have set ``rope`` already)."""
     base = fields.pop("rope_theta", None)
-    scalar = fields.pop("query_pre_attn_scalar", None)
-    if scalar is not None:
-        if isinstance(scalar, bool) or not isinstance(scalar, (int, float)) or scalar <= 0:
-            raise ModelFileError(where, f"`query_pre_attn_scalar` must be > 0, got {scalar!r}")
-        fields["attn_scale"] = float(scalar) ** -0.5
     types = fields.pop("layer_types", None)
     if types is not None:
         if not isinstance(types, list) or len(types) != fields.get("num_layers"):
@@ -327,15 +255,23 @@ def _rope_and_qk_norm(
             raise ModelFileError(where, "`layer_types` has sliding layers but no `sliding_window`")
         fields["layer_windows"] = tuple(window if t == "sliding_attention" else None for t in types)
         fields["sliding_window"] = None
-
+    head_dim = fields.get("head_dim") or fields["hidden_size"] // fields["num_heads"]
+    value_dim = fields.pop("value_head_dim", None)
+    if value_dim is not None and value_dim != head_dim:
+        arch = config.get("general.architecture", "")
+        raise ModelFileError(
+            where,
+            f"`{arch}.attention.value_length` = {value_dim} differs from the key head dim "
+            f"{head_dim}; attnlab's attention has one head dim for keys and values",
+        )
     rope_dims = fields.pop("rope_dims", None)
     factors = fields.pop("rope_factors", None)
     longrope = fields.pop("rope_longrope", None)
-    if fields.get("positions", "rope") == "rope":
-        if gguf:
+    if fields.get("positions", "rope") == "rope" and "rope" not in fields:
+        if source == "gguf":
             fields["rope"] = _gguf_rope(
                 fields,
-                source,
+                config,
                 where,
                 base=base,
                 rope_dims=rope_dims,
@@ -344,13 +280,18 @@ def _rope_and_qk_norm(
             )
         else:
             try:
-                fields["rope"] = RopeConfig.from_hf_config(source)
+                fields["rope"] = RopeConfig.from_hf_config(config)
             except (ValueError, TypeError) as e:
                 raise ModelFileError(where, f"rope settings: {e}") from None
+    present = fields.pop("qk_norm_tensors", False)  # GGUF: attn_q_norm tensors in the file
     kind = fields.pop("qk_norm", None)
-    if kind is not None:
-        eps = float(fields.get("norm_eps", 1e-6))
-        fields["qk_norm"] = QKNorm("rms", "head" if kind == "rms_head" else "all", eps=eps)
+    if present and kind is None:
+        raise ModelFileError(
+            where, "tensors 'blk.*.attn_q_norm' are in the file, but this family has no QK-norm"
+        )
+    if kind is not None:  # "<norm>_<scope>": rms_head, rms_all, layer_each_head
+        norm, scope = kind.split("_", 1)
+        fields["qk_norm"] = QKNorm(norm, scope, eps=float(fields.get("norm_eps", 1e-6)))
 
 
 def _gguf_rope(
@@ -468,28 +409,13 @@ def _gguf_longrope(
         raise ModelFileError(where, f"tensors 'rope_factors_*.weight': {e}") from None
 
 
-def _optional(cls: type) -> set[str]:
-    """Fields with a default in ``cls`` that a source may leave out."""
-    ok = {"norm", "norm_bias", "norm_placement", "mlp", "mlp_bias", "parallel_residual"}
-    ok |= {"positions", "qkv_bias", "out_bias", "sliding_window", "rope_theta"}
-    ok |= {"positions_from_padding", "pad_token_id", "activation", "type_vocab_size"}
-    ok |= {"tie_embeddings", "num_kv_heads", "norm_eps", "context_length", "head_dim"}
-    ok |= {"rope", "qk_norm", "layer_windows", "attn_scale", "attn_softcap", "final_softcap"}
-    ok |= {"layer_scales"}
-    ok |= {"embed_scale", "embed_norm"}
-    ok |= {"relative_buckets", "relative_max_distance", "causal", "cross_attention"}
-    ok |= {"output_head", "head_input_scale", "decoder_start_token_id"}
-    ok |= {"gated_mlp", "scale_decoder_outputs", "num_decoder_layers"}
-    return ok & {f.name for f in dataclasses.fields(cls)}
-
-
 # --------------------------------------------------------------------------- weights
 
 _PIECES = {"{qkv}": ("W_query", "W_key", "W_value"), "{gate_up}": ("gate", "up")}
 
 
 def _rule_regex(pattern: str) -> re.Pattern[str]:
-    body = re.escape(pattern).replace(r"\{i\}", r"(?P<i>\d+)")
+    body = re.escape(pattern).replace(r"\{i\}", r"(?P<i>\d+)").replace(r"\{j\}", r"(?P<j>\d+)")
     return re.compile(rf"^{body}\.(?P<leaf>weight|bias)$")
 
 
@@ -538,6 +464,9 @@ def plan_weights(
             else:
                 key = next(k for k in _PIECES if k in target)
                 targets = tuple(f"{target.replace(key, p)}.{m['leaf']}" for p in pieces)
+            row = m.groupdict().get("j")
+            if row is not None:  # one row of a target stacked from several tensors
+                transform = f"row:{row}"
             plan[name] = (targets, transform)
             break
         else:
@@ -674,28 +603,26 @@ def parameter_count(config: AnyConfig) -> int:
 
 def build_model(
     config: AnyConfig,
-    rules: tuple[WeightRule, ...],
     names: Mapping[str, int],
     get: Callable[[str], torch.Tensor],
     *,
     family: Family,
+    source: Source,
     where: str | Path,
     dtype: torch.dtype,
     backend: str,
-    gguf: bool = False,
 ) -> AnyModel:
     """Build the model for ``config`` and fill it from the source tensors.
 
     Args:
         config: from :func:`build_config`.
-        rules: the family's weight rules for this source.
         names: every source tensor name -> its element count.
         get: loads one source tensor by name.
-        family: for prefixes and ignored names.
+        family: its weight rules, prefixes and ignored names.
+        source: ``"hf"`` or ``"gguf"`` (llama.cpp's names: no prefixes, nothing ignored).
         where: the file or directory, for messages.
         dtype: the model's parameter dtype.
         backend: attention backend of every layer.
-        gguf: the source uses llama.cpp names (no prefixes to strip).
 
     Raises:
         ModelFileError: the weights cannot hold what the config asks for (checked before
@@ -709,9 +636,10 @@ def build_model(
             f"the config (config.json / metadata) implies {needed:,} parameters but the "
             f"weights hold only {held:,} values; the config does not belong to these weights",
         )
+    gguf = source == "gguf"
     plan = plan_weights(
         names,
-        rules,
+        family.weight_rules(source),
         prefixes=() if gguf else family.prefixes,
         ignore=() if gguf else family.ignore,
         num_layers=max(config.num_layers, getattr(config, "num_decoder_layers", 0)),
@@ -720,7 +648,11 @@ def build_model(
     with skip_random_init():
         model = model_class(config)(config, backend=backend)  # type: ignore[arg-type]
     weights: dict[str, torch.Tensor] = {}
+    rows: dict[str, dict[int, torch.Tensor]] = {}
     for name, (targets, transform) in plan.items():
+        if transform.startswith("row:"):  # StableLM's per-head norms, one tensor per head
+            rows.setdefault(targets[0], {})[int(transform[4:])] = get(name)
+            continue
         parts = apply_transform(get(name), transform, config)
         if len(parts) != len(targets):
             raise ModelFileError(where, f"tensor {name!r} cannot be split into {targets}")
@@ -728,6 +660,12 @@ def build_model(
             if target in weights:
                 raise ModelFileError(where, f"two tensors map to {target!r}")
             weights[target] = t
+    for target, stacked in rows.items():
+        if sorted(stacked) != list(range(len(stacked))) or target in weights:
+            raise ModelFileError(
+                where, f"{target!r} needs rows 0..n-1 once each, got rows {sorted(stacked)}"
+            )
+        weights[target] = torch.stack([stacked[j] for j in range(len(stacked))])
     if getattr(config, "tie_embeddings", False):
         # tied: the embedding serves both
         weights.pop(

@@ -20,7 +20,7 @@ import torch
 from attnlab.models.decoder import Decoder
 from attnlab.models.encoder import Encoder
 from attnlab.models.encoder_decoder import NO_LIMIT, EncoderDecoder
-from attnlab.pretrained.build import build_config, build_model, find_family
+from attnlab.pretrained.build import build_config, build_model, family_from
 from attnlab.pretrained.errors import ModelFileError
 from attnlab.pretrained.safetensors_file import SafetensorsFile, read_safetensors
 from attnlab.pretrained.tokenizer import PretrainedTokenizer, tokenizer_from_hf_dir
@@ -125,16 +125,16 @@ def load_hf_directory(
         raise ModelFileError(folder, "is not a directory")
     config_path = folder / "config.json"
     hf = read_json(config_path, what="the model config")
-    family = find_family(hf.get("model_type"), config_path)
-    config = build_config(family, hf, where=config_path)
+    family = family_from(hf.get("model_type"), config_path)
+    config = build_config(family, hf, where=config_path, source="hf")
     files, where = weight_files(folder)
     names = {name: f.tensors[name].numel for name, f in files.items()}
     model = build_model(
         config,
-        family.weights,
         names,
         lambda name: files[name].tensor(name),
         family=family,
+        source="hf",
         where=where,
         dtype=dtype,
         backend=backend,

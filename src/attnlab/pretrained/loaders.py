@@ -29,7 +29,7 @@ from attnlab.pretrained.build import (
     apply_transform,
     build_config,
     build_model,
-    find_gguf_family,
+    family_from,
     plan_weights,
 )
 from attnlab.pretrained.errors import ModelFileError
@@ -154,19 +154,17 @@ def gguf_config(contents: GGUFContents) -> tuple[Family, AnyConfig]:
             disagree with the metadata (named), or metadata the family cannot express.
     """
     path, meta = contents.path, contents.metadata
-    family = find_gguf_family(meta.get("general.architecture"), path)
-    if not family.gguf_weights:
-        hint = "; llama.cpp writes Mistral as 'llama'" if family.name == "mistral" else ""
-        raise ModelFileError(
-            path, f"GGUF files of architecture {family.name!r} are not supported yet{hint}"
-        )
-    keys = {
-        name: tuple(k.replace("{arch}", family.gguf_architecture) for k in candidates)
-        for name, candidates in family.gguf_keys.items()
-    }
+    family = family_from(meta.get("general.architecture"), path, "gguf")
+    infos = contents.tensor_infos
+    # llama.cpp reads the optional biases by their presence (no metadata says so); a
+    # family whose page fixes them keeps its own value
     extra: dict[str, Any] = {
-        "tie_embeddings": "output.weight" not in contents.tensor_infos,
+        "tie_embeddings": "output.weight" not in infos,
         "vocab_size": len(contents.tokens),
+        "qkv_bias": "blk.0.attn_q.bias" in infos or "blk.0.attn_qkv.bias" in infos,
+        "out_bias": "blk.0.attn_output.bias" in infos,
+        "mlp_bias": "blk.0.ffn_up.bias" in infos,
+        "qk_norm_tensors": "blk.0.attn_q_norm.weight" in infos,
     }
     if ROPE_FREQS in contents.tensor_infos:
         extra["rope_factors"] = _rope_tensor(contents, ROPE_FREQS)
@@ -179,7 +177,7 @@ def gguf_config(contents: GGUFContents) -> tuple[Family, AnyConfig]:
         )
     if present:
         extra["rope_longrope"] = {k: _rope_tensor(contents, n) for k, n in LONGROPE_TENSORS.items()}
-    return family, build_config(family, meta, where=path, keys=keys, extra=extra)
+    return family, build_config(family, meta, where=path, source="gguf", extra=extra)
 
 
 def load_gguf(
@@ -205,14 +203,13 @@ def load_gguf(
     names = {name: math.prod(info.shape) for name, info in _weight_infos(contents).items()}
     model = build_model(
         config,
-        family.gguf_weights,
         names,
         contents.tensor,
         family=family,
+        source="gguf",
         where=path,
         dtype=dtype,
         backend=backend,
-        gguf=True,
     )
     assert isinstance(model, (Decoder, Encoder)), "no GGUF weight map for encoder-decoders"
     return model, tokenizer_from_gguf(contents)
@@ -261,7 +258,9 @@ def gguf_int4_layers(path: str | Path) -> dict[str, Int4Linear]:
     contents = read_gguf(path)
     family, config = gguf_config(contents)
     infos = _weight_infos(contents)
-    plan = plan_weights(infos, family.gguf_weights, num_layers=config.num_layers, where=path)
+    plan = plan_weights(
+        infos, family.weight_rules("gguf"), num_layers=config.num_layers, where=path
+    )
     out: dict[str, Int4Linear] = {}
     for name, (targets, transform) in plan.items():
         info = infos[name]

@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from attnlab.rope import RotaryEmbedding
+
 __all__ = ["LayerSummary", "ModelSummary", "summarize_model"]
 
 
@@ -42,7 +44,8 @@ class ModelSummary:
         heads, kv_heads, head_dim: H, G, D of the first layer.
         positions: ``"rope"``, ``"learned"``, ``"alibi"``, ``"relative"`` (T5) or
             ``"learned+types"`` (encoders).
-        rope: base, rotated fraction, interleaving and scaling kind, or None.
+        rope: base, rotated fraction, interleaving and scaling kind (and `layer_bases`:
+            the other bases some layers rotate with, Gemma 3's local ones), or None.
         norm: e.g. ``"rms pre"``, ``"layer post"``.
         mlp: e.g. ``"gated silu"``.
         context_length: longest input, or None (no limit: T5's relative positions).
@@ -148,7 +151,7 @@ def summarize_model(model: Any, *, probe_length: int = 1024) -> ModelSummary:
         )
         per_layer.append(LayerSummary(i, H, G, D, window, str(exp.chosen), role))
     first = layers[0][1]
-    rope = None
+    rope: dict[str, Any] | None = None
     if isinstance(model, Decoder) and model.rope is not None:
         rc = model.rope.config
         rope = {
@@ -157,6 +160,12 @@ def summarize_model(model: Any, *, probe_length: int = 1024) -> ModelSummary:
             "interleaved": rc.interleaved,
             "scaling": None if rc.scaling is None else type(rc.scaling).__name__,
         }
+        # layers with a RoPE of their own (Gemma 3's local layers): their bases
+        own = {float(m.config.base) for m in model.modules() if isinstance(m, RotaryEmbedding)} - {
+            rc.base
+        }
+        if own:
+            rope["layer_bases"] = sorted(own)
     attn_softcap = final_softcap = None
     if isinstance(model, Decoder):
         c = model.config

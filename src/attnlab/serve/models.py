@@ -279,9 +279,9 @@ def path_spec(path: Path) -> ModelSpec:
     the weights load on first use, through :func:`attnlab.pretrained.load_pretrained`.
 
     Raises:
-        ModelFileError: an unreadable ``config.json``; ValueError: an unknown family.
+        ModelFileError: an unreadable ``config.json`` or an unknown family.
     """
-    from attnlab.models.families import family_for
+    from attnlab.pretrained.build import family_from
 
     if path.is_file():  # GGUF: attnlab reads decoders only from GGUF
         kind, what = "causal-lm", f"GGUF file {path.name}"
@@ -291,7 +291,7 @@ def path_spec(path: Path) -> ModelSpec:
         model_type = read_json(path / "config.json", what="the model's configuration").get(
             "model_type"
         )
-        family = family_for(str(model_type), source=str(path / "config.json"))
+        family = family_from(model_type, path / "config.json")
         kind = {"decoder": "causal-lm"}.get(family.kind, family.kind)
         what = f"{family.name} model in {path.name}/"
     return ModelSpec(str(path), what, _pretrained_loader(path, str(path)), kind)
