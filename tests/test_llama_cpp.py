@@ -7,9 +7,10 @@ attnlab and by a reference that attnlab did not produce:
 
 - transformers reading the same GGUF file (``from_pretrained(dir, gguf_file=...)``), where
   transformers can read the architecture;
-- otherwise (OLMo 2, GPT-NeoX) transformers' model of the Hugging Face directory the file
-  came from, with every weight replaced by gguf-py's dequantisation of the file's tensor
-  (the converter's q/k/v reordering undone): the same numbers, so the same tolerance.
+- otherwise (OLMo 2, GPT-NeoX, Granite) transformers' model of the Hugging Face directory
+  the file came from, with every weight replaced by gguf-py's dequantisation of the file's
+  tensor (the converter's q/k/v reordering and q/k row permutation undone): the same
+  numbers, so the same tolerance.
 
 Both references dequantise with gguf-py's numpy code, attnlab with its own; the logits
 agree to float32 rounding, which a wrong block layout, scale or name map would break by
@@ -65,7 +66,7 @@ if PEER is None:
         allow_module_level=True,
     )
 
-from attnlab.models.families import FAMILIES  # noqa: E402
+from attnlab.models.families import FAMILIES, family_for  # noqa: E402
 from attnlab.pretrained import load_pretrained  # noqa: E402
 from model_files import gpt2_tokenizer, save_hf, spm_tokenizer  # noqa: E402
 
@@ -130,6 +131,25 @@ CORPUS: dict[str, Case] = {
         "gemma2",
         {**_GQA, **_SPM, "head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 8},
     ),
+    # Gemma 3: six layers, five local (window 8) then one global, QK-norm, the local
+    # layers' own RoPE base; query_pre_attn_scalar and the bases at transformers' defaults,
+    # which its GGUF reader assumes
+    "gemma3": Case(
+        "gemma3_text",
+        {**_GQA, **_SPM, "num_hidden_layers": 6, "head_dim": 256, "sliding_window": 8},
+    ),
+    # Granite's four multipliers (llama.cpp: attention/embedding/residual/logit scale)
+    "granite": Case(
+        "granite",
+        {
+            **_GQA,
+            **_SPM,
+            "embedding_multiplier": 2.0,
+            "residual_multiplier": 0.5,
+            "attention_multiplier": 0.1,
+            "logits_scaling": 4.0,
+        },
+    ),
     "phi3": Case("phi3", {**_GQA, **_SPM, "tie_word_embeddings": False}),
     "olmo2": Case("olmo2", {**_GQA, **_BPE, "tie_word_embeddings": True}, "gpt2"),
     "gpt_neox": Case(
@@ -138,6 +158,10 @@ CORPUS: dict[str, Case] = {
         "gpt2",
         hub={"rotary_pct": 0.25, "rotary_emb_base": 10000},
     ),
+    # StarCoder 2: LayerNorm and every projection with biases
+    "starcoder2": Case("starcoder2", {**_GQA, **_BPE}, "gpt2"),
+    # StableLM: partial rotary (0.25), LayerNorm, q/k/v biases
+    "stablelm": Case("stablelm", {**_GQA, **_BPE, "use_qkv_bias": True}, "gpt2"),
     "bloom": Case("bloom", {"hidden_size": 256, "n_layer": 2, "n_head": 4, **_BPE}, "gpt2"),
     # transformers' GGUF reader sizes the position table by GPT-2's default (1024)
     "gpt2": Case(
@@ -157,7 +181,7 @@ QUANT_TYPES = (
 )  # fmt: skip
 # Architectures transformers' GGUF reader does not know: the reference is transformers'
 # model of the source directory with the file's dequantised weights put in.
-NOT_IN_TRANSFORMERS_GGUF = ("olmo2", "gpt_neox")
+NOT_IN_TRANSFORMERS_GGUF = ("olmo2", "gpt_neox", "granite")
 # Both sides multiply the same float32 weights (dequantised from the same codes) in float32;
 # what is left is the order of float32 sums, ~1e-6 of the logits' scale (about 10 here).
 # A wrong block layout, scale, sign or tensor name moves logits by O(1).
@@ -274,6 +298,10 @@ def _transformers_with_the_files_weights(hf_dir: Path, path: Path) -> torch.Tens
         if arch == "gptneox" and "query_key_value" in name:  # llama.cpp stores q, k, v
             H = cfg.num_attention_heads
             x = x.reshape(3, H, -1, *x.shape[1:]).transpose(0, 1).reshape(param.shape)
+        if arch == "granite" and (".q_proj." in name or ".k_proj." in name):
+            # llama.cpp's LlamaModel permutes q/k rows per head: (H, 2, D/2) -> (H, D/2, 2)
+            H = cfg.num_attention_heads if ".q_proj." in name else cfg.num_key_value_heads
+            x = x.reshape(H, -1, 2, *x.shape[1:]).swapaxes(1, 2).reshape(param.shape)
         state[name] = x
     missing, unexpected = ref.load_state_dict(state, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
@@ -328,6 +356,6 @@ def test_llama_quantize_files_load_as_transformers_reads_them(corpus, case, qtyp
 
 def test_every_family_with_a_gguf_path_is_in_the_corpus():
     """A family page that reads GGUF files gets llama.cpp's files in this corpus too."""
-    with_gguf = {f.name for f in FAMILIES.values() if f.gguf_weights or f.gguf_keys}
-    covered = {spec.model_type for spec in CORPUS.values()}
+    with_gguf = {f.name for f in FAMILIES.values() if f.gguf_weights}
+    covered = {family_for(spec.model_type).name for spec in CORPUS.values()}
     assert with_gguf <= covered, sorted(with_gguf - covered)
