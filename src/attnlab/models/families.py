@@ -32,7 +32,7 @@ tables for the names and hyperparameters, a little code per architecture):
   into config fields (Qwen's window rule, Gemma's local/global layers, GPT-2's score
   switches), in place, and raises ``ValueError`` naming the key it cannot accept;
 - ``gguf_arch``: llama.cpp's ``general.architecture`` when it is not ``name``
-  (``qwen3moe``);
+  (``qwen3moe``, GPT-NeoX's ``gptneox``);
 - ``model_types``: more ``model_type`` names for the same page (``gemma3_text``), and
   ``text_config``: the ``config.json`` key that holds the text model's settings in a
   multimodal checkpoint.
@@ -1046,6 +1046,7 @@ def _gpt_neox_rope(fields: dict[str, Any], config: Mapping[str, Any], source: So
 
 GPT_NEOX = Family(
     name="gpt_neox",
+    gguf_arch="gptneox",  # llama.cpp's LLM_ARCH_GPTNEOX
     kind="decoder",
     fixed={
         "norm": "layer",

@@ -1,0 +1,356 @@
+"""Build llama.cpp (converter, quantizer, bench tools) into a cache folder, once.
+
+The source is the ``llama-cpp-python`` sdist from PyPI, which vendors llama.cpp under
+``vendor/llama.cpp`` (``convert_hf_to_gguf.py``, ``gguf-py/``, the CMake project). The
+tools are built with CMake + Ninja, with weight repacking off (``GGML_CPU_REPACK=OFF``):
+the repacked CPU kernels crash on the machines this project runs on.
+
+Layout of the cache (``$ATTNLAB_PEERS/llama.cpp``, default
+``~/.cache/attnlab/peers/llama.cpp``)::
+
+    src/                 vendored llama.cpp source (convert_hf_to_gguf.py, gguf-py/, ...)
+    build/bin/           llama-quantize, llama-bench, llama-perplexity
+    converter-packages/  the transformers version the converter pins (pip --target)
+    llama_cpp.json       versions and build flags; written last, so its presence means built
+
+Running the script again does nothing when ``llama_cpp.json`` and the binaries exist.
+
+Usage::
+
+    python benchmarks/peers/llama_cpp.py            # build if needed, print the folder
+    python benchmarks/peers/llama_cpp.py --check    # exit 1 if not built, build nothing
+    python benchmarks/peers/llama_cpp.py --version 0.3.36 --jobs 2
+
+Needs a C/C++ compiler, ``cmake`` (>= 3.14) and ``ninja`` on PATH (Debian: ``apt-get
+install build-essential cmake ninja-build``; or ``pip install cmake ninja``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+# The llama-cpp-python release whose vendored llama.cpp the tests were written against.
+# Pinned so that every machine converts and quantises with the same code.
+DEFAULT_VERSION = "0.3.36"
+TOOLS = ("llama-quantize", "llama-bench", "llama-perplexity")
+CMAKE_FLAGS = (
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DGGML_NATIVE=ON",
+    # Repacked weight layouts crash on this project's CPUs; the plain kernels do not.
+    "-DGGML_CPU_REPACK=OFF",
+    "-DLLAMA_CURL=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_SERVER=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=ON",
+)
+RECORD = "llama_cpp.json"
+# The converter is written against the transformers its requirements pin (4.x; the pin is
+# read from the vendored requirements file): transformers 5 rewrites some hub configs on
+# load (GPT-NeoX's `rotary_pct` becomes `rope_parameters`, which the converter does not
+# read). So the converter gets its own transformers, with the hub client and tokenizers
+# that version accepts, installed beside the build and put first on its PYTHONPATH.
+CONVERTER_DEPS = ("huggingface-hub>=0.34,<1.0", "tokenizers>=0.22,<=0.23.0")
+
+
+@dataclass(frozen=True)
+class LlamaCpp:
+    """Where a built llama.cpp lives.
+
+    Attributes:
+        root: The cache folder.
+        src: The llama.cpp source tree (``convert_hf_to_gguf.py``, ``gguf-py/``).
+        bin: The folder with the built tools.
+        info: The contents of ``llama_cpp.json``.
+    """
+
+    root: Path
+    src: Path
+    bin: Path
+    info: dict
+
+    @property
+    def converter(self) -> Path:
+        """``convert_hf_to_gguf.py``."""
+        return self.src / "convert_hf_to_gguf.py"
+
+    @property
+    def converter_packages(self) -> Path:
+        """The converter's pinned Python packages (transformers 4), see :data:`CONVERTER_PINS`."""
+        return self.root / "converter-packages"
+
+    @property
+    def gguf_py(self) -> Path:
+        """The vendored ``gguf`` package's parent, to put on the converter's PYTHONPATH."""
+        return self.src / "gguf-py"
+
+    def tool(self, name: str) -> Path:
+        """The path of one built tool, e.g. ``tool("llama-quantize")``."""
+        return self.bin / name
+
+
+def cache_dir() -> Path:
+    """``$ATTNLAB_PEERS/llama.cpp``, or ``~/.cache/attnlab/peers/llama.cpp``."""
+    peers = os.environ.get("ATTNLAB_PEERS")
+    base = Path(peers) if peers else Path.home() / ".cache" / "attnlab" / "peers"
+    return base / "llama.cpp"
+
+
+def find(root: Path | None = None) -> LlamaCpp | None:
+    """The built peer in ``root`` (default: :func:`cache_dir`), or None if not built."""
+    root = cache_dir() if root is None else root
+    record = root / RECORD
+    if not record.is_file():
+        return None
+    peer = LlamaCpp(
+        root=root, src=root / "src", bin=root / "build" / "bin", info=json.loads(record.read_text())
+    )
+    tools = all(os.access(peer.tool(t), os.X_OK) for t in TOOLS)
+    packages = (peer.converter_packages / "transformers").is_dir()
+    if not peer.converter.is_file() or not tools or not packages:
+        return None
+    return peer
+
+
+def _run(cmd: list[str], **kwargs: object) -> None:
+    print("+", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True, **kwargs)  # type: ignore[call-overload]
+
+
+def _need(program: str) -> str:
+    path = shutil.which(program)
+    if path is None:
+        raise SystemExit(
+            f"llama_cpp.py: `{program}` not found on PATH; install it\n"
+            "(Debian: apt-get install build-essential cmake ninja-build; pip: cmake ninja)"
+        )
+    return path
+
+
+def _vendored_commit(changelog: str, version: str) -> str | None:
+    """The llama.cpp commit that llama-cpp-python ``version`` vendors, from its CHANGELOG.
+
+    The sdist carries no git metadata (``vendor/llama.cpp/.git`` points outside it), so
+    llama.cpp's CMake would report commit "unknown"; the changelog names the commit in
+    each release's section ("update llama.cpp to ggml-org/llama.cpp@<sha>", newest first).
+    """
+    section = re.search(
+        rf"^## \[{re.escape(version)}\]\n(.*?)(?=^## \[|\Z)", changelog, re.M | re.S
+    )
+    if section is None:
+        return None
+    m = re.search(r"llama\.cpp@([0-9a-f]{7,40})", section.group(1))
+    return m.group(1) if m else None
+
+
+def _converter_transformers_pin(src: Path) -> str:
+    """``transformers==X`` as the vendored converter's requirements pin it."""
+    for req in sorted((src / "requirements").glob("requirements-convert*.txt")):
+        m = re.search(r"^transformers\s*==\s*([\w.]+)", req.read_text(), re.M)
+        if m:
+            return f"transformers=={m.group(1)}"
+    return "transformers>=4.45,<5"
+
+
+def _ggml_version(src: Path) -> str | None:
+    text = (src / "ggml" / "CMakeLists.txt").read_text(errors="replace")
+    parts = [
+        re.search(rf"set\(GGML_VERSION_{k}\s+(\d+)\)", text) for k in ("MAJOR", "MINOR", "PATCH")
+    ]
+    return ".".join(p.group(1) for p in parts if p) if all(parts) else None
+
+
+def build(
+    version: str = DEFAULT_VERSION, jobs: int | None = None, root: Path | None = None
+) -> LlamaCpp:
+    """Download the llama-cpp-python sdist, build llama.cpp's tools into ``root``.
+
+    Does nothing (returns the existing build) when the tools are already there.
+
+    Args:
+        version: The llama-cpp-python release whose vendored llama.cpp is built.
+        jobs: Parallel compile jobs (default: Ninja's choice).
+        root: The cache folder (default: :func:`cache_dir`).
+
+    Returns:
+        The built peer.
+    """
+    root = cache_dir() if root is None else root
+    found = find(root)
+    if found is not None:
+        if found.info.get("llama_cpp_python") != version:
+            built = found.info.get("llama_cpp_python")
+            print(
+                f"llama_cpp.py: {root} holds llama-cpp-python {built}, not {version}; "
+                "delete the folder to rebuild",
+                file=sys.stderr,
+            )
+        return found
+    cmake, ninja = _need("cmake"), _need("ninja")
+    _need("c++")
+    root.mkdir(parents=True, exist_ok=True)
+    src = root / "src"
+    commit_file = root / "llama_cpp_commit.txt"
+    if not (src / "convert_hf_to_gguf.py").is_file():
+        with tempfile.TemporaryDirectory(prefix="llama-cpp-sdist-") as tmp:
+            _run(
+                [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                 f"llama-cpp-python=={version}", "-d", tmp]
+            )  # fmt: skip
+            (sdist,) = Path(tmp).glob("llama_cpp_python-*.tar.gz")
+            top = sdist.name.removesuffix(".tar.gz")
+            prefix = f"{top}/vendor/llama.cpp/"
+            with tarfile.open(sdist) as tar:
+                members = [m for m in tar.getmembers() if m.name.startswith(prefix)]
+                for m in members:
+                    m.name = m.name[len(prefix) :]
+                tar.extractall(Path(tmp) / "llama.cpp", members=members, filter="data")
+                changelog = tar.extractfile(f"{top}/CHANGELOG.md")
+                text = changelog.read().decode("utf-8", "replace") if changelog else ""
+            commit_file.write_text((_vendored_commit(text, version) or "unknown") + "\n")
+            if src.exists():
+                shutil.rmtree(src)
+            shutil.move(str(Path(tmp) / "llama.cpp"), src)
+    commit = commit_file.read_text().strip() if commit_file.exists() else "unknown"
+    packages = root / "converter-packages"
+    transformers_pin = _converter_transformers_pin(src)
+    if not (packages / "transformers").is_dir():
+        _run(
+            [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target",
+             str(packages), transformers_pin, *CONVERTER_DEPS]
+        )  # fmt: skip
+    build_dir = root / "build"
+    # The commit goes into the binaries too (`llama-bench` prints it), since CMake cannot
+    # find it without git metadata.
+    _run(
+        [cmake, "-S", str(src), "-B", str(build_dir), "-G", "Ninja", *CMAKE_FLAGS,
+         f"-DLLAMA_BUILD_COMMIT={commit}"]
+    )  # fmt: skip
+    _run([ninja, "-C", str(build_dir), *(["-j", str(jobs)] if jobs else []), *TOOLS])
+    compiler = subprocess.run(["c++", "--version"], capture_output=True, text=True, check=False)
+    info = {
+        "llama_cpp_python": version,
+        "llama_cpp_commit": commit,
+        "ggml_version": _ggml_version(src),
+        "converter_packages": [transformers_pin, *CONVERTER_DEPS],
+        "cmake_flags": [*CMAKE_FLAGS, f"-DLLAMA_BUILD_COMMIT={commit}"],
+        "tools": list(TOOLS),
+        "machine": platform.machine(),
+        "compiler": compiler.stdout.splitlines()[0] if compiler.stdout else None,
+    }
+    (root / RECORD).write_text(json.dumps(info, indent=2) + "\n")
+    found = find(root)
+    if found is None:
+        raise SystemExit(
+            f"llama_cpp.py: the build in {build_dir} did not produce {', '.join(TOOLS)}"
+        )
+    return found
+
+
+# Runs in the converter's own interpreter: imports convert_hf_to_gguf once (torch,
+# transformers and the converter's model registry take seconds to import) and converts
+# every job, noting each job's failure instead of stopping at the first.
+_CONVERT_DRIVER = """
+import json, sys, traceback
+import convert_hf_to_gguf as converter
+errors = {}
+for model, outtype, outfile in json.loads(sys.argv[1]):
+    sys.argv = ["convert_hf_to_gguf.py", model, "--outtype", outtype, "--outfile", outfile]
+    try:
+        converter.main()
+    except SystemExit as exc:
+        errors[outfile] = f"convert_hf_to_gguf.py exited with {exc.code}"
+    except Exception:
+        errors[outfile] = traceback.format_exc(limit=-3)
+print("CONVERT-ERRORS " + json.dumps(errors))
+"""
+
+
+def convert(peer: LlamaCpp, jobs: list[tuple[Path, str, Path]]) -> dict[Path, str]:
+    """Run llama.cpp's ``convert_hf_to_gguf.py`` on Hugging Face directories, in one process.
+
+    The converter runs in a subprocess whose ``PYTHONPATH`` starts with the vendored
+    ``gguf-py``, so that its ``gguf`` (which may be newer than the installed one) does not
+    shadow the caller's.
+
+    Args:
+        peer: The built peer (:func:`find`).
+        jobs: ``(model directory, outtype, output file)`` each; outtype as the converter's
+            ``--outtype`` (``f32``, ``f16``, ``bf16``, ``q8_0``).
+
+    Returns:
+        The jobs that failed: output file -> the converter's error (empty if none did).
+    """
+    path = [peer.gguf_py, peer.converter_packages, peer.src]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(str(p) for p in path)}
+    payload = json.dumps([[str(m), t, str(o)] for m, t, o in jobs])
+    proc = subprocess.run(
+        [sys.executable, "-c", _CONVERT_DRIVER, payload],
+        env=env,
+        cwd=peer.src,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    marker = [line for line in proc.stdout.splitlines() if line.startswith("CONVERT-ERRORS ")]
+    if proc.returncode != 0 or not marker:
+        tail = (proc.stderr or proc.stdout)[-2000:]
+        return {
+            Path(o): f"the converter process failed ({proc.returncode}):\n{tail}"
+            for _, _, o in jobs
+        }
+    errors = json.loads(marker[-1].removeprefix("CONVERT-ERRORS "))
+    return {Path(k): v for k, v in errors.items()}
+
+
+def quantize(peer: LlamaCpp, source: Path, target: Path, qtype: str, threads: int = 1) -> str:
+    """``llama-quantize source target qtype`` (e.g. ``Q4_K_M``, ``IQ4_XS``).
+
+    Returns:
+        What llama-quantize printed (it names each tensor's type, and any fallback).
+
+    Raises:
+        RuntimeError: llama-quantize failed; the message holds the end of its output.
+    """
+    proc = subprocess.run(
+        [str(peer.tool("llama-quantize")), str(source), str(target), qtype, str(threads)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if proc.returncode != 0 or not target.is_file():
+        raise RuntimeError(
+            f"llama-quantize {source.name} -> {qtype} failed ({proc.returncode}):\n"
+            + (proc.stderr + proc.stdout)[-2000:]
+        )
+    return proc.stdout + proc.stderr
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--version", default=DEFAULT_VERSION, help="llama-cpp-python release")
+    parser.add_argument("--jobs", type=int, default=None, help="parallel compile jobs")
+    parser.add_argument("--check", action="store_true", help="only say whether it is built")
+    args = parser.parse_args(argv)
+    if args.check:
+        peer = find()
+        print(peer.root if peer else f"not built in {cache_dir()}")
+        return 0 if peer else 1
+    peer = build(args.version, args.jobs)
+    print(peer.root)
+    print(json.dumps(peer.info, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

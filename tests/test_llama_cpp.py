@@ -1,0 +1,361 @@
+"""llama.cpp's own converter and quantizer as fixtures: GGUF files nobody here wrote.
+
+Tiny random checkpoints of every family attnlab reads from GGUF are saved by transformers,
+converted by llama.cpp's ``convert_hf_to_gguf.py`` (``--outtype f32, f16, bf16, q8_0``) and
+quantised by ``llama-quantize`` from the f32 file (F16 ... IQ4_XS). Each file is loaded by
+attnlab and by a reference that attnlab did not produce:
+
+- transformers reading the same GGUF file (``from_pretrained(dir, gguf_file=...)``), where
+  transformers can read the architecture;
+- otherwise (OLMo 2, GPT-NeoX, Granite) transformers' model of the Hugging Face directory
+  the file came from, with every weight replaced by gguf-py's dequantisation of the file's
+  tensor (the converter's q/k/v reordering and q/k row permutation undone): the same
+  numbers, so the same tolerance.
+
+Both references dequantise with gguf-py's numpy code, attnlab with its own; the logits
+agree to float32 rounding, which a wrong block layout, scale or name map would break by
+O(1). The widths are multiples of 256 so that every K-quant and IQ4_XS applies as named
+(``llama-quantize`` falls back to other types for rows that are not).
+
+The tools are built by ``python benchmarks/peers/llama_cpp.py`` (CI does); without them
+these tests skip.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+if not all(
+    importlib.util.find_spec(m) for m in ("transformers", "tokenizers", "gguf", "sentencepiece")
+):
+    pytest.skip("needs transformers, tokenizers, gguf and sentencepiece", allow_module_level=True)
+
+
+def _peer_module():
+    spec = importlib.util.spec_from_file_location(
+        "peer_llama_cpp", ROOT / "benchmarks" / "peers" / "llama_cpp.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+PEER_TOOLS = _peer_module()
+PEER = PEER_TOOLS.find()
+if PEER is None:
+    pytest.skip(
+        "llama.cpp is not built: run `python benchmarks/peers/llama_cpp.py` (builds it into "
+        "$ATTNLAB_PEERS/llama.cpp or ~/.cache/attnlab/peers/llama.cpp)",
+        allow_module_level=True,
+    )
+
+from attnlab.models.families import FAMILIES, family_for  # noqa: E402
+from attnlab.pretrained import load_pretrained  # noqa: E402
+from model_files import gpt2_tokenizer, save_hf, spm_tokenizer  # noqa: E402
+
+pytestmark = pytest.mark.llamacpp
+
+# Every width a 2-D weight's rows run over (hidden, intermediate, heads x head dim) is a
+# multiple of 256, the K-quants' block. Two layers, four heads, two KV heads where the
+# family has them. SentencePiece families get a 320-token vocabulary; GPT-2 BPE needs its
+# 50257 (the converter recognises the tokenizer by its ids).
+_DIMS = {
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "max_position_embeddings": 256,
+}
+_GQA = {**_DIMS, "num_key_value_heads": 2}
+_SPM = {"vocab_size": 320, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+_BPE = {"vocab_size": 50257, "bos_token_id": 50256, "eos_token_id": 50256}
+_NEOX_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One checkpoint of the corpus.
+
+    Attributes:
+        model_type: transformers' ``model_type``.
+        config: the config's fields (transformers' names).
+        tokenizer: ``"spm"`` (a SentencePiece ``tokenizer.model``) or ``"gpt2"`` (GPT-2's
+            BPE as ``tokenizer.json``), whichever llama.cpp's converter reads for the family.
+        hub: keys added to the saved ``config.json`` as the hub's checkpoints have them
+            (transformers 5 no longer writes them; llama.cpp's converter reads them).
+    """
+
+    model_type: str
+    config: dict
+    tokenizer: str = "spm"
+    hub: dict = field(default_factory=dict)
+
+
+# The case name is the family's, plus a suffix for a second layout of the same family.
+CORPUS: dict[str, Case] = {
+    "llama": Case("llama", {**_GQA, **_SPM, "tie_word_embeddings": False}),
+    # Mistral Nemo's layout: head_dim 128 with hidden 256 / 4 heads (64): the file says
+    # attention.key_length / value_length = 128 and rope.dimension_count = 128.
+    "llama-head-dim": Case("llama", {**_GQA, **_SPM, "head_dim": 128}),
+    # one KV head for four query heads, Mistral's RoPE base
+    "mistral": Case(
+        "mistral",
+        {**_DIMS, **_SPM, "num_key_value_heads": 1, "rope_theta": 1e6, "sliding_window": None},
+    ),
+    # transformers 5 tokenizes a Qwen2 directory with its own pre-tokenizer whatever
+    # tokenizer_config.json names, which llama.cpp does not recognise: SentencePiece then.
+    "qwen2": Case("qwen2", {**_GQA, **_SPM, "tie_word_embeddings": True}),
+    # transformers' GGUF reader takes Qwen3's head_dim from its config default (128)
+    "qwen3": Case("qwen3", {**_GQA, **_SPM, "head_dim": 128}),
+    # transformers' GGUF reader takes query_pre_attn_scalar and the softcaps from Gemma 2's
+    # config defaults (256, 50, 30): the checkpoint uses those; the window (8) bites on
+    # the 24-token input, on the even layers.
+    "gemma2": Case(
+        "gemma2",
+        {**_GQA, **_SPM, "head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 8},
+    ),
+    # Gemma 3: six layers, five local (window 8) then one global, QK-norm, the local
+    # layers' own RoPE base; query_pre_attn_scalar and the bases at transformers' defaults,
+    # which its GGUF reader assumes
+    "gemma3": Case(
+        "gemma3_text",
+        {**_GQA, **_SPM, "num_hidden_layers": 6, "head_dim": 256, "sliding_window": 8},
+    ),
+    # Granite's four multipliers (llama.cpp: attention/embedding/residual/logit scale)
+    "granite": Case(
+        "granite",
+        {
+            **_GQA,
+            **_SPM,
+            "embedding_multiplier": 2.0,
+            "residual_multiplier": 0.5,
+            "attention_multiplier": 0.1,
+            "logits_scaling": 4.0,
+        },
+    ),
+    "phi3": Case("phi3", {**_GQA, **_SPM, "tie_word_embeddings": False}),
+    "olmo2": Case("olmo2", {**_GQA, **_BPE, "tie_word_embeddings": True}, "gpt2"),
+    "gpt_neox": Case(
+        "gpt_neox",
+        {**_DIMS, **_BPE, "rope_parameters": _NEOX_ROPE, "tie_word_embeddings": True},
+        "gpt2",
+        hub={"rotary_pct": 0.25, "rotary_emb_base": 10000},
+    ),
+    # StarCoder 2: LayerNorm and every projection with biases
+    "starcoder2": Case("starcoder2", {**_GQA, **_BPE}, "gpt2"),
+    # StableLM: partial rotary (0.25), LayerNorm, q/k/v biases
+    "stablelm": Case("stablelm", {**_GQA, **_BPE, "use_qkv_bias": True}, "gpt2"),
+    "bloom": Case("bloom", {"hidden_size": 256, "n_layer": 2, "n_head": 4, **_BPE}, "gpt2"),
+    # transformers' GGUF reader sizes the position table by GPT-2's default (1024)
+    "gpt2": Case(
+        "gpt2",
+        {"n_embd": 256, "n_layer": 2, "n_head": 4, "n_positions": 1024, **_BPE},
+        "gpt2",
+        hub={"n_ctx": 1024},
+    ),
+}
+
+# llama.cpp's converter writes these itself (--outtype); llama-quantize makes the rest
+# from the converter's f32 file.
+CONVERTER_TYPES = ("f32", "f16", "bf16", "q8_0")
+QUANT_TYPES = (
+    "F16", "BF16", "Q8_0", "Q5_0", "Q5_1", "Q4_K_M", "Q5_K_M", "Q6_K", "Q3_K_M", "Q2_K",
+    "IQ4_NL", "IQ4_XS",
+)  # fmt: skip
+# Architectures transformers' GGUF reader does not know: the reference is transformers'
+# model of the source directory with the file's dequantised weights put in.
+NOT_IN_TRANSFORMERS_GGUF = ("olmo2", "gpt_neox", "granite")
+# Both sides multiply the same float32 weights (dequantised from the same codes) in float32;
+# what is left is the order of float32 sums, ~1e-6 of the logits' scale (about 10 here).
+# A wrong block layout, scale, sign or tensor name moves logits by O(1).
+ATOL = 1e-4
+IDS = torch.tensor([[(37 * i + 11) % 300 + 3 for i in range(24)]])  # ids < 320: every vocab
+
+
+@dataclass
+class Corpus:
+    """The converted and quantised files of one test session (built on first use)."""
+
+    root: Path
+    dirs: dict[str, Path] = field(default_factory=dict)
+    converted: dict[tuple[str, str], Path | str] = field(default_factory=dict)
+    quantised: dict[str, dict[str, tuple[Path, set[str]] | str]] = field(default_factory=dict)
+
+    def hf_dir(self, case: str) -> Path:
+        return self.dirs[case]
+
+    def converter_file(self, case: str, outtype: str) -> Path:
+        found = self.converted[case, outtype]
+        if isinstance(found, str):
+            pytest.fail(f"convert_hf_to_gguf.py --outtype {outtype} on {case}:\n{found}")
+        return found
+
+    def quantised_file(self, case: str, qtype: str) -> tuple[Path, set[str]]:
+        """The file llama-quantize made of ``case`` in ``qtype``, and the tensor types it
+        says it wrote."""
+        if case not in self.quantised:  # every type of one case at once, two at a time
+            source = self.converter_file(case, "f32")
+
+            def one(qtype: str) -> tuple[Path, set[str]] | str:
+                target = source.with_name(f"{qtype}.gguf")
+                try:
+                    log = PEER_TOOLS.quantize(PEER, source, target, qtype)
+                except RuntimeError as exc:
+                    return str(exc)
+                if "fallback" in log or "falling back" in log:
+                    return f"llama-quantize fell back to another type:\n{log[-2000:]}"
+                return target, set(re.findall(r"converting to (\w+)", log))
+
+            with ThreadPoolExecutor(2) as pool:
+                made = pool.map(one, QUANT_TYPES)
+                self.quantised[case] = dict(zip(QUANT_TYPES, made, strict=True))
+        found = self.quantised[case][qtype]
+        if isinstance(found, str):
+            pytest.fail(f"llama-quantize {case} {qtype}: {found}")
+        return found
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> Corpus:
+    """Every checkpoint saved, then converted in every outtype by one converter process."""
+    corpus = Corpus(tmp_path_factory.mktemp("llama-cpp-corpus"))
+    jobs = []
+    for case, spec in CORPUS.items():
+        folder = corpus.root / case
+        tokenizer = gpt2_tokenizer if spec.tokenizer == "gpt2" else spm_tokenizer
+        save_hf(spec.model_type, spec.config, folder, torch.float32, tokenizer=tokenizer)
+        if spec.hub:
+            config = json.loads((folder / "config.json").read_text())
+            (folder / "config.json").write_text(json.dumps({**config, **spec.hub}, indent=2))
+        corpus.dirs[case] = folder
+        jobs += [(folder, t, folder / f"{t}.gguf") for t in CONVERTER_TYPES]
+    errors = PEER_TOOLS.convert(PEER, jobs)
+    for folder, outtype, out in jobs:
+        corpus.converted[folder.name, outtype] = errors.get(out, out)
+    return corpus
+
+
+def _logits(model) -> torch.Tensor:
+    with torch.no_grad():
+        out = model(IDS)
+    return (out[0] if isinstance(out, tuple) else getattr(out, "logits", out)).float()
+
+
+def _transformers_on_the_file(path: Path) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32, attn_implementation="eager"
+    )
+    return _logits(ref.eval())
+
+
+def _transformers_with_the_files_weights(hf_dir: Path, path: Path) -> torch.Tensor:
+    """transformers' model of ``hf_dir`` with every weight replaced by gguf-py's
+    dequantisation of the same tensor in ``path`` (the converter's transforms undone)."""
+    import gguf
+    import numpy as np
+    from gguf.quants import dequantize
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(
+        hf_dir, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    cfg = ref.config
+    reader = gguf.GGUFReader(path)
+    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    names = gguf.get_tensor_name_map(
+        gguf.MODEL_ARCH[arch.upper().replace("_", "")], cfg.num_hidden_layers
+    )
+    tensors = {t.name: t for t in reader.tensors}
+    state = {}
+    for name, param in ref.state_dict().items():
+        gname = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert gname is not None, name
+        if gname not in tensors:
+            assert name == "lm_head.weight" and cfg.tie_word_embeddings, (name, gname)
+            continue
+        t = tensors[gname]
+        values = dequantize(t.data, gguf.GGMLQuantizationType(t.tensor_type))
+        x = torch.from_numpy(np.array(values, dtype=np.float32)).reshape(param.shape)
+        if arch == "gptneox" and "query_key_value" in name:  # llama.cpp stores q, k, v
+            H = cfg.num_attention_heads
+            x = x.reshape(3, H, -1, *x.shape[1:]).transpose(0, 1).reshape(param.shape)
+        if arch == "granite" and (".q_proj." in name or ".k_proj." in name):
+            # llama.cpp's LlamaModel permutes q/k rows per head: (H, 2, D/2) -> (H, D/2, 2)
+            H = cfg.num_attention_heads if ".q_proj." in name else cfg.num_key_value_heads
+            x = x.reshape(H, -1, 2, *x.shape[1:]).swapaxes(1, 2).reshape(param.shape)
+        state[name] = x
+    missing, unexpected = ref.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    return _logits(ref)
+
+
+def _check(corpus: Corpus, case: str, path: Path, record_property) -> None:
+    ours = _logits(load_pretrained(path)[0])
+    spec = CORPUS[case]
+    if spec.model_type in NOT_IN_TRANSFORMERS_GGUF:
+        reference = _transformers_with_the_files_weights(corpus.hf_dir(case), path)
+    else:
+        reference = _transformers_on_the_file(path)
+    diff = (ours - reference).abs().max().item()
+    record_property("max_abs_logit_diff", diff)
+    record_property("logit_scale", reference.abs().max().item())
+    torch.testing.assert_close(ours, reference, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("outtype", CONVERTER_TYPES)
+@pytest.mark.parametrize("case", list(CORPUS))
+def test_converter_files_load_as_transformers_reads_them(corpus, case, outtype, record_property):
+    path = corpus.converter_file(case, outtype)
+    _check(corpus, case, path, record_property)
+    if outtype == "f32":  # and the file holds the checkpoint: the source model's logits
+        from transformers import AutoModelForCausalLM
+
+        source = AutoModelForCausalLM.from_pretrained(
+            corpus.hf_dir(case), dtype=torch.float32, attn_implementation="eager"
+        )
+        ours = _logits(load_pretrained(path)[0])
+        torch.testing.assert_close(ours, _logits(source.eval()), atol=ATOL, rtol=0)
+
+
+# GPT-2's 50257 tokens and 50000 merges take gguf-py's reader (which transformers runs
+# twice per file) seconds per file: those families' twelve types are the slow part.
+_QUANT_CASES = [
+    pytest.param(case, marks=pytest.mark.slow) if spec.tokenizer == "gpt2" else case
+    for case, spec in CORPUS.items()
+]
+
+
+@pytest.mark.parametrize("qtype", QUANT_TYPES)
+@pytest.mark.parametrize("case", _QUANT_CASES)
+def test_llama_quantize_files_load_as_transformers_reads_them(corpus, case, qtype, record_property):
+    path, written = corpus.quantised_file(case, qtype)
+    # the type itself, as ggml names it (Q4_K_M: q4_K, with q6_K for some tensors)
+    assert qtype.removesuffix("_M").lower().replace("_k", "_K") in written, written
+    record_property("tensor_types", ",".join(sorted(written)))
+    _check(corpus, case, path, record_property)
+
+
+def test_every_family_with_a_gguf_path_is_in_the_corpus():
+    """A family page that reads GGUF files gets llama.cpp's files in this corpus too."""
+    with_gguf = {f.name for f in FAMILIES.values() if f.gguf_weights}
+    covered = {family_for(spec.model_type).name for spec in CORPUS.values()}
+    assert with_gguf <= covered, sorted(with_gguf - covered)
