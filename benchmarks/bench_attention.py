@@ -72,6 +72,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from _records import Recorder
 
 from attnlab import masks as attn_masks
 from attnlab._memory import peak_allocated
@@ -245,6 +246,14 @@ def bench_variants(reps: int, threads: int) -> None:
         (8192, ["causal", "window", "torch window"]),
     ]
     clock = "thread CPU time" if TIMER is time.thread_time else "wall time"
+    rec = Recorder(
+        "bench_attention",
+        "variants",
+        f"attention variants on blockwise, each against plain causal blockwise in the same run "
+        f"(B=1, H={H}, D={D}, fp32, causal; min of >= {max(3, reps)} interleaved rounds, "
+        f"{clock})",
+        threads,
+    )
     print(
         f"blockwise variants, causal, B=1, H={H}, D={D}, fp32, {threads} threads; time = "
         f"min of >= {max(3, reps)} interleaved runs ({clock}); ratio = x plain causal blockwise of "
@@ -263,7 +272,26 @@ def bench_variants(reps: int, threads: int) -> None:
                 if n == "window":
                     note += f"; x torch window {times[n] / times['torch window']:.2f} (target < 1)"
                 print(f"T={T:>5} {n:<13} {times[n] * 1e3:9.1f} ms {ratio:6.2f}x{note}")
+                if n not in ("causal", "torch window"):
+                    rec.add(
+                        f"{n}, T={T}, {mode}",
+                        times[n] * 1e3,
+                        "ms",
+                        peer="plain causal blockwise",
+                        peer_value=times["causal"] * 1e3,
+                        better="lower",
+                    )
+                if n == "window":
+                    rec.add(
+                        f"window vs torch's kernel with the dense mask, T={T}, {mode}",
+                        times[n] * 1e3,
+                        "ms",
+                        peer="torch sdpa, dense window mask",
+                        peer_value=times["torch window"] * 1e3,
+                        better="lower",
+                    )
     print(f"\n{load()} at the end")
+    rec.write()
 
 
 def _blockwise(mask: object, path: str | None = None) -> Callable[..., torch.Tensor]:
@@ -504,6 +532,14 @@ def main() -> None:
         Ts.append(T)
         T *= 2
     results: dict[str, dict[str, dict[int, dict[str, float]]]] = {"fwd": {}, "fwd+bwd": {}}
+    rec = Recorder(
+        "bench_attention",
+        f"causal-{args.dtype}",
+        f"causal self-attention, B=1, H={H}, D={D}, {args.dtype}: each implementation against "
+        "torch.nn.functional.scaled_dot_product_attention, interleaved, min of "
+        f"{args.reps} rounds; peak memory from torch.profiler's allocation records",
+        args.threads,
+    )
     print(
         f"causal attention, B=1, H={H}, D={D}, {args.dtype}, {args.threads} threads; time = min of "
         f"{args.reps} interleaved runs; memory = peak bytes allocated by the call "
@@ -536,6 +572,24 @@ def main() -> None:
                     else ""
                 )
                 print(f"{T:>6} {n:<18} {times[n] * 1e3:10.1f} {t_ratio:8.2f} {mem}")
+                if n != "torch sdpa":
+                    rec.add(
+                        f"{n}, T={T}, {mode}",
+                        times[n] * 1e3,
+                        "ms",
+                        peer="torch sdpa",
+                        peer_value=times["torch sdpa"] * 1e3,
+                        better="lower",
+                    )
+                    if mems:
+                        rec.add(
+                            f"{n} peak memory, T={T}, {mode}",
+                            mems[n] / 2**20,
+                            "MiB",
+                            peer="torch sdpa",
+                            peer_value=mems["torch sdpa"] / 2**20,
+                            better="lower",
+                        )
             skipped = [n for n in IMPLS if n not in names]
             if skipped:
                 print(f"{T:>6} (skipped {', '.join(skipped)}: O(T^2) memory)")
@@ -560,6 +614,14 @@ def main() -> None:
         best = bench({"attnlab": ours, "direct": theirs}, max(5, args.reps * 2))
         ratio = best["attnlab"] / best["direct"]
         layer_rows[T] = ratio
+        rec.add(
+            f"Attention(backend='auto') layer, T={T}, fwd",
+            best["attnlab"] * 1e3,
+            "ms",
+            peer="the same layer on torch sdpa",
+            peer_value=best["direct"] * 1e3,
+            better="lower",
+        )
         print(
             f"T={T:>5}: attnlab {best['attnlab'] * 1e3:8.1f} ms, direct "
             f"{best['direct'] * 1e3:8.1f} ms, ratio {ratio:.3f}"
@@ -571,6 +633,7 @@ def main() -> None:
     if args.plot:
         plot(results, args.plot, args.threads)
         print(f"\nplot written to {args.plot}")
+    rec.write()
 
 
 def plot(results: dict, path: str, threads: int) -> None:

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 from _quiet import timed_pairs
+from _records import Recorder
 
 from attnlab.generation import generate
 from attnlab.models.gpt import GPTConfig, GPTModel
@@ -68,6 +69,14 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3, help="timed pairs of the cached paths")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    rec = Recorder(
+        "bench_generate",
+        args.preset,
+        f"{args.preset} (random init), greedy generation of {args.new} tokens after a "
+        f"{args.prompt}-token prompt: the fast one-token step per weight precision against the "
+        "module path over a growing cache, and the cached path against no cache",
+        args.threads,
+    )
     torch.manual_seed(123)
     cfg = GPTConfig.preset(args.preset)
     model = GPTModel(cfg).eval()
@@ -129,6 +138,24 @@ def main() -> None:
     print(f"  with KV cache   : {cached:8.2f} s  ({args.new / cached:6.1f} tokens/s, {dtypes[0]})")
     print(f"  without cache   : {uncached:8.2f} s  ({args.new / uncached:6.1f} tokens/s; {how})")
     print(f"speed-up with cache: {uncached / cached:.1f}x  (target >= 5x)")
+    for d in dtypes:
+        rec.add(
+            f"fast step, {d} weights",
+            args.new / res.best[d],
+            "tokens/s",
+            peer="module path, growing cache (fp32)",
+            peer_value=args.new / t_before,
+        )
+    rec.add(
+        f"with KV cache ({dtypes[0]})",
+        args.new / cached,
+        "tokens/s",
+        peer=f"without cache ({how})",
+        peer_value=args.new / uncached,
+    )
+    rec.note(f"cached pairs: {res.quietness()}")
+    rec.note(f"first 16 tokens equal ({dtypes[0]} fast step vs module path): {same}")
+    rec.write()
 
 
 if __name__ == "__main__":

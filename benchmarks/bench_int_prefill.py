@@ -17,6 +17,7 @@ import statistics
 import time
 
 import torch
+from _records import Recorder
 
 from attnlab.quant import Int4Linear, Int8Linear
 
@@ -30,6 +31,14 @@ def main() -> None:
     parser.add_argument("--rows", default="1,2,4,8,16,32,64,128,256,512")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    rec = Recorder(
+        "bench_int_prefill",
+        "smollm2-shapes",
+        "the four SmolLM2 product shapes through Int8Linear / Int4Linear: the int kernel "
+        "against dequantising to bf16 and one mm, per number of rows M (median of "
+        f"{args.rounds} interleaved rounds)",
+        args.threads,
+    )
     g = torch.Generator().manual_seed(0)
     weights = [torch.randn(n, k, generator=g) * 0.02 for n, k in SHAPES]
     print(
@@ -59,8 +68,12 @@ def main() -> None:
             if crossover is None and d < k:
                 crossover = m
             print(f"  {m:4d} {k:11.3f} {d:11.3f} {k / d:12.2f}x")
+            rec.add(f"{cls.__name__} dequantise + mm, M={m}", d, "ms", peer="int kernel",
+                    peer_value=k, better="lower")  # fmt: skip
         print(f"  dequantising wins from M = {crossover}")
+        rec.note(f"{cls.__name__}: dequantising wins from M = {crossover}")
     print(f"loadavg after: {os.getloadavg()[0]:.2f}")
+    rec.write()
 
 
 if __name__ == "__main__":

@@ -50,6 +50,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch
 from _quiet import timed_pairs
+from _records import Recorder
 
 from attnlab.generation import generate
 from attnlab.models.fast_decode import why_not_fast_decode
@@ -121,6 +122,15 @@ def bench_smollm2(
         with torch.no_grad():
             ref.generate(ids, attention_mask=mask, max_new_tokens=1, do_sample=False)
 
+    rec = Recorder(
+        "bench_pretrained",
+        "smollm2",
+        f"SmolLM2-135M-Instruct greedy generation, {ids.shape[1]}-token prompt + {new_tokens} "
+        "new tokens with a KV cache, attnlab in each weight precision against transformers "
+        "(fp32, sdpa) on the same weights, interleaved pairs; then the prefill of "
+        f"{prefill_len} tokens",
+        torch.get_num_threads(),
+    )
     fns: dict[str, Callable[[], object]] = {"transformers": theirs}
     fns["transformers/1"] = theirs_prefill
     for dtype in dtypes:
@@ -167,6 +177,22 @@ def bench_smollm2(
                 f"agreement {agree:.3f}, relative logit error {rel:.4f}"
             )
         print(line)
+        rec.add(
+            f"generate, {dtype} weights",
+            rate,
+            "tokens/s",
+            peer="transformers fp32",
+            peer_value=peer,
+            note=f"same tokens as transformers: {same}",
+        )
+        rec.add(
+            f"decode only, {dtype} weights",
+            decode_rate(dtype),
+            "tokens/s",
+            peer="transformers fp32",
+            peer_value=peer_dec,
+        )
+    rec.note(f"generation pairs: {res.quietness()}")
     print("  llama.cpp (same Q4_1 file, llama-bench, 2 threads, issue 14): 83 tokens/s decode")
     print(f"  load_pretrained('smollm2-135m-instruct'): {load_s:.2f} s")
 
@@ -194,6 +220,16 @@ def bench_smollm2(
     for dtype in dtypes:
         rate = long_ids.shape[1] / res.best[dtype]
         print(f"  {'attnlab ' + dtype:22s} {rate:7.1f} tokens/s   {rate / peer_pf:5.2f}x")
+        rec.add(
+            f"prefill {long_ids.shape[1]} tokens, {dtype} weights",
+            rate,
+            "tokens/s",
+            peer="transformers fp32",
+            peer_value=peer_pf,
+        )
+    rec.note(f"prefill pairs: {res.quietness()}")
+    rec.note(f"load_pretrained('smollm2-135m-instruct'): {load_s:.2f} s")
+    rec.write()
 
 
 def bench_minilm(reps: int, n_sentences: int, batch_size: int) -> None:
@@ -221,6 +257,23 @@ def bench_minilm(reps: int, n_sentences: int, batch_size: int) -> None:
     print(f"  attnlab               {rate['attnlab']:7.1f} sentences/s")
     print(f"  sentence-transformers {rate['st']:7.1f} sentences/s")
     print(f"  ratio                 {rate['attnlab'] / rate['st']:7.2f}x   max |diff| {diff:.1e}")
+    rec = Recorder(
+        "bench_pretrained",
+        "minilm",
+        f"all-MiniLM-L6-v2 sentence embeddings, {n_sentences} sentences, batch {batch_size}, "
+        "against sentence-transformers on the same weights, interleaved pairs",
+        torch.get_num_threads(),
+    )
+    rec.add(
+        "sentence embeddings",
+        rate["attnlab"],
+        "sentences/s",
+        peer="sentence-transformers",
+        peer_value=rate["st"],
+        note=f"max |difference| {diff:.1e}",
+    )
+    rec.note(res.quietness())
+    rec.write()
 
 
 # family -> transformers config overrides for the mid-size benchmark model
@@ -279,6 +332,15 @@ def bench_families(
 
     hf_logging.set_verbosity_error()  # no progress bars or config warnings between rows
     hf_logging.disable_progress_bar()
+    rec = Recorder(
+        "bench_pretrained",
+        "families",
+        f"your own model: a random 8-layer, 512-wide checkpoint of {', '.join(families)} saved "
+        "by transformers; load time (load_pretrained against from_pretrained, median of "
+        f"{load_reps} interleaved pairs) and greedy tokens/s ({prompt_len}-token prompt + "
+        f"{new_tokens} new, KV cache, median of {reps} pairs) against transformers",
+        torch.get_num_threads(),
+    )
     print(
         f"Your own model: 8 layers, width 512, prompt {prompt_len} + {new_tokens} new tokens, "
         f"greedy, KV cache, {torch.get_num_threads()} threads (ratios > 1: attnlab faster)"
@@ -359,8 +421,27 @@ def bench_families(
                     f"{load.quiet_pairs}/{load.pairs}, {gen.quiet_pairs}/{gen.pairs}",
                     flush=True,
                 )
+                dt = str(dtype)[6:]
+                rec.add(
+                    f"{family} {dt}: load",
+                    1e3 * load.median("attnlab"),
+                    "ms",
+                    peer="transformers from_pretrained",
+                    peer_value=1e3 * load.median("hf"),
+                    better="lower",
+                    note=f"quiet pairs {load.quiet_pairs}/{load.pairs}",
+                )
+                rec.add(
+                    f"{family} {dt}: generate",
+                    new_tokens / gen.median("attnlab"),
+                    "tokens/s",
+                    peer="transformers generate",
+                    peer_value=new_tokens / gen.median("hf"),
+                    note=f"same tokens: {same}; quiet pairs {gen.quiet_pairs}/{gen.pairs}",
+                )
     with open("/proc/loadavg") as f:
         print(f"  /proc/loadavg at the end: {f.read().strip()}")
+    rec.write()
 
 
 def main() -> None:

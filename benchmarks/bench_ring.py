@@ -31,6 +31,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from _records import Recorder
 
 from attnlab.distributed.demo import (
     PeakMemory,
@@ -131,6 +132,14 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=None)
     args = ap.parse_args()
     t, h, d, n, blk = args.seq_len, args.heads, args.head_dim, args.nproc, args.block_size
+    rec = Recorder(
+        "bench_ring",
+        f"T{t}-N{n}",
+        f"ring attention, causal fp32, T={t}, H={h}, D={d}, {n} local ranks (gloo, one thread "
+        "each): summed rank compute against one process's torch sdpa, rank balance, and peak "
+        "memory per rank against one process (one run each)",
+        1,
+    )
     print(f"T={t} H={h} D={d} causal fp32, N={n} ranks (gloo, 127.0.0.1, 1 thread per rank)")
 
     single = spawn_local(_single_worker, 1, (t, h, d, blk), timeout=3600)[0]
@@ -194,6 +203,47 @@ def main() -> None:
         f"  sum of rank compute (CPU) zigzag / one process's torch sdpa: "
         f"{sum(x.compute_cpu_s for x in zz.ranks) / sdpa_cpu:.2f}  (target <= 1.15)"
     )
+    rec.add(
+        "summed rank compute, zigzag",
+        sum(x.compute_cpu_s for x in zz.ranks),
+        "s",
+        peer="one process, torch sdpa (CPU time)",
+        peer_value=sdpa_cpu,
+        better="lower",
+    )
+    rec.add(
+        "slowest rank compute, zigzag",
+        max(x.compute_cpu_s for x in zz.ranks),
+        "s",
+        peer="mean rank compute, zigzag",
+        better="lower",
+        peer_value=statistics.mean(x.compute_cpu_s for x in zz.ranks),
+    )
+    rec.add(
+        "slowest rank compute, contiguous",
+        max(x.compute_cpu_s for x in cont.ranks),
+        "s",
+        peer="mean rank compute, contiguous",
+        better="lower",
+        peer_value=statistics.mean(x.compute_cpu_s for x in cont.ranks),
+    )
+    rec.add(
+        "peak memory per rank",
+        peak / 2**20,
+        "MiB",
+        peer="one process (blockwise)",
+        peer_value=s_peak / 2**20,
+        better="lower",
+    )
+    rec.add(
+        "waiting on transfers per rank, overlapped",
+        exposed,
+        "s",
+        peer="waiting without overlap",
+        peer_value=exposed_seq,
+        better="lower",
+    )
+    rec.write()
 
 
 if __name__ == "__main__":

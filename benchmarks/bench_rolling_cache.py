@@ -19,6 +19,7 @@ import argparse
 import time
 
 import torch
+from _records import Recorder
 
 from attnlab.attention import Attention, KVCache, RollingKVCache
 
@@ -30,6 +31,14 @@ def main() -> None:
     parser.add_argument("--backend", default="auto")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    rec = Recorder(
+        "bench_rolling_cache",
+        f"window-{args.window}",
+        f"one sliding-window layer (C=512, H=8, G=2, window {args.window}, fp32, backend "
+        f"{args.backend}) decoding {args.tokens} tokens: the rolling KV cache against a plain "
+        "growing cache, stepped alternately; time of the last 256 steps and cache memory",
+        1,
+    )
     torch.manual_seed(0)
     W, N = args.window, args.tokens
     layer = Attention(512, 8, num_kv_heads=2, sliding_window=W, rope=True, backend=args.backend)
@@ -60,6 +69,12 @@ def main() -> None:
         f"time of the last 256 steps: rolling {times['rolling'] * 1e3:.1f} ms, plain "
         f"{times['plain'] * 1e3:.1f} ms: ratio {times['rolling'] / times['plain']:.2f}"
     )
+    rec.add("last 256 decode steps", times["rolling"] * 1e3, "ms", peer="plain KVCache",
+            peer_value=times["plain"] * 1e3, better="lower")  # fmt: skip
+    rec.add("cache memory", roll.nbytes / 2**10, "KiB", peer="plain KVCache",
+            peer_value=plain.nbytes / 2**10, better="lower")  # fmt: skip
+    rec.note(f"largest output difference rolling vs plain: {diff:.2e}")
+    rec.write()
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from _records import Recorder
 from torch import nn
 
 from attnlab.models.gpt import GPTConfig, GPTModel
@@ -73,6 +74,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    rec = Recorder(
+        "bench_train",
+        args.preset,
+        f"training throughput of the {args.preset} GPT (AdamW, batch {args.batch_size}, "
+        f"{args.steps} timed steps, alternating, median step): attnlab's GPTModel against a "
+        "plain PyTorch GPT with fused QKV and F.scaled_dot_product_attention",
+        args.threads,
+    )
     over = {} if args.context_length is None else {"context_length": args.context_length}
     cfg = GPTConfig.preset(args.preset, **over)
     torch.manual_seed(0)
@@ -105,6 +114,9 @@ def main() -> None:
         print(f"  {name:<28} {n_params[name]:>12,} params  {tps[name]:>9,.0f} tokens/s")
     a, b = tps["attnlab GPTModel"], tps["plain PyTorch GPT (F.sdpa)"]
     print(f"ratio attnlab / plain: {a / b:.3f}x  (target >= 0.95x)")
+    rec.add("attnlab GPTModel training", a, "tokens/s", peer="plain PyTorch GPT (F.sdpa)",
+            peer_value=b)  # fmt: skip
+    rec.write()
 
 
 if __name__ == "__main__":

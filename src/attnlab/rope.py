@@ -189,7 +189,8 @@ class YarnScaling:
         attention_factor: explicit attention factor; None derives it from ``factor``:
             ``0.1 * ln(factor) + 1`` (or DeepSeek's ratio of ``mscale`` / ``mscale_all_dim``
             forms when both are given).
-        mscale, mscale_all_dim: DeepSeek's attention-factor parameters, or None.
+        mscale: DeepSeek's attention-factor parameter, or None.
+        mscale_all_dim: DeepSeek's attention-factor parameter for all dims, or None.
         truncate: round the ramp's ends to whole dims (transformers' default).
     """
 

@@ -1,0 +1,69 @@
+"""Benchmark records (benchmarks/_records.py) and the docs page made from them."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import make_docs_page  # noqa: E402
+from _records import Recorder, latest, load_records  # noqa: E402
+
+FIELDS = {"benchmark", "config", "measured", "command", "commit", "local_changes", "date",
+          "machine", "threads", "quiet", "figures", "notes"}  # fmt: skip
+
+
+def test_record_holds_what_was_measured_and_how(tmp_path: Path) -> None:
+    rec = Recorder("bench_demo", "small", "a demo measurement", threads=2)
+    sum(range(200_000))  # some work of our own, which must not count as other processes'
+    rec.add("attnlab", 30.0, "tokens/s", peer="peer library", peer_value=20.0)
+    rec.add("call", 2.0, "ms", peer="torch", peer_value=4.0, better="lower")
+    rec.note("3/3 pairs quiet")
+    path = rec.write(["benchmarks/bench_demo.py", "--reps", "2"], folder=tmp_path)
+    data = json.loads(path.read_text())
+    assert set(data) == FIELDS
+    assert data["command"] == "python benchmarks/bench_demo.py --reps 2"
+    assert data["machine"]["cores"] >= 1 and data["machine"]["cpu"]
+    assert data["threads"] == 2 and data["date"].endswith("+00:00")
+    quiet = data["quiet"]
+    assert set(quiet) >= {"loadavg_before", "loadavg_after", "other_processes_cores", "quiet"}
+    figs = data["figures"]
+    assert figs[0]["ratio"] == pytest.approx(1.5) and figs[0]["peer"] == "peer library"
+    assert figs[1]["ratio"] == pytest.approx(0.5) and figs[1]["better"] == "lower"
+    assert path.name.startswith("bench_demo--small--")
+
+
+def test_latest_keeps_the_newest_record_of_each_config(tmp_path: Path) -> None:
+    for date, config in [("2026-01-02", "a"), ("2026-01-01", "a"), ("2026-01-01", "b")]:
+        rec = {"benchmark": "x", "config": config, "date": f"{date}T00:00:00+00:00", "v": date}
+        (tmp_path / f"x--{config}--{date}.json").write_text(json.dumps(rec))
+    got = latest(load_records(tmp_path))
+    assert [(r["config"], r["v"]) for r in got] == [("a", "2026-01-02"), ("b", "2026-01-01")]
+
+
+def test_page_shows_each_figure_beside_its_peer(tmp_path: Path) -> None:
+    rec = Recorder("bench_demo", "small", "a demo measurement", threads=1)
+    rec.add("fast path", 12.0, "tokens/s", peer="slow path", peer_value=6.0)
+    data = json.loads(rec.write(["bench_demo.py"], folder=tmp_path).read_text())
+    text = make_docs_page.render([data])
+    assert "| fast path | 12.0 tokens/s | slow path | 6.00 tokens/s | 2.00x ↑ |" in text
+    assert "python bench_demo.py" in text and data["date"][:10] in text
+
+
+def test_docs_page_is_made_from_the_latest_records() -> None:
+    """docs/benchmarks.md is exactly what the records in benchmarks/results make."""
+    records = latest(load_records())
+    assert records, "benchmarks/results holds no record"
+    for rec in records:
+        assert set(rec) == FIELDS, f"{rec['benchmark']}/{rec['config']}: fields {sorted(rec)}"
+        assert rec["figures"], f"{rec['benchmark']}/{rec['config']} has no figure"
+    page = (ROOT / "docs" / "benchmarks.md").read_text(encoding="utf-8")
+    assert page == make_docs_page.render(records), (
+        "docs/benchmarks.md is stale: run python benchmarks/make_docs_page.py"
+    )
+    assert (ROOT / "docs" / "img" / "benchmarks.png").is_file()
