@@ -48,7 +48,7 @@ from peers import llama_cpp as peers
 
 from attnlab.data import default_corpus
 from attnlab.generation import generate_stream
-from attnlab.pretrained import load_pretrained
+from attnlab.pretrained import ModelFileError, load_pretrained
 from attnlab.pretrained.loaders import smollm2_path
 
 BUILD_COMMAND = "python benchmarks/peers/llama_cpp.py"
@@ -206,27 +206,33 @@ def bench_file(peer: peers.LlamaCpp, label: str, path: Path, args: argparse.Name
         f"{args.prefill} tokens), {args.rounds} interleaved rounds, best of the kept rounds",
         args.threads,
     )
-    load = load_pretrained(path)  # the tokenizer; the model is the fp32 reference
-    reference, tok = load
-    text_ids = tok.encode(default_corpus())
-    need = max(args.prompt, args.agree + 1)
-    if len(text_ids) < need:
-        raise SystemExit(f"bench_llama_cpp: the text gives {len(text_ids)} tokens, need {need}")
-    prompt = torch.tensor([text_ids[: args.prompt]])
-    reps = -(-args.prefill // len(text_ids))  # the text tiled: any ids time the same
-    prefill = torch.tensor([(text_ids * reps)[: args.prefill]])
-    agree_ids = torch.tensor([text_ids[: args.agree]])
-    with torch.no_grad():
-        ref_argmax = reference(agree_ids)[0].argmax(-1)
-    del reference, load
-    gc.collect()
-
-    sides = {d: AttnlabSide(path, d, prompt, prefill, args.new) for d in args.dtypes}
-    agreement = {
-        d: float((s.argmax(agree_ids) == ref_argmax).float().mean()) for d, s in sides.items()
-    }
-    for s in sides.values():  # the first one-token step builds the fast decode plan
-        list(generate_stream(s.model, prompt, 2))
+    sides: dict[str, AttnlabSide] = {}
+    agreement: dict[str, float] = {}
+    try:
+        reference, tok = load_pretrained(path)  # the fp32 model: the agreement's reference
+    except ModelFileError as e:  # llama.cpp's figures are still worth recording
+        unloadable: str | None = str(e)
+        print(f"attnlab cannot load {path.name}: {e}", file=sys.stderr)
+    else:
+        unloadable = None
+        text_ids = tok.encode(default_corpus())
+        need = max(args.prompt, args.agree + 1)
+        if len(text_ids) < need:
+            raise SystemExit(f"bench_llama_cpp: the text gives {len(text_ids)} tokens, need {need}")
+        prompt = torch.tensor([text_ids[: args.prompt]])
+        reps = -(-args.prefill // len(text_ids))  # the text tiled: any ids time the same
+        prefill = torch.tensor([(text_ids * reps)[: args.prefill]])
+        agree_ids = torch.tensor([text_ids[: args.agree]])
+        with torch.no_grad():
+            ref_argmax = reference(agree_ids)[0].argmax(-1)
+        del reference
+        gc.collect()
+        sides = {d: AttnlabSide(path, d, prompt, prefill, args.new) for d in args.dtypes}
+        agreement = {
+            d: float((s.argmax(agree_ids) == ref_argmax).float().mean()) for d, s in sides.items()
+        }
+        for s in sides.values():  # the first one-token step builds the fast decode plan
+            list(generate_stream(s.model, prompt, 2))
 
     peer_runs: list[dict[str, BenchFigure]] = []
     fns: dict[str, Any] = {
@@ -267,6 +273,9 @@ def bench_file(peer: peers.LlamaCpp, label: str, path: Path, args: argparse.Name
                 peer=f"{peer_name} {pp}", peer_value=peer_pp)  # fmt: skip
         rec.add(f"attnlab {d} argmax agreement with float32", agreement[d], "fraction",
                 note=f"{args.agree} teacher-forced positions")  # fmt: skip
+    if unloadable is not None:
+        print(f"    cannot load the file: {unloadable}")
+        rec.note(f"attnlab cannot load this file: {unloadable}")
     print(f"  {res.quietness()}")
     flags = " ".join(peer.info.get("cmake_flags", []))
     rec.note(f"file: {path.name} ({first.model_type}); llama.cpp built by {BUILD_COMMAND} "
