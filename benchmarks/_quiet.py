@@ -35,8 +35,11 @@ def _machine_busy_s() -> float | None:
 
 
 def _own_cpu_s() -> float:
+    """CPU seconds of this process and of its finished children (a peer tool the benchmark
+    ran, e.g. llama-bench, is its own work, not another process's load)."""
     r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
+    c = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime + c.ru_utime + c.ru_stime
 
 
 @dataclass
