@@ -151,10 +151,11 @@ def repeated_random_text(
     ``length`` of them drawn uniformly (``random.Random(seed)``) and written twice, so the
     text is ``n_sequences * 2 * length`` tokens, each ``" word"``. The second copy of a
     sequence can only be predicted by looking back at the first (an induction head); the
-    first copy cannot be predicted at all. Train on windows whose length is not a multiple
-    of ``2 * length`` (e.g. ``3 * length``): windows that all start at a sequence's start
-    let a layer-0 head learn the copy from positions alone ("attend ``length - 1`` tokens
-    back"), which scores as induction on the same alignment and nowhere else.
+    first copy cannot be predicted at all. Every sequence has the same ``length``, so a
+    model can also learn the copy from positions alone (a first-layer head that attends
+    ``length - 1`` tokens back, wherever the windows start); such a head scores as
+    induction only on a sequence of that same length, so score a trained model with
+    another length (``attnlab heads --n``) to tell it from an induction head.
 
     Args:
         n_sequences: how many sequences.
