@@ -136,3 +136,21 @@ def test_ctrl_c_saves_a_checkpoint_and_resume_finishes(tmp_path):
     assert resumed.returncode == 0, resumed.stderr
     assert f"resuming at step {done}" in resumed.stdout
     assert json.loads((out / "config.json").read_text())["step"] == 40
+
+
+def test_train_context_length_sets_the_window_and_the_model(capsys, tmp_path):
+    short = tmp_path / "short.txt"
+    # 100 tokens: too short for windows of the tiny preset's 64 tokens, not for 8-token ones.
+    short.write_text("A very short story. " * 20, encoding="utf-8")
+    out = tmp_path / "run"
+    args = ["train", "--text", str(short), "--out", str(out), "--steps", "1"]
+    code, _, err = run_main(capsys, *args, "--context-length", "0")
+    assert code == 2 and "`--context-length` must be >= 1" in _one_error_line(err)
+
+    code, stdout, err = run_main(capsys, *args, "--context-length", "8", "--batch-size", "2")
+    assert code == 0, err
+    assert "16 tokens per step" in " ".join(stdout.split())
+    from attnlab.checkpoint import load_checkpoint
+
+    cfg = GPTConfig.from_dict(load_checkpoint(out).model_config)
+    assert cfg == GPTConfig.preset("tiny", context_length=8)

@@ -108,3 +108,30 @@ def test_split_text():
     assert (train, val) == ("abcdefghi", "j")
     with pytest.raises(ValueError, match="train_ratio"):
         split_text("abc", 1.0)
+
+
+def test_repeated_random_text_is_sequences_of_one_token_words_each_written_twice():
+    from attnlab.data import repeated_random_text
+
+    length = 8
+    text = repeated_random_text(5, length, n_words=50, seed=3)
+    ids = get_tokenizer().encode(text)
+    assert len(ids) == 5 * 2 * length  # one token per word
+    words = text.split(" ")[1:]
+    assert len(set(words)) <= 50
+    for k in range(5):
+        seq = ids[2 * length * k : 2 * length * (k + 1)]
+        assert seq[:length] == seq[length:]
+    # The sequences differ from one another and the seed decides them.
+    assert ids[:length] != ids[2 * length : 3 * length]
+    assert repeated_random_text(5, length, n_words=50, seed=3) == text
+    assert repeated_random_text(5, length, n_words=50, seed=4) != text
+
+
+@pytest.mark.parametrize("kwargs", [{"n_sequences": 0}, {"length": 1.5}, {"n_words": 10**6}])
+def test_repeated_random_text_names_a_bad_argument(kwargs):
+    from attnlab.data import repeated_random_text
+
+    args = {"n_sequences": 2, **kwargs}
+    with pytest.raises(ValueError, match=f"`{next(iter(kwargs))}`"):
+        repeated_random_text(**args)

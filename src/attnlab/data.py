@@ -14,6 +14,7 @@ import functools
 import importlib.resources
 import importlib.util
 import os
+import re
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -29,6 +30,7 @@ __all__ = [
     "default_corpus",
     "get_tokenizer",
     "load_text",
+    "repeated_random_text",
     "split_text",
 ]
 
@@ -137,6 +139,60 @@ def load_text(path: str | os.PathLike[str] | None = None) -> str:
     if not text.strip():
         raise ValueError(f"`text` file {str(p)!r} is empty; give a file with some text in it")
     return text
+
+
+def repeated_random_text(
+    n_sequences: int, length: int = 32, *, n_words: int = 200, seed: int = 0
+) -> str:
+    """Random word sequences, each followed by its own copy: a text that teaches induction.
+
+    The words are the first ``n_words`` distinct lowercase words of the embedded story that
+    GPT-2 BPE encodes, with their leading space, as one token each; every sequence is
+    ``length`` of them drawn uniformly (``random.Random(seed)``) and written twice, so the
+    text is ``n_sequences * 2 * length`` tokens, each ``" word"``. The second copy of a
+    sequence can only be predicted by looking back at the first (an induction head); the
+    first copy cannot be predicted at all. Every sequence has the same ``length``, so a
+    model can also learn the copy from positions alone (a first-layer head that attends
+    ``length - 1`` tokens back, wherever the windows start); such a head scores as
+    induction only on a sequence of that same length, so score a trained model with
+    another length (``attnlab heads --n``) to tell it from an induction head.
+
+    Args:
+        n_sequences: how many sequences.
+        length: words per sequence (half the tokens of one sequence and its copy).
+        n_words: size of the vocabulary drawn from.
+        seed: seed of the draw.
+
+    Returns:
+        The text (words separated by single spaces, starting with a space).
+
+    Raises:
+        ValueError: if an argument is not a positive int, or the story has fewer than
+            ``n_words`` such words.
+    """
+    import random
+
+    for name, v in (("n_sequences", n_sequences), ("length", length), ("n_words", n_words)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"`{name}` must be an int >= 1, got {v!r}")
+    tok = get_tokenizer()
+    words: list[str] = []
+    for w in dict.fromkeys(re.findall(r"[a-z]+", default_corpus())):
+        if len(tok.encode(" " + w)) == 1:
+            words.append(w)
+            if len(words) == n_words:
+                break
+    else:
+        raise ValueError(
+            f"`n_words` must be at most {len(words)} (the single-token words of the story), "
+            f"got {n_words}"
+        )
+    rng = random.Random(seed)
+    parts = []
+    for _ in range(n_sequences):
+        seq = [rng.choice(words) for _ in range(length)]
+        parts.append("".join(" " + w for w in seq + seq))
+    return "".join(parts)
 
 
 def split_text(text: str, train_ratio: float = 0.9) -> tuple[str, str]:

@@ -92,6 +92,14 @@ def train(
     preset: Annotated[
         str, typer.Option(help="Model size: tiny, gpt2-124m, gpt2-medium, gpt2-large, gpt2-xl.")
     ] = "tiny",
+    context_length: Annotated[
+        int | None,
+        typer.Option(
+            "--context-length",
+            help="Tokens per training window and the model's context length "
+            "(default: the preset's).",
+        ),
+    ] = None,
     steps: Annotated[
         int | None, typer.Option(help="Optimizer steps (default 200, or use --epochs).")
     ] = None,
@@ -145,6 +153,7 @@ def train(
             raise UserError(f"`--nproc` must be >= 1, got {nproc}")
         argv = _train_argv(
             preset=preset,
+            context_length=context_length,
             steps=steps,
             epochs=epochs,
             batch_size=batch_size,
@@ -157,7 +166,14 @@ def train(
             backend=backend,
         )
         with user_input():
-            TrainConfig(preset=preset, steps=steps, epochs=epochs, batch_size=batch_size, lr=lr)
+            TrainConfig(
+                preset=preset,
+                model=_model_config(preset, context_length),
+                steps=steps,
+                epochs=epochs,
+                batch_size=batch_size,
+                lr=lr,
+            )
             if text is not None:
                 from attnlab.data import load_text
 
@@ -181,6 +197,7 @@ def train(
     with user_input():
         config = TrainConfig(
             preset=preset,
+            model=_model_config(preset, context_length),
             steps=steps,
             epochs=epochs,
             batch_size=batch_size,
@@ -227,6 +244,17 @@ def train(
         markup=False,
         soft_wrap=True,
     )
+
+
+def _model_config(preset: str, context_length: int | None) -> Any:
+    """The preset's model config with ``--context-length`` applied; None keeps the preset."""
+    if context_length is None:
+        return None
+    from attnlab.models.gpt import GPTConfig
+
+    if context_length < 1:
+        raise ValueError(f"`--context-length` must be >= 1, got {context_length}")
+    return GPTConfig.preset(preset, context_length=context_length)
 
 
 def _run_recorded(trainer: Any) -> Any:
