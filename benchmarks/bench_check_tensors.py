@@ -9,17 +9,12 @@
 
     PYTHONPATH=src python benchmarks/bench_check_tensors.py --pairs 3
 
-Writes ``benchmarks/results/check_tensors.json`` (one record per model).
+Writes one record per model into ``benchmarks/results/`` (``_records.Recorder``).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
-import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -29,6 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _quiet import timed_pairs
+from _records import Recorder
 
 
 def main() -> None:
@@ -40,7 +36,6 @@ def main() -> None:
         nargs="+",
         default=["smollm2-135m-instruct", "gemma3-270m", "all-minilm-l6-v2"],
     )
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results/check_tensors.json"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -69,19 +64,21 @@ def main() -> None:
             for module in (gguf_file, safetensors_file):
                 module.check_finite = checked  # type: ignore[attr-defined]
 
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
-    ).stdout.strip()
-    records = []
     for name in args.models:
+        rec = Recorder(
+            benchmark="bench_check_tensors",
+            config=name,
+            measured="load_pretrained with the non-finite weight check and without it "
+            "(interleaved pairs, best of each), and the check's own CPU time in the load's",
+            threads=args.threads,
+        )
         load(name, True)  # warm the page cache and the imports
         result = timed_pairs(
             {"checked": lambda n=name: load(n, True), "unchecked": lambda n=name: load(n, False)},
             args.pairs,
         )
         on, off = result.best["checked"], result.best["unchecked"]
-        cost = on / off - 1
-        print(f"{name}: load with the check {on:.3f} s, without {off:.3f} s: +{100 * cost:.1f}%")
+        print(f"{name}: load with the check {on:.3f} s, without {off:.3f} s: {on / off:.3f}x")
         print(f"  {result.quietness()}")
         # The check's own CPU time against the whole load's, this process only: robust to
         # what other processes do to the wall clock.
@@ -96,29 +93,10 @@ def main() -> None:
             f"  CPU time: the check {check_cpu:.3f} s of the load's {load_cpu:.3f} s "
             f"({100 * check_cpu / load_cpu:.1f}%)"
         )
-        records.append(
-            {
-                "benchmark": "check_tensors",
-                "command": "PYTHONPATH=src python benchmarks/bench_check_tensors.py "
-                f"--pairs {args.pairs} --threads {args.threads}",
-                "commit": commit,
-                "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-                "machine": f"{platform.machine()} {os.cpu_count()} cpus",
-                "threads": args.threads,
-                "model": name,
-                "pairs": args.pairs,
-                "load_checked_s": round(on, 4),
-                "load_unchecked_s": round(off, 4),
-                "cost_fraction": round(cost, 4),
-                "check_cpu_s": round(check_cpu, 4),
-                "load_cpu_s": round(load_cpu, 4),
-                "check_cpu_fraction": round(check_cpu / load_cpu, 4),
-                "quietness": result.quietness(),
-            }
-        )
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(records, indent=2) + "\n")
+        rec.add("load, checked", on, "s", peer="load, unchecked", peer_value=off, better="lower")
+        rec.add("check CPU", check_cpu, "s", peer="load CPU", peer_value=load_cpu, better="lower")
+        rec.note(result.quietness())
+        print(f"  record: {rec.write()}")
 
 
 if __name__ == "__main__":
