@@ -108,6 +108,8 @@ def test_ctrl_c_right_after_the_startup_line_stops_a_server_started_with_sigint_
         (["--model", "example:journey", "--workers", "0"], "`--workers` must be an int >= 1"),
         (["--model", "example:journey", "--max-chars", "0"], "`--max-chars` must be"),
         (["--model", "example:journey", "--lang", "fr"], "unknown --lang 'fr'"),
+        (["--model", "example:journey", "--port", "99999"], "--port must be a TCP port"),
+        (["--model", "example:journey", "--port", "-1"], "--port must be a TCP port"),
     ],
 )
 def test_bad_flags_are_one_line_and_exit_2(tmp_path, args, needle):

@@ -73,6 +73,8 @@ def serve(
         lang = normalize_lang(lang)
     except ValueError:
         raise UserError(f"unknown --lang {lang!r}; choose one of {', '.join(LANGS)}") from None
+    if not 0 <= port <= 65535:
+        raise UserError(f"--port must be a TCP port in 0..65535 (0: any free port), got {port}")
     try:
         specs = [spec_for(m) for m in model] if model else default_specs(Path("runs/gpt"))
         limits = ServeLimits(max_chars=max_chars, max_tokens=max_tokens,
