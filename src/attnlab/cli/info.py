@@ -353,26 +353,24 @@ def _info_model(name: str, seq_len: int, backend: str, as_json: bool, dtype: str
     ):
         table.add_row(field, value)
     layers = Table(title=f"attention layers: backend for a call of T={summary.probe_length}")
-    for col in (
-        "layer",
-        "attention",
-        "heads",
-        "kv heads",
-        "head dim",
-        "window",
-        "chunk",
-        "backend",
-    ):
+    # Columns that say nothing for this model (no windows, no chunks) are left out, so the
+    # table fits a terminal.
+    cells = {
+        "layer": lambda lay: str(lay.index),
+        "attention": lambda lay: lay.role,
+        "heads": lambda lay: str(lay.heads),
+        "kv heads": lambda lay: str(lay.kv_heads),
+        "head dim": lambda lay: str(lay.head_dim),
+        "window": lambda lay: str(lay.sliding_window or "-"),
+        "chunk": lambda lay: str(lay.attention_chunk or "-"),
+        "backend": lambda lay: lay.backend,
+    }
+    if not any(lay.sliding_window for lay in summary.per_layer):
+        del cells["window"]
+    if not any(lay.attention_chunk for lay in summary.per_layer):
+        del cells["chunk"]
+    for col in cells:
         layers.add_column(col)
     for lay in summary.per_layer:
-        layers.add_row(
-            str(lay.index),
-            lay.role,
-            str(lay.heads),
-            str(lay.kv_heads),
-            str(lay.head_dim),
-            str(lay.sliding_window or "-"),
-            str(lay.attention_chunk or "-"),
-            lay.backend,
-        )
+        layers.add_row(*(cell(lay) for cell in cells.values()))
     output.show(table, layers)
