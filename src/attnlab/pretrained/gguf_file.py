@@ -428,7 +428,12 @@ def read_gguf(path: str | Path) -> GGUFContents:
         ModelFileError: (a ``ValueError``) a missing file, not GGUF version 2 or 3, or a
             header that is truncated or lies (names the field and the problem).
     """
-    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+    try:
+        from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+    except ImportError as e:
+        raise ImportError(
+            "reading GGUF files needs the gguf package: pip install 'attnlab[pretrained]'"
+        ) from e
 
     path = Path(path)
     if not path.is_file():
