@@ -76,33 +76,13 @@ def make_base_files(root: Path) -> tuple[Path, bytes]:
     return folder, gguf_path.read_bytes()
 
 
-# Gemma 2 as tests/test_gguf_families.py writes it: a SentencePiece vocabulary (scores,
-# token types, byte tokens), soft-caps, a window on every other layer, H * D != C.
-GEMMA2 = {
-    "hidden_size": 64,
-    "intermediate_size": 96,
-    "num_hidden_layers": 3,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 32,
-    "query_pre_attn_scalar": 32,
-    "sliding_window": 5,
-    "attn_logit_softcapping": 5.0,
-    "final_logit_softcapping": 10.0,
-    "max_position_embeddings": 128,
-    "tie_word_embeddings": True,
-    "pad_token_id": 1,
-    "eos_token_id": 2,
-    "bos_token_id": 0,
-}
-
-
 def make_gemma2_base_files(root: Path) -> tuple[Path, bytes]:
-    """A tiny Gemma 2 HF directory and its Q8_0 GGUF conversion with a SentencePiece
-    vocabulary (bytes)."""
-    from model_files import save_hf, write_gguf
+    """A tiny Gemma 2 HF directory (the GGUF tests' checkpoint: soft-caps, a window on every
+    other layer, H * D != C) and its Q8_0 GGUF conversion with a SentencePiece vocabulary
+    (scores, token types, byte tokens), as bytes."""
+    from model_files import TINY_CONFIGS, save_hf, write_gguf
 
-    folder = save_hf("gemma2", GEMMA2, root / "gemma2", torch.float32)
+    folder = save_hf("gemma2", TINY_CONFIGS["gemma2"], root / "gemma2", torch.float32)
     path = root / "gemma2.gguf"
     write_gguf(folder, path, "gemma2", "Q8_0")
     return folder, path.read_bytes()

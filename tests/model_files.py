@@ -208,6 +208,100 @@ _EXPERTS_TO_GGUF = {
 }
 
 
+# Tiny random checkpoints per family (transformers' names), shared by the GGUF, heads and
+# fuzz tests: small enough to load in milliseconds, with every option the family has biting.
+TINY_CONFIGS = {
+    "llama": {
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 128,
+        "tie_word_embeddings": False,
+        # written as rope.scaling.type / rope.scaling.factor
+        "rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+    },
+    # llama.cpp writes Mistral as architecture "llama" (q/k permuted); the window rides in
+    # llama.attention.sliding_window (llama.cpp's converter leaves it out: then none).
+    # Llama 3 RoPE scaling, which llama.cpp stores as a rope_freqs tensor of divisors.
+    "mistral": {
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "sliding_window": 5,
+        "max_position_embeddings": 128,
+        "rope_parameters": {
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+    },
+    "qwen2": {
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "max_position_embeddings": 128,
+        "tie_word_embeddings": True,
+    },
+    "qwen3": {
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 32,
+        "max_position_embeddings": 128,
+    },
+    "gpt2": {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128},
+    # Gemma 2 as llama.cpp can hold it: tied, query_pre_attn_scalar = head_dim (the file has
+    # no key for it), even layers local. Softcaps small so that they bite; H * D != C.
+    "gemma2": {
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "query_pre_attn_scalar": 32,
+        "sliding_window": 5,
+        "attn_logit_softcapping": 5.0,
+        "final_logit_softcapping": 10.0,
+        "max_position_embeddings": 128,
+        "tie_word_embeddings": True,
+        "pad_token_id": 1,
+        "eos_token_id": 2,
+        "bos_token_id": 0,
+    },
+    # Phi-3: fused qkv and gate/up, partial rotary (rope.dimension_count), a window of 7.
+    "phi3": {
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 128,
+        "original_max_position_embeddings": 128,
+        "sliding_window": 7,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.5,
+        },
+        "tie_word_embeddings": False,
+        "pad_token_id": 1,
+        "eos_token_id": 2,
+    },
+}
+
+
 def assert_matches_reference(model, ref, ids: torch.Tensor, atol: float = 1e-5) -> None:
     """attnlab's logits and every layer's attention weights equal a transformers model's
     (eager attention) on ``ids``."""

@@ -23,7 +23,7 @@ from attnlab.explain.heads import induction_input, parse_heads, strongest_heads,
 from attnlab.models.gpt import GPTConfig, GPTModel
 from attnlab.pretrained import load_pretrained
 from book_gpt import BookGPTModel
-from model_files import CORPUS, save_hf, write_gguf
+from model_files import CORPUS, TINY_CONFIGS, save_hf, write_gguf
 
 CONFIGS = {
     "llama": {
@@ -35,25 +35,8 @@ CONFIGS = {
         "max_position_embeddings": 128,
         "tie_word_embeddings": False,
     },
-    "gpt2": {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128},
-    # Softcaps small enough to bite, a window that cuts the 64-token input, H * D != C.
-    "gemma2": {
-        "hidden_size": 64,
-        "intermediate_size": 96,
-        "num_hidden_layers": 3,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 32,
-        "query_pre_attn_scalar": 32,
-        "sliding_window": 5,
-        "attn_logit_softcapping": 5.0,
-        "final_logit_softcapping": 10.0,
-        "max_position_embeddings": 128,
-        "tie_word_embeddings": True,
-        "pad_token_id": 1,
-        "eos_token_id": 2,
-        "bos_token_id": 0,
-    },
+    "gpt2": TINY_CONFIGS["gpt2"],
+    "gemma2": TINY_CONFIGS["gemma2"],
 }
 SOURCES = ["llama", "gpt2", "gemma2", "llama-gguf", "attnlab-gpt"]
 ATOL = 1e-5
