@@ -722,9 +722,15 @@ class Attention(nn.Module):
             if req == request:
                 return weights.detach() if weights is not None else None
             return exact_attention_weights(
-                queries, keys, mask, scale=scale, heads=req.heads, rows=req.rows,
-                softcap=self.softcap, sinks=self.sinks,
-            )  # fmt: skip
+                queries,
+                keys,
+                mask,
+                scale=scale,
+                heads=req.heads,
+                rows=req.rows,
+                softcap=self.softcap,
+                sinks=self.sinks,
+            )
 
         if capture is not None:
             self.captured = weights_for(capture)

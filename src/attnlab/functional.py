@@ -335,22 +335,43 @@ def scaled_dot_product_attention(
     backends = _backends()
     # validated and chosen once per call signature, then cached
     chosen, mask, scale_f, wanted, softcap_f, sinks_t = backends.resolve_call(
-        query, key, value, attn_mask, dropout_p, is_causal, scale, backend, need_weights,
-        softcap=softcap, sinks=sinks,
-    )  # fmt: skip
+        query,
+        key,
+        value,
+        attn_mask,
+        dropout_p,
+        is_causal,
+        scale,
+        backend,
+        need_weights,
+        softcap=softcap,
+        sinks=sinks,
+    )
     result = chosen.run(
-        query, key, value, mask, dropout_p=dropout_p, scale=scale_f,
-        softcap=softcap_f, sinks=sinks_t,
-    )  # fmt: skip
+        query,
+        key,
+        value,
+        mask,
+        dropout_p=dropout_p,
+        scale=scale_f,
+        softcap=softcap_f,
+        sinks=sinks_t,
+    )
     if wanted is None:
         return result.output
     if result.weights is not None:
         weights = backends.select_weights(result.weights, wanted)
     else:
         weights = backends.exact_weights(
-            query, key, mask, scale_f, wanted, lse=result.lse,
-            softcap=softcap_f, sinks=sinks_t,
-        )  # fmt: skip
+            query,
+            key,
+            mask,
+            scale_f,
+            wanted,
+            lse=result.lse,
+            softcap=softcap_f,
+            sinks=sinks_t,
+        )
     return result.output, weights
 
 
@@ -410,9 +431,18 @@ def exact_attention_weights(
     request = WeightsRequest(heads=heads, rows=rows)  # type: ignore[arg-type]
     value = key[..., :1]  # shape-only stand-in: the weights never touch the values
     call = prepare_call(
-        query, key, value, attn_mask, 0.0, is_causal, scale, "math", request,
-        softcap=softcap, sinks=sinks,
-    )  # fmt: skip
+        query,
+        key,
+        value,
+        attn_mask,
+        0.0,
+        is_causal,
+        scale,
+        "math",
+        request,
+        softcap=softcap,
+        sinks=sinks,
+    )
     return exact_weights(
         query, key, call.mask, call.scale, request, softcap=call.softcap, sinks=call.sinks
     )

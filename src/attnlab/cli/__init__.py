@@ -17,9 +17,16 @@ from attnlab.cli.output import Output, UserError, output, user_input
 # The command modules register themselves on `app` when imported; this order is the
 # order of `attnlab --help`.
 COMMAND_MODULES = (
-    "walkthrough", "train", "generate", "embed", "explain", "heads", "ring_demo", "info",
+    "walkthrough",
+    "train",
+    "generate",
+    "embed",
+    "explain",
+    "heads",
+    "ring_demo",
+    "info",
     "serve",
-)  # fmt: skip
+)
 for _name in COMMAND_MODULES:
     import_module(f"attnlab.cli.{_name}")
 

@@ -156,9 +156,10 @@ def explain(
         from attnlab.explain.fonts import figure_lang
 
         flow_source = flow_shapes(
-            blocks[layer if 0 <= layer < len(blocks) else 0], n_tokens=n_tokens,
+            blocks[layer if 0 <= layer < len(blocks) else 0],
+            n_tokens=n_tokens,
             lang=figure_lang(lang).lang,
-        )  # fmt: skip
+        )
 
     if not 0 <= layer < trace.num_layers:
         raise UserError(f"`--layer` must be in 0..{trace.num_layers - 1} here, got {layer}")
@@ -188,8 +189,7 @@ def explain(
         notice = figure_lang(lang).notice
         if notice is not None:
             output.note(notice)
-        paths = _explain_figures(trace, flow_source, layer, head, out, png=png, svg=svg,
-                                 lang=lang)  # fmt: skip
+        paths = _explain_figures(trace, flow_source, layer, head, out, png=png, svg=svg, lang=lang)
         listing = "\n".join(f"  {p}" for p in paths)
         output.console.print(
             f"{message('label.wrote', lang)}\n{listing}", markup=False, soft_wrap=True

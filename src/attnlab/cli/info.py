@@ -11,12 +11,27 @@ import attnlab
 from attnlab.cli.app import app
 from attnlab.cli.output import UserError, output, user_input
 
-_INFO_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16",
-                "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
-                "float64": "float64", "fp64": "float64"}  # fmt: skip
+_INFO_DTYPES = {
+    "float32": "float32",
+    "fp32": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "float64": "float64",
+    "fp64": "float64",
+}
 _INFO_MASKS = (
-    "none", "causal", "padding", "window", "chunked", "boolean", "alibi", "relbias", "document",
-)  # fmt: skip
+    "none",
+    "causal",
+    "padding",
+    "window",
+    "chunked",
+    "boolean",
+    "alibi",
+    "relbias",
+    "document",
+)
 
 
 @app.command()
@@ -107,9 +122,14 @@ def info(
         raise UserError(f"unknown --dtype {dtype!r}; choose one of {', '.join(_INFO_DTYPES)}")
     if mask not in _INFO_MASKS:
         raise UserError(f"unknown --mask {mask!r}; choose one of {', '.join(_INFO_MASKS)}")
-    for name, value in (("--seq-len", seq_len), ("--batch", batch), ("--heads", heads),
-                        ("--head-dim", head_dim), ("--key-len", key_len),
-                        ("--kv-heads", kv_heads)):  # fmt: skip
+    for name, value in (
+        ("--seq-len", seq_len),
+        ("--batch", batch),
+        ("--heads", heads),
+        ("--head-dim", head_dim),
+        ("--key-len", key_len),
+        ("--kv-heads", kv_heads),
+    ):
         if value is not None and value < 1:
             raise UserError(f"`{name}` must be a positive int, got {value}")
     T, S, G = seq_len, key_len or seq_len, kv_heads or heads
@@ -149,8 +169,10 @@ def info(
             sinks=torch.zeros(heads) if sinks else None,
         )
 
-    table = Table(title=f"attnlab {attnlab.__version__} attention backends (torch "
-                        f"{torch.__version__}, {torch.get_num_threads()} threads)")  # fmt: skip
+    table = Table(
+        title=f"attnlab {attnlab.__version__} attention backends (torch "
+        f"{torch.__version__}, {torch.get_num_threads()} threads)"
+    )
     table.add_column("backend")
     table.add_column("auto rank")
     table.add_column("what it is")

@@ -38,9 +38,18 @@ def ring_demo(
     with user_input():
         try:
             result = run_ring_demo(
-                nproc, seq_len, batch=batch, heads=heads, head_dim=head_dim, causal=causal,
-                layout=layout, dtype=dtype, backward=backward, seed=seed, timeout=timeout,
-            )  # fmt: skip
+                nproc,
+                seq_len,
+                batch=batch,
+                heads=heads,
+                head_dim=head_dim,
+                causal=causal,
+                layout=layout,
+                dtype=dtype,
+                backward=backward,
+                seed=seed,
+                timeout=timeout,
+            )
         except RuntimeError as e:
             raise UserError(str(e)) from e
     r = result
@@ -54,10 +63,13 @@ def ring_demo(
         table.add_column(col, justify="right")
     for x in r.ranks:
         table.add_row(
-            str(x.rank), f"{x.seconds:.3f}", f"{x.compute_cpu_s:.3f}", f"{x.wait_s:.3f}",
+            str(x.rank),
+            f"{x.seconds:.3f}",
+            f"{x.compute_cpu_s:.3f}",
+            f"{x.wait_s:.3f}",
             f"{x.bytes_sent / mib:.1f}",
             f"{x.peak_bytes / mib:.1f}" if r.memory_supported else "n/a",
-        )  # fmt: skip
+        )
     output.show(table)
     output.console.print(
         f"max |ring - single process| = {r.max_error:.3e}  (single process: {r.reference}, "

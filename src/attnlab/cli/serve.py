@@ -77,8 +77,12 @@ def serve(
         raise UserError(f"--port must be a TCP port in 0..65535 (0: any free port), got {port}")
     try:
         specs = [spec_for(m) for m in model] if model else default_specs(Path("runs/gpt"))
-        limits = ServeLimits(max_chars=max_chars, max_tokens=max_tokens,
-                             max_new_tokens=max_new_tokens, max_top_k=max_top_k)  # fmt: skip
+        limits = ServeLimits(
+            max_chars=max_chars,
+            max_tokens=max_tokens,
+            max_new_tokens=max_new_tokens,
+            max_top_k=max_top_k,
+        )
         pool = WorkerPool(workers=workers, queue=queue)
 
         def progress(event: str, name: str, detail: Any) -> None:
@@ -92,8 +96,12 @@ def serve(
         registry = ModelRegistry(specs, max_loaded=max_loaded, on_event=progress)
         application = create_app(registry, limits=limits, pool=pool, lang=lang)
     except ValueError as e:
-        raise UserError(str(e).replace("`max_", "`--max-").replace("`workers`", "`--workers`")
-                        .replace("`queue`", "`--queue`")) from e  # fmt: skip
+        raise UserError(
+            str(e)
+            .replace("`max_", "`--max-")
+            .replace("`workers`", "`--workers`")
+            .replace("`queue`", "`--queue`")
+        ) from e
 
     def started(url: str) -> None:
         line = f"attnlab serving on {url}"

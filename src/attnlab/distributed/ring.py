@@ -296,9 +296,11 @@ def _forward_step(
             qa, qb = piece.local_start, piece.local_start + piece.length
             masked_piece = masked and ks.global_start + ks.length - 1 > piece.global_start
             out, lse = attend_chunk(
-                query[:, :, qa:qb], key[:, :, ka:kb], value[:, :, ka:kb],
+                query[:, :, qa:qb],
+                key[:, :, ka:kb],
+                value[:, :, ka:kb],
                 **_kernel_args(cfg, piece, ks, t * cfg.world_size, masked_piece),
-            )  # fmt: skip
+            )
             merge_partials(acc_out[:, :, qa:qb], acc_lse[:, :, qa:qb], out, lse, inplace=True)
             del out, lse
 
@@ -322,10 +324,14 @@ def _backward_step(
         qa, qb = qs.local_start, qs.local_start + qs.length
         ka, kb = ks.local_start, ks.local_start + ks.length
         dq_c, dk_c, dv_c = attend_chunk_backward(
-            query[:, :, qa:qb], key[:, :, ka:kb], value[:, :, ka:kb],
-            grad_out[:, :, qa:qb], out[:, :, qa:qb], lse[:, :, qa:qb],
+            query[:, :, qa:qb],
+            key[:, :, ka:kb],
+            value[:, :, ka:kb],
+            grad_out[:, :, qa:qb],
+            out[:, :, qa:qb],
+            lse[:, :, qa:qb],
             **_kernel_args(cfg, qs, ks, t * cfg.world_size, masked),
-        )  # fmt: skip
+        )
         dq[:, :, qa:qb] += dq_c
         dk[:, :, ka:kb] += dk_c
         dv[:, :, ka:kb] += dv_c

@@ -178,16 +178,22 @@ def _weights_figure(
             v = float(w[i, j])
             dark = _luminance(im.cmap(v / vmax)) < 0.2  # the cell's colour (vmin is 0)
             ax.text(
-                j, i, f"{v:.4f}", ha="center", va="center", fontsize=font,
+                j,
+                i,
+                f"{v:.4f}",
+                ha="center",
+                va="center",
+                fontsize=font,
                 color="white" if dark else "#1a202c",
-            )  # fmt: skip
+            )
     xs, ys = _tick_positions(n_cols), _tick_positions(n_rows)
     ax.set_xticks(xs, [keys[j] for j in xs], rotation=35, ha="right", rotation_mode="anchor")
     ax.set_yticks(ys, [tokens[i] for i in ys])
     ax.set_xlabel(message("fig.key_axis", lang))
     ax.set_ylabel(message("fig.query_axis", lang))
-    ax.set_title(title if title is not None else message("fig.weights", lang), loc="left",
-                 fontsize=11)  # fmt: skip
+    ax.set_title(
+        title if title is not None else message("fig.weights", lang), loc="left", fontsize=11
+    )
     ax.tick_params(length=0)
     for spine in ax.spines.values():
         spine.set_visible(False)
@@ -227,11 +233,16 @@ def _box(
     top = y + step * (n - 1) / 2
     for k, line in enumerate(lines):
         ax.text(
-            x, top - k * step, line, ha="center", va="center", zorder=3,
+            x,
+            top - k * step,
+            line,
+            ha="center",
+            va="center",
+            zorder=3,
             fontsize=10.5 if k == 0 else 9.5,
             fontweight=bold if k == 0 else "normal",
             color="#1a202c" if k == 0 else _NOTE,
-        )  # fmt: skip
+        )
 
 
 def _arrow(
@@ -247,10 +258,18 @@ def _arrow(
 
     ax.add_patch(
         FancyArrowPatch(
-            start, end, arrowstyle="-|>", mutation_scale=14, color=_ARROW, linewidth=1.3,
-            connectionstyle=connection, zorder=1, shrinkA=0, shrinkB=0,
+            start,
+            end,
+            arrowstyle="-|>",
+            mutation_scale=14,
+            color=_ARROW,
+            linewidth=1.3,
+            connectionstyle=connection,
+            zorder=1,
+            shrinkA=0,
+            shrinkB=0,
         )
-    )  # fmt: skip
+    )
     if label:
         lx, ly = label_xy if label_xy is not None else ((start[0] + end[0]) / 2, end[1] + 1.6)
         ax.text(lx, ly, label, ha="center", va="bottom", fontsize=9, color=_NOTE, zorder=3)
@@ -410,9 +429,12 @@ def _flow_figure(source: AttentionTrace | FlowShapes, ax: Axes | None, lang: str
 
     _box(ax, X, [t("fig.inputs"), fs.inputs], op=False, width=tw - 2, height=th + 4, bold=bold)
     for label, formula, shape, pos in zip(
-        (t("fig.queries"), t("fig.keys"), t("fig.values")), fs.projections,
-        (fs.q, fs.k, fs.v), (Q, K, V), strict=True,
-    ):  # fmt: skip
+        (t("fig.queries"), t("fig.keys"), t("fig.values")),
+        fs.projections,
+        (fs.q, fs.k, fs.v),
+        (Q, K, V),
+        strict=True,
+    ):
         _box(ax, pos, [label, formula, shape], op=False, width=tw, height=th + 2, bold=bold)
         _arrow(ax, (X[0] + (tw - 2) / 2, X[1]), (pos[0] - tw / 2, pos[1]))
 
@@ -428,8 +450,15 @@ def _flow_figure(source: AttentionTrace | FlowShapes, ax: Axes | None, lang: str
     _arrow(ax, (Q[0] + tw / 2, Q[1]), (QK[0] - ow / 2, QK[1] + 2), connection="arc3,rad=-0.15")
     _arrow(ax, (K[0] + tw / 2, K[1]), (QK[0] - ow / 2, QK[1] - 2), connection="arc3,rad=0.15")
 
-    _box(ax, SC, ["$\\div\\sqrt{d_k}$", f"d_k = {fs.d_k}", fs.scores], op=True, width=ow,
-         height=oh + 3, bold=bold)  # fmt: skip
+    _box(
+        ax,
+        SC,
+        ["$\\div\\sqrt{d_k}$", f"d_k = {fs.d_k}", fs.scores],
+        op=True,
+        width=ow,
+        height=oh + 3,
+        bold=bold,
+    )
     _arrow(ax, (QK[0] + ow / 2, QK[1]), (SC[0] - ow / 2, SC[1]))
 
     _box(ax, SM, ["softmax", "dim = -1", fs.weights], op=True, width=ow, height=oh + 3, bold=bold)
@@ -583,8 +612,14 @@ def plot_heatmap(
 
 
 def _thumb(ax: Axes, weights: torch.Tensor, vmax: float, cmap: str) -> None:
-    ax.imshow(_pooled(weights.float(), THUMB_BINS).numpy(), cmap=cmap, vmin=0.0, vmax=vmax,
-              interpolation="nearest", aspect="auto")  # fmt: skip
+    ax.imshow(
+        _pooled(weights.float(), THUMB_BINS).numpy(),
+        cmap=cmap,
+        vmin=0.0,
+        vmax=vmax,
+        interpolation="nearest",
+        aspect="auto",
+    )
     ax.set_xticks([])
     ax.set_yticks([])
 
@@ -633,8 +668,9 @@ def _heads_figure(trace: ModelTrace, layer: int, cols: int, cmap: str, lang: str
         ax.set_title(message("fig.head", lang, h=trace.heads[i]), fontsize=10)
     axes[0, 0].set_ylabel(message("fig.query", lang))
     axes[-1, 0].set_xlabel(message("fig.key", lang))
-    title = message("fig.heads_title", lang, layer=_trace_label(trace, layer, lang),
-                    n=len(trace.tokens))  # fmt: skip
+    title = message(
+        "fig.heads_title", lang, layer=_trace_label(trace, layer, lang), n=len(trace.tokens)
+    )
     fig.suptitle(f"{trace.source + ': ' if trace.source else ''}{title}", fontsize=11)
     return fig
 

@@ -16,9 +16,17 @@ from pathlib import Path
 __all__ = ["FigureLang", "cjk_font_file", "figure_font", "figure_lang"]
 
 # Installed families known to cover Traditional Chinese, best first.
-_KNOWN = ("Noto Sans TC", "Noto Sans CJK TC", "Source Han Sans TC", "Noto Sans CJK JP",
-          "Noto Sans CJK SC", "WenQuanYi Zen Hei", "AR PL UMing TW", "Microsoft JhengHei",
-          "PingFang TC")  # fmt: skip
+_KNOWN = (
+    "Noto Sans TC",
+    "Noto Sans CJK TC",
+    "Source Han Sans TC",
+    "Noto Sans CJK JP",
+    "Noto Sans CJK SC",
+    "WenQuanYi Zen Hei",
+    "AR PL UMing TW",
+    "Microsoft JhengHei",
+    "PingFang TC",
+)
 NOTICE = "figure text in English: no CJK font found (pip install 'attnlab[zh-tw]' for Noto Sans TC)"
 
 

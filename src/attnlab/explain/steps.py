@@ -337,53 +337,108 @@ def step_sections(steps: HeadSteps, lang: str = "en") -> list[dict[str, Any]]:
     def add(id_: str, title: str, body: str, *tables: dict[str, Any]) -> None:
         out.append({"id": id_, "title": title, "body": body, "tables": list(tables)})
 
-    add("input", msg("step.input.title", pos=pos, c=c), msg("step.input.text"),
-        _table(f"x_{pos}", s.x))  # fmt: skip
-    add("query", msg("step.query.title", pos=pos, head=s.head, d=d),
-        msg("step.query.text", pos=pos), _table(f"query_{pos}", s.query_projected))  # fmt: skip
+    add(
+        "input",
+        msg("step.input.title", pos=pos, c=c),
+        msg("step.input.text"),
+        _table(f"x_{pos}", s.x),
+    )
+    add(
+        "query",
+        msg("step.query.title", pos=pos, head=s.head, d=d),
+        msg("step.query.text", pos=pos),
+        _table(f"query_{pos}", s.query_projected),
+    )
     if s.qk_norm:
         key = "step.qknorm_rope" if s.rope else "step.qknorm"
-        add("qk_norm", msg(f"{key}.title", pos=pos), msg("step.qknorm.text") +
-            (" " + msg("step.rope.text") if s.rope else ""),
-            _table(f"query_{pos}", s.query))  # fmt: skip
+        add(
+            "qk_norm",
+            msg(f"{key}.title", pos=pos),
+            msg("step.qknorm.text") + (" " + msg("step.rope.text") if s.rope else ""),
+            _table(f"query_{pos}", s.query),
+        )
     elif s.rope:
-        add("rope", msg("step.rope.title", pos=pos), msg("step.rope.text"),
-            _table(f"query_{pos} ({msg('label.after_rope')})", s.query))  # fmt: skip
+        add(
+            "rope",
+            msg("step.rope.title", pos=pos),
+            msg("step.rope.text"),
+            _table(f"query_{pos} ({msg('label.after_rope')})", s.query),
+        )
     keys_text = msg("step.keys.rope" if s.rope else "step.keys.text")
     if s.num_kv_heads != s.num_heads:
         keys_text += " " + msg("step.keys.gqa", share=s.num_heads // s.num_kv_heads)
-    add("keys", msg("step.keys.title", n=n, kv=s.kv_head, d=d), keys_text,
-        _table("keys", s.keys, rows=labels, cols=dims))  # fmt: skip
-    add("scores", msg("step.scores.title", pos=pos, n=n), msg("step.scores.text"),
-        _table(f"attn_scores_{pos}", s.scores, cols=labels))  # fmt: skip
-    add("scale", msg("step.scale.title", pos=pos, scale=s.scale, d=d),
+    add(
+        "keys",
+        msg("step.keys.title", n=n, kv=s.kv_head, d=d),
+        keys_text,
+        _table("keys", s.keys, rows=labels, cols=dims),
+    )
+    add(
+        "scores",
+        msg("step.scores.title", pos=pos, n=n),
+        msg("step.scores.text"),
+        _table(f"attn_scores_{pos}", s.scores, cols=labels),
+    )
+    add(
+        "scale",
+        msg("step.scale.title", pos=pos, scale=s.scale, d=d),
         msg("step.scale.text", sqrt_dk=1.0 / s.scale),
-        _table("scaled", s.scaled, cols=labels))  # fmt: skip
+        _table("scaled", s.scaled, cols=labels),
+    )
     if s.capped is not None:
-        add("softcap", msg("step.softcap.title", c=s.softcap, n=n), msg("step.softcap.text"),
-            _table("capped", s.capped, cols=labels))  # fmt: skip
+        add(
+            "softcap",
+            msg("step.softcap.title", c=s.softcap, n=n),
+            msg("step.softcap.text"),
+            _table("capped", s.capped, cols=labels),
+        )
     if s.bias is not None:
-        add("bias", msg("step.bias.title", n=n), msg("step.bias.text"),
-            _table("bias", s.bias, cols=labels))  # fmt: skip
+        add(
+            "bias",
+            msg("step.bias.title", n=n),
+            msg("step.bias.text"),
+            _table("bias", s.bias, cols=labels),
+        )
     hidden = int((~s.allowed).sum())
     if hidden:
-        add("mask", msg("step.mask.title", hidden=hidden, n=n), msg("step.mask.text"),
-            _table("masked", s.masked, cols=labels))  # fmt: skip
+        add(
+            "mask",
+            msg("step.mask.title", hidden=hidden, n=n),
+            msg("step.mask.text"),
+            _table("masked", s.masked, cols=labels),
+        )
     weights_text = msg("step.weights.text", diff=s.checks["weights"])
     if s.sink is not None:
         weights_text += " " + msg("step.sink", sink=s.sink, mass=1.0 - float(s.weights.sum()))
-    add("weights", msg("step.weights.title", pos=pos, n=n, total=float(s.weights.sum())),
+    add(
+        "weights",
+        msg("step.weights.title", pos=pos, n=n, total=float(s.weights.sum())),
         weights_text,
-        _table(f"attn_weights_{pos}", s.weights, cols=labels, shade=True))  # fmt: skip
-    add("values", msg("step.values.title", n=n, d=dv), msg("step.values.text"),
-        _table("values", s.values, rows=labels, cols=[str(j) for j in range(dv)]))  # fmt: skip
-    add("context", msg("step.context.title", pos=pos, d=dv),
+        _table(f"attn_weights_{pos}", s.weights, cols=labels, shade=True),
+    )
+    add(
+        "values",
+        msg("step.values.title", n=n, d=dv),
+        msg("step.values.text"),
+        _table("values", s.values, rows=labels, cols=[str(j) for j in range(dv)]),
+    )
+    add(
+        "context",
+        msg("step.context.title", pos=pos, d=dv),
         msg("step.context.text", pos=pos, diff=s.checks["context"]),
-        _table(f"context_vec_{pos}", s.context))  # fmt: skip
-    add("out", msg("step.out.title", pos=pos, h=s.num_heads, c=c),
+        _table(f"context_vec_{pos}", s.context),
+    )
+    add(
+        "out",
+        msg("step.out.title", pos=pos, h=s.num_heads, c=c),
         msg("step.out.text", pos=pos, head=s.head, diff=s.checks["output"]),
-        _table(f"output_{pos}", torch.stack([s.out_proj_part, s.output]),
-               rows=[msg("label.head_share"), msg("label.output")], corner=""))  # fmt: skip
+        _table(
+            f"output_{pos}",
+            torch.stack([s.out_proj_part, s.output]),
+            rows=[msg("label.head_share"), msg("label.output")],
+            corner="",
+        ),
+    )
     return out
 
 
@@ -392,6 +447,12 @@ def step_summary(steps: HeadSteps, lang: str = "en") -> str:
     from attnlab.explain.i18n import message
 
     return message(
-        "step.header", lang, source=steps.source, layer=steps.layer, head=steps.head,
-        pos=steps.token, token=steps.tokens[steps.token], n=len(steps.tokens),
-    )  # fmt: skip
+        "step.header",
+        lang,
+        source=steps.source,
+        layer=steps.layer,
+        head=steps.head,
+        pos=steps.token,
+        token=steps.tokens[steps.token],
+        n=len(steps.tokens),
+    )

@@ -383,9 +383,13 @@ def _section_table(tbl: dict[str, Any], lang: str) -> RenderableType:
     keep_r = _keep(n_rows, MAX_ROWS, 4)
     keep_c = _keep(n_cols, MAX_COLS, 2)
     table = Table(
-        title=name, title_justify="left", title_style="bold", box=box.SIMPLE_HEAD,
-        pad_edge=False, show_edge=False,
-    )  # fmt: skip
+        title=name,
+        title_justify="left",
+        title_style="bold",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+        show_edge=False,
+    )
     if rows is not None:
         corner = tbl.get("corner")
         header = message("label.token", lang) if corner is None else corner
@@ -479,9 +483,13 @@ def ablation_table(
         A table, one row per rank.
     """
     table = Table(
-        title=title or None, title_justify="left", title_style="bold", box=box.SIMPLE_HEAD,
-        pad_edge=False, show_edge=False,
-    )  # fmt: skip
+        title=title or None,
+        title_justify="left",
+        title_style="bold",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+        show_edge=False,
+    )
     table.add_column("#", justify="right")
     table.add_column("model", no_wrap=True)
     table.add_column(after_header, no_wrap=True)
@@ -492,8 +500,17 @@ def ablation_table(
 
 def _viridis_hex(v: float) -> str:
     """The viridis colour of ``v`` in [0, 1] (9 stops, linear between them)."""
-    stops = ((68, 1, 84), (71, 44, 122), (59, 81, 139), (44, 113, 142), (33, 144, 141),
-             (39, 173, 129), (92, 200, 99), (170, 220, 50), (253, 231, 37))  # fmt: skip
+    stops = (
+        (68, 1, 84),
+        (71, 44, 122),
+        (59, 81, 139),
+        (44, 113, 142),
+        (33, 144, 141),
+        (39, 173, 129),
+        (92, 200, 99),
+        (170, 220, 50),
+        (253, 231, 37),
+    )
     x = min(max(v, 0.0), 1.0) * (len(stops) - 1)
     i = min(int(x), len(stops) - 2)
     f = x - i
@@ -538,18 +555,26 @@ def heatmap_tables(
     for start in range(0, C, per):
         cols = range(start, min(C, start + per))
         table = Table(
-            title=title if start == 0 else None, title_justify="left", title_style="bold",
-            box=None, pad_edge=False, show_edge=False, padding=(0, 1, 0, 0),
+            title=title if start == 0 else None,
+            title_justify="left",
+            title_style="bold",
+            box=None,
+            pad_edge=False,
+            show_edge=False,
+            padding=(0, 1, 0, 0),
             caption=f"shade: 0 .. {top:.2f} (viridis)" if start == 0 else None,
             caption_justify="left",
-        )  # fmt: skip
+        )
         table.add_column("", style="cyan", no_wrap=True, max_width=label_w, overflow="ellipsis")
         for j in cols:
             key = repr(col_labels[j])[1:-1].strip() or "\u2423"
             table.add_column(
-                Text(f"{j}\n{key[:HEAT_CELL]}", style="bold"), justify="right", no_wrap=True,
-                min_width=HEAT_CELL, max_width=HEAT_CELL,
-            )  # fmt: skip
+                Text(f"{j}\n{key[:HEAT_CELL]}", style="bold"),
+                justify="right",
+                no_wrap=True,
+                min_width=HEAT_CELL,
+                max_width=HEAT_CELL,
+            )
         for i in range(R):
             cells: list[Any] = [labels[i]]
             for j in cols:

@@ -659,8 +659,14 @@ def _qwen3_moe(fields: dict[str, Any], config: Mapping[str, Any], source: Source
     ``Qwen3MoeDecoderLayer`` chooses."""
     _qwen_windows(fields, config, source)
     if fields.get("num_local_experts") == 0:  # transformers: no experts, every layer dense
-        for key in ("num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
-                    "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers"):  # fmt: skip
+        for key in (
+            "num_local_experts",
+            "num_experts_per_tok",
+            "moe_intermediate_size",
+            "norm_topk_prob",
+            "decoder_sparse_step",
+            "mlp_only_layers",
+        ):
             fields.pop(key, None)
         return
     moe = _experts(fields, size_key="moe_intermediate_size", renormalize="norm_topk_prob")

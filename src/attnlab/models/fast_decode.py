@@ -71,14 +71,39 @@ def _norm_fn(norm: nn.Module) -> Norm:
 # DecoderConfig fields the fast step handles whatever their value.
 _STEP_OPTIONS = frozenset(
     {
-        "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
-        "intermediate_size", "context_length", "norm_eps", "tie_embeddings", "norm",
-        "norm_bias", "mlp", "activation", "mlp_bias", "positions", "rope", "head_dim",
-        "qkv_bias", "out_bias", "attn_scale", "layer_scales", "family", "norm_placement",
-        "parallel_residual", "qk_norm", "sliding_window", "layer_windows", "attn_softcap",
-        "final_softcap", "embed_scale", "head_input_scale",
+        "vocab_size",
+        "hidden_size",
+        "num_layers",
+        "num_heads",
+        "num_kv_heads",
+        "intermediate_size",
+        "context_length",
+        "norm_eps",
+        "tie_embeddings",
+        "norm",
+        "norm_bias",
+        "mlp",
+        "activation",
+        "mlp_bias",
+        "positions",
+        "rope",
+        "head_dim",
+        "qkv_bias",
+        "out_bias",
+        "attn_scale",
+        "layer_scales",
+        "family",
+        "norm_placement",
+        "parallel_residual",
+        "qk_norm",
+        "sliding_window",
+        "layer_windows",
+        "attn_softcap",
+        "final_softcap",
+        "embed_scale",
+        "head_input_scale",
     }
-)  # fmt: skip
+)
 
 
 @dataclass

@@ -270,9 +270,16 @@ def _check_rotary(config: DecoderConfig, keys: Mapping[str, tuple[str, ...]], wh
 
 # Fields that are not single values (checked where they are built).
 _STRUCTURED = (
-    "rope", "qk_norm", "layer_types", "layer_scales", "layer_ropes", "no_rope_layers",
-    "moe_layers", "mlp_only_layers", "moe",
-)  # fmt: skip
+    "rope",
+    "qk_norm",
+    "layer_types",
+    "layer_scales",
+    "layer_ropes",
+    "no_rope_layers",
+    "moe_layers",
+    "mlp_only_layers",
+    "moe",
+)
 
 
 def _decoder_fields(

@@ -87,8 +87,12 @@ class ServeLimits:
         return self.max_chars * 6 + 4096  # JSON may escape a character as \\uXXXX
 
 
-FLAGS = {"max_chars": "--max-chars", "max_tokens": "--max-tokens",
-         "max_new_tokens": "--max-new-tokens", "max_top_k": "--max-top-k"}  # fmt: skip
+FLAGS = {
+    "max_chars": "--max-chars",
+    "max_tokens": "--max-tokens",
+    "max_new_tokens": "--max-new-tokens",
+    "max_top_k": "--max-top-k",
+}
 
 
 class ApiError(Exception):
@@ -112,14 +116,18 @@ async def _read_json(request: Request, limits: ServeLimits) -> dict[str, Any]:
     cap = limits.max_body
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > cap:
-        raise ApiError(413, f"request body of {int(declared):,} bytes exceeds {cap:,} bytes "
-                            f"(--max-chars {limits.max_chars:,})")  # fmt: skip
+        raise ApiError(
+            413,
+            f"request body of {int(declared):,} bytes exceeds {cap:,} bytes "
+            f"(--max-chars {limits.max_chars:,})",
+        )
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > cap:
-            raise ApiError(413, f"request body exceeds {cap:,} bytes "
-                                f"(--max-chars {limits.max_chars:,})")  # fmt: skip
+            raise ApiError(
+                413, f"request body exceeds {cap:,} bytes (--max-chars {limits.max_chars:,})"
+            )
         chunks.append(chunk)
     try:
         body = json.loads(b"".join(chunks).decode("utf-8"))
@@ -130,8 +138,14 @@ async def _read_json(request: Request, limits: ServeLimits) -> dict[str, Any]:
     return body
 
 
-def _int(body: dict[str, Any], name: str, default: int | None, low: int, high: int | None,
-         limit: str | None = None) -> int | None:  # fmt: skip
+def _int(
+    body: dict[str, Any],
+    name: str,
+    default: int | None,
+    low: int,
+    high: int | None,
+    limit: str | None = None,
+) -> int | None:
     value = body.get(name, default)
     if value is None:
         return None
@@ -146,8 +160,14 @@ def _int(body: dict[str, Any], name: str, default: int | None, low: int, high: i
     return value
 
 
-def _float(body: dict[str, Any], name: str, default: float | None, low: float, high: float,
-           low_open: bool = False) -> float | None:  # fmt: skip
+def _float(
+    body: dict[str, Any],
+    name: str,
+    default: float | None,
+    low: float,
+    high: float,
+    low_open: bool = False,
+) -> float | None:
     value = body.get(name, default)
     if value is None:
         return None
@@ -164,13 +184,18 @@ def _text(body: dict[str, Any], limits: ServeLimits, *, required: bool = True) -
     if not isinstance(text, str):
         raise ApiError(422, f"`text` must be a string, got {type(text).__name__}")
     if len(text) > limits.max_chars:
-        raise ApiError(413, f"`text` has {len(text):,} characters; the limit is "
-                            f"{limits.max_chars:,} (--max-chars)")  # fmt: skip
+        raise ApiError(
+            413,
+            f"`text` has {len(text):,} characters; the limit is {limits.max_chars:,} (--max-chars)",
+        )
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
-        raise ApiError(422, "`text` contains an unpaired surrogate (invalid Unicode); "
-                            "send valid UTF-16 pairs or UTF-8") from None  # fmt: skip
+        raise ApiError(
+            422,
+            "`text` contains an unpaired surrogate (invalid Unicode); "
+            "send valid UTF-16 pairs or UTF-8",
+        ) from None
     if required and not text.strip():
         raise ApiError(422, "`text` must not be empty")
     return text
@@ -189,8 +214,10 @@ def _lang(body: dict[str, Any]) -> str:
 def _model_name(body: dict[str, Any], registry: ModelRegistry) -> str:
     name = body.get("model")
     if not isinstance(name, str):
-        raise ApiError(422, f"`model` must be a string (a name from GET /api/models), got "
-                            f"{type(name).__name__}")  # fmt: skip
+        raise ApiError(
+            422,
+            f"`model` must be a string (a name from GET /api/models), got {type(name).__name__}",
+        )
     try:
         registry.spec(name)
     except UnknownModelError as e:
@@ -223,8 +250,9 @@ def _encode(loaded: LoadedModel, text: str, limits: ServeLimits) -> list[int]:
     return ids
 
 
-def _trace_work(registry: ModelRegistry, name: str, text: str, lang: str, top_k: int | None,
-                limits: ServeLimits) -> dict[str, Any]:  # fmt: skip
+def _trace_work(
+    registry: ModelRegistry, name: str, text: str, lang: str, top_k: int | None, limits: ServeLimits
+) -> dict[str, Any]:
     from attnlab.explain.html import page_data
 
     loaded = _load(registry, name)
@@ -237,22 +265,42 @@ def _trace_work(registry: ModelRegistry, name: str, text: str, lang: str, top_k:
         ex = trace_example(loaded.example)
         walk = walkthrough_from_renderables(walkthrough_renderables(ex, lang))
         data = page_data(trace_from_walkthrough(ex), walk, lang=lang)
-        return {"model": name, "source": data["source"], "attention": data["attention"],
-                "walkthrough": data["walkthrough"], "example": True}  # fmt: skip
+        return {
+            "model": name,
+            "source": data["source"],
+            "attention": data["attention"],
+            "walkthrough": data["walkthrough"],
+            "example": True,
+        }
     from attnlab.explain.model_trace import auto_top_k, trace_model
 
     ids = _encode(loaded, text, limits)
     with _user_errors():
         k = auto_top_k(loaded.model, len(ids), top_k)
-        trace = trace_model(loaded.model, ids, tokenizer=loaded.tokenizer, top_k=k,
-                            source=loaded.source)  # fmt: skip
+        trace = trace_model(
+            loaded.model, ids, tokenizer=loaded.tokenizer, top_k=k, source=loaded.source
+        )
         data = page_data(trace, None, lang=lang)
-    return {"model": name, "source": data["source"], "attention": data["attention"],
-            "walkthrough": None, "example": False, "token_ids": ids}  # fmt: skip
+    return {
+        "model": name,
+        "source": data["source"],
+        "attention": data["attention"],
+        "walkthrough": None,
+        "example": False,
+        "token_ids": ids,
+    }
 
 
-def _step_work(registry: ModelRegistry, name: str, text: str, layer: int, head: int,
-               token: int, lang: str, limits: ServeLimits) -> dict[str, Any]:  # fmt: skip
+def _step_work(
+    registry: ModelRegistry,
+    name: str,
+    text: str,
+    layer: int,
+    head: int,
+    token: int,
+    lang: str,
+    limits: ServeLimits,
+) -> dict[str, Any]:
     loaded = _load(registry, name)
     if loaded.example is not None:
         from attnlab.examples import get_example
@@ -266,24 +314,47 @@ def _step_work(registry: ModelRegistry, name: str, text: str, layer: int, head: 
         ex = trace_example(loaded.example, index=token)
         walk = walkthrough_from_renderables(walkthrough_renderables(ex, lang))
         steps = page_data(None, walk, lang=lang)["walkthrough"]["steps"]
-        return {"model": name, "kind": "walkthrough", "summary": walk.intro,
-                "sections": steps, "weights": ex.trainable_token.weights.tolist()}  # fmt: skip
+        return {
+            "model": name,
+            "kind": "walkthrough",
+            "summary": walk.intro,
+            "sections": steps,
+            "weights": ex.trainable_token.weights.tolist(),
+        }
     from attnlab.explain.steps import head_steps, step_sections, step_summary
 
     ids = _encode(loaded, text, limits)
     with _user_errors():
-        walk_ = head_steps(loaded.model, ids, layer=layer, head=head, token=token,
-                           tokenizer=loaded.tokenizer, source=loaded.source)  # fmt: skip
-    return {"model": name, "kind": "head", "summary": step_summary(walk_, lang),
-            "sections": step_sections(walk_, lang), "weights": walk_.weights.tolist(),
-            "layer": layer, "head": head, "token": token, "checks": walk_.checks}  # fmt: skip
+        walk_ = head_steps(
+            loaded.model,
+            ids,
+            layer=layer,
+            head=head,
+            token=token,
+            tokenizer=loaded.tokenizer,
+            source=loaded.source,
+        )
+    return {
+        "model": name,
+        "kind": "head",
+        "summary": step_summary(walk_, lang),
+        "sections": step_sections(walk_, lang),
+        "weights": walk_.weights.tolist(),
+        "layer": layer,
+        "head": head,
+        "token": token,
+        "checks": walk_.checks,
+    }
 
 
 def _causal_model(registry: ModelRegistry, name: str) -> LoadedModel:
     loaded = _load(registry, name)
     if loaded.example is not None or not loaded.causal:
-        raise ApiError(422, f"model {name!r} is not a causal language model: head roles, "
-                            "ablation, the logit lens and rollout need one")  # fmt: skip
+        raise ApiError(
+            422,
+            f"model {name!r} is not a causal language model: head roles, "
+            "ablation, the logit lens and rollout need one",
+        )
     return loaded
 
 
@@ -294,12 +365,15 @@ def _tops(loaded: LoadedModel, logits: Any, k: int) -> list[dict[str, Any]]:
 
     probs, ids = top_tokens(logits, k)
     spelled = _token_texts(loaded.tokenizer, ids.tolist())
-    return [{"id": int(i), "token": t, "p": float(p)}
-            for i, t, p in zip(ids.tolist(), spelled, probs.tolist(), strict=True)]  # fmt: skip
+    return [
+        {"id": int(i), "token": t, "p": float(p)}
+        for i, t, p in zip(ids.tolist(), spelled, probs.tolist(), strict=True)
+    ]
 
 
-def _heads_work(registry: ModelRegistry, name: str, text: str,
-                limits: ServeLimits) -> dict[str, Any]:  # fmt: skip
+def _heads_work(
+    registry: ModelRegistry, name: str, text: str, limits: ServeLimits
+) -> dict[str, Any]:
     from attnlab.explain.heads import INDUCTION_LENGTH, INDUCTION_SEED, head_scores
 
     loaded = _causal_model(registry, name)
@@ -310,13 +384,25 @@ def _heads_work(registry: ModelRegistry, name: str, text: str,
     about = f"{INDUCTION_LENGTH} random tokens (seed {INDUCTION_SEED}) repeated twice"
     if ids is not None:
         about = f"{len(ids)} tokens of the text"
-    return {"model": name, "layers": int(L), "heads": int(H), "input": about,
-            "roles": list(scores),
-            "scores": {r: v.tolist() for r, v in scores.items()}}  # fmt: skip
+    return {
+        "model": name,
+        "layers": int(L),
+        "heads": int(H),
+        "input": about,
+        "roles": list(scores),
+        "scores": {r: v.tolist() for r, v in scores.items()},
+    }
 
 
-def _ablate_work(registry: ModelRegistry, name: str, text: str, heads: list[tuple[int, int]],
-                 mode: str, k: int, limits: ServeLimits) -> dict[str, Any]:  # fmt: skip
+def _ablate_work(
+    registry: ModelRegistry,
+    name: str,
+    text: str,
+    heads: list[tuple[int, int]],
+    mode: str,
+    k: int,
+    limits: ServeLimits,
+) -> dict[str, Any]:
     from attnlab.explain.heads import ablate, ablation_effect
     from attnlab.explain.model_trace import _token_texts
 
@@ -326,14 +412,21 @@ def _ablate_work(registry: ModelRegistry, name: str, text: str, heads: list[tupl
         after = ablate(loaded.model, ids, heads, mode=mode)  # type: ignore[arg-type]
     before = ablate(loaded.model, ids, [])
     effect = ablation_effect(before, after, k)
-    return {"model": name, "heads": [list(h) for h in heads], "mode": mode,
-            "tokens": _token_texts(loaded.tokenizer, ids), "position": len(ids) - 1,
-            "before": _tops(loaded, before[0, -1], k), "after": _tops(loaded, after[0, -1], k),
-            "kl": effect.kl[0].tolist()}  # fmt: skip
+    return {
+        "model": name,
+        "heads": [list(h) for h in heads],
+        "mode": mode,
+        "tokens": _token_texts(loaded.tokenizer, ids),
+        "position": len(ids) - 1,
+        "before": _tops(loaded, before[0, -1], k),
+        "after": _tops(loaded, after[0, -1], k),
+        "kl": effect.kl[0].tolist(),
+    }
 
 
-def _lens_work(registry: ModelRegistry, name: str, text: str, k: int,
-               limits: ServeLimits) -> dict[str, Any]:  # fmt: skip
+def _lens_work(
+    registry: ModelRegistry, name: str, text: str, k: int, limits: ServeLimits
+) -> dict[str, Any]:
     from attnlab.explain.heads import logit_lens, top_tokens
     from attnlab.explain.model_trace import _token_texts
 
@@ -344,15 +437,26 @@ def _lens_work(registry: ModelRegistry, name: str, text: str, k: int,
     probs, top = top_tokens(lens[:, 0], k)  # (L, T, k)
     flat = sorted(set(top.flatten().tolist()))
     spelled = dict(zip(flat, _token_texts(loaded.tokenizer, flat), strict=True))
-    return {"model": name, "tokens": _token_texts(loaded.tokenizer, ids),
-            "layers": int(lens.shape[0]),
-            "top": [[[{"id": int(i), "token": spelled[int(i)], "p": float(p)}
-                      for i, p in zip(top[l_, t].tolist(), probs[l_, t].tolist(), strict=True)]
-                     for t in range(top.shape[1])] for l_ in range(top.shape[0])]}  # fmt: skip
+    return {
+        "model": name,
+        "tokens": _token_texts(loaded.tokenizer, ids),
+        "layers": int(lens.shape[0]),
+        "top": [
+            [
+                [
+                    {"id": int(i), "token": spelled[int(i)], "p": float(p)}
+                    for i, p in zip(top[l_, t].tolist(), probs[l_, t].tolist(), strict=True)
+                ]
+                for t in range(top.shape[1])
+            ]
+            for l_ in range(top.shape[0])
+        ],
+    }
 
 
-def _rollout_work(registry: ModelRegistry, name: str, text: str, residual: float,
-                  limits: ServeLimits) -> dict[str, Any]:  # fmt: skip
+def _rollout_work(
+    registry: ModelRegistry, name: str, text: str, residual: float, limits: ServeLimits
+) -> dict[str, Any]:
     from attnlab.explain.heads import rollout
     from attnlab.explain.model_trace import trace_model
 
@@ -361,8 +465,12 @@ def _rollout_work(registry: ModelRegistry, name: str, text: str, residual: float
     with _user_errors():
         trace = trace_model(loaded.model, ids, tokenizer=loaded.tokenizer)
     assert trace.weights is not None
-    return {"model": name, "tokens": list(trace.tokens), "residual": residual,
-            "rollout": rollout(trace.weights, residual).tolist()}  # fmt: skip
+    return {
+        "model": name,
+        "tokens": list(trace.tokens),
+        "residual": residual,
+        "rollout": rollout(trace.weights, residual).tolist(),
+    }
 
 
 def _head_pairs(body: dict[str, Any]) -> list[tuple[int, int]]:
@@ -371,11 +479,15 @@ def _head_pairs(body: dict[str, Any]) -> list[tuple[int, int]]:
         raise ApiError(422, "`heads` must be a list of [layer, head] pairs (at most 4096)")
     pairs = []
     for item in raw:
-        if (not isinstance(item, list) or len(item) != 2
-                or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
-                           for v in item)):  # fmt: skip
-            raise ApiError(422, f"`heads` must hold [layer, head] pairs of ints >= 0, got "
-                                f"{json.dumps(item)[:60]}")  # fmt: skip
+        if (
+            not isinstance(item, list)
+            or len(item) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in item)
+        ):
+            raise ApiError(
+                422,
+                f"`heads` must hold [layer, head] pairs of ints >= 0, got {json.dumps(item)[:60]}",
+            )
         pairs.append((item[0], item[1]))
     return pairs
 
@@ -417,8 +529,15 @@ class _Peek:
     __call__ = forward
 
 
-def _generate_work(registry: ModelRegistry, name: str, text: str, params: dict[str, Any],
-                   limits: ServeLimits, emit: Any, cancel: threading.Event) -> None:  # fmt: skip
+def _generate_work(
+    registry: ModelRegistry,
+    name: str,
+    text: str,
+    params: dict[str, Any],
+    limits: ServeLimits,
+    emit: Any,
+    cancel: threading.Event,
+) -> None:
     import torch
 
     from attnlab.attention import record_attention
@@ -433,8 +552,11 @@ def _generate_work(registry: ModelRegistry, name: str, text: str, params: dict[s
     blocks = attention_layers(loaded.model)
     layer, head = params["layer"], params["head"]
     if not 0 <= layer < len(blocks) or not 0 <= head < int(blocks[layer].num_heads):
-        raise ApiError(422, f"`layer`/`head` must be in 0..{len(blocks) - 1} / "
-                            f"0..{int(blocks[0].num_heads) - 1}, got {layer}/{head}")  # fmt: skip
+        raise ApiError(
+            422,
+            f"`layer`/`head` must be in 0..{len(blocks) - 1} / "
+            f"0..{int(blocks[0].num_heads) - 1}, got {layer}/{head}",
+        )
     block = blocks[layer]
     rows: list[list[float]] = []
 
@@ -452,10 +574,18 @@ def _generate_work(registry: ModelRegistry, name: str, text: str, params: dict[s
     reason = "length"
     all_ids = list(ids)
     with torch.no_grad(), record_attention(LastRow()), _user_errors():
-        for i, nxt in enumerate(generate_stream(
-            peek, torch.tensor([ids]), params["max_new_tokens"], temperature=temperature,
-            top_k=top_k, top_p=top_p, eos_id=loaded.eos_id, generator=gen,
-        )):  # fmt: skip
+        for i, nxt in enumerate(
+            generate_stream(
+                peek,
+                torch.tensor([ids]),
+                params["max_new_tokens"],
+                temperature=temperature,
+                top_k=top_k,
+                top_p=top_p,
+                eos_id=loaded.eos_id,
+                generator=gen,
+            )
+        ):
             token = int(nxt[0, 0])
             logits = peek.last / (temperature if temperature > 0 else 1.0)
             probs = torch.softmax(logits, dim=-1)
@@ -464,16 +594,26 @@ def _generate_work(registry: ModelRegistry, name: str, text: str, params: dict[s
             query_pos = len(all_ids) - 1  # the query whose attention predicted this token
             all_ids.append(token)
             eos = loaded.eos_id is not None and token == loaded.eos_id
-            emit("token", {
-                "index": i, "id": token,
-                "text": "" if eos else stream.push(token),
-                "token": _token_texts(loaded.tokenizer, [token])[0],
-                "p": float(probs[token]),
-                "top": [{"id": int(j), "token": t, "p": float(q)}
-                        for j, q, t in zip(idx.tolist(), p.tolist(), spelled, strict=True)],
-                "attention": {"layer": layer, "head": head, "query": query_pos,
-                              "weights": rows[-1] if rows else None},
-            })  # fmt: skip
+            emit(
+                "token",
+                {
+                    "index": i,
+                    "id": token,
+                    "text": "" if eos else stream.push(token),
+                    "token": _token_texts(loaded.tokenizer, [token])[0],
+                    "p": float(probs[token]),
+                    "top": [
+                        {"id": int(j), "token": t, "p": float(q)}
+                        for j, q, t in zip(idx.tolist(), p.tolist(), spelled, strict=True)
+                    ],
+                    "attention": {
+                        "layer": layer,
+                        "head": head,
+                        "query": query_pos,
+                        "weights": rows[-1] if rows else None,
+                    },
+                },
+            )
             if eos:
                 reason = "eos"
                 break
@@ -572,8 +712,12 @@ def create_app(
     limits = limits or ServeLimits()
     pool = pool or WorkerPool()
     page, csp = render_page(lang)
-    headers = {"Content-Security-Policy": csp, "X-Content-Type-Options": "nosniff",
-               "Referrer-Policy": "no-referrer", "Cache-Control": "no-store"}  # fmt: skip
+    headers = {
+        "Content-Security-Policy": csp,
+        "X-Content-Type-Options": "nosniff",
+        "Referrer-Policy": "no-referrer",
+        "Cache-Control": "no-store",
+    }
 
     async def index(request: Request) -> Response:
         return HTMLResponse(page, headers=headers)
@@ -584,15 +728,16 @@ def create_app(
         path = cjk_font_file() if lang != "en" else None
         if path is None:
             return _error(404, "no CJK font here (pip install 'attnlab[zh-tw]')")
-        return FileResponse(path, media_type="font/otf",
-                            headers={"Cache-Control": "max-age=86400"})  # fmt: skip
+        return FileResponse(path, media_type="font/otf", headers={"Cache-Control": "max-age=86400"})
 
     async def models(request: Request) -> Response:
-        return JSONResponse({
-            "models": registry.status(),
-            "limits": asdict(limits),
-            "pool": {"workers": pool.workers, "queue": pool.queue, "busy": pool.busy},
-        })  # fmt: skip
+        return JSONResponse(
+            {
+                "models": registry.status(),
+                "limits": asdict(limits),
+                "pool": {"workers": pool.workers, "queue": pool.queue, "busy": pool.busy},
+            }
+        )
 
     async def trace(request: Request) -> Response:
         body = await _read_json(request, limits)
@@ -612,8 +757,9 @@ def create_app(
         if token is None:
             raise ApiError(422, "`token` is required: the query position (from 0)")
         assert layer is not None and head is not None
-        result = await pool.run(_step_work, registry, name, text, layer, head, token,
-                                _lang(body), limits)  # fmt: skip
+        result = await pool.run(
+            _step_work, registry, name, text, layer, head, token, _lang(body), limits
+        )
         return JSONResponse(result)
 
     async def heads(request: Request) -> Response:
@@ -632,8 +778,9 @@ def create_app(
             raise ApiError(422, f"`mode` must be 'zero' or 'mean', got {str(mode)[:40]!r}")
         k = _int(body, "k", 10, 1, limits.max_top_k, "max_top_k")
         assert k is not None
-        return JSONResponse(await pool.run(_ablate_work, registry, name, text, pairs, mode, k,
-                                           limits))  # fmt: skip
+        return JSONResponse(
+            await pool.run(_ablate_work, registry, name, text, pairs, mode, k, limits)
+        )
 
     async def lens(request: Request) -> Response:
         body = await _read_json(request, limits)
@@ -649,16 +796,16 @@ def create_app(
         text = _text(body, limits)
         residual = _float(body, "residual", 0.5, 0.0, 1.0)
         assert residual is not None
-        return JSONResponse(await pool.run(_rollout_work, registry, name, text, residual,
-                                           limits))  # fmt: skip
+        return JSONResponse(await pool.run(_rollout_work, registry, name, text, residual, limits))
 
     async def generate(request: Request) -> Response:
         body = await _read_json(request, limits)
         name = _model_name(body, registry)
         text = _text(body, limits)
         params = {
-            "max_new_tokens": _int(body, "max_new_tokens", 20, 1, limits.max_new_tokens,
-                                   "max_new_tokens"),
+            "max_new_tokens": _int(
+                body, "max_new_tokens", 20, 1, limits.max_new_tokens, "max_new_tokens"
+            ),
             "temperature": _float(body, "temperature", 0.0, 0.0, 100.0),
             "top_k": _int(body, "top_k", None, 1, limits.max_top_k, "max_top_k"),
             "top_p": _float(body, "top_p", None, 0.0, 1.0, low_open=True),
@@ -666,7 +813,7 @@ def create_app(
             "layer": _int(body, "layer", 0, 0, None),
             "head": _int(body, "head", 0, 0, None),
             "bars": _int(body, "bars", 10, 1, limits.max_top_k, "max_top_k"),
-        }  # fmt: skip
+        }
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         cancel = threading.Event()
@@ -697,9 +844,11 @@ def create_app(
                 cancel.set()  # the client left (or the stream ended): stop generating
                 await asyncio.wrap_future(future)
 
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-store",
-                                          "X-Accel-Buffering": "no"})  # fmt: skip
+        return StreamingResponse(
+            events(),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"},
+        )
 
     async def on_api_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, ApiError)
@@ -713,8 +862,11 @@ def create_app(
 
     async def not_found(request: Request, exc: Exception) -> Response:
         code = getattr(exc, "status_code", 404)
-        return _error(code, f"{request.method} {request.url.path[:100]}: "
-                            f"{'not found' if code == 404 else 'not allowed'}")  # fmt: skip
+        return _error(
+            code,
+            f"{request.method} {request.url.path[:100]}: "
+            f"{'not found' if code == 404 else 'not allowed'}",
+        )
 
     app = Starlette(
         routes=[

@@ -77,8 +77,9 @@ def serve(
             if self.started and on_start is not None:
                 on_start(url)
 
-    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
-                            timeout_graceful_shutdown=3)  # fmt: skip
+    config = uvicorn.Config(
+        app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=3
+    )
     server = Server(config)
     try:
         server.run(sockets=[sock])
