@@ -192,7 +192,7 @@ PRE_TOKENIZER = {
     "phi3": "default",
     "granite": "refact",
     "starcoder2": "starcoder",
-    "stablelm": "gpt-2",  # StableLM 2 writes "stablelm2", which attnlab does not split yet
+    "stablelm": "stablelm2",
 }
 # SentencePiece vocabularies in GGUF (the others: GPT-2 BPE from tokenizer.json)
 _SPM = ("gemma2", "gemma3", "phi3")

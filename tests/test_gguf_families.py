@@ -122,6 +122,21 @@ def test_gguf_tokenizer_with_llama_cpp_pre_tokenizer_names(hf_dirs, tmp_path, fa
     assert tok.eos_id == hf_tok.eos_id
 
 
+@pytest.mark.parametrize(
+    ("pre", "pieces"),
+    [
+        ("stablelm2", ["1", "2", "3", "4", "5", "Ġabc", "'S"]),  # llama.cpp: qwen2's split
+        ("olmo", ["12345", "Ġabc", "'", "S"]),  # GPT-2's ('s lower-case only)
+        ("mpt", ["12345", "Ġabc", "'", "S"]),
+        ("command-r", ["1", "2", "3", "4", "5", "Ġabc", "'", "S"]),  # digits, then GPT-2
+    ],
+)
+def test_more_llama_cpp_pre_tokenizer_names_split_as_llama_cpp_does(pre, pieces):
+    from attnlab.pretrained.tokenizer import _pre_tokenizer
+
+    assert [p for p, _ in _pre_tokenizer(pre).pre_tokenize_str("12345 abc'S")] == pieces
+
+
 def _refused(path, *words):
     with pytest.raises(ModelFileError) as info:
         load_pretrained(path)
@@ -289,6 +304,20 @@ def test_streamed_sentencepiece_text_keeps_the_space_of_the_first_new_token(
     )
     assert code == 0, err
     assert out.rstrip("\n") == tok.decode(ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("key", ["add_space_prefix", "add_bos_token"])
+def test_gguf_sentencepiece_flag_that_is_not_a_bool_is_refused(hf_dirs, tmp_path, key):
+    # bool("false") is True: a flag stored as a string must not silently flip the tokenizer
+    path = tmp_path / "flag.gguf"
+    write_gguf(
+        hf_dirs["phi3"],
+        path,
+        "phi3",
+        "F32",
+        extra=lambda w: w.add_string(f"tokenizer.ggml.{key}", "false"),
+    )
+    _refused(path, f"tokenizer.ggml.{key}", "must be a bool", "'false'")
 
 
 def test_gguf_sentencepiece_tables_that_disagree_are_refused(hf_dirs, tmp_path, monkeypatch):

@@ -272,6 +272,10 @@ PRE_TOKENIZERS = {
     "qwen2": "qwen2",
     "deepseek-r1-qwen": "qwen2",
     "megrez": "qwen2",
+    "stablelm2": "qwen2",
+    "olmo": "gpt2",
+    "mpt": "gpt2",
+    "command-r": "digits+gpt2",
 }
 
 
@@ -454,6 +458,19 @@ def sentencepiece_merges(tokens: Sequence[str], scores: Sequence[float]) -> list
     return [(lefts[j], rights[j]) for j in order.tolist()]
 
 
+def _flag(contents: GGUFContents, key: str, default: bool) -> bool:
+    """A true/false metadata key, refused (named) when the file stores anything else.
+
+    ``bool("false")`` is true: a string or a number here would silently flip the tokenizer.
+    """
+    from attnlab.pretrained.errors import ModelFileError
+
+    value = contents.metadata.get(key, default)
+    if not isinstance(value, bool):
+        raise ModelFileError(contents.path, f"{key} must be a bool, got {value!r}")
+    return value
+
+
 def _sentencepiece_backend(contents: GGUFContents) -> Any:
     """A SentencePiece vocabulary (tokens, scores, types) as a ``tokenizers`` BPE model.
 
@@ -489,7 +506,7 @@ def _sentencepiece_backend(contents: GGUFContents) -> Any:
         byte_fallback=True,
     )
     backend = Tokenizer(model)
-    prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+    prefix = _flag(contents, "tokenizer.ggml.add_space_prefix", True)
     steps: list[Any] = [normalizers.Prepend("\u2581")] if prefix else []
     backend.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", "\u2581")])
     decode: list[Any] = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
@@ -501,7 +518,7 @@ def _sentencepiece_backend(contents: GGUFContents) -> Any:
     template = ["$A"]
     for key, default in (("bos", True), ("eos", False)):
         token_id = meta.get(f"tokenizer.ggml.{key}_token_id")
-        if not meta.get(f"tokenizer.ggml.add_{key}_token", default) or token_id is None:
+        if not _flag(contents, f"tokenizer.ggml.add_{key}_token", default) or token_id is None:
             continue
         if isinstance(token_id, bool) or not isinstance(token_id, int):
             raise ModelFileError(contents.path, f"tokenizer.ggml.{key}_token_id must be an int")
