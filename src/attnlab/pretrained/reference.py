@@ -87,7 +87,7 @@ def _layout(family: Family) -> list[str]:
 
 def families_page() -> str:
     """The Markdown of ``docs/reference/families.md``."""
-    own, others = gguf_types()
+    own, _ = gguf_types()
     lines = [
         "# Model families",
         "",
@@ -126,8 +126,10 @@ def families_page() -> str:
         "## GGUF tensor types",
         "",
         "F32, F16 and BF16 are read as they are; "
-        f"{_code(own)} are dequantised by attnlab's own kernels; "
-        f"{_code(others)} through gguf-py's dequantisation. Every tensor becomes float32",
+        f"{_code(own)} are dequantised by attnlab's own kernels; the other GGML types",
+        "through gguf-py's dequantisation, as far as the installed gguf-py knows them",
+        "(`attnlab.pretrained.reference.gguf_types()` lists both; a type neither knows is",
+        "refused with the tensor and the type named). Every tensor becomes float32",
         "(or the dtype asked for) when the model is built. RoPE settings llama.cpp stores",
         "as tensors (`rope_freqs`, `rope_factors_long` / `rope_factors_short`) are read as",
         "configuration.",
