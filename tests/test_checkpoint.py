@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -115,3 +116,39 @@ def test_a_save_killed_midway_leaves_the_last_good_checkpoint(tmp_path, monkeypa
     ck = load_checkpoint(tmp_path)
     assert ck.step == 3  # the previous checkpoint, complete and verified
     assert not any(".tmp-" in p.name for p in tmp_path.iterdir())
+
+
+def test_every_gpt_checkpoint_loader_checks_the_config_against_the_weights(tmp_path):
+    """The library, the commands (`explain`, `heads`, `generate`) and the server load GPT
+    checkpoints through `GPTModel.from_checkpoint`: a config that does not fit the weights
+    is refused naming the tensor, never loaded approximately (or failing deep in torch)."""
+    pytest.importorskip("starlette")
+    from attnlab.cli.models import load_checkpoint_model
+    from attnlab.cli.output import UserError
+    from attnlab.serve.models import checkpoint_spec
+
+    torch.manual_seed(0)
+    good = tmp_path / "good"
+    _save(good, GPTModel(CFG))
+    model, _, label = load_checkpoint_model(good, "math")
+    want = GPTModel.from_checkpoint(good)
+    assert label == f"GPT checkpoint {good} (step 3)" and not model.training
+    assert all(b.att.backend == "math" for b in model.trf_blocks)
+    for loaded in (model, checkpoint_spec(good).load().model):
+        for k, v in want.state_dict().items():
+            assert torch.equal(loaded.state_dict()[k], v), k
+
+    bad = tmp_path / "bad"
+    _save(bad, GPTModel(CFG))
+    manifest = json.loads((bad / "config.json").read_text())
+    manifest["model_config"]["emb_dim"] = 16
+    (bad / "config.json").write_text(json.dumps(manifest))
+    match = r"does not match its weights.*tok_emb\.weight"
+    with pytest.raises(CheckpointError, match=match):
+        GPTModel.from_checkpoint(load_checkpoint(bad))
+    with pytest.raises(UserError, match=match):
+        load_checkpoint_model(bad)
+    with pytest.raises(CheckpointError, match=match):
+        checkpoint_spec(bad).load()
+    with pytest.raises(CheckpointError, match="holds a 'bert' model, expected 'gpt'"):
+        GPTModel.from_checkpoint(dataclasses.replace(load_checkpoint(good), model_type="bert"))

@@ -105,6 +105,60 @@ def test_generate_bad_input(capsys, micro_checkpoint, tmp_path):
     assert code == 2 and "does not match its weights" in _one_error_line(err)
 
 
+def test_every_checkpoint_command_refuses_a_config_that_does_not_fit(
+    capsys, micro_checkpoint, tmp_path, monkeypatch
+):
+    """`generate`, `explain` and `heads` load a checkpoint the one way: its config is checked
+    against its weights, and a mismatch is one error line naming the tensor."""
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for p in micro_checkpoint.iterdir():
+        (bad / p.name).write_bytes(p.read_bytes())
+    manifest = json.loads((bad / "config.json").read_text())
+    manifest["model_config"]["emb_dim"] = 32
+    (bad / "config.json").write_text(json.dumps(manifest))
+    monkeypatch.chdir(tmp_path)  # where a command that did load would write its files
+    for command in (
+        ("generate", "--checkpoint", str(bad), "hello"),
+        ("explain", "--checkpoint", str(bad), "hello"),
+        ("heads", "--checkpoint", str(bad)),
+    ):
+        code, _, err = run_main(capsys, *command)
+        line = _one_error_line(err)
+        assert code == 2 and "does not match its weights" in line and "tok_emb.weight" in line
+
+
+def test_generate_streams_multibyte_text_whole(capsys, micro_checkpoint, monkeypatch):
+    """Characters whose UTF-8 bytes span several tokens (CJK, an emoji) come out whole and
+    exactly as tiktoken decodes the tokens: the library's one decoder (`TextStream`) holds
+    a character back until its last byte arrives."""
+    import torch
+
+    import attnlab.generation
+    from attnlab.data import get_tokenizer
+
+    text = " naïve café, 東京の猫 🐈‍⬛ and ß"
+    tok = get_tokenizer()
+    ids = tok.encode(text)
+    partial = [i for i in ids if "\ufffd" in tok.decode([i])]
+    assert len(partial) >= 3  # the text does split characters across tokens
+
+    def scripted(model, idx, max_new_tokens, *args, **kwargs):
+        for i in ids[:max_new_tokens]:
+            yield torch.tensor([[i]])
+
+    monkeypatch.setattr(attnlab.generation, "generate_stream", scripted)
+    args = ("generate", "--checkpoint", str(micro_checkpoint), "Say")
+    code, out, err = run_main(capsys, *args, "-n", str(len(ids)))
+    assert code == 0, err
+    assert out == "Say" + text + "\n" and "\ufffd" not in out
+    # Cut inside the cat emoji: the bytes held back come out as the decoder writes them.
+    n = ids.index(partial[-1])
+    code, out, err = run_main(capsys, *args, "-n", str(n + 1))
+    assert code == 0, err
+    assert out == "Say" + tok.decode(ids[: n + 1]) + "\n"
+
+
 @pytest.mark.slow
 def test_ctrl_c_saves_a_checkpoint_and_resume_finishes(tmp_path):
     env = dict(os.environ)

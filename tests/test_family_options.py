@@ -173,11 +173,10 @@ def test_phi3_longrope_generation_crosses_the_switch_like_transformers(phi3_long
         )
     assert ours.tolist() == uncached.tolist() == theirs.tolist()
     assert "_decode_plan" in model.__dict__  # the one-token steps took the fast path
-    # the server's wrapper (the logits bars) passes the switch on too
-    pytest.importorskip("starlette")
-    from attnlab.serve.app import _Peek
-
-    assert generate(_Peek(model), ids, 20).tolist() == theirs.tolist()
+    # the server's generation (the model itself, on_logits for its bars) crosses it too
+    seen: list[torch.Tensor] = []
+    assert generate(model, ids, 20, on_logits=seen.append).tolist() == theirs.tolist()
+    assert len(seen) == 20
 
 
 @pytest.mark.parametrize("static", [False, True], ids=["growing", "static"])

@@ -178,3 +178,46 @@ def test_gpt_greedy_with_and_without_cache_identical():
         generator=torch.Generator().manual_seed(9),
     )
     assert torch.equal(s1, s2)
+
+
+def test_on_logits_sees_every_steps_last_logits_before_the_choice():
+    """`on_logits` gets the last position's logits of each step, the very ones the token is
+    chosen from: greedy picks their argmax, and they equal the uncached full pass."""
+    prompt = torch.tensor([[3, 1, 4], [2, 7, 1]])
+    seen: list[torch.Tensor] = []
+    out = generate(ToyLM(context_length=None), prompt, 6, on_logits=lambda x: seen.append(x))
+    assert len(seen) == 6 and all(x.shape == (2, 11) for x in seen)
+    for i, logits in enumerate(seen):
+        assert logits.argmax(dim=-1).tolist() == out[:, 3 + i].tolist()
+        full = ToyLM(context_length=None)(out[:, : 3 + i])[:, -1]  # (B, V)
+        torch.testing.assert_close(logits, full, atol=0, rtol=0)
+
+
+def test_attnlab_models_follow_the_protocol_and_decode_into_a_static_cache():
+    """GPTModel is a CausalLM with both optional parts, so `generate` hands it a static cache
+    (one new token then takes the fast step) and asks for the last position's logits only;
+    the minimal toy model gets the growing cache and full logits."""
+    from attnlab.attention import StaticKVCache
+    from attnlab.generation import CausalLM, _Options
+    from attnlab.models.gpt import GPTConfig, GPTModel
+
+    cfg = GPTConfig(vocab_size=101, context_length=10, emb_dim=16, n_heads=4, n_layers=2)
+    model = GPTModel(cfg).eval()
+    assert isinstance(model, CausalLM) and isinstance(ToyLM(), CausalLM)
+    assert not isinstance(object(), CausalLM)
+    assert _Options.of(model) == _Options(keep_last=True, static_cache=True, switch_length=None)
+    assert _Options.of(ToyLM()) == _Options(keep_last=False, static_cache=False, switch_length=None)
+    caches, shapes = [], []
+    real_forward = model.forward
+
+    def forward(input_ids, *, kv_cache=None, logits_to_keep=None):
+        caches.append(kv_cache)
+        out = real_forward(input_ids, kv_cache=kv_cache, logits_to_keep=logits_to_keep)
+        shapes.append(tuple(out.shape))
+        return out
+
+    model.forward = forward  # type: ignore[method-assign]
+    generate(model, torch.tensor([[1, 2, 3]]), 4)
+    assert all(isinstance(c, StaticKVCache) and c.max_len == 7 for c in caches[0])
+    assert shapes == [(1, 1, 101)] * 4  # the prompt's logits: the last position only
+    assert "_decode_plan" in model.__dict__  # the one-token steps took the fast step

@@ -145,6 +145,25 @@ def test_generate_streams_tokens_with_bars_and_attention(client, gpt):
     assert len(tokens[-1]["attention"]["weights"]) == len(ids) + 4
 
 
+def test_generate_decodes_into_a_static_cache_sized_for_the_call(gpt, monkeypatch):
+    """The server generates from the model itself (no wrapper), so, as attnlab's
+    `generate`, it asks the model for a static cache of prompt + new tokens."""
+    import attnlab.models.gpt as gpt_module
+
+    asked: list[int | None] = []
+    real = gpt_module.new_caches
+
+    def recording(n_layers, max_len):
+        asked.append(max_len)
+        return real(n_layers, max_len)
+
+    monkeypatch.setattr(gpt_module, "new_caches", recording)
+    with TestClient(make_app(gpt)) as c:
+        r = c.post("/api/generate", json={"model": "tiny", "text": TEXT, "max_new_tokens": 3})
+    assert sse(r.text)[-1][0] == "done"
+    assert asked == [len(get_tokenizer().encode(TEXT)) + 3]
+
+
 def test_concurrent_traces_on_one_model(gpt):
     app = make_app(gpt, pool=WorkerPool(workers=4, queue=64))
     texts = [f"{w} " * (3 + i % 7) for i, w in enumerate(["a", "cat", "sat", "on", "mat"] * 8)]

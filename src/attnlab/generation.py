@@ -1,25 +1,20 @@
 """Text generation for any causal language model that follows attnlab's protocol.
 
-The protocol (shared by ``attnlab.models``):
+The protocol is :class:`CausalLM`: a forward that takes ``kv_cache``, ``new_kv_cache()``
+and ``context_length``; attnlab's ``GPTModel`` and ``Decoder`` also take ``max_len`` (a
+static cache sized once for the whole call, which the model decodes into with its fast
+one-token step; rebuilding it when the window slides reuses the same buffers, so memory
+stays flat however many tokens are made) and ``logits_to_keep`` (encoding a prompt skips
+the output head over all but its last token). A model whose rotary frequencies change at
+a length (``model.rope.switch_length``, Phi-3's LongRoPE) has its cache rebuilt once from
+the whole sequence when the sequence crosses it, as transformers' Phi-3
+``prepare_inputs_for_generation`` drops its cache, so cached decoding gives the logits of
+the full pass.
 
-- ``model(input_ids, *, kv_cache=None) -> logits``: ``input_ids`` (B, T) long, logits (B, T, V).
-  With ``kv_cache`` (a list of per-layer ``KVCache``), the new keys/values are appended and the
-  positions of ``input_ids`` continue after what the cache already holds.
-- ``model.new_kv_cache() -> list[KVCache]``: an empty cache, one entry per layer.
-  When it takes ``max_len`` (attnlab's decoders do), generation asks for a static cache
-  sized once for the whole call (prompt + new tokens, at most the window), which the
-  model decodes into with its fast one-token step; rebuilding the cache when the window
-  slides reuses the same buffers, so memory stays flat however many tokens are made.
-- ``model.context_length``: the longest sequence the model accepts (int), or None.
-- optional: ``model.rope.switch_length`` (int or None): a sequence length past which the
-  rotary frequencies change (Phi-3's LongRoPE switches from its short to its long factors),
-  so keys cached while the sequence was shorter are stale. When the sequence crosses it,
-  the cache is rebuilt once from the whole sequence, as transformers' Phi-3
-  ``prepare_inputs_for_generation`` drops its cache, so cached decoding gives the logits
-  of the full pass.
-- optional: ``model(..., logits_to_keep=1)`` computes logits for the last position only.
-  Generation uses it when the model's ``forward`` takes it (attnlab's GPT and Llama do), so
-  encoding a prompt skips the output head over all but its last token.
+What a caller wants to see of each step besides the token (the server's bars of the
+next-token distribution) it gets from ``on_logits``, called with the last position's
+logits before the token is chosen; the model is never wrapped, so it keeps its static
+cache and its fast step.
 
 Encoder-decoder models (``model.is_encoder_decoder``, e.g. T5) take the encoder's input as
 ``idx`` (and its padding as ``valid``): ``model.decoder_lm(idx, valid)`` encodes it once and
@@ -38,12 +33,64 @@ Shape legend: ``B`` batch, ``T`` sequence length, ``V`` vocabulary size.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, cast, runtime_checkable
 
 import torch
 
-__all__ = ["TextStream", "generate", "generate_stream", "sample_next_token"]
+__all__ = ["CausalLM", "TextStream", "generate", "generate_stream", "sample_next_token"]
+
+LogitsCallback = Callable[[torch.Tensor], None]
+
+
+@runtime_checkable
+class CausalLM(Protocol):
+    """What :func:`generate` and :func:`generate_stream` need from a model.
+
+    Required:
+
+    - ``model(input_ids, *, kv_cache=None)`` returns logits ``(B, T, V)`` for
+      ``input_ids`` ``(B, T)`` long. With ``kv_cache`` (what ``new_kv_cache`` returned),
+      the new keys and values are appended and the positions of ``input_ids`` continue
+      after the ones the cache holds.
+    - ``model.new_kv_cache()`` returns an empty cache: a list with one ``KVCache`` (or
+      anything the model's forward accepts) per layer, each with a ``reset()``.
+    - ``model.context_length``: the longest sequence the model accepts, or None.
+
+    Optional, used when present (generation reads the signatures once per call):
+
+    - ``new_kv_cache(max_len=N)``: a static cache of ``N`` positions allocated once;
+      generation asks for ``prompt + max_new_tokens`` (at most the window) and keeps the
+      buffers when it rebuilds, and one new token over it takes the model's fast step.
+      Without it, generation uses the growing cache of ``new_kv_cache()``.
+    - ``model(..., logits_to_keep=1)``: logits for the last position only ``(B, 1, V)``,
+      so encoding a prompt skips the output head over the rest of it.
+    - ``model.rope.switch_length`` (int or None): a length past which the rotary
+      frequencies change (Phi-3's LongRoPE); crossing it rebuilds the cache once.
+    - ``model.is_encoder_decoder`` True, with ``decoder_lm(idx, valid)`` (a causal LM over
+      the decoder's tokens with ``start_ids``) and ``decoder_start(idx)``.
+
+    attnlab's ``GPTModel`` and ``Decoder`` provide the required parts, ``max_len`` and
+    ``logits_to_keep``; a ``Decoder`` with LongRoPE the switch length; ``EncoderDecoder``
+    the last. ``isinstance(model, CausalLM)`` checks that the required names exist (not
+    their signatures).
+    """
+
+    @property
+    def context_length(self) -> int | None:
+        """The longest sequence the model accepts, or None."""
+        ...
+
+    def new_kv_cache(self) -> list[Any]:
+        """An empty cache, one entry per layer."""
+        ...
+
+    def __call__(
+        self, input_ids: torch.Tensor, *, kv_cache: list[Any] | None = None
+    ) -> torch.Tensor:
+        """Logits ``(B, T, V)`` for ``input_ids`` ``(B, T)``, after the cached positions."""
+        ...
 
 
 def _check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
@@ -155,13 +202,33 @@ def _takes(fn: Any, arg: str) -> bool:
         return False
 
 
-def _takes_logits_to_keep(model: Any) -> bool:
-    return _takes(getattr(model, "forward", None), "logits_to_keep")
+@dataclass(frozen=True)
+class _Options:
+    """The optional parts of :class:`CausalLM` that ``model`` provides (read once a call).
+
+    Attributes:
+        keep_last: its forward takes ``logits_to_keep``.
+        static_cache: its ``new_kv_cache`` takes ``max_len``.
+        switch_length: ``model.rope.switch_length`` when an int, else None.
+    """
+
+    keep_last: bool
+    static_cache: bool
+    switch_length: int | None
+
+    @classmethod
+    def of(cls, model: Any) -> _Options:
+        switch = getattr(getattr(model, "rope", None), "switch_length", None)
+        return cls(
+            keep_last=_takes(getattr(model, "forward", None), "logits_to_keep"),
+            static_cache=_takes(getattr(model, "new_kv_cache", None), "max_len"),
+            switch_length=switch if isinstance(switch, int) else None,
+        )
 
 
 @torch.no_grad()
 def generate_stream(
-    model: Any,
+    model: CausalLM,
     idx: torch.Tensor,
     max_new_tokens: int,
     context_size: int | None = None,
@@ -173,6 +240,7 @@ def generate_stream(
     use_cache: bool = True,
     generator: torch.Generator | None = None,
     valid: torch.Tensor | None = None,
+    on_logits: LogitsCallback | None = None,
 ) -> Iterator[torch.Tensor]:
     """Yield new tokens one step at a time (see :func:`generate` for the arguments).
 
@@ -186,10 +254,12 @@ def generate_stream(
     _check_sampling(temperature, top_k, top_p)
     if max_new_tokens == 0:
         return
-    model, idx = _causal_lm(model, idx, valid)
-    keep = {"logits_to_keep": 1} if _takes_logits_to_keep(model) else {}
-    static = _takes(getattr(model, "new_kv_cache", None), "max_len")
-    switch = getattr(getattr(model, "rope", None), "switch_length", None)
+    # The optional parts are called on what the model really is (the protocol types the
+    # required ones): Any here.
+    lm, idx = _causal_lm(model, idx, valid)
+    options = _Options.of(lm)
+    keep = {"logits_to_keep": 1} if options.keep_last else {}
+    static, switch = options.static_cache, options.switch_length
     seq = idx
     cache: list[Any] | None = None
     start = 0  # index in `seq` of the first token the cache holds
@@ -198,12 +268,12 @@ def generate_stream(
     for _ in range(max_new_tokens):
         if not use_cache:
             inp = seq if window is None else seq[:, -window:]  # (B, <=window)
-            logits = model(inp, **keep)
+            logits = lm(inp, **keep)
         else:
             if (
                 cache is None
                 or (window is not None and seq.size(1) - start > window)
-                or (isinstance(switch, int) and n_cached <= switch < seq.size(1) - start)
+                or (switch is not None and n_cached <= switch < seq.size(1) - start)
             ):
                 # First step, the window slid past the cache's first position, or the sequence
                 # crossed the RoPE switch length: (re)build the cache from the cropped window,
@@ -214,17 +284,18 @@ def generate_stream(
                         layer_cache.reset()  # same buffers: memory stays flat
                 elif static:
                     total = idx.size(1) + max_new_tokens
-                    cache = model.new_kv_cache(
-                        max_len=total if window is None else min(total, window)
-                    )
+                    cache = lm.new_kv_cache(max_len=total if window is None else min(total, window))
                 else:
-                    cache = model.new_kv_cache()
+                    cache = lm.new_kv_cache()
                 n_cached = 0
             inp = seq[:, start + n_cached :]  # (B, new tokens)
-            logits = model(inp, kv_cache=cache, **keep)
+            logits = lm(inp, kv_cache=cache, **keep)
             n_cached += inp.size(1)
+        last = logits[:, -1, :]  # (B, V)
+        if on_logits is not None:
+            on_logits(last)
         nxt = sample_next_token(
-            logits[:, -1, :], temperature=temperature, top_k=top_k, top_p=top_p, generator=generator
+            last, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator
         )  # (B, 1)
         if eos_id is not None:
             nxt = nxt.masked_fill(finished[:, None], eos_id)
@@ -236,7 +307,7 @@ def generate_stream(
 
 
 def generate(
-    model: Any,
+    model: CausalLM,
     idx: torch.Tensor,
     max_new_tokens: int,
     context_size: int | None = None,
@@ -248,12 +319,13 @@ def generate(
     use_cache: bool = True,
     generator: torch.Generator | None = None,
     valid: torch.Tensor | None = None,
+    on_logits: LogitsCallback | None = None,
 ) -> torch.Tensor:
     """Continue each row of ``idx`` by up to ``max_new_tokens`` tokens.
 
     Args:
-        model: a causal language model following attnlab's protocol, or an
-            encoder-decoder (module docstring).
+        model: a causal language model following :class:`CausalLM`, or an
+            encoder-decoder.
         idx: the prompt token ids.
         max_new_tokens: how many tokens to add (fewer if every row reaches ``eos_id``).
         context_size: the longest window the model is shown; defaults to
@@ -265,6 +337,9 @@ def generate(
         use_cache: keep a KV cache, so each new token costs one step over the cache.
         generator: random generator used for sampling.
         valid: encoder-decoder models only: ``(B, T)`` bool, False = padding in ``idx``.
+        on_logits: called at every step with the last position's logits ``(B, V)`` (the
+            model's, before temperature and filtering), before the next token is chosen
+            from them; the tensor is the model's output: copy what you keep.
 
     Returns:
         The prompt followed by the new tokens; for an encoder-decoder, the decoder start
@@ -290,10 +365,11 @@ def generate(
             use_cache=use_cache,
             generator=generator,
             valid=valid,
+            on_logits=on_logits,
         )
     )
     if getattr(model, "is_encoder_decoder", False):
-        idx = model.decoder_start(idx)  # (B, 1): the decoder's sequence is returned
+        idx = cast(Any, model).decoder_start(idx)  # (B, 1): the decoder's sequence
     return torch.cat([idx, *new], dim=1) if new else idx.clone()
 
 

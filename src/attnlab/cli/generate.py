@@ -3,22 +3,22 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
 from attnlab.cli.app import app
-from attnlab.cli.models import check_dtype, load_pretrained_kind, use_backend
+from attnlab.cli.models import check_dtype, load_checkpoint_model, load_pretrained_kind
 from attnlab.cli.output import UserError, output, user_input
 
 
-def _generate_pretrained(
-    name: str,
-    prompt: str,
+def _stream(
+    model: Any,
+    tok: Any,
+    ids: list[int],
+    echo: str | None,
     *,
-    chat: bool,
-    backend: str,
-    dtype: str,
+    eos_id: int | None,
     max_new_tokens: int,
     temperature: float,
     top_k: int | None,
@@ -26,20 +26,17 @@ def _generate_pretrained(
     seed: int,
     use_cache: bool,
 ) -> None:
-    """Stream a pretrained causal LM's continuation of ``prompt`` (or its chat reply)."""
-    model, tok = load_pretrained_kind(name, "causal-lm", backend, dtype)
+    """Stream the continuation of ``ids`` as text, after ``echo`` (the prompt) when given.
+
+    The tokens come from the library's one loop (``generate_stream``) and become text
+    through its one decoder (``TextStream``), which holds back a character's first bytes
+    until its last token arrives.
+    """
     import torch
 
     from attnlab.generation import TextStream, generate_stream
 
-    text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
-    ids = tok.encode(text)
-    if model.context_length is not None:  # an encoder-decoder has none (relative positions)
-        ids = ids[-model.context_length :]
-    # An encoder-decoder answers in a new sequence: the prompt is its input, not echoed.
-    echo = not chat and not getattr(model, "is_encoder_decoder", False)
-    gen = torch.Generator().manual_seed(seed)
-    stream = TextStream(tok, ids[-1:] if echo else ())  # keeps the first token's space
+    stream = TextStream(tok, ids[-1:] if echo is not None else ())  # the first token's space
     started = False
     with user_input():
         for nxt in generate_stream(
@@ -49,18 +46,18 @@ def _generate_pretrained(
             temperature=temperature,
             top_k=top_k,
             top_p=top_p,
-            eos_id=tok.eos_id,
+            eos_id=eos_id,
             use_cache=use_cache,
-            generator=gen,
+            generator=torch.Generator().manual_seed(seed),
         ):
-            if not started and echo:
-                output.stream(prompt)  # after the first step: the arguments are valid
+            if not started and echo is not None:
+                output.stream(echo)  # after the first step: the arguments are valid
             started = True
             token = int(nxt[0, 0])
-            if token == tok.eos_id:
+            if token == eos_id:
                 break
             output.stream(stream.push(token))
-    output.stream(("" if started or not echo else prompt) + stream.flush() + "\n")
+    output.stream(("" if started or echo is None else echo) + stream.flush() + "\n")
 
 
 @app.command()
@@ -106,14 +103,6 @@ def generate(
     ] = False,
 ) -> None:
     """Continue a prompt with a trained GPT or a pretrained model, streaming the text."""
-    import codecs
-
-    import torch
-
-    from attnlab.checkpoint import CheckpointError
-    from attnlab.data import EOT_TOKEN_ID, get_tokenizer
-    from attnlab.generation import generate_stream
-
     if (checkpoint is None) == (model is None):
         raise UserError(
             "give the model to use: --checkpoint DIR (a folder from `attnlab train`) or "
@@ -122,54 +111,38 @@ def generate(
     if not prompt:
         raise UserError("the prompt is empty; give some text to continue")
     check_dtype(dtype)
+    echo: str | None = prompt
     if model is not None:
-        _generate_pretrained(
-            model,
-            prompt,
-            chat=chat,
-            backend=backend,
-            dtype=dtype,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            seed=seed,
-            use_cache=not no_cache,
-        )
-        return
-    if chat:
-        raise UserError("--chat needs --model (a chat model); a GPT checkpoint has no template")
-    assert checkpoint is not None  # exactly one of the two was given
-    try:
-        from attnlab.models.gpt import GPTModel
+        lm, tok = load_pretrained_kind(model, "causal-lm", backend, dtype)
+        text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
+        ids = tok.encode(text)
+        eos_id = tok.eos_id
+        # An encoder-decoder answers in a new sequence: the prompt is its input, not echoed.
+        if chat or getattr(lm, "is_encoder_decoder", False):
+            echo = None
+    else:
+        if chat:
+            raise UserError("--chat needs --model (a chat model); a GPT checkpoint has no template")
+        assert checkpoint is not None  # exactly one of the two was given
+        from attnlab.data import EOT_TOKEN_ID
+        from attnlab.quant import quantize_model
 
-        gpt = GPTModel.from_checkpoint(checkpoint)
-    except CheckpointError as e:
-        raise UserError(str(e)) from e
-    use_backend(gpt, backend)
-    from attnlab.quant import quantize_model
-
-    quantize_model(gpt.eval(), dtype)
-    tok = get_tokenizer()
-    ids = tok.encode(prompt, allowed_special="all")[-gpt.context_length :]
-    gen = torch.Generator().manual_seed(seed)
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    output.stream(prompt)
-    with user_input():
-        stream = generate_stream(
-            gpt,
-            torch.tensor([ids]),
-            max_new_tokens,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            eos_id=EOT_TOKEN_ID,
-            use_cache=not no_cache,
-            generator=gen,
-        )
-        for nxt in stream:
-            token = int(nxt[0, 0])
-            if token == EOT_TOKEN_ID:
-                break
-            output.stream(decoder.decode(tok.decode_single_token_bytes(token)))
-    output.stream(decoder.decode(b"", final=True) + "\n")
+        lm, tok, _ = load_checkpoint_model(checkpoint, backend)
+        quantize_model(lm, dtype)
+        ids = tok.encode(prompt, allowed_special="all")
+        eos_id = EOT_TOKEN_ID
+    if lm.context_length is not None:  # an encoder-decoder has none (relative positions)
+        ids = ids[-lm.context_length :]
+    _stream(
+        lm,
+        tok,
+        ids,
+        echo,
+        eos_id=eos_id,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
+        use_cache=not no_cache,
+    )

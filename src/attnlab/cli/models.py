@@ -17,7 +17,6 @@ __all__ = [
     "load_model_path",
     "load_pretrained_kind",
     "load_pretrained_model",
-    "use_backend",
 ]
 
 
@@ -88,30 +87,19 @@ def check_local_backend(backend: str) -> None:
         raise UserError(f"unknown --backend {backend!r}; choose one of {', '.join(local)}")
 
 
-def use_backend(model: Any, backend: str) -> None:
-    """Run every attention layer of ``model`` on ``backend`` (checked first)."""
-    from attnlab.attention import Attention
-
+def load_checkpoint_model(directory: Path, backend: str = "auto") -> tuple[Any, Any, str]:
+    """A GPT trained with ``attnlab train`` (through ``GPTModel.from_checkpoint``, which
+    checks its config against its weights) in eval mode, its tokenizer, and a label."""
     check_local_backend(backend)
-    for module in model.modules():
-        if isinstance(module, Attention):
-            module.backend = backend
-    if hasattr(model, "backend"):
-        model.backend = backend
-
-
-def load_checkpoint_model(directory: Path) -> tuple[Any, Any, str]:
-    """A GPT trained with ``attnlab train``, its tokenizer, and a label."""
     try:
         from attnlab.checkpoint import load_checkpoint
         from attnlab.data import get_tokenizer
-        from attnlab.models.gpt import GPTConfig, GPTModel
+        from attnlab.models.gpt import GPTModel
     except ImportError as e:  # pragma: no cover - a partial install
         raise UserError(f"--checkpoint needs attnlab's GPT model, which is missing: {e}") from e
-    with user_input():
+    with user_input():  # a CheckpointError is a ValueError: one line, the file named
         ckpt = load_checkpoint(directory, model_type="gpt", with_training_state=False)
-        model = GPTModel(GPTConfig.from_dict(ckpt.model_config))
-        model.load_state_dict(ckpt.state_dict)
+        model = GPTModel.from_checkpoint(ckpt, backend=backend)
     return model.eval(), get_tokenizer(), f"GPT checkpoint {directory} (step {ckpt.step})"
 
 

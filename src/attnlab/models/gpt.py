@@ -26,7 +26,7 @@ from torch import nn
 
 from attnlab.attention import Attention, KVCache
 from attnlab.backends import available_backends
-from attnlab.checkpoint import CheckpointError, check_state_dict, load_checkpoint
+from attnlab.checkpoint import Checkpoint, CheckpointError, check_state_dict, load_checkpoint
 from attnlab.generation import generate, generate_stream
 from attnlab.models._lm import keep_last, residual_after_block
 from attnlab.models.fast_decode import DecodePlan, decode_plan, fast_step, new_caches
@@ -246,26 +246,45 @@ class GPTModel(nn.Module):
     @classmethod
     def from_checkpoint(
         cls,
-        directory: str | os.PathLike[str],
+        directory: str | os.PathLike[str] | Checkpoint,
         *,
         backend: str = "auto",
         map_location: str | torch.device = "cpu",
     ) -> GPTModel:
         """Load a model saved by ``attnlab train`` (or :func:`attnlab.checkpoint.save_checkpoint`).
 
+        Every GPT checkpoint attnlab loads goes through here, so its config is checked
+        against its weights (:func:`attnlab.checkpoint.check_state_dict`) before they load.
+
+        Args:
+            directory: the checkpoint directory, or a :class:`attnlab.checkpoint.Checkpoint`
+                already read by :func:`attnlab.checkpoint.load_checkpoint` (when its step or
+                extra facts are needed too).
+            backend: attention backend for every block.
+            map_location: device for the weights.
+
         Raises:
             CheckpointError: if the checkpoint is missing, damaged, not a GPT, or its config
                 does not match its weights.
         """
-        ckpt = load_checkpoint(
-            directory, model_type="gpt", with_training_state=False, map_location=map_location
-        )
+        if isinstance(directory, Checkpoint):
+            ckpt = directory
+            if ckpt.model_type != "gpt":
+                raise CheckpointError(
+                    f"{ckpt.directory} holds a {ckpt.model_type!r} model, expected 'gpt'"
+                )
+        else:
+            ckpt = load_checkpoint(
+                directory, model_type="gpt", with_training_state=False, map_location=map_location
+            )
         try:
             cfg = GPTConfig.from_dict(ckpt.model_config)
         except (TypeError, ValueError) as exc:
-            raise CheckpointError(f"the model config in {directory} is invalid: {exc}") from exc
+            raise CheckpointError(
+                f"the model config in {ckpt.directory} is invalid: {exc}"
+            ) from exc
         model = cls(cfg, backend=backend)
-        check_state_dict(model, ckpt.state_dict, source=str(directory))
+        check_state_dict(model, ckpt.state_dict, source=str(ckpt.directory))
         model.load_state_dict(ckpt.state_dict)
         return model.to(map_location)
 

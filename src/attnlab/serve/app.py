@@ -501,34 +501,6 @@ def _user_errors() -> Iterator[None]:
         raise ApiError(422, str(e)[:500]) from e
 
 
-class _Peek:
-    """The model, keeping the last position's logits of every call (for the bars)."""
-
-    def __init__(self, model: Any) -> None:
-        import inspect
-
-        self.model = model
-        self.context_length = getattr(model, "context_length", None)
-        # generation reads rope.switch_length (Phi-3 LongRoPE: rebuild the cache there)
-        self.rope = getattr(model, "rope", None)
-        self.last: Any = None
-        try:
-            self._keep = "logits_to_keep" in inspect.signature(model.forward).parameters
-        except (TypeError, ValueError):
-            self._keep = False
-
-    def new_kv_cache(self) -> Any:
-        return self.model.new_kv_cache()
-
-    def forward(self, input_ids: Any, *, kv_cache: Any = None, logits_to_keep: Any = None) -> Any:
-        extra = {"logits_to_keep": logits_to_keep} if self._keep and logits_to_keep else {}
-        logits = self.model(input_ids, kv_cache=kv_cache, **extra)
-        self.last = logits[0, -1].detach().float()
-        return logits
-
-    __call__ = forward
-
-
 def _generate_work(
     registry: ModelRegistry,
     name: str,
@@ -567,7 +539,11 @@ def _generate_work(
         def record(self, call: Any) -> None:
             rows.append(call.weights[0, 0, 0].float().cpu().tolist())
 
-    peek = _Peek(loaded.model)
+    last: list[torch.Tensor] = []  # this step's next-token logits (V,), for the bars
+
+    def keep_logits(logits: torch.Tensor) -> None:
+        last[:] = [logits[0].float().clone()]
+
     stream = TextStream(loaded.tokenizer, ids[-1:])
     temperature, top_k, top_p = params["temperature"], params["top_k"], params["top_p"]
     gen = torch.Generator().manual_seed(params["seed"])
@@ -576,7 +552,7 @@ def _generate_work(
     with torch.no_grad(), record_attention(LastRow()), _user_errors():
         for i, nxt in enumerate(
             generate_stream(
-                peek,
+                loaded.model,
                 torch.tensor([ids]),
                 params["max_new_tokens"],
                 temperature=temperature,
@@ -584,10 +560,11 @@ def _generate_work(
                 top_p=top_p,
                 eos_id=loaded.eos_id,
                 generator=gen,
+                on_logits=keep_logits,
             )
         ):
             token = int(nxt[0, 0])
-            logits = peek.last / (temperature if temperature > 0 else 1.0)
+            logits = last[0] / (temperature if temperature > 0 else 1.0)
             probs = torch.softmax(logits, dim=-1)
             p, idx = torch.topk(probs, min(params["bars"], probs.shape[-1]))
             spelled = _token_texts(loaded.tokenizer, idx.tolist())

@@ -244,11 +244,10 @@ def checkpoint_spec(directory: Path, name: str | None = None) -> ModelSpec:
     def load() -> LoadedModel:
         from attnlab.checkpoint import load_checkpoint
         from attnlab.data import EOT_TOKEN_ID, get_tokenizer
-        from attnlab.models.gpt import GPTConfig, GPTModel
+        from attnlab.models.gpt import GPTModel
 
         ckpt = load_checkpoint(directory, model_type="gpt", with_training_state=False)
-        model = GPTModel(GPTConfig.from_dict(ckpt.model_config))
-        model.load_state_dict(ckpt.state_dict)
+        model = GPTModel.from_checkpoint(ckpt)  # checks the config against the weights
         tok = get_tokenizer()
         return LoadedModel(
             model=model.eval(),
