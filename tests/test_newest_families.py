@@ -36,6 +36,28 @@ _SMALL = {
     "bos_token_id": 0,
     "eos_token_id": 2,
 }
+# DeepSeek's latent attention, small: 4 heads of nope 12 + rope 8 dims, values of 10, a
+# latent of 16 (the cache: 16 + 8 numbers per token, against 4 * (20 + 10))
+_MLA = {
+    **_SMALL,
+    "num_key_value_heads": 4,
+    "kv_lora_rank": 16,
+    "qk_nope_head_dim": 12,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 10,
+    "moe_intermediate_size": 32,
+    "max_position_embeddings": 256,
+}
+_YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 64,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 1.0,
+    "mscale_all_dim": 0.8,
+}
 FAMILIES: dict[str, dict] = {
     # NoPE on layers 3 and 7 (every 4th); untied head
     "smollm3": {
@@ -115,6 +137,60 @@ FAMILIES: dict[str, dict] = {
         "num_experts_per_tok": 2,
         "norm_topk_prob": True,
     },
+    # latent attention with the low-rank query; YaRN whose mscale / mscale_all_dim differ
+    # (both the cos/sin factor and the score scale bite); layer 0 dense, then 8 experts in
+    # 4 groups, top-3 within the best 2 groups (softmax, best expert per group), 2 shared
+    "deepseek_v2": {
+        **_MLA,
+        "num_hidden_layers": 3,
+        "q_lora_rank": 24,
+        "first_k_dense_replace": 1,
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 3,
+        "topk_method": "group_limited_greedy",
+        "n_group": 4,
+        "topk_group": 2,
+        "n_shared_experts": 2,
+        "routed_scaling_factor": 1.5,
+        "rope_parameters": _YARN,
+    },
+    # DeepSeek-V2-Lite's shape: one query projection, greedy routing, plain RoPE
+    "deepseek_v2-lite": {
+        **_MLA,
+        "num_hidden_layers": 2,
+        "q_lora_rank": None,
+        "first_k_dense_replace": 1,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "n_shared_experts": 1,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    },
+    # sigmoid router with a score correction (set below: the random one is 0), groups
+    # scored by their best two, renormalised, scaled by 2.5; YaRN
+    "deepseek_v3": {
+        **_MLA,
+        "num_hidden_layers": 3,
+        "q_lora_rank": 24,
+        "first_k_dense_replace": 1,
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 3,
+        "n_group": 4,
+        "topk_group": 2,
+        "rope_parameters": _YARN,
+    },
+    # rotate-half RoPE instead of interleaved pairs, no query low-rank pair
+    "deepseek_v3-halfrope": {
+        **_MLA,
+        "num_hidden_layers": 2,
+        "q_lora_rank": None,
+        "rope_interleave": False,
+        "first_k_dense_replace": 1,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "n_group": 2,
+        "topk_group": 1,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    },
 }
 
 
@@ -122,13 +198,31 @@ def _model_type(name: str) -> str:
     return name.split("-")[0]
 
 
+def _score_correction(folder) -> None:
+    """Give DeepSeek-V3's ``e_score_correction_bias`` values that change the choice (a
+    random checkpoint has zeros): the tests then see the bias shift the experts chosen."""
+    from safetensors.torch import load_file, save_file
+
+    path = folder / "model.safetensors"
+    state = load_file(path)
+    g = torch.Generator().manual_seed(3)
+    for name, t in state.items():
+        if name.endswith("e_score_correction_bias"):
+            state[name] = torch.randn(t.shape, generator=g) * 0.3
+    save_file(state, str(path), metadata={"format": "pt"})
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("newest")
-    return {
+    folders = {
         name: save_hf(_model_type(name), overrides, root / name, torch.float32)
         for name, overrides in FAMILIES.items()
     }
+    for name, folder in folders.items():
+        if _model_type(name) == "deepseek_v3":
+            _score_correction(folder)
+    return folders
 
 
 def _reference(folder):

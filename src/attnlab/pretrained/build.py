@@ -256,14 +256,14 @@ def _check_rotary(config: DecoderConfig, keys: Mapping[str, tuple[str, ...]], wh
         if rope is None:
             continue
         try:
-            RotaryEmbedding.from_config(config.attention_head_dim, rope)
+            RotaryEmbedding.from_config(config.rotary_head_dim, rope)
         except (ValueError, TypeError) as e:
             width, heads = keys["hidden_size"][0], keys["num_heads"][0]
             source = f"`{keys['head_dim'][0]}`" if "head_dim" in keys else ""
             source += f"{' or ' if source else ''}`{width}` / `{heads}`"
             raise ModelFileError(
                 where,
-                f"the rotary embedding refuses head dim {config.attention_head_dim} (from "
+                f"the rotary embedding refuses head dim {config.rotary_head_dim} (from "
                 f"{source}) with the rope settings: {e}",
             ) from None
 
@@ -279,6 +279,7 @@ _STRUCTURED = (
     "moe_layers",
     "mlp_only_layers",
     "moe",
+    "mla",
 )
 
 
@@ -507,8 +508,10 @@ def plan_weights(
                 )
             target = ours.replace("{i}", layer or "")
             pieces = next((v for k, v in _PIECES.items() if k in target), None)
-            if pieces is None:
-                targets: tuple[str, ...] = (f"{target}.{m['leaf'] or 'weight'}",)
+            if pieces is None and target.endswith((".weight", ".bias")):
+                targets: tuple[str, ...] = (target,)  # a parameter named by the page itself
+            elif pieces is None:
+                targets = (f"{target}.{m['leaf'] or 'weight'}",)
             else:
                 key = next(k for k in _PIECES if k in target)
                 leaf = m["leaf"] or "weight"
