@@ -5,6 +5,7 @@ the KV cache, cached decoding against the full pass; bad configs name the field.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -459,3 +460,169 @@ def test_info_names_the_nope_layers(checkpoints, capsys):
     info = json.loads(out)
     assert [lay["attention_chunk"] for lay in info["per_layer"]] == [4, None, 4, None]
     assert info["rope"]["interleaved"] and info["rope"]["nope_layers"] == [1, 3]
+
+
+_DEEPSEEK = ("deepseek_v2", "deepseek_v2-lite", "deepseek_v3", "deepseek_v3-halfrope")
+
+
+def _force_path(model, absorbed: bool | None) -> None:
+    for block in model.blocks:
+        block.attention.absorbed = absorbed
+
+
+@pytest.mark.parametrize("name", _DEEPSEEK)
+def test_mla_absorbed_decode_equals_the_expanded_form(checkpoints, name):
+    """The same latent cache, two computations: the per-head keys/values expanded, and the
+    up-projections absorbed into the query and the output (every step, prefill too)."""
+    model, _ = load_pretrained(checkpoints[name], backend="math")
+    ids = _ids(20, seed=4)
+    runs = {}
+    for absorbed in (False, True):
+        _force_path(model, absorbed)
+        with torch.no_grad():
+            cache = model.new_kv_cache()
+            first = model(ids[:, :12], kv_cache=cache)
+            steps = [model(ids[:, i : i + 1], kv_cache=cache) for i in range(12, 20)]
+        assert {b.attention.last_path for b in model.blocks} == {
+            "absorbed" if absorbed else "expanded"
+        }
+        runs[absorbed] = torch.cat([first, *steps], dim=1)
+    torch.testing.assert_close(runs[True], runs[False], atol=1e-5, rtol=0)
+    _force_path(model, None)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), runs[False], atol=1e-5, rtol=0)
+
+
+def test_mla_caches_only_the_latent_and_the_rotary_key(checkpoints):
+    from attnlab.latent import LatentKVCache
+
+    model, _ = load_pretrained(checkpoints["deepseek_v3"])
+    mla = model.config.mla
+    assert (mla.kv_lora_rank, mla.qk_rope_head_dim, mla.q_lora_rank) == (16, 8, 24)
+    for max_len in (None, 40):
+        cache = model.new_kv_cache(max_len=max_len)
+        assert all(isinstance(c, LatentKVCache) for c in cache)
+        with torch.no_grad():
+            model(_ids(32), kv_cache=cache)
+        per_token = (16 + 8) * 4  # r + Dr fp32 numbers per layer
+        held = 40 if max_len else 32  # growing: doubled from 16 to exactly 32
+        assert [c.nbytes for c in cache] == [per_token * held] * 3
+    assert mla.cache_bytes_per_token(3, 4) == 24 * 3 * 4
+    assert mla.mha_bytes_per_token(4, 3, 4) == 4 * (20 + 10) * 3 * 4
+
+
+def test_mla_explainer_sees_per_head_weights(checkpoints):
+    """Tracing records the expanded form: per-head queries and keys of Dn + Dr dims and
+    each head's weights, transformers' own; capture on one layer does the same."""
+    from attnlab.explain import trace_model
+
+    model, _ = load_pretrained(checkpoints["deepseek_v2"])
+    ids = _ids(10, seed=5)
+    trace = trace_model(model, ids[0].tolist(), queries_and_keys=True)
+    with torch.no_grad():
+        expected = _reference(checkpoints["deepseek_v2"])(ids, output_attentions=True)
+    assert trace.weights.shape == (3, 4, 10, 10)
+    assert trace.queries.shape == (3, 4, 10, 20) and trace.keys.shape == (3, 4, 10, 20)
+    torch.testing.assert_close(trace.weights, torch.cat(expected.attentions), atol=1e-5, rtol=0)
+    layer = model.blocks[0].attention
+    layer.capture = True
+    with torch.no_grad():
+        model(ids[:, :6])
+    assert layer.captured.shape == (1, 4, 6, 6) and layer.last_path == "expanded"
+    # causal: the first 6 rows over the first 6 keys are the 6-token pass's
+    torch.testing.assert_close(
+        layer.captured, expected.attentions[0][:, :, :6, :6], atol=1e-5, rtol=0
+    )
+
+
+def test_kimi_k2_is_deepseek_v3s_architecture(checkpoints, tmp_path):
+    folder = _edited(checkpoints, tmp_path, "deepseek_v3", model_type="kimi_k2")
+    model, _ = load_pretrained(folder)
+    assert model.config.family == "deepseek_v3"
+    ref = _reference(checkpoints["deepseek_v3"])
+    assert_matches_reference(model, ref, _ids())
+
+
+@pytest.mark.parametrize("v3", [False, True], ids=["deepseek_v2", "deepseek_v3"])
+def test_grouped_routing_matches_transformers_moe(v3):
+    """The module against transformers' DeepseekV2Moe / DeepseekV3MoE (grouped routing,
+    V3's score correction, shared experts, routed scaling), weights copied; the score
+    correction and the group limit each change which experts are chosen."""
+    from transformers import AutoConfig
+
+    family = "deepseek_v3" if v3 else "deepseek_v2"
+    C, F, E = 16, 12, 8
+    hf = AutoConfig.for_model(
+        family,
+        hidden_size=C,
+        moe_intermediate_size=F,
+        n_routed_experts=E,
+        num_experts_per_tok=3,
+        n_group=4,
+        topk_group=2,
+        n_shared_experts=2,
+        routed_scaling_factor=1.7,
+        topk_method="noaux_tc" if v3 else "group_limited_greedy",
+        norm_topk_prob=v3,
+        num_attention_heads=2,
+    )
+    if v3:
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE as Moe
+    else:
+        from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2Moe as Moe
+    torch.manual_seed(2)
+    theirs = Moe(hf).eval()
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.normal_(0, 0.3)
+        if v3:
+            theirs.gate.e_score_correction_bias.normal_(0, 0.3)
+    config = MoEConfig(
+        E, 3, F, router="sigmoid" if v3 else "softmax", renormalize=v3, routed_scale=1.7,
+        shared_size=2 * F, groups=4, top_groups=2, group_score="top2" if v3 else "max",
+        score_bias=v3,
+    )  # fmt: skip
+    ours = MixtureOfExperts(C, config)
+    with torch.no_grad():
+        ours.router.weight.copy_(theirs.gate.weight)
+        if v3:
+            ours.score_correction.bias.copy_(theirs.gate.e_score_correction_bias)
+        F2 = theirs.experts.gate_up_proj.shape[1] // 2
+        ours.experts.gate.weight.copy_(theirs.experts.gate_up_proj[:, :F2])
+        ours.experts.up.weight.copy_(theirs.experts.gate_up_proj[:, F2:])
+        ours.experts.down.weight.copy_(theirs.experts.down_proj)
+        for name in ("gate", "up", "down"):
+            getattr(ours.shared, name).weight.copy_(
+                getattr(theirs.shared_experts, f"{name}_proj").weight
+            )
+        x = torch.randn(2, 9, C)
+        torch.testing.assert_close(ours(x), theirs(x), atol=1e-5, rtol=0)
+        chosen = ours.last_routing.experts.sort(-1).values
+        free = MixtureOfExperts(C, dataclasses.replace(config, top_groups=4, score_bias=False))
+        free.load_state_dict(ours.state_dict(), strict=False)
+        free(x)
+        assert not torch.equal(free.last_routing.experts.sort(-1).values, chosen)
+
+
+@pytest.mark.parametrize(
+    ("name", "edits", "match"),
+    [
+        ("deepseek_v3", {"kv_lora_rank": 100}, "`kv_lora_rank` = 100 does not fit"),
+        ("deepseek_v3", {"q_lora_rank": 0}, "`q_lora_rank` must be an integer >= 1"),
+        ("deepseek_v2", {"kv_lora_rank": 0}, "`kv_lora_rank` must be an integer >= 1"),
+        ("deepseek_v3", {"qk_rope_head_dim": 7}, "`qk_rope_head_dim` must be even"),
+        ("deepseek_v3", {"num_experts_per_tok": 9}, "`num_experts_per_tok` = 9 chooses more"),
+        ("deepseek_v3", {"n_group": 3}, "`n_group` \\(3\\) must divide `n_routed_experts`"),
+        ("deepseek_v3", {"topk_group": 1}, "`num_experts_per_tok` \\(3\\) is more than the 2"),
+        ("deepseek_v3", {"topk_group": 5}, "`topk_group` \\(5\\) must be at most `n_group`"),
+        ("deepseek_v2", {"num_key_value_heads": 2}, "`num_key_value_heads` = 2 must equal"),
+        ("deepseek_v2", {"norm_topk_prob": True}, "`norm_topk_prob` = True is not supported"),
+        ("deepseek_v3", {"scoring_func": "softmax"}, "`scoring_func` = 'softmax' is not"),
+        ("deepseek_v3", {"first_k_dense_replace": -1}, "`first_k_dense_replace` must be an"),
+        ("deepseek_v3", {"routed_scaling_factor": 0}, "`routed_scaling_factor` must be"),
+    ],
+)
+def test_deepseek_bad_configs_name_the_field(checkpoints, tmp_path, name, edits, match):
+    folder = _edited(checkpoints, tmp_path, name, **edits)
+    with pytest.raises(ModelFileError, match=match):
+        load_pretrained(folder)
