@@ -25,7 +25,13 @@ from attnlab.models.decoder import Decoder
 from attnlab.models.moe import MixtureOfExperts, MoEConfig
 from attnlab.pretrained import ModelFileError, load_pretrained
 from cli_runner import run_main
-from model_files import assert_matches_reference, gguf_reference, save_hf, write_gguf
+from model_files import (
+    assert_matches_reference,
+    gguf_reference,
+    save_hf,
+    score_correction,
+    write_gguf,
+)
 
 _SMALL = {
     "hidden_size": 64,
@@ -199,20 +205,6 @@ def _model_type(name: str) -> str:
     return name.split("-")[0]
 
 
-def _score_correction(folder) -> None:
-    """Give DeepSeek-V3's ``e_score_correction_bias`` values that change the choice (a
-    random checkpoint has zeros): the tests then see the bias shift the experts chosen."""
-    from safetensors.torch import load_file, save_file
-
-    path = folder / "model.safetensors"
-    state = load_file(path)
-    g = torch.Generator().manual_seed(3)
-    for name, t in state.items():
-        if name.endswith("e_score_correction_bias"):
-            state[name] = torch.randn(t.shape, generator=g) * 0.3
-    save_file(state, str(path), metadata={"format": "pt"})
-
-
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("newest")
@@ -222,7 +214,7 @@ def checkpoints(tmp_path_factory):
     }
     for name, folder in folders.items():
         if _model_type(name) == "deepseek_v3":
-            _score_correction(folder)
+            score_correction(folder)
     return folders
 
 

@@ -312,7 +312,8 @@ class LatentAttention(Attention):
         self.W_query = query  # type: ignore[assignment]
         self.kv_down = nn.Linear(C, r + Dr, bias=bias)  # the latent and the shared rotary key
         self.kv_norm = RMSNorm(r, mla.latent_eps)
-        self.kv_up = nn.Linear(r, H * (Dn + Dv), bias=False)  # per head: W_uk then W_uv rows
+        self.k_up = nn.Linear(r, H * Dn, bias=False)  # W_uk: the heads' nope keys
+        self.v_up = nn.Linear(r, H * Dv, bias=False)  # W_uv: the heads' values
         self.out_proj = nn.Linear(H * Dv, C, bias=bias)
         if isinstance(rope, RopeConfig):
             rope = RotaryEmbedding.from_config(Dr, rope)
@@ -332,10 +333,9 @@ class LatentAttention(Attention):
         return LatentKVCache(max_len)
 
     def _up_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``W_uk`` ``(H, Dn, r)`` and ``W_uv`` ``(H, Dv, r)``: views of ``kv_up``."""
-        H, Dn, Dv = self.num_heads, self.mla.qk_nope_head_dim, self.v_head_dim
-        w = self.kv_up.weight.view(H, Dn + Dv, self.mla.kv_lora_rank)  # (H, Dn+Dv, r)
-        return w[:, :Dn], w[:, Dn:]
+        """``W_uk`` ``(H, Dn, r)`` and ``W_uv`` ``(H, Dv, r)``: views of ``k_up``, ``v_up``."""
+        H, r = self.num_heads, self.mla.kv_lora_rank
+        return self.k_up.weight.view(H, -1, r), self.v_up.weight.view(H, -1, r)
 
     def forward(  # type: ignore[override]
         self,

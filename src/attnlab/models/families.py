@@ -1396,7 +1396,12 @@ _DEEPSEEK_MOE_KEYS = (
 
 
 def _deepseek_experts(
-    fields: dict[str, Any], config: Mapping[str, Any], source: Source, *, v3: bool
+    fields: dict[str, Any],
+    config: Mapping[str, Any],
+    source: Source,
+    *,
+    v3: bool,
+    router: str | None = None,
 ) -> None:
     """DeepSeek's feed-forward: the first ``first_k_dense_replace`` layers dense (width
     ``intermediate_size``), the others ``n_routed_experts`` experts of
@@ -1425,6 +1430,7 @@ def _deepseek_experts(
     top_groups = _option(fields, config, "topk_group", source)
     method = fields.pop("topk_method")
     renormalize = _flag(fields, "norm_topk_prob", v3)
+    router = router or ("sigmoid" if v3 else "softmax")
     if (not v3 and method == "greedy") or groups in (None, 1):
         groups = top_groups = 1
     else:
@@ -1435,7 +1441,7 @@ def _deepseek_experts(
         fields,
         size=size,
         renormalize=renormalize,
-        router="sigmoid" if v3 else "softmax",
+        router=router,
         shared_size=size * shared if shared else None,
     )
     try:
@@ -1445,7 +1451,7 @@ def _deepseek_experts(
             groups=groups,
             top_groups=top_groups,
             group_score="top2" if v3 else "max",
-            score_bias=v3,
+            score_bias=router == "sigmoid",
         )
     except ValueError as e:
         message = str(e)
@@ -1467,7 +1473,11 @@ def _deepseek_v2(fields: dict[str, Any], config: Mapping[str, Any], source: Sour
 
 def _deepseek_v3(fields: dict[str, Any], config: Mapping[str, Any], source: Source) -> None:
     """DeepSeek-V3/R1 and Kimi K2: DeepSeek-V2's attention, RoPE on interleaved pairs
-    unless ``rope_interleave`` is false, the sigmoid router with its score correction."""
+    unless ``rope_interleave`` is false, the sigmoid router with its score correction
+    (GGUF: :func:`_deepseek2_gguf`)."""
+    if source == "gguf":
+        _deepseek2_gguf(fields, config, source)
+        return
     fields["mla"] = _mla(fields, config, source)
     interleaved = _flag(fields, "rope_interleave", True)
     if source == "hf":
@@ -1475,6 +1485,51 @@ def _deepseek_v3(fields: dict[str, Any], config: Mapping[str, Any], source: Sour
     _deepseek_experts(fields, config, source, v3=True)
 
 
+# llama.cpp's expert_gating_func: 1 softmax, 2 sigmoid (absent: softmax, as llama.cpp)
+_GATING = {1: "softmax", 2: "sigmoid"}
+
+
+def _deepseek2_gguf(fields: dict[str, Any], config: Mapping[str, Any], source: Source) -> None:
+    """A ``deepseek2`` GGUF file as llama.cpp's converter writes it and llama.cpp runs it.
+
+    The file describes the attention as multi-query attention over the latent
+    (``attention.key_length`` = r + Dr, ``head_count_kv`` = 1) and gives the expanded
+    heads' dims in ``attention.key_length_mla`` / ``value_length_mla``; ``attn_k_b`` /
+    ``attn_v_b`` hold the up-projections split for the absorbed product. The router is
+    ``expert_gating_func``'s (sigmoid with the ``exp_probs_b`` correction: DeepSeek-V3);
+    groups (``expert_group_count`` / ``expert_group_used_count``) are scored by their best
+    two experts, as llama.cpp does for every gating function. RoPE turns adjacent pairs.
+    """
+    fields["family"] = "deepseek2"
+    k_mla = fields.pop("key_length_mla")
+    if k_mla is None:
+        raise ValueError(
+            "lacks `deepseek2.attention.key_length_mla`: a file with the unsplit kv_b "
+            "tensor (older llama.cpp converters) is not supported; convert it again"
+        )
+    rope = fields.get("qk_rope_head_dim")
+    for key, value in (("key_length_mla", k_mla), ("rope.dimension_count", rope)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"`deepseek2.{key}` must be an integer >= 1, got {value!r}")
+    fields["qk_nope_head_dim"] = k_mla - rope
+    scaling = config.get("deepseek2.rope.scaling.type", "none")
+    if scaling != "none":
+        raise ValueError(
+            f"`deepseek2.rope.scaling.type` = {scaling!r} is not supported for deepseek2 "
+            "files yet (llama.cpp's own YaRN attention factor): supported: 'none'"
+        )
+    fields["num_kv_heads"] = fields["num_heads"]  # the file's 1 is the MQA view
+    fields["mla"] = _mla(fields, config, source)
+    gating = fields.pop("expert_gating_func")
+    if gating not in _GATING:
+        raise ValueError(
+            f"`deepseek2.expert_gating_func` = {gating!r} is not supported (1: softmax, 2: sigmoid)"
+        )
+    _deepseek_experts(fields, config, source, v3=True, router=_GATING[gating])
+
+
+# GGUF keys that describe deepseek2's attention as multi-query over the latent: not the heads
+_GGUF_MQA_VIEW = ("num_kv_heads", "head_dim", "value_head_dim", "rope_dims")
 _DEEPSEEK_ATTENTION: WeightTable = {
     **{
         f"blocks.{{i}}.attention.{ours}": (f"layers.{{i}}.self_attn.{theirs}", "")
@@ -1485,7 +1540,6 @@ _DEEPSEEK_ATTENTION: WeightTable = {
             ("W_query.up", "q_b_proj"),
             ("kv_down", "kv_a_proj_with_mqa"),
             ("kv_norm", "kv_a_layernorm"),
-            ("kv_up", "kv_b_proj"),
             ("out_proj", "o_proj"),
         )
     },
@@ -1493,6 +1547,7 @@ _DEEPSEEK_ATTENTION: WeightTable = {
 _DEEPSEEK_WEIGHTS: WeightTable = {
     **_without(_LLAMA_WEIGHTS, *_Q_K_V, "blocks.{i}.attention.out_proj"),
     **_DEEPSEEK_ATTENTION,
+    "blocks.{i}.attention.{kv_up}": ("layers.{i}.self_attn.kv_b_proj", "kv_b"),
     "blocks.{i}.mlp.router": ("layers.{i}.mlp.gate", ""),
     # one tensor per expert (transformers' save), or stacked (E, 2F, C) and (E, C, F)
     "blocks.{i}.mlp.experts.gate": ("layers.{i}.mlp.experts.{j}.gate_proj", ""),
@@ -1601,6 +1656,60 @@ DEEPSEEK_V3 = dataclasses.replace(
     hook=_deepseek_v3,
     # Kimi K2 is DeepSeek-V3's architecture under its own name
     model_types=("kimi_k2",),
+    # llama.cpp's deepseek2 (DeepSeek-V2, V3, R1, Kimi K2): see _deepseek2_gguf
+    gguf_arch="deepseek2",
+    gguf_keys={
+        **{k: v for k, v in _GGUF_KEYS_NO_WINDOW.items() if k not in _GGUF_MQA_VIEW},
+        "q_lora_rank": ("{arch}.attention.q_lora_rank",),
+        "kv_lora_rank": ("{arch}.attention.kv_lora_rank",),
+        "key_length_mla": ("{arch}.attention.key_length_mla",),
+        "v_head_dim": ("{arch}.attention.value_length_mla",),
+        "qk_rope_head_dim": ("{arch}.rope.dimension_count",),
+        "first_k_dense_replace": ("{arch}.leading_dense_block_count",),
+        "num_local_experts": ("{arch}.expert_count",),
+        "num_experts_per_tok": ("{arch}.expert_used_count",),
+        "moe_intermediate_size": ("{arch}.expert_feed_forward_length",),
+        "n_shared_experts": ("{arch}.expert_shared_count",),
+        "routed_scaling_factor": ("{arch}.expert_weights_scale",),
+        "norm_topk_prob": ("{arch}.expert_weights_norm",),
+        "n_group": ("{arch}.expert_group_count",),
+        "topk_group": ("{arch}.expert_group_used_count",),
+        "expert_gating_func": ("{arch}.expert_gating_func",),
+    },
+    # what llama.cpp assumes when the file says nothing
+    gguf_defaults={
+        "q_lora_rank": None,
+        "key_length_mla": None,
+        "first_k_dense_replace": 0,
+        "n_shared_experts": 0,
+        "routed_scaling_factor": 1.0,
+        "norm_topk_prob": False,
+        "n_group": 1,
+        "topk_group": 1,
+        "expert_gating_func": 1,
+    },
+    gguf_weights={
+        **_without(_LLAMA_GGUF, *_Q_K_V, "blocks.{i}.attention.out_proj"),
+        "blocks.{i}.attention.W_query": ("blk.{i}.attn_q", ""),
+        "blocks.{i}.attention.W_query.down": ("blk.{i}.attn_q_a", ""),
+        "blocks.{i}.attention.W_query.norm": ("blk.{i}.attn_q_a_norm", ""),
+        "blocks.{i}.attention.W_query.up": ("blk.{i}.attn_q_b", ""),
+        "blocks.{i}.attention.kv_down": ("blk.{i}.attn_kv_a_mqa", ""),
+        "blocks.{i}.attention.kv_norm": ("blk.{i}.attn_kv_a_norm", ""),
+        "blocks.{i}.attention.k_up": ("blk.{i}.attn_k_b", "k_b"),
+        "blocks.{i}.attention.v_up": ("blk.{i}.attn_v_b", "v_b"),
+        "blocks.{i}.attention.out_proj": ("blk.{i}.attn_output", ""),
+        "blocks.{i}.mlp.router": ("blk.{i}.ffn_gate_inp", ""),
+        "blocks.{i}.mlp.score_correction.bias": ("blk.{i}.exp_probs_b", ""),
+        **{
+            f"blocks.{{i}}.mlp.experts.{w}": (f"blk.{{i}}.ffn_{w}_exps", "")
+            for w in ("gate", "up", "down")
+        },
+        **{
+            f"blocks.{{i}}.mlp.shared.{w}": (f"blk.{{i}}.ffn_{w}_shexp", "")
+            for w in ("gate", "up", "down")
+        },
+    },
 )
 
 # --------------------------------------------------------------------------- encoders
