@@ -618,3 +618,26 @@ def test_deepseek_bad_configs_name_the_field(checkpoints, tmp_path, name, edits,
     folder = _edited(checkpoints, tmp_path, name, **edits)
     with pytest.raises(ModelFileError, match=match):
         load_pretrained(folder)
+
+
+def test_info_prints_the_latent_cache_against_multi_head(checkpoints, capsys):
+    """r + Dr = 24 numbers per layer (3 layers, fp32) against 4 heads x (20 + 10)."""
+    folder = str(checkpoints["deepseek_v3"])
+    code, out, err = run_main(capsys, "info", "--model", folder, "--json")
+    assert code == 0, err
+    cache = json.loads(out)["kv_cache"]
+    assert cache == {
+        "bytes_per_token": 24 * 3 * 4,
+        "mha_bytes_per_token": 4 * 30 * 3 * 4,
+        "latent": 16,
+        "rotary": 8,
+    }
+    code, out, err = run_main(capsys, "info", "--model", folder)
+    assert code == 0, err
+    assert "288 B (latent 16 + rotary key 8 per layer)" in out and "1,440 B (5.0x)" in out
+    code, out, err = run_main(capsys, "info", "--model", str(checkpoints["mixtral"]), "--json")
+    assert code == 0, err  # grouped-query attention: 2 of 4 heads' keys and values
+    assert json.loads(out)["kv_cache"] == {
+        "bytes_per_token": 2 * 2 * 16 * 2 * 4,
+        "mha_bytes_per_token": 4 * 2 * 16 * 2 * 4,
+    }
