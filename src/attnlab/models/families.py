@@ -1462,9 +1462,13 @@ def _deepseek_experts(
 
 
 def _deepseek_v2(fields: dict[str, Any], config: Mapping[str, Any], source: Source) -> None:
-    """DeepSeek-V2: latent attention (:func:`_mla`), RoPE on interleaved pairs
-    (transformers' complex product), YaRN's score scale, the experts of
-    :func:`_deepseek_experts` with a softmax router."""
+    """DeepSeek-V2: multi-head latent attention (`kv_lora_rank`, optional `q_lora_rank`,
+    `qk_nope_head_dim` + `qk_rope_head_dim`, `v_head_dim`), RoPE on interleaved pairs with
+    YaRN's `mscale_all_dim` in the score scale; dense layers before `first_k_dense_replace`,
+    then experts with a softmax router (`group_limited_greedy`: within the best `topk_group`
+    of `n_group` groups) and `n_shared_experts` shared ones.
+
+    (Details: :func:`_mla`, :func:`_deepseek_rope`, :func:`_deepseek_experts`.)"""
     fields["mla"] = _mla(fields, config, source)
     if source == "hf":
         _deepseek_rope(fields, config, interleaved=True)
@@ -1472,9 +1476,12 @@ def _deepseek_v2(fields: dict[str, Any], config: Mapping[str, Any], source: Sour
 
 
 def _deepseek_v3(fields: dict[str, Any], config: Mapping[str, Any], source: Source) -> None:
-    """DeepSeek-V3/R1 and Kimi K2: DeepSeek-V2's attention, RoPE on interleaved pairs
-    unless ``rope_interleave`` is false, the sigmoid router with its score correction
-    (GGUF: :func:`_deepseek2_gguf`)."""
+    """DeepSeek-V3/R1 and Kimi K2: DeepSeek-V2's latent attention (RoPE on interleaved
+    pairs unless `rope_interleave` is false); experts with a sigmoid router, the
+    `e_score_correction_bias` shifting the choice, groups scored by their best two experts,
+    `norm_topk_prob` and `routed_scaling_factor`.
+
+    GGUF files (llama.cpp's `deepseek2`): :func:`_deepseek2_gguf`."""
     if source == "gguf":
         _deepseek2_gguf(fields, config, source)
         return
