@@ -24,6 +24,7 @@ from attnlab.generation import generate
 from attnlab.models.decoder import Decoder
 from attnlab.models.moe import MixtureOfExperts, MoEConfig
 from attnlab.pretrained import ModelFileError, load_pretrained
+from attnlab.rope import RotaryEmbedding
 from cli_runner import run_main
 from model_files import (
     assert_matches_reference,
@@ -641,3 +642,61 @@ def test_info_prints_the_latent_cache_against_multi_head(checkpoints, capsys):
         "bytes_per_token": 2 * 2 * 16 * 2 * 4,
         "mha_bytes_per_token": 4 * 2 * 16 * 2 * 4,
     }
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"groups": 3}, "`groups` \\(3\\) must divide `num_experts` \\(8\\)"),
+        ({"groups": 4, "top_groups": 5}, "`top_groups` \\(5\\) must be at most `groups`"),
+        ({"groups": 4, "top_groups": 1, "top_k": 3}, "`top_k` \\(3\\) is more than the 2"),
+        ({"groups": 8, "top_groups": 2, "group_score": "top2"}, "needs at least 2 experts"),
+        ({"group_score": "mean"}, "`group_score` must be 'max' or 'top2'"),
+        ({"groups": 0}, "`groups` must be a positive int"),
+    ],
+)
+def test_grouped_routing_config_names_the_field(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        MoEConfig(**{"num_experts": 8, "top_k": 2, "expert_size": 4, **kwargs})
+
+
+def test_latent_cache_and_layer_refuse_what_they_cannot_hold():
+    from attnlab.attention import KVCache
+    from attnlab.latent import LatentAttention, LatentKVCache, MLAConfig
+    from attnlab.rope import RopeConfig
+
+    with pytest.raises(ValueError, match="`qk_rope_head_dim` must be even"):
+        MLAConfig(kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=3, v_head_dim=4)
+    with pytest.raises(ValueError, match="`kv_lora_rank` must be a positive int"):
+        MLAConfig(kv_lora_rank=0, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=4)
+    mla = MLAConfig(kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=4)
+    layer = LatentAttention(16, 2, mla, rope=RopeConfig())
+    x = torch.randn(1, 5, 16)
+    with pytest.raises(ValueError, match="must be a LatentKVCache"):
+        layer(x, kv_cache=KVCache())
+    with pytest.raises(ValueError, match="self-attention only"):
+        layer(x, x)
+    cache = LatentKVCache(max_len=4)
+    with torch.no_grad(), pytest.raises(ValueError, match="holds 4 positions, 5 needed"):
+        layer(x, is_causal=True, kv_cache=cache)
+    with pytest.raises(TypeError, match="holds MLA latents"):
+        LatentKVCache().update(torch.zeros(1, 1, 1, 4), torch.zeros(1, 1, 1, 4))
+    with pytest.raises(ValueError, match="`rope` has head_dim=8"):
+        LatentAttention(16, 2, mla, rope=RotaryEmbedding(8))
+
+
+def test_latent_attention_trains_through_its_cache():
+    """Gradients flow through the cached latent (a growing cache concatenates)."""
+    from attnlab.latent import LatentAttention, MLAConfig
+    from attnlab.rope import RopeConfig
+
+    mla = MLAConfig(kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=4)
+    layer = LatentAttention(16, 2, mla, rope=RopeConfig(), backend="math")
+    x = torch.randn(1, 6, 16, requires_grad=True)
+    cache = layer.new_kv_cache()
+    out = torch.cat(
+        [layer(x[:, :4], is_causal=True, kv_cache=cache), layer(x[:, 4:5], kv_cache=cache)], 1
+    )
+    out.sum().backward()
+    assert x.grad is not None and bool(x.grad[:, :5].abs().sum() > 0)
+    assert layer.k_up.weight.grad is not None and layer.v_up.weight.grad is not None
