@@ -7,6 +7,13 @@
   against a dense gated MLP of width ``k*F`` (the same active parameters; the target: at
   most 1.3x).
 
+- Multi-head latent attention (``--mla``): one DeepSeek-V2-Lite-sized layer (C=2048,
+  H=16, nope 128 + rope 64, values 128, latent 512) decoding after a prompt of
+  ``--context`` tokens, the absorbed step against the expanded one over the same latent
+  cache (the target: at least as fast), and the latent cache's bytes per token against
+  the formula ``(kv_lora_rank + qk_rope_head_dim) * 4`` and plain multi-head attention's.
+  Written as a record (``benchmarks/results/``).
+
 Both pairs run interleaved (``_quiet.timed_pairs``: the best time over pairs during which
 other processes used little CPU), with 2 threads. Printed: the times and the ratios, and
 how many pairs were quiet.
@@ -14,6 +21,7 @@ how many pairs were quiet.
 Usage::
 
     python benchmarks/bench_newest.py --seq-len 8192 --chunk 1024
+    python benchmarks/bench_newest.py --mla --context 2048
 """
 
 from __future__ import annotations
@@ -22,10 +30,13 @@ import argparse
 
 import torch
 from _quiet import timed_pairs
+from _records import Recorder
 
 from attnlab import CausalMask, ChunkedMask, scaled_dot_product_attention
+from attnlab.latent import LatentAttention, LatentKVCache, MLAConfig
 from attnlab.models.decoder import MLP
 from attnlab.models.moe import MixtureOfExperts, MoEConfig
+from attnlab.rope import RopeConfig
 
 
 def main() -> None:
@@ -37,8 +48,14 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--top-k", type=int, default=2)
     parser.add_argument("--expert-size", type=int, default=1408)
+    parser.add_argument("--mla", action="store_true", help="only the latent attention decode")
+    parser.add_argument("--context", type=int, default=2048, help="MLA: prompt tokens")
+    parser.add_argument("--steps", type=int, default=4, help="MLA: decode steps per timing")
     args = parser.parse_args()
     torch.set_num_threads(2)
+    if args.mla:
+        mla_decode(args.context, args.steps, args.pairs)
+        return
     torch.manual_seed(0)
     T = args.seq_len
     q, k, v = (torch.randn(1, 4, T, 64) for _ in range(3))
@@ -77,6 +94,83 @@ def main() -> None:
         f"gated MLP (F={K * F}) {t['dense'] / 50 * 1e6:.0f} us: ratio "
         f"{t['moe'] / t['dense']:.2f} ({res.quiet_pairs} of {res.pairs} pairs quiet)"
     )
+
+
+def mla_decode(context: int, steps: int, pairs: int) -> None:
+    """One MLA layer decoding after ``context`` tokens: absorbed against expanded steps
+    (interleaved, each over its own copy of the same latent cache), and the cache's bytes
+    per token; writes the record."""
+    rec = Recorder(
+        "bench_newest",
+        f"mla-decode-{context}",
+        f"one multi-head latent attention layer (C=2048, H=16, Dn=128, Dr=64, Dv=128, "
+        f"kv_lora_rank=512, fp32, 2 threads) decoding {steps} tokens at a time after a "
+        f"{context}-token prompt: the absorbed step against the expanded one over the same "
+        "latent cache, interleaved (best of the quiet pairs); the cache's bytes per token",
+        2,
+    )
+    torch.manual_seed(0)
+    mla = MLAConfig(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
+    layer = LatentAttention(2048, 16, mla, rope=RopeConfig(base=10000.0, interleaved=True))
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0, 0.02)
+    total = context + steps * (pairs + 1)
+    x = torch.randn(1, total, 2048)
+    caches = {"absorbed": LatentKVCache(total), "expanded": LatentKVCache(total)}
+    with torch.no_grad():
+        layer.absorbed = False
+        for cache in caches.values():  # the same prompt into both
+            layer(x[:, :context], is_causal=True, kv_cache=cache)
+        outs: dict[str, list[torch.Tensor]] = {"absorbed": [], "expanded": []}
+
+        def decode(path: str) -> None:
+            layer.absorbed = path == "absorbed"
+            cache = caches[path]
+            for _ in range(steps):
+                t = cache.seq_len
+                outs[path].append(layer(x[:, t : t + 1], kv_cache=cache))
+
+        res = timed_pairs({p: (lambda p=p: decode(p)) for p in caches}, pairs)  # type: ignore[misc]
+    diff = max(
+        float((a - b).abs().max()) for a, b in zip(outs["absorbed"], outs["expanded"], strict=True)
+    )
+    t = {k: v / steps * 1e3 for k, v in res.best.items()}
+    cache = caches["absorbed"]
+    per_token = cache.nbytes / total  # a fixed-size cache of `total` positions
+    formula = mla.cache_bytes_per_token(1, 4)
+    mha = mla.mha_bytes_per_token(16, 1, 4)
+    print(
+        f"MLA decode at {context} tokens: absorbed {t['absorbed']:.2f} ms/token, expanded "
+        f"{t['expanded']:.2f} ms/token: ratio {t['absorbed'] / t['expanded']:.3f} "
+        f"({res.quiet_pairs} of {res.pairs} pairs quiet); largest difference {diff:.2e}"
+    )
+    print(
+        f"latent cache: {per_token:.0f} B/token (formula {formula} B), plain multi-head "
+        f"attention {mha} B/token: {mha / per_token:.1f}x"
+    )
+    rec.add(
+        "absorbed decode step",
+        t["absorbed"],
+        "ms",
+        peer="expanded step",
+        peer_value=t["expanded"],
+        better="lower",
+    )
+    rec.add(
+        "latent cache per token and layer",
+        per_token,
+        "B",
+        peer="plain multi-head cache",
+        peer_value=mha,
+        better="lower",
+    )
+    rec.note(
+        f"cache formula (kv_lora_rank + qk_rope_head_dim) * 4 = {formula} B per token: held "
+        f"{per_token:.0f}; absorbed vs expanded outputs differ by at most {diff:.2e}; "
+        f"{res.quiet_pairs} of {res.pairs} pairs quiet"
+    )
+    rec.write()
 
 
 if __name__ == "__main__":

@@ -147,6 +147,20 @@ def save_hf(
     return folder
 
 
+def score_correction(folder) -> None:
+    """Give a DeepSeek-V3 checkpoint's ``e_score_correction_bias`` values that change which
+    experts are chosen (a random checkpoint has zeros), in place."""
+    from safetensors.torch import load_file, save_file
+
+    path = folder / "model.safetensors"
+    state = load_file(path)
+    g = torch.Generator().manual_seed(3)
+    for name, t in state.items():
+        if name.endswith("e_score_correction_bias"):
+            state[name] = torch.randn(t.shape, generator=g) * 0.3
+    save_file(state, str(path), metadata={"format": "pt"})
+
+
 # --------------------------------------------------------------------------- GGUF
 
 # Hugging Face module -> llama.cpp tensor (per layer {i}); the llama layout.

@@ -68,7 +68,7 @@ if PEER is None:
 
 from attnlab.models.families import FAMILIES, family_for  # noqa: E402
 from attnlab.pretrained import load_pretrained  # noqa: E402
-from model_files import gpt2_tokenizer, save_hf, spm_tokenizer  # noqa: E402
+from model_files import gpt2_tokenizer, save_hf, score_correction, spm_tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.llamacpp
 
@@ -368,6 +368,86 @@ def test_every_family_with_a_gguf_path_is_in_the_corpus():
     """A family page that reads GGUF files gets llama.cpp's files in this corpus too
     (or is named in NOT_YET with the reason)."""
     with_gguf = {f.name for f in FAMILIES.values() if f.gguf_weights}
-    covered = {family_for(spec.model_type).name for spec in CORPUS.values()}
+    covered = {family_for(spec.model_type).name for spec in (*CORPUS.values(), *MLA.values())}
     assert with_gguf <= covered | set(NOT_YET), sorted(with_gguf - covered - set(NOT_YET))
     assert not covered & set(NOT_YET), "covered now: take it out of NOT_YET"
+
+
+# DeepSeek's latent attention (llama.cpp's deepseek2): transformers cannot read these files;
+# the f32 file holds the checkpoint, so the reference is transformers' model of the source
+# directory, and attnlab's load of that directory. The converter splits kv_b_proj into
+# attn_k_b (transposed) and attn_v_b for its absorbed product, and describes the layer as
+# multi-query attention over the latent. Widths as above; experts after one dense layer.
+_MLA_DIMS = {
+    **_DIMS,
+    **_BPE,
+    "num_key_value_heads": 4,
+    "kv_lora_rank": 256,
+    "qk_nope_head_dim": 32,
+    "qk_rope_head_dim": 32,
+    "v_head_dim": 64,
+    "moe_intermediate_size": 256,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "first_k_dense_replace": 1,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+}
+MLA: dict[str, Case] = {
+    # DeepSeek-V2-Lite's shape: one query projection, softmax router, greedy
+    "deepseek_v2": Case(
+        "deepseek_v2", {**_MLA_DIMS, "q_lora_rank": None, "n_shared_experts": 2}, "gpt2"
+    ),
+    # the low-rank query, sigmoid router with its score correction (the hub's config says
+    # scoring_func, which the converter writes as expert_gating_func), 4 groups of 2, top 2
+    "deepseek_v3": Case(
+        "deepseek_v3",
+        {**_MLA_DIMS, "q_lora_rank": 128, "n_group": 4, "topk_group": 2, "n_shared_experts": 1},
+        "gpt2",
+        hub={"scoring_func": "sigmoid", "topk_method": "noaux_tc"},
+    ),
+}
+
+
+@pytest.fixture(scope="session")
+def mla_files(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
+    root = tmp_path_factory.mktemp("llama-cpp-mla")
+    jobs, folders = [], {}
+    for case, spec in MLA.items():
+        folder = root / case
+        save_hf(spec.model_type, spec.config, folder, torch.float32, tokenizer=gpt2_tokenizer)
+        if spec.model_type == "deepseek_v3":
+            score_correction(folder)
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, **spec.hub}, indent=2))
+        folders[case] = folder
+        jobs.append((folder, "f32", folder / "f32.gguf"))
+    errors = PEER_TOOLS.convert(PEER, jobs)
+    assert not errors, errors
+    return {case: (folder, folder / "f32.gguf") for case, folder in folders.items()}
+
+
+@pytest.mark.parametrize("case", list(MLA))
+def test_deepseek2_converter_files_load_as_their_source(mla_files, case):
+    import gguf
+    from transformers import AutoModelForCausalLM
+
+    folder, path = mla_files[case]
+    names = {t.name for t in gguf.GGUFReader(path).tensors}
+    assert {"blk.0.attn_k_b.weight", "blk.0.attn_v_b.weight"} <= names  # the split form
+    assert "blk.0.attn_kv_b.weight" not in names
+    model, _ = load_pretrained(path, backend="math")
+    assert model.config.family == "deepseek2" and model.config.mla is not None
+    moe = model.blocks[1].mlp.config
+    assert (moe.router, moe.score_bias, moe.groups) == (
+        ("sigmoid", True, 4) if case == "deepseek_v3" else ("softmax", False, 1)
+    )
+    source = AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    expected = _logits(source)
+    torch.testing.assert_close(_logits(model), expected, atol=ATOL, rtol=0)
+    torch.testing.assert_close(_logits(load_pretrained(folder)[0]), expected, atol=ATOL, rtol=0)
+    # and llama.cpp's absorbed layout decodes as the expanded form does
+    for block in model.blocks:
+        block.attention.absorbed = True
+    torch.testing.assert_close(_logits(model), expected, atol=ATOL, rtol=0)

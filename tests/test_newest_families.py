@@ -5,6 +5,7 @@ the KV cache, cached decoding against the full pass; bad configs name the field.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -23,8 +24,15 @@ from attnlab.generation import generate
 from attnlab.models.decoder import Decoder
 from attnlab.models.moe import MixtureOfExperts, MoEConfig
 from attnlab.pretrained import ModelFileError, load_pretrained
+from attnlab.rope import RotaryEmbedding
 from cli_runner import run_main
-from model_files import assert_matches_reference, gguf_reference, save_hf, write_gguf
+from model_files import (
+    assert_matches_reference,
+    gguf_reference,
+    save_hf,
+    score_correction,
+    write_gguf,
+)
 
 _SMALL = {
     "hidden_size": 64,
@@ -35,6 +43,28 @@ _SMALL = {
     "pad_token_id": 1,
     "bos_token_id": 0,
     "eos_token_id": 2,
+}
+# DeepSeek's latent attention, small: 4 heads of nope 12 + rope 8 dims, values of 10, a
+# latent of 16 (the cache: 16 + 8 numbers per token, against 4 * (20 + 10))
+_MLA = {
+    **_SMALL,
+    "num_key_value_heads": 4,
+    "kv_lora_rank": 16,
+    "qk_nope_head_dim": 12,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 10,
+    "moe_intermediate_size": 32,
+    "max_position_embeddings": 256,
+}
+_YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 64,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 1.0,
+    "mscale_all_dim": 0.8,
 }
 FAMILIES: dict[str, dict] = {
     # NoPE on layers 3 and 7 (every 4th); untied head
@@ -115,6 +145,60 @@ FAMILIES: dict[str, dict] = {
         "num_experts_per_tok": 2,
         "norm_topk_prob": True,
     },
+    # latent attention with the low-rank query; YaRN whose mscale / mscale_all_dim differ
+    # (both the cos/sin factor and the score scale bite); layer 0 dense, then 8 experts in
+    # 4 groups, top-3 within the best 2 groups (softmax, best expert per group), 2 shared
+    "deepseek_v2": {
+        **_MLA,
+        "num_hidden_layers": 3,
+        "q_lora_rank": 24,
+        "first_k_dense_replace": 1,
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 3,
+        "topk_method": "group_limited_greedy",
+        "n_group": 4,
+        "topk_group": 2,
+        "n_shared_experts": 2,
+        "routed_scaling_factor": 1.5,
+        "rope_parameters": _YARN,
+    },
+    # DeepSeek-V2-Lite's shape: one query projection, greedy routing, plain RoPE
+    "deepseek_v2-lite": {
+        **_MLA,
+        "num_hidden_layers": 2,
+        "q_lora_rank": None,
+        "first_k_dense_replace": 1,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "n_shared_experts": 1,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    },
+    # sigmoid router with a score correction (set below: the random one is 0), groups
+    # scored by their best two, renormalised, scaled by 2.5; YaRN
+    "deepseek_v3": {
+        **_MLA,
+        "num_hidden_layers": 3,
+        "q_lora_rank": 24,
+        "first_k_dense_replace": 1,
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 3,
+        "n_group": 4,
+        "topk_group": 2,
+        "rope_parameters": _YARN,
+    },
+    # rotate-half RoPE instead of interleaved pairs, no query low-rank pair
+    "deepseek_v3-halfrope": {
+        **_MLA,
+        "num_hidden_layers": 2,
+        "q_lora_rank": None,
+        "rope_interleave": False,
+        "first_k_dense_replace": 1,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "n_group": 2,
+        "topk_group": 1,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    },
 }
 
 
@@ -125,10 +209,14 @@ def _model_type(name: str) -> str:
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("newest")
-    return {
+    folders = {
         name: save_hf(_model_type(name), overrides, root / name, torch.float32)
         for name, overrides in FAMILIES.items()
     }
+    for name, folder in folders.items():
+        if _model_type(name) == "deepseek_v3":
+            score_correction(folder)
+    return folders
 
 
 def _reference(folder):
@@ -365,3 +453,250 @@ def test_info_names_the_nope_layers(checkpoints, capsys):
     info = json.loads(out)
     assert [lay["attention_chunk"] for lay in info["per_layer"]] == [4, None, 4, None]
     assert info["rope"]["interleaved"] and info["rope"]["nope_layers"] == [1, 3]
+
+
+_DEEPSEEK = ("deepseek_v2", "deepseek_v2-lite", "deepseek_v3", "deepseek_v3-halfrope")
+
+
+def _force_path(model, absorbed: bool | None) -> None:
+    for block in model.blocks:
+        block.attention.absorbed = absorbed
+
+
+@pytest.mark.parametrize("name", _DEEPSEEK)
+def test_mla_absorbed_decode_equals_the_expanded_form(checkpoints, name):
+    """The same latent cache, two computations: the per-head keys/values expanded, and the
+    up-projections absorbed into the query and the output (every step, prefill too)."""
+    model, _ = load_pretrained(checkpoints[name], backend="math")
+    ids = _ids(20, seed=4)
+    runs = {}
+    for absorbed in (False, True):
+        _force_path(model, absorbed)
+        with torch.no_grad():
+            cache = model.new_kv_cache()
+            first = model(ids[:, :12], kv_cache=cache)
+            steps = [model(ids[:, i : i + 1], kv_cache=cache) for i in range(12, 20)]
+        assert {b.attention.last_path for b in model.blocks} == {
+            "absorbed" if absorbed else "expanded"
+        }
+        runs[absorbed] = torch.cat([first, *steps], dim=1)
+    torch.testing.assert_close(runs[True], runs[False], atol=1e-5, rtol=0)
+    _force_path(model, None)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), runs[False], atol=1e-5, rtol=0)
+
+
+def test_mla_caches_only_the_latent_and_the_rotary_key(checkpoints):
+    from attnlab.latent import LatentKVCache
+
+    model, _ = load_pretrained(checkpoints["deepseek_v3"])
+    mla = model.config.mla
+    assert (mla.kv_lora_rank, mla.qk_rope_head_dim, mla.q_lora_rank) == (16, 8, 24)
+    for max_len in (None, 40):
+        cache = model.new_kv_cache(max_len=max_len)
+        assert all(isinstance(c, LatentKVCache) for c in cache)
+        with torch.no_grad():
+            model(_ids(32), kv_cache=cache)
+        per_token = (16 + 8) * 4  # r + Dr fp32 numbers per layer
+        held = 40 if max_len else 32  # growing: doubled from 16 to exactly 32
+        assert [c.nbytes for c in cache] == [per_token * held] * 3
+    assert mla.cache_bytes_per_token(3, 4) == 24 * 3 * 4
+    assert mla.mha_bytes_per_token(4, 3, 4) == 4 * (20 + 10) * 3 * 4
+
+
+def test_mla_explainer_sees_per_head_weights(checkpoints):
+    """Tracing records the expanded form: per-head queries and keys of Dn + Dr dims and
+    each head's weights, transformers' own; capture on one layer does the same."""
+    from attnlab.explain import trace_model
+
+    model, _ = load_pretrained(checkpoints["deepseek_v2"])
+    ids = _ids(10, seed=5)
+    trace = trace_model(model, ids[0].tolist(), queries_and_keys=True)
+    with torch.no_grad():
+        expected = _reference(checkpoints["deepseek_v2"])(ids, output_attentions=True)
+    assert trace.weights.shape == (3, 4, 10, 10)
+    assert trace.queries.shape == (3, 4, 10, 20) and trace.keys.shape == (3, 4, 10, 20)
+    torch.testing.assert_close(trace.weights, torch.cat(expected.attentions), atol=1e-5, rtol=0)
+    layer = model.blocks[0].attention
+    layer.capture = True
+    with torch.no_grad():
+        model(ids[:, :6])
+    assert layer.captured.shape == (1, 4, 6, 6) and layer.last_path == "expanded"
+    # causal: the first 6 rows over the first 6 keys are the 6-token pass's
+    torch.testing.assert_close(
+        layer.captured, expected.attentions[0][:, :, :6, :6], atol=1e-5, rtol=0
+    )
+
+
+def test_kimi_k2_is_deepseek_v3s_architecture(checkpoints, tmp_path):
+    folder = _edited(checkpoints, tmp_path, "deepseek_v3", model_type="kimi_k2")
+    model, _ = load_pretrained(folder)
+    assert model.config.family == "deepseek_v3"
+    ref = _reference(checkpoints["deepseek_v3"])
+    assert_matches_reference(model, ref, _ids())
+
+
+@pytest.mark.parametrize("v3", [False, True], ids=["deepseek_v2", "deepseek_v3"])
+def test_grouped_routing_matches_transformers_moe(v3):
+    """The module against transformers' DeepseekV2Moe / DeepseekV3MoE (grouped routing,
+    V3's score correction, shared experts, routed scaling), weights copied; the score
+    correction and the group limit each change which experts are chosen."""
+    from transformers import AutoConfig
+
+    family = "deepseek_v3" if v3 else "deepseek_v2"
+    C, F, E = 16, 12, 8
+    hf = AutoConfig.for_model(
+        family,
+        hidden_size=C,
+        moe_intermediate_size=F,
+        n_routed_experts=E,
+        num_experts_per_tok=3,
+        n_group=4,
+        topk_group=2,
+        n_shared_experts=2,
+        routed_scaling_factor=1.7,
+        topk_method="noaux_tc" if v3 else "group_limited_greedy",
+        norm_topk_prob=v3,
+        num_attention_heads=2,
+    )
+    if v3:
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE as Moe
+    else:
+        from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2Moe as Moe
+    torch.manual_seed(2)
+    theirs = Moe(hf).eval()
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.normal_(0, 0.3)
+        if v3:
+            theirs.gate.e_score_correction_bias.normal_(0, 0.3)
+    config = MoEConfig(
+        E, 3, F, router="sigmoid" if v3 else "softmax", renormalize=v3, routed_scale=1.7,
+        shared_size=2 * F, groups=4, top_groups=2, group_score="top2" if v3 else "max",
+        score_bias=v3,
+    )  # fmt: skip
+    ours = MixtureOfExperts(C, config)
+    with torch.no_grad():
+        ours.router.weight.copy_(theirs.gate.weight)
+        if v3:
+            ours.score_correction.bias.copy_(theirs.gate.e_score_correction_bias)
+        F2 = theirs.experts.gate_up_proj.shape[1] // 2
+        ours.experts.gate.weight.copy_(theirs.experts.gate_up_proj[:, :F2])
+        ours.experts.up.weight.copy_(theirs.experts.gate_up_proj[:, F2:])
+        ours.experts.down.weight.copy_(theirs.experts.down_proj)
+        for name in ("gate", "up", "down"):
+            getattr(ours.shared, name).weight.copy_(
+                getattr(theirs.shared_experts, f"{name}_proj").weight
+            )
+        x = torch.randn(2, 9, C)
+        torch.testing.assert_close(ours(x), theirs(x), atol=1e-5, rtol=0)
+        chosen = ours.last_routing.experts.sort(-1).values
+        free = MixtureOfExperts(C, dataclasses.replace(config, top_groups=4, score_bias=False))
+        free.load_state_dict(ours.state_dict(), strict=False)
+        free(x)
+        assert not torch.equal(free.last_routing.experts.sort(-1).values, chosen)
+
+
+@pytest.mark.parametrize(
+    ("name", "edits", "match"),
+    [
+        ("deepseek_v3", {"kv_lora_rank": 100}, "`kv_lora_rank` = 100 does not fit"),
+        ("deepseek_v3", {"q_lora_rank": 0}, "`q_lora_rank` must be an integer >= 1"),
+        ("deepseek_v2", {"kv_lora_rank": 0}, "`kv_lora_rank` must be an integer >= 1"),
+        ("deepseek_v3", {"qk_rope_head_dim": 7}, "`qk_rope_head_dim` must be even"),
+        ("deepseek_v3", {"num_experts_per_tok": 9}, "`num_experts_per_tok` = 9 chooses more"),
+        ("deepseek_v3", {"n_group": 3}, "`n_group` \\(3\\) must divide `n_routed_experts`"),
+        ("deepseek_v3", {"topk_group": 1}, "`num_experts_per_tok` \\(3\\) is more than the 2"),
+        ("deepseek_v3", {"topk_group": 5}, "`topk_group` \\(5\\) must be at most `n_group`"),
+        ("deepseek_v2", {"num_key_value_heads": 2}, "`num_key_value_heads` = 2 must equal"),
+        ("deepseek_v2", {"norm_topk_prob": True}, "`norm_topk_prob` = True is not supported"),
+        ("deepseek_v3", {"scoring_func": "softmax"}, "`scoring_func` = 'softmax' is not"),
+        ("deepseek_v3", {"first_k_dense_replace": -1}, "`first_k_dense_replace` must be an"),
+        ("deepseek_v3", {"routed_scaling_factor": 0}, "`routed_scaling_factor` must be"),
+    ],
+)
+def test_deepseek_bad_configs_name_the_field(checkpoints, tmp_path, name, edits, match):
+    folder = _edited(checkpoints, tmp_path, name, **edits)
+    with pytest.raises(ModelFileError, match=match):
+        load_pretrained(folder)
+
+
+def test_info_prints_the_latent_cache_against_multi_head(checkpoints, capsys):
+    """r + Dr = 24 numbers per layer (3 layers, fp32) against 4 heads x (20 + 10)."""
+    folder = str(checkpoints["deepseek_v3"])
+    code, out, err = run_main(capsys, "info", "--model", folder, "--json")
+    assert code == 0, err
+    cache = json.loads(out)["kv_cache"]
+    assert cache == {
+        "bytes_per_token": 24 * 3 * 4,
+        "mha_bytes_per_token": 4 * 30 * 3 * 4,
+        "latent": 16,
+        "rotary": 8,
+    }
+    code, out, err = run_main(capsys, "info", "--model", folder)
+    assert code == 0, err
+    assert "288 B (latent 16 + rotary key 8 per layer)" in out and "1,440 B (5.0x)" in out
+    code, out, err = run_main(capsys, "info", "--model", str(checkpoints["mixtral"]), "--json")
+    assert code == 0, err  # grouped-query attention: 2 of 4 heads' keys and values
+    assert json.loads(out)["kv_cache"] == {
+        "bytes_per_token": 2 * 2 * 16 * 2 * 4,
+        "mha_bytes_per_token": 4 * 2 * 16 * 2 * 4,
+    }
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"groups": 3}, "`groups` \\(3\\) must divide `num_experts` \\(8\\)"),
+        ({"groups": 4, "top_groups": 5}, "`top_groups` \\(5\\) must be at most `groups`"),
+        ({"groups": 4, "top_groups": 1, "top_k": 3}, "`top_k` \\(3\\) is more than the 2"),
+        ({"groups": 8, "top_groups": 2, "group_score": "top2"}, "needs at least 2 experts"),
+        ({"group_score": "mean"}, "`group_score` must be 'max' or 'top2'"),
+        ({"groups": 0}, "`groups` must be a positive int"),
+    ],
+)
+def test_grouped_routing_config_names_the_field(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        MoEConfig(**{"num_experts": 8, "top_k": 2, "expert_size": 4, **kwargs})
+
+
+def test_latent_cache_and_layer_refuse_what_they_cannot_hold():
+    from attnlab.attention import KVCache
+    from attnlab.latent import LatentAttention, LatentKVCache, MLAConfig
+    from attnlab.rope import RopeConfig
+
+    with pytest.raises(ValueError, match="`qk_rope_head_dim` must be even"):
+        MLAConfig(kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=3, v_head_dim=4)
+    with pytest.raises(ValueError, match="`kv_lora_rank` must be a positive int"):
+        MLAConfig(kv_lora_rank=0, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=4)
+    mla = MLAConfig(kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=4)
+    layer = LatentAttention(16, 2, mla, rope=RopeConfig())
+    x = torch.randn(1, 5, 16)
+    with pytest.raises(ValueError, match="must be a LatentKVCache"):
+        layer(x, kv_cache=KVCache())
+    with pytest.raises(ValueError, match="self-attention only"):
+        layer(x, x)
+    cache = LatentKVCache(max_len=4)
+    with torch.no_grad(), pytest.raises(ValueError, match="holds 4 positions, 5 needed"):
+        layer(x, is_causal=True, kv_cache=cache)
+    with pytest.raises(TypeError, match="holds MLA latents"):
+        LatentKVCache().update(torch.zeros(1, 1, 1, 4), torch.zeros(1, 1, 1, 4))
+    with pytest.raises(ValueError, match="`rope` has head_dim=8"):
+        LatentAttention(16, 2, mla, rope=RotaryEmbedding(8))
+
+
+def test_latent_attention_trains_through_its_cache():
+    """Gradients flow through the cached latent (a growing cache concatenates)."""
+    from attnlab.latent import LatentAttention, MLAConfig
+    from attnlab.rope import RopeConfig
+
+    mla = MLAConfig(kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=4)
+    layer = LatentAttention(16, 2, mla, rope=RopeConfig(), backend="math")
+    x = torch.randn(1, 6, 16, requires_grad=True)
+    cache = layer.new_kv_cache()
+    out = torch.cat(
+        [layer(x[:, :4], is_causal=True, kv_cache=cache), layer(x[:, 4:5], kv_cache=cache)], 1
+    )
+    out.sum().backward()
+    assert x.grad is not None and bool(x.grad[:, :5].abs().sum() > 0)
+    assert layer.k_up.weight.grad is not None and layer.v_up.weight.grad is not None

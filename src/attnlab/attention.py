@@ -693,6 +693,28 @@ class Attention(nn.Module):
             keys, values = kv_cache.update(keys, values)  # (B, G, S, D)
         mask = self._mask(attn_mask, is_causal, keys.shape[2])
         scale = self.scale if self.scale is not None else default_scale(D)
+        return self._attend_heads(
+            x, queries_projected, keys_projected, queries, keys, values, mask, scale, need_weights
+        )
+
+    def _attend_heads(
+        self,
+        x: torch.Tensor,
+        queries_projected: torch.Tensor,
+        keys_projected: torch.Tensor,
+        queries: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        mask: AttentionMask | None,
+        scale: float,
+        need_weights: bool | WeightsRequest,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Attend with per-head queries ``(B, H, T, D)``, keys ``(B, G, S, D)`` and values
+        ``(B, G, S, Dv)``, then the output projection; the weights asked for (``need_weights``,
+        :attr:`capture`, a recorder) and a head editor are served here, for every layer kind
+        (:class:`attnlab.latent.LatentAttention` expands its latent into these)."""
+        B, T, _ = x.shape
+        H = self.num_heads
         dropout_p = self.dropout if self.training else 0.0
 
         capture = WeightsRequest.from_arg(self.capture, "capture") if self.capture else None
@@ -734,7 +756,7 @@ class Attention(nn.Module):
 
         if capture is not None:
             self.captured = weights_for(capture)
-        context = out.transpose(1, 2).reshape(B, T, H * D)  # (B, T, H*D)
+        context = out.transpose(1, 2).reshape(B, T, H * out.shape[-1])  # (B, T, H*Dv)
         editor = _EDITOR.get()
         if editor is not None:
             edited = editor(self, context)

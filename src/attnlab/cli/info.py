@@ -357,6 +357,18 @@ def _info_model(name: str, seq_len: int, backend: str, as_json: bool, dtype: str
     if summary.decoder_layers is not None:
         layer_count = f"{summary.layers} encoder + {summary.decoder_layers} decoder"
     context = summary.context_length
+    rows = []
+    cache = summary.kv_cache
+    if cache is not None:
+        per_token = f"{cache['bytes_per_token']:,} B"
+        if "latent" in cache:
+            per_token += f" (latent {cache['latent']} + rotary key {cache['rotary']} per layer)"
+        if cache["mha_bytes_per_token"] != cache["bytes_per_token"]:
+            ratio = cache["mha_bytes_per_token"] / cache["bytes_per_token"]
+            per_token += (
+                f"; plain multi-head attention: {cache['mha_bytes_per_token']:,} B ({ratio:.1f}x)"
+            )
+        rows.append(("KV cache per token", per_token))
     for field, value in (
         ("family", summary.family),
         ("layers", layer_count),
@@ -372,6 +384,7 @@ def _info_model(name: str, seq_len: int, backend: str, as_json: bool, dtype: str
         ("context", "no limit (relative positions)" if context is None else str(context)),
         ("parameters", f"{summary.parameters:,}"),
         ("dtype", summary.dtype),
+        *rows,
     ):
         table.add_row(field, value)
     layers = Table(title=f"attention layers: backend for a call of T={summary.probe_length}")

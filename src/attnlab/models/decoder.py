@@ -30,6 +30,8 @@ differ in:
   ``out_bias``, ``qk_norm`` (:class:`attnlab.norms.QKNorm`), ``sliding_window`` (Mistral's
   convention: a query sees itself and the ``window - 1`` keys before it; the layer keeps a
   rolling KV cache of that many positions);
+- ``mla``: multi-head latent attention (:class:`attnlab.latent.LatentAttention`, DeepSeek)
+  instead of per-head key/value projections; the cache holds the latent;
 - ``tie_embeddings``: the output projection is the token embedding.
 
 The model follows attnlab's causal-LM protocol: ``model(input_ids, kv_cache=...)``
@@ -50,6 +52,7 @@ from torch import nn
 
 from attnlab.attention import Attention, KVCache
 from attnlab.biases import AlibiBias, RelativePositionBias
+from attnlab.latent import LatentAttention, MLAConfig
 from attnlab.masks import AttentionMask, PaddingMask
 from attnlab.models._lm import keep_last, residual_after_block, set_attention_backend
 from attnlab.models.fast_decode import DecodePlan, decode_plan, fast_step, new_caches
@@ -123,6 +126,11 @@ class DecoderConfig:
             the layers ``layer_moe`` names, or None (every layer dense).
         layer_moe: whether each layer's feed-forward is the mixture of experts (the others:
             the dense MLP of ``intermediate_size``); None = every layer when ``moe`` is set.
+        mla: multi-head latent attention's sizes (:class:`attnlab.latent.MLAConfig`,
+            DeepSeek-V2/V3, Kimi K2) on every layer, or None (per-head projections).
+            ``head_dim`` is then ``qk_nope_head_dim + qk_rope_head_dim`` and the rotary
+            embedding turns the ``qk_rope_head_dim`` dims; ``qkv_bias`` puts biases on the
+            down-projections.
         attn_scale: the score scale (Gemma 2: ``query_pre_attn_scalar ** -0.5``); None =
             ``1/sqrt(D)``.
         layer_scales: a score scale per layer, overriding ``attn_scale`` (GPT-2's
@@ -180,6 +188,7 @@ class DecoderConfig:
     attn_temperature: tuple[float, float] | None = None
     moe: MoEConfig | None = None
     layer_moe: tuple[bool, ...] | None = None
+    mla: MLAConfig | None = None
     attn_scale: float | None = None
     layer_scales: tuple[float, ...] | None = None
     attn_softcap: float | None = None
@@ -201,6 +210,12 @@ class DecoderConfig:
     def attention_head_dim(self) -> int:
         """D: ``head_dim``, or C / H when it is not set."""
         return self.head_dim or self.hidden_size // self.num_heads
+
+    @property
+    def rotary_head_dim(self) -> int:
+        """The dims per head the rotary embedding is built for: ``qk_rope_head_dim`` with
+        latent attention, else D."""
+        return self.mla.qk_rope_head_dim if self.mla is not None else self.attention_head_dim
 
 
 def make_norm(config: DecoderConfig) -> nn.Module:
@@ -276,6 +291,24 @@ class StackOutput:
     cross_weights: list[torch.Tensor]
 
 
+def _latent_attention(
+    config: DecoderConfig, rope: RotaryEmbedding | None, backend: str, scale: float | None
+) -> LatentAttention | None:
+    """The block's latent attention when the config asks for it (``mla``), else None."""
+    if config.mla is None:
+        return None
+    assert rope is not None  # Decoder checks: MLA rotates on every layer
+    return LatentAttention(
+        config.hidden_size,
+        config.num_heads,
+        config.mla,
+        rope=rope,
+        backend=backend,
+        scale=scale,
+        bias=config.qkv_bias,
+    )
+
+
 class DecoderBlock(nn.Module):
     """One decoder block (norm placement and residual style from the config).
 
@@ -305,7 +338,7 @@ class DecoderBlock(nn.Module):
         self.residual_multiplier = config.residual_multiplier
         self.causal = config.causal
         self.attn_norm = make_norm(config)
-        self.attention = Attention(
+        self.attention: Attention = _latent_attention(config, rope, backend, scale) or Attention(
             C,
             config.num_heads,
             num_kv_heads=config.num_kv_heads,
@@ -472,8 +505,20 @@ class Decoder(nn.Module):
             )
         self.config = config
         C = config.hidden_size
+        if config.mla is not None and (
+            config.positions != "rope"
+            or config.cross_attention
+            or config.sliding_window is not None
+            or config.layer_windows is not None
+            or config.layer_chunks is not None
+            or config.layer_rotary is not None
+        ):
+            raise ValueError(
+                "`mla` (latent attention) needs positions='rope' on every layer, without "
+                "cross attention, windows or chunks"
+            )
         self.rope = (
-            RotaryEmbedding.from_config(config.attention_head_dim, config.rope)
+            RotaryEmbedding.from_config(config.rotary_head_dim, config.rope)
             if config.positions == "rope"
             else None
         )
@@ -521,9 +566,7 @@ class Decoder(nn.Module):
             if settings is None or self.rope is None:
                 return self.rope
             if settings not in embeddings:
-                embeddings[settings] = RotaryEmbedding.from_config(
-                    config.attention_head_dim, settings
-                )
+                embeddings[settings] = RotaryEmbedding.from_config(config.rotary_head_dim, settings)
             return embeddings[settings]
 
         per_layer = zip(windows, scales, ropes, rotary, chunks, qk_norms, moes, strict=True)
@@ -573,6 +616,8 @@ class Decoder(nn.Module):
         """
         if self.config.cross_attention:
             return [DecoderLayerCache() for _ in self.blocks]
+        if self.config.mla is not None:  # the latent caches, growing or of max_len positions
+            return [b.attention.new_kv_cache(max_len) for b in self.blocks]  # type: ignore[union-attr,operator]
         if max_len is not None:
             return new_caches(len(self.blocks), max_len)
         return [block.attention.new_kv_cache() for block in self.blocks]  # type: ignore[union-attr,operator]

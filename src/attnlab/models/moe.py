@@ -6,6 +6,12 @@ experts only, and their outputs are summed with the routing weights:
 - ``router="softmax"``: weights ``softmax(logits)`` over all experts, then the top k
   (Mixtral, Qwen3-MoE); ``"sigmoid"``: ``sigmoid(logits)`` of each expert on its own
   (Llama 4, DeepSeek V3);
+- ``groups`` / ``top_groups``: grouped routing (DeepSeek's ``n_group`` / ``topk_group``):
+  the experts form ``groups`` equal groups, each scored by its best expert
+  (``group_score="max"``, DeepSeek-V2) or its two best summed (``"top2"``, DeepSeek-V3), and a
+  token chooses its ``top_k`` experts inside its ``top_groups`` best groups only;
+- ``score_bias``: a learned bias per expert added to the scores for *choosing* the experts,
+  not to their weights (DeepSeek-V3's ``e_score_correction_bias``, which balances the load);
 - ``renormalize``: the top-k weights are divided by their sum (Mixtral always; Qwen3-MoE's
   ``norm_topk_prob``);
 - ``routed_scale``: every routed weight times this (DeepSeek's ``routed_scaling_factor``);
@@ -31,7 +37,14 @@ from typing import Literal
 import torch
 from torch import nn
 
-__all__ = ["ExpertWeights", "Experts", "MixtureOfExperts", "MoEConfig", "Routing"]
+__all__ = [
+    "ExpertWeights",
+    "Experts",
+    "MixtureOfExperts",
+    "MoEConfig",
+    "Routing",
+    "ScoreCorrection",
+]
 
 
 @dataclass(frozen=True)
@@ -45,12 +58,20 @@ class MoEConfig:
         router: ``"softmax"`` or ``"sigmoid"``.
         renormalize: divide the top-k weights by their sum.
         routed_scale: factor on every routed weight.
+        groups: expert groups (E divisible by it); 1 = no grouping.
+        top_groups: the groups a token may choose from, 1 <= it <= ``groups``.
+        group_score: a group's score, ``"max"`` (its best expert) or ``"top2"`` (its two
+            best, summed).
+        score_bias: a per-expert bias (:attr:`MixtureOfExperts.score_correction`) shifts
+            the choice, not the weights.
         weight_inputs: scale each expert's input (not output) by its weight.
         shared_size: width of the shared expert every token runs, or None.
 
     Raises:
         ValueError: a count or width that is not a positive int, ``top_k > num_experts``,
-            an unknown router, a non-finite or non-positive ``routed_scale``.
+            an unknown router, a non-finite or non-positive ``routed_scale``, groups that
+            do not divide the experts or hold fewer than ``top_k`` experts in
+            ``top_groups`` groups.
     """
 
     num_experts: int
@@ -61,9 +82,13 @@ class MoEConfig:
     routed_scale: float = 1.0
     weight_inputs: bool = False
     shared_size: int | None = None
+    groups: int = 1
+    top_groups: int = 1
+    group_score: Literal["max", "top2"] = "max"
+    score_bias: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("num_experts", "top_k", "expert_size", "shared_size"):
+        for name in ("num_experts", "top_k", "expert_size", "shared_size", "groups", "top_groups"):
             value = getattr(self, name)
             if name == "shared_size" and value is None:
                 continue
@@ -82,6 +107,22 @@ class MoEConfig:
             or not (math.isfinite(s) and s > 0)
         ):
             raise ValueError(f"`routed_scale` must be a finite number > 0, got {s!r}")
+        E, G = self.num_experts, self.groups
+        if E % G:
+            raise ValueError(f"`groups` ({G}) must divide `num_experts` ({E})")
+        if self.top_groups > G:
+            raise ValueError(f"`top_groups` ({self.top_groups}) must be at most `groups` ({G})")
+        if self.top_k > self.top_groups * (E // G):
+            raise ValueError(
+                f"`top_k` ({self.top_k}) is more than the {self.top_groups * (E // G)} experts "
+                f"in `top_groups` ({self.top_groups}) groups of {E // G}"
+            )
+        if self.group_score not in ("max", "top2"):
+            raise ValueError(f"`group_score` must be 'max' or 'top2', got {self.group_score!r}")
+        if self.group_score == "top2" and G > 1 and E // G < 2:
+            raise ValueError(
+                f"`group_score` 'top2' needs at least 2 experts per group, got {E // G}"
+            )
 
 
 class ExpertWeights(nn.Module):
@@ -95,6 +136,14 @@ class ExpertWeights(nn.Module):
     def extra_repr(self) -> str:
         E, out, inp = self.weight.shape
         return f"experts={E}, in_features={inp}, out_features={out}"
+
+
+class ScoreCorrection(nn.Module):
+    """The per-expert bias added to the routing scores for the choice: ``bias`` ``(E,)``."""
+
+    def __init__(self, experts: int) -> None:
+        super().__init__()
+        self.bias = nn.Parameter(torch.zeros(experts), requires_grad=False)
 
 
 class Experts(nn.Module):
@@ -149,6 +198,7 @@ class MixtureOfExperts(nn.Module):
         E, F = config.num_experts, config.expert_size
         self.config = config
         self.router = nn.Linear(dim, E, bias=False)
+        self.score_correction = ScoreCorrection(E) if config.score_bias else None
         self.experts = Experts(E, dim, F)
         self.act = ACTIVATIONS[activation]
         self.activation = activation
@@ -164,7 +214,21 @@ class MixtureOfExperts(nn.Module):
         cfg = self.config
         logits = self.router(x).float()  # (N, E): routing in fp32 whatever the model dtype
         scores = logits.softmax(-1) if cfg.router == "softmax" else logits.sigmoid()
-        weights, experts = scores.topk(cfg.top_k, dim=-1)  # (N, k)
+        choice = scores
+        if self.score_correction is not None:  # shifts the choice, not the weights
+            choice = scores + self.score_correction.bias.float()
+        if cfg.top_groups < cfg.groups:
+            N, E, G = choice.shape[0], cfg.num_experts, cfg.groups
+            per_group = choice.view(N, G, E // G)  # (N, G, E/G)
+            if cfg.group_score == "max":
+                group = per_group.amax(-1)  # (N, G)
+            else:
+                group = per_group.topk(2, dim=-1).values.sum(-1)  # (N, G)
+            best = group.topk(cfg.top_groups, dim=-1).indices  # (N, top_groups)
+            allowed = torch.zeros_like(group, dtype=torch.bool).scatter_(1, best, True)
+            choice = choice.masked_fill(~allowed.repeat_interleave(E // G, dim=1), -math.inf)
+        experts = choice.topk(cfg.top_k, dim=-1).indices  # (N, k)
+        weights = scores.gather(1, experts)  # (N, k)
         if cfg.renormalize:
             weights = weights / weights.sum(-1, keepdim=True)
         if cfg.routed_scale != 1.0:
@@ -208,4 +272,7 @@ class MixtureOfExperts(nn.Module):
             f"experts={c.num_experts}, top_k={c.top_k}, router={c.router!r}, "
             f"renormalize={c.renormalize}, activation={self.activation!r}"
             + (f", shared_size={c.shared_size}" if c.shared_size else "")
+            + (f", groups={c.top_groups}/{c.groups} by {c.group_score}" if c.groups > 1 else "")
+            + (", score_bias=True" if c.score_bias else "")
+            + (f", routed_scale={c.routed_scale}" if c.routed_scale != 1.0 else "")
         )

@@ -256,14 +256,14 @@ def _check_rotary(config: DecoderConfig, keys: Mapping[str, tuple[str, ...]], wh
         if rope is None:
             continue
         try:
-            RotaryEmbedding.from_config(config.attention_head_dim, rope)
+            RotaryEmbedding.from_config(config.rotary_head_dim, rope)
         except (ValueError, TypeError) as e:
             width, heads = keys["hidden_size"][0], keys["num_heads"][0]
             source = f"`{keys['head_dim'][0]}`" if "head_dim" in keys else ""
             source += f"{' or ' if source else ''}`{width}` / `{heads}`"
             raise ModelFileError(
                 where,
-                f"the rotary embedding refuses head dim {config.attention_head_dim} (from "
+                f"the rotary embedding refuses head dim {config.rotary_head_dim} (from "
                 f"{source}) with the rope settings: {e}",
             ) from None
 
@@ -279,6 +279,7 @@ _STRUCTURED = (
     "moe_layers",
     "mlp_only_layers",
     "moe",
+    "mla",
 )
 
 
@@ -358,7 +359,12 @@ def _gguf_rope(
     ``rope.scaling.original_context_length`` and ``rope.scaling.attn_factor``; any other
     scaling is refused naming the key."""
     arch = source.get("general.architecture", "")
-    head_dim = fields.get("head_dim") or fields["hidden_size"] // fields["num_heads"]
+    mla = fields.get("mla")
+    head_dim = (
+        mla.qk_rope_head_dim
+        if mla is not None
+        else fields.get("head_dim") or fields["hidden_size"] // fields["num_heads"]
+    )
     fraction = 1.0
     if rope_dims is not None:
         key = f"{arch}.rope.dimension_count"
@@ -404,7 +410,11 @@ def _gguf_rope(
     if longrope is not None:
         pairs = int(head_dim * fraction) // 2
         scaling = _gguf_longrope(fields, source, where, arch, kind, scaling, longrope, pairs)
-    return RopeConfig(base=float(base or 10000.0), fraction=fraction, scaling=scaling)
+    # llama.cpp's deepseek2 turns adjacent pairs (its "norm" RoPE) of weights its converter
+    # does not permute: interleaved
+    return RopeConfig(
+        base=float(base or 10000.0), fraction=fraction, scaling=scaling, interleaved=mla is not None
+    )
 
 
 def _gguf_longrope(
@@ -458,7 +468,11 @@ def _gguf_longrope(
 
 # --------------------------------------------------------------------------- weights
 
-_PIECES = {"{qkv}": ("W_query", "W_key", "W_value"), "{gate_up}": ("gate", "up")}
+_PIECES = {
+    "{qkv}": ("W_query", "W_key", "W_value"),
+    "{gate_up}": ("gate", "up"),
+    "{kv_up}": ("k_up", "v_up"),
+}
 
 
 def _rule_regex(pattern: str) -> re.Pattern[str]:
@@ -507,8 +521,10 @@ def plan_weights(
                 )
             target = ours.replace("{i}", layer or "")
             pieces = next((v for k, v in _PIECES.items() if k in target), None)
-            if pieces is None:
-                targets: tuple[str, ...] = (f"{target}.{m['leaf'] or 'weight'}",)
+            if pieces is None and target.endswith((".weight", ".bias")):
+                targets: tuple[str, ...] = (target,)  # a parameter named by the page itself
+            elif pieces is None:
+                targets = (f"{target}.{m['leaf'] or 'weight'}",)
             else:
                 key = next(k for k in _PIECES if k in target)
                 leaf = m["leaf"] or "weight"
@@ -550,6 +566,16 @@ def apply_transform(
             out = (t.float() + 1.0,)
         elif part == "gate_up":  # (2F, C), or stacked experts (E, 2F, C)
             out = tuple(torch.chunk(t, 2, dim=0 if t.ndim < 3 else -2))
+        elif part == "kv_b":  # MLA's (H * (Dn + Dv), r): each head's key rows, then value rows
+            mla = getattr(config, "mla", None)
+            assert mla is not None  # only MLA pages name this transform
+            H, Dn, Dv = config.num_heads, mla.qk_nope_head_dim, mla.v_head_dim
+            k, v = t.reshape(H, Dn + Dv, -1).split([Dn, Dv], dim=1)  # (H, Dn, r), (H, Dv, r)
+            out = (k.reshape(H * Dn, -1), v.reshape(H * Dv, -1))
+        elif part == "k_b":  # llama.cpp's attn_k_b (H, r, Dn), stored for the absorbed product
+            out = (t.transpose(1, 2).reshape(-1, t.shape[1]),)
+        elif part == "v_b":  # llama.cpp's attn_v_b (H, Dv, r)
+            out = (t.reshape(-1, t.shape[2]),)
         elif part == "Tx":  # stacked experts stored (E, in, out): ours are (E, out, in)
             out = (t.transpose(-1, -2),)
         elif part in ("rope_q", "rope_k") and t.ndim == 2:

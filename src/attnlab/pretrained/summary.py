@@ -60,6 +60,12 @@ class ModelSummary:
         decoder_layers: an encoder-decoder's decoder blocks, else None.
         attn_softcap: attention logit soft-capping (Gemma 2), or None.
         final_softcap: output logit soft-capping (Gemma 2), or None.
+        kv_cache: a decoder's KV cache per token, in the model's dtype, or None:
+            ``bytes_per_token`` (every layer), ``mha_bytes_per_token`` (what plain
+            multi-head attention with the same query heads and head dims would cache:
+            a key and a value per head), and for latent attention (MLA) ``latent``
+            (``kv_lora_rank``) and ``rotary`` (``qk_rope_head_dim``), the numbers one
+            token caches per layer.
     """
 
     family: str
@@ -81,6 +87,7 @@ class ModelSummary:
     decoder_layers: int | None = None
     attn_softcap: float | None = None
     final_softcap: float | None = None
+    kv_cache: dict[str, Any] | None = None
 
 
 def _attention_layers(model: Any) -> list[tuple[str, Any, bool]]:
@@ -197,6 +204,7 @@ def summarize_model(model: Any, *, probe_length: int = 1024) -> ModelSummary:
         positions = "learned+types"
         norm = "layer post"
         mlp = f"plain {model.config.activation}"
+    kv_cache = _kv_cache(model, dtype) if isinstance(model, Decoder) else None
     kind = {Decoder: "decoder", Encoder: "encoder", EncoderDecoder: "encoder-decoder"}
     return ModelSummary(
         family=config.family,
@@ -218,4 +226,25 @@ def summarize_model(model: Any, *, probe_length: int = 1024) -> ModelSummary:
         decoder_layers=getattr(config, "num_decoder_layers", None),
         attn_softcap=attn_softcap,
         final_softcap=final_softcap,
+        kv_cache=kv_cache,
     )
+
+
+def _kv_cache(model: Any, dtype: torch.dtype) -> dict[str, Any]:
+    """A decoder's cache bytes per token, against plain multi-head attention's."""
+    size = torch.empty((), dtype=dtype).element_size()
+    mla = model.config.mla
+    layers = len(model.blocks)
+    if mla is not None:
+        return {
+            "bytes_per_token": mla.cache_bytes_per_token(layers, size),
+            "mha_bytes_per_token": mla.mha_bytes_per_token(model.config.num_heads, layers, size),
+            "latent": mla.kv_lora_rank,
+            "rotary": mla.qk_rope_head_dim,
+        }
+    held = mha = 0
+    for block in model.blocks:
+        a = block.attention
+        held += a.num_kv_heads * 2 * a.head_dim * size
+        mha += a.num_heads * 2 * a.head_dim * size
+    return {"bytes_per_token": held, "mha_bytes_per_token": mha}
