@@ -1,6 +1,6 @@
 """Loading the models a command names (pretrained names, checkpoint folders, backends).
 
-Shared by the commands (and the server): the library's errors become :class:`UserError`.
+Shared by the commands: the library's errors become :class:`UserError`.
 """
 
 from __future__ import annotations
