@@ -221,3 +221,31 @@ def test_attnlab_models_follow_the_protocol_and_decode_into_a_static_cache():
     assert all(isinstance(c, StaticKVCache) and c.max_len == 7 for c in caches[0])
     assert shapes == [(1, 1, 101)] * 4  # the prompt's logits: the last position only
     assert "_decode_plan" in model.__dict__  # the one-token steps took the fast step
+
+
+def test_text_stream_pieces_are_the_whole_decode_and_each_push_decodes_a_few_tokens():
+    from attnlab.data import get_tokenizer
+    from attnlab.generation import TextStream
+
+    tok = get_tokenizer()
+    text = " naïve café, 東京の猫 🐈‍⬛ and ß. " * 20
+    ids = tok.encode(text)
+    lengths: list[int] = []
+
+    class Counting:
+        def decode(self, ids):
+            lengths.append(len(ids))
+            return tok.decode(ids)
+
+    stream = TextStream(Counting(), tok.encode("Say"))
+    pieces = [stream.push(i) for i in ids]
+    pieces.append(stream.flush())
+    assert "".join(pieces) == text
+    # Each push decodes from the last token that is whole characters on its own: a few
+    # tokens (the emoji's bytes span many), not the whole sequence (quadratic).
+    assert len(ids) > 400 and max(lengths) <= 24
+    # Cut inside the cat emoji: what is held back comes out as the decoder writes it.
+    cut = next(n for n in range(len(ids)) if tok.decode(ids[:n]).endswith("\ufffd"))
+    stream = TextStream(tok)
+    head = "".join(stream.push(i) for i in ids[:cut]) + stream.flush()
+    assert head == tok.decode(ids[:cut])

@@ -408,7 +408,19 @@ class TextStream:
         if text.endswith("\ufffd"):
             return ""
         piece, self.shown = text[self.shown :], len(text)
+        self._rebase(token)
         return piece
+
+    def _rebase(self, token: int) -> None:
+        """Continue after ``token`` alone, so each push decodes a few tokens, not them all.
+
+        Kept growing while ``token`` alone is not whole characters (it finished a character
+        an earlier token began).
+        """
+        head = str(self.tokenizer.decode([token]))
+        if "\ufffd" in head:
+            return
+        self.context, self.ids, self.skip, self.shown = [token], [], len(head), 0
 
     def flush(self) -> str:
         """The text still held back (at the end of the stream)."""
