@@ -700,3 +700,19 @@ def test_latent_attention_trains_through_its_cache():
     out.sum().backward()
     assert x.grad is not None and bool(x.grad[:, :5].abs().sum() > 0)
     assert layer.k_up.weight.grad is not None and layer.v_up.weight.grad is not None
+
+
+def test_mla_loads_with_int8_weights_and_keeps_its_up_projections_float(checkpoints):
+    """Weight quantisation replaces the linears; the per-head up-projections, multiplied
+    in einsums by both forms, stay float. Cached decoding equals the full pass."""
+    model, _ = load_pretrained(checkpoints["deepseek_v3"], dtype="int8")
+    attention = model.blocks[0].attention
+    assert type(attention.kv_down).__name__ == "Int8Linear"
+    assert attention.k_up.weight.dtype == torch.float32
+    ids = _ids(12, seed=6)
+    with torch.no_grad():
+        full = model(ids)
+        cache = model.new_kv_cache(max_len=12)
+        steps = [model(ids[:, :8], kv_cache=cache)]
+        steps += [model(ids[:, i : i + 1], kv_cache=cache) for i in range(8, 12)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=2e-2, rtol=0)

@@ -234,3 +234,17 @@ def test_gguf_q4_1_codes_pack_to_the_same_weights_as_ggml_dequantises():
     torch.testing.assert_close(dequantize(blocks, "Q4_1", (R, K)), expected, atol=0, rtol=0)
     with pytest.raises(ValueError, match="Q4_0/Q4_1"):
         int4_codes(blocks, "Q8_0", (R, K))
+
+
+@pytest.mark.parametrize("K", [24, 40])
+def test_int8_takes_the_dense_product_where_the_kernel_cannot(K):
+    """torch's int8 kernel gives wrong numbers (one row) or crashes (several) for a K that
+    is not a multiple of 16: such calls multiply the dequantised weight instead."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(K, 80)
+    q = Int8Linear.from_float(linear.weight, linear.bias)
+    for rows in (1, 3):
+        x = torch.randn(rows, K)
+        with torch.no_grad():
+            expected = x @ q.weight.T + linear.bias
+            torch.testing.assert_close(q(x), expected, atol=0.05, rtol=0.02)

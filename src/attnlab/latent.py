@@ -33,6 +33,7 @@ rank (``kv_lora_rank``), Dn / Dr / Dv the nope, rotary and value head dims, D = 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -51,7 +52,13 @@ from attnlab.masks import AttentionMask
 from attnlab.norms import RMSNorm
 from attnlab.rope import RopeConfig, RotaryEmbedding
 
-__all__ = ["LatentAttention", "LatentKVCache", "LowRankProjection", "MLAConfig"]
+__all__ = [
+    "HeadUpProjection",
+    "LatentAttention",
+    "LatentKVCache",
+    "LowRankProjection",
+    "MLAConfig",
+]
 
 
 def _positive_int(name: str, value: object) -> None:
@@ -196,6 +203,26 @@ class LatentKVCache(KVCache):
 Path = Literal["expanded", "absorbed"]
 
 
+class HeadUpProjection(nn.Module):
+    """Every head's up-projection from the latent, ``weight`` ``(H * out, r)`` (an
+    ``nn.Linear``'s layout). Not an ``nn.Linear``: both forms multiply it per head in
+    einsums (the absorbed one into the query), so weight quantisation leaves it in float.
+
+    Args:
+        heads: H.
+        out_features: each head's width (Dn or Dv).
+        rank: r.
+    """
+
+    def __init__(self, heads: int, out_features: int, rank: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(heads * out_features, rank))
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))  # nn.Linear's
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.weight.shape[1]}, out_features={self.weight.shape[0]}"
+
+
 class LowRankProjection(nn.Module):
     """``up(RMSNorm(down(x)))``: DeepSeek's low-rank query projection (``q_lora_rank``).
 
@@ -312,8 +339,8 @@ class LatentAttention(Attention):
         self.W_query = query  # type: ignore[assignment]
         self.kv_down = nn.Linear(C, r + Dr, bias=bias)  # the latent and the shared rotary key
         self.kv_norm = RMSNorm(r, mla.latent_eps)
-        self.k_up = nn.Linear(r, H * Dn, bias=False)  # W_uk: the heads' nope keys
-        self.v_up = nn.Linear(r, H * Dv, bias=False)  # W_uv: the heads' values
+        self.k_up = HeadUpProjection(H, Dn, r)  # W_uk: the heads' nope keys
+        self.v_up = HeadUpProjection(H, Dv, r)  # W_uv: the heads' values
         self.out_proj = nn.Linear(H * Dv, C, bias=bias)
         if isinstance(rope, RopeConfig):
             rope = RotaryEmbedding.from_config(Dr, rope)

@@ -135,7 +135,9 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(..., K) -> (..., N), in ``x``'s dtype."""
         x2 = _as_2d(x, self.in_features)  # (M, K) bf16
-        if x2.shape[0] >= self.dense_from_rows:
+        # torch's int8 kernel (torch 2.13 CPU) needs K a multiple of 16: otherwise it returns
+        # wrong numbers for one row (K=24) or crashes for several (K=24, 40); dense then
+        if x2.shape[0] >= self.dense_from_rows or self.in_features % 16:
             # Codes in [-127, 127] are exact in bf16; W = diag(scale) q, so scale the columns.
             y = torch.mm(x2, self.qweight.to(torch.bfloat16).t()).mul_(self.scales)  # (M, N)
         else:
