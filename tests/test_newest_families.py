@@ -21,7 +21,7 @@ if not all(importlib.util.find_spec(m) for m in ("transformers", "tokenizers", "
 
 from attnlab.generation import generate
 from attnlab.models.decoder import Decoder
-from attnlab.models.moe import MixtureOfExperts, MoEConfig
+from attnlab.models.moe import MixtureOfExperts, MoEConfig, clamped_swiglu
 from attnlab.pretrained import ModelFileError, load_pretrained
 from cli_runner import run_main
 from model_files import assert_matches_reference, gguf_reference, save_hf, write_gguf
@@ -105,6 +105,41 @@ FAMILIES: dict[str, dict] = {
         "num_experts_per_tok": 3,
         "norm_topk_prob": False,
         "mlp_only_layers": [0],
+    },
+    # sinks, windows of 5 on the even layers, q/k/v/o biases, YaRN (x4 over 32 positions,
+    # the ramp not rounded), top-3 of 5 experts with biases and the clamped SwiGLU
+    "gpt_oss": {
+        **_SMALL,
+        "num_hidden_layers": 3,
+        "head_dim": 16,
+        "intermediate_size": 48,
+        "num_local_experts": 5,
+        "num_experts_per_tok": 3,
+        "sliding_window": 5,
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 32,
+            "rope_theta": 150000.0,
+        },
+    },
+    # the clamps bite (limit 0.2: most gate/up values lie beyond it), layer types given,
+    # no attention biases, transformers' default RoPE for gpt-oss (YaRN x32 over 4096)
+    "gpt_oss-clamp": {
+        **_SMALL,
+        "num_hidden_layers": 2,
+        "intermediate_size": 32,
+        "head_dim": 16,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 4,
+        "swiglu_limit": 0.2,
+        "swiglu_alpha": 3.0,
+        "attention_bias": False,
+        "layer_types": ["full_attention", "sliding_attention"],
+        "sliding_window": 3,
     },
     # experts on every layer, renormalised: what llama.cpp's qwen3moe runs (and GGUF holds)
     "qwen3_moe-renorm": {
@@ -270,6 +305,89 @@ def test_sigmoid_router_shared_expert_and_weighted_inputs_match_llama4_moe(top_k
         x = torch.randn(2, 5, C)
         expected, _ = theirs(x)
         torch.testing.assert_close(ours(x), expected.view(2, 5, C), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("top_k", [1, 3])
+def test_router_bias_expert_biases_and_clamped_swiglu_match_gpt_oss_mlp(top_k):
+    """The module against transformers' GptOssMLP (router with a bias, softmax over the
+    top-k logits, interleaved gate/up with biases, ``(up + 1) * glu`` with both clamps),
+    weights copied and large enough that the clamps at 7 bite."""
+    from transformers import AutoConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+
+    C, F, E = 16, 12, 5
+    hf = AutoConfig.for_model(
+        "gpt_oss", hidden_size=C, intermediate_size=F, num_local_experts=E,
+        num_experts_per_tok=top_k, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+    )  # fmt: skip
+    torch.manual_seed(2)
+    theirs = GptOssMLP(hf).eval()
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.normal_(0, 1.0)
+    config = MoEConfig(E, top_k, F, router_bias=True, expert_bias=True, clamped_swiglu=(7.0, 1.702))
+    ours = MixtureOfExperts(C, config)
+    ex = theirs.experts
+    with torch.no_grad():
+        ours.router.weight.copy_(theirs.router.weight)
+        ours.router.bias.copy_(theirs.router.bias)
+        ours.experts.gate.weight.copy_(ex.gate_up_proj[..., 0::2].transpose(1, 2))
+        ours.experts.up.weight.copy_(ex.gate_up_proj[..., 1::2].transpose(1, 2))
+        ours.experts.gate.bias.copy_(ex.gate_up_proj_bias[:, 0::2])
+        ours.experts.up.bias.copy_(ex.gate_up_proj_bias[:, 1::2])
+        ours.experts.down.weight.copy_(ex.down_proj.transpose(1, 2))
+        ours.experts.down.bias.copy_(ex.down_proj_bias)
+        x = torch.randn(2, 7, C)
+        expected, _ = theirs(x)
+        h = x.reshape(-1, C) @ ex.gate_up_proj[0]
+        assert bool((h.abs() > 7).any())  # the clamps change something
+        torch.testing.assert_close(ours(x), expected, atol=1e-4, rtol=1e-5)
+
+
+def test_clamped_swiglu_by_hand():
+    gate = torch.tensor([-9.0, -1.0, 0.5, 9.0])
+    up = torch.tensor([-9.0, 2.0, 0.0, 9.0])
+    got = clamped_swiglu(gate, up, 7.0, 1.702)
+    g = torch.tensor([-9.0, -1.0, 0.5, 7.0])  # the gate clamped above only
+    u = torch.tensor([-7.0, 2.0, 0.0, 7.0])  # up clamped both sides
+    torch.testing.assert_close(got, (u + 1) * g * torch.sigmoid(1.702 * g))
+
+
+def test_gpt_oss_layers(checkpoints):
+    """Windows on the layers transformers makes local, a sink per head loaded, biases."""
+    from transformers import AutoModelForCausalLM
+
+    model, _ = load_pretrained(checkpoints["gpt_oss"])
+    assert [b.attention.sliding_window for b in model.blocks] == [5, None, 5]
+    ref = AutoModelForCausalLM.from_pretrained(checkpoints["gpt_oss"], dtype=torch.float32)
+    for ours, theirs in zip(model.blocks, ref.model.layers, strict=True):
+        assert torch.equal(ours.attention.sinks.detach(), theirs.self_attn.sinks.detach())
+    assert model.blocks[0].attention.W_query.bias is not None
+    clamp, _ = load_pretrained(checkpoints["gpt_oss-clamp"])
+    assert [b.attention.sliding_window for b in clamp.blocks] == [None, 3]
+    assert clamp.blocks[0].attention.W_query.bias is None
+    moe = clamp.blocks[0].mlp.config
+    assert (moe.top_k, moe.clamped_swiglu, moe.router_bias) == (4, (0.2, 3.0), True)
+    scaling = clamp.config.rope.scaling  # transformers' gpt-oss default
+    assert (clamp.config.rope.base, scaling.factor, scaling.truncate) == (150000.0, 32.0, False)
+
+
+@pytest.mark.parametrize(
+    ("edits", "match"),
+    [
+        ({"num_experts_per_tok": 6}, "`num_experts_per_tok` = 6 chooses more experts than exist"),
+        ({"num_local_experts": 0}, "`num_local_experts` must be an integer >= 1"),
+        ({"swiglu_limit": 0}, "`swiglu_limit` must be a finite number > 0"),
+        ({"swiglu_alpha": "x"}, "`swiglu_alpha` must be a finite number > 0"),
+        ({"layer_types": ["sliding_attention"]}, "`layer_types` must list one type per layer"),
+        ({"quantization_config": {"quant_method": "mxfp4"}}, "`quantization_config`"),
+        ({"rope_parameters": {"rope_type": "ntk"}}, "rope settings: `rope_type`"),
+    ],
+)
+def test_gpt_oss_bad_configs_name_the_field(checkpoints, tmp_path, edits, match):
+    folder = _edited(checkpoints, tmp_path, "gpt_oss", **edits)
+    with pytest.raises(ModelFileError, match=match):
+        load_pretrained(folder)
 
 
 @pytest.mark.parametrize("qtype", ["F32", "Q8_0"])

@@ -459,6 +459,8 @@ def _gguf_longrope(
 # --------------------------------------------------------------------------- weights
 
 _PIECES = {"{qkv}": ("W_query", "W_key", "W_value"), "{gate_up}": ("gate", "up")}
+# Parameter names a target may end in (then it names the parameter, not its module).
+_LEAVES = ("weight", "bias", "sinks")
 
 
 def _rule_regex(pattern: str) -> re.Pattern[str]:
@@ -506,13 +508,14 @@ def plan_weights(
                     where, f"tensor {name!r} is for layer {layer}, the config has {num_layers}"
                 )
             target = ours.replace("{i}", layer or "")
+            # a target naming its parameter (a bare source tensor) takes no leaf
+            leaf = "" if target.rsplit(".", 1)[-1] in _LEAVES else f".{m['leaf'] or 'weight'}"
             pieces = next((v for k, v in _PIECES.items() if k in target), None)
             if pieces is None:
-                targets: tuple[str, ...] = (f"{target}.{m['leaf'] or 'weight'}",)
+                targets: tuple[str, ...] = (f"{target}{leaf}",)
             else:
                 key = next(k for k in _PIECES if k in target)
-                leaf = m["leaf"] or "weight"
-                targets = tuple(f"{target.replace(key, p)}.{leaf}" for p in pieces)
+                targets = tuple(f"{target.replace(key, p)}{leaf}" for p in pieces)
             row = m.groupdict().get("j")
             if row is not None:  # one row of a target stacked from several tensors
                 transform = f"row:{row}"
@@ -550,6 +553,8 @@ def apply_transform(
             out = (t.float() + 1.0,)
         elif part == "gate_up":  # (2F, C), or stacked experts (E, 2F, C)
             out = tuple(torch.chunk(t, 2, dim=0 if t.ndim < 3 else -2))
+        elif part == "gate_up_pairs":  # stacked (E, 2F, ...): gate, up, gate, up, ... rows
+            out = (t[:, 0::2], t[:, 1::2])
         elif part == "Tx":  # stacked experts stored (E, in, out): ours are (E, out, in)
             out = (t.transpose(-1, -2),)
         elif part in ("rope_q", "rope_k") and t.ndim == 2:
