@@ -471,6 +471,16 @@ def test_bad_configs_name_the_field(checkpoints, tmp_path, name, edits, match):
         load_pretrained(folder)
 
 
+def test_info_shows_gpt_oss_experts_and_a_backend_that_adds_sinks(checkpoints, capsys):
+    code, out, err = run_main(capsys, "info", "--model", str(checkpoints["gpt_oss"]), "--json")
+    assert code == 0, err
+    info = json.loads(out)
+    assert info["mlp"] == "5 experts, top 3, clamped SwiGLU (7.0, 1.702)"
+    # PyTorch's fused kernel has no sinks: the layers run elsewhere
+    assert {lay["backend"] for lay in info["per_layer"]} <= {"blockwise", "math"}
+    assert [lay["sliding_window"] for lay in info["per_layer"]] == [5, None, 5]
+
+
 def test_info_names_the_nope_layers(checkpoints, capsys):
     code, out, err = run_main(capsys, "info", "--model", str(checkpoints["smollm3"]), "--json")
     assert code == 0, err
