@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import shutil
 
@@ -388,6 +389,75 @@ def test_gpt_oss_bad_configs_name_the_field(checkpoints, tmp_path, edits, match)
     folder = _edited(checkpoints, tmp_path, "gpt_oss", **edits)
     with pytest.raises(ModelFileError, match=match):
         load_pretrained(folder)
+
+
+# gpt-oss metadata as llama.cpp's converter writes it (tests/test_llama_cpp.py converts a
+# checkpoint with it); the loader reads it through the family page.
+_GPT_OSS_GGUF = {
+    "general.architecture": "gpt-oss",
+    "gpt-oss.block_count": 4,
+    "gpt-oss.context_length": 256,
+    "gpt-oss.embedding_length": 64,
+    "gpt-oss.feed_forward_length": 32,
+    "gpt-oss.expert_feed_forward_length": 32,
+    "gpt-oss.attention.head_count": 4,
+    "gpt-oss.attention.head_count_kv": 2,
+    "gpt-oss.attention.key_length": 32,
+    "gpt-oss.attention.value_length": 32,
+    "gpt-oss.attention.layer_norm_rms_epsilon": 1e-5,
+    "gpt-oss.attention.sliding_window": 128,
+    "gpt-oss.rope.freq_base": 150000.0,
+    "gpt-oss.rope.scaling.type": "yarn",
+    "gpt-oss.rope.scaling.factor": 32.0,
+    "gpt-oss.rope.scaling.original_context_length": 4096,
+    "gpt-oss.rope.scaling.yarn_beta_fast": 32.0,
+    "gpt-oss.rope.scaling.yarn_beta_slow": 1.0,
+    "gpt-oss.expert_count": 8,
+    "gpt-oss.expert_used_count": 4,
+}
+
+
+def _gpt_oss_gguf_config(**edits):
+    from attnlab.models.families import family_for
+    from attnlab.pretrained.build import build_config
+
+    metadata = {k: v for k, v in {**_GPT_OSS_GGUF, **edits}.items() if v is not None}
+    return build_config(
+        family_for("gpt-oss", "gguf"), metadata, where="m.gguf", source="gguf",
+        extra={"vocab_size": 100},
+    )  # fmt: skip
+
+
+def test_gpt_oss_gguf_metadata_as_llama_cpp_reads_it():
+    """llama.cpp's reading: SWA pattern 2 (even layers local), YaRN with the ramp rounded
+    and the attention factor 0.1 ln(32) + 1, the swiglu constants it hard-codes."""
+    config = _gpt_oss_gguf_config()
+    assert config.layer_windows == (128, None, 128, None)
+    assert config.head_dim == 32 and config.attn_sinks and config.qkv_bias
+    scaling = config.rope.scaling
+    assert (scaling.factor, scaling.original_max_position_embeddings, scaling.truncate) == (
+        32.0, 4096, True
+    )  # fmt: skip
+    assert scaling.attention_factor == pytest.approx(0.1 * math.log(32.0) + 1)
+    moe = config.moe
+    assert (moe.num_experts, moe.top_k, moe.expert_size) == (8, 4, 32)
+    assert moe.clamped_swiglu == (7.0, 1.702) and moe.router_bias and moe.expert_bias
+
+
+@pytest.mark.parametrize(
+    ("edits", "match"),
+    [
+        ({"gpt-oss.attention.sliding_window": None}, "`gpt-oss.attention.sliding_window`"),
+        ({"gpt-oss.expert_used_count": 9}, "`num_experts_per_tok` = 9 chooses more experts"),
+        ({"gpt-oss.rope.scaling.yarn_ext_factor": 0.5}, "`gpt-oss.rope.scaling.yarn_ext_factor`"),
+        ({"gpt-oss.rope.scaling.factor": None}, "`gpt-oss.rope.scaling.factor` must be a finite"),
+        ({"gpt-oss.rope.scaling.type": "longrope"}, "'longrope' is not supported"),
+        ({"gpt-oss.attention.sliding_window_pattern": [1, 0, 1, 0]}, "sliding_window_pattern"),
+    ],
+)
+def test_gpt_oss_gguf_bad_metadata_names_the_key(edits, match):
+    with pytest.raises(ModelFileError, match=match):
+        _gpt_oss_gguf_config(**edits)
 
 
 @pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
