@@ -381,13 +381,47 @@ def test_gpt_oss_layers(checkpoints):
         ({"swiglu_limit": 0}, "`swiglu_limit` must be a finite number > 0"),
         ({"swiglu_alpha": "x"}, "`swiglu_alpha` must be a finite number > 0"),
         ({"layer_types": ["sliding_attention"]}, "`layer_types` must list one type per layer"),
-        ({"quantization_config": {"quant_method": "mxfp4"}}, "`quantization_config`"),
+        ({"quantization_config": {"quant_method": "awq"}}, "`quantization_config` with quant"),
         ({"rope_parameters": {"rope_type": "ntk"}}, "rope settings: `rope_type`"),
     ],
 )
 def test_gpt_oss_bad_configs_name_the_field(checkpoints, tmp_path, edits, match):
     folder = _edited(checkpoints, tmp_path, "gpt_oss", **edits)
     with pytest.raises(ModelFileError, match=match):
+        load_pretrained(folder)
+
+
+def test_gpt_oss_hub_mxfp4_experts_match_transformers_dequantisation(checkpoints, tmp_path):
+    """The hub's gpt-oss layout: each expert tensor as ``_blocks`` (two E2M1 codes per
+    byte) and ``_scales`` (E8M0 exponents), ``quantization_config`` mxfp4. attnlab reads
+    them; the reference is transformers' model with transformers' own dequantisation
+    (``convert_moe_packed_tensors``) of the same bytes."""
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    folder = _edited(
+        checkpoints, tmp_path, "gpt_oss-clamp", quantization_config={"quant_method": "mxfp4"}
+    )
+    state = load_file(folder / "model.safetensors")
+    g = torch.Generator().manual_seed(3)
+    dequantised = {}
+    for name in [n for n in state if n.endswith(("gate_up_proj", "down_proj"))]:
+        E, K, N = state.pop(name).shape  # x @ (E, K, N): stored as N rows of K
+        blocks = torch.randint(0, 256, (E, N, K // 32, 16), dtype=torch.uint8, generator=g)
+        scales = torch.randint(118, 123, (E, N, K // 32), dtype=torch.uint8, generator=g)
+        state[f"{name}_blocks"], state[f"{name}_scales"] = blocks, scales
+        dequantised[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+        assert dequantised[name].shape == (E, K, N)
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    model, _ = load_pretrained(folder)
+    ref = _reference(checkpoints["gpt_oss-clamp"])
+    missing, unexpected = ref.load_state_dict(dequantised, strict=False)
+    assert not unexpected and len(missing) == sum(1 for _ in ref.state_dict()) - len(dequantised)
+    assert_matches_reference(model, ref, _ids())
+    # a _blocks tensor without its _scales is refused, naming it
+    del state["model.layers.0.mlp.experts.down_proj_scales"]
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ModelFileError, match="down_proj_blocks' without its MXFP4 partner"):
         load_pretrained(folder)
 
 

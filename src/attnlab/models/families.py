@@ -811,12 +811,11 @@ def _gpt_oss(fields: dict[str, Any], config: Mapping[str, Any], source: Source) 
         fields["layer_types"] = _alternating(layers, 2)
         return
     quant = config.get("quantization_config")
-    if quant is not None:
-        method = quant.get("quant_method") if isinstance(quant, Mapping) else quant
+    method = quant.get("quant_method") if isinstance(quant, Mapping) else quant
+    if quant is not None and method != "mxfp4":  # the loader reads MXFP4's tensor pairs
         raise ValueError(
-            f"`quantization_config` ({method!r}: the hub's MXFP4 expert tensors) is not "
-            "supported for gpt_oss safetensors yet; convert the checkpoint to GGUF with "
-            "llama.cpp, whose MXFP4 tensors attnlab reads"
+            f"`quantization_config` with quant_method {method!r} is not supported "
+            "(supported: 'mxfp4', the hub's gpt-oss experts)"
         )
     if "sliding_window" in config and config["sliding_window"] is None:
         fields.pop("sliding_window", None)  # transformers: no window on any layer

@@ -90,20 +90,27 @@ _MXFP4_VALUES = np.array(
 )
 
 
-def dequantize_mxfp4(blocks: np.ndarray) -> np.ndarray:
-    """MXFP4 blocks (N, 17) uint8 -> (N, 32) float32, ``kvalue(q) * 2**(e - 128)``.
+def mxfp4_values(codes: np.ndarray, exponents: np.ndarray) -> np.ndarray:
+    """E2M1 codes (uint8 0..15) times ``2**(e - 127)`` for their E8M0 exponents ``e``
+    (uint8, broadcast against ``codes``), as float32.
 
     Every product is exact in float32 (a 4-bit value times a power of two) except where it
     passes float32's range (``e`` of 254 or more with a large value): that is inf, as in
-    ggml and gguf-py, and the loader refuses it.
+    ggml, gguf-py and transformers, and the loaders refuse it.
     """
+    out = _MXFP4_VALUES[codes]  # doubled values: hence e - 128
+    with np.errstate(over="ignore"):
+        scaled = np.ldexp(out, exponents.astype(np.int32) - 128)
+    return scaled.astype(np.float32, copy=False)
+
+
+def dequantize_mxfp4(blocks: np.ndarray) -> np.ndarray:
+    """MXFP4 blocks (N, 17) uint8 -> (N, 32) float32 (:func:`mxfp4_values`); a block's
+    first 16 weights are the low nibbles of its bytes, the next 16 the high ones."""
     codes = np.empty((blocks.shape[0], QK), dtype=np.uint8)  # (N, Q)
     np.bitwise_and(blocks[:, 1:], 0x0F, out=codes[:, : QK // 2])
     np.right_shift(blocks[:, 1:], 4, out=codes[:, QK // 2 :])
-    out = _MXFP4_VALUES[codes]  # (N, Q)
-    exponents = blocks[:, :1].astype(np.int32) - 128  # (N, 1)
-    with np.errstate(over="ignore"):
-        return np.ldexp(out, exponents).astype(np.float32, copy=False)
+    return mxfp4_values(codes, blocks[:, :1])  # (N, Q)
 
 
 def int4_codes(
