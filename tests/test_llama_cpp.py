@@ -86,6 +86,21 @@ _DIMS = {
 _GQA = {**_DIMS, "num_key_value_heads": 2}
 _SPM = {"vocab_size": 320, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
 _BPE = {"vocab_size": 50257, "bos_token_id": 50256, "eos_token_id": 50256}
+_GPT_OSS = {
+    "head_dim": 64,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "sliding_window": 8,
+    "rope_parameters": {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": True,
+        "original_max_position_embeddings": 64,
+        "rope_theta": 150000.0,
+    },
+}
 _NEOX_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}
 
 
@@ -100,12 +115,16 @@ class Case:
             BPE as ``tokenizer.json``), whichever llama.cpp's converter reads for the family.
         hub: keys added to the saved ``config.json`` as the hub's checkpoints have them
             (transformers 5 no longer writes them; llama.cpp's converter reads them).
+        mxfp4_experts: the experts saved as the hub's gpt-oss checkpoints hold them,
+            MXFP4 ``_blocks`` / ``_scales`` pairs (random codes), which the converter
+            repacks into GGUF's MXFP4 whatever the outtype.
     """
 
     model_type: str
     config: dict
     tokenizer: str = "spm"
     hub: dict = field(default_factory=dict)
+    mxfp4_experts: bool = False
 
 
 # The case name is the family's, plus a suffix for a second layout of the same family.
@@ -167,26 +186,14 @@ CORPUS: dict[str, Case] = {
     # biases, YaRN x4 over 64 positions (the ramp's ends rounded, as llama.cpp does), top-2
     # of 4 experts with biases and the clamped SwiGLU; llama-quantize's MXFP4_MOE makes
     # the MXFP4 experts (test_gpt_oss_mxfp4_moe_file_loads_with_the_files_weights)
-    "gpt_oss": Case(
+    "gpt_oss": Case("gpt_oss", {**_GQA, **_BPE, **_GPT_OSS}, "gpt2"),
+    # the same with the hub's MXFP4 experts: llama.cpp's converter repacks them
+    "gpt_oss-mxfp4": Case(
         "gpt_oss",
-        {
-            **_GQA,
-            **_BPE,
-            "head_dim": 64,
-            "num_local_experts": 4,
-            "num_experts_per_tok": 2,
-            "sliding_window": 8,
-            "rope_parameters": {
-                "rope_type": "yarn",
-                "factor": 4.0,
-                "beta_fast": 32.0,
-                "beta_slow": 1.0,
-                "truncate": True,
-                "original_max_position_embeddings": 64,
-                "rope_theta": 150000.0,
-            },
-        },
+        {**_GQA, **_BPE, **_GPT_OSS},
         "gpt2",
+        hub={"quantization_config": {"quant_method": "mxfp4"}},
+        mxfp4_experts=True,
     ),
     # transformers' GGUF reader sizes the position table by GPT-2's default (1024)
     "gpt2": Case(
@@ -271,12 +278,33 @@ def corpus(tmp_path_factory) -> Corpus:
         if spec.hub:
             config = json.loads((folder / "config.json").read_text())
             (folder / "config.json").write_text(json.dumps({**config, **spec.hub}, indent=2))
+        if spec.mxfp4_experts:
+            _pack_experts_mxfp4(folder)
         corpus.dirs[case] = folder
         jobs += [(folder, t, folder / f"{t}.gguf") for t in CONVERTER_TYPES]
     errors = PEER_TOOLS.convert(PEER, jobs)
     for folder, outtype, out in jobs:
         corpus.converted[folder.name, outtype] = errors.get(out, out)
     return corpus
+
+
+def _pack_experts_mxfp4(folder: Path) -> None:
+    """Replace each stacked expert tensor (E, K, N) of ``folder`` by the hub's MXFP4 pair:
+    ``_blocks`` (E, N, K/32, 16) of random codes and ``_scales`` (E, N, K/32) of exponents
+    near 2**-7 (weights of the init's size)."""
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(folder / "model.safetensors")
+    g = torch.Generator().manual_seed(4)
+    for name in [n for n in state if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        E, K, N = state.pop(name).shape
+        state[f"{name}_blocks"] = torch.randint(
+            0, 256, (E, N, K // 32, 16), dtype=torch.uint8, generator=g
+        )
+        state[f"{name}_scales"] = torch.randint(
+            118, 123, (E, N, K // 32), dtype=torch.uint8, generator=g
+        )
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 
 def _logits(model) -> torch.Tensor:
@@ -300,11 +328,19 @@ def _transformers_with_the_files_weights(hf_dir: Path, path: Path) -> torch.Tens
     import gguf
     import numpy as np
     from gguf.quants import dequantize
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    ref = AutoModelForCausalLM.from_pretrained(
-        hf_dir, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
+    config = AutoConfig.from_pretrained(hf_dir)
+    if getattr(config, "quantization_config", None) is not None:
+        # every weight is replaced below: the model of the config, unquantised, will do
+        del config.quantization_config
+        ref = AutoModelForCausalLM.from_config(
+            config, dtype=torch.float32, attn_implementation="eager"
+        ).eval()
+    else:
+        ref = AutoModelForCausalLM.from_pretrained(
+            hf_dir, dtype=torch.float32, attn_implementation="eager"
+        ).eval()
     cfg = ref.config
     reader = gguf.GGUFReader(path)
     arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
@@ -381,7 +417,17 @@ def _check(corpus: Corpus, case: str, path: Path, record_property) -> None:
 def test_converter_files_load_as_transformers_reads_them(corpus, case, outtype, record_property):
     path = corpus.converter_file(case, outtype)
     _check(corpus, case, path, record_property)
-    if outtype == "f32":  # and the file holds the checkpoint: the source model's logits
+    if CORPUS[case].mxfp4_experts:  # the converter kept the experts' MXFP4 codes
+        from attnlab.pretrained.gguf_file import read_gguf
+
+        types = {n: i.type_name for n, i in read_gguf(path).tensor_infos.items()}
+        assert {t for n, t in types.items() if n.endswith("_exps.weight")} == {"MXFP4"}
+    if outtype == "f32" and CORPUS[case].mxfp4_experts:
+        # the same codes read from the hub's layout by attnlab (whose reading is checked
+        # against transformers' in test_newest_families.py): equal to the bit
+        source = _logits(load_pretrained(corpus.hf_dir(case))[0])
+        assert torch.equal(_logits(load_pretrained(path)[0]), source)
+    elif outtype == "f32":  # and the file holds the checkpoint: the source model's logits
         from transformers import AutoModelForCausalLM
 
         source = AutoModelForCausalLM.from_pretrained(
@@ -396,6 +442,7 @@ def test_converter_files_load_as_transformers_reads_them(corpus, case, outtype, 
 _QUANT_CASES = [
     pytest.param(case, marks=pytest.mark.slow) if spec.tokenizer == "gpt2" else case
     for case, spec in CORPUS.items()
+    if not spec.mxfp4_experts  # its experts are MXFP4 already: gpt_oss covers the types
 ]
 
 
