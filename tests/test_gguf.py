@@ -127,6 +127,58 @@ def test_dequantize_q4_1_hand_made_block():
     torch.testing.assert_close(out[0], expected, atol=0, rtol=0)
 
 
+def _mxfp4_blocks(exponents: np.ndarray, seed: int = 0) -> np.ndarray:
+    """MXFP4 blocks (one per exponent) with random nibbles: (N, 17) uint8."""
+    rng = np.random.default_rng(seed)
+    qs = rng.integers(0, 256, (len(exponents), 16), dtype=np.uint8)
+    return np.concatenate([exponents.astype(np.uint8)[:, None], qs], axis=1)
+
+
+def test_mxfp4_equals_gguf_py_for_every_exponent():
+    """Every E8M0 exponent 0..255 and every nibble, against gguf-py's dequantisation of the
+    same bytes: equal to the bit (inf included where 12 * 2**126 passes float32)."""
+    blocks = _mxfp4_blocks(np.repeat(np.arange(256), 4))
+    with np.errstate(over="ignore"):
+        ref = gguf_dequantize(blocks.reshape(-1), GGMLQuantizationType.MXFP4)
+    ours = dequantize(blocks, "MXFP4", (256, 4 * 32)).numpy()
+    assert np.array_equal(ours.reshape(-1), ref.reshape(-1))
+    assert np.isinf(ours).any() and (ours[:250] != 0).any()
+
+
+def test_mxfp4_hand_made_block():
+    # e = 128: scale 2**(128 - 127) = 2 on the E2M1 values; nibble j low, 15 - j high
+    qs = np.array([(15 - j) << 4 | j for j in range(16)], dtype=np.uint8)
+    block = np.concatenate([np.array([128], np.uint8), qs])
+    e2m1 = [0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6]
+    expected = torch.tensor([2 * v for v in e2m1] + [2 * e2m1[15 - j] for j in range(16)])
+    torch.testing.assert_close(dequantize(block, "MXFP4", (1, 32))[0], expected, atol=0, rtol=0)
+
+
+def test_mxfp4_tensor_in_a_file_and_an_overflow_refused(tmp_path):
+    """A file whose MXFP4 tensor reads as gguf-py reads it; one whose exponent overflows
+    float32 is refused naming the tensor."""
+    from attnlab.pretrained import ModelFileError
+
+    path = tmp_path / "mx.gguf"
+    good = _mxfp4_blocks(np.arange(100, 112), seed=1)  # 12 blocks: a (3, 128) tensor
+    bad = _mxfp4_blocks(np.array([255]), seed=2)
+    bad[0, 1] = 0x77  # a 12 (code 7) at an exponent of 255: 12 * 2**127 is inf
+    w = GGUFWriter(path, "llama")
+    # bytes (rows, blocks * 17): the writer records the shape (rows, blocks * 32)
+    w.add_tensor("good", good.reshape(3, -1), raw_dtype=GGMLQuantizationType.MXFP4)
+    w.add_tensor("bad", bad, raw_dtype=GGMLQuantizationType.MXFP4)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    g = read_gguf(path)
+    assert g.tensor_infos["good"].shape == (3, 128)
+    ref = gguf_dequantize(good.reshape(-1), GGMLQuantizationType.MXFP4).reshape(3, 128)
+    assert np.array_equal(g.tensor("good").numpy(), ref)
+    with pytest.raises(ModelFileError, match="'bad'"):
+        g.tensor("bad")
+
+
 def test_unpermute_inverts_llama_cpp_permute():
     w = torch.randn(3 * 8, 5)
     torch.testing.assert_close(unpermute_rotary(llama_cpp_permute(w, 3), 3), w, atol=0, rtol=0)

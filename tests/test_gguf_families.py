@@ -171,7 +171,13 @@ def test_gguf_rope_variants_held_in_tensors_or_unknown_scalings_are_refused(hf_d
         w.add_string("qwen2.rope.scaling.type", "yarn")
 
     write_gguf(hf_dirs["qwen2"], tmp_path / "yarn.gguf", "qwen2", "F32", extra=yarn)
-    _refused(tmp_path / "yarn.gguf", "qwen2.rope.scaling.type", "'yarn'")
+    _refused(tmp_path / "yarn.gguf", "qwen2.rope.scaling.factor", "finite number > 0")
+
+    def dynamic(w):
+        w.add_string("qwen2.rope.scaling.type", "dynamic")
+
+    write_gguf(hf_dirs["qwen2"], tmp_path / "dynamic.gguf", "qwen2", "F32", extra=dynamic)
+    _refused(tmp_path / "dynamic.gguf", "qwen2.rope.scaling.type", "'dynamic'")
 
     def short_freqs(w):  # llama.cpp's Llama 3 divisors, one per rotating pair: 8 here
         w.add_tensor("rope_freqs.weight", np.ones(3, dtype=np.float32))

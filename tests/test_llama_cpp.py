@@ -7,10 +7,10 @@ attnlab and by a reference that attnlab did not produce:
 
 - transformers reading the same GGUF file (``from_pretrained(dir, gguf_file=...)``), where
   transformers can read the architecture;
-- otherwise (OLMo 2, GPT-NeoX, Granite) transformers' model of the Hugging Face directory
-  the file came from, with every weight replaced by gguf-py's dequantisation of the file's
-  tensor (the converter's q/k/v reordering and q/k row permutation undone): the same
-  numbers, so the same tolerance.
+- otherwise (OLMo 2, GPT-NeoX, Granite, gpt-oss) transformers' model of the Hugging Face
+  directory the file came from, with every weight replaced by gguf-py's dequantisation of
+  the file's tensor (the converter's q/k/v reordering, q/k row permutation and gpt-oss's
+  expert split undone): the same numbers, so the same tolerance.
 
 Both references dequantise with gguf-py's numpy code, attnlab with its own; the logits
 agree to float32 rounding, which a wrong block layout, scale or name map would break by
@@ -86,6 +86,21 @@ _DIMS = {
 _GQA = {**_DIMS, "num_key_value_heads": 2}
 _SPM = {"vocab_size": 320, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
 _BPE = {"vocab_size": 50257, "bos_token_id": 50256, "eos_token_id": 50256}
+_GPT_OSS = {
+    "head_dim": 64,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "sliding_window": 8,
+    "rope_parameters": {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": True,
+        "original_max_position_embeddings": 64,
+        "rope_theta": 150000.0,
+    },
+}
 _NEOX_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}
 
 
@@ -100,12 +115,16 @@ class Case:
             BPE as ``tokenizer.json``), whichever llama.cpp's converter reads for the family.
         hub: keys added to the saved ``config.json`` as the hub's checkpoints have them
             (transformers 5 no longer writes them; llama.cpp's converter reads them).
+        mxfp4_experts: the experts saved as the hub's gpt-oss checkpoints hold them,
+            MXFP4 ``_blocks`` / ``_scales`` pairs (random codes), which the converter
+            repacks into GGUF's MXFP4 whatever the outtype.
     """
 
     model_type: str
     config: dict
     tokenizer: str = "spm"
     hub: dict = field(default_factory=dict)
+    mxfp4_experts: bool = False
 
 
 # The case name is the family's, plus a suffix for a second layout of the same family.
@@ -163,6 +182,19 @@ CORPUS: dict[str, Case] = {
     # StableLM: partial rotary (0.25), LayerNorm, q/k/v biases
     "stablelm": Case("stablelm", {**_GQA, **_BPE, "use_qkv_bias": True}, "gpt2"),
     "bloom": Case("bloom", {"hidden_size": 256, "n_layer": 2, "n_head": 4, **_BPE}, "gpt2"),
+    # gpt-oss: sinks, windows of 8 on the even layers (they bite on the 24-token input),
+    # biases, YaRN x4 over 64 positions (the ramp's ends rounded, as llama.cpp does), top-2
+    # of 4 experts with biases and the clamped SwiGLU; llama-quantize's MXFP4_MOE makes
+    # the MXFP4 experts (test_gpt_oss_mxfp4_moe_file_loads_with_the_files_weights)
+    "gpt_oss": Case("gpt_oss", {**_GQA, **_BPE, **_GPT_OSS}, "gpt2"),
+    # the same with the hub's MXFP4 experts: llama.cpp's converter repacks them
+    "gpt_oss-mxfp4": Case(
+        "gpt_oss",
+        {**_GQA, **_BPE, **_GPT_OSS},
+        "gpt2",
+        hub={"quantization_config": {"quant_method": "mxfp4"}},
+        mxfp4_experts=True,
+    ),
     # transformers' GGUF reader sizes the position table by GPT-2's default (1024)
     "gpt2": Case(
         "gpt2",
@@ -181,7 +213,9 @@ QUANT_TYPES = (
 )  # fmt: skip
 # Architectures transformers' GGUF reader does not know: the reference is transformers'
 # model of the source directory with the file's dequantised weights put in.
-NOT_IN_TRANSFORMERS_GGUF = ("olmo2", "gpt_neox", "granite")
+# transformers 5.24 has a gpt-oss GGUF reader, but it fails on the rope.scaling keys of
+# llama.cpp's own files (a TypeError reading yarn_beta_fast).
+NOT_IN_TRANSFORMERS_GGUF = ("olmo2", "gpt_neox", "granite", "gpt_oss")
 # Both sides multiply the same float32 weights (dequantised from the same codes) in float32;
 # what is left is the order of float32 sums, ~1e-6 of the logits' scale (about 10 here).
 # A wrong block layout, scale, sign or tensor name moves logits by O(1).
@@ -244,12 +278,33 @@ def corpus(tmp_path_factory) -> Corpus:
         if spec.hub:
             config = json.loads((folder / "config.json").read_text())
             (folder / "config.json").write_text(json.dumps({**config, **spec.hub}, indent=2))
+        if spec.mxfp4_experts:
+            _pack_experts_mxfp4(folder)
         corpus.dirs[case] = folder
         jobs += [(folder, t, folder / f"{t}.gguf") for t in CONVERTER_TYPES]
     errors = PEER_TOOLS.convert(PEER, jobs)
     for folder, outtype, out in jobs:
         corpus.converted[folder.name, outtype] = errors.get(out, out)
     return corpus
+
+
+def _pack_experts_mxfp4(folder: Path) -> None:
+    """Replace each stacked expert tensor (E, K, N) of ``folder`` by the hub's MXFP4 pair:
+    ``_blocks`` (E, N, K/32, 16) of random codes and ``_scales`` (E, N, K/32) of exponents
+    near 2**-7 (weights of the init's size)."""
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(folder / "model.safetensors")
+    g = torch.Generator().manual_seed(4)
+    for name in [n for n in state if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        E, K, N = state.pop(name).shape
+        state[f"{name}_blocks"] = torch.randint(
+            0, 256, (E, N, K // 32, 16), dtype=torch.uint8, generator=g
+        )
+        state[f"{name}_scales"] = torch.randint(
+            118, 123, (E, N, K // 32), dtype=torch.uint8, generator=g
+        )
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 
 def _logits(model) -> torch.Tensor:
@@ -273,28 +328,47 @@ def _transformers_with_the_files_weights(hf_dir: Path, path: Path) -> torch.Tens
     import gguf
     import numpy as np
     from gguf.quants import dequantize
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    ref = AutoModelForCausalLM.from_pretrained(
-        hf_dir, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
+    config = AutoConfig.from_pretrained(hf_dir)
+    if getattr(config, "quantization_config", None) is not None:
+        # every weight is replaced below: the model of the config, unquantised, will do
+        del config.quantization_config
+        ref = AutoModelForCausalLM.from_config(
+            config, dtype=torch.float32, attn_implementation="eager"
+        ).eval()
+    else:
+        ref = AutoModelForCausalLM.from_pretrained(
+            hf_dir, dtype=torch.float32, attn_implementation="eager"
+        ).eval()
     cfg = ref.config
     reader = gguf.GGUFReader(path)
     arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
     names = gguf.get_tensor_name_map(
-        gguf.MODEL_ARCH[arch.upper().replace("_", "")], cfg.num_hidden_layers
+        gguf.MODEL_ARCH[arch.upper().replace("_", "").replace("-", "_")], cfg.num_hidden_layers
     )
     tensors = {t.name: t for t in reader.tensors}
+
+    def get(gname: str) -> torch.Tensor:
+        t = tensors[gname]
+        values = dequantize(t.data, gguf.GGMLQuantizationType(t.tensor_type))
+        return torch.from_numpy(np.array(values, dtype=np.float32))
+
     state = {}
     for name, param in ref.state_dict().items():
-        gname = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        if arch == "gpt-oss" and (experts := _gpt_oss_experts(name, get)) is not None:
+            state[name] = experts.reshape(param.shape)
+            continue
+        # the converter names gpt-oss's bare `sinks` tensors `sinks.weight`
+        gname = names.get_name(
+            name + ".weight" if name.endswith(".sinks") else name,
+            try_suffixes=(".weight", ".bias"),
+        )
         assert gname is not None, name
         if gname not in tensors:
             assert name == "lm_head.weight" and cfg.tie_word_embeddings, (name, gname)
             continue
-        t = tensors[gname]
-        values = dequantize(t.data, gguf.GGMLQuantizationType(t.tensor_type))
-        x = torch.from_numpy(np.array(values, dtype=np.float32)).reshape(param.shape)
+        x = get(gname).reshape(param.shape)
         if arch == "gptneox" and "query_key_value" in name:  # llama.cpp stores q, k, v
             H = cfg.num_attention_heads
             x = x.reshape(3, H, -1, *x.shape[1:]).transpose(0, 1).reshape(param.shape)
@@ -306,6 +380,23 @@ def _transformers_with_the_files_weights(hf_dir: Path, path: Path) -> torch.Tens
     missing, unexpected = ref.load_state_dict(state, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
     return _logits(ref)
+
+
+def _gpt_oss_experts(name: str, get) -> torch.Tensor | None:
+    """transformers' gpt-oss expert tensor ``name`` from llama.cpp's split ones: gate and
+    up (E, F, C) interleaved row by row into ``gate_up_proj`` (E, C, 2F), ``down_proj``
+    (E, F, C) from ``ffn_down_exps`` (E, C, F); the biases likewise. None: not an expert."""
+    m = re.match(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?$", name)
+    if m is None:
+        return None
+    i, proj, bias = m.groups()
+    leaf = "bias" if bias else "weight"
+    if proj == "down_proj":
+        down = get(f"blk.{i}.ffn_down_exps.{leaf}")
+        return down if bias else down.transpose(1, 2)
+    gate, up = get(f"blk.{i}.ffn_gate_exps.{leaf}"), get(f"blk.{i}.ffn_up_exps.{leaf}")
+    pairs = torch.stack([gate, up], dim=2).flatten(1, 2)  # (E, 2F, ...): gate, up, gate, ...
+    return pairs if bias else pairs.transpose(1, 2)
 
 
 def _check(corpus: Corpus, case: str, path: Path, record_property) -> None:
@@ -326,7 +417,17 @@ def _check(corpus: Corpus, case: str, path: Path, record_property) -> None:
 def test_converter_files_load_as_transformers_reads_them(corpus, case, outtype, record_property):
     path = corpus.converter_file(case, outtype)
     _check(corpus, case, path, record_property)
-    if outtype == "f32":  # and the file holds the checkpoint: the source model's logits
+    if CORPUS[case].mxfp4_experts:  # the converter kept the experts' MXFP4 codes
+        from attnlab.pretrained.gguf_file import read_gguf
+
+        types = {n: i.type_name for n, i in read_gguf(path).tensor_infos.items()}
+        assert {t for n, t in types.items() if n.endswith("_exps.weight")} == {"MXFP4"}
+    if outtype == "f32" and CORPUS[case].mxfp4_experts:
+        # the same codes read from the hub's layout by attnlab (whose reading is checked
+        # against transformers' in test_newest_families.py): equal to the bit
+        source = _logits(load_pretrained(corpus.hf_dir(case))[0])
+        assert torch.equal(_logits(load_pretrained(path)[0]), source)
+    elif outtype == "f32":  # and the file holds the checkpoint: the source model's logits
         from transformers import AutoModelForCausalLM
 
         source = AutoModelForCausalLM.from_pretrained(
@@ -341,6 +442,7 @@ def test_converter_files_load_as_transformers_reads_them(corpus, case, outtype, 
 _QUANT_CASES = [
     pytest.param(case, marks=pytest.mark.slow) if spec.tokenizer == "gpt2" else case
     for case, spec in CORPUS.items()
+    if not spec.mxfp4_experts  # its experts are MXFP4 already: gpt_oss covers the types
 ]
 
 
@@ -352,6 +454,21 @@ def test_llama_quantize_files_load_as_transformers_reads_them(corpus, case, qtyp
     assert qtype.removesuffix("_M").lower().replace("_k", "_K") in written, written
     record_property("tensor_types", ",".join(sorted(written)))
     _check(corpus, case, path, record_property)
+
+
+def test_gpt_oss_mxfp4_moe_file_loads_with_the_files_weights(corpus, record_property):
+    """llama-quantize's MXFP4_MOE of gpt-oss: the experts' three tensors in MXFP4 (the rest
+    Q8_0), read by attnlab's own MXFP4 kernel; the reference dequantises with gguf-py."""
+    source = corpus.converter_file("gpt_oss", "f32")
+    target = source.with_name("MXFP4_MOE.gguf")
+    log = PEER_TOOLS.quantize(PEER, source, target, "MXFP4_MOE")
+    assert "fallback" not in log and "falling back" not in log, log[-2000:]
+    from attnlab.pretrained.gguf_file import read_gguf
+
+    types = {n: i.type_name for n, i in read_gguf(target).tensor_infos.items()}
+    experts = {n: t for n, t in types.items() if "_exps." in n and n.endswith(".weight")}
+    assert len(experts) == 3 * 2 and set(experts.values()) == {"MXFP4"}, experts
+    _check(corpus, "gpt_oss", target, record_property)
 
 
 # Families with a GGUF path that this corpus cannot check yet, and why.

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import math
 import os
 import shutil
 
@@ -22,7 +23,7 @@ if not all(importlib.util.find_spec(m) for m in ("transformers", "tokenizers", "
 
 from attnlab.generation import generate
 from attnlab.models.decoder import Decoder
-from attnlab.models.moe import MixtureOfExperts, MoEConfig
+from attnlab.models.moe import MixtureOfExperts, MoEConfig, clamped_swiglu
 from attnlab.pretrained import ModelFileError, load_pretrained
 from attnlab.rope import RotaryEmbedding
 from cli_runner import run_main
@@ -135,6 +136,41 @@ FAMILIES: dict[str, dict] = {
         "num_experts_per_tok": 3,
         "norm_topk_prob": False,
         "mlp_only_layers": [0],
+    },
+    # sinks, windows of 5 on the even layers, q/k/v/o biases, YaRN (x4 over 32 positions,
+    # the ramp not rounded), top-3 of 5 experts with biases and the clamped SwiGLU
+    "gpt_oss": {
+        **_SMALL,
+        "num_hidden_layers": 3,
+        "head_dim": 16,
+        "intermediate_size": 48,
+        "num_local_experts": 5,
+        "num_experts_per_tok": 3,
+        "sliding_window": 5,
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 32,
+            "rope_theta": 150000.0,
+        },
+    },
+    # the clamps bite (limit 0.2: most gate/up values lie beyond it), layer types given,
+    # no attention biases, transformers' default RoPE for gpt-oss (YaRN x32 over 4096)
+    "gpt_oss-clamp": {
+        **_SMALL,
+        "num_hidden_layers": 2,
+        "intermediate_size": 32,
+        "head_dim": 16,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 4,
+        "swiglu_limit": 0.2,
+        "swiglu_alpha": 3.0,
+        "attention_bias": False,
+        "layer_types": ["full_attention", "sliding_attention"],
+        "sliding_window": 3,
     },
     # experts on every layer, renormalised: what llama.cpp's qwen3moe runs (and GGUF holds)
     "qwen3_moe-renorm": {
@@ -360,6 +396,192 @@ def test_sigmoid_router_shared_expert_and_weighted_inputs_match_llama4_moe(top_k
         torch.testing.assert_close(ours(x), expected.view(2, 5, C), atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("top_k", [1, 3])
+def test_router_bias_expert_biases_and_clamped_swiglu_match_gpt_oss_mlp(top_k):
+    """The module against transformers' GptOssMLP (router with a bias, softmax over the
+    top-k logits, interleaved gate/up with biases, ``(up + 1) * glu`` with both clamps),
+    weights copied and large enough that the clamps at 7 bite."""
+    from transformers import AutoConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+
+    C, F, E = 16, 12, 5
+    hf = AutoConfig.for_model(
+        "gpt_oss", hidden_size=C, intermediate_size=F, num_local_experts=E,
+        num_experts_per_tok=top_k, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+    )  # fmt: skip
+    torch.manual_seed(2)
+    theirs = GptOssMLP(hf).eval()
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.normal_(0, 1.0)
+    config = MoEConfig(E, top_k, F, router_bias=True, expert_bias=True, clamped_swiglu=(7.0, 1.702))
+    ours = MixtureOfExperts(C, config)
+    ex = theirs.experts
+    with torch.no_grad():
+        ours.router.weight.copy_(theirs.router.weight)
+        ours.router.bias.copy_(theirs.router.bias)
+        ours.experts.gate.weight.copy_(ex.gate_up_proj[..., 0::2].transpose(1, 2))
+        ours.experts.up.weight.copy_(ex.gate_up_proj[..., 1::2].transpose(1, 2))
+        ours.experts.gate.bias.copy_(ex.gate_up_proj_bias[:, 0::2])
+        ours.experts.up.bias.copy_(ex.gate_up_proj_bias[:, 1::2])
+        ours.experts.down.weight.copy_(ex.down_proj.transpose(1, 2))
+        ours.experts.down.bias.copy_(ex.down_proj_bias)
+        x = torch.randn(2, 7, C)
+        expected, _ = theirs(x)
+        h = x.reshape(-1, C) @ ex.gate_up_proj[0]
+        assert bool((h.abs() > 7).any())  # the clamps change something
+        torch.testing.assert_close(ours(x), expected, atol=1e-4, rtol=1e-5)
+
+
+def test_clamped_swiglu_by_hand():
+    gate = torch.tensor([-9.0, -1.0, 0.5, 9.0])
+    up = torch.tensor([-9.0, 2.0, 0.0, 9.0])
+    got = clamped_swiglu(gate, up, 7.0, 1.702)
+    g = torch.tensor([-9.0, -1.0, 0.5, 7.0])  # the gate clamped above only
+    u = torch.tensor([-7.0, 2.0, 0.0, 7.0])  # up clamped both sides
+    torch.testing.assert_close(got, (u + 1) * g * torch.sigmoid(1.702 * g))
+
+
+def test_gpt_oss_layers(checkpoints):
+    """Windows on the layers transformers makes local, a sink per head loaded, biases."""
+    from transformers import AutoModelForCausalLM
+
+    model, _ = load_pretrained(checkpoints["gpt_oss"])
+    assert [b.attention.sliding_window for b in model.blocks] == [5, None, 5]
+    ref = AutoModelForCausalLM.from_pretrained(checkpoints["gpt_oss"], dtype=torch.float32)
+    for ours, theirs in zip(model.blocks, ref.model.layers, strict=True):
+        assert torch.equal(ours.attention.sinks.detach(), theirs.self_attn.sinks.detach())
+    assert model.blocks[0].attention.W_query.bias is not None
+    clamp, _ = load_pretrained(checkpoints["gpt_oss-clamp"])
+    assert [b.attention.sliding_window for b in clamp.blocks] == [None, 3]
+    assert clamp.blocks[0].attention.W_query.bias is None
+    moe = clamp.blocks[0].mlp.config
+    assert (moe.top_k, moe.clamped_swiglu, moe.router_bias) == (4, (0.2, 3.0), True)
+    scaling = clamp.config.rope.scaling  # transformers' gpt-oss default
+    assert (clamp.config.rope.base, scaling.factor, scaling.truncate) == (150000.0, 32.0, False)
+
+
+@pytest.mark.parametrize(
+    ("edits", "match"),
+    [
+        ({"num_experts_per_tok": 6}, "`num_experts_per_tok` = 6 chooses more experts than exist"),
+        ({"num_local_experts": 0}, "`num_local_experts` must be an integer >= 1"),
+        ({"swiglu_limit": 0}, "`swiglu_limit` must be a finite number > 0"),
+        ({"swiglu_alpha": "x"}, "`swiglu_alpha` must be a finite number > 0"),
+        ({"layer_types": ["sliding_attention"]}, "`layer_types` must list one type per layer"),
+        ({"quantization_config": {"quant_method": "awq"}}, "`quantization_config` with quant"),
+        ({"rope_parameters": {"rope_type": "ntk"}}, "rope settings: `rope_type`"),
+    ],
+)
+def test_gpt_oss_bad_configs_name_the_field(checkpoints, tmp_path, edits, match):
+    folder = _edited(checkpoints, tmp_path, "gpt_oss", **edits)
+    with pytest.raises(ModelFileError, match=match):
+        load_pretrained(folder)
+
+
+def test_gpt_oss_hub_mxfp4_experts_match_transformers_dequantisation(checkpoints, tmp_path):
+    """The hub's gpt-oss layout: each expert tensor as ``_blocks`` (two E2M1 codes per
+    byte) and ``_scales`` (E8M0 exponents), ``quantization_config`` mxfp4. attnlab reads
+    them; the reference is transformers' model with transformers' own dequantisation
+    (``convert_moe_packed_tensors``) of the same bytes."""
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    folder = _edited(
+        checkpoints, tmp_path, "gpt_oss-clamp", quantization_config={"quant_method": "mxfp4"}
+    )
+    state = load_file(folder / "model.safetensors")
+    g = torch.Generator().manual_seed(3)
+    dequantised = {}
+    for name in [n for n in state if n.endswith(("gate_up_proj", "down_proj"))]:
+        E, K, N = state.pop(name).shape  # x @ (E, K, N): stored as N rows of K
+        blocks = torch.randint(0, 256, (E, N, K // 32, 16), dtype=torch.uint8, generator=g)
+        scales = torch.randint(118, 123, (E, N, K // 32), dtype=torch.uint8, generator=g)
+        state[f"{name}_blocks"], state[f"{name}_scales"] = blocks, scales
+        dequantised[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+        assert dequantised[name].shape == (E, K, N)
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    model, _ = load_pretrained(folder)
+    ref = _reference(checkpoints["gpt_oss-clamp"])
+    missing, unexpected = ref.load_state_dict(dequantised, strict=False)
+    assert not unexpected and len(missing) == sum(1 for _ in ref.state_dict()) - len(dequantised)
+    assert_matches_reference(model, ref, _ids())
+    # a _blocks tensor without its _scales is refused, naming it
+    del state["model.layers.0.mlp.experts.down_proj_scales"]
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ModelFileError, match="down_proj_blocks' without its MXFP4 partner"):
+        load_pretrained(folder)
+
+
+# gpt-oss metadata as llama.cpp's converter writes it (tests/test_llama_cpp.py converts a
+# checkpoint with it); the loader reads it through the family page.
+_GPT_OSS_GGUF = {
+    "general.architecture": "gpt-oss",
+    "gpt-oss.block_count": 4,
+    "gpt-oss.context_length": 256,
+    "gpt-oss.embedding_length": 64,
+    "gpt-oss.feed_forward_length": 32,
+    "gpt-oss.expert_feed_forward_length": 32,
+    "gpt-oss.attention.head_count": 4,
+    "gpt-oss.attention.head_count_kv": 2,
+    "gpt-oss.attention.key_length": 32,
+    "gpt-oss.attention.value_length": 32,
+    "gpt-oss.attention.layer_norm_rms_epsilon": 1e-5,
+    "gpt-oss.attention.sliding_window": 128,
+    "gpt-oss.rope.freq_base": 150000.0,
+    "gpt-oss.rope.scaling.type": "yarn",
+    "gpt-oss.rope.scaling.factor": 32.0,
+    "gpt-oss.rope.scaling.original_context_length": 4096,
+    "gpt-oss.rope.scaling.yarn_beta_fast": 32.0,
+    "gpt-oss.rope.scaling.yarn_beta_slow": 1.0,
+    "gpt-oss.expert_count": 8,
+    "gpt-oss.expert_used_count": 4,
+}
+
+
+def _gpt_oss_gguf_config(**edits):
+    from attnlab.models.families import family_for
+    from attnlab.pretrained.build import build_config
+
+    metadata = {k: v for k, v in {**_GPT_OSS_GGUF, **edits}.items() if v is not None}
+    return build_config(
+        family_for("gpt-oss", "gguf"), metadata, where="m.gguf", source="gguf",
+        extra={"vocab_size": 100},
+    )  # fmt: skip
+
+
+def test_gpt_oss_gguf_metadata_as_llama_cpp_reads_it():
+    """llama.cpp's reading: SWA pattern 2 (even layers local), YaRN with the ramp rounded
+    and the attention factor 0.1 ln(32) + 1, the swiglu constants it hard-codes."""
+    config = _gpt_oss_gguf_config()
+    assert config.layer_windows == (128, None, 128, None)
+    assert config.head_dim == 32 and config.attn_sinks and config.qkv_bias
+    scaling = config.rope.scaling
+    assert (scaling.factor, scaling.original_max_position_embeddings, scaling.truncate) == (
+        32.0, 4096, True
+    )  # fmt: skip
+    assert scaling.attention_factor == pytest.approx(0.1 * math.log(32.0) + 1)
+    moe = config.moe
+    assert (moe.num_experts, moe.top_k, moe.expert_size) == (8, 4, 32)
+    assert moe.clamped_swiglu == (7.0, 1.702) and moe.router_bias and moe.expert_bias
+
+
+@pytest.mark.parametrize(
+    ("edits", "match"),
+    [
+        ({"gpt-oss.attention.sliding_window": None}, "`gpt-oss.attention.sliding_window`"),
+        ({"gpt-oss.expert_used_count": 9}, "`num_experts_per_tok` = 9 chooses more experts"),
+        ({"gpt-oss.rope.scaling.yarn_ext_factor": 0.5}, "`gpt-oss.rope.scaling.yarn_ext_factor`"),
+        ({"gpt-oss.rope.scaling.factor": None}, "`gpt-oss.rope.scaling.factor` must be a finite"),
+        ({"gpt-oss.rope.scaling.type": "longrope"}, "'longrope' is not supported"),
+        ({"gpt-oss.attention.sliding_window_pattern": [1, 0, 1, 0]}, "sliding_window_pattern"),
+    ],
+)
+def test_gpt_oss_gguf_bad_metadata_names_the_key(edits, match):
+    with pytest.raises(ModelFileError, match=match):
+        _gpt_oss_gguf_config(**edits)
+
+
 @pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
 def test_qwen3_moe_gguf_matches_transformers_on_the_dequantised_weights(
     checkpoints, tmp_path, qtype
@@ -439,6 +661,16 @@ def test_bad_configs_name_the_field(checkpoints, tmp_path, name, edits, match):
     folder = _edited(checkpoints, tmp_path, name, **edits)
     with pytest.raises(ModelFileError, match=match):
         load_pretrained(folder)
+
+
+def test_info_shows_gpt_oss_experts_and_a_backend_that_adds_sinks(checkpoints, capsys):
+    code, out, err = run_main(capsys, "info", "--model", str(checkpoints["gpt_oss"]), "--json")
+    assert code == 0, err
+    info = json.loads(out)
+    assert info["mlp"] == "5 experts, top 3, clamped SwiGLU (7.0, 1.702)"
+    # PyTorch's fused kernel has no sinks: the layers run elsewhere
+    assert {lay["backend"] for lay in info["per_layer"]} <= {"blockwise", "math"}
+    assert [lay["sliding_window"] for lay in info["per_layer"]] == [5, None, 5]
 
 
 def test_info_names_the_nope_layers(checkpoints, capsys):

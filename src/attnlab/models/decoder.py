@@ -120,6 +120,8 @@ class DecoderConfig:
             query sees its own chunk causally (Llama 4's rotary layers); None = no chunks.
         layer_qk_norm: whether each layer applies ``qk_norm`` (Llama 4: its rotary layers
             only); None = every layer.
+        attn_sinks: every layer's attention has a learned sink logit per head that joins
+            each softmax row (gpt-oss), the ``sinks`` of :class:`attnlab.attention.Attention`.
         attn_temperature: ``(floor_scale, scale)`` of Llama 4's attention temperature
             tuning, applied on the layers that do not rotate (``layer_rotary``), or None.
         moe: the mixture-of-experts feed-forward (:class:`attnlab.models.moe.MoEConfig`) of
@@ -186,6 +188,7 @@ class DecoderConfig:
     layer_chunks: tuple[int | None, ...] | None = None
     layer_qk_norm: tuple[bool, ...] | None = None
     attn_temperature: tuple[float, float] | None = None
+    attn_sinks: bool = False
     moe: MoEConfig | None = None
     layer_moe: tuple[bool, ...] | None = None
     mla: MLAConfig | None = None
@@ -353,6 +356,7 @@ class DecoderBlock(nn.Module):
             softcap=config.attn_softcap,
             attention_chunk=chunk,
             temperature=config.attn_temperature if rope is None else None,  # NoPE layers
+            sinks=config.attn_sinks or None,
         )
         if config.cross_attention:  # between self-attention and the MLP, pre-norm (T5)
             self.cross_norm: nn.Module | None = make_norm(config)

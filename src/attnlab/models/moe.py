@@ -18,7 +18,11 @@ experts only, and their outputs are summed with the routing weights:
 - ``weight_inputs``: the weight scales the expert's input instead of its output (Llama 4;
   with a gated expert the two differ);
 - ``shared_size``: a dense gated MLP of that width that every token also runs (Llama 4,
-  DeepSeek's shared experts), added to the routed sum.
+  DeepSeek's shared experts), added to the routed sum;
+- ``router_bias`` / ``expert_bias``: a bias on the router's logits and on every expert's
+  three projections (gpt-oss);
+- ``clamped_swiglu``: ``(limit, alpha)`` of gpt-oss's clamped SwiGLU in place of
+  ``act(gate) * up``: :func:`clamped_swiglu`.
 
 Each expert is a gated MLP ``down(act(gate(x)) * up(x))``; the experts' weights are stacked,
 ``(E, F, C)`` for gate and up, ``(E, C, F)`` for down, as llama.cpp stores them. Tokens are
@@ -44,6 +48,7 @@ __all__ = [
     "MoEConfig",
     "Routing",
     "ScoreCorrection",
+    "clamped_swiglu",
 ]
 
 
@@ -66,12 +71,17 @@ class MoEConfig:
             the choice, not the weights.
         weight_inputs: scale each expert's input (not output) by its weight.
         shared_size: width of the shared expert every token runs, or None.
+        router_bias: the router has a bias (gpt-oss).
+        expert_bias: every expert's gate, up and down projections have biases (gpt-oss).
+        clamped_swiglu: ``(limit, alpha)``: the experts compute :func:`clamped_swiglu`
+            instead of ``act(gate) * up`` (gpt-oss: ``(7.0, 1.702)``), or None.
 
     Raises:
         ValueError: a count or width that is not a positive int, ``top_k > num_experts``,
             an unknown router, a non-finite or non-positive ``routed_scale``, groups that
             do not divide the experts or hold fewer than ``top_k`` experts in
-            ``top_groups`` groups.
+            ``top_groups`` groups,
+            a ``clamped_swiglu`` that is not two finite numbers > 0.
     """
 
     num_experts: int
@@ -86,6 +96,9 @@ class MoEConfig:
     top_groups: int = 1
     group_score: Literal["max", "top2"] = "max"
     score_bias: bool = False
+    router_bias: bool = False
+    expert_bias: bool = False
+    clamped_swiglu: tuple[float, float] | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_experts", "top_k", "expert_size", "shared_size", "groups", "top_groups"):
@@ -123,15 +136,51 @@ class MoEConfig:
             raise ValueError(
                 f"`group_score` 'top2' needs at least 2 experts per group, got {E // G}"
             )
+        clamp = self.clamped_swiglu
+        if clamp is not None and (
+            not isinstance(clamp, tuple)
+            or len(clamp) != 2
+            or any(
+                isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf
+                for v in clamp
+            )
+        ):
+            raise ValueError(
+                f"`clamped_swiglu` must be (limit, alpha), two finite numbers > 0, got {clamp!r}"
+            )
+
+
+def clamped_swiglu(
+    gate: torch.Tensor, up: torch.Tensor, limit: float, alpha: float
+) -> torch.Tensor:
+    """gpt-oss's expert activation: ``(up' + 1) * gate' * sigmoid(alpha * gate')`` with
+    ``gate' = min(gate, limit)`` and ``up' = clamp(up, -limit, limit)`` (transformers'
+    ``GptOssExperts``, llama.cpp's ``swiglu_oai``).
+
+    Shape:
+        gate ``(n, F)``, up ``(n, F)`` -> ``(n, F)``.
+    """
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
 class ExpertWeights(nn.Module):
-    """One projection of every expert, stacked: ``weight`` ``(E, out, in)``."""
+    """One projection of every expert, stacked: ``weight`` ``(E, out, in)``, and with
+    ``bias`` a ``bias`` ``(E, out)`` (zeros until loaded)."""
 
-    def __init__(self, experts: int, out_features: int, in_features: int) -> None:
+    def __init__(
+        self, experts: int, out_features: int, in_features: int, *, bias: bool = False
+    ) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(experts, out_features, in_features))
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        self.bias = nn.Parameter(torch.zeros(experts, out_features)) if bias else None
+
+    def project(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert ``e``'s projection of ``x`` ``(n, in)`` -> ``(n, out)``."""
+        y = x @ self.weight[e].T
+        return y if self.bias is None else y + self.bias[e]
 
     def extra_repr(self) -> str:
         E, out, inp = self.weight.shape
@@ -149,11 +198,11 @@ class ScoreCorrection(nn.Module):
 class Experts(nn.Module):
     """Every expert's gated MLP, stacked: ``gate``/``up`` ``(E, F, C)``, ``down`` ``(E, C, F)``."""
 
-    def __init__(self, experts: int, dim: int, hidden: int) -> None:
+    def __init__(self, experts: int, dim: int, hidden: int, *, bias: bool = False) -> None:
         super().__init__()
-        self.gate = ExpertWeights(experts, hidden, dim)
-        self.up = ExpertWeights(experts, hidden, dim)
-        self.down = ExpertWeights(experts, dim, hidden)
+        self.gate = ExpertWeights(experts, hidden, dim, bias=bias)
+        self.up = ExpertWeights(experts, hidden, dim, bias=bias)
+        self.down = ExpertWeights(experts, dim, hidden, bias=bias)
 
 
 @dataclass(frozen=True)
@@ -197,9 +246,9 @@ class MixtureOfExperts(nn.Module):
 
         E, F = config.num_experts, config.expert_size
         self.config = config
-        self.router = nn.Linear(dim, E, bias=False)
+        self.router = nn.Linear(dim, E, bias=config.router_bias)
         self.score_correction = ScoreCorrection(E) if config.score_bias else None
-        self.experts = Experts(E, dim, F)
+        self.experts = Experts(E, dim, F, bias=config.expert_bias)
         self.act = ACTIVATIONS[activation]
         self.activation = activation
         self.shared = (
@@ -248,7 +297,6 @@ class MixtureOfExperts(nn.Module):
         weights = routing.weights.reshape(-1)[order].to(x.dtype)  # (N*k,)
         tokens = order // k  # the token of each grouped slot
         out = torch.zeros_like(flat)  # (N, C)
-        gate, up, down = self.experts.gate.weight, self.experts.up.weight, self.experts.down.weight
         start = 0
         for e, n in enumerate(counts):
             if n == 0:  # no token chose this expert: it costs nothing
@@ -259,12 +307,18 @@ class MixtureOfExperts(nn.Module):
             h = flat[rows]  # (n, C)
             if self.config.weight_inputs:
                 h = h * w
-            h = self.act(h @ gate[e].T) * (h @ up[e].T)  # type: ignore[operator]  # (n, F)
-            y = h @ down[e].T  # (n, C)
+            y = self._expert(e, h)  # (n, C)
             out.index_add_(0, rows, y if self.config.weight_inputs else y * w)
         if self.shared is not None:
             out = out + self.shared(flat)
         return out.view_as(x)
+
+    def _expert(self, e: int, h: torch.Tensor) -> torch.Tensor:
+        """Expert ``e`` on its rows ``h`` ``(n, C)`` -> ``(n, C)``."""
+        ex, clamp = self.experts, self.config.clamped_swiglu
+        gate, up = ex.gate.project(e, h), ex.up.project(e, h)  # (n, F) each
+        h = self.act(gate) * up if clamp is None else clamped_swiglu(gate, up, *clamp)  # type: ignore[operator]
+        return ex.down.project(e, h)  # (n, C)
 
     def extra_repr(self) -> str:
         c = self.config
@@ -275,4 +329,5 @@ class MixtureOfExperts(nn.Module):
             + (f", groups={c.top_groups}/{c.groups} by {c.group_score}" if c.groups > 1 else "")
             + (", score_bias=True" if c.score_bias else "")
             + (f", routed_scale={c.routed_scale}" if c.routed_scale != 1.0 else "")
+            + (f", clamped_swiglu={c.clamped_swiglu}" if c.clamped_swiglu else "")
         )

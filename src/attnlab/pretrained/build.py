@@ -39,6 +39,7 @@ from attnlab.rope import (
     LongRopeScaling,
     RopeConfig,
     RopeScaling,
+    YarnScaling,
 )
 
 __all__ = [
@@ -353,7 +354,7 @@ def _gguf_rope(
     longrope: Mapping[str, tuple[float, ...]] | None = None,
 ) -> RopeConfig:
     """The rotary settings of a GGUF file: ``rope.freq_base``, ``rope.dimension_count``
-    (partial rotary, Phi-3), ``rope.scaling.type`` none / linear, the ``rope_freqs``
+    (partial rotary, Phi-3), ``rope.scaling.type`` none / linear / yarn, the ``rope_freqs``
     tensor's per-frequency divisors (``factors``: Llama 3 scaling as llama.cpp writes it),
     and Phi-3's ``rope_factors_long`` / ``rope_factors_short`` tensors (``longrope``) with
     ``rope.scaling.original_context_length`` and ``rope.scaling.attn_factor``; any other
@@ -388,11 +389,13 @@ def _gguf_rope(
                 where, f"`{arch}.rope.scaling.factor` must be a finite number > 0, got {factor!r}"
             )
         scaling = LinearScaling(float(factor))
+    elif kind == "yarn":
+        scaling = _gguf_yarn(fields, source, where, arch)
     elif kind != "none":
         raise ModelFileError(
             where,
             f"`{arch}.rope.scaling.type` = {kind!r} is not supported for GGUF files yet "
-            "(supported: 'none', 'linear')",
+            "(supported: 'none', 'linear', 'yarn')",
         )
     if factors is not None:
         pairs = int(head_dim * fraction) // 2
@@ -414,6 +417,52 @@ def _gguf_rope(
     # does not permute: interleaved
     return RopeConfig(
         base=float(base or 10000.0), fraction=fraction, scaling=scaling, interleaved=mla is not None
+    )
+
+
+def _gguf_yarn(
+    fields: Mapping[str, Any], source: Mapping[str, Any], where: str, arch: str
+) -> YarnScaling:
+    """YaRN as llama.cpp applies it to a GGUF file (gpt-oss): ``rope.scaling.factor``,
+    ``rope.scaling.original_context_length`` (else ``context_length``),
+    ``rope.scaling.yarn_beta_fast`` / ``yarn_beta_slow`` (32 and 1 when absent), the ramp's
+    ends rounded to whole dims (ggml's ``rope_yarn_corr_dims``), and the attention factor
+    ``0.1 ln(factor) + 1`` times ``rope.scaling.attn_factor`` (1 when absent). The keys that
+    make llama.cpp mix or scale otherwise (``yarn_ext_factor``, ``yarn_attn_factor``,
+    ``yarn_log_multiplier``) are refused, naming the key."""
+    prefix = f"{arch}.rope.scaling."
+    for name in ("yarn_ext_factor", "yarn_attn_factor", "yarn_log_multiplier"):
+        if source.get(prefix + name) is not None:
+            raise ModelFileError(
+                where, f"`{prefix}{name}` is not supported for GGUF files with YaRN yet"
+            )
+
+    def number(name: str, default: float | None) -> float:
+        value = source.get(prefix + name, default)
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not 0 < value < math.inf
+        ):
+            raise ModelFileError(
+                where, f"`{prefix}{name}` must be a finite number > 0, got {value!r}"
+            )
+        return float(value)
+
+    factor = number("factor", None)
+    orig = source.get(prefix + "original_context_length", fields.get("context_length"))
+    if isinstance(orig, bool) or not isinstance(orig, int) or orig <= 0:
+        raise ModelFileError(
+            where, f"`{prefix}original_context_length` must be an integer > 0, got {orig!r}"
+        )
+    mscale = 1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0
+    return YarnScaling(
+        factor=factor,
+        original_max_position_embeddings=orig,
+        beta_fast=number("yarn_beta_fast", 32.0),
+        beta_slow=number("yarn_beta_slow", 1.0),
+        attention_factor=mscale * number("attn_factor", 1.0),
+        truncate=True,
     )
 
 
@@ -473,6 +522,8 @@ _PIECES = {
     "{gate_up}": ("gate", "up"),
     "{kv_up}": ("k_up", "v_up"),
 }
+# Parameter names a target may end in (then it names the parameter, not its module).
+_LEAVES = ("weight", "bias", "sinks")
 
 
 def _rule_regex(pattern: str) -> re.Pattern[str]:
@@ -520,15 +571,14 @@ def plan_weights(
                     where, f"tensor {name!r} is for layer {layer}, the config has {num_layers}"
                 )
             target = ours.replace("{i}", layer or "")
+            # a target naming its parameter (a bare source tensor) takes no leaf
+            leaf = "" if target.rsplit(".", 1)[-1] in _LEAVES else f".{m['leaf'] or 'weight'}"
             pieces = next((v for k, v in _PIECES.items() if k in target), None)
-            if pieces is None and target.endswith((".weight", ".bias")):
-                targets: tuple[str, ...] = (target,)  # a parameter named by the page itself
-            elif pieces is None:
-                targets = (f"{target}.{m['leaf'] or 'weight'}",)
+            if pieces is None:
+                targets: tuple[str, ...] = (f"{target}{leaf}",)
             else:
                 key = next(k for k in _PIECES if k in target)
-                leaf = m["leaf"] or "weight"
-                targets = tuple(f"{target.replace(key, p)}.{leaf}" for p in pieces)
+                targets = tuple(f"{target.replace(key, p)}{leaf}" for p in pieces)
             row = m.groupdict().get("j")
             if row is not None:  # one row of a target stacked from several tensors
                 transform = f"row:{row}"
@@ -576,6 +626,8 @@ def apply_transform(
             out = (t.transpose(1, 2).reshape(-1, t.shape[1]),)
         elif part == "v_b":  # llama.cpp's attn_v_b (H, Dv, r)
             out = (t.reshape(-1, t.shape[2]),)
+        elif part == "gate_up_pairs":  # stacked (E, 2F, ...): gate, up, gate, up, ... rows
+            out = (t[:, 0::2], t[:, 1::2])
         elif part == "Tx":  # stacked experts stored (E, in, out): ours are (E, out, in)
             out = (t.transpose(-1, -2),)
         elif part in ("rope_q", "rope_k") and t.ndim == 2:

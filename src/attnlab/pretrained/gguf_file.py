@@ -1,7 +1,7 @@
 """Read a GGUF file: metadata, tokenizer tables and weights dequantised to float32.
 
 The header is parsed here (the format is small: gguf.md in llama.cpp), tensor data is
-memory-mapped, and the block formats this project meets (Q4_0, Q4_1, Q8_0) are
+memory-mapped, and the block formats this project meets (Q4_0, Q4_1, Q8_0, MXFP4) are
 dequantised here, vectorised over every block of a tensor at once (numpy). Any other
 quantisation type (the K-quants, ...) falls back to ``gguf.quants.dequantize``, which
 is vectorised numpy.
@@ -15,6 +15,9 @@ Block layouts (``ggml-common.h``), 32 weights per block, all little-endian:
 - ``Q4_0``: ``d: f16``, ``qs: u8[16]``; weight ``j`` is ``(nibble_j - 8) * d``.
 - ``Q4_1``: ``d: f16``, ``m: f16``, ``qs: u8[16]``; weight ``j`` is ``nibble_j * d + m``.
 - ``Q8_0``: ``d: f16``, ``qs: i8[32]``; weight ``j`` is ``qs[j] * d``.
+- ``MXFP4`` (gpt-oss's experts): ``e: u8`` (an E8M0 exponent), ``qs: u8[16]``; weight ``j``
+  is ``E2M1(nibble_j) * 2**(e - 127)``, the E2M1 values ``0, 0.5, 1, 1.5, 2, 3, 4, 6``
+  and their negatives (ggml stores them doubled, ``kvalues_mxfp4``, with ``2**(e - 128)``).
 
 For the 4-bit formats weights ``0..15`` are the low nibbles of ``qs[0..15]`` and weights
 ``16..31`` the high nibbles.
@@ -81,6 +84,35 @@ def dequantize_q8_0(blocks: np.ndarray) -> np.ndarray:
     return out
 
 
+# E2M1 codes 0..15 doubled (ggml's kvalues_mxfp4): the sign is bit 3.
+_MXFP4_VALUES = np.array(
+    [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.float32
+)
+
+
+def mxfp4_values(codes: np.ndarray, exponents: np.ndarray) -> np.ndarray:
+    """E2M1 codes (uint8 0..15) times ``2**(e - 127)`` for their E8M0 exponents ``e``
+    (uint8, broadcast against ``codes``), as float32.
+
+    Every product is exact in float32 (a 4-bit value times a power of two) except where it
+    passes float32's range (``e`` of 254 or more with a large value): that is inf, as in
+    ggml, gguf-py and transformers, and the loaders refuse it.
+    """
+    out = _MXFP4_VALUES[codes]  # doubled values: hence e - 128
+    with np.errstate(over="ignore"):
+        scaled = np.ldexp(out, exponents.astype(np.int32) - 128)
+    return scaled.astype(np.float32, copy=False)
+
+
+def dequantize_mxfp4(blocks: np.ndarray) -> np.ndarray:
+    """MXFP4 blocks (N, 17) uint8 -> (N, 32) float32 (:func:`mxfp4_values`); a block's
+    first 16 weights are the low nibbles of its bytes, the next 16 the high ones."""
+    codes = np.empty((blocks.shape[0], QK), dtype=np.uint8)  # (N, Q)
+    np.bitwise_and(blocks[:, 1:], 0x0F, out=codes[:, : QK // 2])
+    np.right_shift(blocks[:, 1:], 4, out=codes[:, QK // 2 :])
+    return mxfp4_values(codes, blocks[:, :1])  # (N, Q)
+
+
 def int4_codes(
     data: np.ndarray, type_name: str, shape: tuple[int, ...]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -123,6 +155,7 @@ _BLOCK_KERNELS = {
     "Q4_0": (18, dequantize_q4_0),
     "Q4_1": (20, dequantize_q4_1),
     "Q8_0": (34, dequantize_q8_0),
+    "MXFP4": (17, dequantize_mxfp4),
 }
 _BLOCK_SCALES = {"Q4_0": 1, "Q4_1": 2, "Q8_0": 1}  # f16 scales at the start of each block
 
@@ -241,7 +274,7 @@ class GGUFContents:
             raise ModelFileError(self.path, f"has no tensor {name!r}")
         info = self.tensor_infos[name]
         raw = self._data[info.offset : info.offset + info.nbytes]
-        if info.type_name in _BLOCK_KERNELS:
+        if info.type_name in _BLOCK_SCALES:
             # q * d (+ m) is finite exactly when the block's d (and m) are: checking the
             # scales (1/32 of the values) checks the tensor.
             block_bytes, _ = _BLOCK_KERNELS[info.type_name]
@@ -251,7 +284,7 @@ class GGUFContents:
             out = dequantize(raw, info.type_name, info.shape)
         except NotImplementedError as e:
             raise ModelFileError(self.path, f"tensor {name!r}: {e}") from None
-        if info.type_name not in _BLOCK_KERNELS:
+        if info.type_name not in _BLOCK_SCALES:  # MXFP4's exponents are always finite
             check_finite(out, name, self.path)
         return out
 

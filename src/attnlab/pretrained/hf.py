@@ -12,16 +12,19 @@ never opened.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from attnlab.models.decoder import Decoder
 from attnlab.models.encoder import Encoder
 from attnlab.models.encoder_decoder import NO_LIMIT, EncoderDecoder
 from attnlab.pretrained.build import build_config, build_model, family_from
-from attnlab.pretrained.errors import ModelFileError
+from attnlab.pretrained.errors import ModelFileError, check_finite
+from attnlab.pretrained.gguf_file import mxfp4_values
 from attnlab.pretrained.safetensors_file import SafetensorsFile, read_safetensors
 from attnlab.pretrained.tokenizer import PretrainedTokenizer, tokenizer_from_hf_dir
 
@@ -129,10 +132,11 @@ def load_hf_directory(
     config = build_config(family, hf, where=config_path, source="hf")
     files, where = weight_files(folder)
     names = {name: f.tensors[name].numel for name, f in files.items()}
+    get = _mxfp4_pairs(files, names, hf) or (lambda name: files[name].tensor(name))
     model = build_model(
         config,
         names,
-        lambda name: files[name].tensor(name),
+        get,
         family=family,
         source="hf",
         where=where,
@@ -141,6 +145,66 @@ def load_hf_directory(
     )
     tokenizer = tokenizer_from_hf_dir(folder, max_length=_max_tokens(model))
     return model, tokenizer
+
+
+def _mxfp4_pairs(
+    files: dict[str, SafetensorsFile], names: dict[str, int], hf: dict[str, Any]
+) -> Callable[[str], torch.Tensor] | None:
+    """The MXFP4 tensors of a checkpoint whose ``quantization_config`` says ``mxfp4`` (the
+    hub's gpt-oss experts), as one float tensor each; None for any other checkpoint.
+
+    Each ``X_blocks`` (E, R, G, 16) uint8 (two E2M1 codes per byte, the low nibble first)
+    with its ``X_scales`` (E, R, G) uint8 (one E8M0 exponent per 32 values) becomes ``X``
+    in ``names`` (in place) and is dequantised on ``get(X)`` to (E, G * 32, R): the layout
+    of transformers' unquantised parameter (``gate_up_proj`` (E, C, 2F)), as transformers'
+    ``convert_moe_packed_tensors`` returns it.
+
+    Raises:
+        ModelFileError: a ``_blocks`` tensor without its ``_scales`` (or the reverse), a
+            dtype or shape that is not MXFP4's (named), values beyond float32.
+    """
+    quant = hf.get("quantization_config")
+    if not isinstance(quant, dict) or quant.get("quant_method") != "mxfp4":
+        return None
+    pairs: dict[str, tuple[str, str]] = {}
+    for name in [n for n in names if n.endswith(("_blocks", "_scales"))]:
+        base = name.rsplit("_", 1)[0]
+        blocks, scales = f"{base}_blocks", f"{base}_scales"
+        if blocks not in names or scales not in names:
+            raise ModelFileError(files[name].path, f"has {name!r} without its MXFP4 partner")
+        b, sc = files[blocks].tensors[blocks], files[scales].tensors[scales]
+        if (
+            b.dtype != torch.uint8
+            or sc.dtype != torch.uint8
+            or len(b.shape) != 4
+            or b.shape[-1] != 16
+            or b.shape[:-1] != sc.shape
+        ):
+            raise ModelFileError(
+                files[name].path,
+                f"MXFP4 tensors {blocks!r} {b.dtype} {b.shape} and {scales!r} {sc.dtype} "
+                f"{sc.shape} must be uint8 (E, R, G, 16) and (E, R, G)",
+            )
+        pairs[base] = (blocks, scales)
+    for base, (blocks, scales) in pairs.items():
+        names[base] = 2 * names.pop(blocks)
+        names.pop(scales)
+
+    def get(name: str) -> torch.Tensor:
+        if name not in pairs:
+            return files[name].tensor(name)
+        blocks, scales = pairs[name]
+        packed = files[blocks].tensor(blocks).numpy()  # (E, R, G, 16)
+        codes = np.empty((*packed.shape[:-1], 32), dtype=np.uint8)  # (E, R, G, 32)
+        np.bitwise_and(packed, 0x0F, out=codes[..., 0::2])
+        np.right_shift(packed, 4, out=codes[..., 1::2])
+        exponents = files[scales].tensor(scales).numpy()[..., None]  # (E, R, G, 1)
+        values = torch.from_numpy(mxfp4_values(codes, exponents))
+        check_finite(values, blocks, files[blocks].path)
+        E, R, G, _ = packed.shape
+        return values.reshape(E, R, G * 32).transpose(1, 2)  # (E, G * 32, R)
+
+    return get
 
 
 def _max_tokens(model: Decoder | Encoder | EncoderDecoder) -> int:

@@ -50,7 +50,7 @@ class ModelSummary:
             the other bases some layers rotate with, Gemma 3's local ones; `nope_layers`:
             the layers that do not rotate, SmolLM3's), or None.
         norm: e.g. ``"rms pre"``, ``"layer post"``.
-        mlp: e.g. ``"gated silu"``.
+        mlp: e.g. ``"gated silu"``, or with experts ``"8 experts, top 2, silu"``.
         context_length: longest input, or None (no limit: T5's relative positions).
         parameters: parameter count (tied weights once).
         dtype: parameter dtype.
@@ -167,6 +167,9 @@ def summarize_model(model: Any, *, probe_length: int = 1024) -> ModelSummary:
             mask,
             0.0,
             backend=layer.backend,
+            # options that rule backends out (PyTorch's kernel has neither)
+            softcap=getattr(layer, "softcap", None),
+            sinks=None if getattr(layer, "sinks", None) is None else layer.sinks.detach(),
         )
         per_layer.append(LayerSummary(i, H, G, D, window, str(exp.chosen), role, chunk))
     first = layers[0][1]
@@ -195,6 +198,10 @@ def summarize_model(model: Any, *, probe_length: int = 1024) -> ModelSummary:
         positions: str = c.positions
         norm = f"{c.norm} {c.norm_placement}" + (" parallel" if c.parallel_residual else "")
         mlp = f"{c.mlp} {c.activation}"
+        if c.moe is not None:  # the routed layers' experts
+            e = c.moe
+            act = f"clamped SwiGLU {e.clamped_swiglu}" if e.clamped_swiglu else c.activation
+            mlp = f"{e.num_experts} experts, top {e.top_k}, {act}"
         attn_softcap, final_softcap = c.attn_softcap, c.final_softcap
     elif isinstance(model, EncoderDecoder):
         positions = "relative"
