@@ -273,7 +273,8 @@ def is_causal_square(blk: MaskBlock) -> bool:
     if allowed.shape[-2] != n:
         return False
     tril = torch.ones(n, n, dtype=torch.bool, device=allowed.device).tril_()
-    return bool((allowed == tril).all())
+    # torch.equal compares bytes; `(allowed == tril).all()` costs ~10x more on big tiles
+    return allowed.dtype == torch.bool and torch.equal(allowed, tril.expand_as(allowed))
 
 
 def resolve(tile: Tile, rb: RowBlock, geo: Geometry) -> Tile:
