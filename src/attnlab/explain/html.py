@@ -9,6 +9,10 @@ The page has three views:
   head view;
 - **walkthrough**: the seed example's steps with their numbers (when given).
 
+For a mixture-of-experts model (a trace with ``experts``) the head view's panel also holds
+the layer's token x expert grid (the router weight of each expert a token went to), and
+the model view a small routing heatmap beside each routed layer's heads.
+
 Everything is in the one file: the CSS and JS (``page.css``, ``page.js`` next to
 this module) are inlined, and the data is embedded as JSON in a non-executed
 ``<script type="application/json">`` block, escaped so that no token text can
