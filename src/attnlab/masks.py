@@ -483,12 +483,15 @@ class ChunkedMask(AttentionMask):
             and (p[0] >= 0)
             and int(p[0]) // c == int(p[-1]) // c == int(j[0]) // c == int(j[-1]) // c
         )
-        if not one_chunk:  # (a tile inside one chunk is its causal part only: cheaper)
-            # floor division keeps negative positions (rows before key 0) out of every chunk
-            allowed &= (
-                torch.div(j, c, rounding_mode="floor")[None, :]
-                == torch.div(p, c, rounding_mode="floor")[:, None]
-            )
+        if one_chunk:  # a tile inside one chunk is its causal part only: cheaper
+            if int(p[-1]) < int(j[0]):
+                return _EMPTY
+            return MaskBlock("partial", allowed=allowed[None, None])
+        # floor division keeps negative positions (rows before key 0) out of every chunk
+        allowed &= (
+            torch.div(j, c, rounding_mode="floor")[None, :]
+            == torch.div(p, c, rounding_mode="floor")[:, None]
+        )
         if not bool(allowed.any()):
             return _EMPTY
         return MaskBlock("partial", allowed=allowed[None, None])
