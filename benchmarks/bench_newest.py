@@ -14,13 +14,17 @@
   the formula ``(kv_lora_rank + qk_rope_head_dim) * 4`` and plain multi-head attention's.
   Written as a record (``benchmarks/results/``).
 
-Both pairs run interleaved (``_quiet.timed_pairs``: the best time over pairs during which
-other processes used little CPU), with 2 threads. Printed: the times and the ratios, and
-how many pairs were quiet.
+Both pairs run interleaved (``_quiet.timed_pairs``: order alternating, the machine's load
+read around each pair), with ``--threads`` torch threads (default 2; on a machine other
+processes keep busy, 1: a two-thread kernel then waits for its second thread, which
+measures the machine, not the kernel). Printed and recorded (``benchmarks/_records.py``,
+one record per comparison): the median times over the kept pairs and their ratio, the
+median and range of the per-pair ratios (each pair adjacent in time, so a busy machine's
+drift cancels), how many pairs were quiet, and the target.
 
 Usage::
 
-    python benchmarks/bench_newest.py --seq-len 8192 --chunk 1024
+    python benchmarks/bench_newest.py --seq-len 8192 --chunk 1024 --threads 1
     python benchmarks/bench_newest.py --mla --context 2048
 """
 
@@ -29,7 +33,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from _quiet import timed_pairs
+from _quiet import PairResult, timed_pairs
 from _records import Recorder
 
 from attnlab import CausalMask, ChunkedMask, scaled_dot_product_attention
@@ -43,7 +47,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq-len", type=int, default=8192)
     parser.add_argument("--chunk", type=int, default=1024)
-    parser.add_argument("--pairs", type=int, default=5)
+    parser.add_argument("--pairs", type=int, default=5, help="chunked: interleaved pairs")
+    parser.add_argument("--moe-pairs", type=int, default=20, help="MoE: interleaved pairs")
     parser.add_argument("--width", type=int, default=1024, help="MoE: model width C")
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--top-k", type=int, default=2)
@@ -51,33 +56,52 @@ def main() -> None:
     parser.add_argument("--mla", action="store_true", help="only the latent attention decode")
     parser.add_argument("--context", type=int, default=2048, help="MLA: prompt tokens")
     parser.add_argument("--steps", type=int, default=4, help="MLA: decode steps per timing")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=2,
+        help="torch threads (1 on a busy machine: two-thread kernels then wait on each other)",
+    )
     args = parser.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     if args.mla:
         mla_decode(args.context, args.steps, args.pairs)
         return
     torch.manual_seed(0)
     T = args.seq_len
-    q, k, v = (torch.randn(1, 4, T, 64) for _ in range(3))
-    with torch.no_grad():
-        res = timed_pairs(
-            {
-                "chunked": lambda: scaled_dot_product_attention(
-                    q, k, v, ChunkedMask(args.chunk), backend="blockwise"
-                ),
-                "causal": lambda: scaled_dot_product_attention(
-                    q, k, v, CausalMask(), backend="blockwise"
-                ),
-            },
-            args.pairs,
-        )
-    t = res.best
-    print(
-        f"blockwise fp32 forward, T={T}, chunks of {args.chunk}: chunked {t['chunked'] * 1e3:.1f}"
-        f" ms, causal {t['causal'] * 1e3:.1f} ms: ratio {t['chunked'] / t['causal']:.3f} "
-        f"({res.quiet_pairs} of {res.pairs} pairs quiet)"
+    rec = Recorder(
+        "bench_newest",
+        f"chunked-T{T}-c{args.chunk}",
+        f"chunked attention (Llama 4): the blockwise backend with ChunkedMask({args.chunk}) "
+        f"against the same backend with a plain causal mask, forward, fp32, B=1, H=4, T={T}, "
+        f"D=64, {args.pairs} interleaved pairs (target: at most 0.2x)",
+        args.threads,
     )
+    q, k, v = (torch.randn(1, 4, T, 64) for _ in range(3))
+    attend = {
+        "chunked": lambda: scaled_dot_product_attention(
+            q, k, v, ChunkedMask(args.chunk), backend="blockwise"
+        ),
+        "causal": lambda: scaled_dot_product_attention(q, k, v, CausalMask(), backend="blockwise"),
+    }
+    with torch.no_grad():
+        for fn in attend.values():  # first calls (allocations, lazy set-up) are not timed
+            fn()
+        res = timed_pairs(attend, args.pairs)
+    _report(rec, res, "chunked", "causal", 1e3, "ms", "blockwise, plain causal mask", 0.2)
+    line = _line(res, "chunked", "causal")
+    print(f"blockwise fp32 forward, T={T}, chunks of {args.chunk}: {line}")
+
     C, E, K, F = args.width, args.experts, args.top_k, args.expert_size
+    rec = Recorder(
+        "bench_newest",
+        f"moe-one-token-E{E}-k{K}",
+        f"a mixture-of-experts layer at one token (C={C}, E={E} experts of width F={F}, "
+        f"top {K}, softmax router) against a dense gated MLP of width k*F={K * F} (the same "
+        f"active parameters), fp32, 50 calls per timing, {args.moe_pairs} interleaved pairs "
+        "(target: at most 1.3x)",
+        args.threads,
+    )
     moe = MixtureOfExperts(C, MoEConfig(E, K, F))
     dense = MLP(C, K * F, gated=True, activation="silu", bias=False)
     x = torch.randn(1, 1, C)
@@ -87,12 +111,22 @@ def main() -> None:
             fn(x)
 
     with torch.no_grad():
-        res = timed_pairs({"moe": lambda: repeat(moe), "dense": lambda: repeat(dense)}, 20)
-    t = res.best
-    print(
-        f"one token, C={C}: experts (E={E}, k={K}, F={F}) {t['moe'] / 50 * 1e6:.0f} us, dense "
-        f"gated MLP (F={K * F}) {t['dense'] / 50 * 1e6:.0f} us: ratio "
-        f"{t['moe'] / t['dense']:.2f} ({res.quiet_pairs} of {res.pairs} pairs quiet)"
+        repeat(moe)  # warm-up, not timed
+        repeat(dense)
+        res = timed_pairs(
+            {"moe": lambda: repeat(moe), "dense": lambda: repeat(dense)}, args.moe_pairs
+        )
+    _report(rec, res, "moe", "dense", 1e6 / 50, "us", f"dense gated MLP (F={K * F})", 1.3)
+    line = _line(res, "moe", "dense", 1e6 / 50, "us per call")
+    print(f"one token, C={C}, E={E}, k={K}, F={F}: {line}")
+
+
+def _line(res: PairResult, a: str, b: str, scale: float = 1e3, unit: str = "ms") -> str:
+    med, lo, hi = res.ratio(a, b)
+    return (
+        f"{a} {res.median(a) * scale:.1f} {unit}, {b} {res.median(b) * scale:.1f} {unit} "
+        "(medians): "
+        f"per-pair ratio median {med:.3f} (range {lo:.3f}-{hi:.3f}); {res.quietness()}"
     )
 
 
@@ -169,6 +203,35 @@ def mla_decode(context: int, steps: int, pairs: int) -> None:
         f"cache formula (kv_lora_rank + qk_rope_head_dim) * 4 = {formula} B per token: held "
         f"{per_token:.0f}; absorbed vs expanded outputs differ by at most {diff:.2e}; "
         f"{res.quiet_pairs} of {res.pairs} pairs quiet"
+    )
+    rec.write()
+
+
+def _report(
+    rec: Recorder,
+    res: PairResult,
+    name: str,
+    peer: str,
+    scale: float,
+    unit: str,
+    peer_label: str,
+    target: float,
+) -> None:
+    """One figure (median times, ratio) and the per-pair ratios as a note; written."""
+    med, lo, hi = res.ratio(name, peer)
+    rec.add(
+        f"{name} (median over kept pairs)",
+        res.median(name) * scale,
+        unit,
+        peer=peer_label,
+        peer_value=res.median(peer) * scale,
+        better="lower",
+        note=f"target at most {target}x",
+    )
+    rec.note(
+        f"per-pair ratio {name}/{peer}: median {med:.3f}, range {lo:.3f}-{hi:.3f} over "
+        f"{len(res.times[name])} kept pairs; target at most {target}x: "
+        f"{'met' if med <= target else 'not met'}; {res.quietness()}"
     )
     rec.write()
 

@@ -397,3 +397,84 @@ def test_2048_tokens_render_within_seconds(browser, tmp_path):
         print(f"2048 tokens: {size_mb:.1f} MB, load {p.load_s:.2f} s, interact {interact_s:.2f} s")
     finally:
         p.close()
+
+
+def _routed_trace(T: int = 6, E: int = 5, k: int = 2):
+    """The small synthetic trace, with experts on layer 1 only (layer 0 dense)."""
+    import dataclasses
+
+    from attnlab.explain.model_trace import ExpertTrace
+
+    g = torch.Generator().manual_seed(7)
+    weights, chosen = torch.rand(T, E, generator=g).softmax(-1).topk(k, dim=-1)  # (T, k)
+    experts = ExpertTrace(
+        layers=(1,), num_experts=E, chosen=chosen[None], weights=weights[None], shared=True
+    )
+    trace = synthetic_trace(T, layers=2, heads=3, tokens=JOURNEY[:T], seed=3)
+    return dataclasses.replace(trace, experts=experts)
+
+
+@pytest.mark.parametrize("lang", ["en", "zh-TW"])
+def test_experts_grid_beside_the_heads(browser, tmp_path, lang):
+    trace = _routed_trace()
+    path = write_html(tmp_path / f"experts-{lang}.html", trace, lang=lang, layer=1, heads=[0])
+    p = Page(browser, path)
+    try:
+        assert p.errors == []
+        box = p.page.locator("#inspector #experts")
+        assert box.locator("h3").text_content() == ("Experts" if lang == "en" else "專家")
+        shared = "shared expert" if lang == "en" else "共享專家"
+        assert shared in box.text_content()
+        # every token's row holds its router weights at its experts, nothing elsewhere
+        grid = trace.experts.grid(1)  # (T, E)
+        rows = p.page.locator("#experts-table tr[data-index]")
+        assert rows.count() == len(JOURNEY)
+        for q in range(len(JOURNEY)):
+            cells = rows.nth(q).locator("td")
+            assert cells.count() == 5
+            for e in range(5):
+                w = cells.nth(e).get_attribute("data-w")
+                if grid[q, e] > 0:
+                    assert abs(float(w) - float(grid[q, e])) < 1e-6, (q, e, w)
+                else:
+                    assert w is None and cells.nth(e).text_content() == ""
+        # a query token says where it went, and its row is marked
+        p.page.hover(".hv-col.queries .tok[data-i='2']")
+        routed = p.page.locator("#routed-to").text_content()
+        chosen, weights = trace.experts.layer_routing(1)
+        word = "Expert" if lang == "en" else "專家"
+        for e, w in zip(chosen[2].tolist(), weights[2].tolist(), strict=True):
+            assert f"{word} {e} ({w:.4f})" in routed
+        assert p.page.locator("#experts-table tr.active").get_attribute("data-index") == "2"
+        ARTIFACTS.mkdir(exist_ok=True)
+        p.page.screenshot(path=str(ARTIFACTS / f"page-experts-{lang}.png"), full_page=True)
+        # layer 0 has no experts: the inspector says so
+        p.page.select_option("#layer", "0")
+        p.page.hover(".hv-col.queries .tok[data-i='1']")
+        assert p.page.locator("#routed-to").count() == 0
+        dense = "no experts" if lang == "en" else "沒有專家"
+        assert dense in p.page.locator("#experts").text_content()
+        # the model view: one routing tile beside layer 1's heads; a click opens that layer
+        p.page.click("#tab-model")
+        tiles = p.page.locator("#mv-grid .ex-thumb")
+        assert tiles.count() == 1 and tiles.get_attribute("data-layer") == "1"
+        size = tiles.locator("canvas").evaluate("c => [c.width, c.height]")
+        assert size == [5, len(JOURNEY)]
+        p.page.screenshot(path=str(ARTIFACTS / f"page-experts-model-{lang}.png"))
+        tiles.click()
+        assert p.page.locator("#panel-head").is_visible()
+        assert p.page.locator("#layer").input_value() == "1"
+        assert p.errors == []
+    finally:
+        p.close()
+
+
+def test_a_page_without_experts_shows_no_expert_grid(browser, small):
+    _, path = small
+    p = Page(browser, path)
+    try:
+        assert p.page.locator("#experts").count() == 0
+        p.page.click("#tab-model")
+        assert p.page.locator("#mv-grid .ex-thumb").count() == 0
+    finally:
+        p.close()

@@ -202,6 +202,48 @@ CORPUS: dict[str, Case] = {
         "gpt2",
         hub={"n_ctx": 1024},
     ),
+    # The newest families, each as llama.cpp runs its files (what the file cannot say is
+    # what llama.cpp assumes, and the checkpoint does the same). The experts' width (512)
+    # differs from the hidden size (256) so that a transposed expert tensor cannot fit.
+    # Mixtral: written as architecture "llama" with expert_count; no window
+    "mixtral": Case(
+        "mixtral",
+        {**_GQA, **_SPM, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None},
+    ),
+    # Qwen3-MoE: experts on every layer, renormalised (llama.cpp's qwen3moe always does);
+    # the converter needs a BPE tokenizer for it
+    "qwen3_moe": Case(
+        "qwen3_moe",
+        {
+            **_GQA,
+            **_BPE,
+            "head_dim": 128,
+            "moe_intermediate_size": 512,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "norm_topk_prob": True,
+        },
+        "gpt2",
+    ),
+    # SmolLM3: four layers, the 4th NoPE (llama.cpp's fixed rule), no window
+    "smollm3": Case("smollm3", {**_GQA, **_SPM, "num_hidden_layers": 4}),
+    # Llama 4: layers 1 and 3 route (top 2 of 4, a shared expert), 3 NoPE; chunks of 8192
+    # and temperature tuning at llama.cpp's fixed values (transformers' defaults); dense
+    # layers 768 wide
+    "llama4_text": Case(
+        "llama4_text",
+        {
+            **_GQA,
+            **_BPE,
+            "num_hidden_layers": 4,
+            "head_dim": 64,
+            "intermediate_size_mlp": 768,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "interleave_moe_layer_step": 2,
+        },
+        "gpt2",
+    ),
 }
 
 # llama.cpp's converter writes these itself (--outtype); llama-quantize makes the rest
@@ -211,11 +253,23 @@ QUANT_TYPES = (
     "F16", "BF16", "Q8_0", "Q5_0", "Q5_1", "Q4_K_M", "Q5_K_M", "Q6_K", "Q3_K_M", "Q2_K",
     "IQ4_NL", "IQ4_XS",
 )  # fmt: skip
-# Architectures transformers' GGUF reader does not know: the reference is transformers'
-# model of the source directory with the file's dequantised weights put in.
+# Architectures transformers' GGUF reader does not know, or reads otherwise than llama.cpp
+# runs them: the reference is transformers' model of the source directory with the file's
+# dequantised weights put in. transformers reads a Mixtral file ("llama" with experts) as a
+# dense Llama, and a qwen3moe file without the experts' width (its default, 768) and with
+# norm_topk_prob false (llama.cpp always renormalises); smollm3 and llama4 it does not read.
 # transformers 5.24 has a gpt-oss GGUF reader, but it fails on the rope.scaling keys of
 # llama.cpp's own files (a TypeError reading yarn_beta_fast).
-NOT_IN_TRANSFORMERS_GGUF = ("olmo2", "gpt_neox", "granite", "gpt_oss")
+NOT_IN_TRANSFORMERS_GGUF = (
+    "olmo2",
+    "gpt_neox",
+    "granite",
+    "gpt_oss",
+    "mixtral",
+    "qwen3_moe",
+    "smollm3",
+    "llama4_text",
+)
 # Both sides multiply the same float32 weights (dequantised from the same codes) in float32;
 # what is left is the order of float32 sums, ~1e-6 of the logits' scale (about 10 here).
 # A wrong block layout, scale, sign or tensor name moves logits by O(1).
@@ -359,6 +413,20 @@ def _transformers_with_the_files_weights(hf_dir: Path, path: Path) -> torch.Tens
         if arch == "gpt-oss" and (experts := _gpt_oss_experts(name, get)) is not None:
             state[name] = experts.reshape(param.shape)
             continue
+        layer = re.search(r"layers\.(\d+)\.", name)
+        if name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+            # transformers' stacked experts, one tensor of gate and up side by side: llama.cpp
+            # stores (E, F, C) gate and up and (E, C, F) down; Llama 4's are transposed
+            assert layer is not None, name
+            blk = f"blk.{layer.group(1)}"
+            if name.endswith("gate_up_proj"):
+                gate, up = (get(f"{blk}.ffn_{w}_exps.weight") for w in ("gate", "up"))
+                x = torch.cat([gate, up], 1)
+            else:
+                x = get(f"{blk}.ffn_down_exps.weight")
+            state[name] = x.transpose(1, 2) if arch == "llama4" else x
+            assert state[name].shape == param.shape, (name, x.shape, param.shape)
+            continue
         # the converter names gpt-oss's bare `sinks` tensors `sinks.weight`
         gname = names.get_name(
             name + ".weight" if name.endswith(".sinks") else name,
@@ -368,11 +436,13 @@ def _transformers_with_the_files_weights(hf_dir: Path, path: Path) -> torch.Tens
         if gname not in tensors:
             assert name == "lm_head.weight" and cfg.tie_word_embeddings, (name, gname)
             continue
-        x = get(gname).reshape(param.shape)
+        x = get(gname)
+        assert x.numel() == param.numel(), (name, x.shape, param.shape)
+        x = x.reshape(param.shape)
         if arch == "gptneox" and "query_key_value" in name:  # llama.cpp stores q, k, v
             H = cfg.num_attention_heads
             x = x.reshape(3, H, -1, *x.shape[1:]).transpose(0, 1).reshape(param.shape)
-        if arch == "granite" and (".q_proj." in name or ".k_proj." in name):
+        if arch in ("granite", "llama", "smollm3") and (".q_proj." in name or ".k_proj." in name):
             # llama.cpp's LlamaModel permutes q/k rows per head: (H, 2, D/2) -> (H, D/2, 2)
             H = cfg.num_attention_heads if ".q_proj." in name else cfg.num_key_value_heads
             x = x.reshape(H, -1, 2, *x.shape[1:]).swapaxes(1, 2).reshape(param.shape)
@@ -472,13 +542,7 @@ def test_gpt_oss_mxfp4_moe_file_loads_with_the_files_weights(corpus, record_prop
 
 
 # Families with a GGUF path that this corpus cannot check yet, and why.
-NOT_YET = {
-    # The converter writes it (with GPT-2's BPE), but transformers cannot read the file
-    # (a size mismatch in its experts), and the dequantised-weights reference does not map
-    # llama.cpp's stacked expert tensors back yet. Its GGUF path is tested on files
-    # attnlab's own writer makes (tests/test_newest_families.py).
-    "qwen3_moe": "transformers cannot read llama.cpp's qwen3moe file",
-}
+NOT_YET: dict[str, str] = {}
 
 
 def test_every_family_with_a_gguf_path_is_in_the_corpus():
@@ -568,3 +632,55 @@ def test_deepseek2_converter_files_load_as_their_source(mla_files, case):
     for block in model.blocks:
         block.attention.absorbed = True
     torch.testing.assert_close(_logits(model), expected, atol=ATOL, rtol=0)
+
+
+def _config_with(corpus: Corpus, case: str, **metadata):
+    """The family and config attnlab reads from ``case``'s converter file with some
+    metadata changed (a key set to None is removed)."""
+    import dataclasses
+
+    from attnlab.pretrained.gguf_file import read_gguf
+    from attnlab.pretrained.loaders import gguf_config
+
+    contents = read_gguf(corpus.converter_file(case, "f32"))
+    meta = {**contents.metadata, **metadata}
+    meta = {k: v for k, v in meta.items() if v is not None}
+    return gguf_config(dataclasses.replace(contents, metadata=meta))
+
+
+def test_families_told_apart_as_llama_cpp_does(corpus):
+    """Mixtral's file says architecture "llama": its experts make it Mixtral; Llama 4's
+    fixed rules (chunks of 8192, NoPE every 4th layer, QK-norm unless 128 experts)."""
+    family, config = _config_with(corpus, "mixtral")
+    assert family.name == "mixtral" and config.moe is not None
+    assert (config.moe.num_experts, config.moe.top_k, config.moe.renormalize) == (4, 2, True)
+    family, config = _config_with(corpus, "mixtral", **{"llama.expert_count": None})
+    assert family.name == "llama" and config.moe is None
+    family, config = _config_with(corpus, "llama4_text")
+    assert family.name == "llama4_text"
+    assert config.layer_chunks == (8192, 8192, 8192, None)
+    assert config.layer_rotary == (True, True, True, False)
+    assert config.attn_temperature == (8192.0, 0.1) and config.qk_norm is not None
+    assert config.layer_moe == (False, True, False, True) and config.rope.interleaved
+    _, config = _config_with(corpus, "llama4_text", **{"llama4.expert_count": 128})
+    assert config.qk_norm is None  # llama.cpp: no QK-norm with 128 experts (Maverick)
+    family, config = _config_with(corpus, "smollm3")
+    assert family.name == "smollm3" and config.layer_rotary == (True, True, True, False)
+
+
+@pytest.mark.parametrize(
+    ("case", "metadata", "match"),
+    [
+        ("llama4_text", {"llama4.attention.sliding_window": 0}, "`llama4.attention.sliding_win"),
+        ("llama4_text", {"llama4.attention.sliding_window_pattern": 2}, "window_pattern` = 2"),
+        ("llama4_text", {"llama4.rope.freq_base_swa": 1.0}, "`llama4.rope.freq_base_swa`"),
+        ("mixtral", {"llama.expert_count": 1 << 20}, "`num_local_experts` = 1048576 is more"),
+        ("mixtral", {"llama.expert_used_count": 5}, "`num_experts_per_tok` = 5 chooses more"),
+        ("qwen3_moe", {"qwen3moe.expert_feed_forward_length": 1 << 30}, "experts' width"),
+    ],
+)
+def test_files_the_loader_does_not_understand_are_refused(corpus, case, metadata, match):
+    from attnlab.pretrained import ModelFileError
+
+    with pytest.raises(ModelFileError, match=match):
+        _config_with(corpus, case, **metadata)

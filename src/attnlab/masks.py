@@ -474,10 +474,23 @@ class ChunkedMask(AttentionMask):
             return _FULL
         p = _positions(rows, T, device) + self.offset(T, S)  # (rows,)
         j = _positions(cols, S, device)  # (cols,)
+        allowed = j[None, :] <= p[:, None]
+        span = _span(rows, T), _span(cols, S)
+        c = self.chunk
+        one_chunk = (
+            span[0] is not None
+            and span[1] is not None
+            and (p[0] >= 0)
+            and int(p[0]) // c == int(p[-1]) // c == int(j[0]) // c == int(j[-1]) // c
+        )
+        if one_chunk:  # a tile inside one chunk is its causal part only: cheaper
+            if int(p[-1]) < int(j[0]):
+                return _EMPTY
+            return MaskBlock("partial", allowed=allowed[None, None])
         # floor division keeps negative positions (rows before key 0) out of every chunk
-        allowed = (j[None, :] <= p[:, None]) & (
-            torch.div(j, self.chunk, rounding_mode="floor")[None, :]
-            == torch.div(p, self.chunk, rounding_mode="floor")[:, None]
+        allowed &= (
+            torch.div(j, c, rounding_mode="floor")[None, :]
+            == torch.div(p, c, rounding_mode="floor")[:, None]
         )
         if not bool(allowed.any()):
             return _EMPTY

@@ -167,6 +167,8 @@ def explain(
         raise UserError(f"`--head` must be in 0..{trace.num_heads - 1} here, got {head}")
 
     output.show(*_explain_renderables(trace, layer, head, lang))
+    if trace.experts is not None and layer in trace.experts.layers:
+        output.show(*_expert_renderables(trace, layer, lang))
     if ablated:
         output.show(*_ablation_renderables(net, tokenizer, trace, ablated, ablate_mode))
     if steps:
@@ -194,6 +196,38 @@ def explain(
         output.console.print(
             f"{message('label.wrote', lang)}\n{listing}", markup=False, soft_wrap=True
         )
+
+
+def _expert_renderables(trace: Any, layer: int, lang: str) -> list[RenderableType]:
+    """The terminal part of `explain` for a layer with experts: each token's experts and
+    router weights (the first 32 tokens; the page has them all)."""
+    from rich.table import Table
+    from rich.text import Text
+
+    from attnlab.explain.i18n import message
+    from attnlab.explain.text import format_number
+
+    experts = trace.experts
+    chosen, weights = experts.layer_routing(layer)  # (T, k) each
+    title = message("explain.experts", lang, layer=layer, k=experts.top_k, n=experts.num_experts)
+    if experts.shared:
+        title += f"; {message('explain.experts_shared', lang)}"
+    table = Table(title=title, title_justify="left")
+    table.add_column("#", justify="right")
+    table.add_column(message("label.token", lang))
+    for j in range(experts.top_k):
+        table.add_column(f"{message('explain.expert', lang)} {j + 1}")
+    shown = min(32, len(trace.tokens))
+    for q in range(shown):
+        cells = [
+            f"{e} ({format_number(w)})"
+            for e, w in zip(chosen[q].tolist(), weights[q].tolist(), strict=True)
+        ]
+        table.add_row(str(q), repr(trace.tokens[q]), *cells)
+    out: list[RenderableType] = [Text(""), table]
+    if shown < len(trace.tokens):
+        out.append(Text(message("explain.more", lang, n=len(trace.tokens) - shown), style="dim"))
+    return out
 
 
 def _explain_renderables(trace: Any, layer: int, head: int, lang: str) -> list[RenderableType]:

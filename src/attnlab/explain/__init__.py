@@ -20,7 +20,7 @@ from attnlab.explain.heads import (
     rollout,
     top_tokens,
 )
-from attnlab.explain.model_trace import ModelTrace, trace_model
+from attnlab.explain.model_trace import ExpertTrace, ModelTrace, trace_model
 from attnlab.explain.trace import (
     AttentionForm,
     AttentionTrace,
@@ -37,6 +37,7 @@ __all__ = [
     "AttentionForm",
     "AttentionTrace",
     "Checks",
+    "ExpertTrace",
     "ModelTrace",
     "ModuleRun",
     "Projection",

@@ -9,6 +9,10 @@ The page has three views:
   head view;
 - **walkthrough**: the seed example's steps with their numbers (when given).
 
+For a mixture-of-experts model (a trace with ``experts``) the head view's panel also holds
+the layer's token x expert grid (the router weight of each expert a token went to), and
+the model view a small routing heatmap beside each routed layer's heads.
+
 Everything is in the one file: the CSS and JS (``page.css``, ``page.js`` next to
 this module) are inlined, and the data is embedded as JSON in a non-executed
 ``<script type="application/json">`` block, escaped so that no token text can
@@ -81,6 +85,15 @@ STRINGS: dict[str, dict[str, str]] = {
         ),
         "steps": "Steps",
         "noscript": "This page needs JavaScript to draw the attention views.",
+        "experts": "Experts",
+        "expert": "Expert",
+        "experts_caption": (
+            "{layer}: experts each token was routed to (top {k} of {n}); rows are tokens, "
+            "columns experts, the number is the router weight."
+        ),
+        "experts_shared": "Every token also runs the shared expert (not shown).",
+        "routed_to": "routed to",
+        "no_experts": "This layer has no experts (a dense feed-forward).",
     },
     "zh-TW": {
         "title": "attnlab：注意力看向了哪裡",
@@ -108,6 +121,15 @@ STRINGS: dict[str, dict[str, str]] = {
         ),
         "steps": "步驟",
         "noscript": "此頁面需要 JavaScript 才能繪製注意力視圖。",
+        "experts": "專家",
+        "expert": "專家",
+        "experts_caption": (
+            "{layer}：每個詞元被路由到的專家（{n} 個中選 {k} 個）；列是詞元，行是專家，"
+            "數字是路由器給的權重。"
+        ),
+        "experts_shared": "每個詞元也都會經過共享專家（未顯示）。",
+        "routed_to": "路由到",
+        "no_experts": "這一層沒有專家（密集前饋層）。",
     },
 }
 LANGS = tuple(STRINGS)
@@ -299,11 +321,33 @@ def _attention_data(
         "dense": dense,
         "index_bytes": index_bytes,
         "data": per_layer,
+        "experts": _experts_data(trace),
         "initial": {
             "layer": layer_pos,
             "heads": [trace.heads.index(h) for h in head_list],
             "k": min(k, K),
         },
+    }
+
+
+def _experts_data(trace: ModelTrace) -> dict[str, Any] | None:
+    """The routing of the trace's expert layers: per layer the chosen experts ``(T, k)``
+    (uint16, or uint32 past 65,536 experts) and their weights (float32, exact), row-major,
+    base64."""
+    experts = trace.experts
+    if experts is None:
+        return None
+    index_bytes = 2 if experts.num_experts <= 65536 else 4
+    chosen = experts.chosen.cpu().numpy().astype("<u2" if index_bytes == 2 else "<u4")
+    weights = experts.weights.float().cpu().numpy().astype("<f4")
+    return {
+        "layers": list(experts.layers),
+        "num_experts": experts.num_experts,
+        "top_k": experts.top_k,
+        "shared": experts.shared,
+        "index_bytes": index_bytes,
+        "chosen": [_b64(chosen[i]) for i in range(len(experts.layers))],
+        "weights": [_b64(weights[i]) for i in range(len(experts.layers))],
     }
 
 

@@ -228,6 +228,16 @@ MESSAGES: dict[str, dict[str, str]] = {
         "en": "... {n} more queries in the page",
         "zh-TW": "……其餘 {n} 個查詢請見網頁",
     },
+    "explain.experts": {
+        "en": "Experts of layer {layer} (top {k} of {n}): where the router sent each token, "
+        "with its weight",
+        "zh-TW": "第 {layer} 層的專家（{n} 個中選 {k} 個）：路由器把每個詞元送到哪些專家，以及權重",
+    },
+    "explain.experts_shared": {
+        "en": "every token also runs the shared expert",
+        "zh-TW": "每個詞元也都會經過共享專家",
+    },
+    "explain.expert": {"en": "expert", "zh-TW": "專家"},
     "explain.page": {
         "en": "Interactive page (open it in a browser, works offline): {path}",
         "zh-TW": "互動網頁（以瀏覽器開啟，可離線使用）：{path}",

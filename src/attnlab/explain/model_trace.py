@@ -2,7 +2,8 @@
 
 Shape legend:
     L layers captured, H heads captured, T query tokens, S key tokens,
-    K keys kept per query (top-k mode), D head dim.
+    K keys kept per query (top-k mode), D head dim; for mixtures of experts
+    M routed layers captured, E experts, k experts per token.
 
 :func:`trace_model` runs a model once inside :func:`attnlab.attention.record_attention`
 (a per-call recorder: nothing is set on the shared layers, so concurrent traces of one
@@ -14,6 +15,11 @@ Long inputs are captured without holding all ``layers x heads x T x S`` weights 
 once: choose the layers (``layers=``), the heads (``heads=``), or keep only the
 ``top_k`` strongest keys of every query. Each layer's weights are reduced (or
 dropped) as soon as that layer has run, so the peak is one layer's weights.
+
+In a mixture-of-experts model the same pass also keeps where the router of every
+captured layer sent each token (:class:`ExpertTrace`, through
+:func:`attnlab.models.moe.record_routing`): the experts it chose and their weights, as the
+layer used them.
 """
 
 from __future__ import annotations
@@ -27,7 +33,14 @@ import torch
 if TYPE_CHECKING:
     from attnlab.attention import Attention, AttentionCall
 
-__all__ = ["ModelTrace", "attention_layers", "auto_top_k", "trace_from_walkthrough", "trace_model"]
+__all__ = [
+    "ExpertTrace",
+    "ModelTrace",
+    "attention_layers",
+    "auto_top_k",
+    "trace_from_walkthrough",
+    "trace_model",
+]
 
 # Above this many dense weights (all captured layers x heads x T x S) trace_model
 # refuses dense mode and asks for top_k / layers / heads (4 bytes each: 256 MiB).
@@ -47,6 +60,74 @@ def auto_top_k(model: torch.nn.Module, n_tokens: int, top_k: int | None = None) 
     blocks = attention_layers(model)
     dense = len(blocks) * int(blocks[0].num_heads) * n_tokens**2
     return AUTO_TOP_K if dense > AUTO_DENSE_LIMIT else None
+
+
+@dataclass(frozen=True)
+class ExpertTrace:
+    """Where the routers of a mixture-of-experts model sent each token, as data.
+
+    Attributes:
+        layers: the model's indices (attention-layer numbering, as in
+            :attr:`ModelTrace.layers`) of the captured layers that route to experts.
+        num_experts: E, experts per layer.
+        chosen: the chosen experts ``(M, T, k)`` (long), in the router's order
+            (strongest first).
+        weights: their routing weights ``(M, T, k)`` float32, as the layer used them
+            (after renormalisation and scaling).
+        shared: True when every token also runs a shared expert (not routed, not shown).
+    """
+
+    layers: tuple[int, ...]
+    num_experts: int
+    chosen: torch.Tensor
+    weights: torch.Tensor
+    shared: bool = False
+
+    def __post_init__(self) -> None:
+        M = len(self.layers)
+        if M == 0 or list(self.layers) != sorted(set(self.layers)):
+            raise ValueError(
+                f"`layers` must be distinct ascending layer indices, at least one, got "
+                f"{self.layers}"
+            )
+        if self.chosen.ndim != 3 or self.chosen.shape[0] != M:
+            raise ValueError(
+                f"`chosen` must have shape (M, T, k) with M={M}, got {tuple(self.chosen.shape)}"
+            )
+        if tuple(self.weights.shape) != tuple(self.chosen.shape):
+            raise ValueError(
+                f"`weights` must have the shape of `chosen` {tuple(self.chosen.shape)}, got "
+                f"{tuple(self.weights.shape)}"
+            )
+        if self.chosen.numel() and not (
+            int(self.chosen.min()) >= 0 and int(self.chosen.max()) < self.num_experts
+        ):
+            raise ValueError(f"`chosen` must be expert indices in 0..{self.num_experts - 1}")
+
+    @property
+    def top_k(self) -> int:
+        """k, experts per token."""
+        return int(self.chosen.shape[-1])
+
+    def layer_routing(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's ``(experts, weights)``, each ``(T, k)``.
+
+        Raises:
+            ValueError: the layer routes no tokens in this trace.
+        """
+        if layer not in self.layers:
+            raise ValueError(
+                f"`layer` must be one of the layers with experts {list(self.layers)}, got {layer}"
+            )
+        i = self.layers.index(layer)
+        return self.chosen[i], self.weights[i]
+
+    def grid(self, layer: int) -> torch.Tensor:
+        """One layer as a token x expert grid ``(T, E)``: each token's routing weight on
+        the experts it went to, 0 elsewhere."""
+        experts, weights = self.layer_routing(layer)
+        out = torch.zeros(experts.shape[0], self.num_experts, dtype=torch.float32)
+        return out.scatter_(1, experts, weights.float())
 
 
 @dataclass(frozen=True)
@@ -75,6 +156,8 @@ class ModelTrace:
         source: a short description of the model / example, for titles.
         layer_names: a label per captured layer (e.g. the seed example's
             "simplified" and "trainable" forms), or None for "Layer i".
+        experts: where the captured mixture-of-experts layers routed each token, or None
+            (a model without experts).
         meta: free-form facts about the capture (not compared).
     """
 
@@ -92,6 +175,7 @@ class ModelTrace:
     token_ids: tuple[int, ...] | None = None
     source: str = ""
     layer_names: tuple[str, ...] | None = None
+    experts: ExpertTrace | None = None
     meta: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -162,6 +246,17 @@ class ModelTrace:
                 f"`keys` must have shape (L, H, S, D) with (L, H, S) = {(L, H, S)}, "
                 f"got {tuple(self.keys.shape)}"
             )
+        if self.experts is not None:
+            if self.experts.chosen.shape[1] != T:
+                raise ValueError(
+                    f"`experts` must route the trace's {T} tokens, got "
+                    f"{self.experts.chosen.shape[1]}"
+                )
+            if not set(self.experts.layers) <= set(self.layers):
+                raise ValueError(
+                    f"`experts.layers` {list(self.experts.layers)} must be among the captured "
+                    f"layers {list(self.layers)}"
+                )
 
     # ------------------------------------------------------------------ access
     @property
@@ -347,19 +442,25 @@ def run_recorded(
     input_ids: torch.Tensor,
     recorder: Any,
     forward: Callable[[Any, torch.Tensor], Any] | None = None,
+    routing: Callable[[Any, Any], None] | None = None,
 ) -> None:
-    """One forward pass of ``model`` in eval mode, without gradients, under ``recorder``.
+    """One forward pass of ``model`` in eval mode, without gradients, under ``recorder``
+    (and ``routing``, a :func:`attnlab.models.moe.record_routing` recorder, when given).
 
     Only switches to eval mode when needed (and back afterwards), so a shared model that
     is already in eval mode is never touched.
     """
+    from contextlib import nullcontext
+
     from attnlab.attention import record_attention
+    from attnlab.models.moe import record_routing
 
     was_training = model.training
     try:
         if was_training:
             model.eval()
-        with torch.no_grad(), record_attention(recorder):
+        routed = nullcontext() if routing is None else record_routing(routing)
+        with torch.no_grad(), record_attention(recorder), routed:
             if forward is None:
                 model(input_ids)
             else:
@@ -471,7 +572,15 @@ def trace_model(
                 entry["keys"] = kk.index_select(0, head_index)
             kept[position] = entry
 
-    run_recorded(model, input_ids, Keep(), forward)
+    expert_layers = _expert_layers(model, blocks, layer_sel)
+    routed: dict[int, Any] = {}
+
+    def keep_routing(layer: Any, routing: Any) -> None:
+        position = expert_layers.get(id(layer))
+        if position is not None:
+            routed[position] = routing
+
+    run_recorded(model, input_ids, Keep(), forward, keep_routing if expert_layers else None)
 
     missing = [p for p in layer_sel if p not in kept]
     if missing:
@@ -499,7 +608,56 @@ def trace_model(
         keys=stack("keys"),
         token_ids=tuple(ids),
         source=source or type(model).__name__,
+        experts=_expert_trace(model, expert_layers, routed, T),
         meta={"top_k": top_k},
+    )
+
+
+def _expert_layers(
+    model: torch.nn.Module, blocks: Sequence[Attention], layer_sel: Sequence[int]
+) -> dict[int, int]:
+    """``id(moe) -> layer`` for the mixture-of-experts layers of the captured layers: a
+    feed-forward belongs to the first attention layer of the block (module) holding both."""
+    from attnlab.models.moe import MixtureOfExperts
+
+    names = {id(m): name for name, m in model.named_modules()}
+    prefixes = [names[id(b)].rpartition(".")[0] for b in blocks]
+    found: dict[int, int] = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, MixtureOfExperts):
+            continue
+        parent = name.rpartition(".")[0]
+        layer = next((i for i, p in enumerate(prefixes) if p == parent), None)
+        if layer is None:
+            raise RuntimeError(f"the experts {name!r} share a block with no attention layer")
+        if layer in layer_sel:
+            found[id(module)] = layer
+    return found
+
+
+def _expert_trace(
+    model: torch.nn.Module, expert_layers: dict[int, int], routed: dict[int, Any], T: int
+) -> ExpertTrace | None:
+    if not expert_layers:
+        return None
+    from attnlab.models.moe import MixtureOfExperts
+
+    missing = sorted(set(expert_layers.values()) - set(routed))
+    if missing:
+        raise RuntimeError(f"the experts of layers {missing} did not run during the forward pass")
+    layers = tuple(sorted(routed))
+    for p in layers:
+        if routed[p].experts.shape[0] != T:
+            raise RuntimeError(
+                f"the experts of layer {p} routed {routed[p].experts.shape[0]} tokens, expected {T}"
+            )
+    moes = [m for m in model.modules() if isinstance(m, MixtureOfExperts)]
+    return ExpertTrace(
+        layers=layers,
+        num_experts=moes[0].config.num_experts,
+        chosen=torch.stack([routed[p].experts.cpu() for p in layers]),  # (M, T, k)
+        weights=torch.stack([routed[p].weights.float().cpu() for p in layers]),  # (M, T, k)
+        shared=moes[0].shared is not None,
     )
 
 

@@ -149,6 +149,119 @@
     return 0;
   }
 
+  /* Mixture of experts: the routing of the layer at position li of A.layers, as
+   * {chosen: (T, k) expert indices, weights: (T, k) router weights, row-major}, or null
+   * when that layer has no experts. */
+  var EX = A ? A.experts : null;
+  var exCache = {};
+  function routing(li) {
+    if (!EX) return null;
+    var at = EX.layers.indexOf(A.layers[li]);
+    if (at < 0) return null;
+    if (!exCache[at]) {
+      exCache[at] = { chosen: EX.index_bytes === 2 ? u16(EX.chosen[at]) : u32(EX.chosen[at]),
+        weights: f32(EX.weights[at]) };
+    }
+    return exCache[at];
+  }
+  function routedText(r, q) {
+    var parts = [];
+    for (var j = 0; j < EX.top_k; j++) {
+      parts.push(S_.expert + " " + r.chosen[q * EX.top_k + j] + " (" +
+        r.weights[q * EX.top_k + j].toFixed(4) + ")");
+    }
+    return parts.join(", ");
+  }
+  /* The token x expert grid of one layer: a table of the weights when it is small, a
+   * heatmap (one pixel per cell, scaled) when it is not. Focused query row marked. */
+  var EX_TABLE_CELLS = 2048;
+  function expertGrid(li, focusRow) {
+    var r = routing(li);
+    var E = EX.num_experts, k = EX.top_k;
+    if (T * E <= EX_TABLE_CELLS) {
+      var t = el("table", "ex-table");
+      t.id = "experts-table";
+      var hr = el("tr");
+      hr.appendChild(el("th", null, S_.token));
+      for (var e = 0; e < E; e++) {
+        var th = el("th", "num", String(e));
+        th.scope = "col";
+        th.title = S_.expert + " " + e;
+        hr.appendChild(th);
+      }
+      t.appendChild(hr);
+      for (var q = 0; q < T; q++) {
+        var tr = el("tr");
+        tr.dataset.index = String(q);
+        if (q === focusRow) tr.className = "active";
+        var lab = el("th", null, "#" + q + " " + tokLabel(A.tokens[q]));
+        lab.scope = "row";
+        tr.appendChild(lab);
+        var cells = [];
+        for (e = 0; e < E; e++) {
+          cells.push(el("td", "num"));
+          tr.appendChild(cells[e]);
+        }
+        for (var j = 0; j < k; j++) {
+          var w = r.weights[q * k + j];
+          var td = cells[r.chosen[q * k + j]];
+          td.textContent = w.toFixed(2);
+          td.dataset.w = w.toFixed(6);
+          td.title = S_.expert + " " + r.chosen[q * k + j] + ": " + fmt(w);
+          td.style.background = "rgba(31,95,168," + (0.15 + 0.6 * Math.min(1, w)).toFixed(3) + ")";
+        }
+        t.appendChild(tr);
+      }
+      var wrap = el("div", "ex-wrap");
+      wrap.appendChild(t);
+      return wrap;
+    }
+    var cv = el("canvas", "ex-heat");
+    cv.id = "experts-heat";
+    paintExperts(cv, li);
+    cv.setAttribute("role", "img");
+    return cv;
+  }
+  function paintExperts(cv, li) {
+    var r = routing(li);
+    var E = EX.num_experts, k = EX.top_k;
+    var img = new ImageData(E, T);
+    for (var i = 0; i < E * T; i++) {
+      img.data[4 * i] = img.data[4 * i + 1] = img.data[4 * i + 2] = 255;
+      img.data[4 * i + 3] = 255;
+    }
+    var top = 0; // colours from 0 to the layer's largest weight (unrenormalised routers)
+    for (var m = 0; m < T * k; m++) if (r.weights[m] > top) top = r.weights[m];
+    for (var q = 0; q < T; q++) {
+      for (var j = 0; j < k; j++) {
+        var c = viridisRgb(top > 0 ? r.weights[q * k + j] / top : 0);
+        var at = 4 * (q * E + r.chosen[q * k + j]);
+        img.data[at] = c[0]; img.data[at + 1] = c[1]; img.data[at + 2] = c[2];
+      }
+    }
+    cv.width = E;
+    cv.height = T;
+    cv.getContext("2d").putImageData(img, 0, 0);
+  }
+  function drawExperts(insp) {
+    if (!EX) return;
+    var f = state.focus;
+    var box = el("div", "experts");
+    box.id = "experts";
+    box.appendChild(el("h3", null, S_.experts));
+    if (!routing(state.layer)) {
+      box.appendChild(el("p", "small", S_.no_experts));
+      insp.appendChild(box);
+      return;
+    }
+    box.appendChild(el("p", "small", S_.experts_caption
+      .replace("{layer}", A.layer_names[state.layer]).replace("{k}", EX.top_k)
+      .replace("{n}", EX.num_experts)));
+    if (EX.shared) box.appendChild(el("p", "small", S_.experts_shared));
+    box.appendChild(expertGrid(state.layer, f && f.side === "q" ? f.i : -1));
+    insp.appendChild(box);
+  }
+
   /* ------------------------------------------------------------------- state */
   var state = {
     view: "head",
@@ -508,6 +621,7 @@
     if (!f || !state.heads.length) {
       insp.appendChild(el("p", "small", S_.inspector_hint));
       drawMatrix(insp);
+      drawExperts(insp);
       return;
     }
     var other = f.side === "q" ? hv.kcol : hv.qcol;
@@ -520,6 +634,12 @@
     p.appendChild(el("strong", null, "#" + f.i + " " + tokLabel(tokText)));
     p.appendChild(document.createTextNode(" " + label + ":"));
     insp.appendChild(p);
+    var routed = f.side === "q" ? routing(state.layer) : null;
+    if (routed) {
+      var rp = el("p", "small", S_.routed_to + ": " + routedText(routed, f.i));
+      rp.id = "routed-to";
+      insp.appendChild(rp);
+    }
     // Shade the other column by the first selected head's weights.
     var n = f.side === "q" ? S : T;
     var hd0 = head(state.layer, hi0);
@@ -568,6 +688,7 @@
     });
     insp.appendChild(tbl);
     drawMatrix(insp);
+    drawExperts(insp);
   }
 
   /* The first selected head as a heatmap (binned when large), queries down, keys across;
@@ -690,9 +811,11 @@
     var scroll = el("div", "mv-scroll");
     var grid = el("div", "mv-grid");
     grid.id = "mv-grid";
-    grid.style.gridTemplateColumns = "auto repeat(" + A.heads.length + ", auto)";
+    var extra = EX ? 1 : 0;
+    grid.style.gridTemplateColumns = "auto repeat(" + (A.heads.length + extra) + ", auto)";
     grid.appendChild(el("div", "mv-label", ""));
     A.heads.forEach(function (h) { grid.appendChild(el("div", "mv-label", S_.head + " " + h)); });
+    if (EX) grid.appendChild(el("div", "mv-label", S_.experts));
     A.layers.forEach(function (l, li) {
       grid.appendChild(el("div", "mv-label", A.layer_names[li]));
       A.heads.forEach(function (h, hi) {
@@ -713,6 +836,23 @@
         });
         grid.appendChild(b);
       });
+      if (!EX) return;
+      if (!routing(li)) { grid.appendChild(el("div", "mv-label", "\u2013")); return; }
+      // beside the layer's heads: its token x expert routing (click: the head view)
+      var x = el("button", "thumb ex-thumb");
+      x.type = "button";
+      x.dataset.li = String(li);
+      x.dataset.layer = String(l);
+      var name = A.layer_names[li] + ", " + S_.experts;
+      x.setAttribute("aria-label", name);
+      x.title = name;
+      x.appendChild(el("canvas"));
+      x.addEventListener("click", function () {
+        state.layer = li;
+        state.focus = null;
+        showView("head", true);
+      });
+      grid.appendChild(x);
     });
     scroll.appendChild(grid);
     panel.appendChild(scroll);
@@ -721,7 +861,10 @@
     if (!A) return;
     if (!mvBuilt) {
       mvBuilt = true;
-      document.querySelectorAll("#mv-grid .thumb").forEach(function (b) {
+      document.querySelectorAll("#mv-grid .ex-thumb").forEach(function (b) {
+        paintExperts(b.firstChild, +b.dataset.li);
+      });
+      document.querySelectorAll("#mv-grid .thumb:not(.ex-thumb)").forEach(function (b) {
         var img = heatImage(+b.dataset.hi, +b.dataset.li, 64);
         var cv = b.firstChild;
         cv.width = img.width;
@@ -729,7 +872,7 @@
         cv.getContext("2d").putImageData(img, 0, 0);
       });
     }
-    document.querySelectorAll("#mv-grid .thumb").forEach(function (b) {
+    document.querySelectorAll("#mv-grid .thumb:not(.ex-thumb)").forEach(function (b) {
       b.classList.toggle("current", +b.dataset.li === state.layer &&
         state.heads.indexOf(+b.dataset.hi) >= 0);
     });

@@ -455,12 +455,16 @@ SMOLLM3 = dataclasses.replace(
         "no_rope_layer_interval": 4,
     },
     refuse={},
-    gguf_keys={},
-    gguf_weights={},
+    # llama.cpp's smollm3: every 4th layer NoPE (fixed), no window; q/k rows permuted as
+    # for "llama" (its converter is the llama one)
+    gguf_keys=_GGUF_KEYS_NO_WINDOW,
+    gguf_defaults={"no_rope_layer_interval": 4},
+    gguf_weights=LLAMA.gguf_weights,
     hook=_smollm3,
 )
 
 
+MAX_EXPERTS = 1 << 12
 _DENSE_MLP = ("blocks.{i}.mlp.gate", "blocks.{i}.mlp.up", "blocks.{i}.mlp.down")
 _EXPERT_KEYS: dict[str, tuple[str, ...]] = {
     "num_local_experts": ("num_local_experts", "num_experts"),
@@ -483,6 +487,8 @@ def _llama4(fields: dict[str, Any], config: Mapping[str, Any], source: Source) -
     ``intermediate_size_mlp``.
     """
     layers = fields["num_layers"]
+    if source == "gguf":
+        _llama4_gguf(fields, config)
     period = _period(fields, "no_rope_layer_interval")
     if fields.get("no_rope_layers") == []:
         fields.pop("no_rope_layers")
@@ -528,7 +534,8 @@ def _llama4(fields: dict[str, Any], config: Mapping[str, Any], source: Source) -
         isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < layers for i in moe
     ):
         raise ValueError(f"`moe_layers` must list layer indices 0..{layers - 1}, got {moe!r}")
-    width = config.get("intermediate_size", 8192)  # the experts' (the dense MLP's: _mlp)
+    # the experts' width (the dense MLP's is `intermediate_size_mlp`)
+    width = fields.pop("expert_size") if source == "gguf" else config.get("intermediate_size", 8192)
     if isinstance(width, bool) or not isinstance(width, int) or width < 1:
         raise ValueError(f"`intermediate_size` must be an integer >= 1, got {width!r}")
     experts = _experts(
@@ -542,10 +549,31 @@ def _llama4(fields: dict[str, Any], config: Mapping[str, Any], source: Source) -
     if moe:
         fields["moe"] = experts
         fields["layer_moe"] = tuple(i in moe for i in range(layers))
+    if source == "gguf":  # the file's rope keys are read by the loader, pairs interleaved
+        fields["rope_interleaved"] = True
+        return
     try:
         fields["rope"] = dataclasses.replace(RopeConfig.from_hf_config(config), interleaved=True)
     except (ValueError, TypeError) as e:
         raise ValueError(f"rope settings: {e}") from None
+
+
+def _llama4_gguf(fields: dict[str, Any], metadata: Mapping[str, Any]) -> None:
+    """What llama.cpp's ``llama4`` loader fixes rather than reads: chunks of 8192 on three
+    layers in four, every 4th layer NoPE with temperature tuning (floor 8192, scale 0.1:
+    ``gguf_defaults``), QK-norm on the rotary layers unless there are 128 experts (its
+    Maverick rule). The keys that would change that are refused, naming the key."""
+    window = metadata.get("llama4.attention.sliding_window")
+    if window == 0:  # llama.cpp: no chunks, rotary on every layer but the last (MobileLLM)
+        raise ValueError(
+            "`llama4.attention.sliding_window` = 0 (no chunked attention) is not supported yet"
+        )
+    for key in ("llama4.attention.sliding_window_pattern", "llama4.rope.freq_base_swa"):
+        if key in metadata and not (
+            key.endswith("freq_base_swa") and metadata[key] == metadata.get("llama4.rope.freq_base")
+        ):
+            raise ValueError(f"`{key}` = {metadata[key]!r} is not supported for llama4 yet")
+    fields["use_qk_norm"] = fields.get("num_local_experts") != 128
 
 
 LLAMA4_TEXT = dataclasses.replace(
@@ -602,8 +630,32 @@ LLAMA4_TEXT = dataclasses.replace(
             for w in ("gate", "up", "down")
         },
     },
-    gguf_keys={},
-    gguf_weights={},
+    gguf_arch="llama4",
+    gguf_keys={
+        **_GGUF_KEYS_NO_WINDOW,  # the window key is read by the hook (0: refused)
+        "num_local_experts": ("{arch}.expert_count",),
+        "num_experts_per_tok": ("{arch}.expert_used_count",),
+        "expert_size": ("{arch}.expert_feed_forward_length",),
+        "interleave_moe_layer_step": ("{arch}.interleave_moe_layer_step",),
+    },
+    gguf_defaults={
+        "no_rope_layer_interval": 4,
+        "attention_chunk_size": 8192,
+        "temperature_floor": 8192,
+        "temperature_scale": 0.1,
+    },
+    # llama4's converter does not permute q/k rows; the experts stacked (E, ...)
+    gguf_weights={
+        **_LLAMA_GGUF,
+        "blocks.{i}.mlp.router": ("blk.{i}.ffn_gate_inp", ""),
+        "blocks.{i}.mlp.experts.gate": ("blk.{i}.ffn_gate_exps", ""),
+        "blocks.{i}.mlp.experts.up": ("blk.{i}.ffn_up_exps", ""),
+        "blocks.{i}.mlp.experts.down": ("blk.{i}.ffn_down_exps", ""),
+        **{
+            f"blocks.{{i}}.mlp.shared.{w}": (f"blk.{{i}}.ffn_{w}_shexp", "")
+            for w in ("gate", "up", "down")
+        },
+    },
     hook=_llama4,
 )
 
@@ -630,6 +682,8 @@ def _experts(
     the expert width ``size`` or the one under ``size_key`` (popped); ``renormalize`` a
     fixed rule or the key of a true/false option (Qwen3-MoE's ``norm_topk_prob``)."""
     experts = _count(fields, "num_local_experts")
+    if experts > MAX_EXPERTS:  # an untrusted file must not make us allocate them
+        raise ValueError(f"`num_local_experts` = {experts} is more than {MAX_EXPERTS}")
     top_k = _count(fields, "num_experts_per_tok")
     if top_k > experts:
         raise ValueError(
@@ -639,6 +693,8 @@ def _experts(
     if size is None:
         size = fields["intermediate_size"] if size_key == "intermediate_size" else None
         size = _count(fields, size_key) if size is None else size
+    if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= 1 << 18:
+        raise ValueError(f"the experts' width must be an integer in 1..{1 << 18}, got {size!r}")
     norm = renormalize if isinstance(renormalize, bool) else _flag(fields, renormalize, False)
     return MoEConfig(
         experts,
@@ -706,8 +762,21 @@ MIXTRAL = dataclasses.replace(
         "blocks.{i}.mlp.experts.up": ("layers.{i}.block_sparse_moe.experts.{j}.w3", ""),
         "blocks.{i}.mlp.experts.down": ("layers.{i}.block_sparse_moe.experts.{j}.w2", ""),
     },
-    gguf_keys={},
-    gguf_weights={},
+    # llama.cpp writes Mixtral as architecture "llama" with `llama.expert_count` (read as
+    # this page: GGUF_VARIANTS); q/k rows permuted as for llama, the experts stacked
+    gguf_arch="llama",
+    gguf_keys={
+        **_GGUF_KEYS_NO_WINDOW,  # llama.cpp's llama architecture has no window
+        "num_local_experts": ("{arch}.expert_count",),
+        "num_experts_per_tok": ("{arch}.expert_used_count",),
+    },
+    gguf_weights={
+        **_without(LLAMA.gguf_weights, *_DENSE_MLP),
+        "blocks.{i}.mlp.router": ("blk.{i}.ffn_gate_inp", ""),
+        "blocks.{i}.mlp.experts.gate": ("blk.{i}.ffn_gate_exps", ""),
+        "blocks.{i}.mlp.experts.up": ("blk.{i}.ffn_up_exps", ""),
+        "blocks.{i}.mlp.experts.down": ("blk.{i}.ffn_down_exps", ""),
+    },
     hook=_mixtral,
 )
 
@@ -2060,8 +2129,28 @@ FAMILIES: dict[str, Family] = {
 }
 # config.json `model_type` -> family (a page may answer to several names)
 _BY_MODEL_TYPE = {t: f for f in FAMILIES.values() for t in (f.name, *f.model_types)}
-# GGUF `general.architecture` -> family
-_BY_GGUF_ARCH = {f.arch: f for f in FAMILIES.values()}
+# GGUF `general.architecture` -> family: the first page of an architecture answers for it
+_BY_GGUF_ARCH: dict[str, Family] = {}
+for _family in FAMILIES.values():
+    _BY_GGUF_ARCH.setdefault(_family.arch, _family)
+# Families llama.cpp writes under another's architecture, told apart by a metadata key
+# that is present and not 0: Mixtral is "llama" with experts.
+GGUF_VARIANTS: dict[str, tuple[tuple[str, str], ...]] = {
+    "llama": (("llama.expert_count", "mixtral"),),
+}
+
+
+def gguf_family(architecture: object, metadata: Mapping[str, Any]) -> Family:
+    """The family of a GGUF file: its ``general.architecture``'s (:func:`family_for`), or
+    the variant its metadata names (:data:`GGUF_VARIANTS`).
+
+    Raises:
+        ValueError: as :func:`family_for`.
+    """
+    for key, name in GGUF_VARIANTS.get(architecture, ()) if isinstance(architecture, str) else ():
+        if metadata.get(key) not in (None, 0):
+            return FAMILIES[name]
+    return family_for(architecture, "gguf")
 
 
 def family_for(name: object, source: Source = "hf") -> Family:

@@ -35,6 +35,9 @@ Shape legend: N tokens (B*T), C width, E experts, k experts per token, F expert 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Literal
 
@@ -49,6 +52,7 @@ __all__ = [
     "Routing",
     "ScoreCorrection",
     "clamped_swiglu",
+    "record_routing",
 ]
 
 
@@ -214,6 +218,32 @@ class Routing:
     weights: torch.Tensor
 
 
+# Receives (layer, routing) from every MixtureOfExperts forward run inside record_routing.
+RoutingRecorder = Callable[["MixtureOfExperts", Routing], None]
+_ROUTING_RECORDER: ContextVar[RoutingRecorder | None] = ContextVar(
+    "attnlab_routing_recorder", default=None
+)
+
+
+@contextmanager
+def record_routing(recorder: RoutingRecorder) -> Iterator[None]:
+    """Hand every :class:`MixtureOfExperts` forward run inside the block to ``recorder``.
+
+    ``recorder(layer, routing)`` gets the layer and its :class:`Routing` (detached). Like
+    :func:`attnlab.attention.record_attention` the recorder travels with the call (a
+    context variable), so two threads tracing one shared model see only their own tokens
+    (``last_routing`` is the layer's, shared by every caller).
+
+    Args:
+        recorder: ``(layer, routing) -> None``.
+    """
+    token = _ROUTING_RECORDER.set(recorder)
+    try:
+        yield
+    finally:
+        _ROUTING_RECORDER.reset(token)
+
+
 class MixtureOfExperts(nn.Module):
     """A routed feed-forward of gated experts, with an optional shared expert.
 
@@ -290,6 +320,9 @@ class MixtureOfExperts(nn.Module):
         flat = x.reshape(-1, C)  # (N, C)
         routing = self.route(flat)
         self.last_routing = Routing(routing.experts.detach(), routing.weights.detach())
+        recorder = _ROUTING_RECORDER.get()
+        if recorder is not None:
+            recorder(self, self.last_routing)
         k = self.config.top_k
         slots = routing.experts.reshape(-1)  # (N*k,): token n's j-th choice at n*k + j
         order = slots.argsort(stable=True)  # slots grouped by expert

@@ -16,6 +16,7 @@ No math here: only names, shapes and checks.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import typing
@@ -30,7 +31,14 @@ from torch import nn
 from attnlab.models.decoder import Decoder, DecoderConfig
 from attnlab.models.encoder import Encoder, EncoderConfig
 from attnlab.models.encoder_decoder import EncoderDecoder, EncoderDecoderConfig
-from attnlab.models.families import ACTIVATION_NAMES, Family, Source, WeightRule, family_for
+from attnlab.models.families import (
+    ACTIVATION_NAMES,
+    Family,
+    Source,
+    WeightRule,
+    family_for,
+    gguf_family,
+)
 from attnlab.norms import QKNorm
 from attnlab.pretrained.errors import ModelFileError
 from attnlab.rope import (
@@ -137,10 +145,18 @@ def _check_field(name: str, value: Any, kind: Any, where: str, key: str | None =
     return value
 
 
-def family_from(name: object, where: str | Path, source: Source = "hf") -> Family:
-    """:func:`attnlab.models.families.family_for`, its refusal as a :class:`ModelFileError`
-    naming the file."""
+def family_from(
+    name: object,
+    where: str | Path,
+    source: Source = "hf",
+    metadata: Mapping[str, Any] | None = None,
+) -> Family:
+    """:func:`attnlab.models.families.family_for` (with a GGUF file's ``metadata``:
+    :func:`~attnlab.models.families.gguf_family`, which tells the families llama.cpp writes
+    under one architecture apart), its refusal as a :class:`ModelFileError` naming the file."""
     try:
+        if source == "gguf" and metadata is not None:
+            return gguf_family(name, metadata)
         return family_for(name, source)
     except ValueError as e:
         raise ModelFileError(where, str(e)) from None
@@ -313,6 +329,7 @@ def _decoder_fields(
             f"`{arch}.attention.value_length` = {value_dim} differs from the key head dim "
             f"{head_dim}; attnlab's attention has one head dim for keys and values",
         )
+    interleaved = fields.pop("rope_interleaved", False)  # a hook's: pairs side by side
     rope_dims = fields.pop("rope_dims", None)
     factors = fields.pop("rope_factors", None)
     longrope = fields.pop("rope_longrope", None)
@@ -327,6 +344,8 @@ def _decoder_fields(
                 factors=factors,
                 longrope=longrope,
             )
+            if interleaved:
+                fields["rope"] = dataclasses.replace(fields["rope"], interleaved=True)
         else:
             try:
                 fields["rope"] = RopeConfig.from_hf_config(config)

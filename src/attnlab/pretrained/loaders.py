@@ -304,7 +304,7 @@ def gguf_config(contents: GGUFContents) -> tuple[Family, AnyConfig]:
             disagree with the metadata (named), or metadata the family cannot express.
     """
     path, meta = contents.path, contents.metadata
-    family = family_from(meta.get("general.architecture"), path, "gguf")
+    family = family_from(meta.get("general.architecture"), path, "gguf", meta)
     infos = contents.tensor_infos
     # llama.cpp reads the optional biases by their presence (no metadata says so); a
     # family whose page fixes them keeps its own value

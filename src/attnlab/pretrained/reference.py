@@ -10,7 +10,7 @@ import inspect
 import re
 from typing import Any
 
-from attnlab.models.families import FAMILIES, Family
+from attnlab.models.families import FAMILIES, GGUF_VARIANTS, Family
 from attnlab.pretrained.gguf_file import _BLOCK_KERNELS
 
 __all__ = ["families_page", "gguf_types"]
@@ -45,6 +45,9 @@ def _default(value: Any) -> str:
 def _family_row(family: Family) -> str:
     types = _code((family.name, *family.model_types))
     gguf = f"`{family.arch}`" if family.gguf_weights else "-"
+    for key, name in GGUF_VARIANTS.get(family.arch, ()):
+        if name == family.name:  # written under another family's architecture
+            gguf += f" with `{key}`"
     sets = _code(f"{k}={v!r}" for k, v in family.fixed.items() if k != "family")
     own = "-"
     if family.hook is not None:  # the first sentence of its docstring

@@ -11,6 +11,7 @@ tile); tiles the mask removes entirely are not planned.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
 from typing import Literal
@@ -272,8 +273,15 @@ def is_causal_square(blk: MaskBlock) -> bool:
     n = allowed.shape[-1]
     if allowed.shape[-2] != n:
         return False
-    tril = torch.ones(n, n, dtype=torch.bool, device=allowed.device).tril_()
-    return bool((allowed == tril).all())
+    # torch.equal compares bytes; `(allowed == tril).all()` costs ~10x more on big tiles
+    tril = _tril(n, allowed.device).expand_as(allowed)
+    return allowed.dtype == torch.bool and torch.equal(allowed, tril)
+
+
+@functools.lru_cache(maxsize=8)
+def _tril(n: int, device: torch.device) -> torch.Tensor:
+    """The ``(n, n)`` causal triangle, kept for comparisons only (never handed out)."""
+    return torch.ones(n, n, dtype=torch.bool, device=device).tril_()
 
 
 def resolve(tile: Tile, rb: RowBlock, geo: Geometry) -> Tile:
