@@ -135,3 +135,20 @@ def test_repeated_random_text_names_a_bad_argument(kwargs):
     args = {"n_sequences": 2, **kwargs}
     with pytest.raises(ValueError, match=f"`{next(iter(kwargs))}`"):
         repeated_random_text(**args)
+
+
+def test_repeated_random_text_with_min_length_draws_a_length_per_sequence():
+    from attnlab.data import repeated_random_text
+
+    text = repeated_random_text(40, 9, min_length=3, n_words=50, seed=5)
+    ids = get_tokenizer().encode(text)
+    assert len(ids) == text.count(" ")  # still one token per word
+    lengths, pos = [], 0
+    while pos < len(ids):  # each sequence is followed by its copy
+        n = next(n for n in range(3, 10) if ids[pos : pos + n] == ids[pos + n : pos + 2 * n])
+        lengths.append(n)
+        pos += 2 * n
+    assert pos == len(ids) and len(lengths) == 40
+    assert min(lengths) >= 3 and max(lengths) <= 9 and len(set(lengths)) >= 4
+    with pytest.raises(ValueError, match="`min_length`"):
+        repeated_random_text(2, 4, min_length=5)

@@ -142,24 +142,34 @@ def load_text(path: str | os.PathLike[str] | None = None) -> str:
 
 
 def repeated_random_text(
-    n_sequences: int, length: int = 32, *, n_words: int = 200, seed: int = 0
+    n_sequences: int,
+    length: int = 32,
+    *,
+    min_length: int | None = None,
+    n_words: int = 200,
+    seed: int = 0,
 ) -> str:
     """Random word sequences, each followed by its own copy: a text that teaches induction.
 
     The words are the first ``n_words`` distinct lowercase words of the embedded story that
     GPT-2 BPE encodes, with their leading space, as one token each; every sequence is
-    ``length`` of them drawn uniformly (``random.Random(seed)``) and written twice, so the
-    text is ``n_sequences * 2 * length`` tokens, each ``" word"``. The second copy of a
-    sequence can only be predicted by looking back at the first (an induction head); the
-    first copy cannot be predicted at all. Every sequence has the same ``length``, so a
-    model can also learn the copy from positions alone (a first-layer head that attends
-    ``length - 1`` tokens back, wherever the windows start); such a head scores as
-    induction only on a sequence of that same length, so score a trained model with
-    another length (``attnlab heads --n``) to tell it from an induction head.
+    ``length`` of them drawn uniformly (``random.Random(seed)``) and written twice, each
+    token ``" word"``. The second copy of a sequence can only be predicted by looking back
+    at the first (an induction head); the first copy cannot be predicted at all.
+
+    With ``min_length``, each sequence draws its own length uniformly from
+    ``min_length..length``. Without it every sequence has the same ``length`` (the text is
+    ``n_sequences * 2 * length`` tokens), and a model can learn the copy from positions
+    alone: a first-layer head that attends ``length - 1`` tokens back, which scores as
+    induction only on a sequence of that same length. Varied lengths take that shortcut
+    away; either way, score a trained model on a length it was not trained on
+    (``attnlab heads --n``) to tell an induction head from a positional one.
 
     Args:
         n_sequences: how many sequences.
-        length: words per sequence (half the tokens of one sequence and its copy).
+        length: words per sequence (half the tokens of one sequence and its copy); with
+            ``min_length``, the longest.
+        min_length: the shortest sequence, or None for every sequence ``length`` long.
         n_words: size of the vocabulary drawn from.
         seed: seed of the draw.
 
@@ -167,14 +177,20 @@ def repeated_random_text(
         The text (words separated by single spaces, starting with a space).
 
     Raises:
-        ValueError: if an argument is not a positive int, or the story has fewer than
-            ``n_words`` such words.
+        ValueError: if an argument is not a positive int, ``min_length`` exceeds
+            ``length``, or the story has fewer than ``n_words`` such words.
     """
     import random
 
     for name, v in (("n_sequences", n_sequences), ("length", length), ("n_words", n_words)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"`{name}` must be an int >= 1, got {v!r}")
+    if min_length is not None and (
+        isinstance(min_length, bool)
+        or not isinstance(min_length, int)
+        or not 1 <= min_length <= length
+    ):
+        raise ValueError(f"`min_length` must be an int in 1..length ({length}), got {min_length!r}")
     tok = get_tokenizer()
     words: list[str] = []
     for w in dict.fromkeys(re.findall(r"[a-z]+", default_corpus())):
@@ -190,7 +206,8 @@ def repeated_random_text(
     rng = random.Random(seed)
     parts = []
     for _ in range(n_sequences):
-        seq = [rng.choice(words) for _ in range(length)]
+        n = length if min_length is None else rng.randint(min_length, length)
+        seq = [rng.choice(words) for _ in range(n)]
         parts.append("".join(" " + w for w in seq + seq))
     return "".join(parts)
 

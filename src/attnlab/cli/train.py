@@ -100,6 +100,10 @@ def train(
             "(default: the preset's).",
         ),
     ] = None,
+    layers: Annotated[
+        int | None,
+        typer.Option("--layers", help="Transformer blocks of the model (default: the preset's)."),
+    ] = None,
     steps: Annotated[
         int | None, typer.Option(help="Optimizer steps (default 200, or use --epochs).")
     ] = None,
@@ -113,6 +117,16 @@ def train(
     ] = None,
     text: Annotated[
         Path | None, typer.Option(help="UTF-8 text file (default: the embedded story).")
+    ] = None,
+    repeated_words: Annotated[
+        str | None,
+        typer.Option(
+            "--repeated-words",
+            metavar="MIN-MAX",
+            help="Instead of a text, train on random one-token words: sequences of MIN to MAX "
+            "words (drawn by --seed), each followed by its copy, the data that grows "
+            "induction heads.",
+        ),
     ] = None,
     out: Annotated[
         Path | None,
@@ -154,11 +168,13 @@ def train(
         argv = _train_argv(
             preset=preset,
             context_length=context_length,
+            layers=layers,
             steps=steps,
             epochs=epochs,
             batch_size=batch_size,
             lr=lr,
             text=text,
+            repeated_words=repeated_words,
             out=out,
             seed=seed,
             resume=resume,
@@ -168,16 +184,13 @@ def train(
         with user_input():
             TrainConfig(
                 preset=preset,
-                model=_model_config(preset, context_length),
+                model=_model_config(preset, context_length, layers),
                 steps=steps,
                 epochs=epochs,
                 batch_size=batch_size,
                 lr=lr,
             )
-            if text is not None:
-                from attnlab.data import load_text
-
-                load_text(text)
+            _corpus(text, repeated_words, seed)
         from attnlab.train import launch
 
         try:
@@ -191,13 +204,12 @@ def train(
             raise typer.Exit(EXIT_INTERRUPTED)
         return
 
-    from attnlab.data import load_text
     from attnlab.train import Trainer, stop_on_signals
 
     with user_input():
         config = TrainConfig(
             preset=preset,
-            model=_model_config(preset, context_length),
+            model=_model_config(preset, context_length, layers),
             steps=steps,
             epochs=epochs,
             batch_size=batch_size,
@@ -206,7 +218,7 @@ def train(
             eval_interval=eval_interval,
             backend=backend,
         )
-        corpus = load_text(text)
+        corpus = _corpus(text, repeated_words, seed)
     view = _TrainView()
     try:
         with user_input():
@@ -231,6 +243,8 @@ def train(
     if result.interrupted:
         again = ["attnlab", "train", "--resume", str(result.out_dir)]
         again += ["--text", str(text)] if text is not None else []
+        if repeated_words is not None:
+            again += ["--repeated-words", repeated_words, "--seed", str(seed)]
         again += ["--nproc", str(world)] if world > 1 else []
         output.note(
             f"interrupted at step {result.steps_done}/{result.total_steps}; checkpoint saved in "
@@ -246,15 +260,45 @@ def train(
     )
 
 
-def _model_config(preset: str, context_length: int | None) -> Any:
-    """The preset's model config with ``--context-length`` applied; None keeps the preset."""
-    if context_length is None:
+def _model_config(preset: str, context_length: int | None, layers: int | None) -> Any:
+    """The preset's model config with ``--context-length`` and ``--layers`` applied; None
+    when neither is given (the preset itself)."""
+    if context_length is None and layers is None:
         return None
     from attnlab.models.gpt import GPTConfig
 
-    if context_length < 1:
-        raise ValueError(f"`--context-length` must be >= 1, got {context_length}")
-    return GPTConfig.preset(preset, context_length=context_length)
+    overrides: dict[str, int] = {}
+    for flag, name, value in (
+        ("--context-length", "context_length", context_length),
+        ("--layers", "n_layers", layers),
+    ):
+        if value is not None:
+            if value < 1:
+                raise ValueError(f"`{flag}` must be >= 1, got {value}")
+            overrides[name] = value
+    return GPTConfig.preset(preset, **overrides)
+
+
+# Tokens of --repeated-words data: a few hundred steps of 8 windows never see a window twice.
+REPEATED_TOKENS = 200_000
+
+
+def _corpus(text: Path | None, repeated_words: str | None, seed: int) -> str:
+    """The training text: ``--text``, the ``--repeated-words`` data, or the embedded story."""
+    from attnlab.data import load_text, repeated_random_text
+
+    if repeated_words is None:
+        return load_text(text)
+    if text is not None:
+        raise ValueError("give `--text` or `--repeated-words`, not both")
+    low, sep, high = repeated_words.partition("-")
+    if not (sep and low.isdigit() and high.isdigit() and 1 <= int(low) <= int(high)):
+        raise ValueError(
+            f"`--repeated-words` must be MIN-MAX with 1 <= MIN <= MAX, e.g. 5-20; "
+            f"got {repeated_words!r}"
+        )
+    n_sequences = max(1, REPEATED_TOKENS // (int(low) + int(high)))  # mean 2 * (MIN+MAX)/2
+    return repeated_random_text(n_sequences, int(high), min_length=int(low), seed=seed)
 
 
 def _run_recorded(trainer: Any) -> Any:

@@ -458,10 +458,22 @@ def _rollout_work(
     registry: ModelRegistry, name: str, text: str, residual: float, limits: ServeLimits
 ) -> dict[str, Any]:
     from attnlab.explain.heads import rollout
-    from attnlab.explain.model_trace import trace_model
+    from attnlab.explain.model_trace import MAX_DENSE_ELEMENTS, attention_layers, trace_model
 
     loaded = _causal_model(registry, name)
     ids = _encode(loaded, text, limits)
+    # Rollout multiplies every layer's full (T, T) weights, so the trace must be dense. Checked
+    # here because trace_model's own refusal suggests `top_k`, which this endpoint has not.
+    layers = attention_layers(loaded.model)
+    L, H = len(layers), int(layers[0].num_heads)
+    most = math.isqrt(MAX_DENSE_ELEMENTS // (L * H))
+    if len(ids) > most:
+        raise ApiError(
+            413,
+            f"`text` has {len(ids):,} tokens; rollout keeps all {L} layers x {H} heads of "
+            f"T x T attention weights, so for this model it takes at most {most:,} tokens; "
+            "send a shorter text",
+        )
     with _user_errors():
         trace = trace_model(loaded.model, ids, tokenizer=loaded.tokenizer)
     assert trace.weights is not None
