@@ -378,6 +378,8 @@ def _heads_work(
 
     loaded = _causal_model(registry, name)
     ids = _encode(loaded, text, limits) if text.strip() else None
+    if ids is not None:
+        _check_dense(loaded, ids, "head scoring")
     with _user_errors():
         scores = head_scores(loaded.model, ids)
     L, H = next(iter(scores.values())).shape
@@ -454,26 +456,35 @@ def _lens_work(
     }
 
 
-def _rollout_work(
-    registry: ModelRegistry, name: str, text: str, residual: float, limits: ServeLimits
-) -> dict[str, Any]:
-    from attnlab.explain.heads import rollout
-    from attnlab.explain.model_trace import MAX_DENSE_ELEMENTS, attention_layers, trace_model
+def _check_dense(loaded: LoadedModel, ids: list[int], what: str) -> None:
+    """Refuse (413, naming ``text``) a text too long for every layer's full (T, T) weights.
 
-    loaded = _causal_model(registry, name)
-    ids = _encode(loaded, text, limits)
-    # Rollout multiplies every layer's full (T, T) weights, so the trace must be dense. Checked
-    # here because trace_model's own refusal suggests `top_k`, which this endpoint has not.
+    Checked here because trace_model's own refusal suggests ``top_k``, which the endpoints
+    that need dense weights (head scores, rollout) do not have.
+    """
+    from attnlab.explain.model_trace import MAX_DENSE_ELEMENTS, attention_layers
+
     layers = attention_layers(loaded.model)
     L, H = len(layers), int(layers[0].num_heads)
     most = math.isqrt(MAX_DENSE_ELEMENTS // (L * H))
     if len(ids) > most:
         raise ApiError(
             413,
-            f"`text` has {len(ids):,} tokens; rollout keeps all {L} layers x {H} heads of "
+            f"`text` has {len(ids):,} tokens; {what} keeps all {L} layers x {H} heads of "
             f"T x T attention weights, so for this model it takes at most {most:,} tokens; "
             "send a shorter text",
         )
+
+
+def _rollout_work(
+    registry: ModelRegistry, name: str, text: str, residual: float, limits: ServeLimits
+) -> dict[str, Any]:
+    from attnlab.explain.heads import rollout
+    from attnlab.explain.model_trace import trace_model
+
+    loaded = _causal_model(registry, name)
+    ids = _encode(loaded, text, limits)
+    _check_dense(loaded, ids, "rollout")
     with _user_errors():
         trace = trace_model(loaded.model, ids, tokenizer=loaded.tokenizer)
     assert trace.weights is not None
