@@ -119,6 +119,10 @@ def int4_codes(
     )
 
 
+# GGUF types whose blocks read as the codes of a weight format (attnlab.quant.WeightFormat's
+# gguf_types name the types each format takes), as row-aligned tensors.
+CODE_READERS = {"Q4_0": int4_codes, "Q4_1": int4_codes}
+
 _BLOCK_KERNELS = {
     "Q4_0": (18, dequantize_q4_0),
     "Q4_1": (20, dequantize_q4_1),
@@ -253,6 +257,27 @@ class GGUFContents:
             raise ModelFileError(self.path, f"tensor {name!r}: {e}") from None
         if info.type_name not in _BLOCK_KERNELS:
             check_finite(out, name, self.path)
+        return out
+
+    def codes(self, name: str) -> tuple[torch.Tensor, ...]:
+        """Tensor ``name``'s blocks as codes, not dequantised (:data:`CODE_READERS`; for the
+        4-bit types :func:`int4_codes`).
+
+        Raises:
+            ModelFileError: no such tensor, a type without codes here, or NaN / inf in its
+                quantisation scales (named).
+        """
+        if name not in self.tensor_infos:
+            raise ModelFileError(self.path, f"has no tensor {name!r}")
+        info = self.tensor_infos[name]
+        if info.type_name not in CODE_READERS:
+            raise ModelFileError(self.path, f"tensor {name!r}: no codes for type {info.type_name}")
+        try:
+            out = CODE_READERS[info.type_name](self.raw(name), info.type_name, info.shape)
+        except ValueError as e:  # a shape the blocks do not fit
+            raise ModelFileError(self.path, f"tensor {name!r}: {e}") from None
+        for t in out[1:]:  # codes are finite; the scales and zeros are checked
+            check_finite(t, name, self.path, what="quantisation scale")
         return out
 
     def raw(self, name: str) -> np.ndarray:
