@@ -15,7 +15,11 @@ of the weights (the explainer) see a plain matrix.
   columns, each group with a scale and a zero, ``w = (q - 8) * scale + zero``; the CPU
   kernel ``torch.ops.aten._weight_int4pack_mm_for_cpu``. GGUF's Q4_0 and Q4_1 blocks are
   this format with groups of 32 (Q4_0: ``zero = 0``; Q4_1: ``w = q*d + m``, so
-  ``zero = m + 8d``) and are taken as they are, codes unchanged (:meth:`Int4Linear.from_codes`).
+  ``zero = m + 8d``), and so is each 32-weight sub-block of a Q4_K super-block
+  (``w = d sc q - dmin m``: ``scale = d sc``, ``zero = 8 d sc - dmin m``); they are taken
+  as they are, codes unchanged (:meth:`Int4Linear.from_codes`), the scales and zeros
+  rounded to bfloat16. GGUF's 5-, 6- and 8-bit types go to bf16 instead
+  (:attr:`WeightFormat.gguf_instead`).
 
 Both int kernels need bfloat16 activations, scales and zeros on the CPU (they accept fp32
 inputs, but their fast path is bf16's). They are made for a few rows (decoding): from
@@ -31,7 +35,8 @@ Shape legend: N output features (rows), K input features, M rows of input (B*T).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
@@ -87,6 +92,9 @@ class WeightFormat(nn.Module):
     name: ClassVar[str]
     #: GGUF tensor types whose blocks this format holds as stored (codes unchanged).
     gguf_types: ClassVar[frozenset[str]] = frozenset()
+    #: GGUF types this format would hold only by quantising their values again, by the
+    #: format that holds them with less loss (a loader stores such tensors in that one).
+    gguf_instead: ClassVar[Mapping[str, str]] = MappingProxyType({})
     #: The format a weight gets when this one cannot hold its shape (:meth:`why_not`).
     fallback: ClassVar[str | None] = None
 
@@ -299,7 +307,13 @@ class Int4Linear(WeightFormat):
     """
 
     name = "int4"
-    gguf_types = frozenset({"Q4_0", "Q4_1"})
+    gguf_types = frozenset({"Q4_0", "Q4_1", "Q4_K"})
+    # The 5-, 6- and 8-bit types have more levels than 4 bits: as int4 they would be
+    # quantised again; bf16 holds their values to its rounding (int8, one scale per row,
+    # loses more: ``benchmarks/bench_llama_cpp.py``'s agreement, docs/guides/llama-cpp.md).
+    gguf_instead: ClassVar[Mapping[str, str]] = MappingProxyType(
+        {t: "bfloat16" for t in ("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")}
+    )
     fallback = "int8"
     packed: torch.Tensor
     scales_and_zeros: torch.Tensor

