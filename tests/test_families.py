@@ -287,7 +287,7 @@ def test_decoder_greedy_tokens_match_transformers_generate(checkpoints, family):
     assert ours.tolist() == theirs.tolist()
     assert len(set(ours[0, ids.shape[1] :].tolist())) > 1
     # ... decoded by the fast one-token step (every layout but ALiBi's)
-    assert ("_decode_plan" in model.__dict__) == (family != "bloom")
+    assert (model._decode_plan is not None) == (family != "bloom")
 
 
 @pytest.mark.parametrize("static", [False, True], ids=["growing", "static"])
@@ -352,7 +352,7 @@ def test_loading_copies_no_weight_and_the_step_fuses_what_the_file_stored_fused(
     are copied once into column-major memory (attnlab.quant.column_major)."""
     dtype = (torch.float32, torch.bfloat16)[dtype_dir]
     model, _ = load_pretrained(checkpoints[family][dtype_dir], dtype=dtype)
-    assert "_decode_plan" not in model.__dict__  # built at the first one-token step
+    assert model._decode_plan is None  # built at the first one-token step
     file_storage = model.tok_embeddings.weight.untyped_storage().data_ptr()
     for name, p in model.named_parameters():
         assert p.untyped_storage().data_ptr() == file_storage, name

@@ -263,6 +263,23 @@ def test_gguf_q4_codes_kept_as_int4_through_the_fused_splits(hf_dirs, tmp_path, 
         torch.testing.assert_close(packed(ids), model(ids), atol=0.1, rtol=0)
 
 
+def test_gguf_q8_0_linears_go_to_bf16_under_int4_not_requantised(hf_dirs, tmp_path):
+    """dtype="int4" on 8-bit blocks: every projection, and the head tied to the Q8_0
+    embedding, is the file's value rounded once to bf16 (int4 would quantise it again)."""
+    from attnlab.quant import BF16Linear
+
+    path = tmp_path / "gemma2.Q8_0.gguf"
+    write_gguf(hf_dirs["gemma2"], path, "gemma2", "Q8_0")
+    model, _ = load_pretrained(path)
+    held, _ = load_pretrained(path, dtype="int4")
+    layers = {n: m for n, m in held.named_modules() if hasattr(m, "in_features")}
+    assert "lm_head" in layers and len(layers) >= 7 * CONFIGS["gemma2"]["num_hidden_layers"]
+    for name, layer in layers.items():
+        assert isinstance(layer, BF16Linear), name
+        values = model.get_submodule(name).weight  # the file dequantised
+        assert torch.equal(layer.weight, values.to(torch.bfloat16).float()), name
+
+
 def test_gguf_gemma2_summary_shows_softcaps_and_the_window_pattern(hf_dirs, tmp_path, capsys):
     from cli_runner import run_main
 

@@ -248,3 +248,37 @@ def test_int8_takes_the_dense_product_where_the_kernel_cannot(K):
         with torch.no_grad():
             expected = x @ q.weight.T + linear.bias
             torch.testing.assert_close(q(x), expected, atol=0.05, rtol=0.02)
+
+
+def _q4_k_blocks(rng: np.random.Generator, n_blocks: int) -> np.ndarray:
+    """Q4_K super-blocks (144 bytes): fp16 d and dmin, 12 bytes of 6-bit scales and mins,
+    128 bytes of nibbles; every bit pattern is a valid block."""
+    d = (rng.random((n_blocks, 2)) * 0.02).astype(np.float16).view(np.uint8)  # d, dmin
+    rest = rng.integers(0, 256, (n_blocks, 140), dtype=np.uint8)
+    return np.concatenate([d, rest], axis=1)  # (N, 144)
+
+
+def test_gguf_q4_k_codes_pack_to_ggml_dequantisation_up_to_bf16_scales():
+    gquants = pytest.importorskip("gguf.quants", reason="pip install 'attnlab[pretrained]'")
+    rng = np.random.default_rng(5)
+    R, K = 64, 512
+    blocks = _q4_k_blocks(rng, R * K // 256)
+    raw = blocks.reshape(R, K // 256 * 144)  # one row of super-blocks per weight row
+    expected = torch.from_numpy(gquants.dequantize(raw, gquants.GGMLQuantizationType.Q4_K))
+    assert expected.shape == (R, K)
+    codes, scales, zeros = int4_codes(blocks, "Q4_K", (R, K))
+    assert codes.shape == (R, K) and scales.shape == zeros.shape == (R, K // 32)
+    # In float32 the sub-blocks' scale and zero give gguf-py's values exactly (but for
+    # the one rounding of zero = 8 d sc - dmin m) ...
+    rebuilt = (codes.float() - 8) * scales.repeat_interleave(32, 1) + zeros.repeat_interleave(32, 1)
+    torch.testing.assert_close(rebuilt, expected, atol=1e-6, rtol=1e-6)
+    # ... and the kernel's bf16 scale and zero move a weight by at most their rounding
+    # (relative 2^-8 each).
+    lin = Int4Linear.from_codes(codes, scales, zeros)
+    s, z = scales.repeat_interleave(32, 1), zeros.repeat_interleave(32, 1)
+    bound = 2**-8 * ((codes.float() - 8).abs() * s.abs() + z.abs()) + 1e-6  # unit roundoff
+    err = (lin.weight - expected).abs()
+    assert bool((err <= bound).all()), (err / bound).max()
+    torch.testing.assert_close(dequantize(blocks, "Q4_K", (R, K)), expected, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="whole blocks"):
+        int4_codes(blocks, "Q4_K", (4 * R, K // 4))  # rows of half a super-block

@@ -1,18 +1,25 @@
 """Weight precision for inference: bf16 and weight-only int8 / int4 linear layers.
 
-Each class here is a drop-in for ``nn.Linear`` in a model that only runs forward: it
-takes and returns the input's dtype (fp32 activations stay fp32), runs the product in
-bfloat16 against its stored weights, and exposes ``weight`` (dequantised, float32) so
-that readers of the weights (the explainer) see a plain matrix.
+Each format is a class (:class:`WeightFormat`), registered by name in
+:data:`WEIGHT_FORMATS`, that builds itself from a float weight or from its own codes (a
+GGUF file's blocks as stored, for the types it names), fuses with its siblings into one
+product, and is a drop-in for ``nn.Linear`` in a model that only runs forward: it takes
+and returns the input's dtype (fp32 activations stay fp32), runs the product in bfloat16
+against its stored weights, and exposes ``weight`` (dequantised, float32) so that readers
+of the weights (the explainer) see a plain matrix.
 
-- :class:`BF16Linear`: the weight rounded to bfloat16.
-- :class:`Int8Linear`: one int8 per weight and one scale per output row (symmetric),
-  ``torch.ops.aten._weight_int8pack_mm``.
-- :class:`Int4Linear`: 4-bit codes in groups of ``group_size`` input columns, each
-  group with a scale and a zero, ``w = (q - 8) * scale + zero``; the CPU kernel
-  ``torch.ops.aten._weight_int4pack_mm_for_cpu``. GGUF's Q4_0 and Q4_1 blocks are this
-  format with groups of 32 (Q4_0: ``zero = 0``; Q4_1: ``w = q*d + m``, so
-  ``zero = m + 8d``) and are taken as they are, codes unchanged (:meth:`Int4Linear.from_codes`).
+- :class:`BF16Linear` (``"bfloat16"``): the weight rounded to bfloat16.
+- :class:`Int8Linear` (``"int8"``): one int8 per weight and one scale per output row
+  (symmetric), ``torch.ops.aten._weight_int8pack_mm``.
+- :class:`Int4Linear` (``"int4"``): 4-bit codes in groups of ``group_size`` input
+  columns, each group with a scale and a zero, ``w = (q - 8) * scale + zero``; the CPU
+  kernel ``torch.ops.aten._weight_int4pack_mm_for_cpu``. GGUF's Q4_0 and Q4_1 blocks are
+  this format with groups of 32 (Q4_0: ``zero = 0``; Q4_1: ``w = q*d + m``, so
+  ``zero = m + 8d``), and so is each 32-weight sub-block of a Q4_K super-block
+  (``w = d sc q - dmin m``: ``scale = d sc``, ``zero = 8 d sc - dmin m``); they are taken
+  as they are, codes unchanged (:meth:`Int4Linear.from_codes`), the scales and zeros
+  rounded to bfloat16. GGUF's 5-, 6- and 8-bit types go to bf16 instead
+  (:attr:`WeightFormat.gguf_instead`).
 
 Both int kernels need bfloat16 activations, scales and zeros on the CPU (they accept fp32
 inputs, but their fast path is bf16's). They are made for a few rows (decoding): from
@@ -28,27 +35,29 @@ Shape legend: N output features (rows), K input features, M rows of input (B*T).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, Literal, get_args
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
 __all__ = [
     "WEIGHT_DTYPES",
+    "WEIGHT_FORMATS",
     "BF16Linear",
     "Int4Linear",
     "Int8Linear",
-    "WeightDtype",
+    "WeightFormat",
     "column_major",
     "fuse_rows",
+    "holding",
     "quantize_linear",
     "quantize_model",
+    "register_format",
     "unpack_int4_t",
+    "weight_format",
 ]
-
-WeightDtype = Literal["float32", "bfloat16", "int8", "int4"]
-WEIGHT_DTYPES: tuple[str, ...] = get_args(WeightDtype)
 
 _PACK_TILE = 64  # rows per tile of the CPU int4 packing: packs of 64-row parts concatenate
 
@@ -57,7 +66,109 @@ def _as_2d(x: torch.Tensor, k: int) -> torch.Tensor:
     return x.reshape(-1, k).to(torch.bfloat16)  # (M, K)
 
 
-class BF16Linear(nn.Module):
+def _row_slices(parts: Sequence[Any]) -> list[slice]:
+    """The rows of each part in their stacked product."""
+    out, start = [], 0
+    for m in parts:
+        out.append(slice(start, start + m.out_features))
+        start += m.out_features
+    return out
+
+
+class WeightFormat(nn.Module):
+    """A linear layer's weight in one stored format; the base of the formats here.
+
+    A format is registered under its :attr:`name` (:data:`WEIGHT_FORMATS`,
+    :func:`register_format`) and builds itself from a float weight (:meth:`from_float`)
+    or from its own codes (:meth:`from_rows`: tensors whose first dimension is the
+    weight's rows, so that a loader's renames, head permutations and row splits apply to
+    them as to a weight; a GGUF tensor of a type in :attr:`gguf_types` is read into them
+    as stored, ``attnlab.pretrained.gguf_file.block_codes``), and stacks the rows of
+    siblings that read the same input into one product (:meth:`fuse`). Its forward takes
+    and returns the input's dtype and runs :meth:`product` on bfloat16 rows.
+    """
+
+    #: The registry key, e.g. ``"int4"``.
+    name: ClassVar[str]
+    #: GGUF tensor types whose blocks this format holds as stored (codes unchanged).
+    gguf_types: ClassVar[frozenset[str]] = frozenset()
+    #: GGUF types this format would hold only by quantising their values again, by the
+    #: format that holds them with less loss (a loader stores such tensors in that one).
+    gguf_instead: ClassVar[Mapping[str, str]] = MappingProxyType({})
+    #: The format a weight gets when this one cannot hold its shape (:meth:`why_not`).
+    fallback: ClassVar[str | None] = None
+
+    in_features: int
+    out_features: int
+    bias: torch.Tensor | None
+
+    @classmethod
+    def why_not(cls, out_features: int, in_features: int, group_size: int = 32) -> str | None:
+        """Why an (N, K) weight cannot be held in this format, or None if it can."""
+        return None
+
+    @classmethod
+    def from_float(
+        cls, weight: torch.Tensor, bias: torch.Tensor | None = None, *, group_size: int = 32
+    ) -> WeightFormat:
+        """Quantise a float (N, K) weight (``group_size``: for formats with groups)."""
+        raise NotImplementedError
+
+    @classmethod
+    def from_rows(
+        cls, rows: Sequence[torch.Tensor], bias: torch.Tensor | None = None
+    ) -> WeightFormat:
+        """Build from the format's codes, each tensor (N, ...) (see the class).
+
+        Raises:
+            ValueError: codes of a shape this format cannot take.
+        """
+        raise NotImplementedError
+
+    @classmethod
+    def fuse(cls, parts: Sequence[Any], bias: torch.Tensor | None) -> WeightFormat | None:
+        """One module for ``parts`` (same class and input width) with their rows stacked,
+        or None when they cannot be stacked; ``bias`` is theirs concatenated."""
+        raise NotImplementedError
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The weight as the product uses it, float32 (N, K)."""
+        raise NotImplementedError
+
+    def product(self, x2: torch.Tensor) -> torch.Tensor:
+        """(M, K) bfloat16 -> (M, N)."""
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(..., K) -> (..., N), in ``x``'s dtype."""
+        y = self.product(_as_2d(x, self.in_features)).to(x.dtype)  # (M, N)
+        if self.bias is not None:
+            y = y + self.bias.to(x.dtype)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.name}"
+
+
+#: Weight formats by name (:func:`register_format`); ``"float32"`` is ``nn.Linear`` itself.
+WEIGHT_FORMATS: dict[str, type[WeightFormat]] = {}
+
+
+def register_format(cls: type[WeightFormat]) -> type[WeightFormat]:
+    """Class decorator: make ``cls`` a weight precision by its ``name``.
+
+    Raises:
+        ValueError: the name is taken (or is ``"float32"``, the unquantised layer).
+    """
+    if cls.name == "float32" or cls.name in WEIGHT_FORMATS:
+        raise ValueError(f"weight format name {cls.name!r} is already taken")
+    WEIGHT_FORMATS[cls.name] = cls
+    return cls
+
+
+@register_format
+class BF16Linear(WeightFormat):
     """``y = x Wᵀ + b`` with ``W`` stored in bfloat16 (the product in bf16, fp32 accumulation).
 
     Args:
@@ -65,8 +176,8 @@ class BF16Linear(nn.Module):
         bias: (N,) or None; kept in float32.
     """
 
+    name = "bfloat16"
     weight_bf16: torch.Tensor
-    bias: torch.Tensor | None
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
@@ -74,24 +185,41 @@ class BF16Linear(nn.Module):
         self.register_buffer("weight_bf16", weight.detach().to(torch.bfloat16).contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach().float())
 
+    @classmethod
+    def from_float(
+        cls, weight: torch.Tensor, bias: torch.Tensor | None = None, *, group_size: int = 32
+    ) -> BF16Linear:
+        """The weight rounded to bfloat16 (``group_size`` is not used)."""
+        return cls(weight, bias)
+
+    @classmethod
+    def from_rows(
+        cls, rows: Sequence[torch.Tensor], bias: torch.Tensor | None = None
+    ) -> BF16Linear:
+        """From ``(weight,)``: a bf16 weight's codes are its values."""
+        (weight,) = rows
+        return cls(weight, bias)
+
+    @classmethod
+    def fuse(cls, parts: Sequence[Any], bias: torch.Tensor | None) -> BF16Linear:
+        """Rows stacked; the parts' weights become views of the fused one (no second copy)."""
+        fused = cls(torch.cat([m.weight_bf16 for m in parts]), bias)
+        for m, rows in zip(parts, _row_slices(parts), strict=True):
+            m.weight_bf16 = fused.weight_bf16[rows]
+        return fused
+
     @property
     def weight(self) -> torch.Tensor:
         """The stored weight as float32 (N, K)."""
         return self.weight_bf16.float()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """(..., K) -> (..., N), in ``x``'s dtype."""
-        y = torch.mm(_as_2d(x, self.in_features), self.weight_bf16.t())  # (M, N)
-        y = y.to(x.dtype)
-        if self.bias is not None:
-            y = y + self.bias.to(x.dtype)
-        return y.view(*x.shape[:-1], self.out_features)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bf16"
+    def product(self, x2: torch.Tensor) -> torch.Tensor:
+        """(M, K) bfloat16 -> (M, N)."""
+        return torch.mm(x2, self.weight_bf16.t())
 
 
-class Int8Linear(nn.Module):
+@register_format
+class Int8Linear(WeightFormat):
     """Weight-only int8: ``W = q * scale[row]``, q in [-127, 127], one bf16 scale per row.
 
     Args:
@@ -100,9 +228,9 @@ class Int8Linear(nn.Module):
         bias: (N,) or None; kept in float32.
     """
 
+    name = "int8"
     qweight: torch.Tensor
     scales: torch.Tensor
-    bias: torch.Tensor | None
     #: From this many rows of input on, dequantise and use bf16 ``mm`` (the crossover in
     #: ``benchmarks/bench_int_prefill.py``).
     dense_from_rows: int = 16
@@ -119,43 +247,58 @@ class Int8Linear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().float())
 
     @classmethod
-    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Linear:
-        """Quantise a float (N, K) weight: scale = max|row| / 127, rounded to bf16 first."""
+    def from_float(
+        cls, weight: torch.Tensor, bias: torch.Tensor | None = None, *, group_size: int = 32
+    ) -> Int8Linear:
+        """Quantise a float (N, K) weight: scale = max|row| / 127, rounded to bf16 first
+        (``group_size`` is not used: one scale per row)."""
         w = weight.detach().float()
         scales = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12).to(torch.bfloat16)  # (N,)
         # Codes from the bf16 scale the kernel will use, so the scale's rounding is absorbed.
         q = torch.round(w / scales.float()[:, None]).clamp_(-127, 127).to(torch.int8)
         return cls(q, scales, bias)
 
+    @classmethod
+    def from_rows(
+        cls, rows: Sequence[torch.Tensor], bias: torch.Tensor | None = None
+    ) -> Int8Linear:
+        """From ``(qweight (N, K) int8, scales (N,))``."""
+        qweight, scales = rows
+        return cls(qweight, scales, bias)
+
+    @classmethod
+    def fuse(cls, parts: Sequence[Any], bias: torch.Tensor | None) -> Int8Linear:
+        """Rows stacked; the parts' codes and scales become views of the fused ones."""
+        fused = cls(
+            torch.cat([m.qweight for m in parts]), torch.cat([m.scales for m in parts]), bias
+        )
+        for m, rows in zip(parts, _row_slices(parts), strict=True):
+            m.qweight = fused.qweight[rows]
+            m.scales = fused.scales[rows]
+        return fused
+
     @property
     def weight(self) -> torch.Tensor:
         """The dequantised weight, float32 (N, K)."""
         return self.qweight.float() * self.scales.float()[:, None]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """(..., K) -> (..., N), in ``x``'s dtype."""
-        x2 = _as_2d(x, self.in_features)  # (M, K) bf16
+    def product(self, x2: torch.Tensor) -> torch.Tensor:
+        """(M, K) bfloat16 -> (M, N)."""
         # torch's int8 kernel (torch 2.13 CPU) needs K a multiple of 16: otherwise it returns
         # wrong numbers for one row (K=24) or crashes for several (K=24, 40); dense then
         if x2.shape[0] >= self.dense_from_rows or self.in_features % 16:
             # Codes in [-127, 127] are exact in bf16; W = diag(scale) q, so scale the columns.
-            y = torch.mm(x2, self.qweight.to(torch.bfloat16).t()).mul_(self.scales)  # (M, N)
-        else:
-            y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)  # (M, N)
-        y = y.to(x.dtype)
-        if self.bias is not None:
-            y = y + self.bias.to(x.dtype)
-        return y.view(*x.shape[:-1], self.out_features)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8"
+            return torch.mm(x2, self.qweight.to(torch.bfloat16).t()).mul_(self.scales)
+        return torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)
 
 
-class Int4Linear(nn.Module):
+@register_format
+class Int4Linear(WeightFormat):
     """Weight-only int4 in groups: ``W[n, k] = (q[n, k] - 8) * scale[g, n] + zero[g, n]``.
 
     ``g = k // group_size``; q in 0..15. The codes are packed once by
-    ``_convert_weight_to_int4pack_for_cpu`` (needs N % 16 == 0 and K % group_size == 0).
+    ``_convert_weight_to_int4pack_for_cpu`` (needs N % 16 == 0 and K % group_size == 0);
+    a weight of another shape gets :attr:`fallback` (int8) instead.
 
     Args:
         packed: the packed codes (from :meth:`from_codes`).
@@ -165,9 +308,17 @@ class Int4Linear(nn.Module):
         bias: (N,) or None; kept in float32.
     """
 
+    name = "int4"
+    gguf_types = frozenset({"Q4_0", "Q4_1", "Q4_K"})
+    # The 5-, 6- and 8-bit types have more levels than 4 bits: as int4 they would be
+    # quantised again; bf16 holds their values to its rounding (int8, one scale per row,
+    # loses more: ``benchmarks/bench_llama_cpp.py``'s agreement, docs/guides/llama-cpp.md).
+    gguf_instead: ClassVar[Mapping[str, str]] = MappingProxyType(
+        {t: "bfloat16" for t in ("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")}
+    )
+    fallback = "int8"
     packed: torch.Tensor
     scales_and_zeros: torch.Tensor
-    bias: torch.Tensor | None
     #: From this many rows of input on, dequantise and use bf16 ``mm`` (the crossover in
     #: ``benchmarks/bench_int_prefill.py``).
     dense_from_rows: int = 128
@@ -188,8 +339,8 @@ class Int4Linear(nn.Module):
         self.register_buffer("scales_and_zeros", scales_and_zeros.to(torch.bfloat16).contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach().float())
 
-    @staticmethod
-    def check_shape(out_features: int, in_features: int, group_size: int) -> str | None:
+    @classmethod
+    def why_not(cls, out_features: int, in_features: int, group_size: int = 32) -> str | None:
         """Why (N, K) cannot be packed with this group size, or None if it can."""
         if out_features % 16:
             return f"out_features={out_features} is not a multiple of 16"
@@ -218,7 +369,7 @@ class Int4Linear(nn.Module):
         """
         N, K = codes.shape
         group_size = K // scales.shape[1]
-        why = cls.check_shape(N, K, group_size)
+        why = cls.why_not(N, K, group_size)
         if why is not None or group_size * scales.shape[1] != K:
             raise ValueError(f"cannot pack an int4 weight of shape {(N, K)}: {why}")
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
@@ -228,12 +379,20 @@ class Int4Linear(nn.Module):
         return cls(packed, sz, group_size, K, bias)
 
     @classmethod
+    def from_rows(
+        cls, rows: Sequence[torch.Tensor], bias: torch.Tensor | None = None
+    ) -> Int4Linear:
+        """From ``(codes, scales, zeros)`` as :meth:`from_codes` takes them."""
+        codes, scales, zeros = rows
+        return cls.from_codes(codes, scales, zeros, bias)
+
+    @classmethod
     def from_float(
         cls, weight: torch.Tensor, bias: torch.Tensor | None = None, *, group_size: int = 32
     ) -> Int4Linear:
         """Quantise a float (N, K) weight per group: min/max over each group onto 0..15."""
         N, K = weight.shape
-        why = cls.check_shape(N, K, group_size)
+        why = cls.why_not(N, K, group_size)
         if why is not None:
             raise ValueError(f"cannot pack an int4 weight of shape {(N, K)}: {why}")
         w = weight.detach().float().view(N, K // group_size, group_size)  # (N, K/gs, gs)
@@ -242,6 +401,22 @@ class Int4Linear(nn.Module):
         zeros = (lo + 8.0 * scales).to(torch.bfloat16).float()
         q = torch.round((w - zeros[..., None]) / scales[..., None] + 8.0).clamp_(0, 15)
         return cls.from_codes(q.view(N, K), scales, zeros, bias)
+
+    @classmethod
+    def fuse(cls, parts: Sequence[Any], bias: torch.Tensor | None) -> Int4Linear | None:
+        """Packs concatenated when every part has a multiple of 64 rows (the packing's
+        tile) and all share a group size; the parts keep their own packs (int4 is small)."""
+        if any(m.out_features % _PACK_TILE for m in parts):
+            return None
+        if len({m.group_size for m in parts}) != 1:
+            return None
+        return cls(
+            torch.cat([m.packed for m in parts]),
+            torch.cat([m.scales_and_zeros for m in parts], dim=1),
+            parts[0].group_size,
+            parts[0].in_features,
+            bias,
+        )
 
     def codes_t(self) -> torch.Tensor:
         """The 4-bit codes, transposed: (K, N) uint8 in 0..15 (see :func:`unpack_int4_t`)."""
@@ -261,25 +436,21 @@ class Int4Linear(nn.Module):
         """The dequantised weight, float32 (N, K), as the kernel computes it."""
         return self._dequantized_t(torch.float32).t()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """(..., K) -> (..., N), in ``x``'s dtype."""
-        x2 = _as_2d(x, self.in_features)  # (M, K) bf16
+    def product(self, x2: torch.Tensor) -> torch.Tensor:
+        """(M, K) bfloat16 -> (M, N)."""
         if x2.shape[0] >= self.dense_from_rows:
-            y = torch.mm(x2, self._dequantized_t(torch.bfloat16))  # (M, N)
-        else:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-                x2, self.packed, self.group_size, self.scales_and_zeros
-            )  # (M, N)
-        y = y.to(x.dtype)
-        if self.bias is not None:
-            y = y + self.bias.to(x.dtype)
-        return y.view(*x.shape[:-1], self.out_features)
+            return torch.mm(x2, self._dequantized_t(torch.bfloat16))
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x2, self.packed, self.group_size, self.scales_and_zeros
+        )
 
     def extra_repr(self) -> str:
-        return (
-            f"in_features={self.in_features}, out_features={self.out_features}, int4, "
-            f"group_size={self.group_size}"
-        )
+        return f"{super().extra_repr()}, group_size={self.group_size}"
+
+
+#: Every weight precision by name: ``"float32"`` (the ``nn.Linear`` as it is) and the
+#: registered formats.
+WEIGHT_DTYPES: tuple[str, ...] = ("float32", *WEIGHT_FORMATS)
 
 
 def unpack_int4_t(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
@@ -310,25 +481,54 @@ def unpack_int4_t(packed: torch.Tensor, out_features: int, in_features: int) -> 
     return out
 
 
+def weight_format(dtype: str) -> type[WeightFormat] | None:
+    """The registered format named ``dtype``; None for ``"float32"`` (``nn.Linear``).
+
+    Raises:
+        ValueError: an unknown name, listing the choices.
+    """
+    if dtype == "float32":
+        return None
+    if dtype not in WEIGHT_FORMATS:
+        raise ValueError(f"`dtype` must be one of {WEIGHT_DTYPES}, got {dtype!r}")
+    return WEIGHT_FORMATS[dtype]
+
+
+def holding(
+    cls: type[WeightFormat], out_features: int, in_features: int, group_size: int = 32
+) -> type[WeightFormat]:
+    """``cls``, or the first of its fallbacks (:attr:`WeightFormat.fallback`) that can
+    hold an (N, K) weight."""
+    while cls.why_not(out_features, in_features, group_size) is not None:
+        assert cls.fallback is not None, f"{cls.name} holds some shapes and names no fallback"
+        cls = WEIGHT_FORMATS[cls.fallback]
+    return cls
+
+
 def quantize_linear(linear: nn.Module, dtype: str, *, group_size: int = 32) -> nn.Module:
     """``linear`` (an ``nn.Linear``) in weight precision ``dtype``.
 
-    ``"float32"`` returns it unchanged. An int4 request for a shape the kernel cannot pack
-    falls back to int8 (see :meth:`Int4Linear.check_shape`).
+    ``"float32"`` and modules that are not ``nn.Linear`` are returned unchanged. A shape
+    the format cannot hold gets its fallback (int4: int8; see :meth:`WeightFormat.why_not`).
 
     Raises:
         ValueError: unknown ``dtype``.
     """
-    if dtype not in WEIGHT_DTYPES:
-        raise ValueError(f"`dtype` must be one of {WEIGHT_DTYPES}, got {dtype!r}")
-    if dtype == "float32" or not isinstance(linear, nn.Linear):
+    cls = weight_format(dtype)
+    if cls is None or not isinstance(linear, nn.Linear):
         return linear
     w, b = linear.weight, linear.bias
-    if dtype == "bfloat16":
-        return BF16Linear(w, b)
-    if dtype == "int4" and Int4Linear.check_shape(w.shape[0], w.shape[1], group_size) is None:
-        return Int4Linear.from_float(w, b, group_size=group_size)
-    return Int8Linear.from_float(w, b)
+    cls = holding(cls, w.shape[0], w.shape[1], group_size)
+    return cls.from_float(w, b, group_size=group_size)
+
+
+@runtime_checkable
+class BuildsFromLinears(Protocol):
+    """A model that keeps structures built from its linear layers (the fused products of
+    :mod:`attnlab.models.fast_decode`), to be rebuilt when those layers are replaced."""
+
+    def invalidate_decode_plan(self) -> None:
+        """Forget what was built from the linear layers."""
 
 
 def quantize_model(
@@ -336,20 +536,20 @@ def quantize_model(
     dtype: str,
     *,
     group_size: int = 32,
-    prepared: dict[str, nn.Module] | None = None,
     int8_names: Sequence[str] = ("lm_head",),
 ) -> nn.Module:
     """Replace every ``nn.Linear`` of ``model`` by its ``dtype`` version, in place.
 
     A tied output head (``lm_head.weight is tok_embeddings.weight``) is untied: the
     embedding stays float32 for the lookup and the head gets its own quantised copy.
+    Layers already in a :class:`WeightFormat` (e.g. taken from a GGUF file's codes) stay as
+    they are. What the model built from its old layers is dropped
+    (:class:`BuildsFromLinears`).
 
     Args:
         model: any module.
         dtype: one of :data:`WEIGHT_DTYPES`.
         group_size: int4 group size.
-        prepared: modules already quantised by name (e.g. int4 straight from GGUF blocks);
-            they replace the linear of that name as they are.
         int8_names: with ``dtype="int4"``, linears of these names get int8 instead (the
             output head: int4 there costs most of the logit error, see
             ``benchmarks/bench_pretrained.py``).
@@ -360,37 +560,34 @@ def quantize_model(
     Raises:
         ValueError: unknown ``dtype``.
     """
-    if dtype not in WEIGHT_DTYPES:
-        raise ValueError(f"`dtype` must be one of {WEIGHT_DTYPES}, got {dtype!r}")
-    if dtype == "float32":
+    if weight_format(dtype) is None:
         return model
-    prepared = prepared or {}
     targets = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     for name, linear in targets:
         parent_name, _, leaf = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         this = "int8" if dtype == "int4" and name in int8_names else dtype
-        new = prepared.get(name) or quantize_linear(linear, this, group_size=group_size)
-        setattr(parent, leaf, new)
-    model.__dict__.pop("_decode_plan", None)  # a fast decode plan holds the old modules
+        setattr(parent, leaf, quantize_linear(linear, this, group_size=group_size))
+    if targets and isinstance(model, BuildsFromLinears):
+        model.invalidate_decode_plan()
     return model
 
 
 def fuse_rows(linears: Sequence[Any], *, share_float: bool = False) -> nn.Module | None:
     """One product for several linears of the same input: their rows stacked.
 
-    For :class:`BF16Linear` and :class:`Int8Linear` the parts' buffers then become views
-    of the fused storage (no second copy). For :class:`Int4Linear` the packed codes
-    concatenate when every part has a multiple of 64 rows (the packing's tile); the parts
-    keep their own packs (int4 is small). ``nn.Linear`` parts are fused only with
-    ``share_float=True``: their parameters (the same ``nn.Parameter`` objects, so an
-    optimizer holding them still works) then hold views of the fused weight, so in-place
-    updates stay shared, but the parameters share one storage (safetensors refuses to save
-    shared tensors: clone them first). Without it a float copy could go stale.
+    A :class:`WeightFormat`'s parts are fused by its :meth:`~WeightFormat.fuse` (bf16 and
+    int8: the parts' buffers become views of the fused storage; int4: the packs
+    concatenate when every part has a multiple of 64 rows, the packing's tile).
+    ``nn.Linear`` parts are fused only with ``share_float=True``: their parameters (the
+    same ``nn.Parameter`` objects, so an optimizer holding them still works) then hold
+    views of the fused weight, so in-place updates stay shared, but the parameters share
+    one storage (safetensors refuses to save shared tensors: clone them first). Without
+    it a float copy could go stale.
 
     Returns:
-        The fused module, or None when the parts cannot be fused (mixed types, int4 parts
-        not aligned to the tile, different input widths or group sizes, float parts
+        The fused module, or None when the parts cannot be fused (mixed types, different
+        input widths, biases on some parts only, a format's own reasons, float parts
         without ``share_float``).
     """
     first: Any = linears[0]
@@ -403,62 +600,29 @@ def fuse_rows(linears: Sequence[Any], *, share_float: bool = False) -> nn.Module
     if any(has_bias) and not all(has_bias):
         return None
     bias = torch.cat([b.detach() for b in biases]) if all(has_bias) else None  # type: ignore[union-attr]
-    rows = [m.out_features for m in linears]
-    starts = [sum(rows[:i]) for i in range(len(rows))]
     with torch.no_grad():
-        if isinstance(first, nn.Linear):
-            if not share_float:
-                return None
-            parts = [m.weight.detach() for m in linears]
-            # Pieces of one tensor (GPT-2's Conv1D c_attn, Phi-3's qkv_proj, a gate_proj
-            # and up_proj side by side in the file) are that tensor again, not a copy,
-            # when it has the layout wanted: column-major for fp32 (see `column_major`:
-            # (K, sum N) memory, a (sum N, K) view), either for bf16 / fp16.
-            w = _stacked_rows(parts)
-            fp32 = first.weight.dtype == torch.float32
-            if w is None or (fp32 and w.stride(0) != 1):
-                w = torch.cat([p.t() for p in parts], dim=1).t() if fp32 else torch.cat(parts)
+        if isinstance(first, WeightFormat):
+            return type(first).fuse(linears, bias)
+        if not isinstance(first, nn.Linear) or not share_float:
+            return None
+        parts = [m.weight.detach() for m in linears]
+        # Pieces of one tensor (GPT-2's Conv1D c_attn, Phi-3's qkv_proj, a gate_proj
+        # and up_proj side by side in the file) are that tensor again, not a copy,
+        # when it has the layout wanted: column-major for fp32 (see `column_major`:
+        # (K, sum N) memory, a (sum N, K) view), either for bf16 / fp16.
+        w = _stacked_rows(parts)
+        fp32 = first.weight.dtype == torch.float32
+        if w is None or (fp32 and w.stride(0) != 1):
+            w = torch.cat([p.t() for p in parts], dim=1).t() if fp32 else torch.cat(parts)
+        if bias is not None:
+            stacked = _stacked_rows([b.detach() for b in biases])  # type: ignore[union-attr]
+            bias = bias if stacked is None else stacked
+        fused = _FusedLinear(w, bias)
+        for m, rows in zip(linears, _row_slices(linears), strict=True):
+            m.weight.data = w[rows]  # the same Parameter, now a view
             if bias is not None:
-                stacked = _stacked_rows([b.detach() for b in biases])  # type: ignore[union-attr]
-                bias = bias if stacked is None else stacked
-            fused: Any = _FusedLinear(w, bias)
-            for m, s, n in zip(linears, starts, rows, strict=True):
-                m.weight.data = w[s : s + n]  # the same Parameter, now a view
-                if bias is not None:
-                    m.bias.data = bias[s : s + n]
-            return fused
-        if isinstance(first, BF16Linear):
-            fused = BF16Linear.__new__(BF16Linear)
-            nn.Module.__init__(fused)
-            fused.in_features, fused.out_features = first.in_features, sum(rows)
-            fused.register_buffer("weight_bf16", torch.cat([m.weight_bf16 for m in linears]))
-            fused.register_buffer("bias", bias)
-            for m, s, n in zip(linears, starts, rows, strict=True):
-                m.weight_bf16 = fused.weight_bf16[s : s + n]
-            return fused
-        if isinstance(first, Int8Linear):
-            fused = Int8Linear(
-                torch.cat([m.qweight for m in linears]),
-                torch.cat([m.scales for m in linears]),
-                bias,
-            )
-            for m, s, n in zip(linears, starts, rows, strict=True):
-                m.qweight = fused.qweight[s : s + n]
-                m.scales = fused.scales[s : s + n]
-            return fused
-        if isinstance(first, Int4Linear):
-            if any(n % _PACK_TILE for n in rows):
-                return None
-            if len({m.group_size for m in linears}) != 1:
-                return None
-            return Int4Linear(
-                torch.cat([m.packed for m in linears]),
-                torch.cat([m.scales_and_zeros for m in linears], dim=1),
-                first.group_size,
-                first.in_features,
-                bias,
-            )
-    return None
+                m.bias.data = bias[rows]
+        return fused
 
 
 def column_major(linear: object) -> None:

@@ -55,7 +55,13 @@ from attnlab.biases import AlibiBias, RelativePositionBias
 from attnlab.latent import LatentAttention, MLAConfig
 from attnlab.masks import AttentionMask, PaddingMask
 from attnlab.models._lm import keep_last, residual_after_block, set_attention_backend
-from attnlab.models.fast_decode import DecodePlan, decode_plan, fast_step, new_caches
+from attnlab.models.fast_decode import (
+    DecodePlan,
+    FastDecoding,
+    decode_plan,
+    fast_step,
+    new_caches,
+)
 from attnlab.models.moe import MixtureOfExperts, MoEConfig
 from attnlab.norms import QKNorm, RMSNorm
 from attnlab.rope import RopeConfig, RotaryEmbedding
@@ -475,7 +481,7 @@ class DecoderBlock(nn.Module):
         return (x + m * r if r != 1.0 else x + m), weights, cross_weights  # (B, T, C)
 
 
-class Decoder(nn.Module):
+class Decoder(nn.Module, FastDecoding):
     """A decoder-only language model, any family, configured by ``config``.
 
     With ``causal=False`` and ``output_head=False`` the same stack is a pre-norm encoder,

@@ -43,6 +43,7 @@ from attnlab.rope import RotaryEmbedding
 
 __all__ = [
     "DecodePlan",
+    "FastDecoding",
     "decode_plan",
     "defer_decode_plan",
     "fast_step",
@@ -442,9 +443,26 @@ def new_caches(n_layers: int, max_len: int | None) -> list[KVCache]:
 _PLAN_LOCK = threading.Lock()  # one build per model when threads share it (serve)
 
 
-def decode_plan(model: Any, *, share_float: bool | None = None) -> DecodePlan:
+class FastDecoding:
+    """Where a model keeps its :class:`DecodePlan` (mixed into the one decoder and the
+    book's GPT): built at the first one-token step (:func:`decode_plan`), dropped by
+    :meth:`invalidate_decode_plan` when the layers it fused are replaced
+    (:func:`attnlab.quant.quantize_model` calls it)."""
+
+    #: The plan once built; None until then and after an invalidation.
+    _decode_plan: DecodePlan | None = None
+    #: ``share_float`` for a plan built without one asked for (:func:`defer_decode_plan`).
+    _decode_share_float: bool = False
+
+    def invalidate_decode_plan(self) -> None:
+        """Drop the plan: it holds the layers as they were; the next step builds it again."""
+        with _PLAN_LOCK:
+            self._decode_plan = None
+
+
+def decode_plan(model: FastDecoding, *, share_float: bool | None = None) -> DecodePlan:
     """``model``'s :class:`DecodePlan`, built once (again when ``share_float`` is newly
-    asked for, or after :func:`attnlab.quant.quantize_model` dropped it).
+    asked for, or after :meth:`FastDecoding.invalidate_decode_plan`).
 
     Args:
         model: the model.
@@ -452,16 +470,16 @@ def decode_plan(model: Any, *, share_float: bool | None = None) -> DecodePlan:
             recorded for this model (the loaders: True), else False.
     """
     if share_float is None:
-        share_float = bool(model.__dict__.get("_decode_share_float", False))
+        share_float = model._decode_share_float
     with _PLAN_LOCK:
-        plan: DecodePlan | None = model.__dict__.get("_decode_plan")
+        plan = model._decode_plan
         if plan is None or (share_float and not plan.share_float):
             plan = DecodePlan(model, share_float=share_float)
-            model.__dict__["_decode_plan"] = plan
+            model._decode_plan = plan
     return plan
 
 
-def defer_decode_plan(model: Any, *, share_float: bool) -> None:
+def defer_decode_plan(model: FastDecoding, *, share_float: bool) -> None:
     """Build ``model``'s :class:`DecodePlan` at its first one-token step, with
     ``share_float``, instead of now.
 
@@ -470,7 +488,7 @@ def defer_decode_plan(model: Any, *, share_float: bool) -> None:
     side, and fp32 weights into column-major memory; a model that is only traced,
     explained or embedded never needs that, and loading stays a read of the file.
     """
-    model.__dict__["_decode_share_float"] = share_float
+    model._decode_share_float = share_float
 
 
 def fast_step(
@@ -480,7 +498,7 @@ def fast_step(
     no layer captures its weights; None: run the model's modules instead."""
     if not takes_fast_step(model, input_ids, kv_cache, need_weights):
         return None
-    plan: DecodePlan | None = model.__dict__.get("_decode_plan")
+    plan = model._decode_plan
     if plan is None:
         if why_not_fast_decode(model) is not None:
             return None  # checked per call only for layouts that stay on their modules

@@ -29,7 +29,13 @@ from attnlab.backends import available_backends
 from attnlab.checkpoint import Checkpoint, CheckpointError, check_state_dict, load_checkpoint
 from attnlab.generation import generate, generate_stream
 from attnlab.models._lm import keep_last, residual_after_block
-from attnlab.models.fast_decode import DecodePlan, decode_plan, fast_step, new_caches
+from attnlab.models.fast_decode import (
+    DecodePlan,
+    FastDecoding,
+    decode_plan,
+    fast_step,
+    new_caches,
+)
 
 __all__ = [
     "PRESETS",
@@ -209,7 +215,7 @@ class TransformerBlock(nn.Module):
         return self.drop_shortcut(x) + shortcut
 
 
-class GPTModel(nn.Module):
+class GPTModel(nn.Module, FastDecoding):
     """The book's GPT model, following attnlab's causal language model protocol.
 
     Args:

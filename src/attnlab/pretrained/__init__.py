@@ -121,8 +121,8 @@ def load_pretrained(
         hf_model, hf_tok = load_hf_directory(path, backend=backend, dtype=param_dtype)
         return set_weight_dtype(hf_model, weight), hf_tok
     if path.is_file():
-        model, tok = load_gguf(path, backend=backend, dtype=param_dtype)
-        return set_weight_dtype(model, weight, path), tok
+        model, tok = load_gguf(path, backend=backend, dtype=param_dtype, weight=weight)
+        return set_weight_dtype(model, weight), tok
     raise ValueError(
         f"`name_or_path` must be one of {sorted(PRETRAINED_MODELS)}, a model directory or a "
         f".gguf file, got {str(name_or_path)!r} (no such file or directory)"

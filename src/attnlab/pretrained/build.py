@@ -17,11 +17,13 @@ No math here: only names, shapes and checks.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 import typing
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +43,7 @@ from attnlab.models.families import (
 )
 from attnlab.norms import QKNorm
 from attnlab.pretrained.errors import ModelFileError
+from attnlab.quant import WeightFormat, holding
 from attnlab.rope import (
     FrequencyFactors,
     LinearScaling,
@@ -749,6 +752,41 @@ def parameter_count(config: AnyConfig) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+@dataclass(frozen=True)
+class HeldLinear:
+    """How a source tensor's linear weights are stored as the model is built.
+
+    Attributes:
+        format: the weight format of each linear layer the tensor fills.
+        codes: the format's codes read from the file (tensors whose first dimension is
+            the weight's rows, :meth:`attnlab.quant.WeightFormat.from_rows`), which go
+            through the weight plan's row transforms; None: the format is made from the
+            tensor's float values (:meth:`attnlab.quant.WeightFormat.from_float`).
+    """
+
+    format: type[WeightFormat]
+    codes: tuple[torch.Tensor, ...] | None = None
+
+
+# Transforms that only rename, split or permute rows: they apply to codes as to values.
+_ROW_TRANSFORMS = frozenset({"qkv", "qkv_heads", "gate_up", "rope_q", "rope_k"})
+
+
+def _linear_targets(model: nn.Module, targets: tuple[str, ...], transform: str) -> bool:
+    """True when every target is the weight of an ``nn.Linear`` and ``transform`` keeps rows."""
+    if any(p not in _ROW_TRANSFORMS for p in transform.split("+") if p):
+        return False
+    for target in targets:
+        module_name, _, leaf = target.rpartition(".")
+        try:
+            module = model.get_submodule(module_name)
+        except AttributeError:
+            return False
+        if leaf != "weight" or not isinstance(module, nn.Linear):
+            return False
+    return True
+
+
 def build_model(
     config: AnyConfig,
     names: Mapping[str, int],
@@ -759,6 +797,7 @@ def build_model(
     where: str | Path,
     dtype: torch.dtype,
     backend: str,
+    held: Callable[[str], HeldLinear | None] | None = None,
 ) -> AnyModel:
     """Build the model for ``config`` and fill it from the source tensors.
 
@@ -771,18 +810,22 @@ def build_model(
         where: the file or directory, for messages.
         dtype: the model's parameter dtype.
         backend: attention backend of every layer.
+        held: for a source tensor whose targets are all linear weights, how they are
+            stored (codes taken as the file stores them, read once, never dequantised);
+            None (or no callable): float parameters of ``dtype``. A layer whose codes the
+            format cannot take (a shape its kernel cannot pack) gets float values.
 
     Raises:
         ModelFileError: the weights cannot hold what the config asks for (checked before
             any allocation), or tensors that do not match the model.
     """
     needed = parameter_count(config)
-    held = sum(names.values())
-    if needed > held:
+    held_names = sum(names.values())
+    if needed > held_names:
         raise ModelFileError(
             where,
             f"the config (config.json / metadata) implies {needed:,} parameters but the "
-            f"weights hold only {held:,} values; the config does not belong to these weights",
+            f"weights hold only {held_names:,} values; the config does not belong to these weights",
         )
     gguf = source == "gguf"
     plan = plan_weights(
@@ -797,25 +840,45 @@ def build_model(
         model = model_class(config)(config, backend=backend)  # type: ignore[arg-type]
     weights: dict[str, torch.Tensor] = {}
     rows: dict[str, dict[int, torch.Tensor]] = {}
-    for name, (targets, transform) in plan.items():
-        if transform.startswith("row:"):  # StableLM's per-head norms, one tensor per head
-            rows.setdefault(targets[0], {})[int(transform[4:])] = get(name)
-            continue
-        tensor = get(name)
+    # target -> (its format, its codes or its float values, its float values on request)
+    linears: dict[str, tuple[type[WeightFormat], Any, Callable[[], torch.Tensor]]] = {}
+
+    def split(name: str, tensor: torch.Tensor, transform: str) -> tuple[torch.Tensor, ...]:
         try:
-            parts = apply_transform(tensor, transform, config)
+            return apply_transform(tensor, transform, config)
         except (ValueError, RuntimeError) as e:  # a shape the transform cannot split
             raise ModelFileError(
                 where,
                 f"tensor {name!r} of shape {tuple(tensor.shape)} does not fit the config "
                 f"(transform {transform!r}): {e}",
             ) from None
+
+    def piece_values(name: str, transform: str, i: int) -> torch.Tensor:
+        return split(name, get(name), transform)[i]
+
+    for name, (targets, transform) in plan.items():
+        if transform.startswith("row:"):  # StableLM's per-head norms, one tensor per head
+            rows.setdefault(targets[0], {})[int(transform[4:])] = get(name)
+            continue
+        how = (
+            held(name) if held is not None and _linear_targets(model, targets, transform) else None
+        )
+        if how is not None and how.codes is not None:
+            pieces = [split(name, c, transform) for c in how.codes]
+            parts: tuple[Any, ...] = tuple(zip(*pieces, strict=True))
+        else:
+            parts = split(name, get(name), transform)
         if len(parts) != len(targets):
             raise ModelFileError(where, f"tensor {name!r} cannot be split into {targets}")
-        for target, t in zip(targets, parts, strict=True):
-            if target in weights:
+        for i, (target, t) in enumerate(zip(targets, parts, strict=True)):
+            if target in weights or target in linears:
                 raise ModelFileError(where, f"two tensors map to {target!r}")
-            weights[target] = t
+            if how is None:
+                weights[target] = t
+            else:
+                # Codes the format cannot take are read again as values (rare).
+                values = functools.partial(piece_values, name, transform, i)
+                linears[target] = (how.format, t, values)
     for target, stacked in rows.items():
         if sorted(stacked) != list(range(len(stacked))) or target in weights:
             raise ModelFileError(
@@ -833,5 +896,53 @@ def build_model(
             else "lm_head.weight",
             None,
         )
+    for target, (fmt, piece, again) in linears.items():
+        _hold_linear(model, target, fmt, piece, again, weights, where)
     fill(model, weights, where, dtype)
     return model.eval()
+
+
+def _hold_linear(
+    model: nn.Module,
+    target: str,
+    fmt: type[WeightFormat],
+    piece: tuple[torch.Tensor, ...] | torch.Tensor,
+    values: Callable[[], torch.Tensor],
+    weights: dict[str, torch.Tensor],
+    where: str | Path,
+) -> None:
+    """Replace the ``nn.Linear`` whose weight is ``target`` by ``fmt`` made from ``piece``
+    (its codes, the first of them shaped as the weight, or its float values), its bias
+    taken out of ``weights``. Codes ``fmt`` cannot take (a shape its kernel cannot pack)
+    leave the linear to :func:`fill`, with ``values()``.
+
+    Raises:
+        ModelFileError: a shape that is not the layer's, or a bias missing.
+    """
+    module_name, _, _ = target.rpartition(".")
+    parent_name, _, leaf = module_name.rpartition(".")
+    linear = model.get_submodule(module_name)
+    assert isinstance(linear, nn.Linear)
+    shape = tuple((piece[0] if isinstance(piece, tuple) else piece).shape)
+    if shape != tuple(linear.weight.shape):
+        raise ModelFileError(
+            where,
+            f"{target} has shape {shape}, the config (config.json / metadata) implies "
+            f"{tuple(linear.weight.shape)}",
+        )
+    bias_name = f"{module_name}.bias"
+    if linear.bias is not None and bias_name not in weights:
+        raise ModelFileError(where, f"tensors do not match the model: missing [{bias_name!r}]")
+    bias = weights.get(bias_name) if linear.bias is not None else None
+    if isinstance(piece, tuple):
+        try:
+            module = fmt.from_rows(piece, bias)
+        except ValueError:  # a shape the format's kernel cannot pack: float, quantised later
+            weights[target] = values()
+            return
+    else:
+        N, K = shape
+        module = holding(fmt, N, K).from_float(piece, bias)
+    weights.pop(bias_name, None)
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, leaf, module)

@@ -40,6 +40,7 @@ from attnlab.pretrained.errors import ModelFileError, check_finite
 # Shape legend: N blocks, Q = 32 weights per block, R rows, K = row length (ne0).
 
 QK = 32  # weights per block for Q4_0, Q4_1, Q8_0
+QK_K = 256  # weights per super-block of the K-quants
 
 
 def _f16_columns(blocks: np.ndarray, n: int) -> np.ndarray:
@@ -113,43 +114,81 @@ def dequantize_mxfp4(blocks: np.ndarray) -> np.ndarray:
     return mxfp4_values(codes, blocks[:, :1])  # (N, Q)
 
 
+def _q4_k_codes(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K super-blocks (N, 144) -> codes (N, 256) uint8, scales and zeros (N, 8) float32.
+
+    Sub-block ``s`` (32 weights) is ``w = d * sc[s] * q - dmin * m[s]``: in the int4
+    convention ``scale = d * sc`` and ``zero = 8 scale - dmin * m``, both exact in float32
+    (an 11-bit significand times a 6-bit integer) up to the one rounding of the difference.
+    """
+    n = blocks.shape[0]
+    d_dmin = _f16_columns(blocks, 2)  # (N, 2)
+    packed = blocks[:, 4:16].reshape(n, 3, 4)  # 12 bytes of 6-bit scales and mins
+    low, high, top = packed[:, 0], packed[:, 1], packed[:, 2]  # (N, 4) each
+    # Sub-blocks 0-3: the low 6 bits of bytes 0-3 (scales) and 4-7 (mins); 4-7: the
+    # nibbles of bytes 8-11 with those bytes' top 2 bits above them (ggml's get_scale_min_k4).
+    sc = np.concatenate([low & 63, (top & 15) | ((low >> 2) & 48)], axis=1)  # (N, 8)
+    mins = np.concatenate([high & 63, (top >> 4) | ((high >> 2) & 48)], axis=1)  # (N, 8)
+    qs = blocks[:, 16:].reshape(n, 4, 32)  # 32 bytes per pair of sub-blocks
+    codes = np.empty((n, 4, 2, 32), dtype=np.uint8)  # sub-block 2j: low nibbles, 2j+1: high
+    np.bitwise_and(qs, 0x0F, out=codes[:, :, 0])
+    np.right_shift(qs, 4, out=codes[:, :, 1])
+    scales = d_dmin[:, :1] * sc  # (N, 8)
+    zeros = 8.0 * scales - d_dmin[:, 1:] * mins
+    return codes.reshape(n, QK_K), scales, zeros
+
+
 def int4_codes(
     data: np.ndarray, type_name: str, shape: tuple[int, ...]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Q4_0 / Q4_1 blocks as 4-bit codes with per-block scale and zero, not dequantised.
+    """Q4_0 / Q4_1 / Q4_K blocks as 4-bit codes with per-32 scale and zero, not dequantised.
 
     In the convention of ``attnlab.quant.Int4Linear``, ``w = (q - 8) * scale + zero``:
-    Q4_0 is ``(q - 8) * d`` (zero 0), Q4_1 is ``q * d + m`` (zero ``m + 8 d``).
+    Q4_0 is ``(q - 8) * d`` (zero 0), Q4_1 is ``q * d + m`` (zero ``m + 8 d``), Q4_K's
+    sub-block is ``d sc q - dmin m`` (scale ``d sc``, zero ``8 d sc - dmin m``).
 
     Args:
         data: the tensor's bytes as stored in the file.
-        type_name: ``"Q4_0"`` or ``"Q4_1"``.
+        type_name: ``"Q4_0"``, ``"Q4_1"`` or ``"Q4_K"``.
         shape: the torch shape (R, K).
 
     Returns:
         codes (R, K) uint8 in 0..15, scales (R, K/32) float32, zeros (R, K/32) float32.
 
     Raises:
-        ValueError: another type, or a shape that is not 2-D with K a multiple of 32.
+        ValueError: another type, or a shape that is not 2-D with K a multiple of the
+            block (32; Q4_K: 256).
     """
-    if type_name not in ("Q4_0", "Q4_1") or len(shape) != 2 or shape[1] % QK:
-        raise ValueError(f"int4 codes need a 2-D Q4_0/Q4_1 tensor, got {type_name} {shape}")
-    block_bytes, n_half = (18, 1) if type_name == "Q4_0" else (20, 2)
-    blocks = np.asarray(data).view(np.uint8).reshape(-1, block_bytes)  # (N, bytes)
-    qs = blocks[:, 2 * n_half :]  # (N, 16)
-    codes = np.empty((blocks.shape[0], QK), dtype=np.uint8)  # (N, Q)
-    np.bitwise_and(qs, 0x0F, out=codes[:, : QK // 2])
-    np.right_shift(qs, 4, out=codes[:, QK // 2 :])
-    dm = _f16_columns(blocks, n_half)  # (N, 1 or 2)
-    scales = dm[:, 0]
-    zeros = dm[:, 1] + 8.0 * scales if n_half == 2 else np.zeros_like(scales)
+    block = QK_K if type_name == "Q4_K" else QK
+    if type_name not in ("Q4_0", "Q4_1", "Q4_K") or len(shape) != 2 or shape[1] % block:
+        raise ValueError(
+            f"int4 codes need a 2-D Q4_0/Q4_1/Q4_K tensor with rows of whole blocks, got "
+            f"{type_name} {shape}"
+        )
     R, K = shape
+    raw = np.asarray(data).view(np.uint8)
+    if type_name == "Q4_K":
+        codes, scales, zeros = _q4_k_codes(raw.reshape(-1, 144))
+    else:
+        block_bytes, n_half = (18, 1) if type_name == "Q4_0" else (20, 2)
+        blocks = raw.reshape(-1, block_bytes)  # (N, bytes)
+        qs = blocks[:, 2 * n_half :]  # (N, 16)
+        codes = np.empty((blocks.shape[0], QK), dtype=np.uint8)  # (N, Q)
+        np.bitwise_and(qs, 0x0F, out=codes[:, : QK // 2])
+        np.right_shift(qs, 4, out=codes[:, QK // 2 :])
+        dm = _f16_columns(blocks, n_half)  # (N, 1 or 2)
+        scales = dm[:, 0]
+        zeros = dm[:, 1] + 8.0 * scales if n_half == 2 else np.zeros_like(scales)
     return (
         torch.from_numpy(codes).reshape(R, K),
         torch.from_numpy(np.ascontiguousarray(scales)).reshape(R, K // QK),
         torch.from_numpy(np.ascontiguousarray(zeros)).reshape(R, K // QK),
     )
 
+
+# GGUF types whose blocks read as the codes of a weight format (attnlab.quant.WeightFormat's
+# gguf_types name the types each format takes), as row-aligned tensors.
+CODE_READERS = {"Q4_0": int4_codes, "Q4_1": int4_codes, "Q4_K": int4_codes}
 
 _BLOCK_KERNELS = {
     "Q4_0": (18, dequantize_q4_0),
@@ -286,6 +325,27 @@ class GGUFContents:
             raise ModelFileError(self.path, f"tensor {name!r}: {e}") from None
         if info.type_name not in _BLOCK_SCALES:  # MXFP4's exponents are always finite
             check_finite(out, name, self.path)
+        return out
+
+    def codes(self, name: str) -> tuple[torch.Tensor, ...]:
+        """Tensor ``name``'s blocks as codes, not dequantised (:data:`CODE_READERS`; for the
+        4-bit types :func:`int4_codes`).
+
+        Raises:
+            ModelFileError: no such tensor, a type without codes here, or NaN / inf in its
+                quantisation scales (named).
+        """
+        if name not in self.tensor_infos:
+            raise ModelFileError(self.path, f"has no tensor {name!r}")
+        info = self.tensor_infos[name]
+        if info.type_name not in CODE_READERS:
+            raise ModelFileError(self.path, f"tensor {name!r}: no codes for type {info.type_name}")
+        try:
+            out = CODE_READERS[info.type_name](self.raw(name), info.type_name, info.shape)
+        except ValueError as e:  # a shape the blocks do not fit
+            raise ModelFileError(self.path, f"tensor {name!r}: {e}") from None
+        for t in out[1:]:  # codes are finite; the scales and zeros are checked
+            check_finite(t, name, self.path, what="quantisation scale")
         return out
 
     def raw(self, name: str) -> np.ndarray:

