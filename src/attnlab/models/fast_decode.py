@@ -21,7 +21,8 @@ A plain pre-norm stack (Llama, Mistral, Qwen2, SmolLM2: RMSNorms, fused products
 RoPE, nothing else) takes a shorter loop, :meth:`DecodePlan._step_rows`: each product's
 kernel called bare (:func:`attnlab.quant.row_product`) on rows kept in its dtype, RoPE as
 one (D, D) product, the cache written by :meth:`StaticKVCache.append`; the same kernels on
-the same rows (SmolLM2 int4: 1,495 tensor operations a token instead of 2,090).
+the same rows (SmolLM2 int4: 1,507 tensor operations called a token instead of 2,090;
+``benchmarks/bench_decode_step.py``).
 
 The fp32 result equals the module path up to the order of floating-point sums
 (tests: greedy tokens identical to the full recompute and to transformers).
