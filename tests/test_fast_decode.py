@@ -367,3 +367,20 @@ def test_static_cache_append_writes_one_position_as_update():
     fresh = StaticKVCache(4)
     keys, values = fresh.append(k[:, :, 0], k[:, :, 0].to(torch.bfloat16))  # no buffers yet
     assert keys.shape == (2, 3, 1, 4) and values.dtype == torch.float32
+
+
+def test_the_short_loop_leaves_no_inference_tensor_behind():
+    """The short loop runs in inference mode once the caches hold a prompt; caches and
+    logits stay ordinary tensors, so a later prefill (the window sliding) writes them."""
+    model = quantize_model(_model(), "int4")
+    ids = torch.tensor([[3]])
+    with torch.no_grad():
+        slow = generate(model, ids, 60, use_cache=False)
+    assert torch.equal(generate(model, ids, 60), slow)  # one-token prompt, past the window
+    with torch.no_grad():
+        cache = model.new_kv_cache(max_len=8)
+        model(torch.tensor([[3, 4]]), kv_cache=cache)
+        logits = model(ids, kv_cache=cache)
+    assert model._decode_plan.rows is not None
+    assert not logits.is_inference()
+    assert not any(c._k.is_inference() or c._v.is_inference() for c in cache)

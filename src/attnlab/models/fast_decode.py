@@ -33,6 +33,7 @@ keys, F feed-forward width, V vocabulary.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import threading
@@ -520,22 +521,28 @@ class DecodePlan:
         rot = self._rotation(pos, x)  # (D, D)
         nqk = (H + G) * D
         zero = torch.zeros((), dtype=f32)  # baddbmm's ignored input (beta=0)
-        for row, cache in zip(self.rows or (), kv_cache, strict=True):
-            qkv = row.qkv(_rms(x, *row.norm1).to(row.dtype))  # (B, (H + 2G) D)
-            # RoPE on queries and keys together, as one product (fp32, as the modules).
-            qk = torch.mm(qkv[:, :nqk].to(f32).reshape(-1, D), rot).view(B, H + G, D)
-            keys, values = cache.append(qk[:, H:], qkv[:, nqk:].view(B, G, D))  # (B, G, S, D)
-            S = keys.shape[2]
-            # Two batched products, as the general loop (scaled_dot_product_attention
-            # dispatches more here and is no faster for one query row).
-            q = qk[:, :H].reshape(B * G, H // G, D)  # a group's queries together
-            keys_t = keys.reshape(B * G, S, D).transpose(1, 2)  # (B G, D, S), a view
-            scores = torch.baddbmm(zero, q, keys_t, beta=0, alpha=row.scale)  # (B G, H/G, S)
-            weights = torch.softmax(scores, dim=-1)
-            o = torch.bmm(weights, values.reshape(B * G, S, D)).view(B, H * D)  # (B, C)
-            x = x + row.out(o.to(row.dtype))  # (B, C)
-            gate, up = row.gate_up(_rms(x, *row.norm2).to(row.dtype)).to(f32).chunk(2, dim=-1)
-            x = x + row.down((row.act(gate) * up).to(row.dtype))  # (B, C)
+        # Inference mode spares each operation its version counter and view tracking
+        # (a few percent of the step: bench_decode_step.py). Only once the caches hold
+        # the prompt: then no buffer is allocated in it (an inference tensor could not be
+        # written outside it by a later prefill); the tables are built before it.
+        # (``inference_mode(False)`` would turn gradients back on: nullcontext instead.)
+        with torch.inference_mode() if pos > 0 else contextlib.nullcontext():
+            for row, cache in zip(self.rows or (), kv_cache, strict=True):
+                qkv = row.qkv(_rms(x, *row.norm1).to(row.dtype))  # (B, (H + 2G) D)
+                # RoPE on queries and keys together, as one product (fp32, as the modules).
+                qk = torch.mm(qkv[:, :nqk].to(f32).reshape(-1, D), rot).view(B, H + G, D)
+                keys, values = cache.append(qk[:, H:], qkv[:, nqk:].view(B, G, D))  # (B, G, S, D)
+                S = keys.shape[2]
+                # Two batched products, as the general loop (scaled_dot_product_attention
+                # dispatches more here and is no faster for one query row).
+                q = qk[:, :H].reshape(B * G, H // G, D)  # a group's queries together
+                keys_t = keys.reshape(B * G, S, D).transpose(1, 2)  # (B G, D, S), a view
+                scores = torch.baddbmm(zero, q, keys_t, beta=0, alpha=row.scale)  # (B G, H/G, S)
+                weights = torch.softmax(scores, dim=-1)
+                o = torch.bmm(weights, values.reshape(B * G, S, D)).view(B, H * D)  # (B, C)
+                x = x + row.out(o.to(row.dtype))  # (B, C)
+                gate, up = row.gate_up(_rms(x, *row.norm2).to(row.dtype)).to(f32).chunk(2, dim=-1)
+                x = x + row.down((row.act(gate) * up).to(row.dtype))  # (B, C)
         return parts.head(self.final_norm(x).unsqueeze(1))  # (B, 1, V)
 
 
