@@ -57,6 +57,8 @@ def step_bytes(model: nn.Module) -> int:
     def add(module: object) -> None:
         nonlocal total
         for name in _WEIGHTS:
+            if isinstance(getattr(type(module), name, None), property):
+                continue  # the int layers' `weight`: dequantised on the fly, not read
             t = getattr(module, name, None)
             if isinstance(t, torch.Tensor):
                 total += t.numel() * t.element_size()

@@ -1,65 +1,166 @@
-"""One SmolLM2 decode step per precision against transformers and the path before issue 14.
+"""Where one SmolLM2 decode step's time goes: its products against everything around them.
 
-Each step is one new token after a 64-token prompt; the sides alternate (order reversed
-every round) so load from other processes hits them alike; the median and best per side.
-Tuning tool for a shared machine (one thread is the fair setting while others run).
+For each weight precision, one new token after a 64-token prompt, three sides timed
+interleaved in one process (order reversed every round, the cache cut back to the same
+length after each step, so every side runs the same position):
 
-    PYTHONPATH=src python benchmarks/bench_decode_step.py 1 30   # threads, rounds
+- ``short loop``: :meth:`DecodePlan.step` as generation runs it (a plain pre-norm stack
+  takes :meth:`DecodePlan._step_rows`: bare kernels, RoPE as one product);
+- ``general loop``: the same step with the short loop switched off (the loop every other
+  layout takes);
+- ``products only``: the step's product kernels alone (every layer's QKV, output, gate/up
+  and down, and the output head) on rows of the right width: the floor that no change
+  around the products can go under (the weights' bytes over the memory's bandwidth).
+
+Each side is reported as wall time (best and median: on a shared machine the best is the
+figure) and as the calling thread's CPU time (``time.thread_time``, best; at one thread
+it holds the work of the step whatever else runs, since waiting for a core is not
+counted), and its tensor operations per token (``torch.profiler``: the calls made from
+Python, and all of them, nested ones included). One record per precision goes to
+``benchmarks/results/``.
+
+    PYTHONPATH=src python benchmarks/bench_decode_step.py                  # int4, 2 threads
+    PYTHONPATH=src python benchmarks/bench_decode_step.py --threads 1 --dtypes int4,int8
 """
 
 from __future__ import annotations
 
-import os
+import argparse
 import statistics
-import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
-from bench_pretrained import smollm2_reference
+from _records import Recorder
+from torch.profiler import profile
 
+from attnlab.models.fast_decode import DecodePlan, decode_plan
 from attnlab.pretrained import load_pretrained
+from attnlab.quant import row_product
 
-torch.set_num_threads(int(sys.argv[1]))
-models = {
-    d: load_pretrained("smollm2-135m-instruct", dtype=d)[0]
-    for d in ["float32", "bfloat16", "int8", "int4"]
-}
-ids = torch.randint(0, 49152, (1, 64), generator=torch.Generator().manual_seed(0))
-nxt = torch.tensor([[5]])
-runs = {}
-BEFORE = "before fp32 (growing cache, modules)"
-PEER = "transformers fp32 (sdpa, DynamicCache)"
-ref = smollm2_reference()
+PROMPT = 64
 
 
-class _Peer:
-    """transformers' model behind the same call: one token, its own cache."""
+def op_counts(fn: Callable[[], object]) -> tuple[int, int]:
+    """(operations called from Python, all operations) of one call of ``fn``."""
+    with profile() as prof:
+        fn()
+    events = list(prof.events())
+    return sum(1 for e in events if e.cpu_parent is None), len(events)
 
-    def __call__(self, x: torch.Tensor, kv_cache: list, logits_to_keep: int) -> None:
-        out = ref(x, past_key_values=kv_cache[0], use_cache=True, logits_to_keep=logits_to_keep)
-        kv_cache[0] = out.past_key_values
+
+def products(plan: DecodePlan, model: Any) -> Callable[[], None]:
+    """The step's product kernels alone, on rows of the widths they take."""
+    calls = []
+    for layer in plan.layers:
+        for m in (layer.qkv, layer.out, layer.gate_up, layer.down):
+            found = row_product(m)
+            if found is None:
+                raise SystemExit(f"bench_decode_step: no bare kernel for {type(m).__name__}")
+            dtype, fn = found
+            calls.append((fn, torch.randn(1, m.in_features).to(dtype)))
+    head = row_product(model.lm_head)
+    if head is not None:
+        calls.append((head[1], torch.randn(1, model.lm_head.in_features).to(head[0])))
+
+    def run() -> None:
+        for fn, x in calls:
+            fn(x)
+
+    return run
 
 
-with torch.no_grad():
-    caches = {PEER: (_Peer(), [None])}
-    caches[BEFORE] = (models["float32"], models["float32"].new_kv_cache())
-    for d, m in models.items():
-        caches[f"fast {d}"] = (m, m.new_kv_cache(max_len=64 + 200))
-    for name, (m, c) in caches.items():
-        m(ids, kv_cache=c, logits_to_keep=1)
-        runs[name] = []
-    for i in range(int(sys.argv[2])):
-        for name, (m, c) in caches.items() if i % 2 == 0 else reversed(caches.items()):
-            t = time.perf_counter()
-            m(nxt, kv_cache=c, logits_to_keep=1)
-            runs[name].append(time.perf_counter() - t)
-peer = statistics.median(runs[PEER])
-base = statistics.median(runs[BEFORE])
-head = f"threads {torch.get_num_threads()}, loadavg {os.getloadavg()[0]:.1f}"
-print(f"{head}, median of {len(runs[BEFORE])} interleaved steps after a 64-token prompt")
-for name, ts in runs.items():
-    med = statistics.median(ts)
-    rate = f"{med * 1e3:7.1f} ms/step  ({1 / med:5.1f} tokens/s)"
-    ratios = f"{peer / med:4.2f}x transformers, {base / med:4.2f}x before"
-    print(f"  {name:40s} {rate}  {ratios}; best {min(ts) * 1e3:6.1f} ms")
-print(f"loadavg after: {os.getloadavg()[0]:.1f}")
+def bench(dtype: str, args: argparse.Namespace) -> None:
+    rec = Recorder(
+        "bench_decode_step",
+        f"smollm2-{dtype}-t{args.threads}",
+        f"SmolLM2-135M-Instruct ({dtype} weights) one-token decode step after a "
+        f"{PROMPT}-token prompt at {args.threads} threads: the short loop, the general loop "
+        f"and the products alone, {args.rounds} interleaved rounds, the same position "
+        "every round",
+        args.threads,
+    )
+    model, _ = load_pretrained("smollm2-135m-instruct", dtype=dtype)
+    ids = torch.randint(0, 49152, (1, PROMPT), generator=torch.Generator().manual_seed(0))
+    nxt = torch.tensor([[5]])
+    with torch.no_grad():
+        cache = model.new_kv_cache(max_len=PROMPT + 8)
+        model(ids, kv_cache=cache, logits_to_keep=1)
+        plan = decode_plan(model)
+        rows = plan.rows
+        if rows is None:
+            raise SystemExit("bench_decode_step: SmolLM2 did not get the short loop")
+
+        def rewind() -> None:
+            for c in cache:
+                c._len = PROMPT  # the same position every call: equal work
+
+        def short() -> None:
+            plan.step(nxt, cache)
+            rewind()
+
+        def general() -> None:
+            plan.rows = None
+            try:
+                plan.step(nxt, cache)
+            finally:
+                plan.rows = rows
+            rewind()
+
+        sides: dict[str, Callable[[], None]] = {
+            "short loop": short,
+            "general loop": general,
+            "products only": products(plan, model),
+        }
+        ops = {name: op_counts(fn) for name, fn in sides.items()}
+        wall: dict[str, list[float]] = {name: [] for name in sides}
+        cpu: dict[str, list[float]] = {name: [] for name in sides}
+        for fn in sides.values():
+            fn()  # warm
+        for i in range(args.rounds):
+            order = list(sides.items())
+            for name, fn in order if i % 2 == 0 else reversed(order):
+                c0, t0 = time.thread_time(), time.perf_counter()
+                fn()
+                wall[name].append(time.perf_counter() - t0)
+                cpu[name].append(time.thread_time() - c0)
+    print(f"SmolLM2 {dtype}, {args.threads} threads, {args.rounds} interleaved rounds")
+    print(f"  {'side':14s} {'ops (python/all)':>17s} {'wall best':>10s} {'median':>8s} "
+          f"{'cpu best':>9s}  (ms per token)")  # fmt: skip
+    for name in sides:
+        w, med, c = min(wall[name]), statistics.median(wall[name]), min(cpu[name])
+        print(f"  {name:14s} {ops[name][0]:8d}/{ops[name][1]:<8d} {w * 1e3:10.2f} "
+              f"{med * 1e3:8.2f} {c * 1e3:9.2f}")  # fmt: skip
+    base_w, base_c = min(wall["general loop"]), min(cpu["general loop"])
+    for name in sides:
+        w, c = min(wall[name]), min(cpu[name])
+        peer = None if name == "general loop" else "general loop"
+        rec.add(f"{name}: wall ms/token (best)", w * 1e3, "ms", better="lower",
+                peer=peer, peer_value=None if peer is None else base_w * 1e3,
+                note=f"median {statistics.median(wall[name]) * 1e3:.2f} ms")  # fmt: skip
+        rec.add(f"{name}: thread CPU ms/token (best)", c * 1e3, "ms", better="lower",
+                peer=peer, peer_value=None if peer is None else base_c * 1e3)  # fmt: skip
+        rec.add(f"{name}: tensor operations per token", ops[name][1], "operations",
+                better="lower", note=f"{ops[name][0]} called from Python")  # fmt: skip
+    prod_w, short_w = min(wall["products only"]), min(wall["short loop"])
+    print(f"  around the products: short loop {(short_w - prod_w) * 1e3:.2f} ms, general loop "
+          f"{(base_w - prod_w) * 1e3:.2f} ms (wall best)")  # fmt: skip
+    rec.note("products only: the step's int4 / int8 / float kernels called back to back on "
+             "one row each (the memory-bound floor of the step)")  # fmt: skip
+    rec.write()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--dtypes", default="int4", help="comma-separated weight precisions")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    for dtype in args.dtypes.split(","):
+        bench(dtype, args)
+
+
+if __name__ == "__main__":
+    main()

@@ -317,3 +317,70 @@ def test_the_step_skips_nothing_it_cannot_do():
     sinks = _model()
     sinks.blocks[0].attention.sinks = torch.nn.Parameter(torch.zeros(CONFIG.num_heads))
     assert why_not_fast_decode(sinks) == "attention option sinks"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", "int4"])
+def test_the_plain_stacks_short_loop_gives_the_general_loops_logits(dtype):
+    """Two rows of a Llama through DecodePlan._step_rows and through the general loop,
+    from the same caches: the same kernels on the same rows."""
+    model = _model(5)
+    if dtype == "float32":
+        model.prepare_decode(share_float=True)  # fused float products: the short loop
+    else:
+        quantize_model(model, dtype)
+    plan = model.prepare_decode()
+    rows = plan.rows
+    assert rows is not None
+    ids = torch.randint(0, CONFIG.vocab_size, (2, 9), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        short, general = model.new_kv_cache(max_len=12), model.new_kv_cache(max_len=12)
+        model(ids[:, :6], kv_cache=short)
+        model(ids[:, :6], kv_cache=general)
+        for i in range(6, 9):
+            a = model(ids[:, i : i + 1], kv_cache=short)
+            plan.rows = None
+            try:
+                b = model(ids[:, i : i + 1], kv_cache=general)
+            finally:
+                plan.rows = rows
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+        for c_short, c_general in zip(short, general, strict=True):
+            torch.testing.assert_close(c_short._k[:, :, :9], c_general._k[:, :, :9])
+            torch.testing.assert_close(c_short._v[:, :, :9], c_general._v[:, :, :9])
+    qwen3 = _model(qk_norm=QKNorm("rms", scope="head"))  # a QK-norm: the general loop
+    assert why_not_fast_decode(qwen3) is None
+    assert quantize_model(qwen3, "int4").prepare_decode().rows is None
+
+
+def test_static_cache_append_writes_one_position_as_update():
+    k = torch.randn(2, 3, 5, 4)
+    a, b = StaticKVCache(8), StaticKVCache(8)
+    a.update(k[:, :, :4], k[:, :, :4])
+    b.update(k[:, :, :4], k[:, :, :4])
+    ka, va = a.append(k[:, :, 4], k[:, :, 4].to(torch.bfloat16))
+    kb, vb = b.update(k[:, :, 4:], k[:, :, 4:].to(torch.bfloat16).float())
+    assert torch.equal(ka, kb) and torch.equal(va, vb) and a.seq_len == b.seq_len == 5
+    full = StaticKVCache(4)
+    full.update(k[:, :, :4], k[:, :, :4])
+    with pytest.raises(ValueError, match="holds 4 positions"):
+        full.append(k[:, :, 4], k[:, :, 4])  # past max_len: update's error
+    fresh = StaticKVCache(4)
+    keys, values = fresh.append(k[:, :, 0], k[:, :, 0].to(torch.bfloat16))  # no buffers yet
+    assert keys.shape == (2, 3, 1, 4) and values.dtype == torch.float32
+
+
+def test_the_short_loop_leaves_no_inference_tensor_behind():
+    """The short loop runs in inference mode once the caches hold a prompt; caches and
+    logits stay ordinary tensors, so a later prefill (the window sliding) writes them."""
+    model = quantize_model(_model(), "int4")
+    ids = torch.tensor([[3]])
+    with torch.no_grad():
+        slow = generate(model, ids, 60, use_cache=False)
+    assert torch.equal(generate(model, ids, 60), slow)  # one-token prompt, past the window
+    with torch.no_grad():
+        cache = model.new_kv_cache(max_len=8)
+        model(torch.tensor([[3, 4]]), kv_cache=cache)
+        logits = model(ids, kv_cache=cache)
+    assert model._decode_plan.rows is not None
+    assert not logits.is_inference()
+    assert not any(c._k.is_inference() or c._v.is_inference() for c in cache)

@@ -212,6 +212,31 @@ class StaticKVCache(KVCache):
         self._len = need
         return k[:, :, :need], v[:, :, :need]
 
+    def append(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`update` with one position, ``key`` (B, G, D) and ``value`` (B, G, Dv);
+        ``value`` is converted to the cache's dtype (``key``'s for a new cache).
+
+        The fast decode step's: once the buffers exist, two copies and two views, where
+        :meth:`update` spends a dozen tensor operations on one position. Anything else
+        (no buffers yet, a full cache, shapes or a key dtype that do not match) is
+        :meth:`update`'s, with its errors.
+        """
+        k, v, n = self._k, self._v, self._len
+        if (
+            k is None
+            or v is None
+            or n >= self.max_len
+            or key.dtype != k.dtype
+            or key.shape != (k.shape[0], k.shape[1], k.shape[3])
+            or value.shape != (v.shape[0], v.shape[1], v.shape[3])
+        ):
+            value = value.to(key.dtype if v is None else v.dtype)
+            return self.update(key.unsqueeze(2), value.unsqueeze(2))
+        k.select(2, n).copy_(key)
+        v.select(2, n).copy_(value)
+        self._len = n + 1
+        return k.narrow(2, 0, n + 1), v.narrow(2, 0, n + 1)
+
 
 class RollingKVCache(KVCache):
     """A KV cache for a sliding-window layer: it holds only the last ``window - 1``

@@ -685,3 +685,47 @@ class _FusedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(..., K) -> (..., N)."""
         return nn.functional.linear(x, self.weight, self.bias)
+
+
+# --------------------------------------------------------------------------- one-row kernels
+
+
+def row_product(linear: object) -> tuple[torch.dtype, Any] | None:
+    """The bare product of a few rows that ``linear.forward`` runs, for the decode step.
+
+    ``forward`` reshapes its input, converts it to the kernel's dtype and converts the
+    product back: five tensor operations around one kernel, thirty layers over. The decode
+    step of :mod:`attnlab.models.fast_decode` instead keeps its rows in the kernel's dtype
+    and calls the kernel alone; the numbers are those of ``forward`` (the same kernel on
+    the same bf16 rows).
+
+    Returns:
+        ``(dtype, fn)``: ``fn`` takes (M, K) rows in ``dtype`` and returns (M, N) in the
+        kernel's output dtype (bfloat16 for the bf16 / int layers, ``dtype`` for float),
+        bias added (in float32). None for other modules. Valid for fewer rows than the
+        layer's ``dense_from_rows``.
+    """
+    bias = getattr(linear, "bias", None)
+    fn: Any
+    if isinstance(linear, Int4Linear):
+        op4 = torch.ops.aten._weight_int4pack_mm_for_cpu
+        packed, gs, sz = linear.packed, linear.group_size, linear.scales_and_zeros
+        fn = lambda x: op4(x, packed, gs, sz)  # noqa: E731
+        dtype = torch.bfloat16
+    elif isinstance(linear, Int8Linear):
+        op8, q, s = torch.ops.aten._weight_int8pack_mm, linear.qweight, linear.scales
+        fn = lambda x: op8(x, q, s)  # noqa: E731
+        dtype = torch.bfloat16
+    elif isinstance(linear, BF16Linear):
+        wt = linear.weight_bf16.t()
+        fn = lambda x: torch.mm(x, wt)  # noqa: E731
+        dtype = torch.bfloat16
+    elif isinstance(linear, (nn.Linear, _FusedLinear)):
+        w, b = linear.weight, linear.bias
+        return w.dtype, lambda x: nn.functional.linear(x, w, b)
+    else:
+        return None
+    if bias is None:
+        return dtype, fn
+    kernel = fn
+    return dtype, lambda x: kernel(x) + bias

@@ -17,6 +17,14 @@ keys), embeddings scaled by ``sqrt(C)``; and for the book's GPT:
 - norms as single ``torch.nn.functional`` calls, no shape checks per step;
 - the output head through the model's own ``head`` (scaling, soft-capping), as a module.
 
+A plain pre-norm stack (Llama, Mistral, Qwen2, SmolLM2: RMSNorms, fused products, table
+RoPE, nothing else) takes a shorter loop, :meth:`DecodePlan._step_rows`: each product's
+kernel called bare (:func:`attnlab.quant.row_product`) on rows kept in its dtype, RoPE as
+one (D, D) product, the cache written by :meth:`StaticKVCache.append`; the same kernels on
+the same rows; attention is one ``scaled_dot_product_attention`` call, in inference mode
+(SmolLM2 int4: 1,356 tensor operations called a token instead of 2,090;
+``benchmarks/bench_decode_step.py``).
+
 The fp32 result equals the module path up to the order of floating-point sums
 (tests: greedy tokens identical to the full recompute and to transformers).
 
@@ -26,6 +34,7 @@ keys, F feed-forward width, V vocabulary.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import threading
@@ -38,7 +47,7 @@ from torch import nn
 
 from attnlab.attention import KVCache, StaticKVCache, recording_attention
 from attnlab.models._lm import watching_residual
-from attnlab.quant import column_major, fuse_rows
+from attnlab.quant import column_major, fuse_rows, row_product
 from attnlab.rope import RotaryEmbedding
 
 __all__ = [
@@ -221,6 +230,30 @@ class _Layer:
     act: Callable[[torch.Tensor], torch.Tensor]
 
 
+@dataclass(frozen=True)
+class _Row:
+    """One pre-norm layer as bare kernels (:meth:`DecodePlan.step`'s short path)."""
+
+    norm1: tuple[torch.Tensor, float]  # RMSNorm weight, eps
+    norm2: tuple[torch.Tensor, float]
+    dtype: torch.dtype  # what the products take: every product of the layer the same
+    qkv: Callable[[torch.Tensor], torch.Tensor]
+    out: Callable[[torch.Tensor], torch.Tensor]
+    gate_up: Callable[[torch.Tensor], torch.Tensor]
+    down: Callable[[torch.Tensor], torch.Tensor]
+    act: Callable[[torch.Tensor], torch.Tensor]
+    scale: float
+
+
+def _rms_parts(norm: nn.Module) -> tuple[torch.Tensor, float] | None:
+    """(weight, eps) of an attnlab RMSNorm (fp32 math, ``weight * normed``), else None."""
+    from attnlab.norms import RMSNorm
+
+    if type(norm) is not RMSNorm:
+        return None
+    return norm.weight, float(norm.eps)
+
+
 class DecodePlan:
     """The fused weights and tables of one model, and its one-token :meth:`step`.
 
@@ -273,6 +306,7 @@ class DecodePlan:
         self.final_norm = _norm_fn(parts.final_norm)
         self._cos: torch.Tensor | None = None  # (L, D) fp32
         self._sin: torch.Tensor | None = None  # (L, D) fp32, first half negated
+        self.rows = self._rows()
 
     @staticmethod
     def _layer(block: Any, share: bool) -> _Layer:
@@ -312,6 +346,50 @@ class DecodePlan:
                 column_major(m)
         return layer
 
+    def _rows(self) -> list[_Row] | None:
+        """The layers as bare kernels when every one is a plain pre-norm layer (Llama,
+        Mistral, Qwen2, SmolLM2: RMSNorms, fused Q/K/V and gate/up products, table RoPE, no
+        window, soft-cap, QK-norm or extra norm), else None (the general loop)."""
+        if not self.rope_tables or self.parts.positions is not None:
+            return None
+        rows = []
+        for layer, block in zip(self.layers, self.parts.blocks, strict=True):
+            if (
+                layer.placement != "pre"
+                or layer.parallel
+                or layer.window is not None
+                or layer.softcap is not None
+                or layer.qk_norm is not None
+                or layer.attn_post is not None
+                or layer.mlp_post is not None
+                or layer.qkv is None
+                or layer.gate_up is None
+            ):
+                return None
+            norm1, _, norm2 = _block_parts(block)[:3]
+            n1, n2 = _rms_parts(norm1), _rms_parts(norm2)
+            kernels = [row_product(m) for m in (layer.qkv, layer.out, layer.gate_up, layer.down)]
+            if n1 is None or n2 is None or any(k is None for k in kernels):
+                return None
+            dtypes = {k[0] for k in kernels if k is not None}
+            if len(dtypes) != 1:
+                return None
+            qkv, out, gate_up, down = (k[1] for k in kernels if k is not None)
+            rows.append(
+                _Row(
+                    n1,
+                    n2,
+                    dtypes.pop(),
+                    qkv,
+                    out,
+                    gate_up,
+                    down,
+                    layer.act,
+                    self.scale if layer.scale is None else float(layer.scale),
+                )
+            )
+        return rows
+
     def capturing(self) -> bool:
         """True when a layer was asked to ``capture`` its weights (the step skips layers)."""
         return any(layer.attention.capture for layer in self.layers)
@@ -342,6 +420,8 @@ class DecodePlan:
         parts = self.parts
         B = input_ids.shape[0]
         pos = kv_cache[0].seq_len
+        if self.rows is not None and B < _ROWS_MAX and isinstance(kv_cache[0], StaticKVCache):
+            return self._step_rows(input_ids, kv_cache)  # type: ignore[arg-type]
         # Rows are (B, width) 2-D tensors throughout: the products go straight to mm.
         x = nn.functional.embedding(input_ids[:, 0], parts.embedding.weight)  # (B, C)
         if parts.embed_scale:  # Gemma: sqrt(C) rounded to the activation dtype first
@@ -414,6 +494,65 @@ class DecodePlan:
                 m = layer.mlp_post(m)
             x = x + m  # (B, C)
         return parts.head(self.final_norm(x).unsqueeze(1))  # (B, 1, V)
+
+    def _rotation(self, pos: int, like: torch.Tensor) -> torch.Tensor:
+        """RoPE at ``pos`` as a (D, D) matrix in ``like``'s dtype:
+        ``x @ R == x * cos + roll(x, D/2) * sin`` (two nonzeros a column: the product's
+        sums add exact zeros), one product for all heads instead of four operations."""
+        cos_t, sin_t = self._rope_tables(pos + 1, like.device)
+        D = self.D
+        cols = torch.arange(D, device=like.device)
+        r = torch.diag(cos_t[pos])  # (D, D)
+        r[(cols + D // 2) % D, cols] = sin_t[pos]
+        return r.to(like.dtype)
+
+    def _step_rows(
+        self, input_ids: torch.Tensor, kv_cache: Sequence[StaticKVCache]
+    ) -> torch.Tensor:
+        """:meth:`step` for :attr:`rows`: the kernels called bare, rows kept in the kernels'
+        dtype between them, RoPE as one product, the cache written by
+        :meth:`StaticKVCache.append` (SmolLM2: 45 tensor operations a layer, against 70)."""
+        H, G, D = self.H, self.G, self.D
+        parts = self.parts
+        B = input_ids.shape[0]
+        pos = kv_cache[0].seq_len
+        x = nn.functional.embedding(input_ids[:, 0], parts.embedding.weight)  # (B, C)
+        if parts.embed_scale:  # Gemma: sqrt(C) rounded to the activation dtype first
+            x = x * torch.tensor(x.shape[-1] ** 0.5, dtype=x.dtype)
+        f32 = x.dtype
+        rot = self._rotation(pos, x)  # (D, D)
+        nqk = (H + G) * D
+        # Inference mode spares each operation its version counter and view tracking
+        # (a few percent of the step: bench_decode_step.py). Only once the caches hold
+        # the prompt: then no buffer is allocated in it (an inference tensor could not be
+        # written outside it by a later prefill); the tables are built before it.
+        # (``inference_mode(False)`` would turn gradients back on: nullcontext instead.)
+        with torch.inference_mode() if pos > 0 else contextlib.nullcontext():
+            for row, cache in zip(self.rows or (), kv_cache, strict=True):
+                qkv = row.qkv(_rms(x, *row.norm1).to(row.dtype))  # (B, (H + 2G) D)
+                # RoPE on queries and keys together, as one product (fp32, as the modules).
+                qk = torch.mm(qkv[:, :nqk].to(f32).reshape(-1, D), rot).view(B, H + G, D)
+                keys, values = cache.append(qk[:, H:], qkv[:, nqk:].view(B, G, D))  # (B, G, S, D)
+                # One fused call over the cache's views, the groups shared by their heads
+                # (a few percent faster than the general loop's two batched products).
+                o = nn.functional.scaled_dot_product_attention(
+                    qk[:, :H].unsqueeze(2), keys, values, scale=row.scale, enable_gqa=True
+                ).view(B, H * D)  # (B, C)
+                x = x + row.out(o.to(row.dtype))  # (B, C)
+                gate, up = row.gate_up(_rms(x, *row.norm2).to(row.dtype)).to(f32).chunk(2, dim=-1)
+                x = x + row.down((row.act(gate) * up).to(row.dtype))  # (B, C)
+        return parts.head(self.final_norm(x).unsqueeze(1))  # (B, 1, V)
+
+
+# The bare kernels are the int layers' few-row ones (Int4Linear.dense_from_rows and
+# Int8Linear's are larger); more rows per step than this take the modules' products.
+_ROWS_MAX = 16
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """attnlab.norms.RMSNorm's numbers for fp32 rows (B, C), without its dtype round trip
+    (``torch.rms_norm`` is no faster here: on the CPU it dispatches a dozen operations)."""
+    return weight * (x * torch.rsqrt(x.square().mean(-1, keepdim=True).add_(eps)))
 
 
 def takes_fast_step(
