@@ -16,6 +16,7 @@ from attnlab.quant import (
     fuse_rows,
     quantize_linear,
     quantize_model,
+    row_product,
     unpack_int4_t,
 )
 
@@ -248,6 +249,10 @@ def test_int8_takes_the_dense_product_where_the_kernel_cannot(K):
         with torch.no_grad():
             expected = x @ q.weight.T + linear.bias
             torch.testing.assert_close(q(x), expected, atol=0.05, rtol=0.02)
+            # the decode step's bare kernel takes the same guard
+            dtype, bare = row_product(q)
+            got = bare(x.to(dtype))  # bias added by row_product
+            torch.testing.assert_close(got.float(), expected, atol=0.05, rtol=0.02)
 
 
 def _q4_k_blocks(rng: np.random.Generator, n_blocks: int) -> np.ndarray:

@@ -35,7 +35,7 @@ Shape legend: N output features (rows), K input features, M rows of input (B*T).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -140,6 +140,11 @@ class WeightFormat(nn.Module):
         """(M, K) bfloat16 -> (M, N)."""
         raise NotImplementedError
 
+    def row_kernel(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The bare product of a few bfloat16 rows (fewer than the format's dense
+        crossover), bias not added: what the decode step calls (:func:`row_product`)."""
+        return self.product
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(..., K) -> (..., N), in ``x``'s dtype."""
         y = self.product(_as_2d(x, self.in_features)).to(x.dtype)  # (M, N)
@@ -217,6 +222,10 @@ class BF16Linear(WeightFormat):
         """(M, K) bfloat16 -> (M, N)."""
         return torch.mm(x2, self.weight_bf16.t())
 
+    def row_kernel(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        wt = self.weight_bf16.t()
+        return lambda x: torch.mm(x, wt)
+
 
 @register_format
 class Int8Linear(WeightFormat):
@@ -290,6 +299,12 @@ class Int8Linear(WeightFormat):
             # Codes in [-127, 127] are exact in bf16; W = diag(scale) q, so scale the columns.
             return torch.mm(x2, self.qweight.to(torch.bfloat16).t()).mul_(self.scales)
         return torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)
+
+    def row_kernel(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        if self.in_features % 16:  # the kernel's wrong widths (see product)
+            return self.product
+        op, q, s = torch.ops.aten._weight_int8pack_mm, self.qweight, self.scales
+        return lambda x: op(x, q, s)
 
 
 @register_format
@@ -443,6 +458,11 @@ class Int4Linear(WeightFormat):
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             x2, self.packed, self.group_size, self.scales_and_zeros
         )
+
+    def row_kernel(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        op = torch.ops.aten._weight_int4pack_mm_for_cpu
+        packed, gs, sz = self.packed, self.group_size, self.scales_and_zeros
+        return lambda x: op(x, packed, gs, sz)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, group_size={self.group_size}"
@@ -706,20 +726,8 @@ def row_product(linear: object) -> tuple[torch.dtype, Any] | None:
         layer's ``dense_from_rows``.
     """
     bias = getattr(linear, "bias", None)
-    fn: Any
-    if isinstance(linear, Int4Linear):
-        op4 = torch.ops.aten._weight_int4pack_mm_for_cpu
-        packed, gs, sz = linear.packed, linear.group_size, linear.scales_and_zeros
-        fn = lambda x: op4(x, packed, gs, sz)  # noqa: E731
-        dtype = torch.bfloat16
-    elif isinstance(linear, Int8Linear):
-        op8, q, s = torch.ops.aten._weight_int8pack_mm, linear.qweight, linear.scales
-        fn = lambda x: op8(x, q, s)  # noqa: E731
-        dtype = torch.bfloat16
-    elif isinstance(linear, BF16Linear):
-        wt = linear.weight_bf16.t()
-        fn = lambda x: torch.mm(x, wt)  # noqa: E731
-        dtype = torch.bfloat16
+    if isinstance(linear, WeightFormat):
+        fn, dtype = linear.row_kernel(), torch.bfloat16
     elif isinstance(linear, (nn.Linear, _FusedLinear)):
         w, b = linear.weight, linear.bias
         return w.dtype, lambda x: nn.functional.linear(x, w, b)
