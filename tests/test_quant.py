@@ -12,6 +12,7 @@ from attnlab.quant import (
     BF16Linear,
     Int4Linear,
     Int8Linear,
+    Q8Linear,
     column_major,
     fuse_rows,
     quantize_linear,
@@ -287,3 +288,31 @@ def test_gguf_q4_k_codes_pack_to_ggml_dequantisation_up_to_bf16_scales():
     torch.testing.assert_close(dequantize(blocks, "Q4_K", (R, K)), expected, atol=0, rtol=0)
     with pytest.raises(ValueError, match="whole blocks"):
         int4_codes(blocks, "Q4_K", (4 * R, K // 4))  # rows of half a super-block
+
+
+def test_q8_0_holds_gguf_q8_0_values_to_the_rounding_of_their_scales():
+    """llama.cpp's Q8_0 (gguf-py's quantiser) read back as q8_0: each weight is the file's
+    code times its per-32 scale rounded to bf16, through the two-int4 split; the product,
+    the bare one-row kernel and a fused pair agree with it."""
+    gquants = pytest.importorskip("gguf.quants", reason="pip install 'attnlab[pretrained]'")
+    T = gquants.GGMLQuantizationType.Q8_0
+    rng = np.random.default_rng(3)
+    N, K = 48, 96
+    raw = gquants.quantize(rng.standard_normal((N, K)).astype(np.float32), T)
+    values = torch.from_numpy(np.ascontiguousarray(gquants.dequantize(raw, T)))  # d * q
+    blocks = raw.reshape(N, K // 32, 34)
+    d = torch.from_numpy(blocks[..., :2].copy().view(np.float16).astype(np.float32))
+    q = torch.from_numpy(blocks[..., 2:].copy().view(np.int8).astype(np.float32))
+    expected = (d.to(torch.bfloat16).float() * q).view(N, K)  # (N, K)
+    layer = Q8Linear.from_float(values)
+    assert torch.equal(layer.weight, expected)
+    x = torch.randn(3, K)
+    reference = (x.double() @ expected.double().T).float()
+    torch.testing.assert_close(layer(x), reference, atol=0.05, rtol=0.02)
+    dtype, bare = row_product(layer)
+    torch.testing.assert_close(bare(x.to(dtype)).float(), reference, atol=0.05, rtol=0.02)
+    fused = fuse_rows([layer, Q8Linear.from_float(values[:16])])
+    assert isinstance(fused, Q8Linear)
+    assert torch.equal(fused.weight, torch.cat([expected, expected[:16]]))
+    # a shape the split cannot pack falls back to int8, by name
+    assert Q8Linear.why_not(N + 4, K) is not None and Q8Linear.fallback == "int8"

@@ -329,7 +329,7 @@ class Int4Linear(WeightFormat):
     # quantised again; bf16 holds their values to its rounding (int8, one scale per row,
     # loses more: ``benchmarks/bench_llama_cpp.py``'s agreement, docs/guides/llama-cpp.md).
     gguf_instead: ClassVar[Mapping[str, str]] = MappingProxyType(
-        {t: "bfloat16" for t in ("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")}
+        {**{t: "bfloat16" for t in ("Q5_0", "Q5_1", "Q5_K", "Q6_K")}, "Q8_0": "q8_0"}
     )
     fallback = "int8"
     packed: torch.Tensor
@@ -466,6 +466,95 @@ class Int4Linear(WeightFormat):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, group_size={self.group_size}"
+
+
+@register_format
+class Q8Linear(WeightFormat):
+    """Weight-only int8 with one scale per 32 weights (llama.cpp's Q8_0), run as int4.
+
+    ``W[n, k] = d[n, g] * q[n, k]`` with q in -127..127 and ``g = k // 32``. PyTorch's CPU
+    int8 kernel takes one scale per row, which loses what per-32 scales keep; its int4
+    kernel takes per-32 scales and zeros. So q splits exactly into two 4-bit codes,
+    ``q = 16 hi + lo`` (hi in -8..7, lo in 0..15), held as one int4 weight of 2N rows:
+    rows ``n`` are ``hi`` with scale ``16 d`` and rows ``N + n`` are ``lo`` with scale
+    ``d`` and zero ``8 d``; the product is the two halves summed. Every weight is then
+    ``bf16(d) * q``: Q8_0's values to the rounding of its scale, at int8's bytes.
+
+    A Q8_0 tensor's values quantise back to its own codes and scales (each block's
+    largest code is 127), so :meth:`from_float` on them needs no code reader.
+
+    Args:
+        inner: the (2N, K) :class:`Int4Linear` of the hi and lo codes.
+        bias: (N,) or None; kept in float32.
+    """
+
+    name = "q8_0"
+    fallback = "int8"
+
+    def __init__(self, inner: Int4Linear, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.inner = inner
+        self.in_features = inner.in_features
+        self.out_features = inner.out_features // 2
+        self.register_buffer("bias", None if bias is None else bias.detach().float())
+
+    @classmethod
+    def why_not(cls, out_features: int, in_features: int, group_size: int = 32) -> str | None:
+        if out_features % 8:
+            return f"out_features={out_features} is not a multiple of 8"
+        if in_features % 32:
+            return f"in_features={in_features} is not a multiple of 32"
+        return None
+
+    @classmethod
+    def from_float(
+        cls, weight: torch.Tensor, bias: torch.Tensor | None = None, *, group_size: int = 32
+    ) -> Q8Linear:
+        """Per 32 weights: ``d = max|w| / 127``, ``q = round(w / d)`` (as ggml's Q8_0;
+        ``group_size`` is ignored: the format's groups are 32)."""
+        N, K = weight.shape
+        why = cls.why_not(N, K)
+        if why is not None:
+            raise ValueError(f"cannot hold a q8_0 weight of shape {(N, K)}: {why}")
+        w = weight.detach().float().view(N, K // 32, 32)  # (N, K/32, 32)
+        d = w.abs().amax(dim=-1) / 127.0  # (N, K/32)
+        safe = torch.where(d > 0, d, torch.ones_like(d))
+        q = torch.round(w / safe[..., None]).clamp_(-127, 127).to(torch.int32).view(N, K)
+        hi = torch.div(q, 16, rounding_mode="floor")  # (N, K) in -8..7
+        lo = q - 16 * hi  # (N, K) in 0..15
+        codes = torch.cat([hi + 8, lo])  # (2N, K) in 0..15
+        scales = torch.cat([16 * d, d])  # (2N, K/32)
+        zeros = torch.cat([torch.zeros_like(d), 8 * d])
+        return cls(Int4Linear.from_codes(codes, scales, zeros), bias)
+
+    @classmethod
+    def fuse(cls, parts: Sequence[Any], bias: torch.Tensor | None) -> Q8Linear | None:
+        """Rebuilt from the parts' stacked weights: exact, since every group's values
+        quantise back to its codes (the largest is 127)."""
+        weight = torch.cat([m.weight for m in parts])
+        if cls.why_not(*weight.shape) is not None:
+            return None
+        return cls.from_float(weight, bias)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The weight as the product uses it, float32 (N, K): ``bf16(d) * q``."""
+        both = self.inner.weight  # (2N, K)
+        return both[: self.out_features] + both[self.out_features :]
+
+    def product(self, x2: torch.Tensor) -> torch.Tensor:
+        """(M, K) bfloat16 -> (M, N)."""
+        both = self.inner.product(x2)  # (M, 2N)
+        return both[:, : self.out_features] + both[:, self.out_features :]
+
+    def row_kernel(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        kernel, n = self.inner.row_kernel(), self.out_features
+
+        def rows(x: torch.Tensor) -> torch.Tensor:
+            both = kernel(x)  # (M, 2N)
+            return both[:, :n] + both[:, n:]
+
+        return rows
 
 
 #: Every weight precision by name: ``"float32"`` (the ``nn.Linear`` as it is) and the
