@@ -760,6 +760,24 @@ def test_mla_explainer_sees_per_head_weights(checkpoints):
     )
 
 
+def test_mla_step_view_says_where_keys_and_values_come_from(checkpoints):
+    """The step walk of an MLA head: its numbers are the layer's own (checked inside), its
+    keys and values are said to come from the latent, and the score scale (YaRN's mscale
+    here) is not called 1/sqrt(d_k)."""
+    from attnlab.explain.steps import head_steps, step_sections
+
+    model, _ = load_pretrained(checkpoints["deepseek_v2"])
+    steps = head_steps(model, _ids(10, seed=5)[0].tolist(), layer=1, head=2, token=9)
+    assert steps.latent == (16, 8) and steps.head_dim == 20
+    assert max(steps.checks.values()) < 1e-4, steps.checks
+    for lang in ("en", "zh-TW"):
+        titles = {s["id"]: s["title"] for s in step_sections(steps, lang)}
+        assert "16" in titles["keys"] and "W_key" not in titles["keys"]
+        assert "W_uv" in titles["values"]
+        assert "√d_k" not in titles["scale"] and f"{steps.scale:.4f}" in titles["scale"]
+    assert abs(steps.scale - 20**-0.5) > 1e-3  # the mscale bites
+
+
 def test_kimi_k2_is_deepseek_v3s_architecture(checkpoints, tmp_path):
     folder = _edited(checkpoints, tmp_path, "deepseek_v3", model_type="kimi_k2")
     model, _ = load_pretrained(folder)

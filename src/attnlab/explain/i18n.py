@@ -345,6 +345,18 @@ MESSAGES: dict[str, dict[str, str]] = {
         "en": "One key per token: what each token is matched on (rotated by RoPE like the query).",
         "zh-TW": "每個詞元一個鍵：用來被比對的依據（與查詢一樣經過 RoPE 旋轉）。",
     },
+    "step.keys.latent_title": {
+        "en": "keys of all {n} tokens from their latents (width {r}), key head {kv} ({n}×{d})",
+        "zh-TW": "所有 {n} 個詞元的鍵，由各自的潛在向量（寬 {r}）展開，鍵頭 {kv}（{n}×{d}）",
+    },
+    "step.keys.latent": {
+        "en": "Latent attention: each token is cached as one latent c = norm(x @ W_dkv.T) of "
+        "width {r}, shared by all heads, plus one rotary key of {dr} dims. A head's key is c "
+        "expanded by its own up-projection ({dn} dims) followed by the shared rotary key.",
+        "zh-TW": "潛在注意力：每個詞元只快取一個寬 {r} 的潛在向量 c = norm(x @ W_dkv.T)（所有頭"
+        "共用）和一個 {dr} 維的旋轉鍵。某個頭的鍵是 c 經該頭自己的上投影展開的 {dn} 維，"
+        "再接上共用的旋轉鍵。",
+    },
     "step.keys.gqa": {
         "en": "Grouped-query attention: {share} query heads share this key/value head.",
         "zh-TW": "分組查詢注意力：{share} 個查詢頭共用這個鍵／值頭。",
@@ -360,6 +372,17 @@ MESSAGES: dict[str, dict[str, str]] = {
     "step.scale.title": {
         "en": "scaled = attn_scores_{pos} × {scale:.4f} (= 1/√d_k, d_k = {d})",
         "zh-TW": "scaled = attn_scores_{pos} × {scale:.4f}（= 1/√d_k，d_k = {d}）",
+    },
+    "step.scale.other_title": {
+        "en": "scaled = attn_scores_{pos} × {scale:.4f} (the model's own score scale)",
+        "zh-TW": "scaled = attn_scores_{pos} × {scale:.4f}（模型自己的分數縮放）",
+    },
+    "step.scale.other": {
+        "en": "This model scales its scores by its own factor, not by 1/√d_k = {usual:.4f} "
+        "(d_k = {d}): its configuration sets it (a query scalar, a multiplier or a RoPE "
+        "scaling's correction).",
+        "zh-TW": "這個模型用自己的係數縮放分數，而不是 1/√d_k = {usual:.4f}（d_k = {d}）："
+        "由設定決定（查詢縮放值、乘數或 RoPE 縮放的修正）。",
     },
     "step.scale.text": {
         "en": "The scores are divided by √d_k = {sqrt_dk:.4f} before the softmax. Dot "
@@ -413,6 +436,10 @@ MESSAGES: dict[str, dict[str, str]] = {
     "step.values.title": {
         "en": "values = x @ W_value.T of all {n} tokens ({n}×{d})",
         "zh-TW": "所有 {n} 個詞元的值 values = x @ W_value.T（{n}×{d}）",
+    },
+    "step.values.latent_title": {
+        "en": "values = latent @ W_uv.T of all {n} tokens, this head's rows ({n}×{d})",
+        "zh-TW": "所有 {n} 個詞元的值 values = latent @ W_uv.T，此頭的部分（{n}×{d}）",
     },
     "step.values.text": {
         "en": "One value per token: what each token passes on.",

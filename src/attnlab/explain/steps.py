@@ -15,6 +15,7 @@ shown is the model's.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -52,7 +53,7 @@ class HeadSteps:
         keys: the keys of every token for this head ``(S, D)``, as used.
         values: the values ``(S, Dv)``.
         scores: ``query · keys`` ``(S,)``.
-        scale: the score scale (``1/√D``).
+        scale: the score scale (``1/√D`` unless the family sets another).
         scaled: ``scores * scale`` ``(S,)``.
         softcap: the layer's logit soft-cap ``c`` (Gemma 2), or None.
         capped: ``c * tanh(scaled / c)`` ``(S,)`` when the layer soft-caps, else None.
@@ -72,6 +73,8 @@ class HeadSteps:
             ``context`` (this head's slice of the layer's context), ``output``
             (the heads' shares plus the bias against the layer's output).
         source: a description of the model.
+        latent: ``(kv_lora_rank, qk_rope_head_dim)`` for a multi-head latent attention
+            layer (its keys and values are rebuilt from a per-token latent), else None.
     """
 
     tokens: tuple[str, ...]
@@ -106,6 +109,7 @@ class HeadSteps:
     layer_weights: torch.Tensor
     checks: dict[str, float] = field(default_factory=dict)
     source: str = ""
+    latent: tuple[int, int] | None = None
 
     @property
     def head_dim(self) -> int:
@@ -249,7 +253,11 @@ def _walk(
         "context": float((context - layer_context).abs().max()),
         "output": float((shares - output).abs().max()),
     }
+    from attnlab.latent import LatentAttention
+
+    mla = block.mla if isinstance(block, LatentAttention) else None
     return HeadSteps(
+        latent=None if mla is None else (int(mla.kv_lora_rank), int(mla.qk_rope_head_dim)),
         tokens=tuple(tokens),
         token_ids=tuple(ids),
         layer=layer,
@@ -365,11 +373,18 @@ def step_sections(steps: HeadSteps, lang: str = "en") -> list[dict[str, Any]]:
             _table(f"query_{pos} ({msg('label.after_rope')})", s.query),
         )
     keys_text = msg("step.keys.rope" if s.rope else "step.keys.text")
+    keys_title = msg("step.keys.title", n=n, kv=s.kv_head, d=d)
+    values_title = msg("step.values.title", n=n, d=dv)
+    if s.latent is not None:
+        r, dr = s.latent
+        keys_title = msg("step.keys.latent_title", n=n, kv=s.kv_head, d=d, r=r)
+        keys_text = msg("step.keys.latent", r=r, dn=d - dr, dr=dr)
+        values_title = msg("step.values.latent_title", n=n, d=dv)
     if s.num_kv_heads != s.num_heads:
         keys_text += " " + msg("step.keys.gqa", share=s.num_heads // s.num_kv_heads)
     add(
         "keys",
-        msg("step.keys.title", n=n, kv=s.kv_head, d=d),
+        keys_title,
         keys_text,
         _table("keys", s.keys, rows=labels, cols=dims),
     )
@@ -381,8 +396,17 @@ def step_sections(steps: HeadSteps, lang: str = "en") -> list[dict[str, Any]]:
     )
     add(
         "scale",
-        msg("step.scale.title", pos=pos, scale=s.scale, d=d),
-        msg("step.scale.text", sqrt_dk=1.0 / s.scale),
+        *(
+            (
+                msg("step.scale.title", pos=pos, scale=s.scale, d=d),
+                msg("step.scale.text", sqrt_dk=1.0 / s.scale),
+            )
+            if math.isclose(s.scale, d**-0.5, rel_tol=1e-6)
+            else (
+                msg("step.scale.other_title", pos=pos, scale=s.scale),
+                msg("step.scale.other", d=d, usual=d**-0.5),
+            )
+        ),
         _table("scaled", s.scaled, cols=labels),
     )
     if s.capped is not None:
@@ -418,7 +442,7 @@ def step_sections(steps: HeadSteps, lang: str = "en") -> list[dict[str, Any]]:
     )
     add(
         "values",
-        msg("step.values.title", n=n, d=dv),
+        values_title,
         msg("step.values.text"),
         _table("values", s.values, rows=labels, cols=[str(j) for j in range(dv)]),
     )
