@@ -189,10 +189,50 @@ def test_chunked_tiles_across_chunks_are_skipped(monkeypatch, path):
     q, k, v = (torch.randn(1, 1, 64, 8, generator=gen, dtype=torch.float64) for _ in range(3))
     kw = {"dropout_p": 0.0, "scale": 0.5, "block_q": 16, "block_k": 16, "tile_path": path}
     res = blockwise_attention(q, k, v, ChunkedMask(16), **kw)
-    # One diagonal square per chunk; the 6 tiles below the diagonal are in other chunks.
-    assert [c[1] for c in calls] == ["causal"] * 4
+    # Whole chunks of a square call are batch rows of one causal call: one diagonal square
+    # for the 4 chunks together; nothing across chunks is computed.
+    assert [(c[1], c[2]) for c in calls] == [("causal", (4, 1, 16, 8))]
     ref, _ = reference_attention(q, k, v, mask=ChunkedMask(16).dense(64, 64), scale=0.5)
     torch.testing.assert_close(res.output, ref, **F64)
+
+
+@pytest.mark.parametrize(
+    ("path", "extras"),
+    [(p, e) for p in TILE_PATHS for e in ("plain", "sinks", "softcap")]
+    if "fused" not in TILE_PATHS
+    else [(p, e) for p in TILE_PATHS for e in ("plain", "sinks")] + [("pure", "softcap")],
+)
+def test_whole_chunks_folded_into_batch_rows_equal_the_reference_with_gradients(path, extras):
+    """A square call of whole chunks runs as one causal call over chunk-sized batch rows:
+    output, LSE and gradients equal the fp64 reference on the dense mask, with grouped
+    key/value heads, two batch rows, and sinks or a soft-cap."""
+    gen = torch.Generator().manual_seed(11)
+    B, H, G, T, D, chunk = 2, 4, 2, 96, 8, 32
+
+    def leaf(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64, requires_grad=True)
+
+    q, k, v = leaf(B, H, T, D), leaf(B, G, T, D), leaf(B, G, T, D)
+    sinks = leaf(H) if extras == "sinks" else None
+    softcap = 2.0 if extras == "softcap" else None
+    mask = ChunkedMask(chunk)
+    kw = {"dropout_p": 0.0, "scale": 0.3, "tile_path": path, "softcap": softcap}
+    res = blockwise_attention(q, k, v, mask, sinks=sinks, **kw)
+    dense = mask.dense(T, T)
+    ref, _ = reference_attention(q, k, v, mask=dense, scale=0.3, softcap=softcap, sinks=sinks)
+    torch.testing.assert_close(res.output, ref, **F64)
+    scores = q @ k.repeat_interleave(H // G, dim=1).transpose(-1, -2) * 0.3  # (B, H, T, T)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~dense, float("-inf"))
+    if sinks is not None:  # the sink joins every row's softmax
+        scores = torch.cat([scores, sinks.view(1, H, 1, 1).expand(B, H, T, 1)], dim=-1)
+    torch.testing.assert_close(res.lse, torch.logsumexp(scores, dim=-1), **F64)
+    leaves = (q, k, v) if sinks is None else (q, k, v, sinks)
+    dout = torch.randn(res.output.shape, generator=gen, dtype=torch.float64)
+    ours = torch.autograd.grad(res.output, leaves, dout)
+    for a, b in zip(ours, torch.autograd.grad(ref, leaves, dout), strict=True):
+        torch.testing.assert_close(a, b, **F64)
 
 
 @pytest.mark.skipif("fused" not in TILE_PATHS, reason="no fused tile op in this PyTorch")

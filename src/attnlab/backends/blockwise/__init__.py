@@ -72,7 +72,7 @@ from attnlab.backends.blockwise.paths import (
     why_not_fused,
 )
 from attnlab.backends.blockwise.plan import ChunkOptions, default_blocks
-from attnlab.masks import AttentionMask
+from attnlab.masks import AttentionMask, CausalMask, ChunkedMask
 
 __all__ = [
     "BACKEND",
@@ -127,6 +127,35 @@ def blockwise_attention(
     """
     if dropout_p > 0:
         raise ValueError(_why_not_dropout(dropout_p))
+    T, S = query.shape[2], key.shape[2]
+    if isinstance(mask, ChunkedMask) and T == S and T % mask.chunk == 0 and mask.chunk < T:
+        # Whole chunks of a square call: each chunk is causal attention on its own, so the
+        # chunks become batch rows and the call one causal call (on the fused path one
+        # kernel call for every chunk, instead of a row block per chunk).
+        n, c = T // mask.chunk, mask.chunk
+
+        def fold(t: torch.Tensor) -> torch.Tensor:  # (B, H, n c, D) -> (B n, H, c, D)
+            B, H, _, D = t.shape
+            return t.view(B, H, n, c, D).transpose(1, 2).reshape(B * n, H, c, D)
+
+        res = blockwise_attention(
+            fold(query),
+            fold(key),
+            fold(value),
+            CausalMask(),
+            dropout_p=dropout_p,
+            scale=scale,
+            softcap=softcap,
+            sinks=sinks,
+            block_q=block_q,
+            block_k=block_k,
+            tile_path=tile_path,
+        )
+        B, H = query.shape[:2]
+        assert res.lse is not None  # blockwise always returns it
+        out = res.output.view(B, n, H, c, -1).transpose(1, 2).reshape(B, H, T, -1)
+        lse = res.lse.view(B, n, H, c).transpose(1, 2).reshape(B, H, T)
+        return BackendResult(output=out, lse=lse)
     grad_on = torch.is_grad_enabled()
     bias_params = mask.grad_tensors() if (mask is not None and grad_on) else ()
     opts = ChunkOptions(block_q=block_q, block_k=block_k, tile_path=tile_path, softcap=softcap)
