@@ -145,7 +145,7 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.ticker
 
     # Speed only (memory and other units stay in the tables), so one axis reads as time.
-    speed = {"ms", "s", "tokens/s", "sentences/s"}
+    speed = {"us", "ms", "s", "tokens/s", "sentences/s"}
     panels = [
         (r, [f for f in r["figures"] if f.get("ratio") and f["unit"] in speed]) for r in records
     ]
