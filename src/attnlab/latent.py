@@ -56,6 +56,7 @@ __all__ = [
     "HeadUpProjection",
     "LatentAttention",
     "LatentKVCache",
+    "LatentProjections",
     "LowRankProjection",
     "MLAConfig",
 ]
@@ -242,7 +243,53 @@ class LowRankProjection(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(..., C) -> (..., out_features)."""
-        return self.up(self.norm(self.down(x)))  # type: ignore[no-any-return]
+        return self.steps(x)[2]
+
+    def steps(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``down(x)``, its norm, and ``up`` of that: the output with what leads to it.
+
+        Shape:
+            - x: ``(..., C)``; out: ``(..., rank)``, ``(..., rank)``, ``(..., out_features)``.
+        """
+        down = self.down(x)
+        normed = self.norm(down)
+        return down, normed, self.up(normed)
+
+
+@dataclass(frozen=True)
+class LatentProjections:
+    """What an MLA layer computes from its input before any position enters
+    (:meth:`LatentAttention.project`); the forward pass and the explainer's step walk
+    both start from it.
+
+    Attributes:
+        queries: every head's query ``(B, H, T, D)``, before RoPE: ``[q_nope, q_rope]``.
+        query_down: ``x W_dq`` ``(B, T, q_lora_rank)`` before its norm, or None (the
+            layer has one query projection).
+        query_latent: ``RMSNorm(query_down)`` ``(B, T, q_lora_rank)``, or None.
+        latent_raw: the first r dims of ``x W_dkv`` ``(B, T, r)``, before the norm.
+        latent: ``RMSNorm(latent_raw)`` ``(B, T, r)``: the latent the cache holds.
+        k_rope: the shared rotary key ``(B, T, Dr)``, before RoPE.
+        nope_dim: Dn, where a query splits into its nope and rotary parts.
+    """
+
+    queries: torch.Tensor
+    query_down: torch.Tensor | None
+    query_latent: torch.Tensor | None
+    latent_raw: torch.Tensor
+    latent: torch.Tensor
+    k_rope: torch.Tensor
+    nope_dim: int
+
+    @property
+    def q_nope(self) -> torch.Tensor:
+        """The queries' nope dims ``(B, H, T, Dn)`` (a view)."""
+        return self.queries[..., : self.nope_dim]
+
+    @property
+    def q_rope(self) -> torch.Tensor:
+        """The queries' rotary dims ``(B, H, T, Dr)``, before RoPE (a view)."""
+        return self.queries[..., self.nope_dim :]
 
 
 class LatentAttention(Attention):
@@ -396,39 +443,84 @@ class LatentAttention(Attention):
                 f"{type(kv_cache).__name__}"
             )
         B, T, _ = x.shape
-        H, Dn, Dr = self.num_heads, self.mla.qk_nope_head_dim, self.mla.qk_rope_head_dim
-        r = self.mla.kv_lora_rank
-        q = self.W_query(x)  # (B, T, H*D)
-        q = q.view(B, T, H, Dn + Dr).transpose(1, 2)  # (B, H, T, D)
-        q_nope, q_rope = q.split([Dn, Dr], dim=-1)  # (B, H, T, Dn), (B, H, T, Dr)
-        latent, k_rope = self.kv_down(x).split([r, Dr], dim=-1)  # (B, T, r), (B, T, Dr)
-        latent = self.kv_norm(latent)
+        Dn = self.mla.qk_nope_head_dim
+        p = self.project(x)
         pos = self._positions(position_ids, B, T, kv_cache, x.device)
-        rope = self.rope
-        assert rope is not None  # set in __init__
-        q_rope = rope(q_rope, pos)  # (B, H, T, Dr)
-        k_rope = rope(k_rope[:, None], pos)  # (B, 1, T, Dr)
-        entry = torch.cat([latent[:, None], k_rope], dim=-1)  # (B, 1, T, r+Dr)
+        queries, entry = self.rotate(p, pos)  # (B, H, T, D), (B, 1, T, r+Dr)
         cached = kv_cache.update_latent(entry) if kv_cache is not None else entry  # (B,1,S,r+Dr)
         S = cached.shape[2]
         mask = self._mask(attn_mask, is_causal, S)
-        scale = self.scale if self.scale is not None else (Dn + Dr) ** -0.5
+        scale = self.scale if self.scale is not None else self.head_dim**-0.5
         shown = bool(
             need_weights or self.capture or _RECORDER.get() is not None or _EDITOR.get() is not None
         )
         absorbed = (T == 1 if self.absorbed is None else self.absorbed) and not shown
         self.last_path = "absorbed" if absorbed else "expanded"
         if absorbed:
-            return self._absorbed(q_nope, q_rope, cached, mask, scale)
-        w_uk, w_uv = self._up_weights()
-        # every head's key and value from the latent: (B, H, S, Dn) and (B, H, S, Dv)
-        k_nope = torch.einsum("bsr,hdr->bhsd", cached[:, 0, :, :r], w_uk)
-        values = torch.einsum("bsr,hvr->bhsv", cached[:, 0, :, :r], w_uv)
-        shared = cached[:, :, :, r:].expand(B, H, S, Dr)  # (B, H, S, Dr)
-        keys = torch.cat([k_nope, shared], dim=-1)  # (B, H, S, D)
-        queries = torch.cat([q_nope, q_rope], dim=-1)  # (B, H, T, D)
+            return self._absorbed(p.q_nope, queries[..., Dn:], cached, mask, scale)
+        keys, values = self.expand(cached)  # (B, H, S, D), (B, H, S, Dv)
         new_keys = keys[:, :, S - T :]
-        return self._attend_heads(x, q, new_keys, queries, keys, values, mask, scale, need_weights)
+        return self._attend_heads(
+            x, p.queries, new_keys, queries, keys, values, mask, scale, need_weights
+        )
+
+    def project(self, x: torch.Tensor) -> LatentProjections:
+        """The layer's projections of ``x``: queries (through the low-rank pair when the
+        layer has one), the normalised latent and the shared rotary key, none rotated yet.
+
+        Shape:
+            - x: ``(B, T, C)``; see :class:`LatentProjections` for the rest.
+        """
+        B, T, _ = x.shape
+        H, Dn, Dr = self.num_heads, self.mla.qk_nope_head_dim, self.mla.qk_rope_head_dim
+        r = self.mla.kv_lora_rank
+        query_down = query_latent = None
+        if isinstance(self.W_query, LowRankProjection):
+            query_down, query_latent, q = self.W_query.steps(x)  # (B, T, H*D)
+        else:
+            q = self.W_query(x)  # (B, T, H*D)
+        q = q.view(B, T, H, Dn + Dr).transpose(1, 2)  # (B, H, T, D)
+        latent_raw, k_rope = self.kv_down(x).split([r, Dr], dim=-1)  # (B, T, r), (B, T, Dr)
+        return LatentProjections(
+            queries=q,
+            query_down=query_down,
+            query_latent=query_latent,
+            latent_raw=latent_raw,
+            latent=self.kv_norm(latent_raw),
+            k_rope=k_rope,
+            nope_dim=Dn,
+        )
+
+    def rotate(
+        self, projections: LatentProjections, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE on the queries' rotary dims and the shared key at ``positions``.
+
+        Returns:
+            The queries the attention uses ``(B, H, T, D)`` (nope dims unchanged) and the
+            cache entry ``[latent, rotated k_rope]`` ``(B, 1, T, r + Dr)``.
+        """
+        p, rope = projections, self.rope
+        assert rope is not None  # set in __init__
+        q_rope = rope(p.q_rope, positions)  # (B, H, T, Dr)
+        k_rope = rope(p.k_rope[:, None], positions)  # (B, 1, T, Dr)
+        queries = torch.cat([p.q_nope, q_rope], dim=-1)  # (B, H, T, D)
+        return queries, torch.cat([p.latent[:, None], k_rope], dim=-1)  # (B, 1, T, r+Dr)
+
+    def expand(self, cached: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every head's keys and values from cache entries (the expanded form): key
+        ``[latent W_uk_hᵀ, k_rope]``, value ``latent W_uv_hᵀ``.
+
+        Shape:
+            - cached: ``(B, 1, S, r + Dr)``; keys ``(B, H, S, D)``; values ``(B, H, S, Dv)``.
+        """
+        B, _, S, _ = cached.shape
+        H, r = self.num_heads, self.mla.kv_lora_rank
+        w_uk, w_uv = self._up_weights()
+        k_nope = torch.einsum("bsr,hdr->bhsd", cached[:, 0, :, :r], w_uk)  # (B, H, S, Dn)
+        values = torch.einsum("bsr,hvr->bhsv", cached[:, 0, :, :r], w_uv)  # (B, H, S, Dv)
+        shared = cached[:, :, :, r:].expand(B, H, S, cached.shape[-1] - r)  # (B, H, S, Dr)
+        return torch.cat([k_nope, shared], dim=-1), values  # (B, H, S, D), (B, H, S, Dv)
 
     def _absorbed(
         self,
