@@ -768,12 +768,13 @@ def test_mla_step_view_says_where_keys_and_values_come_from(checkpoints):
 
     model, _ = load_pretrained(checkpoints["deepseek_v2"])
     steps = head_steps(model, _ids(10, seed=5)[0].tolist(), layer=1, head=2, token=9)
-    assert steps.latent == (16, 8) and steps.head_dim == 20
+    assert steps.latent is not None and steps.head_dim == 20
+    assert (steps.latent.rank, steps.latent.rope_dim) == (16, 8)
     assert max(steps.checks.values()) < 1e-4, steps.checks
     for lang in ("en", "zh-TW"):
         titles = {s["id"]: s["title"] for s in step_sections(steps, lang)}
-        assert "16" in titles["keys"] and "W_key" not in titles["keys"]
-        assert "W_uv" in titles["values"]
+        assert "16" in titles["latent"] and "W_key" not in titles["keys"]
+        assert "W_uv" in titles["values"] and "W_uk" in titles["k_nope"]
         assert "√d_k" not in titles["scale"] and f"{steps.scale:.4f}" in titles["scale"]
     assert abs(steps.scale - 20**-0.5) > 1e-3  # the mscale bites
 

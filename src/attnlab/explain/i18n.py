@@ -345,21 +345,89 @@ MESSAGES: dict[str, dict[str, str]] = {
         "en": "One key per token: what each token is matched on (rotated by RoPE like the query).",
         "zh-TW": "每個詞元一個鍵：用來被比對的依據（與查詢一樣經過 RoPE 旋轉）。",
     },
-    "step.keys.latent_title": {
-        "en": "keys of all {n} tokens from their latents (width {r}), key head {kv} ({n}×{d})",
-        "zh-TW": "所有 {n} 個詞元的鍵，由各自的潛在向量（寬 {r}）展開，鍵頭 {kv}（{n}×{d}）",
-    },
-    "step.keys.latent": {
-        "en": "Latent attention: each token is cached as one latent c = norm(x @ W_dkv.T) of "
-        "width {r}, shared by all heads, plus one rotary key of {dr} dims. A head's key is c "
-        "expanded by its own up-projection ({dn} dims) followed by the shared rotary key.",
-        "zh-TW": "潛在注意力：每個詞元只快取一個寬 {r} 的潛在向量 c = norm(x @ W_dkv.T)（所有頭"
-        "共用）和一個 {dr} 維的旋轉鍵。某個頭的鍵是 c 經該頭自己的上投影展開的 {dn} 維，"
-        "再接上共用的旋轉鍵。",
-    },
     "step.keys.gqa": {
         "en": "Grouped-query attention: {share} query heads share this key/value head.",
         "zh-TW": "分組查詢注意力：{share} 個查詢頭共用這個鍵／值頭。",
+    },
+    # multi-head latent attention (DeepSeek-V2/V3, Kimi K2): the walk through the latent
+    "step.mla.q_down.title": {
+        "en": "q_a_{pos} = RMSNorm(x_{pos} @ W_dq.T) ({q},)",
+        "zh-TW": "q_a_{pos} = RMSNorm(x_{pos} @ W_dq.T)（{q},）",
+    },
+    "step.mla.q_down.text": {
+        "en": "The query goes through a low-rank pair: x_{pos} is projected down to {q} dims "
+        "(first table) and normalised by an RMSNorm (second table); W_uq then projects it up "
+        "to every head's query.",
+        "zh-TW": "查詢先經過一對低秩投影：x_{pos} 先降到 {q} 維（第一個表），再經 RMSNorm "
+        "正規化（第二個表）；之後 W_uq 再把它升到每個頭的查詢。",
+    },
+    "step.mla.query.title": {
+        "en": "query_{pos} = {src} @ {w}.T, head {head}: q_nope ({dn},) and q_rope ({dr},)",
+        "zh-TW": "query_{pos} = {src} @ {w}.T，第 {head} 個頭：q_nope（{dn},）與 q_rope（{dr},）",
+    },
+    "step.mla.query.text": {
+        "en": "The head's query has two parts: {dn} dims without position (q_nope), matched "
+        "against keys rebuilt from the latent, and {dr} dims (q_rope) that RoPE rotates.",
+        "zh-TW": "這個頭的查詢分成兩部分：{dn} 個不含位置的維度（q_nope），用來與由潛在向量"
+        "重建的鍵比對；以及 {dr} 個會被 RoPE 旋轉的維度（q_rope）。",
+    },
+    "step.mla.rope.title": {
+        "en": "q_rope_{pos} after RoPE (position {pos}); query_{pos} = [q_nope, q_rope] ({d},)",
+        "zh-TW": "經過 RoPE 旋轉後的 q_rope_{pos}（位置 {pos}）；"
+        "query_{pos} = [q_nope, q_rope]（{d},）",
+    },
+    "step.mla.rope.text": {
+        "en": "Only the {dr} rotary dims turn; the {dn} nope dims stay as they are (the "
+        "second table is the whole query).",
+        "zh-TW": "只有 {dr} 個旋轉維度會轉動；{dn} 個 nope 維度保持不變（第二個表是完整的查詢）。",
+    },
+    "step.mla.latent.title": {
+        "en": "c_kv = RMSNorm(x @ W_dkv.T) of all {n} tokens: the latent ({n}×{r})",
+        "zh-TW": "所有 {n} 個詞元的 c_kv = RMSNorm(x @ W_dkv.T)：潛在向量（{n}×{r}）",
+    },
+    "step.mla.latent.text": {
+        "en": "Latent attention caches one latent per token, shared by every head: the input "
+        "is projected down to {r} dims (first table) and normalised by an RMSNorm (second "
+        "table). With the {dr}-dim rotary key of the next step, that is all the cache holds "
+        "for a token.",
+        "zh-TW": "潛在注意力為每個詞元只快取一個潛在向量，所有頭共用：輸入先降到 {r} 維"
+        "（第一個表），再經 RMSNorm 正規化（第二個表）。加上下一步的 {dr} 維旋轉鍵，"
+        "這就是快取為每個詞元保存的全部內容。",
+    },
+    "step.mla.k_rope.title": {
+        "en": "k_rope = RoPE(last {dr} dims of x @ W_dkv.T) of all {n} tokens, shared by "
+        "every head ({n}×{dr})",
+        "zh-TW": "所有 {n} 個詞元的 k_rope = RoPE(x @ W_dkv.T 的最後 {dr} 維)，所有頭共用"
+        "（{n}×{dr}）",
+    },
+    "step.mla.k_rope.text": {
+        "en": "The same down-projection gives each token {dr} more dims: one rotary key for "
+        "all heads, turned by RoPE at the token's position (first table before, second "
+        "after; the cache keeps it turned).",
+        "zh-TW": "同一個降維投影還為每個詞元多產生 {dr} 維：所有頭共用的一個旋轉鍵，依詞元的"
+        "位置以 RoPE 旋轉（第一個表為旋轉前，第二個表為旋轉後；快取保存旋轉後的結果）。",
+    },
+    "step.mla.k_nope.title": {
+        "en": "k_nope = c_kv @ W_uk.T of all {n} tokens, head {head} ({n}×{dn})",
+        "zh-TW": "所有 {n} 個詞元的 k_nope = c_kv @ W_uk.T，第 {head} 個頭（{n}×{dn}）",
+    },
+    "step.mla.k_nope.text": {
+        "en": "The head's own up-projection W_uk expands every token's latent into the "
+        "position-free part of its key. (For one new token the layer can fold W_uk into "
+        "the query instead and never build these keys; the scores are the same.)",
+        "zh-TW": "這個頭自己的上投影 W_uk 把每個詞元的潛在向量展開成鍵中不含位置的部分。"
+        "（只有一個新詞元時，這一層可以改把 W_uk 併入查詢，完全不建構這些鍵；分數相同。）",
+    },
+    "step.mla.keys.title": {
+        "en": "keys = [k_nope, k_rope] of all {n} tokens, head {head} ({n}×{d})",
+        "zh-TW": "所有 {n} 個詞元的鍵 keys = [k_nope, k_rope]，第 {head} 個頭（{n}×{d}）",
+    },
+    "step.mla.keys.text": {
+        "en": "A key is the head's k_nope ({dn} dims) followed by the shared rotary key "
+        "({dr} dims). The query, keys and values rebuilt here from the latent are the ones "
+        "the layer attended with (max |difference| = {diff:.1e}).",
+        "zh-TW": "鍵是這個頭的 k_nope（{dn} 維）接上共用的旋轉鍵（{dr} 維）。這裡由潛在向量"
+        "重建的查詢、鍵和值，與這一層實際使用的相同（最大絕對差 = {diff:.1e}）。",
     },
     "step.scores.title": {
         "en": "attn_scores_{pos} = query_{pos} @ keys.T ({n},)",
@@ -438,8 +506,13 @@ MESSAGES: dict[str, dict[str, str]] = {
         "zh-TW": "所有 {n} 個詞元的值 values = x @ W_value.T（{n}×{d}）",
     },
     "step.values.latent_title": {
-        "en": "values = latent @ W_uv.T of all {n} tokens, this head's rows ({n}×{d})",
-        "zh-TW": "所有 {n} 個詞元的值 values = latent @ W_uv.T，此頭的部分（{n}×{d}）",
+        "en": "values = c_kv @ W_uv.T of all {n} tokens, head {head} ({n}×{d})",
+        "zh-TW": "所有 {n} 個詞元的值 values = c_kv @ W_uv.T，第 {head} 個頭（{n}×{d}）",
+    },
+    "step.values.latent": {
+        "en": "The head's own up-projection W_uv expands every token's latent into its "
+        "value: what the token passes on.",
+        "zh-TW": "這個頭自己的上投影 W_uv 把每個詞元的潛在向量展開成它的值：它實際傳遞的內容。",
     },
     "step.values.text": {
         "en": "One value per token: what each token passes on.",

@@ -28,7 +28,46 @@ from attnlab.functional import attention_scores, attention_weights, context_vect
 if TYPE_CHECKING:
     from attnlab.attention import Attention, AttentionCall
 
-__all__ = ["HeadSteps", "head_steps", "step_sections", "step_summary"]
+__all__ = ["HeadSteps", "LatentWalk", "head_steps", "step_sections", "step_summary"]
+
+
+@dataclass(frozen=True)
+class LatentWalk:
+    """How a multi-head latent attention head (:class:`attnlab.latent.LatentAttention`)
+    gets its query, keys and values: through the per-token latent (float32, on the CPU).
+
+    Every tensor is what the layer's own methods (``project``, ``rotate``, ``expand``,
+    the ones its forward pass runs) give for the layer's input.
+
+    Attributes:
+        rank: r, the latent's width (``kv_lora_rank``).
+        query_down: ``x_t @ W_dq.T`` ``(q_lora_rank,)`` before its norm, or None (one
+            query projection).
+        query_latent: ``RMSNorm(query_down)`` ``(q_lora_rank,)``, or None.
+        q_nope: the head's query dims without position ``(Dn,)``.
+        q_rope: the head's rotary query dims ``(Dr,)``, before RoPE.
+        latent_raw: every token's ``x @ W_dkv.T`` latent dims ``(S, r)``, before the norm.
+        latent: ``RMSNorm(latent_raw)`` ``(S, r)``: what the cache holds.
+        k_rope: the shared rotary key ``(S, Dr)``, before RoPE.
+        k_rope_rotated: the same after RoPE ``(S, Dr)`` (cached like this).
+        k_nope: ``latent @ W_uk_h.T`` ``(S, Dn)``: the head's keys without position.
+    """
+
+    rank: int
+    query_down: torch.Tensor | None
+    query_latent: torch.Tensor | None
+    q_nope: torch.Tensor
+    q_rope: torch.Tensor
+    latent_raw: torch.Tensor
+    latent: torch.Tensor
+    k_rope: torch.Tensor
+    k_rope_rotated: torch.Tensor
+    k_nope: torch.Tensor
+
+    @property
+    def rope_dim(self) -> int:
+        """Dr, the rotary dims of a query/key."""
+        return int(self.k_rope.shape[-1])
 
 
 @dataclass(frozen=True)
@@ -71,10 +110,12 @@ class HeadSteps:
         layer_weights: the weights the layer itself computed for this row ``(S,)``.
         checks: max |difference| between the walk and the layer: ``weights``,
             ``context`` (this head's slice of the layer's context), ``output``
-            (the heads' shares plus the bias against the layer's output).
+            (the heads' shares plus the bias against the layer's output), and for a
+            latent attention layer ``latent`` (the query, keys and values rebuilt from
+            the latent against those the layer attended with).
         source: a description of the model.
-        latent: ``(kv_lora_rank, qk_rope_head_dim)`` for a multi-head latent attention
-            layer (its keys and values are rebuilt from a per-token latent), else None.
+        latent: for a multi-head latent attention layer, how the query, keys and values
+            come out of the per-token latent (:class:`LatentWalk`); else None.
     """
 
     tokens: tuple[str, ...]
@@ -109,7 +150,7 @@ class HeadSteps:
     layer_weights: torch.Tensor
     checks: dict[str, float] = field(default_factory=dict)
     source: str = ""
-    latent: tuple[int, int] | None = None
+    latent: LatentWalk | None = None
 
     @property
     def head_dim(self) -> int:
@@ -206,6 +247,18 @@ def _walk(
     q = cpu(call.queries[0, head, token])  # (D,)
     keys = cpu(call.keys[0, g])  # (S, D)
     values = cpu(call.values[0, g])  # (S, Dv)
+    from attnlab.latent import LatentAttention
+
+    latent: LatentWalk | None = None
+    checks: dict[str, float] = {}
+    if isinstance(block, LatentAttention):
+        # Rebuild the head's query, keys and values from the latent with the layer's own
+        # methods, and walk those: the check below says they are what the layer used.
+        latent, q_l, keys_l, values_l = _latent_walk(block, call.x, head, token)
+        checks["latent"] = max(
+            float((a - b).abs().max()) for a, b in ((q_l, q), (keys_l, keys), (values_l, values))
+        )
+        q, keys, values = q_l, keys_l, values_l
     # The seed's steps, with the library's functions, on the layer's own tensors.
     scores = attention_scores(q, keys)  # (S,)
     scaled = scores * call.scale  # (S,)
@@ -248,16 +301,13 @@ def _walk(
     shares = torch.einsum("hd,chd->c", heads_ctx, w_o.view(-1, H, Dv))  # (C,)
     if block.out_proj.bias is not None:
         shares = shares + cpu(block.out_proj.bias)
-    checks = {
-        "weights": float((weights - layer_weights).abs().max()),
-        "context": float((context - layer_context).abs().max()),
-        "output": float((shares - output).abs().max()),
-    }
-    from attnlab.latent import LatentAttention
-
-    mla = block.mla if isinstance(block, LatentAttention) else None
+    checks.update(
+        weights=float((weights - layer_weights).abs().max()),
+        context=float((context - layer_context).abs().max()),
+        output=float((shares - output).abs().max()),
+    )
     return HeadSteps(
-        latent=None if mla is None else (int(mla.kv_lora_rank), int(mla.qk_rope_head_dim)),
+        latent=latent,
         tokens=tuple(tokens),
         token_ids=tuple(ids),
         layer=layer,
@@ -291,6 +341,36 @@ def _walk(
         checks=checks,
         source=source,
     )
+
+
+def _latent_walk(
+    block: Any, x: torch.Tensor, head: int, token: int
+) -> tuple[LatentWalk, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The latent walk of ``head`` for query ``token`` from the layer's input ``x``
+    ``(1, T, C)`` (no cache: keys at positions ``0..T-1``), with the head's query ``(D,)``,
+    keys ``(S, D)`` and values ``(S, Dv)`` it gives."""
+
+    def cpu(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().float().cpu()
+
+    T, Dn = x.shape[1], block.mla.qk_nope_head_dim
+    with torch.no_grad():
+        p = block.project(x)
+        queries, entry = block.rotate(p, torch.arange(T, device=x.device))
+        keys, values = block.expand(entry)  # (1, H, S, D), (1, H, S, Dv)
+    walk = LatentWalk(
+        rank=int(block.mla.kv_lora_rank),
+        query_down=None if p.query_down is None else cpu(p.query_down[0, token]),
+        query_latent=None if p.query_latent is None else cpu(p.query_latent[0, token]),
+        q_nope=cpu(p.q_nope[0, head, token]),
+        q_rope=cpu(p.q_rope[0, head, token]),
+        latent_raw=cpu(p.latent_raw[0]),
+        latent=cpu(p.latent[0]),
+        k_rope=cpu(p.k_rope[0]),
+        k_rope_rotated=cpu(entry[0, 0, :, p.latent.shape[-1] :]),
+        k_nope=cpu(keys[0, head, :, :Dn]),
+    )
+    return walk, cpu(queries[0, head, token]), cpu(keys[0, head]), cpu(values[0, head])
 
 
 # ------------------------------------------------------------------ the steps as data
@@ -351,43 +431,43 @@ def step_sections(steps: HeadSteps, lang: str = "en") -> list[dict[str, Any]]:
         msg("step.input.text"),
         _table(f"x_{pos}", s.x),
     )
-    add(
-        "query",
-        msg("step.query.title", pos=pos, head=s.head, d=d),
-        msg("step.query.text", pos=pos),
-        _table(f"query_{pos}", s.query_projected),
-    )
-    if s.qk_norm:
-        key = "step.qknorm_rope" if s.rope else "step.qknorm"
-        add(
-            "qk_norm",
-            msg(f"{key}.title", pos=pos),
-            msg("step.qknorm.text") + (" " + msg("step.rope.text") if s.rope else ""),
-            _table(f"query_{pos}", s.query),
-        )
-    elif s.rope:
-        add(
-            "rope",
-            msg("step.rope.title", pos=pos),
-            msg("step.rope.text"),
-            _table(f"query_{pos} ({msg('label.after_rope')})", s.query),
-        )
-    keys_text = msg("step.keys.rope" if s.rope else "step.keys.text")
-    keys_title = msg("step.keys.title", n=n, kv=s.kv_head, d=d)
     values_title = msg("step.values.title", n=n, d=dv)
+    values_text = msg("step.values.text")
     if s.latent is not None:
-        r, dr = s.latent
-        keys_title = msg("step.keys.latent_title", n=n, kv=s.kv_head, d=d, r=r)
-        keys_text = msg("step.keys.latent", r=r, dn=d - dr, dr=dr)
-        values_title = msg("step.values.latent_title", n=n, d=dv)
-    if s.num_kv_heads != s.num_heads:
-        keys_text += " " + msg("step.keys.gqa", share=s.num_heads // s.num_kv_heads)
-    add(
-        "keys",
-        keys_title,
-        keys_text,
-        _table("keys", s.keys, rows=labels, cols=dims),
-    )
+        _latent_sections(s, msg, add, labels)
+        values_title = msg("step.values.latent_title", n=n, head=s.head, d=dv)
+        values_text = msg("step.values.latent")
+    else:
+        add(
+            "query",
+            msg("step.query.title", pos=pos, head=s.head, d=d),
+            msg("step.query.text", pos=pos),
+            _table(f"query_{pos}", s.query_projected),
+        )
+        if s.qk_norm:
+            key = "step.qknorm_rope" if s.rope else "step.qknorm"
+            add(
+                "qk_norm",
+                msg(f"{key}.title", pos=pos),
+                msg("step.qknorm.text") + (" " + msg("step.rope.text") if s.rope else ""),
+                _table(f"query_{pos}", s.query),
+            )
+        elif s.rope:
+            add(
+                "rope",
+                msg("step.rope.title", pos=pos),
+                msg("step.rope.text"),
+                _table(f"query_{pos} ({msg('label.after_rope')})", s.query),
+            )
+        keys_text = msg("step.keys.rope" if s.rope else "step.keys.text")
+        if s.num_kv_heads != s.num_heads:
+            keys_text += " " + msg("step.keys.gqa", share=s.num_heads // s.num_kv_heads)
+        add(
+            "keys",
+            msg("step.keys.title", n=n, kv=s.kv_head, d=d),
+            keys_text,
+            _table("keys", s.keys, rows=labels, cols=dims),
+        )
     add(
         "scores",
         msg("step.scores.title", pos=pos, n=n),
@@ -443,7 +523,7 @@ def step_sections(steps: HeadSteps, lang: str = "en") -> list[dict[str, Any]]:
     add(
         "values",
         values_title,
-        msg("step.values.text"),
+        values_text,
         _table("values", s.values, rows=labels, cols=[str(j) for j in range(dv)]),
     )
     add(
@@ -464,6 +544,73 @@ def step_sections(steps: HeadSteps, lang: str = "en") -> list[dict[str, Any]]:
         ),
     )
     return out
+
+
+def _latent_sections(
+    s: HeadSteps,
+    msg: Callable[..., str],
+    add: Callable[..., None],
+    labels: list[str],
+) -> None:
+    """The steps from the input to the keys of a latent attention head: the query (through
+    its low-rank pair when the layer has one), the latent, the shared rotary key, the
+    head's keys."""
+    w = s.latent
+    assert w is not None  # the caller's branch
+    pos, n, d, r, dr = s.token, len(s.tokens), s.head_dim, w.rank, w.rope_dim
+    dn = d - dr
+    after_rope = msg("label.after_rope")
+    source, w_up = f"x_{pos}", "W_query"
+    if w.query_down is not None and w.query_latent is not None:
+        q = int(w.query_down.shape[-1])
+        add(
+            "q_down",
+            msg("step.mla.q_down.title", pos=pos, q=q),
+            msg("step.mla.q_down.text", pos=pos, q=q),
+            _table(f"x_{pos} @ W_dq.T", w.query_down),
+            _table(f"q_a_{pos}", w.query_latent),
+        )
+        source, w_up = f"q_a_{pos}", "W_uq"
+    add(
+        "query",
+        msg("step.mla.query.title", pos=pos, src=source, w=w_up, head=s.head, dn=dn, dr=dr),
+        msg("step.mla.query.text", dn=dn, dr=dr),
+        _table(f"q_nope_{pos}", w.q_nope),
+        _table(f"q_rope_{pos}", w.q_rope),
+    )
+    add(
+        "rope",
+        msg("step.mla.rope.title", pos=pos, d=d),
+        msg("step.rope.text") + " " + msg("step.mla.rope.text", dn=dn, dr=dr),
+        _table(f"q_rope_{pos} ({after_rope})", s.query[dn:]),
+        _table(f"query_{pos}", s.query),
+    )
+    add(
+        "latent",
+        msg("step.mla.latent.title", n=n, r=r),
+        msg("step.mla.latent.text", r=r, dr=dr),
+        _table(f"(x @ W_dkv.T)[:, :{r}]", w.latent_raw, rows=labels),
+        _table("c_kv", w.latent, rows=labels),
+    )
+    add(
+        "k_rope",
+        msg("step.mla.k_rope.title", n=n, dr=dr),
+        msg("step.mla.k_rope.text", dr=dr),
+        _table(f"(x @ W_dkv.T)[:, {r}:]", w.k_rope, rows=labels),
+        _table(f"k_rope ({after_rope})", w.k_rope_rotated, rows=labels),
+    )
+    add(
+        "k_nope",
+        msg("step.mla.k_nope.title", n=n, head=s.head, dn=dn),
+        msg("step.mla.k_nope.text"),
+        _table("k_nope", w.k_nope, rows=labels),
+    )
+    add(
+        "keys",
+        msg("step.mla.keys.title", n=n, head=s.head, d=d),
+        msg("step.mla.keys.text", dn=dn, dr=dr, diff=s.checks["latent"]),
+        _table("keys", s.keys, rows=labels),
+    )
 
 
 def step_summary(steps: HeadSteps, lang: str = "en") -> str:
