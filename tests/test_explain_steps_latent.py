@@ -187,3 +187,46 @@ def test_latent_sections_in_both_languages(checkpoints, case):
     printed = console.export_text()
     assert "c_kv" in printed and "k_nope" in printed and "8 of 11×16 shown" in printed
     assert "潛在向量" in printed
+
+
+@pytest.mark.browser
+def test_the_served_step_view_walks_the_latent(checkpoints):
+    """In a real headless Chromium: stepping into an MLA head on the served page shows the
+    latent steps, with the walk's own numbers."""
+    pytest.importorskip("starlette", reason="pip install 'attnlab[serve]'")
+    pytest.importorskip("uvicorn", reason="pip install 'attnlab[serve]'")
+    sync_api = pytest.importorskip("playwright.sync_api", reason="needs playwright (dev extra)")
+    from attnlab.serve import ModelRegistry, create_app
+    from attnlab.serve.models import spec_for
+    from explain_helpers import launch_browser
+    from serve_helpers import live_server
+
+    folder = checkpoints["q_lora"]
+    app = create_app(ModelRegistry([spec_for(str(folder))]), lang="zh-TW")
+    with live_server(app) as url, sync_api.sync_playwright() as pw:
+        browser = launch_browser(pw)
+        p = browser.new_page(viewport={"width": 1280, "height": 900})
+        errors: list[str] = []
+        p.on("pageerror", lambda e: errors.append(str(e)))
+        p.goto(url)
+        p.wait_for_selector("body[data-traced='1']", timeout=60_000)
+        p.fill("#text", "the cat sat")
+        p.click("#explain")
+        p.wait_for_function(
+            "() => window.attnlabServe.trace.attention.tokens.join('') === 'the cat sat'",
+            timeout=60_000,
+        )
+        p.select_option("#layer", "1")
+        p.click(".hv-col.queries .tok[data-i='6']")
+        p.wait_for_selector("body[data-stepped='1']", timeout=60_000)
+        ids = p.locator("#panel-step .st-sec").evaluate_all("e => e.map(x => x.dataset.step)")
+        latent = p.locator("table[data-name='c_kv'] tr").nth(1).locator("td").all_text_contents()
+        title = p.text_content("#panel-step .st-sec[data-step='latent'] h3")
+        browser.close()
+    assert ids[:8] == ["input", "q_down", "query", "rope", "latent", "k_rope", "k_nope", "keys"]
+    assert "潛在向量" in title and errors == []
+    model, tok = load_pretrained(folder)
+    s = head_steps(model, "the cat sat", layer=1, head=0, token=6, tokenizer=tok)
+    assert s.latent is not None
+    shown = [float(c) for c in latent[:12]]
+    torch.testing.assert_close(torch.tensor(shown), s.latent.latent[0, :12], atol=6e-5, rtol=0)

@@ -377,9 +377,13 @@ MESSAGES: dict[str, dict[str, str]] = {
         "query_{pos} = [q_nope, q_rope]（{d},）",
     },
     "step.mla.rope.text": {
-        "en": "Only the {dr} rotary dims turn; the {dn} nope dims stay as they are (the "
+        "en": "RoPE turns only the {dr} rotary dims, each pair by an angle that grows with "
+        "the position (the shared rotary key is turned the same way, so their dot product "
+        "depends on how far apart two tokens are); the {dn} nope dims stay as they are (the "
         "second table is the whole query).",
-        "zh-TW": "只有 {dr} 個旋轉維度會轉動；{dn} 個 nope 維度保持不變（第二個表是完整的查詢）。",
+        "zh-TW": "RoPE 只旋轉 {dr} 個旋轉維度，每一對維度轉動一個隨位置增大的角度（共用的旋轉鍵"
+        "也以同樣方式旋轉，因此兩者的點積取決於兩個詞元相隔多遠）；{dn} 個 nope 維度保持不變"
+        "（第二個表是完整的查詢）。",
     },
     "step.mla.latent.title": {
         "en": "c_kv = RMSNorm(x @ W_dkv.T) of all {n} tokens: the latent ({n}×{r})",

@@ -581,7 +581,7 @@ def _latent_sections(
     add(
         "rope",
         msg("step.mla.rope.title", pos=pos, d=d),
-        msg("step.rope.text") + " " + msg("step.mla.rope.text", dn=dn, dr=dr),
+        msg("step.mla.rope.text", dn=dn, dr=dr),
         _table(f"q_rope_{pos} ({after_rope})", s.query[dn:]),
         _table(f"query_{pos}", s.query),
     )
