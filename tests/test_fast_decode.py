@@ -316,7 +316,7 @@ def test_the_step_skips_nothing_it_cannot_do():
     assert why_not_fast_decode(_model(embed_norm=True)) == "model option embed_norm=True"
     sinks = _model()
     sinks.blocks[0].attention.sinks = torch.nn.Parameter(torch.zeros(CONFIG.num_heads))
-    assert why_not_fast_decode(sinks) == "attention option sinks"
+    assert why_not_fast_decode(sinks) is None  # a softmax column more (test_fast_decode_sinks)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", "int4"])

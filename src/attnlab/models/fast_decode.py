@@ -6,7 +6,9 @@ for every layout of :class:`attnlab.models.decoder.Decoder` with rotary or learn
 positions: pre-, post- (OLMo 2) and sandwich (Gemma 2) norms, sequential or parallel
 (GPT-NeoX) residual, QK-norm, attention and final logit soft-capping, sliding windows
 (the static cache holds every position; a windowed layer attends to its last ``window``
-keys), embeddings scaled by ``sqrt(C)``; and for the book's GPT:
+keys), embeddings scaled by ``sqrt(C)``, attention sinks (gpt-oss: one more softmax column
+with no value, dropped after the softmax), mixtures of experts (the module called on the
+rows: routing is per token); and for the book's GPT:
 
 - one QKV product and one gate/up product per layer (:func:`attnlab.quant.fuse_rows`,
   built once; the separate ``W_query``/``W_key``/``W_value`` then view the fused rows);
@@ -112,6 +114,9 @@ _STEP_OPTIONS = frozenset(
         "final_softcap",
         "embed_scale",
         "head_input_scale",
+        "attn_sinks",
+        "moe",
+        "layer_moe",
     }
 )
 
@@ -154,11 +159,16 @@ def _parts(model: Any) -> _Parts | str:
 
 
 def _block_parts(block: Any) -> tuple[nn.Module, Any, nn.Module, Any, Any, Any, Any]:
-    """(norm1, attention, norm2, gate or None, up, down, activation) of one block."""
+    """(norm1, attention, norm2, gate or None, up, down, activation) of one block; for a
+    mixture of experts, (norm1, attention, norm2, None, the module, None, None)."""
+    from attnlab.models.moe import MixtureOfExperts
+
     if hasattr(block, "att"):  # the book's TransformerBlock: ff = Linear, GELU, Linear
         up, act, down = block.ff.layers
         return block.norm1, block.att, block.norm2, None, up, down, act
     mlp = block.mlp
+    if isinstance(mlp, MixtureOfExperts):  # called as a module: routing is per token
+        return block.attn_norm, block.attention, block.mlp_norm, None, mlp, None, None
     act = getattr(mlp, "act", nn.functional.silu)
     return block.attn_norm, block.attention, block.mlp_norm, mlp.gate, mlp.up, mlp.down, act
 
@@ -190,8 +200,6 @@ def why_not_fast_decode(model: Any) -> str | None:
         norm1, att, norm2 = _block_parts(block)[:3]
         if att.kdim != att.embed_dim or att.vdim != att.embed_dim:
             return "cross-attention widths"
-        if getattr(att, "sinks", None) is not None:
-            return "attention option sinks"
         qk_norm = getattr(att, "qk_norm", None)
         if qk_norm is not None and qk_norm.scope == "each_head":
             return "a QK-norm weight per head"
@@ -210,6 +218,7 @@ class _Layer:
     parallel: bool  # x + attn(norm1(x)) + mlp(norm2(x))
     window: int | None  # keys a query sees (itself included); None = all
     softcap: float | None  # score soft-capping c * tanh(s / c)
+    sinks: torch.Tensor | None  # (G, H/G, 1) a sink logit per head (gpt-oss), else None
     scale: float | None  # this layer's score scale; None = the model's
     qk_norm: str | None  # None, "head" (each head vector) or "all" (across heads)
     q_norm: Norm | None
@@ -225,9 +234,9 @@ class _Layer:
     norm2: Norm
     gate_up: nn.Module | None  # fused, or None: gate, up separately
     gate: nn.Module | None
-    up: nn.Module
-    down: nn.Module
-    act: Callable[[torch.Tensor], torch.Tensor]
+    up: nn.Module  # a mixture of experts: the module (gate, down and act None)
+    down: nn.Module | None
+    act: Callable[[torch.Tensor], torch.Tensor] | None
 
 
 @dataclass(frozen=True)
@@ -315,6 +324,7 @@ class DecodePlan:
         attn_post = getattr(block, "attn_post_norm", None)
         mlp_post = getattr(block, "mlp_post_norm", None)
         placement = getattr(block, "placement", "pre")
+        sinks = getattr(att, "sinks", None)
         layer = _Layer(
             attention=att,
             placement=placement,
@@ -322,6 +332,7 @@ class DecodePlan:
             parallel=bool(getattr(block, "parallel", False)) and placement != "post",
             window=getattr(att, "sliding_window", None),
             softcap=getattr(att, "softcap", None),
+            sinks=None if sinks is None else sinks.detach().view(att.num_kv_heads, -1, 1),
             scale=getattr(att, "scale", None),
             qk_norm=None if qk_norm is None else qk_norm.scope,
             q_norm=None if qk_norm is None else _norm_fn(att.q_norm),
@@ -342,7 +353,8 @@ class DecodePlan:
             act=act,
         )
         if share:  # wide float weights column-major: one-row products up to 2x faster
-            for m in (layer.q, layer.k, layer.v, layer.out, layer.gate, layer.up, layer.down):
+            mlp = (layer.gate, layer.up, layer.down) if layer.down is not None else ()
+            for m in (layer.q, layer.k, layer.v, layer.out, *mlp):  # not into experts
                 column_major(m)
         return layer
 
@@ -359,6 +371,8 @@ class DecodePlan:
                 or layer.parallel
                 or layer.window is not None
                 or layer.softcap is not None
+                or layer.sinks is not None
+                or layer.down is None
                 or layer.qk_norm is not None
                 or layer.attn_post is not None
                 or layer.mlp_post is not None
@@ -375,6 +389,7 @@ class DecodePlan:
             if len(dtypes) != 1:
                 return None
             qkv, out, gate_up, down = (k[1] for k in kernels if k is not None)
+            assert layer.act is not None  # a dense MLP here
             rows.append(
                 _Row(
                     n1,
@@ -468,7 +483,11 @@ class DecodePlan:
             scores = torch.bmm(q, keys.transpose(1, 2)).mul_(scale)  # (B G, H/G, S)
             if layer.softcap is not None:  # Gemma 2, as attnlab.backends.base.softcap_scores
                 scores = scores.div_(layer.softcap).tanh_().mul_(layer.softcap)
-            weights = torch.softmax(scores, dim=-1)
+            if layer.sinks is not None:  # one more softmax column with no value, dropped
+                sink = layer.sinks.to(scores.dtype).repeat(B, 1, 1)  # (B G, H/G, 1)
+                weights = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :S]
+            else:
+                weights = torch.softmax(scores, dim=-1)
             o = torch.bmm(weights, values.reshape(B * G, S, D)).view(B, H * D)  # (B, C)
             a = layer.out.forward(o)  # (B, C)
             if post:
@@ -480,14 +499,17 @@ class DecodePlan:
             else:
                 x = x + a  # (B, C)
                 h = x if post else layer.norm2(x)
-            if layer.gate_up is not None:
-                gate, up = layer.gate_up.forward(h).chunk(2, dim=-1)  # (B, F) each
-                m = layer.act(gate) * up  # (B, F)
-            elif layer.gate is not None:
-                m = layer.act(layer.gate.forward(h)) * layer.up.forward(h)
+            if layer.down is None or layer.act is None:  # a mixture of experts, routed per row
+                m = layer.up(h)  # (B, C)
             else:
-                m = layer.act(layer.up.forward(h))
-            m = layer.down.forward(m)  # (B, C)
+                if layer.gate_up is not None:
+                    gate, up = layer.gate_up.forward(h).chunk(2, dim=-1)  # (B, F) each
+                    m = layer.act(gate) * up  # (B, F)
+                elif layer.gate is not None:
+                    m = layer.act(layer.gate.forward(h)) * layer.up.forward(h)
+                else:
+                    m = layer.act(layer.up.forward(h))
+                m = layer.down.forward(m)  # (B, C)
             if post:
                 m = layer.norm2(m)
             elif layer.mlp_post is not None:
