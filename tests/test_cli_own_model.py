@@ -146,20 +146,6 @@ def test_embed_and_explain_take_a_directory(files, tmp_path, capsys):
     assert "2 layers x 4 heads" in out and (tmp_path / "attention.html").is_file()
 
 
-def test_broken_model_path_is_one_line_and_exit_2(files, tmp_path, capsys):
-    bad = tmp_path / "bad"
-    bad.mkdir()
-    (bad / "config.json").write_text('{"model_type": "mamba9"}')
-    for args in (
-        ("info", "--model", str(bad)),
-        ("generate", "--model", str(bad), "hi"),
-        ("generate", "--model", str(files[2]), "hi"),  # an encoder cannot generate
-    ):
-        code, _, err = run_main(capsys, *args)
-        assert code == 2, (args, err)
-        assert len(err.strip().splitlines()) == 1, err
-
-
 # Every command that loads a model, with what it needs besides `--model`; and the packaged
 # model each takes (embed: the encoder; the others: a decoder).
 LOADING = {
