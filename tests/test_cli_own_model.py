@@ -215,10 +215,16 @@ def test_every_command_refuses_a_bad_model_alike(
     ],
 )
 def test_a_model_of_the_wrong_kind_is_refused_alike_by_name_or_path(
-    files, capsys, command, needs, models
+    files, capsys, monkeypatch, command, needs, models
 ):
-    """A packaged name and a directory of the wrong kind get the same message (the name is
-    refused before anything loads)."""
+    """A packaged name and a directory of the wrong kind get the same message, before any
+    weight is read (the kind comes from the packaged table or config.json)."""
+    import attnlab.pretrained
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(attnlab.pretrained, "load_pretrained", loaded)
     args = LOADING[command][0]
     named, path = models[0], str(files[0] if models[1] == "llama" else files[2])
     for model in (named, path):

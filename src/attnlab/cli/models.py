@@ -76,7 +76,12 @@ def load_pretrained_model(
             another kind, a broken model file (its ``ModelFileError``: the file and field),
             a package that is missing (its ``pip install`` line), a bad backend or dtype.
     """
-    from attnlab.pretrained import PRETRAINED_MODELS, MissingPackageError, load_pretrained
+    from attnlab.pretrained import (
+        PRETRAINED_MODELS,
+        MissingPackageError,
+        load_pretrained,
+        model_family,
+    )
 
     check_local_backend(backend)
     if isinstance(dtype, str):
@@ -89,21 +94,22 @@ def load_pretrained_model(
             f"unknown --model {name!r}; choose one of {', '.join(fitting)}, or give a model "
             "directory or .gguf file"
         )
-    if packaged:  # known before loading: no need to load (or install) it to refuse it
-        _check_kind(name, PRETRAINED_MODELS[key][0], kind, fitting)
     try:
+        # The kind is known before loading (the packaged table, config.json or the GGUF
+        # header): a model of the wrong kind is refused before its weights are read.
         with user_input():  # a ModelFileError is a ValueError: one line, the file named
+            if packaged:
+                _check_kind(name, PRETRAINED_MODELS[key][0], kind, fitting)
+            elif kind is not None:
+                family_kind = model_family(name).kind  # an encoder-decoder generates
+                _check_kind(
+                    name, "encoder" if family_kind == "encoder" else "causal-lm", kind, fitting
+                )
             model, tok = load_pretrained(
                 key if packaged else Path(name), backend=backend, dtype=dtype, announce=output.note
             )
     except MissingPackageError as e:
         raise UserError(str(e)) from e
-    if not packaged:
-        from attnlab.models.decoder import Decoder
-        from attnlab.models.encoder_decoder import EncoderDecoder
-
-        got = "causal-lm" if isinstance(model, (Decoder, EncoderDecoder)) else "encoder"
-        _check_kind(name, got, kind, fitting)
     return model, tok, key if packaged else name
 
 

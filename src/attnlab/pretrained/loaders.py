@@ -41,7 +41,7 @@ from attnlab.pretrained.build import (
 )
 from attnlab.pretrained.errors import ModelFileError
 from attnlab.pretrained.gguf_file import GGUFContents, read_gguf
-from attnlab.pretrained.hf import load_hf_directory
+from attnlab.pretrained.hf import load_hf_directory, read_json
 from attnlab.pretrained.tokenizer import PretrainedTokenizer, tokenizer_from_gguf
 from attnlab.quant import WEIGHT_DTYPES, WEIGHT_FORMATS, quantize_model, weight_format
 
@@ -280,6 +280,29 @@ def packaged_installed(name: str) -> bool:
         return bool(module) and importlib.util.find_spec(module) is not None
     except (ImportError, ValueError):
         return False
+
+
+def model_family(path: str | Path) -> Family:
+    """The family a model directory or GGUF file holds, read as loading reads it (its
+    ``config.json``'s ``model_type``, its GGUF header's ``general.architecture``) without
+    reading a weight: what a command or a server checks before it loads the model.
+
+    Args:
+        path: a Hugging Face model directory or a ``.gguf`` file.
+
+    Raises:
+        ModelFileError: a missing or unreadable ``config.json`` or GGUF header, or a family
+            attnlab does not have.
+        MissingPackageError: a package loading it needs (:func:`require_packages`).
+    """
+    path = Path(path)
+    require_packages(path)
+    if path.is_file():
+        meta = read_gguf(path).metadata
+        return family_from(meta.get("general.architecture"), path, "gguf", meta)
+    config_path = path / "config.json"
+    hf = read_json(config_path, what="the model config")
+    return family_from(hf.get("model_type"), config_path)
 
 
 def packaged_gguf(name: str, *, announce: Callable[[str], None] | None = None) -> Path:

@@ -287,22 +287,10 @@ def path_spec(path: Path) -> ModelSpec:
         ModelFileError: an unreadable ``config.json`` or GGUF header, or an unknown family.
         MissingPackageError: a package loading it needs is not installed.
     """
-    from attnlab.pretrained import require_packages
-    from attnlab.pretrained.build import family_from
+    from attnlab.pretrained import model_family
 
-    require_packages(path)
-    if path.is_file():
-        from attnlab.pretrained.gguf_file import read_gguf
-
-        meta = read_gguf(path).metadata
-        family = family_from(meta.get("general.architecture"), path, "gguf", meta)
-        what = f"GGUF file {path.name}"
-    else:
-        from attnlab.pretrained.hf import read_json
-
-        config = read_json(path / "config.json", what="the model's configuration")
-        family = family_from(config.get("model_type"), path / "config.json")
-        what = f"{family.name} model in {path.name}/"
+    family = model_family(path)
+    what = f"GGUF file {path.name}" if path.is_file() else f"{family.name} model in {path.name}/"
     kind = {"decoder": "causal-lm"}.get(family.kind, family.kind)
     return ModelSpec(str(path), what, _pretrained_loader(path, str(path)), kind)
 
