@@ -80,9 +80,9 @@ def make_gemma2_base_files(root: Path) -> tuple[Path, bytes]:
     """A tiny Gemma 2 HF directory (the GGUF tests' checkpoint: soft-caps, a window on every
     other layer, H * D != C) and its Q8_0 GGUF conversion with a SentencePiece vocabulary
     (scores, token types, byte tokens), as bytes."""
-    from model_files import TINY_CONFIGS, save_hf, write_gguf
+    from model_files import save_hf, tiny_config, write_gguf
 
-    folder = save_hf("gemma2", TINY_CONFIGS["gemma2"], root / "gemma2", torch.float32)
+    folder = save_hf("gemma2", tiny_config("gemma2", gguf=True), root / "gemma2", torch.float32)
     path = root / "gemma2.gguf"
     write_gguf(folder, path, "gemma2", "Q8_0")
     return folder, path.read_bytes()

@@ -222,31 +222,25 @@ _EXPERTS_TO_GGUF = {
 }
 
 
-# Tiny random checkpoints per family (transformers' names), shared by the GGUF, heads and
-# fuzz tests: small enough to load in milliseconds, with every option the family has biting.
-TINY_CONFIGS = {
+# The tiny random checkpoints of the tests, one per family (transformers' config names):
+# small enough to load in milliseconds, with each family's awkward options on: one kv head
+# (llama, qwen2, qwen3), a sliding window shorter than the prompt (mistral, phi3, gemma2),
+# windows on some layers only (qwen2, qwen3), q/k/v and MLP biases (llama), untied and tied
+# heads, H * D != C (qwen3), partial rotary (phi3, gpt_neox), every RoPE scaling kind,
+# GPT-2's fused Conv1D projections, RoBERTa's padding-aware positions. Shared by the
+# family, GGUF, heads and fuzz tests; `tiny_config(family, gguf=True)` is the same model as
+# a GGUF file can hold it (GGUF_CHANGES).
+TINY_CONFIGS: dict[str, dict] = {
     "llama": {
         "hidden_size": 64,
         "intermediate_size": 96,
         "num_hidden_layers": 2,
         "num_attention_heads": 4,
-        "num_key_value_heads": 2,
+        "num_key_value_heads": 1,
+        "attention_bias": True,
+        "mlp_bias": True,
         "max_position_embeddings": 128,
         "tie_word_embeddings": False,
-        # written as rope.scaling.type / rope.scaling.factor
-        "rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
-    },
-    # llama.cpp writes Mistral as architecture "llama" (q/k permuted); the window rides in
-    # llama.attention.sliding_window (llama.cpp's converter leaves it out: then none).
-    # Llama 3 RoPE scaling, which llama.cpp stores as a rope_freqs tensor of divisors.
-    "mistral": {
-        "hidden_size": 64,
-        "intermediate_size": 96,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "sliding_window": 5,
-        "max_position_embeddings": 128,
         "rope_parameters": {
             "rope_type": "llama3",
             "rope_theta": 10000.0,
@@ -256,14 +250,35 @@ TINY_CONFIGS = {
             "original_max_position_embeddings": 32,
         },
     },
-    "qwen2": {
+    "mistral": {
         "hidden_size": 64,
         "intermediate_size": 96,
         "num_hidden_layers": 2,
         "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "sliding_window": 5,
+        "max_position_embeddings": 128,
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+    },
+    "qwen2": {
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
         "num_key_value_heads": 1,
         "max_position_embeddings": 128,
         "tie_word_embeddings": True,
+        "rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+        # windows on layers 1 and 2 only (transformers writes them as layer_types too)
+        "use_sliding_window": True,
+        "sliding_window": 5,
+        "max_window_layers": 1,
     },
     "qwen3": {
         "hidden_size": 64,
@@ -271,28 +286,22 @@ TINY_CONFIGS = {
         "num_hidden_layers": 2,
         "num_attention_heads": 4,
         "num_key_value_heads": 1,
-        "head_dim": 32,
+        "head_dim": 32,  # H * D = 128 != C = 64
         "max_position_embeddings": 128,
+        "use_sliding_window": True,  # a window on layer 1 only
+        "sliding_window": 5,
+        "max_window_layers": 1,
     },
-    "gpt2": {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128},
-    # Gemma 2 as llama.cpp can hold it: tied, query_pre_attn_scalar = head_dim (the file has
-    # no key for it), even layers local. Softcaps small so that they bite; H * D != C.
-    "gemma2": {
+    "olmo2": {
         "hidden_size": 64,
         "intermediate_size": 96,
-        "num_hidden_layers": 3,
+        "num_hidden_layers": 2,
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
-        "head_dim": 32,
-        "query_pre_attn_scalar": 32,
-        "sliding_window": 5,
-        "attn_logit_softcapping": 5.0,
-        "final_logit_softcapping": 10.0,
         "max_position_embeddings": 128,
-        "tie_word_embeddings": True,
+        "rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
         "pad_token_id": 1,
         "eos_token_id": 2,
-        "bos_token_id": 0,
     },
     # Phi-3: fused qkv and gate/up, partial rotary (rope.dimension_count), a window of 7.
     "phi3": {
@@ -313,7 +322,117 @@ TINY_CONFIGS = {
         "pad_token_id": 1,
         "eos_token_id": 2,
     },
+    "gemma2": {
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "sliding_window": 5,  # layer 0 local (window 5), layer 1 global
+        "attn_logit_softcapping": 5.0,  # small, so that the caps bite
+        "final_logit_softcapping": 10.0,
+        "query_pre_attn_scalar": 24,
+        "max_position_embeddings": 128,
+        "pad_token_id": 1,
+        "eos_token_id": 2,
+        "bos_token_id": 0,
+        "tie_word_embeddings": False,
+    },
+    # The LayerNorm decoders with a per-head fused qkv (llama.cpp's converters reorder it
+    # to q, k, v).
+    "gpt_neox": {
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "max_position_embeddings": 128,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.25,
+        },
+        "pad_token_id": 1,
+        "eos_token_id": 2,
+    },
+    "bloom": {
+        "hidden_size": 64,
+        "n_layer": 2,
+        "n_head": 4,
+        "pad_token_id": 1,
+        "tie_word_embeddings": False,
+    },
+    "gpt2": {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128},
+    "bert": {
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "max_position_embeddings": 64,
+    },
+    "roberta": {
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "max_position_embeddings": 66,
+        "pad_token_id": 1,
+        "type_vocab_size": 1,
+    },
 }
+TINY_ENCODERS = ("bert", "roberta")
+
+# What the GGUF tests change, per family, so that the GGUF file (written by `write_gguf` as
+# llama.cpp's converter writes it) holds the same model as the transformers checkpoint; a
+# key set to None is left out. The GGUF tests cover the RoPE scalings a GGUF file has keys or
+# tensors for: linear (llama: rope.scaling.type) and Llama 3's (mistral: a rope_freqs
+# tensor of divisors).
+GGUF_CHANGES: dict[str, dict] = {
+    "llama": {
+        "num_key_value_heads": 2,
+        "attention_bias": None,
+        "mlp_bias": None,
+        "rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+    },
+    # llama.cpp writes Mistral as architecture "llama" (q/k permuted); the window rides in
+    # llama.attention.sliding_window (llama.cpp's converter leaves it out: then none).
+    "mistral": {
+        "head_dim": None,
+        "rope_parameters": TINY_CONFIGS["llama"]["rope_parameters"],  # Llama 3's
+    },
+    # llama.cpp has no key for a window on some layers only, nor for dynamic scaling
+    "qwen2": {
+        "num_hidden_layers": 2,
+        "rope_parameters": None,
+        "use_sliding_window": None,
+        "sliding_window": None,
+        "max_window_layers": None,
+    },
+    "qwen3": {"use_sliding_window": None, "sliding_window": None, "max_window_layers": None},
+    "olmo2": {"rope_parameters": None},
+    # Gemma 2 as llama.cpp can hold it: tied, query_pre_attn_scalar = head_dim (the file has
+    # no key for it), even layers local (3 layers: local, global, local); H * D != C.
+    "gemma2": {
+        "num_hidden_layers": 3,
+        "head_dim": 32,
+        "query_pre_attn_scalar": 32,
+        "tie_word_embeddings": True,
+    },
+}
+
+
+def tiny_config(family: str, *, gguf: bool = False) -> dict:
+    """A copy of the family's tiny config (:data:`TINY_CONFIGS`); with ``gguf``, as a GGUF
+    file can hold it (:data:`GGUF_CHANGES` applied)."""
+    import copy
+
+    config = copy.deepcopy(TINY_CONFIGS[family])
+    for key, value in (GGUF_CHANGES.get(family, {}) if gguf else {}).items():
+        if value is None:
+            config.pop(key, None)
+        else:
+            config[key] = copy.deepcopy(value)
+    return config
 
 
 def assert_matches_reference(model, ref, ids: torch.Tensor, atol: float = 1e-5) -> None:

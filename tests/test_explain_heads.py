@@ -23,7 +23,7 @@ from attnlab.explain.heads import induction_input, parse_heads, strongest_heads,
 from attnlab.models.gpt import GPTConfig, GPTModel
 from attnlab.pretrained import load_pretrained
 from book_gpt import BookGPTModel
-from model_files import CORPUS, TINY_CONFIGS, save_hf, write_gguf
+from model_files import CORPUS, save_hf, tiny_config, write_gguf
 
 CONFIGS = {
     "llama": {
@@ -35,8 +35,8 @@ CONFIGS = {
         "max_position_embeddings": 128,
         "tie_word_embeddings": False,
     },
-    "gpt2": TINY_CONFIGS["gpt2"],
-    "gemma2": TINY_CONFIGS["gemma2"],
+    "gpt2": tiny_config("gpt2", gguf=True),
+    "gemma2": tiny_config("gemma2", gguf=True),
 }
 SOURCES = ["llama", "gpt2", "gemma2", "llama-gguf", "attnlab-gpt"]
 ATOL = 1e-5

@@ -26,157 +26,19 @@ from attnlab.generation import generate
 from attnlab.models.decoder import Decoder
 from attnlab.models.encoder import Encoder
 from attnlab.pretrained import load_pretrained
-from model_files import CORPUS, assert_matches_reference, save_hf, tokenizer_json
+from model_files import (
+    CORPUS,
+    TINY_CONFIGS,
+    TINY_ENCODERS,
+    assert_matches_reference,
+    save_hf,
+    tiny_config,
+    tokenizer_json,
+)
 
-# family -> config overrides (small but not trivial; the awkward options on)
-DECODERS: dict[str, dict] = {
-    "llama": {
-        "hidden_size": 64,
-        "intermediate_size": 96,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 1,
-        "attention_bias": True,
-        "mlp_bias": True,
-        "max_position_embeddings": 128,
-        "tie_word_embeddings": False,
-        "rope_parameters": {
-            "rope_type": "llama3",
-            "rope_theta": 10000.0,
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 32,
-        },
-    },
-    "mistral": {
-        "hidden_size": 64,
-        "intermediate_size": 96,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "sliding_window": 5,
-        "max_position_embeddings": 128,
-        "rope_parameters": {
-            "rope_type": "yarn",
-            "rope_theta": 10000.0,
-            "factor": 4.0,
-            "original_max_position_embeddings": 32,
-        },
-    },
-    "qwen2": {
-        "hidden_size": 64,
-        "intermediate_size": 96,
-        "num_hidden_layers": 3,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 1,
-        "max_position_embeddings": 128,
-        "tie_word_embeddings": True,
-        "rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
-        # windows on layers 1 and 2 only (transformers writes them as layer_types too)
-        "use_sliding_window": True,
-        "sliding_window": 5,
-        "max_window_layers": 1,
-    },
-    "qwen3": {
-        "hidden_size": 64,
-        "intermediate_size": 96,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 1,
-        "head_dim": 32,  # H * D = 128 != C = 64
-        "max_position_embeddings": 128,
-        "use_sliding_window": True,  # a window on layer 1 only
-        "sliding_window": 5,
-        "max_window_layers": 1,
-    },
-    "olmo2": {
-        "hidden_size": 64,
-        "intermediate_size": 96,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 128,
-        "rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
-        "pad_token_id": 1,
-        "eos_token_id": 2,
-    },
-    "phi3": {
-        "hidden_size": 64,
-        "intermediate_size": 96,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 128,
-        "original_max_position_embeddings": 128,
-        "sliding_window": 7,
-        "rope_parameters": {
-            "rope_type": "default",
-            "rope_theta": 10000.0,
-            "partial_rotary_factor": 0.5,
-        },
-        "pad_token_id": 1,
-        "eos_token_id": 2,
-    },
-    "gemma2": {
-        "hidden_size": 64,
-        "intermediate_size": 96,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "sliding_window": 5,  # layer 0 local (window 5), layer 1 global
-        "attn_logit_softcapping": 5.0,  # small, so that the caps bite
-        "final_logit_softcapping": 10.0,
-        "query_pre_attn_scalar": 24,
-        "max_position_embeddings": 128,
-        "pad_token_id": 1,
-        "eos_token_id": 2,
-        "bos_token_id": 0,
-        "tie_word_embeddings": False,
-    },
-    "gpt_neox": {
-        "hidden_size": 64,
-        "intermediate_size": 96,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "max_position_embeddings": 128,
-        "rope_parameters": {
-            "rope_type": "default",
-            "rope_theta": 10000.0,
-            "partial_rotary_factor": 0.25,
-        },
-        "pad_token_id": 1,
-        "eos_token_id": 2,
-    },
-    "bloom": {
-        "hidden_size": 64,
-        "n_layer": 2,
-        "n_head": 4,
-        "pad_token_id": 1,
-        "tie_word_embeddings": False,
-    },
-    "gpt2": {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128},
-}
-ENCODERS: dict[str, dict] = {
-    "bert": {
-        "hidden_size": 64,
-        "intermediate_size": 96,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "max_position_embeddings": 64,
-    },
-    "roberta": {
-        "hidden_size": 64,
-        "intermediate_size": 96,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "max_position_embeddings": 66,
-        "pad_token_id": 1,
-        "type_vocab_size": 1,
-    },
-}
+# family -> config overrides (small but not trivial; the awkward options on): the one table
+DECODERS = {f: tiny_config(f) for f in TINY_CONFIGS if f not in TINY_ENCODERS}
+ENCODERS = {f: tiny_config(f) for f in TINY_ENCODERS}
 
 
 @pytest.fixture(scope="module")

@@ -23,46 +23,18 @@ if not all(importlib.util.find_spec(m) for m in ("transformers", "tokenizers", "
 from attnlab.generation import generate
 from attnlab.models.decoder import Decoder
 from attnlab.pretrained import ModelFileError, load_pretrained
-from model_files import CORPUS, TINY_CONFIGS, assert_matches_reference, save_hf, write_gguf
-
-CONFIGS = dict(TINY_CONFIGS)  # more families below
-# The LayerNorm decoders with a per-head fused qkv (llama.cpp's converters reorder it to
-# q, k, v), and OLMo 2's post-norms and QK-norm across heads.
-CONFIGS.update(
-    {
-        "gpt_neox": {
-            "hidden_size": 64,
-            "intermediate_size": 96,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "max_position_embeddings": 128,
-            "rope_parameters": {
-                "rope_type": "default",
-                "rope_theta": 10000.0,
-                "partial_rotary_factor": 0.25,
-            },
-            "pad_token_id": 1,
-            "eos_token_id": 2,
-        },
-        "bloom": {
-            "hidden_size": 64,
-            "n_layer": 2,
-            "n_head": 4,
-            "pad_token_id": 1,
-            "tie_word_embeddings": False,
-        },
-        "olmo2": {
-            "hidden_size": 64,
-            "intermediate_size": 96,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "max_position_embeddings": 128,
-            "pad_token_id": 1,
-            "eos_token_id": 2,
-        },
-    }
+from model_files import (
+    CORPUS,
+    TINY_CONFIGS,
+    TINY_ENCODERS,
+    assert_matches_reference,
+    save_hf,
+    tiny_config,
+    write_gguf,
 )
+
+# Every decoder family of the one table, as a GGUF file can hold it.
+CONFIGS = {f: tiny_config(f, gguf=True) for f in TINY_CONFIGS if f not in TINY_ENCODERS}
 QTYPES = ["F32", "F16", "Q8_0", "Q4_0", "Q4_1"]
 
 

@@ -350,7 +350,7 @@ def test_default_models_are_the_example_runs_gpt_and_installed_packages(tmp_path
     assert specs[1].name == str(tmp_path / "gpt") and specs[1].kind == "checkpoint"
     loaded = specs[1].load()
     assert loaded.causal and "step 3" in loaded.source
-    with pytest.raises(ValueError, match="is not a model attnlab can serve"):
+    with pytest.raises(ValueError, match=r"unknown --model .*; choose one of example:journey"):
         spec_for(str(tmp_path / "nothing-here"))
     assert spec_for("example:toy").name == "example:toy"
 

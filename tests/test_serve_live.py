@@ -104,7 +104,7 @@ def test_ctrl_c_right_after_the_startup_line_stops_a_server_started_with_sigint_
 @pytest.mark.parametrize(
     ("args", "needle"),
     [
-        (["--model", "/no/such/dir"], "is not a model attnlab can serve"),
+        (["--model", "/no/such/dir"], "unknown --model '/no/such/dir'; choose one of example:"),
         (["--model", "example:journey", "--workers", "0"], "`--workers` must be an int >= 1"),
         (["--model", "example:journey", "--max-chars", "0"], "`--max-chars` must be"),
         (["--model", "example:journey", "--lang", "fr"], "unknown --lang 'fr'"),

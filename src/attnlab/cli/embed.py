@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 
 from attnlab.cli.app import app
-from attnlab.cli.models import load_pretrained_kind
+from attnlab.cli.models import load_pretrained_model
 from attnlab.cli.output import UserError, output, user_input
 
 
@@ -37,15 +37,13 @@ def embed(
 
     if len(sentences) < 2:
         raise UserError(f"give at least two sentences to compare, got {len(sentences)}")
-    encoder, tok = load_pretrained_kind(model, "encoder", backend)
+    encoder, tok, source = load_pretrained_model(model, kind="encoder", backend=backend)
     with user_input():
         sim = cosine_similarity_matrix(sentence_embeddings(encoder, tok, sentences))
     if json_out:
-        output.raw(
-            json.dumps({"model": model.lower(), "sentences": sentences, "cosine": sim.tolist()})
-        )
+        output.raw(json.dumps({"model": source, "sentences": sentences, "cosine": sim.tolist()}))
         return
-    table = Table(title=f"cosine similarity, {model.lower()}", title_justify="left")
+    table = Table(title=f"cosine similarity, {source}", title_justify="left")
     table.add_column("#", justify="right", no_wrap=True)
     table.add_column("sentence")
     for j in range(len(sentences)):

@@ -9,7 +9,7 @@ import typer
 from rich.console import RenderableType
 
 from attnlab.cli.app import app
-from attnlab.cli.models import load_checkpoint_model, load_pretrained_model
+from attnlab.cli.models import load_model_arg
 from attnlab.cli.output import DEFAULT_OUT, UserError, output, user_input
 
 
@@ -140,11 +140,7 @@ def explain(
     else:
         if text is None or not text.strip():
             raise UserError("TEXT must not be empty: give the text to run through the model")
-        if checkpoint is not None:
-            net, tokenizer, source = load_checkpoint_model(checkpoint)
-        else:
-            assert model is not None
-            net, tokenizer, source = load_pretrained_model(model)
+        net, tokenizer, source = load_model_arg(checkpoint, model)
         from attnlab.explain.model_trace import attention_layers, auto_top_k, trace_model
 
         with user_input():

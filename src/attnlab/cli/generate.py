@@ -8,7 +8,7 @@ from typing import Annotated, Any
 import typer
 
 from attnlab.cli.app import app
-from attnlab.cli.models import check_dtype, load_checkpoint_model, load_pretrained_kind
+from attnlab.cli.models import check_dtype, load_checkpoint_model, load_pretrained_model
 from attnlab.cli.output import UserError, output, user_input
 
 
@@ -113,7 +113,7 @@ def generate(
     check_dtype(dtype)
     echo: str | None = prompt
     if model is not None:
-        lm, tok = load_pretrained_kind(model, "causal-lm", backend, dtype)
+        lm, tok, _ = load_pretrained_model(model, kind="causal-lm", backend=backend, dtype=dtype)
         text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
         ids = tok.encode(text)
         eos_id = tok.eos_id

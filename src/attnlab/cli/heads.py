@@ -5,23 +5,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
 from attnlab.cli.app import app
-from attnlab.cli.models import load_checkpoint_model, load_pretrained_model
+from attnlab.cli.models import load_model_arg
 from attnlab.cli.output import UserError, output, user_input
-
-
-def load_model_arg(checkpoint: Path | None, model: str | None) -> tuple[Any, Any, str]:
-    """The model of ``--checkpoint DIR`` or ``--model NAME`` (exactly one of them)."""
-    if (checkpoint is None) == (model is None):
-        raise UserError("give a model: --model NAME (or a directory / .gguf) or --checkpoint DIR")
-    if checkpoint is not None:
-        return load_checkpoint_model(checkpoint)
-    assert model is not None
-    return load_pretrained_model(model)
 
 
 @app.command()

@@ -314,10 +314,9 @@ def _info_model(name: str, seq_len: int, backend: str, as_json: bool, dtype: str
     import torch
     from rich.table import Table
 
-    from attnlab.cli.models import check_local_backend, load_pretrained_model
+    from attnlab.cli.models import load_pretrained_model
     from attnlab.pretrained.summary import summarize_model
 
-    check_local_backend(backend)
     if seq_len < 1:
         raise UserError(f"`--seq-len` must be a positive int, got {seq_len}")
     model_dtypes = ("float32", "bfloat16", "float16")
@@ -325,9 +324,9 @@ def _info_model(name: str, seq_len: int, backend: str, as_json: bool, dtype: str
         raise UserError(
             f"--dtype {dtype!r} with --model: a model loads in one of {', '.join(model_dtypes)}"
         )
-    net, _, source = load_pretrained_model(name, getattr(torch, _INFO_DTYPES[dtype]))
-    if backend != "auto":
-        net.set_backend(backend)
+    net, _, source = load_pretrained_model(
+        name, backend=backend, dtype=getattr(torch, _INFO_DTYPES[dtype])
+    )
     with user_input():
         summary = summarize_model(net, probe_length=seq_len)
     if as_json:

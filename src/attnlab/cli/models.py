@@ -14,8 +14,7 @@ __all__ = [
     "check_dtype",
     "check_local_backend",
     "load_checkpoint_model",
-    "load_model_path",
-    "load_pretrained_kind",
+    "load_model_arg",
     "load_pretrained_model",
 ]
 
@@ -26,51 +25,6 @@ def check_dtype(dtype: str) -> None:
 
     if dtype not in WEIGHT_DTYPES:
         raise UserError(f"unknown --dtype {dtype!r}; choose one of {', '.join(WEIGHT_DTYPES)}")
-
-
-def load_pretrained_kind(
-    name: str, kind: str, backend: str, dtype: str = "float32"
-) -> tuple[Any, Any]:
-    """``load_pretrained`` with its errors as user errors; ``kind`` is encoder/causal-lm."""
-    from attnlab.pretrained import PRETRAINED_MODELS, MissingPackageError, load_pretrained
-
-    check_local_backend(backend)
-    check_dtype(dtype)
-    key = name.lower()
-    fitting = sorted(n for n, (k, _) in PRETRAINED_MODELS.items() if k == kind)
-    if key not in PRETRAINED_MODELS and Path(name).exists():
-        return load_model_path(name, kind, backend, dtype)
-    if key not in PRETRAINED_MODELS or PRETRAINED_MODELS[key][0] != kind:
-        raise UserError(
-            f"unknown --model {name!r} here; choose one of {', '.join(fitting)}, or give a "
-            "model directory or .gguf file"
-        )
-    try:
-        with user_input():
-            return load_pretrained(key, backend=backend, dtype=dtype, announce=output.note)
-    except MissingPackageError as e:
-        raise UserError(str(e)) from e
-
-
-def load_model_path(
-    path: str, kind: str, backend: str = "auto", dtype: Any = "float32"
-) -> tuple[Any, Any]:
-    """A model directory or GGUF file; ``kind`` (encoder/causal-lm) must fit the command.
-
-    ``dtype`` is ``load_pretrained``'s: a weight precision by name (``--dtype`` of
-    ``generate``) or a ``torch.dtype`` (``--dtype`` of ``info``).
-    """
-    from attnlab.models.decoder import Decoder
-    from attnlab.models.encoder_decoder import EncoderDecoder
-    from attnlab.pretrained import load_pretrained
-
-    with user_input():
-        model, tok = load_pretrained(Path(path), backend=backend, dtype=dtype)
-    is_lm = isinstance(model, (Decoder, EncoderDecoder))  # both generate
-    if (kind == "causal-lm" and not is_lm) or (kind == "encoder" and is_lm):
-        got = "a decoder (causal LM)" if is_lm else "an encoder"
-        raise UserError(f"--model {path} is {got}; this command needs a {kind} model")
-    return model, tok
 
 
 def check_local_backend(backend: str) -> None:
@@ -103,16 +57,79 @@ def load_checkpoint_model(directory: Path, backend: str = "auto") -> tuple[Any, 
     return model.eval(), get_tokenizer(), f"GPT checkpoint {directory} (step {ckpt.step})"
 
 
-def load_pretrained_model(name: str, dtype: Any = "float32") -> tuple[Any, Any, str]:
-    """A packaged pretrained model, a model directory or a GGUF file, its tokenizer, and a
-    label; ``dtype`` as in ``load_pretrained``."""
+def load_pretrained_model(
+    name: str, *, kind: str | None = None, backend: str = "auto", dtype: Any = "float32"
+) -> tuple[Any, Any, str]:
+    """The model ``--model NAME`` gives (a packaged name, a model directory or a GGUF file),
+    its tokenizer, and a label: the one way every command loads one.
+
+    Args:
+        name: the ``--model`` value.
+        kind: ``"encoder"`` or ``"causal-lm"`` when the command needs that kind (an
+            encoder-decoder generates: it counts as ``"causal-lm"``); None takes any.
+        backend: ``--backend`` (one that runs in this process).
+        dtype: ``load_pretrained``'s: a weight precision by name (``--dtype`` of
+            ``generate``, checked here) or a ``torch.dtype`` (``--dtype`` of ``info``).
+
+    Raises:
+        UserError: an unknown name (the packaged names that fit are listed), a model of
+            another kind, a broken model file (its ``ModelFileError``: the file and field),
+            a package that is missing (its ``pip install`` line), a bad backend or dtype.
+    """
+    from attnlab.pretrained import (
+        PRETRAINED_MODELS,
+        MissingPackageError,
+        load_pretrained,
+        model_family,
+    )
+
+    check_local_backend(backend)
+    if isinstance(dtype, str):
+        check_dtype(dtype)
+    key = name.lower()
+    packaged = key in PRETRAINED_MODELS
+    fitting = sorted(n for n, (k, _) in PRETRAINED_MODELS.items() if kind in (None, k))
+    if not packaged and not Path(name).exists():
+        raise UserError(
+            f"unknown --model {name!r}; choose one of {', '.join(fitting)}, or give a model "
+            "directory or .gguf file"
+        )
     try:
-        from attnlab.pretrained import load_pretrained
-    except ImportError as e:  # pragma: no cover - a partial install
-        raise UserError(f"--model needs attnlab.pretrained, which is missing: {e}") from e
-    try:
-        with user_input():
-            model, tokenizer = load_pretrained(name, dtype=dtype, announce=output.note)
-    except ImportError as e:  # the weights' package is not installed
+        # The kind is known before loading (the packaged table, config.json or the GGUF
+        # header): a model of the wrong kind is refused before its weights are read.
+        with user_input():  # a ModelFileError is a ValueError: one line, the file named
+            if packaged:
+                _check_kind(name, PRETRAINED_MODELS[key][0], kind, fitting)
+            elif kind is not None:
+                family_kind = model_family(name).kind  # an encoder-decoder generates
+                _check_kind(
+                    name, "encoder" if family_kind == "encoder" else "causal-lm", kind, fitting
+                )
+            model, tok = load_pretrained(
+                key if packaged else Path(name), backend=backend, dtype=dtype, announce=output.note
+            )
+    except MissingPackageError as e:
         raise UserError(str(e)) from e
-    return model, tokenizer, name
+    return model, tok, key if packaged else name
+
+
+def _check_kind(name: str, got: str, kind: str | None, fitting: list[str]) -> None:
+    if kind is not None and got != kind:
+        what = {"encoder": "an encoder", "causal-lm": "a causal LM"}
+        raise UserError(
+            f"--model {name} is {what[got]}; this command needs {what[kind]}: one of "
+            f"{', '.join(fitting)}, or a model directory or .gguf file of one"
+        )
+
+
+def load_model_arg(
+    checkpoint: Path | None, model: str | None, *, backend: str = "auto", dtype: Any = "float32"
+) -> tuple[Any, Any, str]:
+    """The model of ``--checkpoint DIR`` or ``--model NAME`` (exactly one of them), its
+    tokenizer and a label, for the commands that take any model (``explain``, ``heads``)."""
+    if (checkpoint is None) == (model is None):
+        raise UserError("give a model: --model NAME (or a directory / .gguf) or --checkpoint DIR")
+    if checkpoint is not None:
+        return load_checkpoint_model(checkpoint, backend)
+    assert model is not None
+    return load_pretrained_model(model, backend=backend, dtype=dtype)

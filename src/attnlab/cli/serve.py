@@ -68,6 +68,7 @@ def serve(
             "pip install 'attnlab[serve]'"
         ) from e
     from attnlab.explain.i18n import LANGS, normalize_lang
+    from attnlab.pretrained import MissingPackageError
 
     try:
         lang = normalize_lang(lang)
@@ -95,7 +96,9 @@ def serve(
 
         registry = ModelRegistry(specs, max_loaded=max_loaded, on_event=progress)
         application = create_app(registry, limits=limits, pool=pool, lang=lang)
-    except ValueError as e:
+    except MissingPackageError as e:  # a --model whose weights or reader is not installed
+        raise UserError(str(e)) from e
+    except ValueError as e:  # a ModelFileError too: one line, the file named
         raise UserError(
             str(e)
             .replace("`max_", "`--max-")

