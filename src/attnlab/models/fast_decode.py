@@ -580,9 +580,9 @@ class DecodePlan:
         with torch.inference_mode() if pos > 0 else contextlib.nullcontext():
             for row, cache in zip(self.rows or (), kv_cache, strict=True):
                 qk, v = row.qkv(_rms(x, *row.norm1).to(row.dtype))  # (B, (H+G) D), (B, G D)
-                qk = qk.to(f32).view(B, H + G, D)
+                qk = qk.to(f32)
                 if row.qk_norm is not None:  # each head vector, q's weight or k's
-                    qk = _rms(qk, *row.qk_norm)
+                    qk = _rms(qk.view(B, H + G, D), *row.qk_norm)
                 # RoPE on queries and keys together, as one product (fp32, as the modules).
                 qk = torch.mm(qk.reshape(-1, D), rots[row.rope]).view(B, H + G, D)
                 keys, values = cache.append(qk[:, H:], v.view(B, G, D))  # (B, G, S, D)
