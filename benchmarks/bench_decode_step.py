@@ -1,16 +1,20 @@
-"""Where one SmolLM2 decode step's time goes: its products against everything around them.
+"""Where one decode step's time goes: its products against everything around them.
+
+On SmolLM2-135M-Instruct (the packaged Q4_1 file) or the Gemma 3 270M Q4_K_M file
+(``--model gemma3-270m``, found as ``bench_llama_cpp.py`` finds it).
 
 For each weight precision, one new token after a 64-token prompt, three sides timed
 interleaved in one process (order reversed every round, the cache cut back to the same
 length after each step, so every side runs the same position):
 
-- ``short loop``: :meth:`DecodePlan.step` as generation runs it (a plain pre-norm stack
-  takes :meth:`DecodePlan._step_rows`: bare kernels, RoPE as one product);
+- ``short loop``: :meth:`DecodePlan.step` as generation runs it (both models take
+  :meth:`DecodePlan._step_rows`: bare kernels, RoPE as one product);
 - ``general loop``: the same step with the short loop switched off (the loop every other
   layout takes);
 - ``products only``: the step's product kernels alone (every layer's QKV, output, gate/up
   and down, and the output head) on rows of the right width: the floor that no change
-  around the products can go under (the weights' bytes over the memory's bandwidth).
+  around the products can go under (the weights' bytes over the memory's bandwidth);
+- ``head only``: the output head's kernel alone (part of ``products only``).
 
 Each side is reported as wall time (best and median: on a shared machine the best is the
 figure) and as the calling thread's CPU time (``time.thread_time``, best; at one thread
@@ -21,6 +25,7 @@ Python, and all of them, nested ones included). One record per precision goes to
 
     PYTHONPATH=src python benchmarks/bench_decode_step.py                  # int4, 2 threads
     PYTHONPATH=src python benchmarks/bench_decode_step.py --threads 1 --dtypes int4,int8
+    PYTHONPATH=src python benchmarks/bench_decode_step.py --model gemma3-270m
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from typing import Any
 
 import torch
 from _records import Recorder
+from bench_llama_cpp import MODELS, find_file
 from torch.profiler import profile
 
 from attnlab.models.fast_decode import DecodePlan, decode_plan
@@ -40,6 +46,9 @@ from attnlab.pretrained import load_pretrained
 from attnlab.quant import row_product
 
 PROMPT = 64
+NAMES = {"smollm2-135m-instruct": "SmolLM2-135M-Instruct", "gemma3-270m": "Gemma 3 270M"}
+# Record names: SmolLM2's as they were before Gemma 3 was measured too.
+TAGS = {"smollm2-135m-instruct": "smollm2", "gemma3-270m": "gemma3-270m"}
 
 
 def op_counts(fn: Callable[[], object]) -> tuple[int, int]:
@@ -50,19 +59,27 @@ def op_counts(fn: Callable[[], object]) -> tuple[int, int]:
     return sum(1 for e in events if e.cpu_parent is None), len(events)
 
 
+def _kernel_call(m: Any) -> tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor]:
+    found = row_product(m)
+    if found is None:
+        raise SystemExit(f"bench_decode_step: no bare kernel for {type(m).__name__}")
+    dtype, fn = found
+    return fn, torch.randn(1, m.in_features).to(dtype)
+
+
 def products(plan: DecodePlan, model: Any) -> Callable[[], None]:
     """The step's product kernels alone, on rows of the widths they take."""
     calls = []
     for layer in plan.layers:
-        for m in (layer.qkv, layer.out, layer.gate_up, layer.down):
+        qkv = [layer.qkv] if layer.qkv is not None else [layer.q, layer.k, layer.v]
+        gate_up = [layer.gate_up] if layer.gate_up is not None else [layer.gate, layer.up]
+        for m in (*qkv, layer.out, *gate_up, layer.down):
             found = row_product(m)
             if found is None:
                 raise SystemExit(f"bench_decode_step: no bare kernel for {type(m).__name__}")
             dtype, fn = found
             calls.append((fn, torch.randn(1, m.in_features).to(dtype)))
-    head = row_product(model.lm_head)
-    if head is not None:
-        calls.append((head[1], torch.randn(1, model.lm_head.in_features).to(head[0])))
+    calls.append(_kernel_call(model.lm_head))
 
     def run() -> None:
         for fn, x in calls:
@@ -71,17 +88,27 @@ def products(plan: DecodePlan, model: Any) -> Callable[[], None]:
     return run
 
 
+def head_only(model: Any) -> Callable[[], None]:
+    """The output head's kernel alone."""
+    fn, x = _kernel_call(model.lm_head)
+
+    def run() -> None:
+        fn(x)
+
+    return run
+
+
 def bench(dtype: str, args: argparse.Namespace) -> None:
     rec = Recorder(
         "bench_decode_step",
-        f"smollm2-{dtype}-t{args.threads}",
-        f"SmolLM2-135M-Instruct ({dtype} weights) one-token decode step after a "
+        f"{TAGS[args.model]}-{dtype}-t{args.threads}",
+        f"{NAMES[args.model]} ({dtype} weights) one-token decode step after a "
         f"{PROMPT}-token prompt at {args.threads} threads: the short loop, the general loop "
         f"and the products alone, {args.rounds} interleaved rounds, the same position "
         "every round",
         args.threads,
     )
-    model, _ = load_pretrained("smollm2-135m-instruct", dtype=dtype)
+    model, _ = load_pretrained(find_file(args.model), dtype=dtype)
     ids = torch.randint(0, 49152, (1, PROMPT), generator=torch.Generator().manual_seed(0))
     nxt = torch.tensor([[5]])
     with torch.no_grad():
@@ -90,7 +117,7 @@ def bench(dtype: str, args: argparse.Namespace) -> None:
         plan = decode_plan(model)
         rows = plan.rows
         if rows is None:
-            raise SystemExit("bench_decode_step: SmolLM2 did not get the short loop")
+            raise SystemExit(f"bench_decode_step: {NAMES[args.model]} did not get the short loop")
 
         def rewind() -> None:
             for c in cache:
@@ -112,6 +139,7 @@ def bench(dtype: str, args: argparse.Namespace) -> None:
             "short loop": short,
             "general loop": general,
             "products only": products(plan, model),
+            "head only": head_only(model),
         }
         ops = {name: op_counts(fn) for name, fn in sides.items()}
         wall: dict[str, list[float]] = {name: [] for name in sides}
@@ -125,7 +153,7 @@ def bench(dtype: str, args: argparse.Namespace) -> None:
                 fn()
                 wall[name].append(time.perf_counter() - t0)
                 cpu[name].append(time.thread_time() - c0)
-    print(f"SmolLM2 {dtype}, {args.threads} threads, {args.rounds} interleaved rounds")
+    print(f"{NAMES[args.model]} {dtype}, {args.threads} threads, {args.rounds} interleaved rounds")
     print(f"  {'side':14s} {'ops (python/all)':>17s} {'wall best':>10s} {'median':>8s} "
           f"{'cpu best':>9s}  (ms per token)")  # fmt: skip
     for name in sides:
@@ -153,6 +181,7 @@ def bench(dtype: str, args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=MODELS, default=MODELS[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--dtypes", default="int4", help="comma-separated weight precisions")

@@ -316,3 +316,24 @@ def test_q8_0_holds_gguf_q8_0_values_to_the_rounding_of_their_scales():
     assert torch.equal(fused.weight, torch.cat([expected, expected[:16]]))
     # a shape the split cannot pack falls back to int8, by name
     assert Q8Linear.why_not(N + 4, K) is not None and Q8Linear.fallback == "int8"
+
+
+@pytest.mark.parametrize("type_name", ["Q5_0", "Q5_1"])  # gguf-py quantises no K type
+def test_q8_0_holds_gguf_5_and_6_bit_values_to_8_bits_a_block(type_name):
+    """int4 sends llama.cpp's 5- and 6-bit types to q8_0: gguf-py's values (its own
+    quantiser and dequantiser) quantised once more to 8-bit codes with a scale per 32
+    weights, each weight at most half a step (1/254 of its block's largest value) and the
+    bf16 rounding of the scale (up to 127 codes of 2^-8 of it: 1/256 of that largest
+    value) from the file's value."""
+    gquants = pytest.importorskip("gguf.quants", reason="pip install 'attnlab[pretrained]'")
+    assert Int4Linear.gguf_instead[type_name] == "q8_0"
+    T = gquants.GGMLQuantizationType[type_name]
+    rng = np.random.default_rng(4)
+    N, K = 32, 256  # Q6_K's super-blocks are 256 weights
+    raw = gquants.quantize(rng.standard_normal((N, K)).astype(np.float32), T)
+    values = torch.from_numpy(np.ascontiguousarray(gquants.dequantize(raw, T)))  # (N, K)
+    layer = Q8Linear.from_float(values)
+    block_max = values.view(N, K // 32, 32).abs().amax(-1, keepdim=True)  # (N, K/32, 1)
+    error = (layer.weight - values).view(N, K // 32, 32).abs()
+    assert (error <= block_max * (1 / 254 + 1 / 256) + 1e-7).all()
+    assert error.amax() > 0  # not the file's values exactly: a second quantisation

@@ -18,7 +18,7 @@ of the weights (the explainer) see a plain matrix.
   ``zero = m + 8d``), and so is each 32-weight sub-block of a Q4_K super-block
   (``w = d sc q - dmin m``: ``scale = d sc``, ``zero = 8 d sc - dmin m``); they are taken
   as they are, codes unchanged (:meth:`Int4Linear.from_codes`), the scales and zeros
-  rounded to bfloat16. GGUF's 5-, 6- and 8-bit types go to bf16 instead
+  rounded to bfloat16. GGUF's 5-, 6- and 8-bit types go to :class:`Q8Linear` instead
   (:attr:`WeightFormat.gguf_instead`).
 
 Both int kernels need bfloat16 activations, scales and zeros on the CPU (they accept fp32
@@ -326,10 +326,13 @@ class Int4Linear(WeightFormat):
     name = "int4"
     gguf_types = frozenset({"Q4_0", "Q4_1", "Q4_K"})
     # The 5-, 6- and 8-bit types have more levels than 4 bits: as int4 they would be
-    # quantised again; bf16 holds their values to its rounding (int8, one scale per row,
-    # loses more: ``benchmarks/bench_llama_cpp.py``'s agreement, docs/guides/llama-cpp.md).
+    # quantised again. q8_0 holds Q8_0's values as they are and the 5- and 6-bit types'
+    # values to 8 bits per 32 weights (at most 1/254 of a block's largest value off, plus
+    # the scale's bf16 rounding; bf16 itself rounds each value by up to 1/256 of it), at
+    # 1.25 bytes a weight where bf16 reads 2. int8 (one scale per row) loses more:
+    # ``benchmarks/bench_llama_cpp.py``'s agreement, docs/guides/llama-cpp.md.
     gguf_instead: ClassVar[Mapping[str, str]] = MappingProxyType(
-        {**{t: "bfloat16" for t in ("Q5_0", "Q5_1", "Q5_K", "Q6_K")}, "Q8_0": "q8_0"}
+        {t: "q8_0" for t in ("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")}
     )
     fallback = "int8"
     packed: torch.Tensor

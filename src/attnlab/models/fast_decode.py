@@ -19,13 +19,16 @@ rows: routing is per token); and for the book's GPT:
 - norms as single ``torch.nn.functional`` calls, no shape checks per step;
 - the output head through the model's own ``head`` (scaling, soft-capping), as a module.
 
-A plain pre-norm stack (Llama, Mistral, Qwen2, SmolLM2: RMSNorms, fused products, table
-RoPE, nothing else) takes a shorter loop, :meth:`DecodePlan._step_rows`: each product's
-kernel called bare (:func:`attnlab.quant.row_product`) on rows kept in its dtype, RoPE as
-one (D, D) product, the cache written by :meth:`StaticKVCache.append`; the same kernels on
-the same rows; attention is one ``scaled_dot_product_attention`` call, in inference mode
-(SmolLM2 int4: 1,356 tensor operations called a token instead of 2,090;
-``benchmarks/bench_decode_step.py``).
+A stack of pre-norm or sandwich-norm layers of RMSNorms with a gated MLP and table RoPE
+(Llama, Mistral, Qwen2, Qwen3, SmolLM2, Gemma 3: QK-norm per head vector, windows, a rotary
+embedding per layer, embeddings x sqrt(C)) takes a shorter loop,
+:meth:`DecodePlan._step_rows`: each product's kernel called bare
+(:func:`attnlab.quant.row_product`) on rows kept in its dtype, QK-norm of every head as one
+call, RoPE as one (D, D) product, the cache written by :meth:`StaticKVCache.append`; the
+same kernels on the same rows; attention is one ``scaled_dot_product_attention`` call, in
+inference mode (SmolLM2 int4: 1,356 tensor operations called a token instead of 2,090;
+``benchmarks/bench_decode_step.py``). Soft-capping (Gemma 2), parallel residuals,
+post-norms, LayerNorms and learned positions take the general loop.
 
 The fp32 result equals the module path up to the order of floating-point sums
 (tests: greedy tokens identical to the full recompute and to transformers).
@@ -104,6 +107,7 @@ _STEP_OPTIONS = frozenset(
         "out_bias",
         "attn_scale",
         "layer_scales",
+        "layer_ropes",
         "family",
         "norm_placement",
         "parallel_residual",
@@ -214,6 +218,7 @@ def why_not_fast_decode(model: Any) -> str | None:
 @dataclass
 class _Layer:
     attention: Any  # the Attention module (for `capture`)
+    rope: RotaryEmbedding | None  # this layer's (Gemma 3: local and global layers differ)
     placement: str  # "pre", "post" (norms on the outputs) or "sandwich" (both)
     parallel: bool  # x + attn(norm1(x)) + mlp(norm2(x))
     window: int | None  # keys a query sees (itself included); None = all
@@ -241,10 +246,13 @@ class _Layer:
 
 @dataclass(frozen=True)
 class _Row:
-    """One pre-norm layer as bare kernels (:meth:`DecodePlan.step`'s short path)."""
+    """One layer as bare kernels (:meth:`DecodePlan.step`'s short path)."""
 
     norm1: tuple[torch.Tensor, float]  # RMSNorm weight, eps
     norm2: tuple[torch.Tensor, float]
+    attn_post: tuple[torch.Tensor, float] | None  # sandwich: norm of the attention output
+    mlp_post: tuple[torch.Tensor, float] | None  # sandwich: norm of the MLP output
+    qk_norm: tuple[torch.Tensor, float] | None  # (H + G, D): q's weight per query head, k's
     dtype: torch.dtype  # what the products take: every product of the layer the same
     qkv: Callable[[torch.Tensor], torch.Tensor]
     out: Callable[[torch.Tensor], torch.Tensor]
@@ -252,6 +260,8 @@ class _Row:
     down: Callable[[torch.Tensor], torch.Tensor]
     act: Callable[[torch.Tensor], torch.Tensor]
     scale: float
+    window: int | None  # keys a query sees (itself included); None = all
+    rope: int  # index of this layer's rotation in the step's list (:attr:`DecodePlan.ropes`)
 
 
 def _rms_parts(norm: nn.Module) -> tuple[torch.Tensor, float] | None:
@@ -297,25 +307,27 @@ class DecodePlan:
         self.H, self.G, self.D = att0.num_heads, att0.num_kv_heads, att0.head_dim
         scale = getattr(att0, "scale", None)
         self.scale = 1.0 / math.sqrt(self.D) if scale is None else float(scale)
-        self.rope: RotaryEmbedding | None = att0.rope
-        rope = self.rope
+        self.rope: RotaryEmbedding | None = att0.rope  # the first layer's
+        self.layers = [self._layer(block, share_float) for block in parts.blocks]
+        # The layers' rotary embeddings, each once (Gemma 3: one for the local layers, one
+        # for the global ones); a layer's rotation is found by its index here.
+        self.ropes: list[RotaryEmbedding] = list(
+            dict.fromkeys(layer.rope for layer in self.layers if layer.rope is not None)
+        )
         # Full-width "rotate half" RoPE with fixed frequencies: tables once, two products.
         # Any other variant (partial, interleaved, dynamic NTK, LongRoPE) is applied by the
         # module.
-        self.rope_tables = (
-            rope is not None
-            and rope.rotary_dims == self.D
-            and not rope.config.interleaved
-            and not rope.length_dependent
+        self.rope_tables = bool(self.ropes) and all(
+            rope.rotary_dims == self.D and not rope.config.interleaved and not rope.length_dependent
+            for rope in self.ropes
         )
-        self.layers = [self._layer(block, share_float) for block in parts.blocks]
         if share_float:  # the output head too; a tied embedding follows (the same Parameter)
             for name in ("lm_head", "out_head"):
                 column_major(getattr(model, name, None))
         self.final_norm = _norm_fn(parts.final_norm)
-        self._cos: torch.Tensor | None = None  # (L, D) fp32
-        self._sin: torch.Tensor | None = None  # (L, D) fp32, first half negated
-        self.rows = self._rows()
+        # Per rotary embedding: cos (L, D) fp32 and sin (L, D) fp32, first half negated.
+        self._tables: dict[RotaryEmbedding, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.rows = self._rows(share_float)
 
     @staticmethod
     def _layer(block: Any, share: bool) -> _Layer:
@@ -327,6 +339,7 @@ class DecodePlan:
         sinks = getattr(att, "sinks", None)
         layer = _Layer(
             attention=att,
+            rope=att.rope,
             placement=placement,
             # The modules' post-norm block is sequential whatever `parallel` says.
             parallel=bool(getattr(block, "parallel", False)) and placement != "post",
@@ -358,49 +371,73 @@ class DecodePlan:
                 column_major(m)
         return layer
 
-    def _rows(self) -> list[_Row] | None:
-        """The layers as bare kernels when every one is a plain pre-norm layer (Llama,
-        Mistral, Qwen2, SmolLM2: RMSNorms, fused Q/K/V and gate/up products, table RoPE, no
-        window, soft-cap, QK-norm or extra norm), else None (the general loop)."""
+    def _rows(self, share: bool) -> list[_Row] | None:
+        """The layers as bare kernels when every one is a pre-norm or sandwich layer of
+        RMSNorms (Llama, Mistral, Qwen2, Qwen3, SmolLM2, Gemma 3: QK-norm per head vector,
+        windows, a rotary embedding per layer) with table RoPE, a gated MLP, no soft-capping
+        and no parallel residual; None otherwise (the general loop)."""
         if not self.rope_tables or self.parts.positions is not None:
             return None
+        H, G = self.H, self.G
         rows = []
         for layer, block in zip(self.layers, self.parts.blocks, strict=True):
             if (
-                layer.placement != "pre"
+                layer.placement not in ("pre", "sandwich")
                 or layer.parallel
-                or layer.window is not None
                 or layer.softcap is not None
                 or layer.sinks is not None
                 or layer.down is None
-                or layer.qk_norm is not None
-                or layer.attn_post is not None
-                or layer.mlp_post is not None
-                or layer.qkv is None
-                or layer.gate_up is None
+                or layer.qk_norm not in (None, "head")
+                or layer.gate is None
+                or layer.rope is None
             ):
                 return None
-            norm1, _, norm2 = _block_parts(block)[:3]
+            norm1, att, norm2 = _block_parts(block)[:3]
             n1, n2 = _rms_parts(norm1), _rms_parts(norm2)
-            kernels = [row_product(m) for m in (layer.qkv, layer.out, layer.gate_up, layer.down)]
-            if n1 is None or n2 is None or any(k is None for k in kernels):
+            posts = [getattr(block, name, None) for name in ("attn_post_norm", "mlp_post_norm")]
+            attn_post, mlp_post = (None if n is None else _rms_parts(n) for n in posts)
+            if n1 is None or n2 is None:
+                return None
+            if (posts[0] is None) != (attn_post is None) or (posts[1] is None) != (
+                mlp_post is None
+            ):
+                return None  # a sandwich norm that is not an RMSNorm
+            qk_norm = None
+            if layer.qk_norm is not None:
+                q_norm, k_norm = _rms_parts(att.q_norm), _rms_parts(att.k_norm)
+                if q_norm is None or k_norm is None or q_norm[1] != k_norm[1]:
+                    return None
+                weight = torch.cat((q_norm[0].expand(H, -1), k_norm[0].expand(G, -1)))
+                qk_norm = (weight, q_norm[1])  # (H + G, D): one product for every head
+            qkv = _qkv_kernel(layer, share, (H + G) * self.D)
+            gate_up = _stacked_kernel(
+                [layer.gate_up] if layer.gate_up is not None else [layer.gate, layer.up]
+            )
+            out, down = row_product(layer.out), row_product(layer.down)
+            kernels = (qkv, out, gate_up, down)
+            if any(k is None for k in kernels):
                 return None
             dtypes = {k[0] for k in kernels if k is not None}
             if len(dtypes) != 1:
                 return None
-            qkv, out, gate_up, down = (k[1] for k in kernels if k is not None)
+            assert qkv is not None and out is not None and gate_up is not None and down is not None
             assert layer.act is not None  # a dense MLP here
             rows.append(
                 _Row(
                     n1,
                     n2,
+                    attn_post,
+                    mlp_post,
+                    qk_norm,
                     dtypes.pop(),
-                    qkv,
-                    out,
-                    gate_up,
-                    down,
+                    qkv[1],
+                    out[1],
+                    gate_up[1],
+                    down[1],
                     layer.act,
                     self.scale if layer.scale is None else float(layer.scale),
+                    layer.window,
+                    self.ropes.index(layer.rope),
                 )
             )
         return rows
@@ -409,16 +446,22 @@ class DecodePlan:
         """True when a layer was asked to ``capture`` its weights (the step skips layers)."""
         return any(layer.attention.capture for layer in self.layers)
 
-    def _rope_tables(self, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._cos is None or self._sin is None or self._cos.shape[0] < length:
-            assert self.rope is not None
-            n = max(length, 2 * (self._cos.shape[0] if self._cos is not None else 0), 256)
-            cos, sin = self.rope.cos_sin(torch.arange(n, device=device))  # (L, D) fp64
+    def _rope_tables(
+        self, length: int, device: torch.device, rope: RotaryEmbedding | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin (first half negated) of ``rope`` (default: the first layer's) for
+        positions up to ``length`` at least, fp32 (L, D); built once, doubled as needed."""
+        rope = self.rope if rope is None else rope
+        assert rope is not None
+        tables = self._tables.get(rope)
+        if tables is None or tables[0].shape[0] < length:
+            n = max(length, 2 * (tables[0].shape[0] if tables is not None else 0), 256)
+            cos, sin = rope.cos_sin(torch.arange(n, device=device))  # (L, D) fp64
             half = self.D // 2
             # rotate_half(x) * sin == roll(x, D/2) * [-sin_lo, sin_hi], bit for bit.
             sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
-            self._cos, self._sin = cos.float(), sin.float()
-        return self._cos, self._sin
+            tables = self._tables[rope] = (cos.float(), sin.float())
+        return tables
 
     @torch.no_grad()
     def step(self, input_ids: torch.Tensor, kv_cache: Sequence[KVCache]) -> torch.Tensor:
@@ -443,10 +486,12 @@ class DecodePlan:
             x = x * torch.tensor(x.shape[-1] ** 0.5, dtype=x.dtype)
         if parts.positions is not None:
             x = x + parts.positions.weight[pos]  # (B, C)
-        if self.rope_tables:
-            cos_t, sin_t = self._rope_tables(pos + 1, x.device)
-            cos, sin = cos_t[pos].to(x.dtype), sin_t[pos].to(x.dtype)  # (D,)
-        elif self.rope is not None:
+        if self.rope_tables:  # each rotary embedding's (cos, sin) at pos, (D,) each
+            rotations = {}
+            for rope in self.ropes:
+                cos_t, sin_t = self._rope_tables(pos + 1, x.device, rope)
+                rotations[rope] = cos_t[pos].to(x.dtype), sin_t[pos].to(x.dtype)
+        elif self.ropes:
             positions = torch.full((1,), pos, dtype=torch.long, device=x.device)
         nq, nk = H * D, G * D
         for layer, cache in zip(self.layers, kv_cache, strict=True):
@@ -469,10 +514,13 @@ class DecodePlan:
                     qk = torch.cat((q, k), dim=1)  # (B, H + G, D)
             if qk is None:
                 qk = torch.cat((q_flat, k_flat), dim=-1).view(B, H + G, D)
-            if self.rope_tables:
+            if layer.rope is None:
+                pass
+            elif self.rope_tables:
+                cos, sin = rotations[layer.rope]
                 qk = qk * cos + qk.roll(D // 2, dims=-1) * sin  # (B, H + G, D)
-            elif self.rope is not None:
-                qk = self.rope(qk.unsqueeze(2), positions).squeeze(2)  # (B, H + G, D)
+            else:
+                qk = layer.rope(qk.unsqueeze(2), positions).squeeze(2)  # (B, H + G, D)
             keys, values = cache.update(qk[:, H:].unsqueeze(2), v)  # (B, G, S, D)
             if layer.window is not None and keys.shape[2] > layer.window:
                 keys, values = keys[:, :, -layer.window :], values[:, :, -layer.window :]
@@ -517,11 +565,13 @@ class DecodePlan:
             x = x + m  # (B, C)
         return parts.head(self.final_norm(x).unsqueeze(1))  # (B, 1, V)
 
-    def _rotation(self, pos: int, like: torch.Tensor) -> torch.Tensor:
+    def _rotation(
+        self, pos: int, like: torch.Tensor, rope: RotaryEmbedding | None = None
+    ) -> torch.Tensor:
         """RoPE at ``pos`` as a (D, D) matrix in ``like``'s dtype:
         ``x @ R == x * cos + roll(x, D/2) * sin`` (two nonzeros a column: the product's
         sums add exact zeros), one product for all heads instead of four operations."""
-        cos_t, sin_t = self._rope_tables(pos + 1, like.device)
+        cos_t, sin_t = self._rope_tables(pos + 1, like.device, rope)
         D = self.D
         cols = torch.arange(D, device=like.device)
         r = torch.diag(cos_t[pos])  # (D, D)
@@ -532,8 +582,9 @@ class DecodePlan:
         self, input_ids: torch.Tensor, kv_cache: Sequence[StaticKVCache]
     ) -> torch.Tensor:
         """:meth:`step` for :attr:`rows`: the kernels called bare, rows kept in the kernels'
-        dtype between them, RoPE as one product, the cache written by
-        :meth:`StaticKVCache.append` (SmolLM2: 45 tensor operations a layer, against 70)."""
+        dtype between them, QK-norm of every head as one call, RoPE as one product, the
+        cache written by :meth:`StaticKVCache.append` (SmolLM2: 45 tensor operations a
+        layer, against 70)."""
         H, G, D = self.H, self.G, self.D
         parts = self.parts
         B = input_ids.shape[0]
@@ -542,8 +593,7 @@ class DecodePlan:
         if parts.embed_scale:  # Gemma: sqrt(C) rounded to the activation dtype first
             x = x * torch.tensor(x.shape[-1] ** 0.5, dtype=x.dtype)
         f32 = x.dtype
-        rot = self._rotation(pos, x)  # (D, D)
-        nqk = (H + G) * D
+        rots = [self._rotation(pos, x, rope) for rope in self.ropes]  # (D, D) each
         # Inference mode spares each operation its version counter and view tracking
         # (a few percent of the step: bench_decode_step.py). Only once the caches hold
         # the prompt: then no buffer is allocated in it (an inference tensor could not be
@@ -551,18 +601,29 @@ class DecodePlan:
         # (``inference_mode(False)`` would turn gradients back on: nullcontext instead.)
         with torch.inference_mode() if pos > 0 else contextlib.nullcontext():
             for row, cache in zip(self.rows or (), kv_cache, strict=True):
-                qkv = row.qkv(_rms(x, *row.norm1).to(row.dtype))  # (B, (H + 2G) D)
+                qk, v = row.qkv(_rms(x, *row.norm1).to(row.dtype))  # (B, (H+G) D), (B, G D)
+                qk = qk.to(f32)
+                if row.qk_norm is not None:  # each head vector, q's weight or k's
+                    qk = _rms(qk.view(B, H + G, D), *row.qk_norm)
                 # RoPE on queries and keys together, as one product (fp32, as the modules).
-                qk = torch.mm(qkv[:, :nqk].to(f32).reshape(-1, D), rot).view(B, H + G, D)
-                keys, values = cache.append(qk[:, H:], qkv[:, nqk:].view(B, G, D))  # (B, G, S, D)
+                qk = torch.mm(qk.reshape(-1, D), rots[row.rope]).view(B, H + G, D)
+                keys, values = cache.append(qk[:, H:], v.view(B, G, D))  # (B, G, S, D)
+                if row.window is not None and keys.shape[2] > row.window:
+                    keys, values = keys[:, :, -row.window :], values[:, :, -row.window :]
                 # One fused call over the cache's views, the groups shared by their heads
                 # (a few percent faster than the general loop's two batched products).
                 o = nn.functional.scaled_dot_product_attention(
                     qk[:, :H].unsqueeze(2), keys, values, scale=row.scale, enable_gqa=True
                 ).view(B, H * D)  # (B, C)
-                x = x + row.out(o.to(row.dtype))  # (B, C)
+                a = row.out(o.to(row.dtype))  # (B, C)
+                if row.attn_post is not None:
+                    a = _rms(a.to(f32), *row.attn_post)
+                x = x + a  # (B, C)
                 gate, up = row.gate_up(_rms(x, *row.norm2).to(row.dtype)).to(f32).chunk(2, dim=-1)
-                x = x + row.down((row.act(gate) * up).to(row.dtype))  # (B, C)
+                m = row.down((row.act(gate) * up).to(row.dtype))  # (B, C)
+                if row.mlp_post is not None:
+                    m = _rms(m.to(f32), *row.mlp_post)
+                x = x + m  # (B, C)
         return parts.head(self.final_norm(x).unsqueeze(1))  # (B, 1, V)
 
 
@@ -575,6 +636,44 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """attnlab.norms.RMSNorm's numbers for fp32 rows (B, C), without its dtype round trip
     (``torch.rms_norm`` is no faster here: on the CPU it dispatches a dozen operations)."""
     return weight * (x * torch.rsqrt(x.square().mean(-1, keepdim=True).add_(eps)))
+
+
+def _stacked_kernel(linears: Sequence[Any]) -> tuple[torch.dtype, Any] | None:
+    """(dtype, fn): the bare products of ``linears`` (one input) side by side, as one
+    product when ``linears`` is one module; None when a kernel is missing or they take
+    different dtypes."""
+    found = [row_product(m) for m in linears]
+    if any(f is None for f in found) or len({f[0] for f in found if f is not None}) != 1:
+        return None
+    kernels = [f[1] for f in found if f is not None]
+    if len(kernels) == 1:
+        return found[0]
+    return found[0][0], lambda x: torch.cat([k(x) for k in kernels], dim=-1)  # type: ignore[index]
+
+
+def _qkv_kernel(layer: _Layer, share: bool, nqk: int) -> tuple[torch.dtype, Any] | None:
+    """(dtype, fn): ``fn(h)`` gives queries and keys side by side (B, (H + G) D) and values
+    (B, G D). One product when the three fused; else queries and keys fused when they
+    can be (a GGUF file's Q and K often share a type that V does not: Gemma 3's Q4_K_M),
+    else separate products."""
+    if layer.qkv is not None:
+        found = row_product(layer.qkv)
+        if found is None:
+            return None
+        kernel = found[1]
+
+        def fused(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            y = kernel(x)  # (B, (H + 2G) D)
+            return y[:, :nqk], y[:, nqk:]
+
+        return found[0], fused
+    qk = fuse_rows([layer.q, layer.k], share_float=share)
+    found_qk = _stacked_kernel([qk] if qk is not None else [layer.q, layer.k])
+    found_v = row_product(layer.v)
+    if found_qk is None or found_v is None or found_qk[0] != found_v[0]:
+        return None
+    qk_kernel, v_kernel = found_qk[1], found_v[1]
+    return found_v[0], lambda x: (qk_kernel(x), v_kernel(x))
 
 
 def takes_fast_step(

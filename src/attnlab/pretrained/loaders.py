@@ -403,7 +403,7 @@ def load_gguf(
             (:attr:`attnlab.quant.WeightFormat.gguf_types`) keep the file's codes, read
             once as the model is built, never dequantised; a type it sends elsewhere
             (:attr:`~attnlab.quant.WeightFormat.gguf_instead`: int4 sends the 5-, 6- and
-            8-bit types to bf16) goes to that format, and so does an output head tied to
+            8-bit types to q8_0) goes to that format, and so does an output head tied to
             an embedding of that type; the others load as ``dtype``
             (:func:`set_weight_dtype` converts them). None: every tensor dequantised.
 
