@@ -1733,7 +1733,8 @@ def _deepseek2_gguf(fields: dict[str, Any], config: Mapping[str, Any], source: S
     ``attn_v_b`` hold the up-projections split for the absorbed product. The router is
     ``expert_gating_func``'s (sigmoid with the ``exp_probs_b`` correction: DeepSeek-V3);
     groups (``expert_group_count`` / ``expert_group_used_count``) are scored by their best
-    two experts, as llama.cpp does for every gating function. RoPE turns adjacent pairs.
+    two experts, as llama.cpp does for every gating function. RoPE turns adjacent pairs,
+    with llama.cpp's YaRN and score scale when ``rope.scaling.type`` is ``yarn``.
     """
     fields["family"] = "deepseek2"
     k_mla = fields.pop("key_length_mla")
@@ -1748,10 +1749,10 @@ def _deepseek2_gguf(fields: dict[str, Any], config: Mapping[str, Any], source: S
             raise ValueError(f"`deepseek2.{key}` must be an integer >= 1, got {value!r}")
     fields["qk_nope_head_dim"] = k_mla - rope
     scaling = config.get("deepseek2.rope.scaling.type", "none")
-    if scaling != "none":
+    if scaling not in ("none", "yarn"):  # YaRN: the reader's _gguf_deepseek2_yarn
         raise ValueError(
             f"`deepseek2.rope.scaling.type` = {scaling!r} is not supported for deepseek2 "
-            "files yet (llama.cpp's own YaRN attention factor): supported: 'none'"
+            "files (supported: 'none', 'yarn')"
         )
     fields["num_kv_heads"] = fields["num_heads"]  # the file's 1 is the MQA view
     fields["mla"] = _mla(fields, config, source)
