@@ -115,4 +115,6 @@ def load_pretrained_model(name: str, dtype: Any = "float32") -> tuple[Any, Any, 
             model, tokenizer = load_pretrained(name, dtype=dtype, announce=output.note)
     except ImportError as e:  # the weights' package is not installed
         raise UserError(str(e)) from e
+    for note in getattr(model, "load_notes", ()):  # what the file holds that is not used
+        output.note(f"{name}: {note}")
     return model, tokenizer, name

@@ -39,7 +39,11 @@ tables for the names and hyperparameters, a little code per architecture):
   (``qwen3moe``, GPT-NeoX's ``gptneox``);
 - ``model_types``: more ``model_type`` names for the same page (``gemma3_text``), and
   ``text_config``: the ``config.json`` key that holds the text model's settings in a
-  multimodal checkpoint.
+  multimodal checkpoint;
+- ``mtp_layers``: the ``config.json`` key counting the multi-token-prediction layers a
+  checkpoint stores after the model's own (DeepSeek-V3's ``num_nextn_predict_layers``):
+  the next-token forward does not use them, so their tensors are left out, and the load
+  says so (:attr:`attnlab.models.decoder.Decoder.load_notes`).
 
 A new family is a page here, not a module.
 """
@@ -119,6 +123,7 @@ class Family:
     gguf_arch: str | None = None
     model_types: tuple[str, ...] = ()
     text_config: str | None = None
+    mtp_layers: str | None = None
 
     @property
     def config_class(
@@ -1892,6 +1897,9 @@ DEEPSEEK_V3 = dataclasses.replace(
     hook=_deepseek_v3,
     # Kimi K2 is DeepSeek-V3's architecture under its own name
     model_types=("kimi_k2",),
+    # DeepSeek-V3's checkpoints carry one (model.layers.61: enorm, hnorm, eh_proj,
+    # shared_head, embed_tokens and a decoder layer); transformers ignores it too
+    mtp_layers="num_nextn_predict_layers",
     # llama.cpp's deepseek2 (DeepSeek-V2, V3, R1, Kimi K2): see _deepseek2_gguf
     gguf_arch="deepseek2",
     gguf_keys={
