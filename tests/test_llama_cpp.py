@@ -670,6 +670,37 @@ def test_deepseek2_converter_files_load_as_their_source(mla_files, case):
     torch.testing.assert_close(_logits(model), expected, atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("case", [c for c in MLA if "yarn" in c])
+def test_deepseek2_yarn_files_give_llama_cpps_log_probs(mla_files, case, tmp_path):
+    """llama.cpp itself on the converter's YaRN file (llama-perplexity's saved
+    log-probabilities, 32 positions, the ones from 16 on: past the original context of 8,
+    where the ramp, the interpolation and the score scale all bite): attnlab's log-probs of
+    the same tokens agree to the half step llama.cpp stores them with (~1e-4 here); a
+    score scale without YaRN's mscale is off by O(1)."""
+    from attnlab.data import default_corpus
+    from attnlab.pretrained.gguf_file import read_gguf
+
+    _, path = mla_files[case]
+    theirs = PEER_TOOLS.log_probs(PEER, path, default_corpus()[:2000], 32, tmp_path)
+    ids = torch.from_numpy(theirs.tokens)
+    meta = read_gguf(path).metadata
+    if meta.get("tokenizer.ggml.add_bos_token", False):
+        ids[:, 0] = meta["tokenizer.ggml.bos_token_id"]
+    model, _ = load_pretrained(path, backend="math")
+
+    def gap() -> float:
+        with torch.no_grad():
+            ours = torch.log_softmax(model(ids).double(), -1)[:, theirs.first : -1]
+        expected = torch.from_numpy(theirs.values)
+        kept = ~expected.isnan()
+        return (ours - expected)[kept].abs().max().item()
+
+    assert gap() <= theirs.step.max() / 2 + 5e-5  # + float32 sums in either order
+    for block in model.blocks:
+        block.attention.scale = 64**-0.5  # 1/sqrt(Dn + Dr): no mscale
+    assert gap() > 0.1
+
+
 def _config_with(corpus: Corpus, case: str, **metadata):
     """The family and config attnlab reads from ``case``'s converter file with some
     metadata changed (a key set to None is removed)."""
