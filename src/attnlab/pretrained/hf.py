@@ -260,7 +260,7 @@ def _mxfp4_pairs(
 # quantization_config of an FP8 checkpoint (DeepSeek-V3/R1, Kimi K2) -> what attnlab reads
 _FP8_KEYS = ("quant_method", "fmt", "activation_scheme", "weight_block_size")
 # keys that change nothing attnlab reads: which tensors are FP8 is read from the file
-# (every FP8 weight comes with its scales), and the scales' rounding is already in them
+# (every FP8 weight comes with its scales)
 _FP8_NOOP_KEYS = ("modules_to_not_convert",)
 
 
@@ -304,7 +304,7 @@ def _fp8_blocks(
 ) -> Callable[[str], torch.Tensor] | None:
     """The FP8 weights of a checkpoint whose ``quantization_config`` says ``fp8`` (the hub's
     DeepSeek-V3/R1 and Kimi K2), dequantised on ``get`` into float32; None for a
-    checkpoint without FP8 tensors.
+    checkpoint without that config (and without FP8 tensors).
 
     Read as DeepSeek's and transformers' FP8 format: ``fmt`` ``e4m3`` (or absent),
     ``activation_scheme`` ``dynamic`` (or absent: activations are not quantised, as in

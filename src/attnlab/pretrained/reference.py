@@ -145,7 +145,7 @@ def families_page() -> str:
         "",
         "## Quantised checkpoints",
         "",
-        "A Hugging Face directory whose `quantization_config` says `quant_method: \"fp8\"`",
+        'A Hugging Face directory whose `quantization_config` says `quant_method: "fp8"`',
         "(DeepSeek-V3/R1, Kimi K2) is read when it is block-wise E4M3 (`fmt` `e4m3`,",
         "`activation_scheme` `dynamic`, `weight_block_size` `[rows, columns]`): each F8_E4M3",
         "weight is multiplied by its `weight_scale_inv` block scales as the model is built.",
