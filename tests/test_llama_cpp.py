@@ -586,6 +586,36 @@ MLA: dict[str, Case] = {
         "gpt2",
         hub={"scoring_func": "sigmoid", "topk_method": "noaux_tc"},
     ),
+    # YaRN as every DeepSeek-V2/V3/R1 and Kimi K2 checkpoint has it, x4 over 8 positions
+    # (the 24-token input runs past them, so the ramp and the interpolation bite), with
+    # DeepSeek-V2's mscale and mscale_all_dim (0.707: llama.cpp's deepseek2 special case)
+    # and DeepSeek-V3's (1.0). The converter writes yarn_log_multiplier = 0.1 * mscale_all_dim
+    # and the config's beta_fast / beta_slow.
+    **{
+        f"deepseek_v3-yarn-{mscale}": Case(
+            "deepseek_v3",
+            {
+                **_MLA_DIMS,
+                "q_lora_rank": 128,
+                "n_group": 4,
+                "topk_group": 2,
+                "n_shared_experts": 1,
+                "rope_parameters": {
+                    "rope_type": "yarn",
+                    "rope_theta": 10000.0,
+                    "factor": 4.0,
+                    "original_max_position_embeddings": 8,
+                    "beta_fast": 32.0,
+                    "beta_slow": 1.0,
+                    "mscale": mscale,
+                    "mscale_all_dim": mscale,
+                },
+            },
+            "gpt2",
+            hub={"scoring_func": "sigmoid", "topk_method": "noaux_tc"},
+        )
+        for mscale in (0.707, 1.0)
+    },
 }
 
 
@@ -620,8 +650,14 @@ def test_deepseek2_converter_files_load_as_their_source(mla_files, case):
     assert model.config.family == "deepseek2" and model.config.mla is not None
     moe = model.blocks[1].mlp.config
     assert (moe.router, moe.score_bias, moe.groups) == (
-        ("sigmoid", True, 4) if case == "deepseek_v3" else ("softmax", False, 1)
+        ("sigmoid", True, 4) if case.startswith("deepseek_v3") else ("softmax", False, 1)
     )
+    yarn = MLA[case].config["rope_parameters"]["rope_type"] == "yarn"
+    assert (model.config.rope.scaling is not None) == yarn
+    if yarn:
+        metadata = gguf.GGUFReader(path).fields
+        assert "deepseek2.rope.scaling.yarn_log_multiplier" in metadata
+        assert "deepseek2.rope.scaling.yarn_beta_fast" in metadata
     source = AutoModelForCausalLM.from_pretrained(
         folder, dtype=torch.float32, attn_implementation="eager"
     ).eval()
@@ -632,6 +668,37 @@ def test_deepseek2_converter_files_load_as_their_source(mla_files, case):
     for block in model.blocks:
         block.attention.absorbed = True
     torch.testing.assert_close(_logits(model), expected, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("case", [c for c in MLA if "yarn" in c])
+def test_deepseek2_yarn_files_give_llama_cpps_log_probs(mla_files, case, tmp_path):
+    """llama.cpp itself on the converter's YaRN file (llama-perplexity's saved
+    log-probabilities, 32 positions, the ones from 16 on: past the original context of 8,
+    where the ramp, the interpolation and the score scale all bite): attnlab's log-probs of
+    the same tokens agree to the half step llama.cpp stores them with (~1e-4 here); a
+    score scale without YaRN's mscale is off by O(1)."""
+    from attnlab.data import default_corpus
+    from attnlab.pretrained.gguf_file import read_gguf
+
+    _, path = mla_files[case]
+    theirs = PEER_TOOLS.log_probs(PEER, path, default_corpus()[:2000], 32, tmp_path)
+    ids = torch.from_numpy(theirs.tokens)
+    meta = read_gguf(path).metadata
+    if meta.get("tokenizer.ggml.add_bos_token", False):
+        ids[:, 0] = meta["tokenizer.ggml.bos_token_id"]
+    model, _ = load_pretrained(path, backend="math")
+
+    def gap() -> float:
+        with torch.no_grad():
+            ours = torch.log_softmax(model(ids).double(), -1)[:, theirs.first : -1]
+        expected = torch.from_numpy(theirs.values)
+        kept = ~expected.isnan()
+        return (ours - expected)[kept].abs().max().item()
+
+    assert gap() <= theirs.step.max() / 2 + 5e-5  # + float32 sums in either order
+    for block in model.blocks:
+        block.attention.scale = 64**-0.5  # 1/sqrt(Dn + Dr): no mscale
+    assert gap() > 0.1
 
 
 def _config_with(corpus: Corpus, case: str, **metadata):
@@ -684,3 +751,39 @@ def test_files_the_loader_does_not_understand_are_refused(corpus, case, metadata
 
     with pytest.raises(ModelFileError, match=match):
         _config_with(corpus, case, **metadata)
+
+
+@pytest.mark.parametrize(
+    ("metadata", "match"),
+    [
+        # llama.cpp's deepseek2 reads none of these: it runs with 32, 1 and 1, whatever the
+        # file says, and derives the rotation's factor itself
+        ({"yarn_beta_fast": 16.0}, "`deepseek2.rope.scaling.yarn_beta_fast` = 16.0"),
+        ({"yarn_beta_slow": 2.0}, "`deepseek2.rope.scaling.yarn_beta_slow` = 2.0"),
+        ({"yarn_ext_factor": 0.5}, "`deepseek2.rope.scaling.yarn_ext_factor` = 0.5"),
+        ({"yarn_attn_factor": 1.0}, "`deepseek2.rope.scaling.yarn_attn_factor` is not"),
+        ({"yarn_log_multiplier": -1.0}, "`deepseek2.rope.scaling.yarn_log_multiplier` must"),
+        ({"type": "linear"}, "`deepseek2.rope.scaling.type` = 'linear'"),
+    ],
+)
+def test_deepseek2_yarn_keys_llama_cpp_does_not_read_are_refused(mla_files, metadata, match):
+    import dataclasses
+
+    from attnlab.pretrained import ModelFileError
+    from attnlab.pretrained.gguf_file import read_gguf
+    from attnlab.pretrained.loaders import gguf_config
+
+    contents = read_gguf(mla_files["deepseek_v3-yarn-1.0"][1])
+    meta = {**contents.metadata}
+    # the values llama.cpp runs with are accepted
+    for key, value in {
+        "yarn_beta_fast": 32.0,
+        "yarn_beta_slow": 1.0,
+        "yarn_ext_factor": 1.0,
+    }.items():
+        meta[f"deepseek2.rope.scaling.{key}"] = value
+    _, config = gguf_config(dataclasses.replace(contents, metadata=meta))
+    assert config.rope.scaling.factor == 4.0
+    meta.update({f"deepseek2.rope.scaling.{k}": v for k, v in metadata.items()})
+    with pytest.raises(ModelFileError, match=match):
+        gguf_config(dataclasses.replace(contents, metadata=meta))

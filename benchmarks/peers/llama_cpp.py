@@ -39,6 +39,7 @@ import tarfile
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 # The llama-cpp-python release whose vendored llama.cpp the tests were written against.
 # Pinned so that every machine converts and quantises with the same code.
@@ -334,6 +335,69 @@ def quantize(peer: LlamaCpp, source: Path, target: Path, qtype: str, threads: in
             + (proc.stderr + proc.stdout)[-2000:]
         )
     return proc.stdout + proc.stderr
+
+
+@dataclass(frozen=True)
+class LogProbs:
+    """What ``llama-perplexity --kl-divergence-base`` saves of one run.
+
+    Attributes:
+        tokens: (chunks, n_ctx) int64, the token ids llama.cpp evaluated (its tokenizer's;
+            a chunk's first one is replaced by BOS when the file says ``add_bos_token``).
+        first: the first position whose log-probs are saved (``n_ctx // 2``).
+        values: (chunks, n_ctx - 1 - first, n_vocab) float64 log-probabilities of the
+            positions ``first .. n_ctx - 2``, as llama.cpp stores them: one uint16 step of
+            ``step`` per value above ``max - 16`` (nan where the value is at or below it).
+        step: (chunks, n_ctx - 1 - first) each row's step (its range / 65535).
+    """
+
+    tokens: Any
+    first: int
+    values: Any
+    step: Any
+
+
+def log_probs(
+    peer: LlamaCpp, model: Path, text: str, n_ctx: int, workdir: Path, threads: int = 1
+) -> LogProbs:
+    """llama.cpp's log-probabilities of ``text``: ``llama-perplexity`` over one chunk of
+    ``n_ctx`` tokens (float32 KV cache, no flash attention), read back from its
+    ``--kl-divergence-base`` file.
+
+    Raises:
+        RuntimeError: llama-perplexity failed (the end of its output), or wrote a file
+            that is not its logits format.
+    """
+    import numpy as np
+
+    (workdir / "text.txt").write_text(text)
+    out = workdir / "logits.bin"
+    cmd = [
+        str(peer.tool("llama-perplexity")),
+        "-m", str(model), "-f", str(workdir / "text.txt"), "-c", str(n_ctx), "-b", str(n_ctx),
+        "--chunks", "1", "-t", str(threads), "-ctk", "f32", "-ctv", "f32", "-fa", "off",
+        "--kl-divergence-base", str(out),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if proc.returncode != 0 or not out.is_file():
+        raise RuntimeError(
+            f"llama-perplexity on {model.name} failed ({proc.returncode}):\n"
+            + (proc.stderr + proc.stdout)[-2000:]
+        )
+    raw = out.read_bytes()
+    if raw[:8] != b"_logits_" or len(raw) < 20:
+        raise RuntimeError(f"llama-perplexity wrote {out} without its `_logits_` header")
+    ctx, vocab, chunks = (int(v) for v in np.frombuffer(raw[8:20], dtype=np.int32))
+    tokens = np.frombuffer(raw, dtype=np.int32, count=chunks * ctx, offset=20)
+    row = 2 * ((vocab + 1) // 2) + 4  # two float32 (step, lowest log-prob), then uint16s
+    first = ctx // 2
+    data = np.frombuffer(raw, dtype=np.uint16, offset=20 + 4 * chunks * ctx)
+    data = data.reshape(chunks, ctx - 1 - first, row)
+    head = np.ascontiguousarray(data[..., :4]).view(np.float32)  # (chunks, rows, 2)
+    codes = data[..., 4 : 4 + vocab].astype(np.float64)
+    values = head[..., 1:2].astype(np.float64) + codes * head[..., 0:1]
+    values[codes == 0] = np.nan  # at or below the stored range: not kept
+    return LogProbs(tokens.reshape(chunks, ctx).astype(np.int64), first, values, head[..., 0])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -384,6 +384,7 @@ def _info_model(name: str, seq_len: int, backend: str, as_json: bool, dtype: str
         ("parameters", f"{summary.parameters:,}"),
         ("dtype", summary.dtype),
         *rows,
+        *(("left out", note) for note in summary.notes),
     ):
         table.add_row(field, value)
     layers = Table(title=f"attention layers: backend for a call of T={summary.probe_length}")

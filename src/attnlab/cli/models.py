@@ -110,6 +110,8 @@ def load_pretrained_model(
             )
     except MissingPackageError as e:
         raise UserError(str(e)) from e
+    for note in getattr(model, "load_notes", ()):  # what the file holds that is not used
+        output.note(f"{name}: {note}")
     return model, tok, key if packaged else name
 
 

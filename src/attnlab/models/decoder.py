@@ -497,6 +497,10 @@ class Decoder(nn.Module, FastDecoding):
             decoder does not know.
     """
 
+    # what a loader left out of the file it built this model from, one line each (DeepSeek-
+    # V3's multi-token-prediction layer): shown by `attnlab info` and on loading
+    load_notes: tuple[str, ...] = ()
+
     def __init__(self, config: DecoderConfig, *, backend: str = "auto") -> None:
         super().__init__()
         if config.head_dim is None and config.hidden_size % config.num_heads:

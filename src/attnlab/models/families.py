@@ -39,7 +39,11 @@ tables for the names and hyperparameters, a little code per architecture):
   (``qwen3moe``, GPT-NeoX's ``gptneox``);
 - ``model_types``: more ``model_type`` names for the same page (``gemma3_text``), and
   ``text_config``: the ``config.json`` key that holds the text model's settings in a
-  multimodal checkpoint.
+  multimodal checkpoint;
+- ``mtp_layers``: the ``config.json`` key counting the multi-token-prediction layers a
+  checkpoint stores after the model's own (DeepSeek-V3's ``num_nextn_predict_layers``):
+  the next-token forward does not use them, so their tensors are left out, and the load
+  says so (:attr:`attnlab.models.decoder.Decoder.load_notes`).
 
 A new family is a page here, not a module.
 """
@@ -119,6 +123,7 @@ class Family:
     gguf_arch: str | None = None
     model_types: tuple[str, ...] = ()
     text_config: str | None = None
+    mtp_layers: str | None = None
 
     @property
     def config_class(
@@ -1733,7 +1738,8 @@ def _deepseek2_gguf(fields: dict[str, Any], config: Mapping[str, Any], source: S
     ``attn_v_b`` hold the up-projections split for the absorbed product. The router is
     ``expert_gating_func``'s (sigmoid with the ``exp_probs_b`` correction: DeepSeek-V3);
     groups (``expert_group_count`` / ``expert_group_used_count``) are scored by their best
-    two experts, as llama.cpp does for every gating function. RoPE turns adjacent pairs.
+    two experts, as llama.cpp does for every gating function. RoPE turns adjacent pairs,
+    with llama.cpp's YaRN and score scale when ``rope.scaling.type`` is ``yarn``.
     """
     fields["family"] = "deepseek2"
     k_mla = fields.pop("key_length_mla")
@@ -1748,10 +1754,10 @@ def _deepseek2_gguf(fields: dict[str, Any], config: Mapping[str, Any], source: S
             raise ValueError(f"`deepseek2.{key}` must be an integer >= 1, got {value!r}")
     fields["qk_nope_head_dim"] = k_mla - rope
     scaling = config.get("deepseek2.rope.scaling.type", "none")
-    if scaling != "none":
+    if scaling not in ("none", "yarn"):  # YaRN: the reader's _gguf_deepseek2_yarn
         raise ValueError(
             f"`deepseek2.rope.scaling.type` = {scaling!r} is not supported for deepseek2 "
-            "files yet (llama.cpp's own YaRN attention factor): supported: 'none'"
+            "files (supported: 'none', 'yarn')"
         )
     fields["num_kv_heads"] = fields["num_heads"]  # the file's 1 is the MQA view
     fields["mla"] = _mla(fields, config, source)
@@ -1891,6 +1897,9 @@ DEEPSEEK_V3 = dataclasses.replace(
     hook=_deepseek_v3,
     # Kimi K2 is DeepSeek-V3's architecture under its own name
     model_types=("kimi_k2",),
+    # DeepSeek-V3's checkpoints carry one (model.layers.61: enorm, hnorm, eh_proj,
+    # shared_head, embed_tokens and a decoder layer); transformers ignores it too
+    mtp_layers="num_nextn_predict_layers",
     # llama.cpp's deepseek2 (DeepSeek-V2, V3, R1, Kimi K2): see _deepseek2_gguf
     gguf_arch="deepseek2",
     gguf_keys={

@@ -366,7 +366,7 @@ def _decoder_fields(
 
 
 def _gguf_rope(
-    fields: Mapping[str, Any],
+    fields: dict[str, Any],
     source: Mapping[str, Any],
     where: str,
     *,
@@ -380,7 +380,8 @@ def _gguf_rope(
     tensor's per-frequency divisors (``factors``: Llama 3 scaling as llama.cpp writes it),
     and Phi-3's ``rope_factors_long`` / ``rope_factors_short`` tensors (``longrope``) with
     ``rope.scaling.original_context_length`` and ``rope.scaling.attn_factor``; any other
-    scaling is refused naming the key."""
+    scaling is refused naming the key. A latent-attention (``deepseek2``) file's YaRN sets
+    ``fields["attn_scale"]`` too (:func:`_gguf_deepseek2_yarn`)."""
     arch = source.get("general.architecture", "")
     mla = fields.get("mla")
     head_dim = (
@@ -411,6 +412,8 @@ def _gguf_rope(
                 where, f"`{arch}.rope.scaling.factor` must be a finite number > 0, got {factor!r}"
             )
         scaling = LinearScaling(float(factor))
+    elif kind == "yarn" and mla is not None:
+        scaling, fields["attn_scale"] = _gguf_deepseek2_yarn(fields, source, where, arch)
     elif kind == "yarn":
         scaling = _gguf_yarn(fields, source, where, arch)
     elif kind != "none":
@@ -458,34 +461,88 @@ def _gguf_yarn(
             raise ModelFileError(
                 where, f"`{prefix}{name}` is not supported for GGUF files with YaRN yet"
             )
+    factor = _gguf_positive(source, prefix + "factor", None, where)
+    mscale = 1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0
+    return YarnScaling(
+        factor=factor,
+        original_max_position_embeddings=_gguf_yarn_context(fields, source, where, prefix),
+        beta_fast=_gguf_positive(source, prefix + "yarn_beta_fast", 32.0, where),
+        beta_slow=_gguf_positive(source, prefix + "yarn_beta_slow", 1.0, where),
+        attention_factor=mscale * _gguf_positive(source, prefix + "attn_factor", 1.0, where),
+        truncate=True,
+    )
 
-    def number(name: str, default: float | None) -> float:
-        value = source.get(prefix + name, default)
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, (int, float))
-            or not 0 < value < math.inf
-        ):
+
+def _gguf_deepseek2_yarn(
+    fields: Mapping[str, Any], source: Mapping[str, Any], where: str, arch: str
+) -> tuple[YarnScaling, float]:
+    """YaRN as llama.cpp runs a ``deepseek2`` file: the rotation's scaling, and the score
+    scale that goes with it.
+
+    llama.cpp's deepseek2 reads ``rope.scaling.factor`` f, ``original_context_length``,
+    ``rope.scaling.attn_factor`` a (1 when absent) and ``yarn_log_multiplier``, which its
+    converter writes as ``0.1 * mscale_all_dim`` and its loader divides by 0.1 (m). cos
+    and sin are multiplied by g = a (with m; without it ``a * (0.1 ln f + 1)`` when
+    f > 1), and the scores by ``(g * (0.1 m ln f + 1))**2 / sqrt(Dn + Dr)``: transformers'
+    DeepSeek YaRN wherever ``mscale`` equals ``mscale_all_dim`` (DeepSeek-V2, V3, R1, Kimi
+    K2). The ramp's ends are llama.cpp's fixed 32 and 1 rotations and its extrapolation
+    factor 1: deepseek2 does not read ``yarn_beta_fast`` / ``yarn_beta_slow`` /
+    ``yarn_ext_factor`` (its converter writes the config's), so a file whose value
+    differs would run otherwise than it says and is refused naming the key, as is any
+    ``yarn_attn_factor`` (written from a config's ``attention_factor``, never read)."""
+    prefix = f"{arch}.rope.scaling."
+    for name, used in (("yarn_beta_fast", 32.0), ("yarn_beta_slow", 1.0), ("yarn_ext_factor", 1.0)):
+        found = source.get(prefix + name)
+        if found is not None and found != used:
             raise ModelFileError(
-                where, f"`{prefix}{name}` must be a finite number > 0, got {value!r}"
+                where,
+                f"`{prefix}{name}` = {found!r} is not supported: llama.cpp's deepseek2 does "
+                f"not read it and runs with {used:g} (supported: absent or {used:g})",
             )
-        return float(value)
+    if source.get(prefix + "yarn_attn_factor") is not None:
+        raise ModelFileError(
+            where,
+            f"`{prefix}yarn_attn_factor` is not supported: llama.cpp's deepseek2 does not "
+            "read it (it derives the factor from `yarn_log_multiplier`)",
+        )
+    factor = _gguf_positive(source, prefix + "factor", None, where)
+    attn_factor = _gguf_positive(source, prefix + "attn_factor", 1.0, where)
+    if source.get(prefix + "yarn_log_multiplier") is None:
+        multiplier = 0.0
+        rotation = attn_factor * (1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0)
+    else:
+        multiplier = _gguf_positive(source, prefix + "yarn_log_multiplier", None, where) / 0.1
+        rotation = attn_factor
+    mscale = rotation * (0.1 * multiplier * math.log(factor) + 1.0)
+    mla = fields["mla"]
+    scaling = YarnScaling(
+        factor=factor,
+        original_max_position_embeddings=_gguf_yarn_context(fields, source, where, prefix),
+        attention_factor=rotation,
+        truncate=True,
+    )
+    return scaling, mscale * mscale / math.sqrt(mla.qk_nope_head_dim + mla.qk_rope_head_dim)
 
-    factor = number("factor", None)
+
+def _gguf_positive(source: Mapping[str, Any], key: str, default: float | None, where: str) -> float:
+    """The finite number > 0 at ``key`` (``default`` when absent; None: required)."""
+    value = source.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ModelFileError(where, f"`{key}` must be a finite number > 0, got {value!r}")
+    return float(value)
+
+
+def _gguf_yarn_context(
+    fields: Mapping[str, Any], source: Mapping[str, Any], where: str, prefix: str
+) -> int:
+    """YaRN's original context: ``rope.scaling.original_context_length``, else the file's
+    ``context_length`` (llama.cpp's ``n_ctx_orig_yarn``)."""
     orig = source.get(prefix + "original_context_length", fields.get("context_length"))
     if isinstance(orig, bool) or not isinstance(orig, int) or orig <= 0:
         raise ModelFileError(
             where, f"`{prefix}original_context_length` must be an integer > 0, got {orig!r}"
         )
-    mscale = 1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0
-    return YarnScaling(
-        factor=factor,
-        original_max_position_embeddings=orig,
-        beta_fast=number("yarn_beta_fast", 32.0),
-        beta_slow=number("yarn_beta_slow", 1.0),
-        attention_factor=mscale * number("attn_factor", 1.0),
-        truncate=True,
-    )
+    return orig
 
 
 def _gguf_longrope(

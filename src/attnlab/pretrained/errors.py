@@ -53,6 +53,10 @@ def check_finite(
             bad = (values & 0x7F80) == 0x7F80  # exponent all ones: inf or NaN
             _raise_if(bad, t.float().numpy(), name, where, what)
             return
+        if t.dtype == torch.float8_e4m3fn:  # no infinity; NaN: every bit but the sign set
+            bits = t.cpu().view(torch.uint8).numpy()
+            _raise_if((bits & 0x7F) == 0x7F, t.float().numpy(), name, where, what)
+            return
         if not t.is_floating_point():
             return
         values = t.cpu().numpy()

@@ -12,6 +12,7 @@ never opened.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,13 +23,14 @@ import torch
 from attnlab.models.decoder import Decoder
 from attnlab.models.encoder import Encoder
 from attnlab.models.encoder_decoder import NO_LIMIT, EncoderDecoder
+from attnlab.models.families import Family
 from attnlab.pretrained.build import build_config, build_model, family_from
 from attnlab.pretrained.errors import ModelFileError, check_finite
 from attnlab.pretrained.gguf_file import mxfp4_values
 from attnlab.pretrained.safetensors_file import SafetensorsFile, read_safetensors
 from attnlab.pretrained.tokenizer import PretrainedTokenizer, tokenizer_from_hf_dir
 
-__all__ = ["load_hf_directory", "read_json", "weight_files"]
+__all__ = ["dequantize_fp8_blocks", "load_hf_directory", "read_json", "weight_files"]
 
 MAX_JSON_BYTES = 64 * 1024 * 1024
 
@@ -132,7 +134,12 @@ def load_hf_directory(
     config = build_config(family, hf, where=config_path, source="hf")
     files, where = weight_files(folder)
     names = {name: f.tensors[name].numel for name, f in files.items()}
-    get = _mxfp4_pairs(files, names, hf) or (lambda name: files[name].tensor(name))
+    notes = _leave_out_mtp_layers(family, hf, config.num_layers, names, config_path)
+    get = (
+        _mxfp4_pairs(files, names, hf)
+        or _fp8_blocks(files, names, hf, config_path)
+        or (lambda name: files[name].tensor(name))
+    )
     model = build_model(
         config,
         names,
@@ -143,8 +150,51 @@ def load_hf_directory(
         dtype=dtype,
         backend=backend,
     )
+    if isinstance(model, Decoder):
+        model.load_notes = notes
     tokenizer = tokenizer_from_hf_dir(folder, max_length=_max_tokens(model))
     return model, tokenizer
+
+
+def _leave_out_mtp_layers(
+    family: Family, hf: dict[str, Any], num_layers: int, names: dict[str, int], config_path: Path
+) -> tuple[str, ...]:
+    """Take the tensors of the multi-token-prediction layers out of ``names`` (in place):
+    the layers ``num_layers`` .. ``num_layers + n - 1``, ``n`` read at the family's
+    ``mtp_layers`` key (DeepSeek-V3's ``num_nextn_predict_layers``). The model's
+    next-token forward does not use them (nor does transformers'); every other tensor is
+    still matched against the family's names, and one beyond the layers is refused.
+
+    Returns:
+        One note per layer left out, e.g. ``"multi-token-prediction layer 61 (19 tensors)
+        not used"``.
+
+    Raises:
+        ModelFileError: the count is not an integer >= 0 (named).
+    """
+    if family.mtp_layers is None:
+        return ()
+    count = hf.get(family.mtp_layers, 0)
+    if count is None:
+        count = 0
+    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        raise ModelFileError(
+            config_path, f"`{family.mtp_layers}` must be an integer >= 0, got {count!r}"
+        )
+    pattern = re.compile(rf"^(?:{'|'.join(map(re.escape, family.prefixes))})?layers\.(\d+)\.")
+    held: dict[int, list[str]] = {}
+    for name in names:
+        m = pattern.match(name)
+        if m is not None and num_layers <= int(m[1]) < num_layers + count:
+            held.setdefault(int(m[1]), []).append(name)
+    for layer_names in held.values():
+        for name in layer_names:
+            names.pop(name)
+    return tuple(
+        f"multi-token-prediction layer {layer} ({len(held[layer])} tensors) not used: "
+        "attnlab runs the next-token forward only"
+        for layer in sorted(held)
+    )
 
 
 def _mxfp4_pairs(
@@ -203,6 +253,143 @@ def _mxfp4_pairs(
         check_finite(values, blocks, files[blocks].path)
         E, R, G, _ = packed.shape
         return values.reshape(E, R, G * 32).transpose(1, 2)  # (E, G * 32, R)
+
+    return get
+
+
+# quantization_config of an FP8 checkpoint (DeepSeek-V3/R1, Kimi K2) -> what attnlab reads
+_FP8_KEYS = ("quant_method", "fmt", "activation_scheme", "weight_block_size")
+# keys that change nothing attnlab reads: which tensors are FP8 is read from the file
+# (every FP8 weight comes with its scales)
+_FP8_NOOP_KEYS = ("modules_to_not_convert",)
+
+
+def dequantize_fp8_blocks(
+    codes: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]
+) -> torch.Tensor:
+    """Block-wise FP8 weights as float32: ``codes[r, c] * scale_inv[r // br, c // bc]``.
+
+    The definition of DeepSeek-V3's FP8 checkpoints (its ``weight_dequant``): one float
+    scale per ``block = (br, bc)`` tile of the (R, C) weight, the last row and column of
+    tiles partial when R or C is not a multiple of the block.
+
+    Args:
+        codes: (R, C) ``torch.float8_e4m3fn``.
+        scale_inv: (ceil(R / br), ceil(C / bc)) floats.
+        block: ``(br, bc)``, the config's ``weight_block_size``.
+
+    Returns:
+        (R, C) float32.
+
+    Raises:
+        ValueError: ``scale_inv``'s shape is not the tile grid of ``codes``.
+
+    Shape:
+        codes (R, C), scale_inv (ceil(R/br), ceil(C/bc)) -> (R, C).
+    """
+    R, C = codes.shape
+    br, bc = block
+    grid = (-(-R // br), -(-C // bc))
+    if tuple(scale_inv.shape) != grid:
+        raise ValueError(
+            f"scales of shape {tuple(scale_inv.shape)} do not tile a ({R}, {C}) weight in "
+            f"blocks of {list(block)}: expected {grid}"
+        )
+    scales = scale_inv.float().repeat_interleave(br, 0)[:R].repeat_interleave(bc, 1)[:, :C]
+    return codes.float() * scales  # (R, C)
+
+
+def _fp8_blocks(
+    files: dict[str, SafetensorsFile], names: dict[str, int], hf: dict[str, Any], config_path: Path
+) -> Callable[[str], torch.Tensor] | None:
+    """The FP8 weights of a checkpoint whose ``quantization_config`` says ``fp8`` (the hub's
+    DeepSeek-V3/R1 and Kimi K2), dequantised on ``get`` into float32; None for a
+    checkpoint without that config (and without FP8 tensors).
+
+    Read as DeepSeek's and transformers' FP8 format: ``fmt`` ``e4m3`` (or absent),
+    ``activation_scheme`` ``dynamic`` (or absent: activations are not quantised, as in
+    transformers' ``dequantize=True``), and ``weight_block_size`` ``[br, bc]``. Each 2-D
+    ``X.weight`` of dtype F8_E4M3 comes with ``X.weight_scale_inv`` (one float32, bfloat16
+    or float16 scale per block, :func:`dequantize_fp8_blocks`), which leaves ``names``
+    (in place).
+
+    Raises:
+        ModelFileError: another ``quant_method``, ``fmt``, ``activation_scheme`` or an
+            unknown ``quantization_config`` key (named); a bad ``weight_block_size``;
+            FP8 tensors without an ``fp8`` config; an FP8 weight without its scales (or
+            the reverse), of another rank, or with scales of the wrong dtype or shape.
+    """
+    quant = hf.get("quantization_config")
+    fp8 = [n for n in names if files[n].tensors[n].dtype == torch.float8_e4m3fn]
+    if not isinstance(quant, dict) or quant.get("quant_method") != "fp8":
+        if fp8:
+            raise ModelFileError(
+                files[fp8[0]].path,
+                f"holds FP8 tensor {fp8[0]!r}, but config.json has no `quantization_config` "
+                "with quant_method 'fp8' (block scales) to read it with",
+            )
+        return None
+    for key in quant:
+        if key not in _FP8_KEYS + _FP8_NOOP_KEYS:
+            raise ModelFileError(
+                config_path,
+                f"`quantization_config.{key}` is not supported for FP8 checkpoints "
+                f"(supported: {', '.join(_FP8_KEYS + _FP8_NOOP_KEYS)})",
+            )
+    for key, supported in (("fmt", "e4m3"), ("activation_scheme", "dynamic")):
+        if quant.get(key, supported) != supported:
+            raise ModelFileError(
+                config_path,
+                f"`quantization_config.{key}` = {quant[key]!r} is not supported "
+                f"(supported: {supported!r})",
+            )
+    block = quant.get("weight_block_size")
+    if (
+        not isinstance(block, list)
+        or len(block) != 2
+        or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)
+    ):
+        raise ModelFileError(
+            config_path,
+            f"`quantization_config.weight_block_size` must be two integers > 0 (rows, "
+            f"columns of a block), got {block!r}",
+        )
+    br, bc = block
+    suffix = ".weight_scale_inv"
+    scales = {n[: -len(suffix)] + ".weight": n for n in names if n.endswith(suffix)}
+    for name in fp8:
+        info = files[name].tensors[name]
+        scale = scales.get(name)
+        if scale is None or len(info.shape) != 2:
+            raise ModelFileError(
+                files[name].path,
+                f"FP8 tensor {name!r} of shape {list(info.shape)} must be 2-D and come with "
+                f"{name[: -len('.weight')] + suffix!r} (its block scales)",
+            )
+        s = files[scale].tensors[scale]
+        R, C = info.shape
+        grid = [-(-R // br), -(-C // bc)]
+        if s.dtype not in (torch.float32, torch.bfloat16, torch.float16) or list(s.shape) != grid:
+            raise ModelFileError(
+                files[scale].path,
+                f"tensor {scale!r} {s.dtype} {list(s.shape)} must be float {grid}: one scale "
+                f"per [{br}, {bc}] block of {name!r} {list(info.shape)}",
+            )
+    for weight, scale in scales.items():
+        if weight not in fp8:
+            raise ModelFileError(
+                files[scale].path, f"has {scale!r} without its FP8 weight {weight!r}"
+            )
+        names.pop(scale)
+    pairs = {weight: scales[weight] for weight in fp8}
+
+    def get(name: str) -> torch.Tensor:
+        if name not in pairs:
+            return files[name].tensor(name)
+        scale = pairs[name]
+        scale_inv = files[scale].tensor(scale)
+        check_finite(scale_inv, scale, files[scale].path, what="quantisation scale")
+        return dequantize_fp8_blocks(files[name].tensor(name), scale_inv, (br, bc))
 
     return get
 

@@ -80,6 +80,12 @@ def _layout(family: Family) -> list[str]:
         lines.append(
             f"| `{name}` | {_code(hf.get(name, ()))} | {_code(gguf.get(name, ()))} | {shown} |"
         )
+    if family.mtp_layers:
+        lines += [
+            "",
+            f"The multi-token-prediction layers counted by `{family.mtp_layers}` (stored "
+            "after the model's own) are left out: the next-token forward does not use them.",
+        ]
     if family.refuse:
         refused = "; ".join(
             f"`{k}` unless {' or '.join(repr(a) for a in v)}" for k, v in family.refuse.items()
@@ -136,6 +142,15 @@ def families_page() -> str:
         "(or the dtype asked for) when the model is built. RoPE settings llama.cpp stores",
         "as tensors (`rope_freqs`, `rope_factors_long` / `rope_factors_short`) are read as",
         "configuration.",
+        "",
+        "## Quantised checkpoints",
+        "",
+        'A Hugging Face directory whose `quantization_config` says `quant_method: "fp8"`',
+        "(DeepSeek-V3/R1, Kimi K2) is read when it is block-wise E4M3 (`fmt` `e4m3`,",
+        "`activation_scheme` `dynamic`, `weight_block_size` `[rows, columns]`): each F8_E4M3",
+        "weight is multiplied by its `weight_scale_inv` block scales as the model is built.",
+        "gpt-oss's `mxfp4` experts (`_blocks` / `_scales` pairs) are read too. Any other",
+        "quantisation is refused, naming the field.",
         "",
     ]
     return "\n".join(lines)

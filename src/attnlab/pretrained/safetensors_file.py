@@ -31,6 +31,9 @@ _DTYPES: dict[str, tuple[torch.dtype, int]] = {
     "F32": (torch.float32, 4),
     "F16": (torch.float16, 2),
     "BF16": (torch.bfloat16, 2),
+    # FP8 E4M3 (DeepSeek-V3's and Kimi K2's weights): read only with their block scales
+    # (attnlab.pretrained.hf), never converted on their own
+    "F8_E4M3": (torch.float8_e4m3fn, 1),
     "I64": (torch.int64, 8),
     "I32": (torch.int32, 4),
     "I16": (torch.int16, 2),

@@ -66,6 +66,8 @@ class ModelSummary:
             a key and a value per head), and for latent attention (MLA) ``latent``
             (``kv_lora_rank``) and ``rotary`` (``qk_rope_head_dim``), the numbers one
             token caches per layer.
+        notes: what the load left out of the file, one line each (DeepSeek-V3's
+            multi-token-prediction layer: :attr:`~attnlab.models.decoder.Decoder.load_notes`).
     """
 
     family: str
@@ -88,6 +90,7 @@ class ModelSummary:
     attn_softcap: float | None = None
     final_softcap: float | None = None
     kv_cache: dict[str, Any] | None = None
+    notes: tuple[str, ...] = ()
 
 
 def _attention_layers(model: Any) -> list[tuple[str, Any, bool]]:
@@ -234,6 +237,7 @@ def summarize_model(model: Any, *, probe_length: int = 1024) -> ModelSummary:
         attn_softcap=attn_softcap,
         final_softcap=final_softcap,
         kv_cache=kv_cache,
+        notes=model.load_notes if isinstance(model, Decoder) else (),
     )
 
 
