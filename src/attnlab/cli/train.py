@@ -128,6 +128,16 @@ def train(
             "induction heads.",
         ),
     ] = None,
+    tokenizer: Annotated[
+        str | None,
+        typer.Option(
+            "--tokenizer",
+            help="gpt2 (GPT-2's BPE, 50,257 ids) or words (one id per word of the training "
+            "text; a small vocabulary trains fast). Default: words with --repeated-words, "
+            "else gpt2. The checkpoint records it.",
+            show_default=False,
+        ),
+    ] = None,
     out: Annotated[
         Path | None,
         typer.Option(
@@ -175,6 +185,7 @@ def train(
             lr=lr,
             text=text,
             repeated_words=repeated_words,
+            tokenizer=tokenizer,
             out=out,
             seed=seed,
             resume=resume,
@@ -189,6 +200,7 @@ def train(
                 epochs=epochs,
                 batch_size=batch_size,
                 lr=lr,
+                tokenizer=_tokenizer(tokenizer, repeated_words),
             )
             _corpus(text, repeated_words, seed)
         from attnlab.train import launch
@@ -217,6 +229,7 @@ def train(
             seed=seed,
             eval_interval=eval_interval,
             backend=backend,
+            tokenizer=_tokenizer(tokenizer, repeated_words),
         )
         corpus = _corpus(text, repeated_words, seed)
     view = _TrainView()
@@ -258,6 +271,17 @@ def train(
         markup=False,
         soft_wrap=True,
     )
+
+
+def _tokenizer(tokenizer: str | None, repeated_words: str | None) -> str:
+    """``--tokenizer``, or its default: words for the ``--repeated-words`` data, else gpt2."""
+    from attnlab.data import TOKENIZERS
+
+    if tokenizer is None:
+        return "words" if repeated_words is not None else "gpt2"
+    if tokenizer not in TOKENIZERS:
+        raise ValueError(f"`--tokenizer` must be one of {', '.join(TOKENIZERS)}, got {tokenizer!r}")
+    return tokenizer
 
 
 def _model_config(preset: str, context_length: int | None, layers: int | None) -> Any:
