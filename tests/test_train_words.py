@@ -124,6 +124,11 @@ def test_commands_use_the_recorded_tokenizer(capsys, tmp_path):
     )
     assert code == 0, err
     assert set(out.split()) <= {*tok.words, "<unk>"} and out.split()[:3] == list(tok.words[:3])
+    from attnlab.serve.models import checkpoint_spec
+
+    loaded = checkpoint_spec(tmp_path).load()
+    assert loaded.tokenizer == tok and loaded.eos_id is None  # words have no end token
+    assert loaded.encode(prompt) == tok.encode(prompt)
 
 
 def test_bad_tokenizer_option_is_one_line_naming_it(capsys, tmp_path):
