@@ -149,3 +149,23 @@ def test_a_changed_tokenizer_in_the_manifest_is_refused(capsys, tmp_path):
     manifest.write_text(json.dumps(data))
     code, _, err = run_main(capsys, "heads", "--checkpoint", str(tmp_path))
     assert code == 2 and "the `tokenizer` of" in err and "Traceback" not in err
+
+
+def test_model_size_flags_set_the_config_and_bad_ones_are_named(capsys, tmp_path):
+    out = tmp_path / "run"
+    args = ["train", "--out", str(out), "--steps", "1", "--batch-size", "2", "--seed", "3"]
+    args += ["--context-length", "16", "--eval-interval", "1", "--repeated-words", "2-5"]
+    for bad, needle in [
+        (["--emb-dim", "0"], "`--emb-dim` must be >= 1"),
+        (["--heads", "0"], "`--heads` must be >= 1"),
+        (["--dropout", "1.5"], "`--dropout` must be in [0, 1)"),
+        (["--emb-dim", "30", "--heads", "4"], "(--emb-dim / --heads)"),
+    ]:
+        code, _, err = run_main(capsys, *args, *bad)
+        assert code == 2 and needle in err and "Traceback" not in err, err
+    code, _, err = run_main(
+        capsys, *args, "--layers", "2", "--emb-dim", "32", "--heads", "2", "--dropout", "0"
+    )
+    assert code == 0, err
+    cfg = GPTConfig.from_dict(load_checkpoint(out).model_config)
+    assert cfg == GPTConfig(201, 16, 32, 2, 2, 0.0, False)

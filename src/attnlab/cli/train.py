@@ -104,6 +104,18 @@ def train(
         int | None,
         typer.Option("--layers", help="Transformer blocks of the model (default: the preset's)."),
     ] = None,
+    emb_dim: Annotated[
+        int | None,
+        typer.Option("--emb-dim", help="Model width (default: the preset's)."),
+    ] = None,
+    heads: Annotated[
+        int | None,
+        typer.Option("--heads", help="Attention heads per block (default: the preset's)."),
+    ] = None,
+    dropout: Annotated[
+        float | None,
+        typer.Option("--dropout", help="Dropout probability (default: the preset's)."),
+    ] = None,
     steps: Annotated[
         int | None, typer.Option(help="Optimizer steps (default 200, or use --epochs).")
     ] = None,
@@ -179,6 +191,9 @@ def train(
             preset=preset,
             context_length=context_length,
             layers=layers,
+            emb_dim=emb_dim,
+            heads=heads,
+            dropout=dropout,
             steps=steps,
             epochs=epochs,
             batch_size=batch_size,
@@ -195,7 +210,7 @@ def train(
         with user_input():
             TrainConfig(
                 preset=preset,
-                model=_model_config(preset, context_length, layers),
+                model=_model_config(preset, context_length, layers, emb_dim, heads, dropout),
                 steps=steps,
                 epochs=epochs,
                 batch_size=batch_size,
@@ -221,7 +236,7 @@ def train(
     with user_input():
         config = TrainConfig(
             preset=preset,
-            model=_model_config(preset, context_length, layers),
+            model=_model_config(preset, context_length, layers, emb_dim, heads, dropout),
             steps=steps,
             epochs=epochs,
             batch_size=batch_size,
@@ -284,23 +299,40 @@ def _tokenizer(tokenizer: str | None, repeated_words: str | None) -> str:
     return tokenizer
 
 
-def _model_config(preset: str, context_length: int | None, layers: int | None) -> Any:
-    """The preset's model config with ``--context-length`` and ``--layers`` applied; None
-    when neither is given (the preset itself)."""
-    if context_length is None and layers is None:
+def _model_config(
+    preset: str,
+    context_length: int | None,
+    layers: int | None,
+    emb_dim: int | None = None,
+    heads: int | None = None,
+    dropout: float | None = None,
+) -> Any:
+    """The preset's model config with ``--context-length``, ``--layers``, ``--emb-dim``,
+    ``--heads`` and ``--dropout`` applied; None when none is given (the preset itself)."""
+    sizes = (
+        ("--context-length", "context_length", context_length),
+        ("--layers", "n_layers", layers),
+        ("--emb-dim", "emb_dim", emb_dim),
+        ("--heads", "n_heads", heads),
+    )
+    if all(v is None for _, _, v in sizes) and dropout is None:
         return None
     from attnlab.models.gpt import GPTConfig
 
-    overrides: dict[str, int] = {}
-    for flag, name, value in (
-        ("--context-length", "context_length", context_length),
-        ("--layers", "n_layers", layers),
-    ):
+    overrides: dict[str, Any] = {}
+    for flag, name, value in sizes:
         if value is not None:
             if value < 1:
                 raise ValueError(f"`{flag}` must be >= 1, got {value}")
             overrides[name] = value
-    return GPTConfig.preset(preset, **overrides)
+    if dropout is not None:
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"`--dropout` must be in [0, 1), got {dropout}")
+        overrides["drop_rate"] = dropout
+    try:
+        return GPTConfig.preset(preset, **overrides)
+    except ValueError as exc:  # emb_dim not divisible by n_heads: name the flags
+        raise ValueError(f"{exc} (--emb-dim / --heads)") from exc
 
 
 # Tokens of --repeated-words data: a few hundred steps of 8 windows never see a window twice.
