@@ -28,7 +28,8 @@ from pathlib import Path
 import torch
 from _records import ROOT, Recorder
 
-from attnlab.data import get_tokenizer, repeated_random_text
+from attnlab.checkpoint import load_checkpoint
+from attnlab.data import checkpoint_tokenizer, repeated_random_text
 from attnlab.explain import head_scores
 from attnlab.models.gpt import GPTConfig, GPTModel
 
@@ -94,7 +95,6 @@ def main() -> None:
         ),
         threads=torch.get_num_threads(),
     )
-    tok = get_tokenizer()
     first: tuple[torch.Tensor, torch.Tensor] | None = None
     for seed in args.seeds:
         with tempfile.TemporaryDirectory() as tmp:
@@ -123,7 +123,9 @@ def main() -> None:
             if args.lr is not None:
                 cmd += ["--lr", str(args.lr)]
             subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
-            after_model = GPTModel.from_checkpoint(tmp)
+            ckpt = load_checkpoint(tmp, with_training_state=False)
+            after_model = GPTModel.from_checkpoint(ckpt)
+            tok = checkpoint_tokenizer(ckpt)  # the words of the run (or GPT-2's)
             history = json.loads((Path(tmp) / "history.json").read_text())
         cfg: GPTConfig = after_model.cfg
         # The trainer's own construction of the initial weights (seeded, in the book's order).

@@ -229,9 +229,18 @@ def test_train_repeated_words_and_layers(capsys, tmp_path):
     assert code == 0, err
     ckpt = load_checkpoint(out)
     cfg = GPTConfig.from_dict(ckpt.model_config)
-    assert cfg == GPTConfig.preset("tiny", context_length=16, n_layers=2)
+    # The words tokenizer (the default with --repeated-words): 200 words and <unk>.
+    assert cfg == GPTConfig.preset("tiny", context_length=16, n_layers=2, vocab_size=201)
+    assert ckpt.extra["tokenizer"]["kind"] == "words"
     # The run trained on the documented data: its text hash is that of the same draw.
     import hashlib
 
     text = repeated_random_text(200_000 // 9, 6, min_length=3, seed=7)
     assert ckpt.extra["text_sha256"] == hashlib.sha256(text.encode()).hexdigest()
+    assert len(ckpt.extra["tokenizer"]["words"]) == len(set(text.split())) == 200
+    # --tokenizer gpt2 keeps GPT-2's vocabulary for the same data.
+    code, _, err = run_main(
+        capsys, *args, "--repeated-words", "3-6", "--layers", "2", "--tokenizer", "gpt2"
+    )
+    assert code == 0, err
+    assert load_checkpoint(out).model_config["vocab_size"] == 50257

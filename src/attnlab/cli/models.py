@@ -47,14 +47,15 @@ def load_checkpoint_model(directory: Path, backend: str = "auto") -> tuple[Any, 
     check_local_backend(backend)
     try:
         from attnlab.checkpoint import load_checkpoint
-        from attnlab.data import get_tokenizer
+        from attnlab.data import checkpoint_tokenizer
         from attnlab.models.gpt import GPTModel
     except ImportError as e:  # pragma: no cover - a partial install
         raise UserError(f"--checkpoint needs attnlab's GPT model, which is missing: {e}") from e
     with user_input():  # a CheckpointError is a ValueError: one line, the file named
         ckpt = load_checkpoint(directory, model_type="gpt", with_training_state=False)
         model = GPTModel.from_checkpoint(ckpt, backend=backend)
-    return model.eval(), get_tokenizer(), f"GPT checkpoint {directory} (step {ckpt.step})"
+        tokenizer = checkpoint_tokenizer(ckpt)
+    return model.eval(), tokenizer, f"GPT checkpoint {directory} (step {ckpt.step})"
 
 
 def load_pretrained_model(

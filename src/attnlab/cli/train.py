@@ -104,6 +104,18 @@ def train(
         int | None,
         typer.Option("--layers", help="Transformer blocks of the model (default: the preset's)."),
     ] = None,
+    emb_dim: Annotated[
+        int | None,
+        typer.Option("--emb-dim", help="Model width (default: the preset's)."),
+    ] = None,
+    heads: Annotated[
+        int | None,
+        typer.Option("--heads", help="Attention heads per block (default: the preset's)."),
+    ] = None,
+    dropout: Annotated[
+        float | None,
+        typer.Option("--dropout", help="Dropout probability (default: the preset's)."),
+    ] = None,
     steps: Annotated[
         int | None, typer.Option(help="Optimizer steps (default 200, or use --epochs).")
     ] = None,
@@ -126,6 +138,16 @@ def train(
             help="Instead of a text, train on random one-token words: sequences of MIN to MAX "
             "words (drawn by --seed), each followed by its copy, the data that grows "
             "induction heads.",
+        ),
+    ] = None,
+    tokenizer: Annotated[
+        str | None,
+        typer.Option(
+            "--tokenizer",
+            help="gpt2 (GPT-2's BPE, 50,257 ids) or words (one id per word of the training "
+            "text; a small vocabulary trains fast). Default: words with --repeated-words, "
+            "else gpt2. The checkpoint records it.",
+            show_default=False,
         ),
     ] = None,
     out: Annotated[
@@ -169,12 +191,16 @@ def train(
             preset=preset,
             context_length=context_length,
             layers=layers,
+            emb_dim=emb_dim,
+            heads=heads,
+            dropout=dropout,
             steps=steps,
             epochs=epochs,
             batch_size=batch_size,
             lr=lr,
             text=text,
             repeated_words=repeated_words,
+            tokenizer=tokenizer,
             out=out,
             seed=seed,
             resume=resume,
@@ -184,11 +210,12 @@ def train(
         with user_input():
             TrainConfig(
                 preset=preset,
-                model=_model_config(preset, context_length, layers),
+                model=_model_config(preset, context_length, layers, emb_dim, heads, dropout),
                 steps=steps,
                 epochs=epochs,
                 batch_size=batch_size,
                 lr=lr,
+                tokenizer=_tokenizer(tokenizer, repeated_words),
             )
             _corpus(text, repeated_words, seed)
         from attnlab.train import launch
@@ -209,7 +236,7 @@ def train(
     with user_input():
         config = TrainConfig(
             preset=preset,
-            model=_model_config(preset, context_length, layers),
+            model=_model_config(preset, context_length, layers, emb_dim, heads, dropout),
             steps=steps,
             epochs=epochs,
             batch_size=batch_size,
@@ -217,6 +244,7 @@ def train(
             seed=seed,
             eval_interval=eval_interval,
             backend=backend,
+            tokenizer=_tokenizer(tokenizer, repeated_words),
         )
         corpus = _corpus(text, repeated_words, seed)
     view = _TrainView()
@@ -260,23 +288,51 @@ def train(
     )
 
 
-def _model_config(preset: str, context_length: int | None, layers: int | None) -> Any:
-    """The preset's model config with ``--context-length`` and ``--layers`` applied; None
-    when neither is given (the preset itself)."""
-    if context_length is None and layers is None:
+def _tokenizer(tokenizer: str | None, repeated_words: str | None) -> str:
+    """``--tokenizer``, or its default: words for the ``--repeated-words`` data, else gpt2."""
+    from attnlab.data import TOKENIZERS
+
+    if tokenizer is None:
+        return "words" if repeated_words is not None else "gpt2"
+    if tokenizer not in TOKENIZERS:
+        raise ValueError(f"`--tokenizer` must be one of {', '.join(TOKENIZERS)}, got {tokenizer!r}")
+    return tokenizer
+
+
+def _model_config(
+    preset: str,
+    context_length: int | None,
+    layers: int | None,
+    emb_dim: int | None = None,
+    heads: int | None = None,
+    dropout: float | None = None,
+) -> Any:
+    """The preset's model config with ``--context-length``, ``--layers``, ``--emb-dim``,
+    ``--heads`` and ``--dropout`` applied; None when none is given (the preset itself)."""
+    sizes = (
+        ("--context-length", "context_length", context_length),
+        ("--layers", "n_layers", layers),
+        ("--emb-dim", "emb_dim", emb_dim),
+        ("--heads", "n_heads", heads),
+    )
+    if all(v is None for _, _, v in sizes) and dropout is None:
         return None
     from attnlab.models.gpt import GPTConfig
 
-    overrides: dict[str, int] = {}
-    for flag, name, value in (
-        ("--context-length", "context_length", context_length),
-        ("--layers", "n_layers", layers),
-    ):
+    overrides: dict[str, Any] = {}
+    for flag, name, value in sizes:
         if value is not None:
             if value < 1:
                 raise ValueError(f"`{flag}` must be >= 1, got {value}")
             overrides[name] = value
-    return GPTConfig.preset(preset, **overrides)
+    if dropout is not None:
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"`--dropout` must be in [0, 1), got {dropout}")
+        overrides["drop_rate"] = dropout
+    try:
+        return GPTConfig.preset(preset, **overrides)
+    except ValueError as exc:  # emb_dim not divisible by n_heads: name the flags
+        raise ValueError(f"{exc} (--emb-dim / --heads)") from exc
 
 
 # Tokens of --repeated-words data: a few hundred steps of 8 windows never see a window twice.

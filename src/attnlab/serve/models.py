@@ -243,19 +243,19 @@ def checkpoint_spec(directory: Path, name: str | None = None) -> ModelSpec:
 
     def load() -> LoadedModel:
         from attnlab.checkpoint import load_checkpoint
-        from attnlab.data import EOT_TOKEN_ID, get_tokenizer
+        from attnlab.data import checkpoint_tokenizer
         from attnlab.models.gpt import GPTModel
 
         ckpt = load_checkpoint(directory, model_type="gpt", with_training_state=False)
         model = GPTModel.from_checkpoint(ckpt)  # checks the config against the weights
-        tok = get_tokenizer()
+        tok = checkpoint_tokenizer(ckpt)  # GPT-2's, or the words it was trained on
         return LoadedModel(
             model=model.eval(),
             tokenizer=tok,
             encode=_tiktoken_encode(tok),
             source=f"GPT checkpoint {directory} (step {ckpt.step})",
             causal=True,
-            eos_id=EOT_TOKEN_ID,
+            eos_id=getattr(tok, "eot_token", None),
             context_length=model.context_length,
         )
 
