@@ -311,6 +311,11 @@ def test_q8_0_holds_gguf_q8_0_values_to_the_rounding_of_their_scales():
     torch.testing.assert_close(layer(x), reference, atol=0.05, rtol=0.02)
     dtype, bare = row_product(layer)
     torch.testing.assert_close(bare(x.to(dtype)).float(), reference, atol=0.05, rtol=0.02)
+    # a prompt (the dense path: both halves summed into one bf16 weight) agrees too
+    prompt = torch.randn(layer.inner.dense_from_rows + 5, K).bfloat16().float()  # as run
+    torch.testing.assert_close(
+        layer(prompt), (prompt.double() @ expected.double().T).float(), atol=0.05, rtol=0.02
+    )
     fused = fuse_rows([layer, Q8Linear.from_float(values[:16])])
     assert isinstance(fused, Q8Linear)
     assert torch.equal(fused.weight, torch.cat([expected, expected[:16]]))

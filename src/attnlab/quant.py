@@ -547,8 +547,14 @@ class Q8Linear(WeightFormat):
 
     def product(self, x2: torch.Tensor) -> torch.Tensor:
         """(M, K) bfloat16 -> (M, N)."""
+        n = self.out_features
+        if x2.shape[0] >= self.inner.dense_from_rows:
+            # A prompt: the two halves summed into one bf16 weight (one rounding of
+            # d * q), so the dense product has N columns, not the 2N of the row kernel.
+            both_t = self.inner._dequantized_t(torch.float32)  # (K, 2N)
+            return torch.mm(x2, (both_t[:, :n] + both_t[:, n:]).to(torch.bfloat16))
         both = self.inner.product(x2)  # (M, 2N)
-        return both[:, : self.out_features] + both[:, self.out_features :]
+        return both[:, :n] + both[:, n:]
 
     def row_kernel(self) -> Callable[[torch.Tensor], torch.Tensor]:
         kernel, n = self.inner.row_kernel(), self.out_features
