@@ -23,6 +23,7 @@ import random
 import subprocess
 import sys
 import tempfile
+import textwrap
 from pathlib import Path
 
 import torch
@@ -43,7 +44,7 @@ def draw(before: torch.Tensor, after: torch.Tensor, title: str):
     from matplotlib.figure import Figure
 
     L, H = before.shape
-    fig = Figure(figsize=(7.5, 2.2 + 0.5 * L), dpi=110)
+    fig = Figure(figsize=(7.5, 2.6 + 0.5 * L), dpi=110, layout="constrained")
     axes = fig.subplots(1, 2)
     for ax, scores, name in ((axes[0], before, "before training"), (axes[1], after, "after")):
         im = ax.imshow(scores.numpy(), vmin=0.0, vmax=1.0, cmap="viridis")
@@ -65,7 +66,7 @@ def draw(before: torch.Tensor, after: torch.Tensor, title: str):
                 )
     axes[0].set_ylabel("layer")
     fig.colorbar(im, ax=list(axes), label="induction score")
-    fig.suptitle(title, fontsize=9)
+    fig.suptitle(textwrap.fill(title, 90), fontsize=9)
     return fig
 
 
@@ -77,10 +78,19 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=500)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--lr", type=float, default=None)
+    p.add_argument("--warmup-steps", type=int, default=None)
+    p.add_argument("--emb-dim", type=int, default=None)
+    p.add_argument("--heads", type=int, default=None)
+    p.add_argument("--dropout", type=float, default=None)
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--png", type=Path, default=None, help="write the figure of the first seed")
     args = p.parse_args()
     low, high = (int(x) for x in args.words.split("-"))
+    extra = " ".join(
+        f"--{flag.replace('_', '-')} {getattr(args, flag)}"
+        for flag in ("batch_size", "lr", "warmup_steps", "emb_dim", "heads", "dropout")
+        if getattr(args, flag) is not None
+    )
     if low <= args.n <= high:
         sys.exit(f"--n {args.n} must lie outside the trained lengths {args.words}")
 
@@ -89,8 +99,8 @@ def main() -> None:
         config=f"words-{args.words}-steps-{args.steps}",
         measured=(
             f"attnlab train --repeated-words {args.words} --layers 2 --context-length "
-            f"{args.context_length} for {args.steps} steps; the strongest layer-1 induction "
-            f"score and layer-0 previous-token score on a held-out length n={args.n}, "
+            f"{args.context_length} {extra} for {args.steps} steps; the strongest layer-1 "
+            f"induction score and layer-0 previous-token score on a held-out length n={args.n}, "
             "before and after, one figure per seed"
         ),
         threads=torch.get_num_threads(),
@@ -120,8 +130,9 @@ def main() -> None:
                 "--out",
                 tmp,
             ]
-            if args.lr is not None:
-                cmd += ["--lr", str(args.lr)]
+            for flag in ("lr", "warmup_steps", "emb_dim", "heads", "dropout"):
+                if getattr(args, flag) is not None:
+                    cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
             subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
             ckpt = load_checkpoint(tmp, with_training_state=False)
             after_model = GPTModel.from_checkpoint(ckpt)
@@ -168,7 +179,7 @@ def main() -> None:
     if args.png is not None and first is not None:
         title = (
             f"attnlab train --repeated-words {args.words} --layers 2 --steps {args.steps}"
-            f" (seed {args.seeds[0]}); scored on n={args.n} words repeated twice"
+            f" {extra}\n(seed {args.seeds[0]}); scored on n={args.n} words repeated twice"
         )
         draw(*first, title).savefig(args.png)
         print(f"wrote {args.png}")

@@ -452,6 +452,7 @@ class Trainer:
             out_dir = self.resume if self.resume is not None else DEFAULT_OUT_DIR
         self.out_dir = Path(out_dir)
         self.callback = callback
+        self._epoch_order: tuple[int, torch.Tensor] | None = None  # (epoch, permutation)
         self._stop_requested = False
         self.text = load_text(None) if text is None else text
         if not self.text.strip():
@@ -592,9 +593,14 @@ class Trainer:
         """This rank's window indices for 0-based ``step`` (the data position is the step)."""
         cfg = self.config
         epoch, k = divmod(step, self.batches_per_epoch)
-        order = torch.randperm(
-            len(self.train_ds), generator=torch.Generator().manual_seed(cfg.seed + epoch)
-        )
+        if self._epoch_order is None or self._epoch_order[0] != epoch:
+            # One permutation an epoch, kept: windows at every offset of a long text are
+            # millions, and a permutation of them each step would cost more than the step.
+            order = torch.randperm(
+                len(self.train_ds), generator=torch.Generator().manual_seed(cfg.seed + epoch)
+            )
+            self._epoch_order = (epoch, order)
+        order = self._epoch_order[1]
         glob = order[k * cfg.batch_size : (k + 1) * cfg.batch_size]  # (B,)
         per = cfg.batch_size // dist_info.world_size
         return glob[dist_info.rank * per : (dist_info.rank + 1) * per]  # (B / world,)

@@ -127,6 +127,14 @@ def train(
         float | None,
         typer.Option(help="Peak learning rate (AdamW, warm-up, cosine); default by size."),
     ] = None,
+    warmup_steps: Annotated[
+        int | None,
+        typer.Option(
+            "--warmup-steps",
+            help="Steps of linear warm-up to the peak learning rate (default: 5% of the steps).",
+            show_default=False,
+        ),
+    ] = None,
     text: Annotated[
         Path | None, typer.Option(help="UTF-8 text file (default: the embedded story).")
     ] = None,
@@ -138,6 +146,16 @@ def train(
             help="Instead of a text, train on random one-token words: sequences of MIN to MAX "
             "words (drawn by --seed), each followed by its copy, the data that grows "
             "induction heads.",
+        ),
+    ] = None,
+    stride: Annotated[
+        int | None,
+        typer.Option(
+            "--stride",
+            help="Tokens between the starts of training windows. Default: the context "
+            "length (windows side by side), or 1 with --repeated-words (a window at every "
+            "offset, so the copies sit at every position of a window).",
+            show_default=False,
         ),
     ] = None,
     tokenizer: Annotated[
@@ -198,8 +216,10 @@ def train(
             epochs=epochs,
             batch_size=batch_size,
             lr=lr,
+            warmup_steps=warmup_steps,
             text=text,
             repeated_words=repeated_words,
+            stride=stride,
             tokenizer=tokenizer,
             out=out,
             seed=seed,
@@ -215,7 +235,9 @@ def train(
                 epochs=epochs,
                 batch_size=batch_size,
                 lr=lr,
+                warmup_steps=warmup_steps,
                 tokenizer=_tokenizer(tokenizer, repeated_words),
+                stride=_stride(stride, repeated_words),
             )
             _corpus(text, repeated_words, seed)
         from attnlab.train import launch
@@ -241,10 +263,12 @@ def train(
             epochs=epochs,
             batch_size=batch_size,
             lr=lr,
+            warmup_steps=warmup_steps,
             seed=seed,
             eval_interval=eval_interval,
             backend=backend,
             tokenizer=_tokenizer(tokenizer, repeated_words),
+            stride=_stride(stride, repeated_words),
         )
         corpus = _corpus(text, repeated_words, seed)
     view = _TrainView()
@@ -286,6 +310,17 @@ def train(
         markup=False,
         soft_wrap=True,
     )
+
+
+def _stride(stride: int | None, repeated_words: str | None) -> int | None:
+    """``--stride``, or its default: 1 for the ``--repeated-words`` data, else None (the
+    context length). With windows side by side, a few thousand steps see the same windows
+    again and again, and a small model learns them by heart instead of learning to copy."""
+    if stride is not None:
+        if stride < 1:
+            raise ValueError(f"`--stride` must be >= 1, got {stride}")
+        return stride
+    return 1 if repeated_words is not None else None
 
 
 def _tokenizer(tokenizer: str | None, repeated_words: str | None) -> str:
