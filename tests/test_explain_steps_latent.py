@@ -4,8 +4,13 @@ DeepseekV3Attention (its own modules, read by hooks) and its eager attention wei
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
+
+if not all(importlib.util.find_spec(m) for m in ("transformers", "tokenizers", "safetensors")):
+    pytest.skip("needs transformers, tokenizers and safetensors", allow_module_level=True)
 
 from attnlab.explain.model_trace import trace_model
 from attnlab.explain.steps import head_steps, step_sections, step_summary
