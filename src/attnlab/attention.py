@@ -237,6 +237,21 @@ class StaticKVCache(KVCache):
         self._len = n + 1
         return k.narrow(2, 0, n + 1), v.narrow(2, 0, n + 1)
 
+    def next_slot(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The buffers, (B, G, max_len, D) keys and (B, G, max_len, Dv) values, when a
+        writer that fills position :attr:`seq_len` itself (the native decode step) may
+        take them: they exist and have room for one more. Call :meth:`advance` after
+        writing. None otherwise (then :meth:`append` creates or refuses)."""
+        if self._k is None or self._v is None or self._len >= self.max_len:
+            return None
+        return self._k, self._v
+
+    def advance(self) -> None:
+        """Count the position written into :meth:`next_slot`'s buffers."""
+        if self._k is None or self._len >= self.max_len:
+            raise ValueError("advance() without a free slot: call next_slot() first")
+        self._len += 1
+
 
 class RollingKVCache(KVCache):
     """A KV cache for a sliding-window layer: it holds only the last ``window - 1``

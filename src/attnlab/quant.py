@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar, NamedTuple, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -73,6 +73,23 @@ def _row_slices(parts: Sequence[Any]) -> list[slice]:
         out.append(slice(start, start + m.out_features))
         start += m.out_features
     return out
+
+
+# Product kinds of the native decode step (``attnlab/native/decode_step.cpp``'s ``Kind``).
+NATIVE_INT4, NATIVE_Q8_HALVES, NATIVE_INT8, NATIVE_LINEAR = 0, 1, 2, 3
+
+
+class NativeProduct(NamedTuple):
+    """One product as the native decode step calls it (``Product`` in its source):
+    ``kind`` picks the kernel, ``a`` and ``b`` are its weight tensors, ``n`` the output
+    columns, ``bias`` (float32) added after it."""
+
+    kind: int
+    a: torch.Tensor
+    b: torch.Tensor | None
+    group_size: int
+    n: int
+    bias: torch.Tensor | None
 
 
 class WeightFormat(nn.Module):
@@ -144,6 +161,11 @@ class WeightFormat(nn.Module):
         """The bare product of a few bfloat16 rows (fewer than the format's dense
         crossover), bias not added: what the decode step calls (:func:`row_product`)."""
         return self.product
+
+    def native_product(self) -> NativeProduct | None:
+        """What the native decode step (:mod:`attnlab.native`) calls for :meth:`row_kernel`:
+        the same kernel on the same tensors; None when it has no such call."""
+        return None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(..., K) -> (..., N), in ``x``'s dtype."""
@@ -226,6 +248,9 @@ class BF16Linear(WeightFormat):
         wt = self.weight_bf16.t()
         return lambda x: torch.mm(x, wt)
 
+    def native_product(self) -> NativeProduct | None:
+        return NativeProduct(NATIVE_LINEAR, self.weight_bf16, None, 0, self.out_features, self.bias)
+
 
 @register_format
 class Int8Linear(WeightFormat):
@@ -305,6 +330,13 @@ class Int8Linear(WeightFormat):
             return self.product
         op, q, s = torch.ops.aten._weight_int8pack_mm, self.qweight, self.scales
         return lambda x: op(x, q, s)
+
+    def native_product(self) -> NativeProduct | None:
+        if self.in_features % 16:  # the kernel's wrong widths (see product)
+            return None
+        return NativeProduct(
+            NATIVE_INT8, self.qweight, self.scales, 0, self.out_features, self.bias
+        )
 
 
 @register_format
@@ -467,6 +499,16 @@ class Int4Linear(WeightFormat):
         packed, gs, sz = self.packed, self.group_size, self.scales_and_zeros
         return lambda x: op(x, packed, gs, sz)
 
+    def native_product(self) -> NativeProduct | None:
+        return NativeProduct(
+            NATIVE_INT4,
+            self.packed,
+            self.scales_and_zeros,
+            self.group_size,
+            self.out_features,
+            self.bias,
+        )
+
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, group_size={self.group_size}"
 
@@ -564,6 +606,17 @@ class Q8Linear(WeightFormat):
             return both[:, :n] + both[:, n:]
 
         return rows
+
+    def native_product(self) -> NativeProduct | None:
+        inner = self.inner
+        return NativeProduct(
+            NATIVE_Q8_HALVES,
+            inner.packed,
+            inner.scales_and_zeros,
+            inner.group_size,
+            self.out_features,
+            self.bias,
+        )
 
 
 #: Every weight precision by name: ``"float32"`` (the ``nn.Linear`` as it is) and the
@@ -835,3 +888,14 @@ def row_product(linear: object) -> tuple[torch.dtype, Any] | None:
         return dtype, fn
     kernel = fn
     return dtype, lambda x: kernel(x) + bias
+
+
+def native_product(linear: object) -> NativeProduct | None:
+    """:func:`row_product`'s kernel as the native decode step calls it, or None (a module
+    it cannot call: the step then takes the Python loop)."""
+    if isinstance(linear, WeightFormat):
+        return linear.native_product()
+    if isinstance(linear, (nn.Linear, _FusedLinear)):
+        w = linear.weight
+        return NativeProduct(NATIVE_LINEAR, w, None, 0, w.shape[0], linear.bias)
+    return None

@@ -1,0 +1,344 @@
+// attnlab's native decode step: the short loop of attnlab.models.fast_decode
+// (DecodePlan._step_rows) for one new token per row, written once in C++.
+//
+// The Python loop spends about as long around the weight products as in them: some
+// forty tensor operations a layer, a microsecond or two each. Here the products are the
+// same ATen kernels with the same inputs (PyTorch's int4 / int8 / dense kernels on rows
+// in the layer's dtype); everything around them (RMSNorm, QK-norm, RoPE, the cache write,
+// attention over the cache, the activation, the residual adds) is a plain loop over
+// float32 rows. The numbers are the Python loop's up to the order of float32 sums.
+//
+// Built on first use by attnlab.native (torch.utils.cpp_extension) and cached on disk.
+
+#include <torch/extension.h>
+
+#include <cmath>
+#include <cstdint>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+enum Kind : int64_t { kInt4 = 0, kQ8Halves = 1, kInt8 = 2, kLinear = 3 };
+enum Act : int64_t { kSilu = 0, kGeluTanh = 1, kGelu = 2, kRelu = 3 };
+
+inline float bf16_round(float v) { return static_cast<float>(c10::BFloat16(v)); }
+
+// One weight product: (B, K) rows in the layer's dtype -> (B, n) float32 at a column
+// offset of a wider row buffer, bias added.
+struct Product {
+  int64_t kind;
+  at::Tensor a, b;  // int4: packed, scales_and_zeros; int8: codes, scales; linear: weight
+  int64_t group_size;
+  int64_t n;
+  at::Tensor bias;  // (n,) float32, or undefined
+
+  void run(const at::Tensor& x, float* dst, int64_t ld) const {
+    at::Tensor y;
+    switch (kind) {
+      case kInt4:
+      case kQ8Halves:
+        y = at::_weight_int4pack_mm_for_cpu(x, a, group_size, b);
+        break;
+      case kInt8:
+        y = at::_weight_int8pack_mm(x, a, b);
+        break;
+      default:
+        y = at::linear(x, a);
+    }
+    y = y.contiguous();
+    const int64_t B = x.size(0), width = y.size(1);
+    const float* bias_p = bias.defined() ? bias.data_ptr<float>() : nullptr;
+    for (int64_t r = 0; r < B; ++r) {
+      float* out = dst + r * ld;
+      if (y.scalar_type() == at::kBFloat16) {
+        const c10::BFloat16* row = y.data_ptr<c10::BFloat16>() + r * width;
+        if (kind == kQ8Halves) {  // the two 4-bit halves, summed in bf16 as the layer does
+          for (int64_t j = 0; j < n; ++j)
+            out[j] = bf16_round(static_cast<float>(row[j]) + static_cast<float>(row[n + j]));
+        } else {
+          for (int64_t j = 0; j < n; ++j) out[j] = static_cast<float>(row[j]);
+        }
+      } else {
+        TORCH_CHECK(y.scalar_type() == at::kFloat, "native step: product output ",
+                    y.scalar_type(), " is neither bfloat16 nor float32");
+        const float* row = y.data_ptr<float>() + r * width;
+        for (int64_t j = 0; j < n; ++j) out[j] = row[j];
+      }
+      if (bias_p != nullptr)
+        for (int64_t j = 0; j < n; ++j) out[j] += bias_p[j];
+    }
+  }
+};
+
+// (kind, a, b, group_size, n, bias): attnlab.quant.NativeProduct
+using ProductSpec = std::tuple<int64_t, at::Tensor, c10::optional<at::Tensor>, int64_t, int64_t,
+                               c10::optional<at::Tensor>>;
+
+struct Norm {
+  at::Tensor weight;  // float32, (C,) or (rows, C)
+  double eps = 0.0;
+  bool defined() const { return weight.defined(); }
+};
+
+struct Layer {
+  Norm norm1, norm2, attn_post, mlp_post, qk_norm;
+  at::ScalarType dtype;
+  std::vector<Product> qkv, out, gate_up, down;
+  int64_t act;
+  double scale;
+  int64_t window;  // keys a query sees, itself included; 0 = all
+  int64_t rope;    // index into the step's rotations
+};
+
+// y = w * (x * rsqrt(mean(x^2) + eps)) over rows of width n (w: one row, or one per row)
+void rms_rows(const float* x, float* y, int64_t rows, int64_t n, const Norm& norm,
+              bool weight_per_row) {
+  const float* w = norm.weight.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * n;
+    float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t j = 0; j < n; ++j) ss += xr[j] * xr[j];
+    const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + static_cast<float>(norm.eps));
+    const float* wr = weight_per_row ? w + r * n : w;
+    float* yr = y + r * n;
+    for (int64_t j = 0; j < n; ++j) yr[j] = wr[j] * (xr[j] * inv);
+  }
+}
+
+at::Tensor as_input(const std::vector<float>& buf, int64_t B, int64_t K, at::ScalarType dtype) {
+  at::Tensor t = at::empty({B, K}, at::TensorOptions().dtype(dtype));
+  if (dtype == at::kBFloat16) {
+    c10::BFloat16* p = t.data_ptr<c10::BFloat16>();
+    for (int64_t i = 0; i < B * K; ++i) p[i] = c10::BFloat16(buf[i]);
+  } else {
+    TORCH_CHECK(dtype == at::kFloat, "native step: products in ", dtype, " are not supported");
+    std::copy(buf.begin(), buf.begin() + B * K, t.data_ptr<float>());
+  }
+  return t;
+}
+
+float activation(float v, int64_t act) {
+  switch (act) {
+    case kSilu:
+      return v / (1.f + std::exp(-v));
+    case kGeluTanh: {
+      const float c = 0.7978845608028654f;  // sqrt(2 / pi)
+      return 0.5f * v * (1.f + std::tanh(c * (v + 0.044715f * v * v * v)));
+    }
+    case kGelu:
+      return 0.5f * v * (1.f + std::erf(v * 0.7071067811865476f));
+    default:
+      return v > 0.f ? v : 0.f;
+  }
+}
+
+class Step {
+ public:
+  Step(int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t ffn)
+      : C_(hidden), H_(heads), G_(kv_heads), D_(head_dim), F_(ffn) {
+    TORCH_CHECK(H_ % G_ == 0, "native step: ", H_, " heads in ", G_, " groups");
+    TORCH_CHECK(D_ % 2 == 0, "native step: odd head dim ", D_);
+  }
+
+  void add_layer(std::tuple<at::Tensor, double> norm1, std::tuple<at::Tensor, double> norm2,
+                 c10::optional<std::tuple<at::Tensor, double>> attn_post,
+                 c10::optional<std::tuple<at::Tensor, double>> mlp_post,
+                 c10::optional<std::tuple<at::Tensor, double>> qk_norm, at::ScalarType dtype,
+                 const std::vector<ProductSpec>& qkv, const std::vector<ProductSpec>& out,
+                 const std::vector<ProductSpec>& gate_up, const std::vector<ProductSpec>& down,
+                 int64_t act, double scale, int64_t window, int64_t rope) {
+    Layer l;
+    l.norm1 = norm(norm1, C_);
+    l.norm2 = norm(norm2, C_);
+    if (attn_post) l.attn_post = norm(*attn_post, C_);
+    if (mlp_post) l.mlp_post = norm(*mlp_post, C_);
+    if (qk_norm) l.qk_norm = norm(*qk_norm, (H_ + G_) * D_);
+    l.dtype = dtype;
+    l.qkv = products(qkv, (H_ + 2 * G_) * D_, "qkv");
+    l.out = products(out, C_, "out");
+    l.gate_up = products(gate_up, 2 * F_, "gate_up");
+    l.down = products(down, C_, "down");
+    TORCH_CHECK(act >= kSilu && act <= kRelu, "native step: activation ", act);
+    l.act = act;
+    l.scale = scale;
+    l.window = window;
+    l.rope = rope;
+    layers_.push_back(std::move(l));
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // x: (B, C) float32 after the embedding; rotations: (cos, sin) at this position per
+  // rotary embedding, float32 (D,) each, sin's first half negated; caches: keys and values
+  // of every layer, (B, G, max_len, D) float32 each, the new position at `pos`.
+  at::Tensor run(const at::Tensor& x_in, int64_t pos,
+                 const std::vector<std::tuple<at::Tensor, at::Tensor>>& rotations,
+                 const std::vector<at::Tensor>& caches) {
+    c10::InferenceMode guard;
+    const int64_t L = num_layers();
+    TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == C_ && x_in.scalar_type() == at::kFloat,
+                "native step: x must be (B, ", C_, ") float32");
+    TORCH_CHECK(static_cast<int64_t>(caches.size()) == 2 * L, "native step: ", caches.size(),
+                " cache tensors for ", L, " layers");
+    const int64_t B = x_in.size(0), D = D_, H = H_, G = G_, C = C_, F = F_;
+    const int64_t nq = H * D, nqk = (H + G) * D, nqkv = (H + 2 * G) * D;
+    for (const auto& t : caches) {
+      TORCH_CHECK(t.dim() == 4 && t.size(0) == B && t.size(1) == G && t.size(3) == D &&
+                      t.scalar_type() == at::kFloat && t.is_contiguous() && pos < t.size(2),
+                  "native step: a cache is not a contiguous (", B, ", ", G, ", >", pos, ", ",
+                  D, ") float32 tensor");
+    }
+    for (const auto& r : rotations) {
+      TORCH_CHECK(std::get<0>(r).numel() == D && std::get<1>(r).numel() == D,
+                  "native step: rotation tables must have ", D, " values");
+    }
+    at::Tensor x_out = x_in.contiguous().clone();
+    float* x = x_out.data_ptr<float>();
+    std::vector<float> h(B * std::max(C, 2 * F)), qkv(B * nqkv), qk(B * nqk), o(B * nq),
+        a(B * C), gu(B * 2 * F), scores(pos + 1);
+    const int64_t S = pos + 1;
+    for (int64_t li = 0; li < L; ++li) {
+      const Layer& l = layers_[li];
+      // attention: norm, Q/K/V, QK-norm, RoPE, cache, softmax(q k^T scale) v, out
+      rms_rows(x, h.data(), B, C, l.norm1, false);
+      at::Tensor xin = as_input(h, B, C, l.dtype);
+      int64_t col = 0;
+      for (const Product& p : l.qkv) {
+        p.run(xin, qkv.data() + col, nqkv);
+        col += p.n;
+      }
+      for (int64_t r = 0; r < B; ++r)
+        std::copy(qkv.begin() + r * nqkv, qkv.begin() + r * nqkv + nqk, qk.begin() + r * nqk);
+      if (l.qk_norm.defined()) {
+        for (int64_t r = 0; r < B; ++r)
+          rms_rows(qk.data() + r * nqk, qk.data() + r * nqk, H + G, D, l.qk_norm, true);
+      }
+      const auto& rot = rotations.at(l.rope);
+      const float* cs = std::get<0>(rot).data_ptr<float>();
+      const float* sn = std::get<1>(rot).data_ptr<float>();
+      std::vector<float> tmp(D);
+      for (int64_t v = 0; v < B * (H + G); ++v) {  // x cos + roll(x, D/2) sin
+        float* hv = qk.data() + v * D;
+        for (int64_t d = 0; d < D; ++d) tmp[d] = hv[d] * cs[d] + hv[(d + D / 2) % D] * sn[d];
+        std::copy(tmp.begin(), tmp.end(), hv);
+      }
+      float* kc = caches[2 * li].data_ptr<float>();
+      float* vc = caches[2 * li + 1].data_ptr<float>();
+      const int64_t max_len = caches[2 * li].size(2);
+      for (int64_t r = 0; r < B; ++r) {
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t at_pos = ((r * G + g) * max_len + pos) * D;
+          std::copy_n(qk.data() + r * nqk + (H + g) * D, D, kc + at_pos);
+          std::copy_n(qkv.data() + r * nqkv + nqk + g * D, D, vc + at_pos);
+        }
+      }
+      const int64_t s0 = (l.window > 0 && S > l.window) ? S - l.window : 0;
+      const float scale = static_cast<float>(l.scale);
+      for (int64_t r = 0; r < B; ++r) {
+        for (int64_t hh = 0; hh < H; ++hh) {
+          const int64_t g = hh / (H / G);
+          const float* q = qk.data() + r * nqk + hh * D;
+          const float* keys = kc + (r * G + g) * max_len * D;
+          const float* vals = vc + (r * G + g) * max_len * D;
+          float mx = -INFINITY;
+          for (int64_t s = s0; s < S; ++s) {
+            const float* k = keys + s * D;
+            float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t d = 0; d < D; ++d) dot += q[d] * k[d];
+            scores[s] = dot * scale;
+            mx = std::max(mx, scores[s]);
+          }
+          float total = 0.f;
+          float* sc = scores.data();
+#pragma omp simd reduction(+ : total)
+          for (int64_t s = s0; s < S; ++s) {
+            sc[s] = std::exp(sc[s] - mx);
+            total += sc[s];
+          }
+          float* od = o.data() + r * nq + hh * D;
+          std::fill_n(od, D, 0.f);
+          for (int64_t s = s0; s < S; ++s) {
+            const float w = scores[s] / total;
+            const float* v = vals + s * D;
+            for (int64_t d = 0; d < D; ++d) od[d] += w * v[d];
+          }
+        }
+      }
+      col = 0;
+      at::Tensor oin = as_input(o, B, nq, l.dtype);
+      for (const Product& p : l.out) {
+        p.run(oin, a.data() + col, C);
+        col += p.n;
+      }
+      if (l.attn_post.defined()) rms_rows(a.data(), a.data(), B, C, l.attn_post, false);
+      for (int64_t i = 0; i < B * C; ++i) x[i] += a[i];
+      // MLP: norm, gate and up, act(gate) * up, down
+      rms_rows(x, h.data(), B, C, l.norm2, false);
+      xin = as_input(h, B, C, l.dtype);
+      col = 0;
+      for (const Product& p : l.gate_up) {
+        p.run(xin, gu.data() + col, 2 * F);
+        col += p.n;
+      }
+      for (int64_t r = 0; r < B; ++r) {
+        const float* gr = gu.data() + r * 2 * F;
+        for (int64_t j = 0; j < F; ++j) h[r * F + j] = activation(gr[j], l.act) * gr[F + j];
+      }
+      at::Tensor min = as_input(h, B, F, l.dtype);
+      col = 0;
+      for (const Product& p : l.down) {
+        p.run(min, a.data() + col, C);
+        col += p.n;
+      }
+      if (l.mlp_post.defined()) rms_rows(a.data(), a.data(), B, C, l.mlp_post, false);
+      for (int64_t i = 0; i < B * C; ++i) x[i] += a[i];
+    }
+    return x_out;
+  }
+
+ private:
+  static Norm norm(const std::tuple<at::Tensor, double>& spec, int64_t numel) {
+    Norm n;
+    n.weight = std::get<0>(spec).to(at::kFloat).contiguous();
+    n.eps = std::get<1>(spec);
+    TORCH_CHECK(n.weight.numel() == numel,
+                "native step: a norm weight of ", n.weight.numel(), " values, ", numel,
+                " expected");
+    return n;
+  }
+
+  static std::vector<Product> products(const std::vector<ProductSpec>& specs, int64_t width,
+                                       const char* what) {
+    std::vector<Product> found;
+    int64_t total = 0;
+    for (const auto& s : specs) {
+      Product p{std::get<0>(s), std::get<1>(s),
+                std::get<2>(s).has_value() ? *std::get<2>(s) : at::Tensor(), std::get<3>(s),
+                std::get<4>(s),
+                std::get<5>(s).has_value() ? std::get<5>(s)->to(at::kFloat).contiguous()
+                                           : at::Tensor()};
+      TORCH_CHECK(p.kind >= kInt4 && p.kind <= kLinear, "native step: product kind ", p.kind);
+      total += p.n;
+      found.push_back(std::move(p));
+    }
+    TORCH_CHECK(total == width, "native step: ", what, " products give ", total,
+                " columns, ", width, " expected");
+    return found;
+  }
+
+  int64_t C_, H_, G_, D_, F_;
+  std::vector<Layer> layers_;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  py::class_<Step>(m, "Step")
+      .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t>())
+      .def("add_layer", &Step::add_layer)
+      .def("num_layers", &Step::num_layers)
+      .def("run", &Step::run, py::call_guard<py::gil_scoped_release>());
+}
