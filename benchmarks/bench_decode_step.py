@@ -7,8 +7,10 @@ For each weight precision, one new token after a 64-token prompt, three sides ti
 interleaved in one process (order reversed every round, the cache cut back to the same
 length after each step, so every side runs the same position):
 
-- ``short loop``: :meth:`DecodePlan.step` as generation runs it (both models take
-  :meth:`DecodePlan._step_rows`: bare kernels, RoPE as one product);
+- ``native``: :meth:`DecodePlan.step` as generation runs it where :mod:`attnlab.native`
+  is built (the short loop's layers compiled: the same kernels, plain loops between them);
+- ``short loop``: the same step in Python, :meth:`DecodePlan._step_rows` (both models take
+  it: bare kernels, RoPE as one product);
 - ``general loop``: the same step with the short loop switched off (the loop every other
   layout takes);
 - ``products only``: the step's product kernels alone (every layer's QKV, output, gate/up
@@ -42,6 +44,7 @@ from bench_llama_cpp import MODELS, find_file
 from torch.profiler import profile
 
 from attnlab.models.fast_decode import DecodePlan, decode_plan
+from attnlab.native import why_not_native
 from attnlab.pretrained import load_pretrained
 from attnlab.quant import row_product
 
@@ -103,9 +106,9 @@ def bench(dtype: str, args: argparse.Namespace) -> None:
         "bench_decode_step",
         f"{TAGS[args.model]}-{dtype}-t{args.threads}",
         f"{NAMES[args.model]} ({dtype} weights) one-token decode step after a "
-        f"{PROMPT}-token prompt at {args.threads} threads: the short loop, the general loop "
-        f"and the products alone, {args.rounds} interleaved rounds, the same position "
-        "every round",
+        f"{PROMPT}-token prompt at {args.threads} threads: the native step, the short loop, "
+        f"the general loop and the products alone, {args.rounds} interleaved rounds, the "
+        "same position every round",
         args.threads,
     )
     model, _ = load_pretrained(find_file(args.model), dtype=dtype)
@@ -123,8 +126,20 @@ def bench(dtype: str, args: argparse.Namespace) -> None:
             for c in cache:
                 c._len = PROMPT  # the same position every call: equal work
 
-        def short() -> None:
+        compiled = plan.native_step()
+        if compiled is None:
+            raise SystemExit(f"bench_decode_step: no native step: {why_not_native()}")
+
+        def native() -> None:
             plan.step(nxt, cache)
+            rewind()
+
+        def short() -> None:
+            plan._native = False
+            try:
+                plan.step(nxt, cache)
+            finally:
+                plan._native = compiled
             rewind()
 
         def general() -> None:
@@ -136,6 +151,7 @@ def bench(dtype: str, args: argparse.Namespace) -> None:
             rewind()
 
         sides: dict[str, Callable[[], None]] = {
+            "native": native,
             "short loop": short,
             "general loop": general,
             "products only": products(plan, model),
@@ -172,8 +188,10 @@ def bench(dtype: str, args: argparse.Namespace) -> None:
         rec.add(f"{name}: tensor operations per token", ops[name][1], "operations",
                 better="lower", note=f"{ops[name][0]} called from Python")  # fmt: skip
     prod_w, short_w = min(wall["products only"]), min(wall["short loop"])
-    print(f"  around the products: short loop {(short_w - prod_w) * 1e3:.2f} ms, general loop "
-          f"{(base_w - prod_w) * 1e3:.2f} ms (wall best)")  # fmt: skip
+    native_w = min(wall["native"])
+    print(f"  around the products: native {(native_w - prod_w) * 1e3:.2f} ms, short loop "
+          f"{(short_w - prod_w) * 1e3:.2f} ms, general loop {(base_w - prod_w) * 1e3:.2f} ms "
+          "(wall best)")  # fmt: skip
     rec.note("products only: the step's int4 / int8 / float kernels called back to back on "
              "one row each (the memory-bound floor of the step)")  # fmt: skip
     rec.write()

@@ -13,6 +13,7 @@ from attnlab.attention import KVCache, StaticKVCache
 from attnlab.generation import generate
 from attnlab.models.decoder import Decoder, DecoderConfig
 from attnlab.models.fast_decode import why_not_fast_decode
+from attnlab.native import NATIVE_ENV
 from attnlab.norms import QKNorm
 from attnlab.quant import quantize_model
 from attnlab.rope import RopeConfig
@@ -336,10 +337,12 @@ SHORT_LOOP_LAYOUTS = ("llama", "qwen3-like", "gemma3-like", "gemma3-like, mixed 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", "int4"])
 @pytest.mark.parametrize("layout", SHORT_LOOP_LAYOUTS)
-def test_the_short_loop_gives_the_general_loops_tokens_and_logits(layout, dtype):
+def test_the_short_loop_gives_the_general_loops_tokens_and_logits(layout, dtype, monkeypatch):
     """Two rows through DecodePlan._step_rows and through the general loop, from the same
     caches, past the local layers' window: the same kernels on the same rows, attention
-    by another call (one SDPA against two batched products and a softmax)."""
+    by another call (one SDPA against two batched products and a softmax). The Python
+    short loop: the compiled one is test_native_step's."""
+    monkeypatch.setenv(NATIVE_ENV, "0")
     options = LAYOUTS.get(layout.split(",")[0], {})
     model = _model(5, **options)
     if dtype == "float32":
@@ -410,9 +413,11 @@ def test_static_cache_append_writes_one_position_as_update():
     assert keys.shape == (2, 3, 1, 4) and values.dtype == torch.float32
 
 
-def test_the_short_loop_leaves_no_inference_tensor_behind():
+def test_the_short_loop_leaves_no_inference_tensor_behind(monkeypatch):
     """The short loop runs in inference mode once the caches hold a prompt; caches and
-    logits stay ordinary tensors, so a later prefill (the window sliding) writes them."""
+    logits stay ordinary tensors, so a later prefill (the window sliding) writes them.
+    (The Python loop's inference mode; the compiled step's: test_native_step.)"""
+    monkeypatch.setenv(NATIVE_ENV, "0")
     model = quantize_model(_model(), "int4")
     ids = torch.tensor([[3]])
     with torch.no_grad():

@@ -110,8 +110,12 @@ def extension() -> ModuleType | None:
             try:
                 _loaded = _build()
             except Exception as err:  # a compiler error, a missing header, ...
-                failed.write_text(f"{type(err).__name__}: {err}\n")
-                _why = f"its build failed; see {failed}"
+                try:
+                    failed.parent.mkdir(parents=True, exist_ok=True)
+                    failed.write_text(f"{type(err).__name__}: {err}\n")
+                    _why = f"its build failed; see {failed}"
+                except OSError:  # a read-only cache: say it here instead
+                    _why = f"its build failed: {type(err).__name__}: {err}"
                 print(
                     f"attnlab: the native decode step could not be built ({failed}); "
                     "decoding takes the Python loop",

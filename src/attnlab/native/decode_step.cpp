@@ -176,7 +176,6 @@ class Step {
   at::Tensor run(const at::Tensor& x_in, int64_t pos,
                  const std::vector<std::tuple<at::Tensor, at::Tensor>>& rotations,
                  const std::vector<at::Tensor>& caches) {
-    c10::InferenceMode guard;
     const int64_t L = num_layers();
     TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == C_ && x_in.scalar_type() == at::kFloat,
                 "native step: x must be (B, ", C_, ") float32");
@@ -194,7 +193,8 @@ class Step {
       TORCH_CHECK(std::get<0>(r).numel() == D && std::get<1>(r).numel() == D,
                   "native step: rotation tables must have ", D, " values");
     }
-    at::Tensor x_out = x_in.contiguous().clone();
+    at::Tensor x_out = x_in.contiguous().clone();  // an ordinary tensor, as the caches
+    c10::InferenceMode guard;  // the products' outputs: no version counters, no views
     float* x = x_out.data_ptr<float>();
     std::vector<float> h(B * std::max(C, 2 * F)), qkv(B * nqkv), qk(B * nqk), o(B * nq),
         a(B * C), gu(B * 2 * F), scores(pos + 1);

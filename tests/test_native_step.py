@@ -1,0 +1,186 @@
+"""The compiled decode step (attnlab.native) against the Python short loop it replaces.
+
+Both run the same product kernels on the same rows; the compiled one sums norms, RoPE and
+attention in another order. In float32 that is a last-bit difference; with bf16 rows
+(bf16 / int8 / int4 weights) a last-bit difference can round a product's input the other
+way, so those are compared one step at a time from identical caches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from attnlab import native, quant
+from attnlab.attention import StaticKVCache
+from attnlab.generation import generate
+from attnlab.models.decoder import Decoder
+from attnlab.models.fast_decode import DecodePlan
+from attnlab.quant import quantize_model
+from test_fast_decode import CONFIG, LAYOUTS, _model
+
+pytestmark = pytest.mark.skipif(
+    native.why_not_native() is not None,
+    reason=f"the native step is not built here: {native.why_not_native()}",
+)
+
+# Llama; Qwen3 (QK-norm per head vector); Gemma 3 (sandwich norms, local windows with
+# their own RoPE, gelu_tanh, embeddings x sqrt(C), its own scale); Mistral (one window);
+# Qwen2 (Q/K/V biases).
+NATIVE_LAYOUTS = {
+    "llama": {},
+    "qwen3-like": LAYOUTS["qwen3-like"],
+    "gemma3-like": LAYOUTS["gemma3-like"],
+    "mistral-like": LAYOUTS["mistral-like"],
+    "qwen2-like": {"qkv_bias": True},
+}
+
+
+def _prepared(layout: str, dtype: str, seed: int = 5):
+    model = _model(seed, **NATIVE_LAYOUTS[layout])
+    if dtype == "float32":
+        model.prepare_decode(share_float=True)
+    else:
+        quantize_model(model, dtype)
+    plan = model.prepare_decode()
+    assert plan.rows is not None and plan.native_step() is not None, (layout, dtype)
+    return model, plan
+
+
+def _python_step(plan: DecodePlan, ids: torch.Tensor, caches) -> torch.Tensor:
+    native_step, plan._native = plan._native, False
+    try:
+        return plan.step(ids, caches)
+    finally:
+        plan._native = native_step
+
+
+def _copy(caches):
+    out = []
+    for c in caches:
+        new = StaticKVCache(c.max_len)
+        new.update(c._k[:, :, : c.seq_len].clone(), c._v[:, :, : c.seq_len].clone())
+        out.append(new)
+    return out
+
+
+@pytest.mark.parametrize("layout", sorted(NATIVE_LAYOUTS))
+def test_float32_native_step_gives_the_python_loops_logits_tokens_and_caches(layout):
+    model, plan = _prepared(layout, "float32")
+    ids = torch.randint(0, CONFIG.vocab_size, (2, 12), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        compiled, python = model.new_kv_cache(max_len=16), model.new_kv_cache(max_len=16)
+        model(ids[:, :3], kv_cache=compiled)
+        model(ids[:, :3], kv_cache=python)
+        nxt_c = nxt_p = ids[:, 3:4]
+        for _ in range(10):  # positions 3..12: past every window (4, 5)
+            a, b = plan.step(nxt_c, compiled), _python_step(plan, nxt_p, python)
+            torch.testing.assert_close(a, b, atol=5e-5, rtol=1e-5)
+            nxt_c, nxt_p = a[:, -1].argmax(-1, True), b[:, -1].argmax(-1, True)
+            assert torch.equal(nxt_c, nxt_p)
+    for c, p in zip(compiled, python, strict=True):
+        assert c.seq_len == p.seq_len == 13
+        torch.testing.assert_close(c._k[:, :, :13], p._k[:, :, :13], atol=5e-5, rtol=1e-5)
+        torch.testing.assert_close(c._v[:, :, :13], p._v[:, :, :13], atol=5e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8", "int4"])
+@pytest.mark.parametrize("layout", sorted(NATIVE_LAYOUTS))
+def test_native_step_with_bf16_rows_matches_the_python_loop_step_by_step(layout, dtype):
+    model, plan = _prepared(layout, dtype)
+    ids = torch.randint(0, CONFIG.vocab_size, (2, 14), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        caches = model.new_kv_cache(max_len=16)
+        model(ids[:, :3], kv_cache=caches)
+        for t in range(3, 13):
+            python = _copy(caches)
+            a = plan.step(ids[:, t : t + 1], caches)
+            b = _python_step(plan, ids[:, t : t + 1], python)
+            # one step from identical caches: a flipped bf16 rounding moves the logits by
+            # a fraction of a percent, a wrong layer by tens of percent
+            assert ((a - b).norm() / b.norm()).item() < 1e-2, t
+            assert torch.equal(a[:, -1].argmax(-1), b[:, -1].argmax(-1)), t
+            for c, p in zip(caches, python, strict=True):
+                k, want = c._k[:, :, t], p._k[:, :, t]
+                assert ((k - want).norm() / want.norm()).item() < 1e-2
+                v, want = c._v[:, :, t], p._v[:, :, t]
+                assert ((v - want).norm() / want.norm()).item() < 1e-2
+
+
+def test_generation_takes_the_native_step(monkeypatch):
+    model, _ = _prepared("llama", "int4")
+    ids = torch.tensor([[3, 1, 4]])
+    calls = []
+    monkeypatch.setattr(
+        DecodePlan, "_step_rows", lambda *a: calls.append(1) or pytest.fail("Python loop")
+    )
+    out = generate(model, ids, 12)
+    assert out.shape == (1, 15) and not calls
+
+
+@pytest.mark.parametrize("layout", ["llama", "gemma3-like"])
+def test_float32_native_generation_is_the_full_recomputes(layout):
+    """60 tokens from a one-token prompt: past the windows and the context (48), so the
+    window slides and a prefill rewrites the caches the compiled step wrote."""
+    model, _ = _prepared(layout, "float32")
+    ids = torch.tensor([[3]])
+    with torch.no_grad():
+        slow = generate(model, ids, 60, use_cache=False)
+    fast = generate(model, ids, 60)
+    assert torch.equal(fast, slow)
+    assert not fast.is_inference()
+
+
+def test_native_step_refuses_what_it_cannot_call():
+    # int8 layers whose width the int8 kernel gets wrong: no native product, Python loop
+    torch.manual_seed(0)
+    odd = dataclasses.replace(CONFIG, hidden_size=120, intermediate_size=120)
+    model = quantize_model(Decoder(odd).eval(), "int8")
+    plan = model.prepare_decode()
+    assert plan.rows is not None
+    assert quant.native_product(plan.layers[0].out) is None  # K = 120: not a multiple of 16
+    assert plan.native_step() is None
+    with torch.no_grad():
+        out = generate(model, torch.tensor([[1, 2]]), 4)
+    assert out.shape == (1, 6)
+
+
+def test_attnlab_native_0_turns_it_off(monkeypatch):
+    monkeypatch.setenv(native.NATIVE_ENV, "0")
+    assert native.extension() is None
+    assert native.why_not_native() == "ATTNLAB_NATIVE=0"
+    model = quantize_model(_model(5), "int4")
+    assert model.prepare_decode().native_step() is None
+    with torch.no_grad():
+        assert generate(model, torch.tensor([[1, 2]]), 5).shape == (1, 7)
+
+
+def test_a_failed_build_is_a_note_once_and_an_error_when_required(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("ATTNLAB_CACHE", str(tmp_path))
+    monkeypatch.delenv(native.NATIVE_ENV, raising=False)
+    builds = []
+
+    def broken():
+        builds.append(1)
+        raise RuntimeError("error: 'at::Tensor' has no member named 'frobnicate'")
+
+    monkeypatch.setattr(native, "_build", broken)
+    native._reset()
+    try:
+        assert native.extension() is None
+        why = native.why_not_native()
+        assert why is not None and "failed" in why and str(tmp_path) in why
+        log = native.build_dir() / "failed.log"
+        assert "frobnicate" in log.read_text()
+        assert "could not be built" in capsys.readouterr().err
+        native._reset()  # a new process: the marker stops a second attempt
+        assert native.extension() is None and builds == [1]
+        assert "delete it to try again" in (native.why_not_native() or "")
+        monkeypatch.setenv(native.NATIVE_ENV, "1")
+        native._reset()
+        with pytest.raises(RuntimeError, match="ATTNLAB_NATIVE=1"):
+            native.extension()
+    finally:
+        native._reset()
