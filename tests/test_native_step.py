@@ -167,6 +167,7 @@ def test_a_failed_build_is_a_note_once_and_an_error_when_required(monkeypatch, t
         raise RuntimeError("error: 'at::Tensor' has no member named 'frobnicate'")
 
     monkeypatch.setattr(native, "_build", broken)
+    state = native._loaded, native._why, native._tried
     native._reset()
     try:
         assert native.extension() is None
@@ -183,4 +184,4 @@ def test_a_failed_build_is_a_note_once_and_an_error_when_required(monkeypatch, t
         with pytest.raises(RuntimeError, match="ATTNLAB_NATIVE=1"):
             native.extension()
     finally:
-        native._reset()
+        native._loaded, native._why, native._tried = state
