@@ -16,7 +16,9 @@ bench's tg likewise times one-token steps only). Each side's figure is its best 
 kept rounds: attnlab's best round, llama-bench's best single repetition (``samples_ts``).
 The agreement of each precision is the fraction of ``--agree`` teacher-forced positions of
 a fixed English text (``attnlab.data.default_corpus``) whose argmax equals the float32
-model's (the file dequantised).
+model's (the file dequantised), measured twice: over one forward of the text (the prefill
+path's kernels) and through the one-token step that generation runs, each next token fed
+over the static cache (the decode path's kernels and, where it is built, the native step).
 
     PYTHONPATH=src python benchmarks/bench_llama_cpp.py                 # both files
     PYTHONPATH=src python benchmarks/bench_llama_cpp.py --model smollm2-135m-instruct
@@ -191,6 +193,17 @@ class AttnlabSide:
         """The argmax at every position of ``ids`` (teacher forcing), (T,)."""
         return self.model(ids)[0].argmax(-1)
 
+    @torch.no_grad()
+    def decode_argmax(self, ids: torch.Tensor) -> torch.Tensor:
+        """The argmax at every position of ``ids`` from the one-token step that generation
+        runs (the first token a prompt, then each next one fed over the static cache:
+        teacher forcing through the decode path's kernels), (T,)."""
+        cache = self.model.new_kv_cache(max_len=ids.shape[1])
+        found = [self.model(ids[:, :1], kv_cache=cache)[0, -1].argmax()]
+        for t in range(1, ids.shape[1]):
+            found.append(self.model(ids[:, t : t + 1], kv_cache=cache)[0, -1].argmax())
+        return torch.stack(found)
+
 
 def _best(values: list[float], kept: list[int]) -> float:
     return max(values[i] for i in kept)
@@ -212,6 +225,7 @@ def bench_file(
     )
     sides: dict[str, AttnlabSide] = {}
     agreement: dict[str, float] = {}
+    decode_agreement: dict[str, float] = {}
     try:
         reference, tok = load_pretrained(path)  # the fp32 model: the agreement's reference
     except ModelFileError as e:  # llama.cpp's figures are still worth recording
@@ -235,11 +249,15 @@ def bench_file(
         agreement = {
             d: float((s.argmax(agree_ids) == ref_argmax).float().mean()) for d, s in sides.items()
         }
+        decode_agreement = {
+            d: float((s.decode_argmax(agree_ids) == ref_argmax).float().mean())
+            for d, s in sides.items()
+        }
         if args.agreement_only:
             print(f"\n{label}: {path}\n  argmax agreement with float32 over {args.agree} "
-                  "teacher-forced positions:")  # fmt: skip
+                  "teacher-forced positions (one forward; one-token steps):")  # fmt: skip
             for d, a in agreement.items():
-                print(f"    {d:<10} {a:.3f}")
+                print(f"    {d:<10} {a:.3f}  {decode_agreement[d]:.3f}")
             return None
         for s in sides.values():  # the first one-token step builds the fast decode plan
             list(generate_stream(s.model, prompt, 2))
@@ -273,19 +291,23 @@ def bench_file(
     print(f"    {tg}: {peer_tg:8.1f} tokens/s   {pp}: {peer_pp:8.1f} tokens/s")
     print(f"  attnlab, {args.threads} threads:")
     print(f"    {'precision':<10} {'decode tok/s':>13} {'x llama':>8} {'prefill tok/s':>14} "
-          f"{'x llama':>8} {'argmax agree':>13}")  # fmt: skip
+          f"{'x llama':>8} {'argmax agree':>13} {'(decode path)':>14}")  # fmt: skip
     rec.add(f"llama.cpp {tg}", peer_tg, "tokens/s", note="best repetition, kept rounds")
     rec.add(f"llama.cpp {pp}", peer_pp, "tokens/s", note="best repetition, kept rounds")
     for d, s in sides.items():
         dec, pre = _best(s.decode_tps, kept), _best(s.prefill_tps, kept)
         print(f"    {d:<10} {dec:13.1f} {dec / peer_tg:7.2f}x {pre:14.1f} {pre / peer_pp:7.2f}x "
-              f"{agreement[d]:13.3f}")  # fmt: skip
+              f"{agreement[d]:13.3f} {decode_agreement[d]:14.3f}")  # fmt: skip
         rec.add(f"attnlab {d} decode ({args.prompt}+{args.new})", dec, "tokens/s",
                 peer=f"{peer_name} {tg}", peer_value=peer_tg)  # fmt: skip
         rec.add(f"attnlab {d} prefill of {args.prefill}", pre, "tokens/s",
                 peer=f"{peer_name} {pp}", peer_value=peer_pp)  # fmt: skip
         rec.add(f"attnlab {d} argmax agreement with float32", agreement[d], "fraction",
-                note=f"{args.agree} teacher-forced positions")  # fmt: skip
+                note=f"{args.agree} teacher-forced positions, one forward")  # fmt: skip
+        rec.add(f"attnlab {d} decode-path argmax agreement with float32",
+                decode_agreement[d], "fraction",
+                note=f"{args.agree} teacher-forced positions through the one-token step "
+                "generation runs")  # fmt: skip
     if unloadable is not None:
         print(f"    cannot load the file: {unloadable}")
         rec.note(f"attnlab cannot load this file: {unloadable}")
