@@ -290,46 +290,54 @@ def test_gguf_q4_k_codes_pack_to_ggml_dequantisation_up_to_bf16_scales():
         int4_codes(blocks, "Q4_K", (4 * R, K // 4))  # rows of half a super-block
 
 
-def test_q8_0_holds_gguf_q8_0_values_to_the_rounding_of_their_scales():
-    """llama.cpp's Q8_0 (gguf-py's quantiser) read back as q8_0: each weight is the file's
-    code times its per-32 scale rounded to bf16, through the two-int4 split; the product,
-    the bare one-row kernel and a fused pair agree with it."""
+def test_q8_0_holds_gguf_q8_0_values_as_stored():
+    """llama.cpp's Q8_0 (gguf-py's quantiser) read back as q8_0: the file's codes and
+    float16 scales as stored (the code reader, and again from the dequantised values), each
+    weight the file's value exactly; the product, the bare one-row kernel, a prompt and a
+    fused pair agree with it."""
     gquants = pytest.importorskip("gguf.quants", reason="pip install 'attnlab[pretrained]'")
+    from attnlab.pretrained.gguf_file import q8_0_codes
+
     T = gquants.GGMLQuantizationType.Q8_0
     rng = np.random.default_rng(3)
     N, K = 48, 96
     raw = gquants.quantize(rng.standard_normal((N, K)).astype(np.float32), T)
     values = torch.from_numpy(np.ascontiguousarray(gquants.dequantize(raw, T)))  # d * q
     blocks = raw.reshape(N, K // 32, 34)
-    d = torch.from_numpy(blocks[..., :2].copy().view(np.float16).astype(np.float32))
-    q = torch.from_numpy(blocks[..., 2:].copy().view(np.int8).astype(np.float32))
-    expected = (d.to(torch.bfloat16).float() * q).view(N, K)  # (N, K)
+    d = torch.from_numpy(blocks[..., :2].copy().view(np.float16)).reshape(N, K // 32)
+    q = torch.from_numpy(blocks[..., 2:].copy().view(np.int8)).reshape(N, K)
+    stored = Q8Linear.from_rows(q8_0_codes(raw, "Q8_0", (N, K)))
     layer = Q8Linear.from_float(values)
-    assert torch.equal(layer.weight, expected)
+    for held in (stored, layer):
+        assert torch.equal(held.codes, q) and torch.equal(held.scales, d)
+        assert held.scales.dtype == torch.float16
+        assert torch.equal(held.weight, values)
     x = torch.randn(3, K)
-    reference = (x.double() @ expected.double().T).float()
+    reference = (x.double() @ values.double().T).float()
     torch.testing.assert_close(layer(x), reference, atol=0.05, rtol=0.02)
     dtype, bare = row_product(layer)
     torch.testing.assert_close(bare(x.to(dtype)).float(), reference, atol=0.05, rtol=0.02)
-    # a prompt (the dense path: both halves summed into one bf16 weight) agrees too
-    prompt = torch.randn(layer.inner.dense_from_rows + 5, K).bfloat16().float()  # as run
+    # a prompt (the dense path: each weight rounded once to bf16) agrees too
+    prompt = torch.randn(layer.dense_from_rows + 5, K).bfloat16().float()  # as run
     torch.testing.assert_close(
-        layer(prompt), (prompt.double() @ expected.double().T).float(), atol=0.05, rtol=0.02
+        layer(prompt), (prompt.double() @ values.double().T).float(), atol=0.05, rtol=0.02
     )
     fused = fuse_rows([layer, Q8Linear.from_float(values[:16])])
     assert isinstance(fused, Q8Linear)
-    assert torch.equal(fused.weight, torch.cat([expected, expected[:16]]))
-    # a shape the split cannot pack falls back to int8, by name
+    assert torch.equal(fused.weight, torch.cat([values, values[:16]]))
+    assert layer.codes.data_ptr() == fused.codes.data_ptr()  # a view, not a copy
+    # a shape the int4 halves (the path without the native build) cannot pack: int8
     assert Q8Linear.why_not(N + 4, K) is not None and Q8Linear.fallback == "int8"
+    with pytest.raises(ValueError, match="whole blocks"):
+        q8_0_codes(raw, "Q8_0", (2 * N, K // 2))  # 48 columns: not whole blocks
 
 
 @pytest.mark.parametrize("type_name", ["Q5_0", "Q5_1"])  # gguf-py quantises no K type
 def test_q8_0_holds_gguf_5_and_6_bit_values_to_8_bits_a_block(type_name):
     """int4 sends llama.cpp's 5- and 6-bit types to q8_0: gguf-py's values (its own
     quantiser and dequantiser) quantised once more to 8-bit codes with a scale per 32
-    weights, each weight at most half a step (1/254 of its block's largest value) and the
-    bf16 rounding of the scale (up to 127 codes of 2^-8 of it: 1/256 of that largest
-    value) from the file's value."""
+    weights, each weight at most half a step from the file's value: 1/254 of its block's
+    largest value, the step rounded up to float16 (by at most 2^-10 of it)."""
     gquants = pytest.importorskip("gguf.quants", reason="pip install 'attnlab[pretrained]'")
     assert Int4Linear.gguf_instead[type_name] == "q8_0"
     T = gquants.GGMLQuantizationType[type_name]
@@ -340,5 +348,5 @@ def test_q8_0_holds_gguf_5_and_6_bit_values_to_8_bits_a_block(type_name):
     layer = Q8Linear.from_float(values)
     block_max = values.view(N, K // 32, 32).abs().amax(-1, keepdim=True)  # (N, K/32, 1)
     error = (layer.weight - values).view(N, K // 32, 32).abs()
-    assert (error <= block_max * (1 / 254 + 1 / 256) + 1e-7).all()
+    assert (error <= block_max / 254 * (1 + 2**-10)).all()
     assert error.amax() > 0  # not the file's values exactly: a second quantisation

@@ -20,6 +20,9 @@ of the weights (the explainer) see a plain matrix.
   as they are, codes unchanged (:meth:`Int4Linear.from_codes`), the scales and zeros
   rounded to bfloat16. GGUF's 5-, 6- and 8-bit types go to :class:`Q8Linear` instead
   (:attr:`WeightFormat.gguf_instead`).
+- :class:`Q8Linear` (``"q8_0"``): int8 codes with one float16 scale per 32 weights
+  (llama.cpp's Q8_0, a Q8_0 file's blocks as stored), run by attnlab's own kernel
+  (:mod:`attnlab.native`) or, without it, as two int4 halves by PyTorch's.
 
 Both int kernels need bfloat16 activations, scales and zeros on the CPU (they accept fp32
 inputs, but their fast path is bf16's). They are made for a few rows (decoding): from
@@ -76,7 +79,7 @@ def _row_slices(parts: Sequence[Any]) -> list[slice]:
 
 
 # Product kinds of the native decode step (``attnlab/native/decode_step.cpp``'s ``Kind``).
-NATIVE_INT4, NATIVE_Q8_HALVES, NATIVE_INT8, NATIVE_LINEAR = 0, 1, 2, 3
+NATIVE_INT4, NATIVE_INT8, NATIVE_LINEAR, NATIVE_Q8 = 0, 2, 3, 4
 
 
 class NativeProduct(NamedTuple):
@@ -360,8 +363,8 @@ class Int4Linear(WeightFormat):
     # The 5-, 6- and 8-bit types have more levels than 4 bits: as int4 they would be
     # quantised again. q8_0 holds Q8_0's values as they are and the 5- and 6-bit types'
     # values to 8 bits per 32 weights (at most 1/254 of a block's largest value off, plus
-    # the scale's bf16 rounding; bf16 itself rounds each value by up to 1/256 of it), at
-    # 1.25 bytes a weight where bf16 reads 2. int8 (one scale per row) loses more:
+    # the scale's float16 rounding; bf16 itself rounds each value by up to 1/256 of it), at
+    # 1.0625 bytes a weight where bf16 reads 2. int8 (one scale per row) loses more:
     # ``benchmarks/bench_llama_cpp.py``'s agreement, docs/guides/llama-cpp.md.
     gguf_instead: ClassVar[Mapping[str, str]] = MappingProxyType(
         {t: "q8_0" for t in ("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")}
@@ -515,37 +518,66 @@ class Int4Linear(WeightFormat):
 
 @register_format
 class Q8Linear(WeightFormat):
-    """Weight-only int8 with one scale per 32 weights (llama.cpp's Q8_0), run as int4.
+    """Weight-only int8 with one scale per 32 weights: llama.cpp's Q8_0, as it stores it.
 
-    ``W[n, k] = d[n, g] * q[n, k]`` with q in -127..127 and ``g = k // 32``. PyTorch's CPU
-    int8 kernel takes one scale per row, which loses what per-32 scales keep; its int4
-    kernel takes per-32 scales and zeros. So q splits exactly into two 4-bit codes,
-    ``q = 16 hi + lo`` (hi in -8..7, lo in 0..15), held as one int4 weight of 2N rows:
-    rows ``n`` are ``hi`` with scale ``16 d`` and rows ``N + n`` are ``lo`` with scale
-    ``d`` and zero ``8 d``; the product is the two halves summed. Every weight is then
-    ``bf16(d) * q``: Q8_0's values to the rounding of its scale, at int8's bytes.
+    ``W[n, k] = d[n, g] * q[n, k]`` with q in -127..127 and ``g = k // 32``, held as int8
+    codes (N, K) and scales (N, K/32): 1.0625 bytes a weight. A GGUF Q8_0 tensor's own
+    codes and float16 scales are taken as stored (:meth:`from_rows`). Every ``d * q`` is
+    exact in float32: :attr:`weight` is the file's values.
 
-    A Q8_0 tensor's values quantise back to its own codes and scales (each block's
-    largest code is 127), so :meth:`from_float` on them needs no code reader.
+    A few rows of input (decoding) run attnlab's kernel for this layout
+    (``attnlab/native/q8_0.h``, built by :mod:`attnlab.native`): the codes read once, the
+    products and sums in float32, the result rounded to bfloat16 as the int kernels'. Where
+    that build is unavailable (no C++ compiler), PyTorch's int4 kernel runs instead: q
+    splits exactly into two 4-bit codes, ``q = 16 hi + lo`` (hi in -8..7, lo in 0..15), one
+    int4 weight of 2N rows (rows ``n``: hi, scale ``16 d``; rows ``N + n``: lo, scale ``d``,
+    zero ``8 d``), the product the two halves summed; built from the codes on first use and
+    kept beside the module, not in its state. That path reads 1.25 bytes a weight and its
+    scales are bfloat16, so its products are within bfloat16's rounding of the native ones.
+    From :attr:`dense_from_rows` rows on (a prompt) the weight is dequantised to bfloat16
+    for that call and run by the dense ``mm``.
+
+    The scales are float16, Q8_0's own type: a file's scales are held exactly, and
+    :meth:`from_float`'s have three more significant bits than bfloat16's. A weight whose
+    scales pass float16's range (``max |w| > 127 * 65504`` in a block) gets bfloat16 ones.
 
     Args:
-        inner: the (2N, K) :class:`Int4Linear` of the hi and lo codes.
+        codes: (N, K) int8 codes in -127..127, K a multiple of 32.
+        scales: (N, K/32) float16 or bfloat16.
         bias: (N,) or None; kept in float32.
     """
 
     name = "q8_0"
+    gguf_types = frozenset({"Q8_0"})
     fallback = "int8"
+    codes: torch.Tensor
+    scales: torch.Tensor
+    #: From this many rows of input on, dequantise and use bf16 ``mm``.
+    dense_from_rows: int = 128
 
-    def __init__(self, inner: Int4Linear, bias: torch.Tensor | None = None) -> None:
+    def __init__(
+        self, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> None:
         super().__init__()
-        self.inner = inner
-        self.in_features = inner.in_features
-        self.out_features = inner.out_features // 2
+        if codes.dtype != torch.int8 or codes.ndim != 2 or codes.shape[1] % 32:
+            raise ValueError(
+                f"`codes` must be a 2-D int8 tensor with a multiple of 32 columns, got "
+                f"{codes.dtype} of shape {tuple(codes.shape)}"
+            )
+        N, K = codes.shape
+        if scales.dtype not in (torch.float16, torch.bfloat16) or scales.shape != (N, K // 32):
+            raise ValueError(
+                f"`scales` must be float16 or bfloat16 of shape {(N, K // 32)}, got "
+                f"{scales.dtype} of shape {tuple(scales.shape)}"
+            )
+        self.out_features, self.in_features = N, K
+        self.register_buffer("codes", codes.contiguous())
+        self.register_buffer("scales", scales.contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach().float())
 
     @classmethod
     def why_not(cls, out_features: int, in_features: int, group_size: int = 32) -> str | None:
-        if out_features % 8:
+        if out_features % 8:  # the int4 path's 2N rows: a multiple of 16
             return f"out_features={out_features} is not a multiple of 8"
         if in_features % 32:
             return f"in_features={in_features} is not a multiple of 32"
@@ -556,50 +588,66 @@ class Q8Linear(WeightFormat):
         cls, weight: torch.Tensor, bias: torch.Tensor | None = None, *, group_size: int = 32
     ) -> Q8Linear:
         """Per 32 weights: ``d = max|w| / 127``, ``q = round(w / d)`` (as ggml's Q8_0;
-        ``group_size`` is ignored: the format's groups are 32)."""
+        ``group_size`` is ignored: the format's groups are 32). ``d`` is rounded up to
+        float16 first (never down: the largest code stays 127 even where ``d`` is
+        subnormal in float16) and the codes are taken against it; a Q8_0 tensor's values
+        give back its own codes and scales (each block's largest code is 127)."""
         N, K = weight.shape
         why = cls.why_not(N, K)
         if why is not None:
             raise ValueError(f"cannot hold a q8_0 weight of shape {(N, K)}: {why}")
         w = weight.detach().float().view(N, K // 32, 32)  # (N, K/32, 32)
         d = w.abs().amax(dim=-1) / 127.0  # (N, K/32)
-        safe = torch.where(d > 0, d, torch.ones_like(d))
-        q = torch.round(w / safe[..., None]).clamp_(-127, 127).to(torch.int32).view(N, K)
-        hi = torch.div(q, 16, rounding_mode="floor")  # (N, K) in -8..7
-        lo = q - 16 * hi  # (N, K) in 0..15
-        codes = torch.cat([hi + 8, lo])  # (2N, K) in 0..15
-        scales = torch.cat([16 * d, d])  # (2N, K/32)
-        zeros = torch.cat([torch.zeros_like(d), 8 * d])
-        return cls(Int4Linear.from_codes(codes, scales, zeros), bias)
+        fits = bool((d <= torch.finfo(torch.float16).max).all())
+        scales = d.to(torch.float16 if fits else torch.bfloat16)
+        up = torch.nextafter(scales, torch.full_like(scales, torch.inf))
+        scales = torch.where(scales.float() < d, up, scales)
+        s = scales.float()
+        safe = torch.where(s > 0, s, torch.ones_like(s))
+        q = torch.round(w / safe[..., None]).clamp_(-127, 127).to(torch.int8).view(N, K)
+        return cls(q, scales, bias)
+
+    @classmethod
+    def from_rows(cls, rows: Sequence[torch.Tensor], bias: torch.Tensor | None = None) -> Q8Linear:
+        """From ``(codes (N, K) int8, scales (N, K/32))``: a GGUF Q8_0 tensor as stored
+        (``attnlab.pretrained.gguf_file.q8_0_codes``)."""
+        codes, scales = rows
+        return cls(codes, scales, bias)
 
     @classmethod
     def fuse(cls, parts: Sequence[Any], bias: torch.Tensor | None) -> Q8Linear | None:
-        """Rebuilt from the parts' stacked weights: exact, since every group's values
-        quantise back to its codes (the largest is 127)."""
-        weight = torch.cat([m.weight for m in parts])
-        if cls.why_not(*weight.shape) is not None:
+        """Rows stacked when the parts' scales share a dtype; the parts' codes and scales
+        become views of the fused ones."""
+        if len({m.scales.dtype for m in parts}) != 1:
             return None
-        return cls.from_float(weight, bias)
+        fused = cls(torch.cat([m.codes for m in parts]), torch.cat([m.scales for m in parts]), bias)
+        for m, rows in zip(parts, _row_slices(parts), strict=True):
+            m.codes = fused.codes[rows]
+            m.scales = fused.scales[rows]
+        return fused
 
     @property
     def weight(self) -> torch.Tensor:
-        """The weight as the product uses it, float32 (N, K): ``bf16(d) * q``."""
-        both = self.inner.weight  # (2N, K)
-        return both[: self.out_features] + both[self.out_features :]
+        """The weight, float32 (N, K): ``d * q``, exact."""
+        N, K = self.codes.shape
+        q = self.codes.view(N, K // 32, 32).float()  # (N, K/32, 32)
+        return (q * self.scales.float()[..., None]).view(N, K)
 
     def product(self, x2: torch.Tensor) -> torch.Tensor:
         """(M, K) bfloat16 -> (M, N)."""
-        n = self.out_features
-        if x2.shape[0] >= self.inner.dense_from_rows:
-            # A prompt: the two halves summed into one bf16 weight (one rounding of
-            # d * q), so the dense product has N columns, not the 2N of the row kernel.
-            both_t = self.inner._dequantized_t(torch.float32)  # (K, 2N)
-            return torch.mm(x2, (both_t[:, :n] + both_t[:, n:]).to(torch.bfloat16))
-        both = self.inner.product(x2)  # (M, 2N)
-        return both[:, :n] + both[:, n:]
+        if x2.shape[0] >= self.dense_from_rows:
+            # A prompt: every d * q (exact in float32) rounded once to bfloat16.
+            return torch.mm(x2, self.weight.to(torch.bfloat16).t())
+        return self.row_kernel()(x2)
 
     def row_kernel(self) -> Callable[[torch.Tensor], torch.Tensor]:
-        kernel, n = self.inner.row_kernel(), self.out_features
+        from attnlab import native
+
+        ext = native.extension()
+        if ext is not None:
+            op, codes, scales = ext.q8_0_mm, self.codes, self.scales
+            return lambda x: op(x, codes, scales)
+        kernel, n = self._halves().row_kernel(), self.out_features
 
         def rows(x: torch.Tensor) -> torch.Tensor:
             both = kernel(x)  # (M, 2N)
@@ -607,16 +655,37 @@ class Q8Linear(WeightFormat):
 
         return rows
 
-    def native_product(self) -> NativeProduct | None:
-        inner = self.inner
-        return NativeProduct(
-            NATIVE_Q8_HALVES,
-            inner.packed,
-            inner.scales_and_zeros,
-            inner.group_size,
-            self.out_features,
-            self.bias,
+    def _halves(self) -> Int4Linear:
+        """The (2N, K) int4 weight of the codes' 4-bit halves (the kernel without the
+        native build), built on first use and again when the codes or scales change."""
+        key = tuple((t.data_ptr(), _version(t)) for t in (self.codes, self.scales))
+        cached = self.__dict__.get("_halves_int4")
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        q = self.codes.to(torch.int32)  # (N, K)
+        hi = torch.div(q, 16, rounding_mode="floor")  # (N, K) in -8..7
+        lo = q - 16 * hi  # (N, K) in 0..15
+        d = self.scales.float()  # (N, K/32)
+        halves = Int4Linear.from_codes(
+            torch.cat([hi + 8, lo]),  # (2N, K) in 0..15
+            torch.cat([16 * d, d]),
+            torch.cat([torch.zeros_like(d), 8 * d]),
         )
+        # In __dict__, not as an attribute: a module attribute would be a submodule, in
+        # the state dict and the module tree.
+        self.__dict__["_halves_int4"] = (key, halves)
+        return halves
+
+    def native_product(self) -> NativeProduct | None:
+        return NativeProduct(NATIVE_Q8, self.codes, self.scales, 32, self.out_features, self.bias)
+
+
+def _version(t: torch.Tensor) -> int:
+    """``t``'s in-place version counter (0 for an inference tensor, which has none)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return 0
 
 
 #: Every weight precision by name: ``"float32"`` (the ``nn.Linear`` as it is) and the

@@ -30,7 +30,9 @@ __all__ = ["NATIVE_ENV", "build_dir", "extension", "why_not_native"]
 #: ``0`` (off), ``1`` (required: a failed build raises) or unset (on when it builds).
 NATIVE_ENV = "ATTNLAB_NATIVE"
 SOURCES = ("decode_step.cpp",)
-_FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno")
+# -fopenmp: at::parallel_for (q8_0.h) is OpenMP inlined into the caller, serial without it;
+# the module then links the libgomp.so.1 that torch has already loaded.
+_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno")
 
 _loaded: ModuleType | None = None
 _why: str | None = None
@@ -80,6 +82,7 @@ def _build() -> ModuleType:
         name,
         [str(here / s) for s in SOURCES],
         extra_cflags=list(_FLAGS),
+        extra_ldflags=["-fopenmp"],
         build_directory=str(folder),
         verbose=False,
     )

@@ -3,8 +3,8 @@
 //
 // The Python loop spends about as long around the weight products as in them: some
 // forty tensor operations a layer, a microsecond or two each. Here the products are the
-// same ATen kernels with the same inputs (PyTorch's int4 / int8 / dense kernels on rows
-// in the layer's dtype); everything around them (RMSNorm, QK-norm, RoPE, the cache write,
+// same kernels with the same inputs (PyTorch's int4 / int8 / dense kernels and q8_0.h's on
+// rows in the layer's dtype); everything around them (RMSNorm, QK-norm, RoPE, the cache write,
 // attention over the cache, the activation, the residual adds) is a plain loop over
 // float32 rows. The numbers are the Python loop's up to the order of float32 sums.
 //
@@ -18,12 +18,12 @@
 #include <tuple>
 #include <vector>
 
+#include "q8_0.h"
+
 namespace {
 
-enum Kind : int64_t { kInt4 = 0, kQ8Halves = 1, kInt8 = 2, kLinear = 3 };
+enum Kind : int64_t { kInt4 = 0, kInt8 = 2, kLinear = 3, kQ8 = 4 };
 enum Act : int64_t { kSilu = 0, kGeluTanh = 1, kGelu = 2, kRelu = 3 };
-
-inline float bf16_round(float v) { return static_cast<float>(c10::BFloat16(v)); }
 
 // One weight product: (B, K) rows in the layer's dtype -> (B, n) float32 at a column
 // offset of a wider row buffer, bias added.
@@ -38,8 +38,10 @@ struct Product {
     at::Tensor y;
     switch (kind) {
       case kInt4:
-      case kQ8Halves:
         y = at::_weight_int4pack_mm_for_cpu(x, a, group_size, b);
+        break;
+      case kQ8:
+        y = attnlab_q8::q8_0_mm(x, a, b);
         break;
       case kInt8:
         y = at::_weight_int8pack_mm(x, a, b);
@@ -54,12 +56,7 @@ struct Product {
       float* out = dst + r * ld;
       if (y.scalar_type() == at::kBFloat16) {
         const c10::BFloat16* row = y.data_ptr<c10::BFloat16>() + r * width;
-        if (kind == kQ8Halves) {  // the two 4-bit halves, summed in bf16 as the layer does
-          for (int64_t j = 0; j < n; ++j)
-            out[j] = bf16_round(static_cast<float>(row[j]) + static_cast<float>(row[n + j]));
-        } else {
-          for (int64_t j = 0; j < n; ++j) out[j] = static_cast<float>(row[j]);
-        }
+        for (int64_t j = 0; j < n; ++j) out[j] = static_cast<float>(row[j]);
       } else {
         TORCH_CHECK(y.scalar_type() == at::kFloat, "native step: product output ",
                     y.scalar_type(), " is neither bfloat16 nor float32");
@@ -353,7 +350,8 @@ class Step {
                 std::get<4>(s),
                 std::get<5>(s).has_value() ? std::get<5>(s)->to(at::kFloat).contiguous()
                                            : at::Tensor()};
-      TORCH_CHECK(p.kind >= kInt4 && p.kind <= kLinear, "native step: product kind ", p.kind);
+      TORCH_CHECK(p.kind == kInt4 || (p.kind >= kInt8 && p.kind <= kQ8),
+                  "native step: product kind ", p.kind);
       total += p.n;
       found.push_back(std::move(p));
     }
@@ -374,4 +372,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_layer", &Step::add_layer)
       .def("num_layers", &Step::num_layers)
       .def("run", &Step::run, py::call_guard<py::gil_scoped_release>());
+  m.def("q8_0_mm", &attnlab_q8::q8_0_mm, py::call_guard<py::gil_scoped_release>(),
+        "y (M, N) = x (M, K) @ W^T for W in Q8_0: int8 codes (N, K), scales (N, K/32)");
 }

@@ -186,9 +186,37 @@ def int4_codes(
     )
 
 
+def q8_0_codes(
+    data: np.ndarray, type_name: str, shape: tuple[int, ...]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q8_0 blocks as stored, not dequantised: ``attnlab.quant.Q8Linear``'s codes and scales.
+
+    Args:
+        data: the tensor's bytes as stored in the file.
+        type_name: ``"Q8_0"``.
+        shape: the torch shape (R, K).
+
+    Returns:
+        codes (R, K) int8, scales (R, K/32) float16 (the blocks' own ``d``).
+
+    Raises:
+        ValueError: another type, or a shape that is not 2-D with K a multiple of 32, or
+            that the data does not fill.
+    """
+    if type_name != "Q8_0" or len(shape) != 2 or shape[1] % QK:
+        raise ValueError(
+            f"q8_0 codes need a 2-D Q8_0 tensor with rows of whole blocks, got {type_name} {shape}"
+        )
+    R, K = shape
+    blocks = np.asarray(data).view(np.uint8).reshape(R * K // QK, 2 + QK)  # (N, 34)
+    scales = np.ascontiguousarray(blocks[:, :2]).view(np.float16)  # (N, 1)
+    codes = np.ascontiguousarray(blocks[:, 2:]).view(np.int8)  # (N, Q)
+    return torch.from_numpy(codes).reshape(R, K), torch.from_numpy(scales).reshape(R, K // QK)
+
+
 # GGUF types whose blocks read as the codes of a weight format (attnlab.quant.WeightFormat's
 # gguf_types name the types each format takes), as row-aligned tensors.
-CODE_READERS = {"Q4_0": int4_codes, "Q4_1": int4_codes, "Q4_K": int4_codes}
+CODE_READERS = {"Q4_0": int4_codes, "Q4_1": int4_codes, "Q4_K": int4_codes, "Q8_0": q8_0_codes}
 
 _BLOCK_KERNELS = {
     "Q4_0": (18, dequantize_q4_0),
@@ -328,8 +356,8 @@ class GGUFContents:
         return out
 
     def codes(self, name: str) -> tuple[torch.Tensor, ...]:
-        """Tensor ``name``'s blocks as codes, not dequantised (:data:`CODE_READERS`; for the
-        4-bit types :func:`int4_codes`).
+        """Tensor ``name``'s blocks as codes, not dequantised (:data:`CODE_READERS`: for the
+        4-bit types :func:`int4_codes`, for Q8_0 :func:`q8_0_codes`).
 
         Raises:
             ModelFileError: no such tensor, a type without codes here, or NaN / inf in its

@@ -450,9 +450,15 @@ def _hold_tied_head(model: Decoder | Encoder, contents: GGUFContents, weight: st
     head = model.lm_head
     if head is None or head.weight is not model.tok_embeddings.weight:
         return  # no head, or its own tensor: held as the file stores it (build_model)
-    instead = fmt.gguf_instead.get(embedding.type_name)
-    if instead is not None:
-        model.register_module("lm_head", WEIGHT_FORMATS[instead].from_float(head.weight))
+    name = fmt.gguf_instead.get(embedding.type_name)
+    if name is None:
+        return
+    instead = WEIGHT_FORMATS[name]
+    if embedding.type_name in instead.gguf_types:  # the file's codes, as stored
+        held = instead.from_rows(contents.codes("token_embd.weight"))
+    else:
+        held = instead.from_float(head.weight)
+    model.register_module("lm_head", held)
 
 
 def _held_in(contents: GGUFContents, weight: str) -> Callable[[str], HeldLinear | None] | None:
