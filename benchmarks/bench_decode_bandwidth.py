@@ -45,7 +45,16 @@ def _median_s(fn: Callable[[], object], n: int) -> float:
 BEST = False
 
 
-_WEIGHTS = ("weight", "weight_bf16", "qweight", "scales", "packed", "scales_and_zeros", "bias")
+_WEIGHTS = (
+    "weight",
+    "weight_bf16",
+    "qweight",
+    "codes",
+    "scales",
+    "packed",
+    "scales_and_zeros",
+    "bias",
+)
 
 
 def step_bytes(model: nn.Module) -> int:

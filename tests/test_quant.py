@@ -332,6 +332,20 @@ def test_q8_0_holds_gguf_q8_0_values_as_stored():
         q8_0_codes(raw, "Q8_0", (2 * N, K // 2))  # 48 columns: not whole blocks
 
 
+def test_q8_0_prompt_dequantises_a_few_million_weights_at_a_time(monkeypatch):
+    """The dense path in row chunks (a 262144-row head is 670 MB in float32) gives the
+    product of the whole bf16 weight: each column is the same rows' sum."""
+    layer = Q8Linear.from_float(torch.randn(200, 64))
+    x = torch.randn(layer.dense_from_rows + 1, 64).bfloat16()
+    whole = torch.mm(x, layer.weight.to(torch.bfloat16).t())  # (M, N)
+    monkeypatch.setattr(Q8Linear, "_dense_chunk", 48 * 64)  # 48 rows a chunk: 5 chunks
+    chunked = layer.product(x)
+    assert chunked.shape == whole.shape and chunked.dtype == torch.bfloat16
+    torch.testing.assert_close(chunked, whole, atol=1e-2, rtol=1e-2)
+    reference = x.double() @ layer.weight.double().t()
+    torch.testing.assert_close(chunked.double(), reference, atol=0.05, rtol=0.02)
+
+
 @pytest.mark.parametrize("type_name", ["Q5_0", "Q5_1"])  # gguf-py quantises no K type
 def test_q8_0_holds_gguf_5_and_6_bit_values_to_8_bits_a_block(type_name):
     """int4 sends llama.cpp's 5- and 6-bit types to q8_0: gguf-py's values (its own

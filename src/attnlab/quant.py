@@ -552,8 +552,12 @@ class Q8Linear(WeightFormat):
     fallback = "int8"
     codes: torch.Tensor
     scales: torch.Tensor
-    #: From this many rows of input on, dequantise and use bf16 ``mm``.
-    dense_from_rows: int = 128
+    #: From this many rows of input on, dequantise and use bf16 ``mm``: the native kernel
+    #: (float32 FMAs) is faster below about 20 rows, the dense product of the dequantised
+    #: weight from about 24 (``benchmarks/bench_q8_0.py --rows``).
+    dense_from_rows: int = 20
+    #: Weights dequantised at a time by the dense product (rows of that many values).
+    _dense_chunk: ClassVar[int] = 1 << 22
 
     def __init__(
         self, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None
@@ -635,10 +639,22 @@ class Q8Linear(WeightFormat):
 
     def product(self, x2: torch.Tensor) -> torch.Tensor:
         """(M, K) bfloat16 -> (M, N)."""
-        if x2.shape[0] >= self.dense_from_rows:
-            # A prompt: every d * q (exact in float32) rounded once to bfloat16.
+        if x2.shape[0] < self.dense_from_rows:
+            return self.row_kernel()(x2)
+        # A prompt: every d * q (exact in float32) rounded once to bfloat16, a few million
+        # weights at a time: the whole of a 262144 x 640 head in float32 is 670 MB, and
+        # fresh memory of that size cost more than the product.
+        N, K = self.codes.shape
+        step = max(8, self._dense_chunk // K)
+        if step >= N:
             return torch.mm(x2, self.weight.to(torch.bfloat16).t())
-        return self.row_kernel()(x2)
+        y = torch.empty(x2.shape[0], N, dtype=torch.bfloat16, device=x2.device)  # (M, N)
+        for start in range(0, N, step):
+            codes, scales = self.codes[start : start + step], self.scales[start : start + step]
+            n = codes.shape[0]
+            w = codes.view(n, K // 32, 32).float() * scales.float()[..., None]  # (n, K/32, 32)
+            y[:, start : start + n] = torch.mm(x2, w.view(n, K).to(torch.bfloat16).t())
+        return y
 
     def row_kernel(self) -> Callable[[torch.Tensor], torch.Tensor]:
         from attnlab import native
