@@ -86,7 +86,7 @@ def test_float32_native_step_gives_the_python_loops_logits_tokens_and_caches(lay
         torch.testing.assert_close(c._v[:, :, :13], p._v[:, :, :13], atol=5e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "int8", "int4"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8", "int4", "q8_0"])
 @pytest.mark.parametrize("layout", sorted(NATIVE_LAYOUTS))
 def test_native_step_with_bf16_rows_matches_the_python_loop_step_by_step(layout, dtype):
     model, plan = _prepared(layout, dtype)
