@@ -86,6 +86,23 @@ def test_float32_native_step_gives_the_python_loops_logits_tokens_and_caches(lay
         torch.testing.assert_close(c._v[:, :, :13], p._v[:, :, :13], atol=5e-5, rtol=1e-5)
 
 
+def test_a_long_cache_splits_the_heads_across_threads_with_the_same_logits():
+    # 1100 cached keys of 32 values: enough work per head for the heads to run in parallel
+    model = _model(5, context_length=1200)
+    model.prepare_decode(share_float=True)
+    plan = model.prepare_decode()
+    assert plan.native_step() is not None
+    ids = torch.randint(0, CONFIG.vocab_size, (2, 1105), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        compiled, python = model.new_kv_cache(max_len=1200), model.new_kv_cache(max_len=1200)
+        model(ids[:, :1100], kv_cache=compiled)
+        model(ids[:, :1100], kv_cache=python)
+        for t in range(1100, 1105):
+            a = plan.step(ids[:, t : t + 1], compiled)
+            b = _python_step(plan, ids[:, t : t + 1], python)
+            torch.testing.assert_close(a, b, atol=5e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "int8", "int4", "q8_0"])
 @pytest.mark.parametrize("layout", sorted(NATIVE_LAYOUTS))
 def test_native_step_with_bf16_rows_matches_the_python_loop_step_by_step(layout, dtype):

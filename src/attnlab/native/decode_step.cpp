@@ -12,6 +12,8 @@
 
 #include <torch/extension.h>
 
+#include <ATen/Parallel.h>
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -227,7 +229,7 @@ class Step {
     c10::InferenceMode guard;  // the products' outputs: no version counters, no views
     float* x = x_out.data_ptr<float>();
     std::vector<float> h(B * std::max(C, 2 * F)), qkv(B * nqkv), qk(B * nqk), o(B * nq),
-        a(B * C), gu(B * 2 * F), scores(pos + 1);
+        a(B * C), gu(B * 2 * F);
     const int64_t S = pos + 1;
     for (int64_t li = 0; li < L; ++li) {
       const Layer& l = layers_[li];
@@ -266,9 +268,13 @@ class Step {
       }
       const int64_t s0 = (l.window > 0 && S > l.window) ? S - l.window : 0;
       const float scale = static_cast<float>(l.scale);
-      for (int64_t r = 0; r < B; ++r) {
-        for (int64_t hh = 0; hh < H; ++hh) {
-          const int64_t g = hh / (H / G);
+      // Heads in parallel once they are worth a thread's start (long caches, wide heads).
+      const int64_t head_work = (S - s0) * D;
+      at::parallel_for(0, B * H, std::max<int64_t>(1, (1 << 15) / head_work),
+                       [&](int64_t begin, int64_t end) {
+        std::vector<float> scores(S);
+        for (int64_t i = begin; i < end; ++i) {
+          const int64_t r = i / H, hh = i % H, g = hh / (H / G);
           const float* q = qk.data() + r * nqk + hh * D;
           const float* keys = kc + (r * G + g) * max_len * D;
           const float* vals = vc + (r * G + g) * max_len * D;
@@ -291,12 +297,13 @@ class Step {
           float* od = o.data() + r * nq + hh * D;
           std::fill_n(od, D, 0.f);
           for (int64_t s = s0; s < S; ++s) {
-            const float w = scores[s] / total;
+            const float w = sc[s] / total;
             const float* v = vals + s * D;
+#pragma omp simd
             for (int64_t d = 0; d < D; ++d) od[d] += w * v[d];
           }
         }
-      }
+      });
       col = 0;
       at::Tensor oin = as_input(o, B, nq, l.dtype);
       for (const Product& p : l.out) {
