@@ -150,7 +150,7 @@ def test_the_cache_is_allocated_once_however_long_the_generation(monkeypatch):
     assert made == [48]
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "int8", "int4", "q8_0"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8", "int4", "q8_0", "q5_0"])
 def test_each_precision_decodes_through_the_fast_step_as_its_module_path(dtype):
     # Accuracy against fp32 is measured on real weights (test_pretrained.py): random
     # Gaussian weights are the worst case for 4 bits. Here: the same weights, two paths.
@@ -335,7 +335,7 @@ def test_the_step_skips_nothing_it_cannot_do():
 SHORT_LOOP_LAYOUTS = ("llama", "qwen3-like", "gemma3-like", "gemma3-like, mixed Q/K and V")
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", "int4", "q8_0"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", "int4", "q8_0", "q5_0"])
 @pytest.mark.parametrize("layout", SHORT_LOOP_LAYOUTS)
 def test_the_short_loop_gives_the_general_loops_tokens_and_logits(layout, dtype, monkeypatch):
     """Two rows through DecodePlan._step_rows and through the general loop, from the same

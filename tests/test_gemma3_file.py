@@ -257,20 +257,21 @@ def test_greedy_tokens_equal_transformers(gemma3, reference_model, which):
 @pytest.mark.slow
 @needs_gemma3
 def test_int4_takes_the_q4_k_codes_and_agrees_with_float32(gemma3, gemma3_file):
-    """int4 on the Q4_K_M file: the Q4_K tensors keep their codes (int4 kernel), the Q5_0 /
-    Q6_K and Q8_0 ones (and the head tied to the Q8_0 embedding) go to q8_0 (8-bit codes,
-    per-32 scales, as the file); it decodes through the short loop; the argmax
+    """int4 on the Q4_K_M file: the Q4_K tensors keep their codes (int4 kernel), the Q5_0
+    ones their blocks (q5_0), the Q6_K and Q8_0 ones (and the head tied to the Q8_0
+    embedding) go to q8_0 (8-bit codes, per-32 scales, as the file); it decodes through the
+    short loop; the argmax
     agrees with the float32 model at >= 95% of 128 teacher-forced positions of a fixed
     text (benchmarks/bench_llama_cpp.py's measurement; requantising everything to int4
     agreed at 65%)."""
     from attnlab.data import default_corpus
-    from attnlab.quant import Int4Linear, Q8Linear
+    from attnlab.quant import Int4Linear, Q5Linear, Q8Linear
 
     reference, tok = gemma3
     packed, _ = load_pretrained(gemma3_file, dtype="int4")
     att, mlp = packed.blocks[0].attention, packed.blocks[0].mlp
     assert isinstance(att.out_proj, Int4Linear)  # Q4_K
-    assert isinstance(att.W_query, Q8Linear) and isinstance(mlp.gate, Q8Linear)  # Q5_0
+    assert isinstance(att.W_query, Q5Linear) and isinstance(mlp.gate, Q5Linear)  # Q5_0
     assert isinstance(mlp.down, Q8Linear) and isinstance(att.W_value, Q8Linear)  # Q6_K, Q8_0
     assert isinstance(packed.lm_head, Q8Linear)  # tied to the Q8_0 embedding
     assert packed.prepare_decode().rows is not None  # the short loop

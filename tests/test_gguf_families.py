@@ -254,6 +254,31 @@ def test_gguf_q8_0_linears_keep_their_values_under_int4_not_requantised(hf_dirs,
         assert torch.equal(layer.weight, values), name
 
 
+@pytest.mark.parametrize("family", ["llama", "phi3", "gemma2"])
+def test_gguf_q5_0_linears_kept_as_stored_under_int4(hf_dirs, tmp_path, family):
+    """dtype="int4" on Q5_0 blocks: every projection (llama's q/k rows permuted back,
+    phi3's fused attn_qkv and ffn_up split, as the values are) and the head (gemma2's tied
+    to the Q5_0 embedding) is held as q5_0: the file's blocks, every weight the value the
+    float32 load dequantised (gguf-py); the logits within the bf16 rounding of the rows
+    (a wrong bit order or split would be off by O(1))."""
+    from attnlab.quant import Q5Linear
+
+    path = tmp_path / f"{family}.Q5_0.gguf"
+    write_gguf(hf_dirs[family], path, family, "Q5_0")
+    model, tok = load_pretrained(path)
+    held, _ = load_pretrained(path, dtype="int4")
+    layers = {n: m for n, m in held.named_modules() if hasattr(m, "in_features")}
+    assert "lm_head" in layers and len(layers) >= 7 * CONFIGS[family]["num_hidden_layers"]
+    for name, layer in layers.items():
+        assert isinstance(layer, Q5Linear), name
+        assert torch.equal(layer.weight, model.get_submodule(name).weight), name
+    ids = torch.tensor([tok.encode(CORPUS[1])])
+    with torch.no_grad():
+        ours, reference = held(ids), model(ids)
+    torch.testing.assert_close(ours, reference, atol=0.1, rtol=0)
+    assert ((ours - reference).norm() / reference.norm()).item() < 1e-2
+
+
 def test_gguf_gemma2_summary_shows_softcaps_and_the_window_pattern(hf_dirs, tmp_path, capsys):
     from cli_runner import run_main
 

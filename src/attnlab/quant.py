@@ -18,11 +18,14 @@ of the weights (the explainer) see a plain matrix.
   ``zero = m + 8d``), and so is each 32-weight sub-block of a Q4_K super-block
   (``w = d sc q - dmin m``: ``scale = d sc``, ``zero = 8 d sc - dmin m``); they are taken
   as they are, codes unchanged (:meth:`Int4Linear.from_codes`), the scales and zeros
-  rounded to bfloat16. GGUF's 5-, 6- and 8-bit types go to :class:`Q8Linear` instead
-  (:attr:`WeightFormat.gguf_instead`).
+  rounded to bfloat16. GGUF's 5-, 6- and 8-bit types go to :class:`Q5Linear` (Q5_0) and
+  :class:`Q8Linear` (the others) instead (:attr:`WeightFormat.gguf_instead`).
 - :class:`Q8Linear` (``"q8_0"``): int8 codes with one float16 scale per 32 weights
   (llama.cpp's Q8_0, a Q8_0 file's blocks as stored), run by attnlab's own kernel
   (:mod:`attnlab.native`) or, without it, as two int4 halves by PyTorch's.
+- :class:`Q5Linear` (``"q5_0"``): 5-bit codes with one float16 scale per 32 weights
+  (llama.cpp's Q5_0, a Q5_0 file's blocks as stored), run by attnlab's own kernel or,
+  without it, as a :class:`Q8Linear`.
 
 Both int kernels need bfloat16 activations, scales and zeros on the CPU (they accept fp32
 inputs, but their fast path is bf16's). They are made for a few rows (decoding): from
@@ -51,6 +54,7 @@ __all__ = [
     "BF16Linear",
     "Int4Linear",
     "Int8Linear",
+    "Q5Linear",
     "WeightFormat",
     "column_major",
     "fuse_rows",
@@ -79,7 +83,7 @@ def _row_slices(parts: Sequence[Any]) -> list[slice]:
 
 
 # Product kinds of the native decode step (``attnlab/native/decode_step.cpp``'s ``Kind``).
-NATIVE_INT4, NATIVE_INT8, NATIVE_LINEAR, NATIVE_Q8 = 0, 2, 3, 4
+NATIVE_INT4, NATIVE_INT8, NATIVE_LINEAR, NATIVE_Q8, NATIVE_Q5 = 0, 2, 3, 4, 5
 
 
 class NativeProduct(NamedTuple):
@@ -144,6 +148,12 @@ class WeightFormat(nn.Module):
             ValueError: codes of a shape this format cannot take.
         """
         raise NotImplementedError
+
+    @classmethod
+    def rows_shape(cls, rows: Sequence[torch.Tensor]) -> tuple[int, ...]:
+        """The (N, K) weight that codes ``rows`` (as :meth:`from_rows` takes them) hold:
+        the first tensor's shape, unless the format packs several weights a byte."""
+        return tuple(rows[0].shape)
 
     @classmethod
     def fuse(cls, parts: Sequence[Any], bias: torch.Tensor | None) -> WeightFormat | None:
@@ -361,13 +371,14 @@ class Int4Linear(WeightFormat):
     name = "int4"
     gguf_types = frozenset({"Q4_0", "Q4_1", "Q4_K"})
     # The 5-, 6- and 8-bit types have more levels than 4 bits: as int4 they would be
-    # quantised again. q8_0 holds Q8_0's values as they are and the 5- and 6-bit types'
-    # values to 8 bits per 32 weights (at most 1/254 of a block's largest value off, plus
-    # the scale's float16 rounding; bf16 itself rounds each value by up to 1/256 of it), at
-    # 1.0625 bytes a weight where bf16 reads 2. int8 (one scale per row) loses more:
-    # ``benchmarks/bench_llama_cpp.py``'s agreement, docs/guides/llama-cpp.md.
+    # quantised again. q5_0 and q8_0 hold Q5_0's and Q8_0's blocks as they are; q8_0 holds
+    # the other 5- and 6-bit types' values to 8 bits per 32 weights (at most 1/254 of a
+    # block's largest value off, plus the scale's float16 rounding; bf16 itself rounds each
+    # value by up to 1/256 of it), at 1.0625 bytes a weight where bf16 reads 2. int8 (one
+    # scale per row) loses more: ``benchmarks/bench_llama_cpp.py``'s agreement,
+    # docs/guides/llama-cpp.md.
     gguf_instead: ClassVar[Mapping[str, str]] = MappingProxyType(
-        {t: "q8_0" for t in ("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")}
+        {"Q5_0": "q5_0", **{t: "q8_0" for t in ("Q5_1", "Q5_K", "Q6_K", "Q8_0")}}
     )
     fallback = "int8"
     packed: torch.Tensor
@@ -694,6 +705,197 @@ class Q8Linear(WeightFormat):
 
     def native_product(self) -> NativeProduct | None:
         return NativeProduct(NATIVE_Q8, self.codes, self.scales, 32, self.out_features, self.bias)
+
+
+_Q5_BLOCK_BYTES = 22  # per 32 weights: d (float16), qh (4 bytes of fifth bits), qs (16)
+
+
+def _q5_0_blocks(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Codes (N, K) in 0..31 and float16 scales (N, K/32) as ggml's ``block_q5_0``s, one
+    weight row's blocks after another: (N, K/32 * 22) uint8 (see :class:`Q5Linear`)."""
+    N, K = codes.shape
+    q = codes.to(torch.uint8).view(N, K // 32, 32)  # (N, G, 32)
+    qs = (q[..., :16] & 15) | ((q[..., 16:] & 15) << 4)  # (N, G, 16)
+    fifth = (q >> 4).view(N, K // 32, 4, 8).to(torch.int32)  # weight 8i + j: byte i, bit j
+    qh = (fifth << torch.arange(8, dtype=torch.int32)).sum(-1).to(torch.uint8)  # (N, G, 4)
+    d = scales.to(torch.float16).contiguous().view(torch.uint8).view(N, K // 32, 2)
+    return torch.cat([d, qh, qs], dim=-1).view(N, K // 32 * _Q5_BLOCK_BYTES)
+
+
+def _q5_0_fields(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_q5_0_blocks` undone: codes (N, K) uint8 in 0..31, scales (N, K/32) float16."""
+    N, G = blocks.shape[0], blocks.shape[1] // _Q5_BLOCK_BYTES
+    b = blocks.view(N, G, _Q5_BLOCK_BYTES)
+    d = b[..., :2].contiguous().view(torch.float16).view(N, G)
+    bits = (b[..., 2:6, None] >> torch.arange(8, dtype=torch.uint8)) & 1  # (N, G, 4, 8)
+    qs = b[..., 6:]  # (N, G, 16)
+    q = torch.cat([qs & 15, qs >> 4], dim=-1) | (bits.view(N, G, 32) << 4)  # (N, G, 32)
+    return q.view(N, G * 32), d
+
+
+@register_format
+class Q5Linear(WeightFormat):
+    """Weight-only 5-bit codes with one scale per 32 weights: llama.cpp's Q5_0, as it stores it.
+
+    ``W[n, k] = d[n, g] * (q[n, k] - 16)`` with q in 0..31 and ``g = k // 32``, held as the
+    file's blocks (ggml's ``block_q5_0``, 22 bytes per 32 weights: 0.6875 bytes a weight,
+    where :class:`Q8Linear` holds 1.0625), one weight row's blocks after another: bytes 0-1
+    ``d`` (float16), 2-5 ``qh`` (a little-endian uint32, bit ``j`` the fifth bit of weight
+    ``j``), 6-21 ``qs`` (weight ``j < 16`` in the low nibble of ``qs[j]``, weight ``j + 16``
+    in its high nibble). A GGUF Q5_0 tensor's blocks are taken as stored
+    (:meth:`from_rows`). Every ``d (q - 16)`` is exact in float32: :attr:`weight` is the
+    file's values.
+
+    A few rows of input (decoding) run attnlab's kernel for this layout
+    (``attnlab/native/q5_0.h``, built by :mod:`attnlab.native`): the blocks read once, each
+    weight unpacked in registers, the products and sums in float32, the result rounded to
+    bfloat16 as the int kernels'. Where that build is unavailable, the codes run as a
+    :class:`Q8Linear` (``q - 16`` as its 8-bit codes, the same scales), built on first use
+    and kept beside the module, not in its state. From :attr:`dense_from_rows` rows on (a
+    prompt) the weight is dequantised to bfloat16 for that call and run by the dense ``mm``.
+
+    Args:
+        blocks: (N, K/32 * 22) uint8, K a multiple of 32.
+        bias: (N,) or None; kept in float32.
+    """
+
+    name = "q5_0"
+    gguf_types = frozenset({"Q5_0"})
+    fallback = "int8"
+    blocks: torch.Tensor
+    #: From this many rows of input on, dequantise and use bf16 ``mm``.
+    dense_from_rows: int = 128
+
+    def __init__(self, blocks: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        if blocks.dtype != torch.uint8 or blocks.ndim != 2 or blocks.shape[1] % _Q5_BLOCK_BYTES:
+            raise ValueError(
+                f"`blocks` must be a 2-D uint8 tensor of whole {_Q5_BLOCK_BYTES}-byte blocks "
+                f"per row, got {blocks.dtype} of shape {tuple(blocks.shape)}"
+            )
+        self.out_features, self.in_features = self.rows_shape((blocks,))
+        self.register_buffer("blocks", blocks.contiguous())
+        self.register_buffer("bias", None if bias is None else bias.detach().float())
+
+    @classmethod
+    def rows_shape(cls, rows: Sequence[torch.Tensor]) -> tuple[int, ...]:
+        """(N, K) of ``(blocks,)``: 32 weights per 22 bytes."""
+        (blocks,) = rows
+        return blocks.shape[0], blocks.shape[1] // _Q5_BLOCK_BYTES * 32
+
+    @classmethod
+    def why_not(cls, out_features: int, in_features: int, group_size: int = 32) -> str | None:
+        # The same shapes as q8_0's: without the native build the codes run as one.
+        return Q8Linear.why_not(out_features, in_features, group_size)
+
+    @classmethod
+    def from_codes(
+        cls, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> Q5Linear:
+        """From codes (N, K) in 0..31 and scales (N, K/32), rounded to float16.
+
+        Raises:
+            ValueError: K not a multiple of 32, or codes out of range.
+        """
+        N, K = codes.shape
+        if K % 32 or scales.shape != (N, K // 32):
+            raise ValueError(
+                f"q5_0 needs codes (N, K) with K a multiple of 32 and scales (N, K/32), got "
+                f"{tuple(codes.shape)} and {tuple(scales.shape)}"
+            )
+        if bool(((codes < 0) | (codes > 31)).any()):
+            raise ValueError("q5_0 codes must be in 0..31")
+        return cls(_q5_0_blocks(codes, scales), bias)
+
+    @classmethod
+    def from_float(
+        cls, weight: torch.Tensor, bias: torch.Tensor | None = None, *, group_size: int = 32
+    ) -> Q5Linear:
+        """Per 32 weights, as ggml's ``quantize_row_q5_0_ref``: ``d = -m / 16`` for the
+        block's value ``m`` of largest magnitude (the first of them), ``q = trunc(w / d +
+        16.5)`` clamped to 31 (the division by the float32 ``d``, which is then stored as
+        float16). ``group_size`` is ignored: the format's groups are 32.
+
+        Raises:
+            ValueError: a shape :meth:`why_not` refuses, or a block whose scale passes
+                float16's range (``max |w| > 16 * 65504``).
+        """
+        N, K = weight.shape
+        why = cls.why_not(N, K)
+        if why is not None:
+            raise ValueError(f"cannot hold a q5_0 weight of shape {(N, K)}: {why}")
+        w = weight.detach().float().reshape(N, K // 32, 32)  # (N, G, 32)
+        largest = w.gather(-1, w.abs().argmax(-1, keepdim=True))  # (N, G, 1), signed
+        d = largest / -16.0
+        if not bool((d.abs() <= torch.finfo(torch.float16).max).all()):
+            raise ValueError(
+                "q5_0 scales are float16: a block's largest |weight| must be at most "
+                f"{16 * torch.finfo(torch.float16).max:g}, got {w.abs().max().item():g}"
+            )
+        inv = torch.where(d == 0, torch.zeros_like(d), 1.0 / d)
+        q = torch.trunc(w * inv + 16.5).clamp_(0, 31).to(torch.uint8)  # (N, G, 32)
+        return cls(_q5_0_blocks(q.view(N, K), d.view(N, K // 32).to(torch.float16)), bias)
+
+    @classmethod
+    def from_rows(cls, rows: Sequence[torch.Tensor], bias: torch.Tensor | None = None) -> Q5Linear:
+        """From ``(blocks,)``: a GGUF Q5_0 tensor as stored
+        (``attnlab.pretrained.gguf_file.q5_0_codes``)."""
+        (blocks,) = rows
+        return cls(blocks, bias)
+
+    @classmethod
+    def fuse(cls, parts: Sequence[Any], bias: torch.Tensor | None) -> Q5Linear:
+        """Rows stacked; the parts' blocks become views of the fused ones."""
+        fused = cls(torch.cat([m.blocks for m in parts]), bias)
+        for m, rows in zip(parts, _row_slices(parts), strict=True):
+            m.blocks = fused.blocks[rows]
+        return fused
+
+    def codes(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The codes (N, K) uint8 in 0..31 and the scales (N, K/32) float16."""
+        return _q5_0_fields(self.blocks)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The weight, float32 (N, K): ``d * (q - 16)``, exact."""
+        q, d = self.codes()
+        N, K = q.shape
+        w = (q.view(N, K // 32, 32).float() - 16.0) * d.float()[..., None]  # (N, G, 32)
+        return w.view(N, K)
+
+    def product(self, x2: torch.Tensor) -> torch.Tensor:
+        """(M, K) bfloat16 -> (M, N)."""
+        if x2.shape[0] >= self.dense_from_rows:
+            # A prompt: every d * (q - 16) (exact in float32) rounded once to bfloat16.
+            return torch.mm(x2, self.weight.to(torch.bfloat16).t())
+        return self.row_kernel()(x2)
+
+    def row_kernel(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        from attnlab import native
+
+        ext = native.extension()
+        if ext is not None:
+            op, blocks = ext.q5_0_mm, self.blocks
+            return lambda x: op(x, blocks)
+        return self._as_q8().row_kernel()
+
+    def _as_q8(self) -> Q8Linear:
+        """The codes as a :class:`Q8Linear` (``q - 16``, the same scales: the same weight),
+        the kernel without the native build; built on first use and again when the blocks
+        change."""
+        key = (self.blocks.data_ptr(), _version(self.blocks))
+        cached = self.__dict__.get("_q8")
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        q, d = self.codes()
+        as_q8 = Q8Linear((q.to(torch.int16) - 16).to(torch.int8), d)
+        # In __dict__, not as an attribute: a module attribute would be a submodule, in
+        # the state dict and the module tree.
+        self.__dict__["_q8"] = (key, as_q8)
+        return as_q8
+
+    def native_product(self) -> NativeProduct | None:
+        return NativeProduct(NATIVE_Q5, self.blocks, None, 32, self.out_features, self.bias)
 
 
 def _version(t: torch.Tensor) -> int:

@@ -20,11 +20,12 @@
 #include <tuple>
 #include <vector>
 
+#include "q5_0.h"
 #include "q8_0.h"
 
 namespace {
 
-enum Kind : int64_t { kInt4 = 0, kInt8 = 2, kLinear = 3, kQ8 = 4 };
+enum Kind : int64_t { kInt4 = 0, kInt8 = 2, kLinear = 3, kQ8 = 4, kQ5 = 5 };
 enum Act : int64_t { kSilu = 0, kGeluTanh = 1, kGelu = 2, kRelu = 3 };
 
 // One weight product: (B, K) rows in the layer's dtype -> (B, n) float32 at a column
@@ -44,6 +45,9 @@ struct Product {
         break;
       case kQ8:
         y = attnlab_q8::q8_0_mm(x, a, b);
+        break;
+      case kQ5:
+        y = attnlab_q5::q5_0_mm(x, a);
         break;
       case kInt8:
         y = at::_weight_int8pack_mm(x, a, b);
@@ -357,7 +361,7 @@ class Step {
                 std::get<4>(s),
                 std::get<5>(s).has_value() ? std::get<5>(s)->to(at::kFloat).contiguous()
                                            : at::Tensor()};
-      TORCH_CHECK(p.kind == kInt4 || (p.kind >= kInt8 && p.kind <= kQ8),
+      TORCH_CHECK(p.kind == kInt4 || (p.kind >= kInt8 && p.kind <= kQ5),
                   "native step: product kind ", p.kind);
       total += p.n;
       found.push_back(std::move(p));
@@ -381,4 +385,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("run", &Step::run, py::call_guard<py::gil_scoped_release>());
   m.def("q8_0_mm", &attnlab_q8::q8_0_mm, py::call_guard<py::gil_scoped_release>(),
         "y (M, N) = x (M, K) @ W^T for W in Q8_0: int8 codes (N, K), scales (N, K/32)");
+  m.def("q5_0_mm", &attnlab_q5::q5_0_mm, py::call_guard<py::gil_scoped_release>(),
+        "y (M, N) = x (M, K) @ W^T for W in Q5_0: its blocks as stored, (N, K/32 * 22) uint8");
 }

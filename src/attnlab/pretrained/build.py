@@ -969,7 +969,8 @@ def _hold_linear(
     where: str | Path,
 ) -> None:
     """Replace the ``nn.Linear`` whose weight is ``target`` by ``fmt`` made from ``piece``
-    (its codes, the first of them shaped as the weight, or its float values), its bias
+    (its codes, of the weight's shape by :meth:`~attnlab.quant.WeightFormat.rows_shape`,
+    or its float values), its bias
     taken out of ``weights``. Codes ``fmt`` cannot take (a shape its kernel cannot pack)
     leave the linear to :func:`fill`, with ``values()``.
 
@@ -980,7 +981,7 @@ def _hold_linear(
     parent_name, _, leaf = module_name.rpartition(".")
     linear = model.get_submodule(module_name)
     assert isinstance(linear, nn.Linear)
-    shape = tuple((piece[0] if isinstance(piece, tuple) else piece).shape)
+    shape = fmt.rows_shape(piece) if isinstance(piece, tuple) else tuple(piece.shape)
     if shape != tuple(linear.weight.shape):
         raise ModelFileError(
             where,

@@ -15,6 +15,9 @@ Block layouts (``ggml-common.h``), 32 weights per block, all little-endian:
 - ``Q4_0``: ``d: f16``, ``qs: u8[16]``; weight ``j`` is ``(nibble_j - 8) * d``.
 - ``Q4_1``: ``d: f16``, ``m: f16``, ``qs: u8[16]``; weight ``j`` is ``nibble_j * d + m``.
 - ``Q8_0``: ``d: f16``, ``qs: i8[32]``; weight ``j`` is ``qs[j] * d``.
+- ``Q5_0``: ``d: f16``, ``qh: u32``, ``qs: u8[16]``; weight ``j`` is ``(q_j - 16) * d``, ``q_j``
+  its nibble with bit ``j`` of ``qh`` above it (dequantised by gguf-py; read as stored
+  for ``attnlab.quant.Q5Linear`` by :func:`q5_0_codes`).
 - ``MXFP4`` (gpt-oss's experts): ``e: u8`` (an E8M0 exponent), ``qs: u8[16]``; weight ``j``
   is ``E2M1(nibble_j) * 2**(e - 127)``, the E2M1 values ``0, 0.5, 1, 1.5, 2, 3, 4, 6``
   and their negatives (ggml stores them doubled, ``kvalues_mxfp4``, with ``2**(e - 128)``).
@@ -214,9 +217,40 @@ def q8_0_codes(
     return torch.from_numpy(codes).reshape(R, K), torch.from_numpy(scales).reshape(R, K // QK)
 
 
+def q5_0_codes(data: np.ndarray, type_name: str, shape: tuple[int, ...]) -> tuple[torch.Tensor]:
+    """Q5_0 blocks as stored (copied out of the file): ``attnlab.quant.Q5Linear``'s blocks,
+    each weight row's 22-byte blocks in a row.
+
+    Args:
+        data: the tensor's bytes as stored in the file.
+        type_name: ``"Q5_0"``.
+        shape: the torch shape (R, K).
+
+    Returns:
+        ``(blocks,)``: (R, K/32 * 22) uint8.
+
+    Raises:
+        ValueError: another type, or a shape that is not 2-D with K a multiple of 32, or
+            that the data does not fill.
+    """
+    if type_name != "Q5_0" or len(shape) != 2 or shape[1] % QK:
+        raise ValueError(
+            f"q5_0 codes need a 2-D Q5_0 tensor with rows of whole blocks, got {type_name} {shape}"
+        )
+    R, K = shape
+    blocks = np.array(np.asarray(data).view(np.uint8).reshape(R, K // QK * 22))  # (R, K/32*22)
+    return (torch.from_numpy(blocks),)
+
+
 # GGUF types whose blocks read as the codes of a weight format (attnlab.quant.WeightFormat's
 # gguf_types name the types each format takes), as row-aligned tensors.
-CODE_READERS = {"Q4_0": int4_codes, "Q4_1": int4_codes, "Q4_K": int4_codes, "Q8_0": q8_0_codes}
+CODE_READERS = {
+    "Q4_0": int4_codes,
+    "Q4_1": int4_codes,
+    "Q4_K": int4_codes,
+    "Q8_0": q8_0_codes,
+    "Q5_0": q5_0_codes,
+}
 
 _BLOCK_KERNELS = {
     "Q4_0": (18, dequantize_q4_0),
@@ -224,7 +258,8 @@ _BLOCK_KERNELS = {
     "Q8_0": (34, dequantize_q8_0),
     "MXFP4": (17, dequantize_mxfp4),
 }
-_BLOCK_SCALES = {"Q4_0": 1, "Q4_1": 2, "Q8_0": 1}  # f16 scales at the start of each block
+# (block bytes, f16 scales at the start of each block): checking those checks the values.
+_BLOCK_SCALES = {"Q4_0": (18, 1), "Q4_1": (20, 2), "Q8_0": (34, 1), "Q5_0": (22, 1)}
 
 
 def dequantize(data: np.ndarray, type_name: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -341,12 +376,7 @@ class GGUFContents:
             raise ModelFileError(self.path, f"has no tensor {name!r}")
         info = self.tensor_infos[name]
         raw = self._data[info.offset : info.offset + info.nbytes]
-        if info.type_name in _BLOCK_SCALES:
-            # q * d (+ m) is finite exactly when the block's d (and m) are: checking the
-            # scales (1/32 of the values) checks the tensor.
-            block_bytes, _ = _BLOCK_KERNELS[info.type_name]
-            scales = _f16_columns(raw.reshape(-1, block_bytes), _BLOCK_SCALES[info.type_name])
-            check_finite(scales, name, self.path, what="quantisation scale")
+        self._check_block_scales(name, raw)
         try:
             out = dequantize(raw, info.type_name, info.shape)
         except NotImplementedError as e:
@@ -357,7 +387,8 @@ class GGUFContents:
 
     def codes(self, name: str) -> tuple[torch.Tensor, ...]:
         """Tensor ``name``'s blocks as codes, not dequantised (:data:`CODE_READERS`: for the
-        4-bit types :func:`int4_codes`, for Q8_0 :func:`q8_0_codes`).
+        4-bit types :func:`int4_codes`, for Q8_0 :func:`q8_0_codes`, for Q5_0
+        :func:`q5_0_codes`).
 
         Raises:
             ModelFileError: no such tensor, a type without codes here, or NaN / inf in its
@@ -368,13 +399,31 @@ class GGUFContents:
         info = self.tensor_infos[name]
         if info.type_name not in CODE_READERS:
             raise ModelFileError(self.path, f"tensor {name!r}: no codes for type {info.type_name}")
+        raw = self.raw(name)
         try:
-            out = CODE_READERS[info.type_name](self.raw(name), info.type_name, info.shape)
+            out = CODE_READERS[info.type_name](raw, info.type_name, info.shape)
         except ValueError as e:  # a shape the blocks do not fit
             raise ModelFileError(self.path, f"tensor {name!r}: {e}") from None
-        for t in out[1:]:  # codes are finite; the scales and zeros are checked
-            check_finite(t, name, self.path, what="quantisation scale")
+        if not self._check_block_scales(name, raw):
+            for t in out[1:]:  # codes are finite; the scales and zeros are checked
+                check_finite(t, name, self.path, what="quantisation scale")
         return out
+
+    def _check_block_scales(self, name: str, raw: np.ndarray) -> bool:
+        """For a type of :data:`_BLOCK_SCALES`, check its blocks' float16 scales (and
+        Q4_1's mins) and return True: the values (``d`` times an integer, plus ``m``) are
+        finite exactly when those are, 1/32 of the values to check. False for other types.
+
+        Raises:
+            ModelFileError: a scale that is NaN or inf (named).
+        """
+        type_name = self.tensor_infos[name].type_name
+        if type_name not in _BLOCK_SCALES:
+            return False
+        block_bytes, n_scales = _BLOCK_SCALES[type_name]
+        scales = _f16_columns(raw.reshape(-1, block_bytes), n_scales)
+        check_finite(scales, name, self.path, what="quantisation scale")
+        return True
 
     def raw(self, name: str) -> np.ndarray:
         """Tensor ``name``'s bytes as stored (a view of the memory-mapped file)."""

@@ -1,0 +1,194 @@
+// attnlab's Q5_0 product for a few rows: y (M, N) = x (M, K) @ W^T, W read as llama.cpp
+// stores it (ggml's block_q5_0): per 32 weights 22 bytes, a float16 scale d (bytes 0-1), the
+// codes' fifth bits qh (bytes 2-5, a little-endian uint32: bit j is weight j's) and their low
+// four bits qs (bytes 6-21: weight j < 16 in the low nibble of qs[j], weight j + 16 in its high
+// nibble). W[n, k] = d * (q - 16), q in 0..31: 0.6875 bytes a weight, where q8_0 reads 1.0625.
+//
+// x stays float (no activation quantisation): each weight d * (q - 16) is exact in float32 (a
+// 5-bit integer times an 11-bit significand), and every product and sum runs in float32, so the
+// result is x @ W^T up to the order of the float32 sums. One output row of W at a time (parallel
+// over N): its blocks are read and unpacked once for up to kRowsAtOnce rows of x.
+//
+// Used by decode_step.cpp (Product kind kQ5) and bound as q5_0_mm (attnlab.quant.Q5Linear).
+
+#pragma once
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+namespace attnlab_q5 {
+
+constexpr int64_t kBlock = 32;       // weights per block
+constexpr int64_t kBlockBytes = 22;  // d (2), qh (4), qs (16)
+constexpr int64_t kRowsAtOnce = 8;   // rows of x per pass over a weight row (registers)
+
+inline float scale_at(const uint8_t* block) {
+  uint16_t bits;
+  std::memcpy(&bits, block, 2);
+#ifdef __F16C__
+  return _cvtsh_ss(bits);
+#else
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+#endif
+}
+
+inline uint32_t high_bits_at(const uint8_t* block) {
+  uint32_t qh;
+  std::memcpy(&qh, block + 2, 4);  // little-endian, as the file (x86)
+  return qh;
+}
+
+// out[r] = sum_k x[r * K + k] * W[k] for R rows of x (fp32, row stride K), W one weight row's
+// K / 32 blocks.
+template <int R>
+inline void row_dots(const uint8_t* blocks, const float* x, int64_t K, float* out) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const __m128i low_nibble = _mm_set1_epi8(0x0F);
+  const __m512i sixteen = _mm512_set1_epi32(16);
+  for (int64_t g = 0; g < K / kBlock; ++g) {
+    const uint8_t* b = blocks + g * kBlockBytes;
+    const __m512 vd = _mm512_set1_ps(scale_at(b));
+    const uint32_t qh = high_bits_at(b);
+    const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 6));
+    __m512i q0 = _mm512_cvtepu8_epi32(_mm_and_si128(qs, low_nibble));  // weights 0..15
+    __m512i q1 = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(qs, 4), low_nibble));
+    // the fifth bits are the masks of the 16 lanes: q = nibble | 16
+    q0 = _mm512_mask_or_epi32(q0, static_cast<__mmask16>(qh & 0xFFFF), q0, sixteen);
+    q1 = _mm512_mask_or_epi32(q1, static_cast<__mmask16>(qh >> 16), q1, sixteen);
+    const __m512 w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(q0, sixteen)), vd);
+    const __m512 w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(q1, sixteen)), vd);
+    for (int r = 0; r < R; ++r) {
+      const float* xg = x + r * K + g * kBlock;
+      acc[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xg), acc[r]);
+      acc[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xg + 16), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
+#elif defined(__AVX2__) && defined(__FMA__)
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  const __m128i low_nibble = _mm_set1_epi8(0x0F);
+  const __m256i one = _mm256_set1_epi32(1), sixteen = _mm256_set1_epi32(16);
+  const __m256i shifts = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int64_t g = 0; g < K / kBlock; ++g) {
+    const uint8_t* b = blocks + g * kBlockBytes;
+    const __m256 vd = _mm256_set1_ps(scale_at(b));
+    const uint32_t qh = high_bits_at(b);
+    const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 6));
+    const __m128i nibbles[2] = {_mm_and_si128(qs, low_nibble),
+                                _mm_and_si128(_mm_srli_epi16(qs, 4), low_nibble)};
+    __m256 w[4];
+    for (int j = 0; j < 4; ++j) {  // weights 8j..8j+7: bytes 8 (j % 2).. of nibbles[j / 2]
+      const __m128i bytes = j % 2 ? _mm_srli_si128(nibbles[j / 2], 8) : nibbles[j / 2];
+      const __m256i fifth = _mm256_and_si256(
+          _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(qh >> (8 * j))), shifts), one);
+      const __m256i q =
+          _mm256_or_si256(_mm256_cvtepu8_epi32(bytes), _mm256_slli_epi32(fifth, 4));
+      w[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(q, sixteen)), vd);
+    }
+    for (int r = 0; r < R; ++r) {
+      const float* xg = x + r * K + g * kBlock;
+      for (int j = 0; j < 4; ++j) acc[r] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(xg + 8 * j), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
+    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    out[r] = _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+  }
+#else
+  for (int r = 0; r < R; ++r) out[r] = 0.f;
+  float w[kBlock];
+  for (int64_t g = 0; g < K / kBlock; ++g) {
+    const uint8_t* b = blocks + g * kBlockBytes;
+    const float d = scale_at(b);
+    const uint32_t qh = high_bits_at(b);
+    const uint8_t* qs = b + 6;
+#pragma omp simd
+    for (int j = 0; j < kBlock / 2; ++j) {
+      const int lo = (qs[j] & 0x0F) | (((qh >> j) & 1) << 4);
+      const int hi = (qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
+      w[j] = d * static_cast<float>(lo - 16);
+      w[j + kBlock / 2] = d * static_cast<float>(hi - 16);
+    }
+    for (int r = 0; r < R; ++r) {
+      const float* xg = x + r * K + g * kBlock;
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t k = 0; k < kBlock; ++k) sum += w[k] * xg[k];
+      out[r] += sum;
+    }
+  }
+#endif
+}
+
+inline void rows_dots(int64_t rows, const uint8_t* blocks, const float* x, int64_t K,
+                      float* out) {
+  switch (rows) {
+    case 1: return row_dots<1>(blocks, x, K, out);
+    case 2: return row_dots<2>(blocks, x, K, out);
+    case 3: return row_dots<3>(blocks, x, K, out);
+    case 4: return row_dots<4>(blocks, x, K, out);
+    case 5: return row_dots<5>(blocks, x, K, out);
+    case 6: return row_dots<6>(blocks, x, K, out);
+    case 7: return row_dots<7>(blocks, x, K, out);
+    default: return row_dots<8>(blocks, x, K, out);
+  }
+}
+
+// y (M, N) in T (float or bf16) from x (M, K) float32 and blocks (N, K / 32 * 22).
+template <typename T>
+inline void q5_0_rows(const float* x, const uint8_t* blocks, T* y, int64_t M, int64_t N,
+                      int64_t K) {
+  const int64_t row_bytes = K / kBlock * kBlockBytes;
+  // Chunks of at least 32 KiB of blocks: a thread's start costs about what reading that does.
+  const int64_t grain = std::max<int64_t>(1, (32 << 10) / row_bytes);
+  at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
+    float dots[kRowsAtOnce];
+    for (int64_t n = begin; n < end; ++n) {
+      const uint8_t* row = blocks + n * row_bytes;
+      for (int64_t m0 = 0; m0 < M; m0 += kRowsAtOnce) {
+        const int64_t rows = std::min(kRowsAtOnce, M - m0);
+        rows_dots(rows, row, x + m0 * K, K, dots);
+        for (int64_t r = 0; r < rows; ++r) y[(m0 + r) * N + n] = static_cast<T>(dots[r]);
+      }
+    }
+  });
+}
+
+// x (M, K) bf16 or float32 -> (M, N) in x's dtype (bf16: each sum rounded once).
+inline at::Tensor q5_0_mm(const at::Tensor& x, const at::Tensor& blocks) {
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+              "q5_0_mm: x must be (M, K) bfloat16 or float32, got ", x.scalar_type(),
+              " of shape ", x.sizes());
+  const int64_t K = x.size(1);
+  TORCH_CHECK(K % kBlock == 0, "q5_0_mm: x has ", K, " columns, not a multiple of ", kBlock);
+  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous() &&
+                  blocks.size(1) == K / kBlock * kBlockBytes,
+              "q5_0_mm: blocks must be a contiguous (N, ", K / kBlock * kBlockBytes,
+              ") uint8 tensor for K=", K, ", got ", blocks.scalar_type(), " of shape ",
+              blocks.sizes());
+  const int64_t M = x.size(0), N = blocks.size(0);
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  at::Tensor y = at::empty({M, N}, x.options());
+  const float* xp = xf.data_ptr<float>();
+  const uint8_t* bp = blocks.data_ptr<uint8_t>();
+  if (x.scalar_type() == at::kBFloat16)
+    q5_0_rows(xp, bp, y.data_ptr<c10::BFloat16>(), M, N, K);
+  else
+    q5_0_rows(xp, bp, y.data_ptr<float>(), M, N, K);
+  return y;
+}
+
+}  // namespace attnlab_q5

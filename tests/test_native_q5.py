@@ -1,0 +1,222 @@
+"""attnlab's Q5_0 product (``attnlab/native/q5_0.h``) against a float64 product of the
+weight it holds, :class:`attnlab.quant.Q5Linear`'s blocks against gguf-py's Q5_0 (its
+quantiser and dequantiser), and the layer's two paths (the native kernel, and the codes run
+as a :class:`attnlab.quant.Q8Linear` where the native build is unavailable)."""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import numpy as np
+import pytest
+import torch
+
+from attnlab import native
+from attnlab.quant import (
+    NATIVE_Q5,
+    Int4Linear,
+    Int8Linear,
+    Q5Linear,
+    Q8Linear,
+    fuse_rows,
+    quantize_linear,
+    row_product,
+)
+
+
+@pytest.fixture(scope="module")
+def ext() -> ModuleType:
+    module = native.extension()
+    if module is None:
+        pytest.skip(f"the native build is unavailable: {native.why_not_native()}")
+    return module
+
+
+def _layer(N: int, K: int, seed: int) -> Q5Linear:
+    """Random codes over the whole range (0 and 31 included: both fifth bits in every
+    block position) and float16 scales of several magnitudes, down to the subnormal."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 32, (N, K), generator=g, dtype=torch.uint8)
+    codes[0, :2] = torch.tensor([0, 31], dtype=torch.uint8)
+    powers = torch.randint(-7, 1, (N, K // 32), generator=g)
+    scales = (torch.rand(N, K // 32, generator=g) * 10.0**powers).to(torch.float16)
+    return Q5Linear.from_codes(codes, scales)
+
+
+def _bound(x: torch.Tensor, layer: Q5Linear, reference: torch.Tensor, out: torch.dtype):
+    """The float32 sum's error bound over K terms (K * 2^-24 of sum |x w|, with slack for
+    the order), plus the output's rounding (bf16: 2^-8 of the value)."""
+    K = x.shape[1]
+    magnitude = x.double().abs() @ layer.weight.double().abs().t()  # (M, N)
+    rounding = 2**-8 if out == torch.bfloat16 else 2**-24
+    return K * 2**-23 * magnitude + rounding * reference.abs() + 1e-30
+
+
+def _gguf_q5_0(N: int, K: int, seed: int):
+    """gguf-py's Q5_0 blocks of a random (N, K) weight, and their values dequantised."""
+    gquants = pytest.importorskip("gguf.quants", reason="pip install 'attnlab[pretrained]'")
+    T = gquants.GGMLQuantizationType.Q5_0
+    w = np.random.default_rng(seed).standard_normal((N, K)).astype(np.float32)
+    w[0, :32] = 0.0  # an all-zero block: d = 0
+    raw = gquants.quantize(w, T)
+    values = torch.from_numpy(np.ascontiguousarray(gquants.dequantize(raw, T)))  # d * (q - 16)
+    return w, raw, values
+
+
+def test_codes_and_values_are_gguf_pys_q5_0():
+    """gguf-py's Q5_0 read as stored (the code reader), and quantised here from the same
+    float weight (ggml's rounding): the same bytes, each weight the file's value exactly,
+    codes and scales as gguf-py's block layout holds them."""
+    from attnlab.pretrained.gguf_file import q5_0_codes
+
+    N, K = 24, 640
+    w, raw, values = _gguf_q5_0(N, K, seed=0)
+    stored = Q5Linear.from_rows(q5_0_codes(raw, "Q5_0", (N, K)))
+    assert stored.blocks.shape == (N, K // 32 * 22) and stored.blocks.dtype == torch.uint8
+    assert torch.equal(stored.blocks, torch.from_numpy(raw.reshape(N, -1)))
+    assert torch.equal(stored.weight, values)
+    ours = Q5Linear.from_float(torch.from_numpy(w))
+    assert torch.equal(ours.blocks, stored.blocks)  # ggml's quantiser, byte for byte
+    # the codes and scales: d from bytes 0-1, q = nibble + 16 * fifth bit
+    blocks = raw.reshape(N, K // 32, 22)
+    d = torch.from_numpy(blocks[..., :2].copy().view(np.float16)).reshape(N, K // 32)
+    q, scales = stored.codes()
+    assert torch.equal(scales, d)
+    assert int(q.min()) == 0 and int(q.max()) == 31
+    expected = (q.view(N, K // 32, 32).double() - 16) * d.double()[..., None]
+    assert torch.equal(expected.view(N, K).float(), values)
+    assert torch.equal(Q5Linear.from_codes(q, scales).blocks, stored.blocks)
+    with pytest.raises(ValueError, match="whole blocks"):
+        q5_0_codes(raw, "Q5_0", (2 * N, K // 2 + 16))  # 336 columns: not whole blocks
+    with pytest.raises(ValueError, match="whole blocks"):
+        q5_0_codes(raw, "Q8_0", (N, K))
+
+
+def test_the_layer_runs_and_fuses_as_its_weight():
+    """The product (a few rows and a prompt), the bare one-row kernel and a fused pair all
+    agree with the weight; the fused parts' blocks are views of the fused ones."""
+    N, K = 48, 96
+    _, _, values = _gguf_q5_0(N, K, seed=1)
+    layer = Q5Linear.from_float(values)
+    assert torch.equal(layer.weight, values)  # Q5_0 values quantise to themselves
+    g = torch.Generator().manual_seed(1)
+
+    def assert_bf16_product(y: torch.Tensor, x: torch.Tensor) -> None:
+        """Within bf16's rounding of x, of each weight (the dense path) and of the output."""
+        reference = x.double() @ values.double().T
+        magnitude = x.double().abs() @ values.double().abs().T
+        err = (y.double() - reference).abs()
+        assert bool((err <= 2**-7 * magnitude + 2**-8 * reference.abs()).all())
+
+    x = torch.randn(3, K, generator=g)
+    assert_bf16_product(layer(x), x)
+    dtype, bare = row_product(layer)
+    assert_bf16_product(bare(x.to(dtype)), x)
+    assert_bf16_product(
+        layer(prompt := torch.randn(layer.dense_from_rows + 5, K, generator=g)), prompt
+    )
+    other = Q5Linear.from_float(values[:16])
+    fused = fuse_rows([layer, other])
+    assert isinstance(fused, Q5Linear) and fused.out_features == N + 16
+    assert torch.equal(fused.weight, torch.cat([values, values[:16]]))
+    assert layer.blocks.data_ptr() == fused.blocks.data_ptr()  # a view, not a copy
+    assert torch.equal(layer.weight, values)
+    assert set(layer.state_dict()) == {"blocks"}
+    assert Q5Linear.why_not(N + 4, K) is not None and Q5Linear.fallback == "int8"
+    assert Q5Linear.why_not(N, K + 16) is not None
+    assert isinstance(quantize_linear(torch.nn.Linear(K, N + 4), "q5_0"), Int8Linear)
+    assert isinstance(quantize_linear(torch.nn.Linear(K, N), "q5_0"), Q5Linear)
+    assert Int4Linear.gguf_instead["Q5_0"] == "q5_0"
+    assert Int4Linear.gguf_instead["Q5_1"] == "q8_0"
+
+
+def test_from_float_refuses_what_it_cannot_hold():
+    with pytest.raises(ValueError, match="float16"):
+        Q5Linear.from_float(torch.full((8, 32), 2e6))  # d = 1.25e5: past float16
+    with pytest.raises(ValueError, match="multiple of 32"):
+        Q5Linear.from_float(torch.randn(8, 48))
+    with pytest.raises(ValueError, match=r"0\.\.31"):
+        Q5Linear.from_codes(torch.full((8, 32), 32), torch.ones(8, 1))
+    with pytest.raises(ValueError, match="whole 22-byte blocks"):
+        Q5Linear(torch.zeros(8, 23, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("K", [32, 640, 2048])
+@pytest.mark.parametrize("M", [1, 3, 9, 15])
+def test_kernel_is_the_float64_product_of_the_weight(ext, M, K, x_dtype):
+    """Every output within the float32 sum's bound of ``x @ W^T`` in float64, W the
+    layer's ``weight`` (``d * (q - 16)``): N from 8 to an odd multiple of 8 (8 * 257), one to
+    15 rows (9 and 15: two passes over each weight row)."""
+    g = torch.Generator().manual_seed(M * K)
+    x = torch.randn(M, K, generator=g).to(x_dtype)
+    for N in (8, 104, 8 * 257):
+        layer = _layer(N, K, seed=N + K)
+        reference = x.double() @ layer.weight.double().t()  # (M, N)
+        y = ext.q5_0_mm(x, layer.blocks)
+        assert y.dtype == x_dtype and y.shape == (M, N)
+        err = (y.double() - reference).abs()
+        bound = _bound(x, layer, reference, x_dtype)
+        assert bool((err <= bound).all()), (N, (err / bound).max().item())
+
+
+def test_kernel_on_gguf_pys_blocks(ext):
+    """gguf-py's own bytes through the kernel: llama.cpp's bit order, read as it wrote it."""
+    from attnlab.pretrained.gguf_file import q5_0_codes
+
+    N, K = 40, 2048
+    _, raw, values = _gguf_q5_0(N, K, seed=2)
+    (blocks,) = q5_0_codes(raw, "Q5_0", (N, K))
+    x = torch.randn(2, K)
+    reference = x.double() @ values.double().t()
+    err = (ext.q5_0_mm(x, blocks).double() - reference).abs()
+    magnitude = x.double().abs() @ values.double().abs().t()
+    assert bool((err <= K * 2**-23 * magnitude + 1e-30).all())
+
+
+def test_kernel_refuses_what_it_cannot_read(ext):
+    layer = _layer(16, 64, seed=0)
+    with pytest.raises(RuntimeError, match=r"blocks must be a contiguous \(N, 44\) uint8"):
+        ext.q5_0_mm(torch.randn(1, 64), layer.blocks[:, :22])
+    with pytest.raises(RuntimeError, match=r"blocks must be a contiguous \(N, 44\) uint8"):
+        ext.q5_0_mm(torch.randn(1, 64), layer.blocks.view(torch.int8))
+    with pytest.raises(RuntimeError, match="not a multiple of 32"):
+        ext.q5_0_mm(torch.randn(1, 48), layer.blocks)
+    with pytest.raises(RuntimeError, match=r"x must be \(M, K\) bfloat16 or float32"):
+        ext.q5_0_mm(torch.randn(1, 64).half(), layer.blocks)
+
+
+def test_the_q8_0_path_gives_the_native_products_within_bf16(ext, monkeypatch):
+    """Without the native build (ATTNLAB_NATIVE=0) the layer runs its codes as a q8_0 layer
+    (``q - 16``, the same scales: the same weight), built once and kept out of its state;
+    that one's int4 halves round the scales to bf16 (each weight within 2^-8 of the native
+    one's) and sum the two halves in bf16."""
+    layer = _layer(104, 640, seed=1)
+    x = torch.randn(3, 640).bfloat16()
+    native_y = layer.product(x)
+    torch.testing.assert_close(native_y, ext.q5_0_mm(x, layer.blocks), atol=0, rtol=0)
+    monkeypatch.setenv(native.NATIVE_ENV, "0")
+    fallback_y = layer.product(x)
+    _, bare = row_product(layer)
+    torch.testing.assert_close(bare(x), fallback_y, atol=0, rtol=0)
+    as_q8 = layer._as_q8()
+    assert isinstance(as_q8, Q8Linear) and torch.equal(as_q8.weight, layer.weight)
+    magnitude = x.double().abs() @ layer.weight.double().abs().t()
+    err = (fallback_y.double() - native_y.double()).abs()
+    bound = 2**-7 * magnitude + 2**-7 * native_y.double().abs()
+    assert bool((err <= bound).all()), (err / bound).max().item()
+    assert set(layer.state_dict()) == {"blocks"}
+    assert not list(layer.children())
+    assert layer._as_q8() is as_q8  # built once
+    with torch.no_grad():
+        layer.blocks[:, 6:22] ^= 0x11  # codes changed in place: built again
+    assert layer._as_q8() is not as_q8
+    fresh = Q5Linear(layer.blocks.clone())
+    torch.testing.assert_close(layer.product(x), fresh.product(x), atol=0, rtol=0)
+
+
+def test_native_product_names_the_blocks():
+    layer = _layer(24, 64, seed=2)
+    spec = layer.native_product()
+    assert spec is not None and spec.kind == NATIVE_Q5
+    assert spec.a is layer.blocks and spec.b is None and spec.n == 24
