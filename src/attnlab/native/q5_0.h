@@ -4,10 +4,13 @@
 // four bits qs (bytes 6-21: weight j < 16 in the low nibble of qs[j], weight j + 16 in its high
 // nibble). W[n, k] = d * (q - 16), q in 0..31: 0.6875 bytes a weight, where q8_0 reads 1.0625.
 //
-// x stays float (no activation quantisation): each weight d * (q - 16) is exact in float32 (a
-// 5-bit integer times an 11-bit significand), and every product and sum runs in float32, so the
-// result is x @ W^T up to the order of the float32 sums. One output row of W at a time (parallel
-// over N): its blocks are read and unpacked once for up to kRowsAtOnce rows of x.
+// x stays as given (no activation quantisation): each weight d * (q - 16) is exact in float32
+// (a 5-bit integer times an 11-bit significand), and every product and sum runs in float32, so
+// the result is x @ W^T up to the order of the float32 sums. One output row of W at a time
+// (parallel over N): its blocks are read and unpacked once for up to kRowsAtOnce rows of x. With
+// AVX-512 a block's codes are unpacked by byte operations (the fifth bits are a mask) and turned
+// into q - 16 by a table lookup; bf16 rows are then read as they are, a block's 32 products
+// summed by one bf16 dot-product instruction (q - 16 is exact in bf16) and scaled by d.
 //
 // Used by decode_step.cpp (Product kind kQ5) and bound as q5_0_mm (attnlab.quant.Q5Linear).
 
@@ -47,34 +50,52 @@ inline uint32_t high_bits_at(const uint8_t* block) {
   return qh;
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define ATTNLAB_Q5_AVX512 1
+// The 32 codes of a block (0..31) as bytes in weight order: the low nibbles of qs, then its
+// high nibbles, 16 added where qh's bit is set (the fifth bits are a byte mask).
+inline __m256i codes_at(const uint8_t* b) {
+  const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 6));
+  const __m256i both =
+      _mm256_inserti128_si256(_mm256_castsi128_si256(qs), _mm_srli_epi16(qs, 4), 1);
+  const __m256i nibbles = _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
+  return _mm256_mask_add_epi8(nibbles, static_cast<__mmask32>(high_bits_at(b)), nibbles,
+                              _mm256_set1_epi8(16));
+}
+#endif
+
 // out[r] = sum_k x[r * K + k] * W[k] for R rows of x (fp32, row stride K), W one weight row's
 // K / 32 blocks.
 template <int R>
 inline void row_dots(const uint8_t* blocks, const float* x, int64_t K, float* out) {
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  const __m128i low_nibble = _mm_set1_epi8(0x0F);
-  const __m512i sixteen = _mm512_set1_epi32(16);
+#if defined(ATTNLAB_Q5_AVX512)
+  // Two sums a row (a block's first and second 16 weights): one would wait on each
+  // multiply-add's latency.
+  __m512 acc[R], acc1[R];
+  for (int r = 0; r < R; ++r) acc[r] = acc1[r] = _mm512_setzero_ps();
+  // q - 16 as float by a table lookup on the code: lanes 0..15 of the pair are -16..-1,
+  // lanes 16..31 are 0..15.
+  const __m512 below = _mm512_setr_ps(-16, -15, -14, -13, -12, -11, -10, -9, -8, -7, -6, -5,
+                                      -4, -3, -2, -1);
+  const __m512 above = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   for (int64_t g = 0; g < K / kBlock; ++g) {
     const uint8_t* b = blocks + g * kBlockBytes;
     const __m512 vd = _mm512_set1_ps(scale_at(b));
-    const uint32_t qh = high_bits_at(b);
-    const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 6));
-    __m512i q0 = _mm512_cvtepu8_epi32(_mm_and_si128(qs, low_nibble));  // weights 0..15
-    __m512i q1 = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(qs, 4), low_nibble));
-    // the fifth bits are the masks of the 16 lanes: q = nibble | 16
-    q0 = _mm512_mask_or_epi32(q0, static_cast<__mmask16>(qh & 0xFFFF), q0, sixteen);
-    q1 = _mm512_mask_or_epi32(q1, static_cast<__mmask16>(qh >> 16), q1, sixteen);
-    const __m512 w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(q0, sixteen)), vd);
-    const __m512 w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(q1, sixteen)), vd);
+    const __m256i q = codes_at(b);
+    const __m512 w0 = _mm512_mul_ps(
+        _mm512_permutex2var_ps(below, _mm512_cvtepu8_epi32(_mm256_castsi256_si128(q)), above),
+        vd);
+    const __m512 w1 = _mm512_mul_ps(
+        _mm512_permutex2var_ps(below, _mm512_cvtepu8_epi32(_mm256_extracti128_si256(q, 1)),
+                               above),
+        vd);
     for (int r = 0; r < R; ++r) {
       const float* xg = x + r * K + g * kBlock;
       acc[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xg), acc[r]);
-      acc[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xg + 16), acc[r]);
+      acc1[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xg + 16), acc1[r]);
     }
   }
-  for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
+  for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r], acc1[r]));
 #elif defined(__AVX2__) && defined(__FMA__)
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
@@ -133,8 +154,68 @@ inline void row_dots(const uint8_t* blocks, const float* x, int64_t K, float* ou
 #endif
 }
 
-inline void rows_dots(int64_t rows, const uint8_t* blocks, const float* x, int64_t K,
-                      float* out) {
+#if defined(ATTNLAB_Q5_AVX512) && defined(__AVX512BF16__)
+#define ATTNLAB_Q5_BF16 1
+// The same for bf16 rows of x, read as they are: q - 16 is exact in bf16, so a block's 32
+// products are summed in float32 by one dot-product instruction (VDPBF16PS: each bf16
+// product exact in float32) and the block's sum then scaled by d. Its float32 sums flush
+// subnormal results to zero (below 1.2e-38, far under any sum's rounding here).
+// bf16 bits of q - 16 for q = 0..31 (each exact in bf16: at most 5 significant bits).
+constexpr int16_t bf16_bits_of(int v) {
+  if (v == 0) return 0;
+  const int sign = v < 0 ? 1 : 0, m = v < 0 ? -v : v;
+  int e = 0;
+  while ((m >> (e + 1)) != 0) ++e;  // m in [2^e, 2^(e+1))
+  return static_cast<int16_t>((sign << 15) | ((127 + e) << 7) | ((m << (7 - e)) & 0x7F));
+}
+
+alignas(64) constexpr int16_t kBf16Values[32] = {
+    bf16_bits_of(-16), bf16_bits_of(-15), bf16_bits_of(-14), bf16_bits_of(-13),
+    bf16_bits_of(-12), bf16_bits_of(-11), bf16_bits_of(-10), bf16_bits_of(-9),
+    bf16_bits_of(-8),  bf16_bits_of(-7),  bf16_bits_of(-6),  bf16_bits_of(-5),
+    bf16_bits_of(-4),  bf16_bits_of(-3),  bf16_bits_of(-2),  bf16_bits_of(-1),
+    bf16_bits_of(0),   bf16_bits_of(1),   bf16_bits_of(2),   bf16_bits_of(3),
+    bf16_bits_of(4),   bf16_bits_of(5),   bf16_bits_of(6),   bf16_bits_of(7),
+    bf16_bits_of(8),   bf16_bits_of(9),   bf16_bits_of(10),  bf16_bits_of(11),
+    bf16_bits_of(12),  bf16_bits_of(13),  bf16_bits_of(14),  bf16_bits_of(15)};
+static_assert(bf16_bits_of(1) == 0x3F80 && bf16_bits_of(-16) == static_cast<int16_t>(0xC180) &&
+                  bf16_bits_of(15) == 0x4170 && bf16_bits_of(-3) == static_cast<int16_t>(0xC040),
+              "bf16 bits of small integers");
+
+template <int R>
+inline void row_dots(const uint8_t* blocks, const c10::BFloat16* x, int64_t K, float* out) {
+  // C sums a row over blocks g % C: one row's blocks one after another into one sum would
+  // wait on each multiply-add's latency (more sums for fewer rows: registers).
+  constexpr int C = 2;
+  __m512 acc[C][R];
+  for (int c = 0; c < C; ++c)
+    for (int r = 0; r < R; ++r) acc[c][r] = _mm512_setzero_ps();
+  const __m512i table = _mm512_load_si512(kBf16Values);
+  auto block = [&](int64_t g, __m512* sums) {
+    const uint8_t* b = blocks + g * kBlockBytes;
+    const __m512 vd = _mm512_set1_ps(scale_at(b));
+    const __m512bh w =
+        (__m512bh)_mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(codes_at(b)), table);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xg = (__m512bh)_mm512_loadu_si512(x + r * K + g * kBlock);
+      sums[r] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), w, xg), vd, sums[r]);
+    }
+  };
+  const int64_t G = K / kBlock;
+  int64_t g = 0;
+  for (; g + C <= G; g += C)
+    for (int c = 0; c < C; ++c) block(g + c, acc[c]);
+  for (int c = 0; g < G; ++g, ++c) block(g, acc[c]);
+  for (int r = 0; r < R; ++r) {
+    __m512 total = acc[0][r];
+    for (int c = 1; c < C; ++c) total = _mm512_add_ps(total, acc[c][r]);
+    out[r] = _mm512_reduce_add_ps(total);
+  }
+}
+#endif
+
+template <typename X>
+inline void rows_dots(int64_t rows, const uint8_t* blocks, const X* x, int64_t K, float* out) {
   switch (rows) {
     case 1: return row_dots<1>(blocks, x, K, out);
     case 2: return row_dots<2>(blocks, x, K, out);
@@ -147,9 +228,9 @@ inline void rows_dots(int64_t rows, const uint8_t* blocks, const float* x, int64
   }
 }
 
-// y (M, N) in T (float or bf16) from x (M, K) float32 and blocks (N, K / 32 * 22).
-template <typename T>
-inline void q5_0_rows(const float* x, const uint8_t* blocks, T* y, int64_t M, int64_t N,
+// y (M, N) in T (float or bf16) from x (M, K) in X and blocks (N, K / 32 * 22).
+template <typename X, typename T>
+inline void q5_0_rows(const X* x, const uint8_t* blocks, T* y, int64_t M, int64_t N,
                       int64_t K) {
   const int64_t row_bytes = K / kBlock * kBlockBytes;
   // Chunks of at least 32 KiB of blocks: a thread's start costs about what reading that does.
@@ -180,14 +261,20 @@ inline at::Tensor q5_0_mm(const at::Tensor& x, const at::Tensor& blocks) {
               ") uint8 tensor for K=", K, ", got ", blocks.scalar_type(), " of shape ",
               blocks.sizes());
   const int64_t M = x.size(0), N = blocks.size(0);
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
   at::Tensor y = at::empty({M, N}, x.options());
-  const float* xp = xf.data_ptr<float>();
   const uint8_t* bp = blocks.data_ptr<uint8_t>();
-  if (x.scalar_type() == at::kBFloat16)
-    q5_0_rows(xp, bp, y.data_ptr<c10::BFloat16>(), M, N, K);
-  else
-    q5_0_rows(xp, bp, y.data_ptr<float>(), M, N, K);
+  if (x.scalar_type() == at::kBFloat16) {
+#ifdef ATTNLAB_Q5_BF16
+    const at::Tensor xc = x.contiguous();
+    q5_0_rows(xc.data_ptr<c10::BFloat16>(), bp, y.data_ptr<c10::BFloat16>(), M, N, K);
+#else
+    const at::Tensor xf = x.to(at::kFloat).contiguous();
+    q5_0_rows(xf.data_ptr<float>(), bp, y.data_ptr<c10::BFloat16>(), M, N, K);
+#endif
+  } else {
+    const at::Tensor xc = x.contiguous();
+    q5_0_rows(xc.data_ptr<float>(), bp, y.data_ptr<float>(), M, N, K);
+  }
   return y;
 }
 
