@@ -220,3 +220,31 @@ def test_native_product_names_the_blocks():
     spec = layer.native_product()
     assert spec is not None and spec.kind == NATIVE_Q5
     assert spec.a is layer.blocks and spec.b is None and spec.n == 24
+
+
+def test_a_q5_0_file_with_a_non_finite_scale_is_refused(tmp_path):
+    """A GGUF Q5_0 tensor whose block scale is NaN is refused, named, whether read as codes
+    (the int4 load) or dequantised; the intact tensor's codes are its blocks as written."""
+    gguf = pytest.importorskip("gguf", reason="pip install 'attnlab[pretrained]'")
+    from attnlab.pretrained import ModelFileError
+    from attnlab.pretrained.gguf_file import read_gguf
+
+    _, raw, values = _gguf_q5_0(16, 64, seed=3)
+    broken = raw.copy()
+    broken.reshape(-1, 22)[5, :2] = np.frombuffer(b"\x00\x7e", dtype=np.uint8)  # f16 NaN
+    path = tmp_path / "q5.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    T = gguf.GGMLQuantizationType.Q5_0
+    writer.add_tensor("good.weight", raw, raw_dtype=T)
+    writer.add_tensor("bad.weight", broken, raw_dtype=T)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    contents = read_gguf(path)
+    (blocks,) = contents.codes("good.weight")
+    assert torch.equal(Q5Linear(blocks).weight, values)
+    assert torch.equal(contents.tensor("good.weight"), values)
+    for read in (contents.codes, contents.tensor):
+        with pytest.raises(ModelFileError, match=r"'bad\.weight' holds 1 non-finite quantisation"):
+            read("bad.weight")
