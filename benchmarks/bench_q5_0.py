@@ -61,7 +61,7 @@ def _best_s(fn: Callable[[], object], seconds: float) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, nargs="+", default=[2, 1])
-    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
     ext = native.extension()
     if ext is None:
@@ -89,7 +89,7 @@ def main() -> None:
             best = {name: float("inf") for name in kernels}
             for _ in range(args.repeats):  # interleaved: each round times both
                 for name, fn in kernels.items():
-                    best[name] = min(best[name], _best_s(fn, 0.003))
+                    best[name] = min(best[name], _best_s(fn, 0.02))
             us = {name: 1e6 * t for name, t in best.items()}
             gbs = {"q5_0": N * K * 0.6875 / best["q5_0"] / 1e9}
             gbs["q8_0"] = N * K * 1.0625 / best["q8_0"] / 1e9
