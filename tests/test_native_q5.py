@@ -146,11 +146,11 @@ def test_from_float_refuses_what_it_cannot_hold():
 @pytest.mark.parametrize("M", [1, 3, 9, 15])
 def test_kernel_is_the_float64_product_of_the_weight(ext, M, K, x_dtype):
     """Every output within the float32 sum's bound of ``x @ W^T`` in float64, W the
-    layer's ``weight`` (``d * (q - 16)``): N from 8 to an odd multiple of 8 (8 * 257), one to
-    15 rows (9 and 15: two passes over each weight row)."""
+    layer's ``weight`` (``d * (q - 16)``): N from 8 to an odd multiple of 8 (8 * 257) and an
+    odd 13, one to 15 rows (9 and 15: two passes over each weight row)."""
     g = torch.Generator().manual_seed(M * K)
     x = torch.randn(M, K, generator=g).to(x_dtype)
-    for N in (8, 104, 8 * 257):
+    for N in (8, 13, 104, 8 * 257):  # 13: an odd weight row after the pairs of one x row
         layer = _layer(N, K, seed=N + K)
         reference = x.double() @ layer.weight.double().t()  # (M, N)
         y = ext.q5_0_mm(x, layer.blocks)
