@@ -751,8 +751,10 @@ class Q5Linear(WeightFormat):
     weight unpacked in registers, the products and sums in float32, the result rounded to
     bfloat16 as the int kernels'. Where that build is unavailable, the codes run as a
     :class:`Q8Linear` (``q - 16`` as its 8-bit codes, the same scales), built on first use
-    and kept beside the module, not in its state. From :attr:`dense_from_rows` rows on (a
-    prompt) the weight is dequantised to bfloat16 for that call and run by the dense ``mm``.
+    and kept beside the module, not in its state (a file's weight of rows that one cannot
+    hold, not a multiple of 8, is dequantised for each product). From
+    :attr:`dense_from_rows` rows on (a prompt) the weight is dequantised to bfloat16 for
+    that call and run by the dense ``mm``.
 
     Args:
         blocks: (N, K/32 * 22) uint8, K a multiple of 32.
@@ -877,6 +879,9 @@ class Q5Linear(WeightFormat):
         if ext is not None:
             op, blocks = ext.q5_0_mm, self.blocks
             return lambda x: op(x, blocks)
+        if Q8Linear.why_not(self.out_features, self.in_features) is not None:
+            # A file's rows that q8_0's int4 halves cannot pack: the dense product.
+            return lambda x: torch.mm(x, self.weight.to(torch.bfloat16).t())
         return self._as_q8().row_kernel()
 
     def _as_q8(self) -> Q8Linear:
