@@ -260,7 +260,8 @@ def test_gguf_q5_0_linears_kept_as_stored_under_int4(hf_dirs, tmp_path, family):
     phi3's fused attn_qkv and ffn_up split, as the values are) and the head (gemma2's tied
     to the Q5_0 embedding) is held as q5_0: the file's blocks, every weight the value the
     float32 load dequantised (gguf-py); the logits within the bf16 rounding of the rows
-    (a wrong bit order or split would be off by O(1))."""
+    and, without the native build, of the q8_0 path's scales (a wrong bit order or split
+    would be off by O(1))."""
     from attnlab.quant import Q5Linear
 
     path = tmp_path / f"{family}.Q5_0.gguf"
@@ -276,7 +277,9 @@ def test_gguf_q5_0_linears_kept_as_stored_under_int4(hf_dirs, tmp_path, family):
     with torch.no_grad():
         ours, reference = held(ids), model(ids)
     torch.testing.assert_close(ours, reference, atol=0.1, rtol=0)
-    assert ((ours - reference).norm() / reference.norm()).item() < 1e-2
+    # bf16 rows through a few layers (1e-2 and below); without the native build the q8_0
+    # path's bf16 scales add 2^-8 of each weight (2e-2 and below)
+    assert ((ours - reference).norm() / reference.norm()).item() < 3e-2
 
 
 def test_gguf_gemma2_summary_shows_softcaps_and_the_window_pattern(hf_dirs, tmp_path, capsys):
