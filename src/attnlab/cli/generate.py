@@ -85,8 +85,8 @@ def generate(
     dtype: Annotated[
         str,
         typer.Option(
-            help="Weight precision: float32 (exact), bfloat16, int8, int4, q8_0 (weight-only; "
-            "faster decoding, docs/guides/generation.md gives each one's accuracy)."
+            help="Weight precision: float32 (exact), bfloat16, int8, int4, q8_0, q5_0 "
+            "(weight-only; faster decoding, docs/guides/generation.md gives each one's accuracy)."
         ),
     ] = "float32",
     max_new_tokens: Annotated[
