@@ -249,3 +249,17 @@ def test_text_stream_pieces_are_the_whole_decode_and_each_push_decodes_a_few_tok
     stream = TextStream(tok)
     head = "".join(stream.push(i) for i in ids[:cut]) + stream.flush()
     assert head == tok.decode(ids[:cut])
+
+
+def test_greedy_choice_is_torchs_argmax_ties_and_nans_included():
+    from attnlab.generation import _argmax
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 262144, generator=g)
+    logits[1, 7] = logits[1, 9] = logits[1].max() + 1  # a tie: the first index
+    logits[2, 5] = float("nan")  # NaN counts as the largest, as in torch
+    sliced = torch.randn(2, 4, 50, generator=g)[:, -1]  # a strided view of the last position
+    for x in (logits, sliced, logits.double(), logits.bfloat16()):
+        got = _argmax(x)
+        assert got.dtype == torch.long and got.shape == (x.shape[0], 1)
+        assert torch.equal(got, x.argmax(dim=-1, keepdim=True))

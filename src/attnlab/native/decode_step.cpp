@@ -127,8 +127,10 @@ at::Tensor as_input(const std::vector<float>& buf, int64_t B, int64_t K, at::Sca
 // in arithmetic only, so that loops over it vectorise: std::exp does not without
 // -ffast-math, and the activations and the softmax call it for every element.
 inline float exp_fast(float x) {
-  x = std::min(std::max(x, -87.33654f), 88.37626f);  // 2^n stays a normal float
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  x = x < -87.33654f ? -87.33654f : (x > 88.37626f ? 88.37626f : x);  // 2^n stays normal
+  // n = round(x / ln 2), by adding and taking away 1.5 * 2^23: std::floor and std::min
+  // keep GCC from vectorising the loops this is inlined into
+  const float n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;
   float r = x - n * 0.693359375f;
   r = r + n * 2.12194440e-4f;
   float p = 1.9875691500e-4f;
