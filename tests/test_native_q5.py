@@ -261,3 +261,15 @@ def test_without_the_native_build_any_rows_run(monkeypatch):
     magnitude = x.double().abs() @ layer.weight.double().abs().t()
     assert y.shape == (2, 13)
     assert bool(((y.double() - reference).abs() <= 2**-7 * magnitude + 1e-30).all())
+
+
+@pytest.mark.parametrize(("N", "K"), [(8, 32), (13, 640), (104, 2048)])
+def test_native_dequantisation_is_the_weight_rounded_once_to_bf16(ext, N, K):
+    layer = _layer(N, K, seed=N + K)
+    got = ext.q5_0_dequant(layer.blocks)
+    assert got.dtype == torch.bfloat16 and got.shape == (N, K)
+    assert torch.equal(got, layer.weight.to(torch.bfloat16))
+    x = torch.randn(layer.dense_from_rows + 3, K).bfloat16()  # a prompt: the dense path
+    assert torch.equal(layer.product(x), torch.mm(x, layer.weight.to(torch.bfloat16).t()))
+    with pytest.raises(RuntimeError, match="q5_0_dequant: blocks must be"):
+        ext.q5_0_dequant(layer.blocks[:, :21])

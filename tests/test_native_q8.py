@@ -124,3 +124,15 @@ def test_from_float_rounds_scales_up_to_float16_or_takes_bf16_past_its_range():
     big = Q8Linear.from_float(torch.cat([w, torch.full((8, 64), 1e7)]))
     assert big.scales.dtype == torch.bfloat16
     torch.testing.assert_close(big.weight[8:], torch.full((8, 64), 1e7), atol=0, rtol=2**-8)
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.bfloat16])
+def test_native_dequantisation_is_the_weight_rounded_once_to_bf16(ext, scale_dtype):
+    layer = _layer(104, 640, scale_dtype, seed=3)
+    got = ext.q8_0_dequant(layer.codes, layer.scales)
+    assert got.dtype == torch.bfloat16 and got.shape == (104, 640)
+    assert torch.equal(got, layer.weight.to(torch.bfloat16))
+    x = torch.randn(layer.dense_from_rows + 3, 640).bfloat16()  # a prompt: the dense path
+    assert torch.equal(layer.product(x), torch.mm(x, layer.weight.to(torch.bfloat16).t()))
+    with pytest.raises(RuntimeError, match="q8_0_dequant: scales must be"):
+        ext.q8_0_dequant(layer.codes, layer.scales[:, :3])

@@ -658,13 +658,11 @@ class Q8Linear(WeightFormat):
         N, K = self.codes.shape
         step = max(8, self._dense_chunk // K)
         if step >= N:
-            return torch.mm(x2, self.weight.to(torch.bfloat16).t())
+            return torch.mm(x2, _q8_0_bf16(self.codes, self.scales).t())
         y = torch.empty(x2.shape[0], N, dtype=torch.bfloat16, device=x2.device)  # (M, N)
         for start in range(0, N, step):
             codes, scales = self.codes[start : start + step], self.scales[start : start + step]
-            n = codes.shape[0]
-            w = codes.view(n, K // 32, 32).float() * scales.float()[..., None]  # (n, K/32, 32)
-            y[:, start : start + n] = torch.mm(x2, w.view(n, K).to(torch.bfloat16).t())
+            y[:, start : start + codes.shape[0]] = torch.mm(x2, _q8_0_bf16(codes, scales).t())
         return y
 
     def row_kernel(self) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -869,8 +867,18 @@ class Q5Linear(WeightFormat):
         """(M, K) bfloat16 -> (M, N)."""
         if x2.shape[0] >= self.dense_from_rows:
             # A prompt: every d * (q - 16) (exact in float32) rounded once to bfloat16.
-            return torch.mm(x2, self.weight.to(torch.bfloat16).t())
+            return torch.mm(x2, self._bf16_weight().t())
         return self.row_kernel()(x2)
+
+    def _bf16_weight(self) -> torch.Tensor:
+        """:attr:`weight` rounded to bfloat16 (N, K): unpacked by the native build where
+        there is one (several times faster than torch's shifts and masks)."""
+        from attnlab import native
+
+        ext = native.extension()
+        if ext is not None:
+            return ext.q5_0_dequant(self.blocks)  # type: ignore[no-any-return]
+        return self.weight.to(torch.bfloat16)
 
     def row_kernel(self) -> Callable[[torch.Tensor], torch.Tensor]:
         from attnlab import native
@@ -1180,6 +1188,19 @@ def row_product(linear: object) -> tuple[torch.dtype, Any] | None:
         return dtype, fn
     kernel = fn
     return dtype, lambda x: kernel(x) + bias
+
+
+def _q8_0_bf16(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Q8_0 codes (N, K) and scales (N, K/32) as the bfloat16 weight: each ``d * q`` (exact
+    in float32) rounded once; by the native build where there is one."""
+    from attnlab import native
+
+    ext = native.extension()
+    if ext is not None and codes.is_contiguous() and scales.is_contiguous():
+        return ext.q8_0_dequant(codes, scales)  # type: ignore[no-any-return]
+    N, K = codes.shape
+    w = codes.view(N, K // 32, 32).float() * scales.float()[..., None]  # (N, K/32, 32)
+    return w.view(N, K).to(torch.bfloat16)
 
 
 def native_product(linear: object) -> NativeProduct | None:

@@ -389,4 +389,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "y (M, N) = x (M, K) @ W^T for W in Q8_0: int8 codes (N, K), scales (N, K/32)");
   m.def("q5_0_mm", &attnlab_q5::q5_0_mm, py::call_guard<py::gil_scoped_release>(),
         "y (M, N) = x (M, K) @ W^T for W in Q5_0: its blocks as stored, (N, K/32 * 22) uint8");
+  m.def("q8_0_dequant", &attnlab_q8::q8_0_dequant, py::call_guard<py::gil_scoped_release>(),
+        "the Q8_0 weight (N, K) in bfloat16 from its codes and scales");
+  m.def("q5_0_dequant", &attnlab_q5::q5_0_dequant, py::call_guard<py::gil_scoped_release>(),
+        "the Q5_0 weight (N, K) in bfloat16 from its blocks");
 }

@@ -167,4 +167,41 @@ inline at::Tensor q8_0_mm(const at::Tensor& x, const at::Tensor& codes, const at
   return y;
 }
 
+// The weight (N, K) in bfloat16, each d * q (exact in float32) rounded once, for a
+// prompt's dense product.
+inline at::Tensor q8_0_dequant(const at::Tensor& codes, const at::Tensor& scales) {
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar && codes.is_contiguous() &&
+                  codes.size(1) % kBlock == 0,
+              "q8_0_dequant: codes must be a contiguous (N, K) int8 tensor, K a multiple of 32, "
+              "got ", codes.scalar_type(), " of shape ", codes.sizes());
+  const int64_t N = codes.size(0), K = codes.size(1);
+  TORCH_CHECK(scales.dim() == 2 && scales.size(0) == N && scales.size(1) == K / kBlock &&
+                  scales.is_contiguous() &&
+                  (scales.scalar_type() == at::kHalf || scales.scalar_type() == at::kBFloat16),
+              "q8_0_dequant: scales must be a contiguous (", N, ", ", K / kBlock,
+              ") float16 or bfloat16 tensor, got ", scales.scalar_type(), " of shape ",
+              scales.sizes());
+  at::Tensor w = at::empty({N, K}, codes.options().dtype(at::kBFloat16));
+  const int8_t* qp = codes.data_ptr<int8_t>();
+  c10::BFloat16* wp = w.data_ptr<c10::BFloat16>();
+  auto run = [&](auto* sp) {
+    at::parallel_for(0, N, std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(K, 1)),
+                     [&](int64_t begin, int64_t end) {
+      for (int64_t n = begin; n < end; ++n) {
+        for (int64_t g = 0; g < K / kBlock; ++g) {
+          const float d = scale_value(sp[n * (K / kBlock) + g]);
+          const int8_t* q = qp + n * K + g * kBlock;
+          c10::BFloat16* o = wp + n * K + g * kBlock;
+          for (int64_t j = 0; j < kBlock; ++j) o[j] = c10::BFloat16(d * static_cast<float>(q[j]));
+        }
+      }
+    });
+  };
+  if (scales.scalar_type() == at::kHalf)
+    run(scales.data_ptr<c10::Half>());
+  else
+    run(scales.data_ptr<c10::BFloat16>());
+  return w;
+}
+
 }  // namespace attnlab_q8
