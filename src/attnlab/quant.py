@@ -82,6 +82,19 @@ def _row_slices(parts: Sequence[Any]) -> list[slice]:
     return out
 
 
+def _stacked(
+    cls: Any, parts: Sequence[Any], names: Sequence[str], bias: torch.Tensor | None
+) -> Any:
+    """``cls`` built from the parts' buffers ``names`` (its constructor's arguments, in
+    order) each concatenated over the rows, ``bias`` last; each part's buffers then become
+    views of the fused ones (no second copy)."""
+    fused = cls(*(torch.cat([getattr(m, name) for m in parts]) for name in names), bias)
+    for m, rows in zip(parts, _row_slices(parts), strict=True):
+        for name in names:
+            setattr(m, name, getattr(fused, name)[rows])
+    return fused
+
+
 # Product kinds of the native decode step (``attnlab/native/decode_step.cpp``'s ``Kind``).
 NATIVE_INT4, NATIVE_INT8, NATIVE_LINEAR, NATIVE_Q8, NATIVE_Q5 = 0, 2, 3, 4, 5
 
@@ -243,10 +256,7 @@ class BF16Linear(WeightFormat):
     @classmethod
     def fuse(cls, parts: Sequence[Any], bias: torch.Tensor | None) -> BF16Linear:
         """Rows stacked; the parts' weights become views of the fused one (no second copy)."""
-        fused = cls(torch.cat([m.weight_bf16 for m in parts]), bias)
-        for m, rows in zip(parts, _row_slices(parts), strict=True):
-            m.weight_bf16 = fused.weight_bf16[rows]
-        return fused
+        return _stacked(cls, parts, ("weight_bf16",), bias)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -316,13 +326,7 @@ class Int8Linear(WeightFormat):
     @classmethod
     def fuse(cls, parts: Sequence[Any], bias: torch.Tensor | None) -> Int8Linear:
         """Rows stacked; the parts' codes and scales become views of the fused ones."""
-        fused = cls(
-            torch.cat([m.qweight for m in parts]), torch.cat([m.scales for m in parts]), bias
-        )
-        for m, rows in zip(parts, _row_slices(parts), strict=True):
-            m.qweight = fused.qweight[rows]
-            m.scales = fused.scales[rows]
-        return fused
+        return _stacked(cls, parts, ("qweight", "scales"), bias)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -635,11 +639,7 @@ class Q8Linear(WeightFormat):
         become views of the fused ones."""
         if len({m.scales.dtype for m in parts}) != 1:
             return None
-        fused = cls(torch.cat([m.codes for m in parts]), torch.cat([m.scales for m in parts]), bias)
-        for m, rows in zip(parts, _row_slices(parts), strict=True):
-            m.codes = fused.codes[rows]
-            m.scales = fused.scales[rows]
-        return fused
+        return _stacked(cls, parts, ("codes", "scales"), bias)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -846,10 +846,7 @@ class Q5Linear(WeightFormat):
     @classmethod
     def fuse(cls, parts: Sequence[Any], bias: torch.Tensor | None) -> Q5Linear:
         """Rows stacked; the parts' blocks become views of the fused ones."""
-        fused = cls(torch.cat([m.blocks for m in parts]), bias)
-        for m, rows in zip(parts, _row_slices(parts), strict=True):
-            m.blocks = fused.blocks[rows]
-        return fused
+        return _stacked(cls, parts, ("blocks",), bias)
 
     def codes(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The codes (N, K) uint8 in 0..31 and the scales (N, K/32) float16."""

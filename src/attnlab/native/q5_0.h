@@ -16,6 +16,8 @@
 
 #pragma once
 
+#include "simd.h"
+
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -125,9 +127,7 @@ inline void row_dots(const uint8_t* blocks, const float* x, int64_t K, float* ou
     }
   }
   for (int r = 0; r < R; ++r) {
-    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
-    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-    out[r] = _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+    out[r] = attnlab_simd::hsum(acc[r]);
   }
 #else
   for (int r = 0; r < R; ++r) out[r] = 0.f;
