@@ -5,8 +5,6 @@ as a :class:`attnlab.quant.Q8Linear` where the native build is unavailable)."""
 
 from __future__ import annotations
 
-from types import ModuleType
-
 import numpy as np
 import pytest
 import torch
@@ -22,14 +20,6 @@ from attnlab.quant import (
     quantize_linear,
     row_product,
 )
-
-
-@pytest.fixture(scope="module")
-def ext() -> ModuleType:
-    module = native.extension()
-    if module is None:
-        pytest.skip(f"the native build is unavailable: {native.why_not_native()}")
-    return module
 
 
 def _layer(N: int, K: int, seed: int) -> Q5Linear:

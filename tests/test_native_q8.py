@@ -4,21 +4,11 @@ PyTorch's int4 kernel on the codes' 4-bit halves where the native build is unava
 
 from __future__ import annotations
 
-from types import ModuleType
-
 import pytest
 import torch
 
 from attnlab import native
 from attnlab.quant import NATIVE_Q8, Q8Linear, row_product
-
-
-@pytest.fixture(scope="module")
-def ext() -> ModuleType:
-    module = native.extension()
-    if module is None:
-        pytest.skip(f"the native build is unavailable: {native.why_not_native()}")
-    return module
 
 
 def _layer(N: int, K: int, scale_dtype: torch.dtype, seed: int) -> Q8Linear:
