@@ -103,6 +103,26 @@ def test_a_long_cache_splits_the_heads_across_threads_with_the_same_logits():
             torch.testing.assert_close(a, b, atol=5e-5, rtol=1e-5)
 
 
+def _assert_same_choice_beyond_ties(got: torch.Tensor, want: torch.Tensor, step: int) -> int:
+    """The same greedy token in every row whose top two logits (of ``want``) are apart by
+    more than a few flipped bf16 roundings.
+
+    With bf16 rows the head's output itself is bf16-rounded: its logits lie on a grid of
+    2^-7 relative steps, so two of them tie exactly often enough, and one product input
+    rounded the other way moves a logit by a step or two. Below ``8`` steps of the largest
+    logit's magnitude the choice is a coin toss for either loop; above it a wrong layer
+    shows. Returns how many rows had a clear choice.
+
+    Shape:
+        got, want ``(B, V)``.
+    """
+    top2 = want.topk(2, dim=-1).values  # (B, 2)
+    step_size = 2.0**-7 * top2[:, 0].abs().clamp_min(1.0)  # (B,)
+    clear = (top2[:, 0] - top2[:, 1]) > 8 * step_size  # (B,)
+    assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear]), step
+    return int(clear.sum())
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "int8", "int4", "q8_0"])
 @pytest.mark.parametrize("layout", sorted(NATIVE_LAYOUTS))
 def test_native_step_with_bf16_rows_matches_the_python_loop_step_by_step(layout, dtype):
@@ -111,6 +131,7 @@ def test_native_step_with_bf16_rows_matches_the_python_loop_step_by_step(layout,
     with torch.no_grad():
         caches = model.new_kv_cache(max_len=16)
         model(ids[:, :3], kv_cache=caches)
+        clear = 0
         for t in range(3, 13):
             python = _copy(caches)
             a = plan.step(ids[:, t : t + 1], caches)
@@ -118,12 +139,13 @@ def test_native_step_with_bf16_rows_matches_the_python_loop_step_by_step(layout,
             # one step from identical caches: a flipped bf16 rounding moves the logits by
             # a fraction of a percent, a wrong layer by tens of percent
             assert ((a - b).norm() / b.norm()).item() < 1e-2, t
-            assert torch.equal(a[:, -1].argmax(-1), b[:, -1].argmax(-1)), t
+            clear += _assert_same_choice_beyond_ties(a[:, -1], b[:, -1], t)
             for c, p in zip(caches, python, strict=True):
                 k, want = c._k[:, :, t], p._k[:, :, t]
                 assert ((k - want).norm() / want.norm()).item() < 1e-2
                 v, want = c._v[:, :, t], p._v[:, :, t]
                 assert ((v - want).norm() / want.norm()).item() < 1e-2
+    assert clear >= 5, f"only {clear} of 20 greedy choices were clear of ties"
 
 
 def test_generation_takes_the_native_step(monkeypatch):

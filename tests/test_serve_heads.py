@@ -73,16 +73,21 @@ def test_ablate_matches_a_pre_hook_on_out_proj(client, gpt):
     handles = [gpt.trf_blocks[1].att.out_proj.register_forward_pre_hook(zero(2)),
                gpt.trf_blocks[0].att.out_proj.register_forward_pre_hook(zero(0))]  # fmt: skip
     with torch.no_grad():
-        after = gpt(ids)[0, -1].softmax(-1)
+        after_logits = gpt(ids)[0, -1]
     for h in handles:
         h.remove()
     with torch.no_grad():
-        before = gpt(ids)[0, -1].softmax(-1)
+        before_logits = gpt(ids)[0, -1]
+    before, after = before_logits.softmax(-1), after_logits.softmax(-1)
     for got, probs in ((data["before"], before), (data["after"], after)):
         values, top = probs.topk(5)
         assert [t["id"] for t in got] == top.tolist()
         torch.testing.assert_close(torch.tensor([t["p"] for t in got]), values)
-    kl = float((before * (before.log() - after.log())).sum())
+    # the reference KL in float64 from the same float32 logits: summed in float32, the
+    # differences of log-probabilities near log(1/V) alone carry a relative error of 1e-3
+    # in a KL this small (the ablated run and the hooked run are the same operations)
+    logp, logq = before_logits.double().log_softmax(-1), after_logits.double().log_softmax(-1)
+    kl = float((logp.exp() * (logp - logq)).sum())
     assert data["kl"][-1] == pytest.approx(kl, rel=1e-4, abs=1e-7)
     assert data["position"] == ids.shape[1] - 1 and len(data["tokens"]) == ids.shape[1]
 
