@@ -1,12 +1,20 @@
 from __future__ import annotations
 
+import os
 from types import ModuleType
 
 import pytest
 import torch
 
-# Tests are deterministic and small; two threads match the CI machine.
-torch.set_num_threads(2)
+# Tests are deterministic and small. Alone, a process takes two threads (the CI machine's
+# cores); under pytest-xdist (the README's command runs one worker a core) each worker
+# takes its share of the cores, and so do the commands it starts (OMP_NUM_THREADS is
+# inherited), so that workers never wait on each other's spinning threads.
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+_threads = max(1, min(2, (os.cpu_count() or 2) // _workers))
+torch.set_num_threads(_threads)
+if _workers > 1:
+    os.environ["OMP_NUM_THREADS"] = str(_threads)
 
 
 @pytest.fixture(scope="session")
@@ -18,3 +26,62 @@ def ext() -> ModuleType:
     if module is None:
         pytest.skip(f"the native build is unavailable: {native.why_not_native()}")
     return module
+
+
+# --------------------------------------------------------------------------- time budget
+# The suite states its own budget (README, "Run the tests"): past ATTNLAB_TEST_BUDGET_S
+# seconds of wall time the run fails with one line saying so, naming the CPU, instead of
+# running into CI's limit and ending without a word. Unset: the time is only reported.
+BUDGET_ENV = "ATTNLAB_TEST_BUDGET_S"
+_session_start: list[float] = []
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or "an unknown CPU"
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    import time
+
+    _session_start.append(time.monotonic())
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    import os
+    import time
+
+    if not _session_start or hasattr(session.config, "workerinput"):  # xdist workers: no
+        return
+    elapsed = time.monotonic() - _session_start[0]
+    budget_text = os.environ.get(BUDGET_ENV, "")
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    line = f"attnlab: the suite took {elapsed:.0f} s on {_cpu_model()}"
+    if not budget_text:
+        if reporter is not None:
+            reporter.write_line(line)
+        return
+    try:
+        budget = float(budget_text)
+    except ValueError:
+        budget = float("nan")
+    if not budget > 0:
+        raise pytest.UsageError(f"{BUDGET_ENV} must be a number of seconds, got {budget_text!r}")
+    line += f", budget {budget:.0f} s"
+    if elapsed > budget:
+        line += (
+            f": OVER BUDGET by {elapsed - budget:.0f} s. This machine is slower than the "
+            "budget allows for, or the suite grew: see the slowest tests above"
+        )
+        if session.exitstatus == 0:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    if reporter is not None:
+        reporter.write_line(line)
