@@ -172,6 +172,7 @@ def covering(choices: list, *axes: list) -> list[tuple]:
     met: set[tuple[int, int, int]] = set()  # (axis, value index, choice index)
     cases = []
     for k, index in enumerate(itertools.product(*(range(len(a)) for a in axes))):
+
         def gain(c: int, index: tuple[int, ...] = index) -> int:
             return sum((a, i, c) not in met for a, i in enumerate(index))
 
