@@ -27,10 +27,40 @@ from attnlab.pretrained.stores import (
     ollama_models,
 )
 
-__all__ = ["ModelEntry", "check_model", "find_models", "folder_models", "hf_cache_models"]
+__all__ = [
+    "ModelEntry",
+    "check_model",
+    "find_models",
+    "folder_models",
+    "format_count",
+    "format_size",
+    "hf_cache_models",
+]
 
 PACKAGED_PLACE = "packaged"
 FOLDER_PLACE = "folder"
+
+
+def format_size(size: int | None) -> str:
+    """Bytes as ``512 KB``, ``98 MB``, ``1.9 GB``; ``-`` for unknown."""
+    if size is None:
+        return "-"
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if size >= scale:
+            value = size / scale
+            return f"{value:.1f} {unit}" if value < 10 else f"{value:.0f} {unit}"
+    return f"{size} B"
+
+
+def format_count(n: int | None) -> str:
+    """A parameter count as ``135M``, ``1.5B``, ``127K``; ``-`` for unknown."""
+    if n is None:
+        return "-"
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            value = n / scale
+            return f"{value:.1f}{unit}" if value < 10 else f"{value:.0f}{unit}"
+    return str(n)
 
 
 @dataclass(frozen=True)
@@ -66,6 +96,17 @@ class ModelEntry:
     def to_dict(self) -> dict[str, Any]:
         """The entry as a JSON-ready dict."""
         return asdict(self)
+
+    def summary(self) -> str:
+        """One line without a path: family, parameters, file type, size, place."""
+        parts = [
+            self.family or "?",
+            f"{format_count(self.parameters)} params",
+            self.file_type or "?",
+            format_size(self.size),
+            self.place,
+        ]
+        return ", ".join(parts)
 
 
 @dataclass(frozen=True)
