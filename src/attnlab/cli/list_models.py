@@ -31,6 +31,9 @@ def models(
             help="Look in the Hugging Face cache, Ollama's store and LM Studio's folder.",
         ),
     ] = True,
+    packaged: Annotated[
+        bool, typer.Option("--packaged/--no-packaged", help="List the packaged models.")
+    ] = True,
     as_json: Annotated[
         bool, typer.Option("--json", help="Print JSON: one object per model.")
     ] = False,
@@ -43,7 +46,7 @@ def models(
     from attnlab.pretrained.catalog import find_models, format_count, format_size
 
     with user_input():  # a --dir that is not a folder
-        entries = find_models(tuple(dirs or ()), stores=stores)
+        entries = find_models(tuple(dirs or ()), stores=stores, packaged=packaged)
     if as_json:
         output.raw(json.dumps([e.to_dict() for e in entries], indent=2))
         return
