@@ -188,16 +188,14 @@ def _locate_hf(name: str) -> Located:
         ) from None
     try:
         snapshot = Path(
-            snapshot_download(
-                repo_id, revision=rev, cache_dir=cache, local_files_only=True, tqdm_class=None
-            )
+            snapshot_download(repo_id, revision=rev, cache_dir=cache, local_files_only=True)
         )
     except Exception as e:  # huggingface_hub's not-in-cache / incomplete / bad-id errors
         kind = type(e).__name__
         raise ModelNotFoundError(
             f"{repo_id}{'@' + rev if rev else ''} is not in the Hugging Face cache ({cache}"
-            f"{'' if kind.startswith('LocalEntryNotFound') else f'; {kind}'}); fetch it with: "
-            f"{_fetch_line(repo_id, rev)}"
+            f"{'' if kind.startswith('LocalEntryNotFound') else f'; {kind}'}), nor a file or "
+            f"directory of that name here; fetch it with: {_fetch_line(repo_id, rev)}"
         ) from None
     root = cache / f"models--{repo_id.replace('/', '--')}"
     _inside_store(snapshot, root, "its Hugging Face cache folder")
