@@ -161,6 +161,24 @@ def test_hf_snapshot_link_out_of_the_cache_is_refused(files, home):
         load_pretrained("tiny-org/evil")
 
 
+def test_hf_repo_of_gguf_files_names_one_file(files, home):
+    from attnlab.pretrained.catalog import hf_cache_models
+
+    src = home / "gguf-repo"
+    src.mkdir()
+    shutil.copyfile(files["q8"], src / "tiny-Q8_0.gguf")
+    shutil.copyfile(files["q4"], src / "tiny-Q4_0.gguf")
+    hf_cache_repo(home / "hf" / "hub", "tiny-org/tiny-GGUF", src)
+    with pytest.raises(ModelFileError, match=r"holds 2 GGUF files; choose one: .*Q4_0"):
+        load_pretrained("tiny-org/tiny-GGUF")
+    model, _ = load_pretrained("tiny-org/tiny-GGUF/tiny-Q8_0.gguf")
+    expected, _ = load_pretrained(files["q8"])
+    torch.testing.assert_close(_logits(model), _logits(expected), atol=0, rtol=0)
+    listed = {e.name: e for e in hf_cache_models()}
+    assert set(listed) == {"tiny-org/tiny-GGUF/tiny-Q4_0.gguf", "tiny-org/tiny-GGUF/tiny-Q8_0.gguf"}
+    assert [e.file_type for e in listed.values()] == ["Q4_0", "Q8_0"]
+
+
 # ----------------------------------------------------------------------------- Ollama
 
 

@@ -51,6 +51,7 @@ def models(
         output.raw(json.dumps([e.to_dict() for e in entries], indent=2))
         return
     from rich.table import Table
+    from rich.text import Text
 
     table = Table(title="Models on this machine", title_justify="left")
     for column, justify in (
@@ -64,7 +65,7 @@ def models(
     ):
         table.add_column(column, justify=justify, overflow="fold")  # type: ignore[arg-type]
     for e in entries:
-        table.add_row(
+        cells = (
             e.name,
             e.family or "-",
             format_count(e.parameters),
@@ -73,6 +74,7 @@ def models(
             e.place,
             "yes" if e.loadable else f"no: {e.reason}",
         )
+        table.add_row(*(Text(c) for c in cells))  # names and reasons are not markup
     output.show(table)
     if not entries:
         output.note("no models found")

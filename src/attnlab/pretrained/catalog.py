@@ -285,15 +285,22 @@ def hf_cache_models(cache: Path | None = None) -> list[ModelEntry]:
         for rev in sorted(repo.revisions, key=lambda r: r.commit_hash):
             refs = sorted(rev.refs)
             suffix = "" if "main" in refs else f"@{refs[0] if refs else rev.commit_hash}"
-            name = f"{repo.repo_id}{suffix}"
-            found: Located | Exception
-            try:
-                located = locate(name)
-                assert located is not None
-                found = located
-            except (ValueError, OSError) as e:
-                found = e
-            out.append(_entry(name, HF_PLACE, found))
+            names = [f"{repo.repo_id}{suffix}"]
+            snapshot = Path(rev.snapshot_path)
+            if not (snapshot / "config.json").exists():  # a repo of GGUF files: each one
+                ggufs = sorted(p.name for p in snapshot.glob("*.gguf"))
+                ggufs = [g for g in ggufs if not g.lower().startswith("mmproj")]
+                if len(ggufs) > 1:
+                    names = [f"{repo.repo_id}/{g}{suffix}" for g in ggufs]
+            for name in names:
+                found: Located | Exception
+                try:
+                    located = locate(name)
+                    assert located is not None
+                    found = located
+                except (ValueError, OSError) as e:
+                    found = e
+                out.append(_entry(name, HF_PLACE, found))
     return out
 
 
