@@ -9,7 +9,9 @@ directory or GGUF file it stands for, offline:
   when imported); a repo of GGUF files only takes ``org/name/FILE.gguf`` when it holds
   several;
 - ``ollama:NAME[:TAG]`` (tag ``latest``): the model layer of the manifest in Ollama's store
-  (``$OLLAMA_MODELS`` or ``~/.ollama/models``), a blob named by its sha256;
+  (``$OLLAMA_MODELS`` or ``~/.ollama/models``), a blob named by its sha256 (the template
+  and params layers are not read: Ollama's templates are Go templates, and the GGUF file's
+  own chat template serves ``--chat``);
 - ``lmstudio:PUBLISHER/REPO[/FILE]``: a GGUF file in LM Studio's folder
   (``~/.lmstudio/models``, or the older ``~/.cache/lm-studio/models``).
 
@@ -38,6 +40,7 @@ __all__ = [
     "OLLAMA_PLACE",
     "Located",
     "ModelNotFoundError",
+    "check_blob",
     "hf_cache_dir",
     "is_store_name",
     "lmstudio_dir",
@@ -52,8 +55,6 @@ OLLAMA_PLACE = "Ollama"
 LMSTUDIO_PLACE = "LM Studio"
 
 OLLAMA_MODEL = "application/vnd.ollama.image.model"
-OLLAMA_TEMPLATE = "application/vnd.ollama.image.template"
-OLLAMA_PARAMS = "application/vnd.ollama.image.params"
 OLLAMA_HOST = "registry.ollama.ai"
 MAX_MANIFEST_BYTES = 1 << 20
 
