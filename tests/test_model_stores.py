@@ -150,6 +150,28 @@ def test_hf_hub_cache_elsewhere_is_honoured(files, home, monkeypatch):
     torch.testing.assert_close(_logits(model), _logits(ref), atol=0, rtol=0)
 
 
+def test_hf_sharded_checkpoint_in_the_cache_and_a_missing_shard(files, home):
+    from transformers import AutoModelForCausalLM
+
+    sharded = home / "sharded-src"
+    ref = AutoModelForCausalLM.from_pretrained(files["llama"]).eval()
+    ref.save_pretrained(sharded, max_shard_size="200KB")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(files["llama"] / name, sharded / name)
+    shards = sorted(p.name for p in sharded.glob("model-*.safetensors"))
+    assert len(shards) > 1
+    cache = home / "hf" / "hub"
+    hf_cache_repo(cache, "tiny-org/sharded", sharded)  # shards are links into blobs/
+    model, _ = load_pretrained("tiny-org/sharded")
+    expected, _ = load_pretrained(files["llama"])
+    torch.testing.assert_close(_logits(model), _logits(expected), atol=0, rtol=0)
+    hf_cache_repo(cache, "tiny-org/part", sharded, leave_out=(shards[-1],))
+    with pytest.raises(
+        ModelFileError, match=rf"lacks the weight file\(s\) {shards[-1]} .*hf download"
+    ):
+        load_pretrained("tiny-org/part")
+
+
 def test_hf_snapshot_link_out_of_the_cache_is_refused(files, home):
     cache = home / "hf" / "hub"
     snapshot = hf_cache_repo(cache, "tiny-org/evil", files["llama"])
