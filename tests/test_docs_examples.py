@@ -43,6 +43,7 @@ COMMANDS = [
     "heads",
     "ring-demo",
     "info",
+    "models",
     "serve",
 ]
 

@@ -25,6 +25,7 @@ COMMAND_MODULES = (
     "heads",
     "ring_demo",
     "info",
+    "list_models",
     "serve",
 )
 for _name in COMMAND_MODULES:

@@ -61,8 +61,10 @@ def load_checkpoint_model(directory: Path, backend: str = "auto") -> tuple[Any, 
 def load_pretrained_model(
     name: str, *, kind: str | None = None, backend: str = "auto", dtype: Any = "float32"
 ) -> tuple[Any, Any, str]:
-    """The model ``--model NAME`` gives (a packaged name, a model directory or a GGUF file),
-    its tokenizer, and a label: the one way every command loads one.
+    """The model ``--model NAME`` gives (a packaged name, a model directory, a GGUF file or
+    a store name: ``org/name[@revision]`` in the Hugging Face cache, ``ollama:NAME[:TAG]``,
+    ``lmstudio:PUBLISHER/REPO[/FILE]``), its tokenizer, and a label: the one way every
+    command loads one.
 
     Args:
         name: the ``--model`` value.
@@ -83,6 +85,7 @@ def load_pretrained_model(
         load_pretrained,
         model_family,
     )
+    from attnlab.pretrained.stores import is_store_name
 
     check_local_backend(backend)
     if isinstance(dtype, str):
@@ -90,10 +93,12 @@ def load_pretrained_model(
     key = name.lower()
     packaged = key in PRETRAINED_MODELS
     fitting = sorted(n for n, (k, _) in PRETRAINED_MODELS.items() if kind in (None, k))
-    if not packaged and not Path(name).exists():
+    if not packaged and not Path(name).exists() and not is_store_name(name):
         raise UserError(
             f"unknown --model {name!r}; choose one of {', '.join(fitting)}, or give a model "
-            "directory or .gguf file"
+            "directory, a .gguf file, a Hugging Face repo id in the local cache "
+            "(org/name[@revision]), ollama:NAME[:TAG] or lmstudio:PUBLISHER/REPO[/FILE] "
+            "(`attnlab models` lists what this machine has)"
         )
     try:
         # The kind is known before loading (the packaged table, config.json or the GGUF
@@ -107,7 +112,7 @@ def load_pretrained_model(
                     name, "encoder" if family_kind == "encoder" else "causal-lm", kind, fitting
                 )
             model, tok = load_pretrained(
-                key if packaged else Path(name), backend=backend, dtype=dtype, announce=output.note
+                key if packaged else name, backend=backend, dtype=dtype, announce=output.note
             )
     except MissingPackageError as e:
         raise UserError(str(e)) from e

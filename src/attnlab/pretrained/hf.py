@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,14 @@ from attnlab.pretrained.gguf_file import mxfp4_values
 from attnlab.pretrained.safetensors_file import SafetensorsFile, read_safetensors
 from attnlab.pretrained.tokenizer import PretrainedTokenizer, tokenizer_from_hf_dir
 
-__all__ = ["dequantize_fp8_blocks", "load_hf_directory", "read_json", "weight_files"]
+__all__ = [
+    "HFPlan",
+    "dequantize_fp8_blocks",
+    "load_hf_directory",
+    "plan_hf_directory",
+    "read_json",
+    "weight_files",
+]
 
 MAX_JSON_BYTES = 64 * 1024 * 1024
 
@@ -55,21 +63,27 @@ def read_json(path: Path, *, what: str) -> dict[str, Any]:
     return data
 
 
-def _inside(folder: Path, name: object, where: Path) -> Path:
-    """``folder / name``, refused unless it is a plain relative name that stays inside."""
+def _inside(folder: Path, name: object, where: Path, root: Path | None = None) -> Path:
+    """``folder / name``, refused unless it is a plain relative name that stays inside
+    ``root`` (default ``folder``; a Hugging Face cache snapshot's files are links into its
+    repo folder's ``blobs/``: the repo folder is the root)."""
     if not isinstance(name, str) or not name or "\x00" in name:
         raise ModelFileError(where, f"shard name {name!r} is not a file name")
     candidate = Path(name)
     if candidate.is_absolute() or ".." in candidate.parts:
         raise ModelFileError(where, f"shard {name!r} points outside the model directory")
     path = folder / candidate
-    if not path.resolve().is_relative_to(folder.resolve()):
+    if not path.resolve().is_relative_to((root or folder).resolve()):
         raise ModelFileError(where, f"shard {name!r} resolves outside the model directory")
     return path
 
 
-def weight_files(folder: Path) -> tuple[dict[str, SafetensorsFile], Path]:
+def weight_files(folder: Path, root: Path | None = None) -> tuple[dict[str, SafetensorsFile], Path]:
     """Every weight tensor name -> the checked safetensors file that holds it.
+
+    Args:
+        folder: the model directory.
+        root: the folder no file may resolve outside (default ``folder``).
 
     Returns:
         ``(by_name, where)``: the mapping and the file to name in messages.
@@ -88,7 +102,7 @@ def weight_files(folder: Path) -> tuple[dict[str, SafetensorsFile], Path]:
         shards: dict[str, SafetensorsFile] = {}
         by_name: dict[str, SafetensorsFile] = {}
         for tensor, shard in weight_map.items():
-            path = _inside(folder, shard, index)
+            path = _inside(folder, shard, index, root)
             if shard not in shards:
                 if not path.is_file():
                     raise ModelFileError(index, f"names shard {shard!r}, which is missing")
@@ -109,15 +123,71 @@ def weight_files(folder: Path) -> tuple[dict[str, SafetensorsFile], Path]:
     raise ModelFileError(folder, "has no model.safetensors or model.safetensors.index.json")
 
 
+@dataclass(frozen=True)
+class HFPlan:
+    """What a Hugging Face directory holds, read from its config and weight headers without
+    reading a weight: what loading it would build, and how each weight would be read.
+
+    Attributes:
+        family: the family (``config.json``'s ``model_type``).
+        config: the model config.
+        config_json: ``config.json`` as read.
+        names: every source tensor the model takes -> its element count.
+        get: reads one source tensor (dequantising FP8 / MXFP4 pairs).
+        files: tensor name -> its safetensors file.
+        where: the file to name in messages (the index, or ``model.safetensors``).
+        notes: what loading leaves out (multi-token-prediction layers).
+    """
+
+    family: Family
+    config: Any
+    config_json: dict[str, Any]
+    names: dict[str, int]
+    get: Callable[[str], torch.Tensor]
+    files: dict[str, SafetensorsFile]
+    where: Path
+    notes: tuple[str, ...]
+
+
+def plan_hf_directory(folder: Path, *, root: Path | None = None) -> HFPlan:
+    """Read a Hugging Face directory's config and weight headers (:class:`HFPlan`): every
+    check :func:`load_hf_directory` makes before it reads a weight.
+
+    Raises:
+        ModelFileError: anything wrong with the files (named, with the field).
+    """
+    if not folder.is_dir():
+        raise ModelFileError(folder, "is not a directory")
+    config_path = folder / "config.json"
+    hf = read_json(config_path, what="the model config")
+    family = family_from(hf.get("model_type"), config_path)
+    config = build_config(family, hf, where=config_path, source="hf")
+    files, where = weight_files(folder, root)
+    names = {name: f.tensors[name].numel for name, f in files.items()}
+    notes = _leave_out_mtp_layers(family, hf, config.num_layers, names, config_path)
+    get = (
+        _mxfp4_pairs(files, names, hf)
+        or _fp8_blocks(files, names, hf, config_path)
+        or (lambda name: files[name].tensor(name))
+    )
+    return HFPlan(family, config, hf, names, get, files, where, notes)
+
+
 def load_hf_directory(
-    path: str | Path, *, backend: str = "auto", dtype: torch.dtype = torch.float32
+    path: str | Path,
+    *,
+    backend: str = "auto",
+    dtype: torch.dtype = torch.float32,
+    root: str | Path | None = None,
 ) -> tuple[Decoder | Encoder | EncoderDecoder, PretrainedTokenizer]:
-    """A Hugging Face model directory as an attnlab model and tokenizer.
+    """A Hugging Face directory as an attnlab model and tokenizer.
 
     Args:
         path: the directory.
         backend: attention backend for every layer.
         dtype: parameter dtype (fp16/bf16/fp32 weights are converted).
+        root: the folder no weight file may resolve outside (default: the directory; a
+            Hugging Face cache snapshot's files link into its repo folder, the root then).
 
     Returns:
         ``(model, tokenizer)``, the model in eval mode.
@@ -126,32 +196,19 @@ def load_hf_directory(
         ModelFileError: anything wrong with the files (named, with the field).
     """
     folder = Path(path)
-    if not folder.is_dir():
-        raise ModelFileError(folder, "is not a directory")
-    config_path = folder / "config.json"
-    hf = read_json(config_path, what="the model config")
-    family = family_from(hf.get("model_type"), config_path)
-    config = build_config(family, hf, where=config_path, source="hf")
-    files, where = weight_files(folder)
-    names = {name: f.tensors[name].numel for name, f in files.items()}
-    notes = _leave_out_mtp_layers(family, hf, config.num_layers, names, config_path)
-    get = (
-        _mxfp4_pairs(files, names, hf)
-        or _fp8_blocks(files, names, hf, config_path)
-        or (lambda name: files[name].tensor(name))
-    )
+    plan = plan_hf_directory(folder, root=None if root is None else Path(root))
     model = build_model(
-        config,
-        names,
-        get,
-        family=family,
+        plan.config,
+        plan.names,
+        plan.get,
+        family=plan.family,
         source="hf",
-        where=where,
+        where=plan.where,
         dtype=dtype,
         backend=backend,
     )
     if isinstance(model, Decoder):
-        model.load_notes = notes
+        model.load_notes = plan.notes
     tokenizer = tokenizer_from_hf_dir(folder, max_length=_max_tokens(model))
     return model, tokenizer
 

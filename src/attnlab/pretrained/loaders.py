@@ -288,13 +288,21 @@ def model_family(path: str | Path) -> Family:
     reading a weight: what a command or a server checks before it loads the model.
 
     Args:
-        path: a Hugging Face model directory or a ``.gguf`` file.
+        path: a Hugging Face model directory or a ``.gguf`` file, or a store name
+            (:func:`attnlab.pretrained.stores.locate`).
 
     Raises:
         ModelFileError: a missing or unreadable ``config.json`` or GGUF header, or a family
             attnlab does not have.
+        ModelNotFoundError: a store name whose model is not here.
         MissingPackageError: a package loading it needs (:func:`require_packages`).
     """
+    if isinstance(path, str) and not Path(path).exists():
+        from attnlab.pretrained.stores import locate
+
+        located = locate(path)
+        if located is not None:
+            path = located.path
     path = Path(path)
     require_packages(path)
     if path.is_file():

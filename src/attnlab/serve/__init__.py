@@ -20,6 +20,7 @@ from attnlab.serve.models import (
     model_spec,
     pretrained_spec,
     spec_for,
+    store_spec,
 )
 from attnlab.serve.pool import BusyError, WorkerPool
 from attnlab.serve.server import is_loopback, serve
@@ -43,4 +44,5 @@ __all__ = [
     "render_page",
     "serve",
     "spec_for",
+    "store_spec",
 ]

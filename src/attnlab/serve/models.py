@@ -26,6 +26,7 @@ __all__ = [
     "example_spec",
     "path_spec",
     "spec_for",
+    "store_spec",
 ]
 
 
@@ -338,9 +339,49 @@ def model_spec(model: Any, tokenizer: Any, name: str, *, causal: bool = True) ->
     return ModelSpec(name, f"{type(model).__name__} (in memory)", load, kind)
 
 
+def store_spec(name: str, entry: Any = None) -> ModelSpec:
+    """A model in the Hugging Face cache, Ollama's store or LM Studio's folder, offered
+    under its store name (``org/name``, ``ollama:NAME:TAG``, ``lmstudio:PUB/REPO/FILE``);
+    its description (family, parameters, file type, size, place) names no path.
+
+    Only the config or GGUF header is read now (:func:`attnlab.pretrained.catalog.check_model`);
+    the weights load on first use, through :func:`attnlab.pretrained.load_pretrained`
+    (which checks an Ollama blob's sha256 then).
+
+    Args:
+        name: the store name.
+        entry: its :class:`attnlab.pretrained.catalog.ModelEntry` when already checked.
+
+    Raises:
+        ModelNotFoundError: the model is not here.
+        ModelFileError: it cannot be loaded (the loader's own error).
+        MissingPackageError: a package loading it needs is missing.
+    """
+    from attnlab.pretrained.catalog import ModelEntry, check_model
+    from attnlab.pretrained.stores import locate
+
+    if entry is None:
+        located = locate(name)
+        if located is None:
+            raise ValueError(f"`name` must be a store name, got {name!r}")
+        c = check_model(located.path, root=located.root)
+        entry = ModelEntry(
+            name,
+            located.place,
+            None,
+            c.family,
+            c.kind,
+            c.parameters,
+            c.file_type,
+            c.size,
+        )
+    kind = {"decoder": "causal-lm"}.get(entry.kind or "", entry.kind or "causal-lm")
+    return ModelSpec(name, entry.summary(), _pretrained_loader(name, name), kind)
+
+
 def spec_for(value: str) -> ModelSpec:
     """The spec for one ``--model`` value: an example, a packaged name, a checkpoint
-    folder, a model directory or a GGUF file.
+    folder, a model directory, a GGUF file or a store name (:func:`store_spec`).
 
     Raises:
         ValueError: none of these (the message lists what is accepted).
@@ -349,6 +390,7 @@ def spec_for(value: str) -> ModelSpec:
     """
     from attnlab.examples import EXAMPLES
     from attnlab.pretrained import PRETRAINED_MODELS
+    from attnlab.pretrained.stores import is_store_name
 
     key = value.strip()
     if key.startswith("example:") and key.split(":", 1)[1] in EXAMPLES:
@@ -361,10 +403,14 @@ def spec_for(value: str) -> ModelSpec:
         return checkpoint_spec(path)
     if path.exists():  # what `load_pretrained` would load: refused here, with its file named
         return path_spec(path)
+    if is_store_name(key):  # the Hugging Face cache, Ollama, LM Studio
+        return store_spec(key)
     choices = [f"example:{e}" for e in EXAMPLES] + list(PRETRAINED_MODELS)
     raise ValueError(
         f"unknown --model {value!r}; choose one of {', '.join(choices)}, or give a model "
-        "directory, a .gguf file or a checkpoint folder written by `attnlab train`"
+        "directory, a .gguf file, a checkpoint folder written by `attnlab train`, a Hugging "
+        "Face repo id in the local cache (org/name[@revision]), ollama:NAME[:TAG] or "
+        "lmstudio:PUBLISHER/REPO[/FILE] (`attnlab models` lists them)"
     )
 
 
@@ -376,9 +422,11 @@ def _is_training_checkpoint(config: Path) -> bool:
     return read_json(config, what="the model's configuration").get("format") == FORMAT
 
 
-def default_specs(runs: Path = Path("runs/gpt")) -> list[ModelSpec]:
+def default_specs(runs: Path = Path("runs/gpt"), *, stores: bool = True) -> list[ModelSpec]:
     """The seed's example, the tiny GPT if ``runs/gpt`` holds one, the packaged models
-    whose weights are installed."""
+    whose weights are installed, and (``stores``) every loadable model ``attnlab models``
+    finds in the Hugging Face cache, Ollama's store and LM Studio's folder, offered under
+    its store name (headers read now, weights on first use)."""
     from attnlab.pretrained import PRETRAINED_MODELS, packaged_installed
 
     specs = [example_spec("journey")]
@@ -386,4 +434,12 @@ def default_specs(runs: Path = Path("runs/gpt")) -> list[ModelSpec]:
         with contextlib.suppress(ValueError):
             specs.append(spec_for(str(runs)))
     specs += [pretrained_spec(n) for n in PRETRAINED_MODELS if packaged_installed(n)]
+    if stores:
+        from attnlab.pretrained.catalog import find_models
+
+        names = {s.name for s in specs}
+        for entry in find_models(stores=True, packaged=False):
+            if entry.loadable and entry.name not in names:
+                specs.append(store_spec(entry.name, entry))
+                names.add(entry.name)
     return specs
