@@ -58,7 +58,7 @@ import torch
 from torch import nn
 
 from attnlab.attention import KVCache, StaticKVCache, recording_attention
-from attnlab.models._lm import watching_residual
+from attnlab.models._lm import editing_blocks
 from attnlab.quant import column_major, fuse_rows, native_product, row_product
 from attnlab.rope import RotaryEmbedding
 
@@ -68,6 +68,7 @@ __all__ = [
     "decode_plan",
     "defer_decode_plan",
     "fast_step",
+    "module_hooks",
     "new_caches",
     "takes_fast_step",
     "why_not_fast_decode",
@@ -789,13 +790,31 @@ def takes_fast_step(
 
     One new token per row, every layer's cache a :class:`StaticKVCache`, eval mode, no
     gradients, no weights asked for or recorded (:func:`attnlab.attention.record_attention`;
-    a layer's ``capture`` is checked by :meth:`DecodePlan.capturing`).
+    a layer's ``capture`` is checked by :meth:`DecodePlan.capturing`), no block hook point
+    in use (:func:`attnlab.models._lm.editing_blocks`), and no PyTorch forward hook or
+    pre-hook on a module the step would skip (:func:`module_hooks`), so that a user's
+    ``register_forward_hook`` keeps firing while :func:`attnlab.generation.generate`
+    decodes.
     """
     if input_ids.shape[1] != 1 or need_weights or not kv_cache or model.training:
         return False
-    if torch.is_grad_enabled() or recording_attention() or watching_residual():
+    if torch.is_grad_enabled() or recording_attention() or editing_blocks():
         return False
-    return all(isinstance(c, StaticKVCache) for c in kv_cache)
+    if not all(isinstance(c, StaticKVCache) for c in kv_cache):
+        return False
+    return not module_hooks(model)
+
+
+def module_hooks(model: nn.Module) -> bool:
+    """Whether a PyTorch forward hook or forward pre-hook would fire inside ``model``: a
+    global one (``torch.nn.modules.module.register_module_forward_hook`` and
+    ``..._pre_hook``) or one registered on any of its submodules (the model's own hooks
+    fire around the step too, so they do not count)."""
+    from torch.nn.modules import module as torch_module
+
+    if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks for m in model.modules() if m is not model)
 
 
 def new_caches(n_layers: int, max_len: int | None) -> list[KVCache]:
