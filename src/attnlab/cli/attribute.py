@@ -104,18 +104,14 @@ def attribute(
         output.show(attribution_table(result, top))
         if by_source and result.by_source is not None:
             _print_sources(result, tokens, attribution_components(result), top=3)
-        note = _note(result)
-        if note:
-            output.note(note)
+        if result.frozen:
+            output.note(f"frozen: {_note(result)}")
     _write_figures(result, source, what, tokens, target_text, contrast_text, png, svg, html)
 
 
 def _note(result: Any) -> str:
-    for name in ("note", "frozen"):
-        value = getattr(result, name, None)
-        if isinstance(value, str) and value:
-            return value
-    return ""
+    """What was frozen or decomposed to make the parts exact, on one line."""
+    return "; ".join(result.frozen)
 
 
 def attribution_json(
@@ -139,14 +135,16 @@ def attribution_json(
         if result.contrast is None
         else {"id": int(result.contrast), "token": contrast_text},
         "total": float(result.total),
+        "logit_difference": float(result.logit_difference),
         "embedding": float(result.embedding),
         "heads": listed(result.heads),
         "mlp": listed(result.mlp),
         "experts": listed(result.experts),
+        "shared_experts": listed(result.shared_experts),
         "bias": float(result.bias),
         "error": float(result.error),
         "by_source": listed(result.by_source),
-        "note": _note(result),
+        "frozen": list(result.frozen),
     }
 
 

@@ -58,7 +58,7 @@ def patch(
     (m_patched - m_corrupted) / (m_clean - m_corrupted): 1 restores the clean answer,
     0 changes nothing.
     """
-    from attnlab.explain import patch as patch_
+    from attnlab.explain import patching
     from attnlab.explain.model_trace import _encode, _token_texts
     from attnlab.explain.text import patch_table
 
@@ -87,7 +87,8 @@ def patch(
             "patching needs prompts of the same token length"
         )
     with user_input():
-        grid = patch_(net, clean_ids, corrupted_ids, target_, contrast_, over=over)
+        run = patching(net, clean_ids, corrupted_ids, target_, contrast_, over=over)  # type: ignore[arg-type]
+    grid = run.grid
     tokens = _token_texts(tokenizer, clean_ids)
     target_text, contrast_text = _token_texts(tokenizer, [target_, contrast_])
     what = f"logit({target_text!r}) - logit({contrast_text!r})"
@@ -101,6 +102,8 @@ def patch(
                     "corrupted_tokens": _token_texts(tokenizer, corrupted_ids),
                     "target": {"id": target_, "token": target_text},
                     "contrast": {"id": contrast_, "token": contrast_text},
+                    "clean": run.clean,
+                    "corrupted": run.corrupted,
                     "grid": grid.detach().float().tolist(),
                 }
             )
@@ -111,7 +114,8 @@ def patch(
         for line in (
             f"{source}: patching over {over} ({L} layers x {C} {cols}), metric {what} at the "
             "last position",
-            "Each cell: the share of the clean answer a patch restores (1 all of it, 0 none).",
+            f"m = {run.clean:+.4f} on the clean prompt, {run.corrupted:+.4f} on the corrupted one; "
+            "each cell: the share of that difference a patch restores (1 all of it, 0 none).",
         ):
             output.console.print(line, markup=False, soft_wrap=True)
         output.show(patch_table(grid, over, tokens))

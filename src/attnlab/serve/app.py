@@ -640,10 +640,6 @@ def _attribute_work(
         result = attribute(
             loaded.model, ids, target_id, contrast_id, pos, by_source=fields["by_source"]
         )
-    note = next(
-        (v for v in (getattr(result, n, None) for n in ("note", "frozen")) if isinstance(v, str)),
-        "",
-    )
     return {
         "model": name,
         "ids": ids,
@@ -652,14 +648,16 @@ def _attribute_work(
         "target": _spell(loaded, target_id),
         "contrast": _spell(loaded, contrast_id),
         "total": float(result.total),
+        "logit_difference": float(result.logit_difference),
         "embedding": float(result.embedding),
         "heads": _listed(result.heads),
         "mlp": _listed(result.mlp),
         "experts": _listed(result.experts),
+        "shared_experts": _listed(result.shared_experts),
         "bias": float(result.bias),
         "error": float(result.error),
         "by_source": _listed(result.by_source),
-        "note": note,
+        "frozen": list(result.frozen),
         "top": _tops(loaded, logits, fields["k"]),
     }
 
@@ -672,7 +670,7 @@ def _patch_work(
     fields: dict[str, Any],
     limits: ServeLimits,
 ) -> dict[str, Any]:
-    from attnlab.explain import attribution_patching, patch
+    from attnlab.explain import attribution_patching, patching
     from attnlab.explain.model_trace import _token_texts
 
     loaded = _causal_model(registry, name)
@@ -690,8 +688,12 @@ def _patch_work(
     with _user_errors():
         if method == "attribution":
             grid = attribution_patching(loaded.model, clean_ids, corrupted_ids, target, contrast)
+            m_clean, m_corrupted = (
+                _metric(loaded, ids, target, contrast) for ids in (clean_ids, corrupted_ids)
+            )
         else:
-            grid = patch(loaded.model, clean_ids, corrupted_ids, target, contrast, over=over)
+            run = patching(loaded.model, clean_ids, corrupted_ids, target, contrast, over=over)
+            grid, m_clean, m_corrupted = run.grid, run.clean, run.corrupted
     return {
         "model": name,
         "over": over,
@@ -700,8 +702,21 @@ def _patch_work(
         "corrupted_tokens": _token_texts(loaded.tokenizer, corrupted_ids),
         "target": _spell(loaded, target),
         "contrast": _spell(loaded, contrast),
+        "clean": m_clean,
+        "corrupted": m_corrupted,
         "grid": _listed(grid),
     }
+
+
+def _metric(loaded: LoadedModel, ids: list[int], target: int, contrast: int) -> float:
+    """``logit(target) - logit(contrast)`` at the last position of the model's own run."""
+    import torch
+
+    from attnlab.explain.heads import ablate
+
+    with torch.no_grad():
+        logits = ablate(loaded.model, ids, [])[0, -1].double()  # (V,)
+    return float(logits[target] - logits[contrast])
 
 
 def _encode_field(loaded: LoadedModel, text: str, name: str, limits: ServeLimits) -> list[int]:

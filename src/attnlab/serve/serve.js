@@ -783,7 +783,7 @@
     tot.id = "why-total";
     tot.dataset.total = String(res.total);
     b.appendChild(tot);
-    if (res.note) b.appendChild(el("p", "small", res.note));
+    if (res.frozen.length) b.appendChild(el("p", "small why-frozen", res.frozen.join("; ")));
     var row = el("div", "why-cols");
     // the heads grid
     var left = el("div", "why-col");
