@@ -46,9 +46,9 @@ def test_click_a_generated_token_and_the_panel_shows_the_attribution():
         # The request is the prompt and the first generated token, explaining the second,
         # against the runner-up of that step.
         prompt = tokenizer().encode("Every effort moves you")
-        assert body["ids"] == prompt + [generated[0]["id"]]
+        assert body["ids"] == [*prompt, generated[0]["id"]]
         assert body["target"] == generated[1]["id"] and body["position"] == -1
-        runner = [t for t in generated[1]["top"] if t["id"] != generated[1]["id"]][0]
+        runner = next(t for t in generated[1]["top"] if t["id"] != generated[1]["id"])
         assert body["contrast"] == runner["id"]
         expected = httpx.post(url + "/api/attribute", json=body, timeout=60).json()
         cells = page.locator("#why-heads .why-cell").evaluate_all(
@@ -77,7 +77,8 @@ def test_click_a_generated_token_and_the_panel_shows_the_attribution():
         page.wait_for_selector("body[data-why='2']", timeout=60_000)
         why = page.evaluate("window.attnlabServe.why")
         assert why["position"] == 1 and why["target"]["id"] == why["ids"][2]
-        assert why["contrast"]["id"] == [t for t in why["top"] if t["id"] != why["ids"][2]][0]["id"]
+        runner = next(t for t in why["top"] if t["id"] != why["ids"][2])
+        assert why["contrast"]["id"] == runner["id"]
         # The patching form.
         page.fill("#why-clean", "When Mary and John went to the store, John gave a drink to")
         page.fill("#why-corrupted", "When Mary and John went to the store, Mary gave a drink to")

@@ -148,7 +148,9 @@ def attribution_json(
     }
 
 
-def _print_sources(result: Any, tokens: list[str], parts: list[tuple[str, float]], top: int) -> None:
+def _print_sources(
+    result: Any, tokens: list[str], parts: list[tuple[str, float]], top: int
+) -> None:
     heads = [name for name, _ in parts if "." in name][:top]
     output.console.print(
         "Where the strongest heads read it (value-weighted attention over the source tokens):",
@@ -202,7 +204,5 @@ def _write_figures(
         from attnlab.explain.html import attribution_html
 
         html.parent.mkdir(parents=True, exist_ok=True)
-        html.write_text(
-            attribution_html(result, fig, tokens, source, what), encoding="utf-8"
-        )
+        html.write_text(attribution_html(result, fig, tokens, source, what), encoding="utf-8")
         output.note(f"wrote {html}")

@@ -124,7 +124,9 @@ def patch(
         cells = []
         for i in order:
             layer, col = divmod(i, C)
-            name = f"{layer}.{col}" if over == "heads" else f"layer {layer} at {col} {tokens[col]!r}"
+            name = (
+                f"{layer}.{col}" if over == "heads" else f"layer {layer} at {col} {tokens[col]!r}"
+            )
             cells.append(f"{name} {float(flat[i]):+.2f}")
         output.console.print("Strongest: " + ", ".join(cells), markup=False, soft_wrap=True)
     if png is not None or svg is not None:

@@ -43,9 +43,9 @@ if TYPE_CHECKING:
     from attnlab.explain.model_trace import ModelTrace
 
 __all__ = [
-    "attribution_html",
     "PageWalkthrough",
     "WalkthroughStep",
+    "attribution_html",
     "page_data",
     "render_html",
     "render_iframe",
@@ -589,14 +589,12 @@ def attribution_html(
             layer, head = (int(x) for x in name.split("."))
             row = attribution.by_source[layer, head].detach().float()  # (S,)
             order = row.abs().argsort(descending=True)[:5].tolist()
-            cells = ", ".join(
-                f"{j} {escape(repr(tokens[j]))} {float(row[j]):+.3f}" for j in order
-            )
+            cells = ", ".join(f"{j} {escape(repr(tokens[j]))} {float(row[j]):+.3f}" for j in order)
             items.append(f"<li><b>{escape(name)}</b>: {cells}</li>")
         sources = "<h2>Where the strongest heads read it</h2><ul>" + "".join(items) + "</ul>"
     title = f"{source}: {what}"
     return (
-        "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
+        '<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
         f"<title>{escape(title)}</title>\n<style>body {{ font-family: system-ui, sans-serif; "
         "margin: 1.5em; } table { border-collapse: collapse; font-variant-numeric: "
         "tabular-nums; } td, th { padding: 2px 10px; text-align: right; } "

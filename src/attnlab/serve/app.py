@@ -27,8 +27,8 @@ Routes:
   first-order estimate (:func:`attnlab.explain.attribution_patching`).
 - ``POST /api/generate``: ``{"model", "text", "max_new_tokens"?, "temperature"?,
   "top_k"?, "top_p"?, "seed"?, "layer"?, "head"?}`` -> server-sent events: the prompt's
-  token ids, then one per token (the next-token distribution, the text, the attention of the query that
-  predicted it), then ``done``.
+  token ids, then one per token (the next-token distribution, the text, the attention of
+  the query that predicted it), then ``done``.
 
 Every error is JSON ``{"error": "..."}``: 400 bad JSON, 404 unknown model, 413 a limit
 exceeded (the message names the limit and its flag), 422 a wrong field, 429 the work
@@ -582,7 +582,9 @@ def _token_id(loaded: LoadedModel, value: int | str, name: str) -> int:
     if isinstance(value, int):
         vocab = _vocab_size(loaded.model)
         if value >= vocab:
-            raise ApiError(422, f"`{name}` = {value} is not a token id of this model (0..{vocab - 1})")
+            raise ApiError(
+                422, f"`{name}` = {value} is not a token id of this model (0..{vocab - 1})"
+            )
         return value
     try:
         ids = loaded.encode(value)
@@ -625,7 +627,11 @@ def _attribute_work(
     from attnlab.explain.model_trace import _token_texts
 
     loaded = _causal_model(registry, name)
-    ids = _encode(loaded, text, limits) if ids is None else _check_ids(loaded, ids, limits)
+    if ids is None:
+        assert text is not None  # the route sends one of them
+        ids = _encode(loaded, text, limits)
+    else:
+        ids = _check_ids(loaded, ids, limits)
     T, position = len(ids), fields["position"]
     if not -T <= position < T:
         raise ApiError(422, f"`position` must be in {-T}..{T - 1} for {T} tokens, got {position}")
