@@ -763,7 +763,7 @@ def plot_attribution(
     grid_ax, bar_ax = fig.subplots(1, 2, width_ratios=[max(H, 3), 4])
     vmax = _symmetric(heads)
     image = grid_ax.imshow(heads.numpy(), cmap="RdBu_r", vmin=-vmax, vmax=vmax, aspect="auto")
-    _grid_cells(grid_ax, heads, vmax, ".1f")
+    _grid_cells(grid_ax, heads, vmax, ".1f" if vmax >= 1 else ".2f")
     grid_ax.set_xticks(range(H))
     grid_ax.set_yticks(_tick_positions(L))
     grid_ax.set_xlabel("head")
