@@ -63,8 +63,8 @@ def smollm2_ioi(rec: Recorder, png_dir: Path | None) -> dict:
     rec.add("logit(' Mary') - logit(' John'), clean prompt", heads.clean, "logits")
     rec.add("logit(' Mary') - logit(' John'), corrupted prompt", heads.corrupted, "logits")
     rec.add("direct attribution: |error| of the parts", abs(dla.error), "logits", better="lower")
-    top_dla = _top(dla.heads, 5)
-    top_patch = _top(heads.grid, 5)
+    top_dla = _top(dla.heads, 8)
+    top_patch = _top(heads.grid, 8)
     top_ap = _top(estimate, 5)
     for name, value in top_dla:
         rec.add(f"direct attribution of head {name}", value, "logits")
@@ -74,14 +74,20 @@ def smollm2_ioi(rec: Recorder, png_dir: Path | None) -> dict:
         rec.add(f"activation patching of head {name}", value, "share restored")
     for name, value in top_ap:
         rec.add(f"attribution patching of head {name}", value, "share restored")
+    H = dla.heads.shape[1]
+    for name, value in top_patch:
+        layer, head = (int(x) for x in name.split("."))
+        rec.add(
+            f"head {name}: attribution patching", float(estimate[layer, head]), "share restored",
+            peer="activation patching", peer_value=value,
+        )  # fmt: skip
     rec.add(
         "Pearson r, attribution patching vs activation patching (270 heads)", r_ap, "r",
         note="the first-order estimate against the real patched runs",
     )  # fmt: skip
     rec.add("Pearson r, direct attribution vs activation patching (270 heads)", r_dla, "r")
-    overlap = len({n for n, _ in top_patch} & {n for n, _ in top_ap})
+    overlap = len({n for n, _ in top_patch[:5]} & {n for n, _ in top_ap})
     rec.add("heads shared by the top 5 of both patchings", overlap, "heads")
-    H = dla.heads.shape[1]
     best = divmod(int(dla.heads.flatten().abs().argmax()), H)
     src = dla.by_source[best]  # (S,)
     tokens = [tok.decode([i]) for i in clean]
