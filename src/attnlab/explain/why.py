@@ -56,7 +56,7 @@ class _Layout:
     mlp_post: list[nn.Module | None]  # same for the feed-forward output
     residual_multiplier: float
     final_norm: nn.Module
-    unembedding: nn.Module
+    unembedding: Any  # nn.Linear or a weight format: rows of ``.weight`` (V, C)
     head_input_scale: float
     logits_scaling: float
     softcap: float | None
@@ -96,28 +96,30 @@ def _layout(model: nn.Module, what: str) -> _Layout:
             f"output_head={cfg.output_head}: a cross-attention write has no per-head "
             "decomposition here"
         )
-    blocks = list(model.blocks)
+    decoder_blocks: list[Any] = list(model.blocks)
     kind = "1/rms" if cfg.norm == "rms" else "1/std, each part centred"
     frozen = [f"final norm scale ({kind})"]
+    attn_post: list[nn.Module | None]
+    mlp_post: list[nn.Module | None]
     if cfg.norm_placement == "sandwich":
-        attn_post = [b.attn_post_norm for b in blocks]
-        mlp_post = [b.mlp_post_norm for b in blocks]
+        attn_post = [b.attn_post_norm for b in decoder_blocks]
+        mlp_post = [b.mlp_post_norm for b in decoder_blocks]
         frozen.append(f"post-block norm scales (attn_post_norm, mlp_post_norm: {kind})")
     elif cfg.norm_placement == "post":
-        attn_post = [b.attn_norm for b in blocks]
-        mlp_post = [b.mlp_norm for b in blocks]
+        attn_post = [b.attn_norm for b in decoder_blocks]
+        mlp_post = [b.mlp_norm for b in decoder_blocks]
         frozen.append(f"post-block norm scales (attn_norm, mlp_norm: {kind})")
     else:
-        attn_post = [None] * len(blocks)
-        mlp_post = [None] * len(blocks)
+        attn_post = [None] * len(decoder_blocks)
+        mlp_post = [None] * len(decoder_blocks)
     if cfg.final_softcap is not None:
         frozen.append(
             f"final logit soft-cap {cfg.final_softcap:g}: the pre-cap logit difference is "
             "decomposed"
         )
     return _Layout(
-        blocks=blocks,
-        attentions=[b.attention for b in blocks],
+        blocks=decoder_blocks,
+        attentions=[b.attention for b in decoder_blocks],
         attn_post=attn_post,
         mlp_post=mlp_post,
         residual_multiplier=float(cfg.residual_multiplier),
@@ -211,8 +213,8 @@ def token_id(token: object, name: str, vocab_size: int, tokenizer: Any = None) -
 
 
 def _vocab(layout: _Layout) -> int:
-    weight = layout.unembedding.weight
-    return int(weight.shape[0])
+    rows = getattr(layout.unembedding, "out_features", None)
+    return int(rows) if isinstance(rows, int) else int(layout.unembedding.weight.shape[0])
 
 
 def _one_sequence(model: nn.Module, ids: Sequence[int] | torch.Tensor, name: str) -> torch.Tensor:
@@ -505,9 +507,10 @@ def _decompose(
             assert z is not None
             w_attn = w_final * r
             post = layout.attn_post[i]
+            written = cap.attn_out[i]
             if post is not None:
-                assert cap.attn_out[i] is not None
-                w_attn, k = _pull_back(post, cap.attn_out[i], w_attn)
+                assert written is not None
+                w_attn, k = _pull_back(post, written, w_attn)
                 bias += k * r
             W_O = attn.out_proj.weight.detach().double()  # (C, H*Dv)
             Dv = W_O.shape[1] // attn.num_heads
@@ -571,8 +574,8 @@ def _is_moe(block: nn.Module) -> bool:
     return isinstance(getattr(block, "mlp", None), MixtureOfExperts)
 
 
-def _num_experts(block: nn.Module) -> int:
-    return int(block.mlp.config.num_experts)  # type: ignore[union-attr]
+def _num_experts(block: Any) -> int:
+    return int(block.mlp.config.num_experts)
 
 
 def _shift(norm: nn.Module | None) -> torch.Tensor | None:
