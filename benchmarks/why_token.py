@@ -79,7 +79,7 @@ def smollm2_ioi(rec: Recorder, png_dir: Path | None) -> dict:
         layer, head = (int(x) for x in name.split("."))
         rec.add(
             f"head {name}: attribution patching", float(estimate[layer, head]), "share restored",
-            peer="activation patching", peer_value=value,
+            note=f"activation patching {value:.4f}",
         )  # fmt: skip
     rec.add(
         "Pearson r, attribution patching vs activation patching (270 heads)", r_ap, "r",
