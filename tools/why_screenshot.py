@@ -2,7 +2,8 @@
 
 Serves the packaged SmolLM2-135M-Instruct file on 127.0.0.1 (a free port), drives the
 page in Debian's headless Chromium: types the indirect-object prompt, generates one token,
-clicks it, opens head 23.3's sources, and screenshots the panel.
+clicks it, picks " John" as the contrast, opens head 23.3's sources, and screenshots the
+panel.
 
     PYTHONPATH=src python tools/why_screenshot.py [--out docs/img/serve-why.png]
 """
@@ -42,8 +43,12 @@ def main() -> None:
         page.fill("#gen-n", "1")
         page.click("#gen-stream")
         page.wait_for_selector("body[data-generated='1']", timeout=300_000)
+        page.wait_for_selector("body[data-traced='3']", timeout=300_000)  # text + " Mary"
         page.click("#gen-out .gen-tok[data-index='0']")
         page.wait_for_selector("body[data-why='1']", timeout=300_000)
+        john = str(page.evaluate("window.attnlabServe.why.ids[3]"))  # " John"
+        page.select_option("#why-contrast-pick", john)
+        page.wait_for_selector("body[data-why='2']", timeout=300_000)
         page.click("#why-heads .why-cell[data-layer='23'][data-head='3']")
         page.locator("#panel-why").screenshot(path=str(args.out))
         if errors:

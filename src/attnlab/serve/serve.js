@@ -693,6 +693,10 @@
     [["clean", why.clean], ["corrupted", why.corrupted], ["target", why.ptarget],
       ["contrast", why.pcontrast], ["over", why.over], ["method", why.method]]
       .forEach(function (x) { f.appendChild(labelled(WT[x[0]], x[1])); });
+    // Filled from the text and the last answer explained, until the user types in them.
+    [why.clean, why.ptarget, why.pcontrast].forEach(function (i) {
+      i.addEventListener("input", function () { i.dataset.edited = "1"; });
+    });
     var go = el("button", "act", WT.run_patch);
     go.id = "why-patch"; go.type = "button";
     go.addEventListener("click", runPatch);
@@ -723,7 +727,7 @@
     nxt.id = "why-next"; nxt.tabIndex = 0; nxt.title = WT.why_click;
     nxt.addEventListener("click", function () { openWhy({ ids: ids, position: -1 }); });
     why.strip.appendChild(nxt);
-    if (!why.clean.value) why.clean.value = textBox.value;
+    if (!why.clean.dataset.edited) why.clean.value = textBox.value;
   }
   function openWhy(q) {
     // q: {ids, position, target?, contrast? (undefined: the runner-up), top?}
@@ -846,8 +850,8 @@
     res.heads.forEach(function (vals, l) { vals.forEach(function (v, h_) {
       if (Math.abs(v) > bv) { bv = Math.abs(v); best = [l, h_]; } }); });
     showSources(res, best[0], best[1]);
-    if (!why.ptarget.value) why.ptarget.value = res.target.token;
-    if (!why.pcontrast.value && res.contrast) why.pcontrast.value = res.contrast.token;
+    if (!why.ptarget.dataset.edited) why.ptarget.value = res.target.token;
+    if (!why.pcontrast.dataset.edited) why.pcontrast.value = res.contrast ? res.contrast.token : "";
     $("panel-why").scrollIntoView({ block: "nearest" });
   }
   function showSources(res, l, h) {
