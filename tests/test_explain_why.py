@@ -154,13 +154,13 @@ class HFWhy:
 
         def through_final(v: torch.Tensor) -> float:
             if layer_norm:  # frozen 1/std times gain: read off the module's own output
-                k = (y - self.final_norm.bias.double()) / (x - x.mean())
+                k = (y - self.final_norm.bias.detach().double()) / (x - x.mean())
                 return float(((v - v.mean()) * k) @ u)
             return float((v * (y / x)) @ u)
 
         total = float(y @ u)  # pre-cap: the final norm's output times the unembedding
         if layer_norm:
-            total -= float(self.final_norm.bias.double() @ u)  # the bias is not a part
+            total -= float(self.final_norm.bias.detach().double() @ u)  # the bias is not a part
         embedding = through_final(out.hidden_states[0][0, p].double())
         L = len(self.layers)
         heads = torch.zeros(L, self.H, dtype=torch.float64)
