@@ -194,3 +194,13 @@ def test_the_generate_stream_starts_with_the_prompt_ids(client):
     assert blocks[0].startswith("event: prompt\n")
     assert f'"ids": {ids_of(TEXT)}'.replace(" ", "") in blocks[0].replace(" ", "")
     assert [b.split("\n")[0] for b in blocks[1:]] == ["event: token"] * 2 + ["event: done"]
+
+
+def test_a_patch_longer_than_256_tokens_is_refused(gpt):
+    app = create_app(ModelRegistry([model_spec(tiny_gpt(5, context_length=512), get_tokenizer(),
+                                               "long")]))  # fmt: skip
+    with TestClient(app) as c:
+        body = {"model": "long", "clean": " a" * 257, "corrupted": " b" * 257, "target": 1,
+                "contrast": 2}  # fmt: skip
+        r = c.post("/api/patch", json=body)
+        assert r.status_code == 413 and r.json()["error"].startswith("`clean` has 257 tokens")

@@ -525,6 +525,8 @@ def _head_pairs(body: dict[str, Any]) -> list[tuple[int, int]]:
 # ------------------------------------------------------------------ why this token
 
 MAX_TOKEN_CHARS = 200  # a target/contrast given as text: one token is never longer
+# Patching runs one forward per layer and head (or position): a prompt pair is kept short.
+MAX_PATCH_TOKENS = 256
 
 
 def _token_field(body: dict[str, Any], name: str) -> int | str | None:
@@ -682,6 +684,12 @@ def _patch_work(
     loaded = _causal_model(registry, name)
     clean_ids = _encode_field(loaded, clean, "clean", limits)
     corrupted_ids = _encode_field(loaded, corrupted, "corrupted", limits)
+    if len(clean_ids) > MAX_PATCH_TOKENS:
+        raise ApiError(
+            413,
+            f"`clean` has {len(clean_ids):,} tokens; patching runs the model once per layer "
+            f"and head (or position), so it takes at most {MAX_PATCH_TOKENS} tokens",
+        )
     if len(clean_ids) != len(corrupted_ids):
         raise ApiError(
             422,
