@@ -80,12 +80,28 @@ def _git(*args: str) -> str | None:
     return out.stdout.strip()
 
 
+# The vector extensions kernels are chosen by, as /proc/cpuinfo names them.
+SIMD = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512_vnni",
+        "avx512_bf16", "amx_bf16", "amx_int8", "asimd", "sve")  # fmt: skip
+
+
+def _simd() -> list[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    m = re.search(r"^(?:flags|Features)\s*:\s*(.+)$", text, re.M)
+    have = set(m.group(1).split()) if m else set()
+    return [f for f in SIMD if f in have]
+
+
 def machine() -> dict[str, Any]:
-    """The machine a record was measured on."""
+    """The machine a record was measured on (its SIMD features among them)."""
     import torch
 
     return {
         "cpu": _cpu_model(),
+        "simd": _simd(),
         "cores": os.cpu_count(),
         "platform": platform.platform(),
         "python": platform.python_version(),

@@ -111,7 +111,9 @@ def render(records: list[dict[str, Any]]) -> str:
             "",
             f"- command: `{rec['command']}`",
             f"- commit {commit}, measured {rec['date'][:10]}",
-            f"- machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}, "
+            f"- machine: {m['cpu']}"
+            + (f" ({' '.join(m['simd'])})" if m.get("simd") else "")
+            + f", {m['cores']} cores, torch {m['torch']}, "
             f"Python {m['python']}; {rec['threads']} threads",
             f"- machine state: {_quiet_line(rec['quiet'])}",
             "",

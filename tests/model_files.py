@@ -759,3 +759,23 @@ def write_gguf(
     w.write_tensors_to_file()
     w.close()
     return reference
+
+
+def smollm2_reference():
+    """transformers' Llama of the packaged SmolLM2-135M-Instruct GGUF file (eager attention,
+    weights dequantised by transformers' own GGUF reader, the head tied)."""
+    from transformers import AutoConfig, LlamaForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from attnlab.pretrained.loaders import smollm2_path
+
+    path = smollm2_path()
+    config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    config._attn_implementation = "eager"
+    model = LlamaForCausalLM(config).eval()
+    state = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
+    result = model.load_state_dict(state, strict=False)
+    assert result.unexpected_keys == [] and result.missing_keys == ["lm_head.weight"]
+    model.tie_weights()
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    return model

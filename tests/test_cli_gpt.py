@@ -108,8 +108,9 @@ def test_generate_bad_input(capsys, micro_checkpoint, tmp_path):
 def test_every_checkpoint_command_refuses_a_config_that_does_not_fit(
     capsys, micro_checkpoint, tmp_path, monkeypatch
 ):
-    """`generate`, `explain` and `heads` load a checkpoint the one way: its config is checked
-    against its weights, and a mismatch is one error line naming the tensor."""
+    """`generate`, `explain`, `heads`, `attribute` and `patch` load a checkpoint the one
+    way: its config is checked against its weights, and a mismatch is one error line
+    naming the tensor."""
     bad = tmp_path / "bad"
     bad.mkdir()
     for p in micro_checkpoint.iterdir():
@@ -122,6 +123,20 @@ def test_every_checkpoint_command_refuses_a_config_that_does_not_fit(
         ("generate", "--checkpoint", str(bad), "hello"),
         ("explain", "--checkpoint", str(bad), "hello"),
         ("heads", "--checkpoint", str(bad)),
+        ("attribute", "--checkpoint", str(bad), "hello", "--target-id", "1"),
+        (
+            "patch",
+            "--checkpoint",
+            str(bad),
+            "--clean",
+            "a b",
+            "--corrupted",
+            "a c",
+            "--target-id",
+            "1",
+            "--contrast-id",
+            "2",
+        ),
     ):
         code, _, err = run_main(capsys, *command)
         line = _one_error_line(err)
@@ -244,3 +259,28 @@ def test_train_repeated_words_and_layers(capsys, tmp_path):
     )
     assert code == 0, err
     assert load_checkpoint(out).model_config["vocab_size"] == 50257
+
+
+def test_attribute_and_patch_on_a_checkpoint_are_the_library_numbers(capsys, micro_checkpoint):
+    import torch
+
+    from attnlab.explain import attribute, patch
+    from attnlab.models.gpt import GPTModel
+
+    model = GPTModel.from_checkpoint(micro_checkpoint).eval()
+    ckpt = str(micro_checkpoint)
+    args = ("Every effort moves you", "--target", " forward", "--json")
+    code, out, err = run_main(capsys, "attribute", "--checkpoint", ckpt, *args)
+    assert code == 0, err
+    data = json.loads(out)
+    expected = attribute(model, [6109, 3626, 6100, 345], 2651)
+    assert data["total"] == pytest.approx(expected.total, abs=1e-6)
+    torch.testing.assert_close(torch.tensor(data["heads"]), expected.heads.float())
+    assert data["contrast"] is None
+    code, out, err = run_main(capsys, "patch", "--checkpoint", str(micro_checkpoint),
+                              "--clean", "Every effort moves you", "--corrupted",
+                              "Every day moves you", "--target", " forward", "--contrast",
+                              " back", "--over", "mlp", "--json")  # fmt: skip
+    assert code == 0, err
+    grid = patch(model, [6109, 3626, 6100, 345], [6109, 1110, 6100, 345], 2651, 736, over="mlp")
+    torch.testing.assert_close(torch.tensor(json.loads(out)["grid"]), grid.float())

@@ -41,6 +41,8 @@ COMMANDS = [
     "embed",
     "explain",
     "heads",
+    "attribute",
+    "patch",
     "ring-demo",
     "info",
     "models",

@@ -248,6 +248,70 @@ def test_recording_or_capturing_takes_the_module_path():
     assert model.blocks[1].attention.captured is not None
 
 
+@pytest.mark.parametrize("kind", ["forward", "pre", "global"])
+@pytest.mark.parametrize("gpt", [False, True], ids=["decoder", "gpt"])
+def test_a_module_hook_keeps_firing_while_generate_decodes(kind, gpt, monkeypatch):
+    """A PyTorch hook on a module the fused step would skip makes every decode step take
+    the module path (the hook sees the prompt and each new token); without one the fused
+    step is taken."""
+    from torch.nn.modules.module import (
+        register_module_forward_hook,
+        register_module_forward_pre_hook,
+    )
+
+    from attnlab.models.fast_decode import DecodePlan
+    from attnlab.models.gpt import GPTConfig, GPTModel
+
+    if gpt:
+        torch.manual_seed(0)
+        model = GPTModel(
+            GPTConfig(vocab_size=96, context_length=48, emb_dim=32, n_heads=4, n_layers=2)
+        ).eval()
+        target = model.trf_blocks[1].ff
+    else:
+        model = _model()
+        target = model.blocks[1].mlp
+    steps = []
+    real_step = DecodePlan.step
+
+    def counting_step(self, *args, **kwargs):
+        steps.append(1)
+        return real_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(DecodePlan, "step", counting_step)
+    ids = torch.zeros(1, 4, dtype=torch.long)
+    fast = generate(model, ids, 6)
+    assert len(steps) == 5  # no hook: every token after the first is a fused step
+
+    calls = []
+
+    def seen(module, *args):
+        if module is target:
+            calls.append(1)
+
+    if kind == "forward":
+        handle = target.register_forward_hook(lambda m, a, o: seen(m))
+    elif kind == "pre":
+        handle = target.register_forward_pre_hook(lambda m, a: seen(m))
+    else:
+        handle = register_module_forward_hook(lambda m, a, o: seen(m))
+    try:
+        hooked = generate(model, ids, 6)
+    finally:
+        handle.remove()
+    assert len(calls) == 6  # the prompt, then each of the 5 one-token steps
+    assert len(steps) == 5  # none of them fused
+    assert torch.equal(hooked, fast)
+    handle = register_module_forward_pre_hook(lambda m, a: None)
+    try:
+        generate(model, ids, 3)
+    finally:
+        handle.remove()
+    assert len(steps) == 5  # a global pre-hook takes the module path too
+    generate(model, ids, 3)
+    assert len(steps) == 7  # hooks removed: fused again
+
+
 LAYOUTS = {
     "gpt2-like": {
         "norm": "layer",

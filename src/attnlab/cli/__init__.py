@@ -23,6 +23,8 @@ COMMAND_MODULES = (
     "embed",
     "explain",
     "heads",
+    "attribute",
+    "patch",
     "ring_demo",
     "info",
     "list_models",

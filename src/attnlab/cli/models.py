@@ -16,6 +16,7 @@ __all__ = [
     "load_checkpoint_model",
     "load_model_arg",
     "load_pretrained_model",
+    "token_arg",
 ]
 
 
@@ -141,3 +142,30 @@ def load_model_arg(
         return load_checkpoint_model(checkpoint, backend)
     assert model is not None
     return load_pretrained_model(model, backend=backend, dtype=dtype)
+
+
+def token_arg(tokenizer: Any, text: str | None, token_id: int | None, flag: str) -> int | None:
+    """The token id of ``--FLAG TEXT`` (text that is exactly one token) or ``--FLAG-id N``.
+
+    Raises:
+        UserError: both or (for a required flag, checked by the caller) neither given, or
+            text that is not exactly one token (how many it is, and what they are).
+    """
+    from attnlab.explain.model_trace import _encode, _token_texts
+
+    if text is not None and token_id is not None:
+        raise UserError(f"give either --{flag} TEXT or --{flag}-id N, not both")
+    if token_id is not None:
+        if token_id < 0:
+            raise UserError(f"`--{flag}-id` must be >= 0, got {token_id}")
+        return token_id
+    if text is None:
+        return None
+    ids = _encode(tokenizer, text)
+    if len(ids) != 1:
+        spelled = ", ".join(repr(t) for t in _token_texts(tokenizer, ids[:8]))
+        raise UserError(
+            f"--{flag} {text!r} is {len(ids)} tokens ({spelled or 'none'}); it must be exactly "
+            f"one token: try a leading space (' Mary'), or give --{flag}-id N"
+        )
+    return ids[0]

@@ -5,7 +5,8 @@ tables; ``figures`` draws it with matplotlib (imported lazily); ``i18n`` holds t
 explanations in English and Traditional Chinese; ``model_trace`` captures any attnlab
 model's attention (:func:`trace_model`) and ``html`` writes the interactive page;
 ``heads`` says what heads do (:func:`head_scores`, :func:`ablate`, :func:`logit_lens`,
-:func:`rollout`).
+:func:`rollout`); ``why`` says why a token came out (:func:`attribute`, :func:`patch`,
+:func:`attribution_patching`).
 """
 
 from __future__ import annotations
@@ -31,21 +32,35 @@ from attnlab.explain.trace import (
     trace_attention,
     trace_example,
 )
+from attnlab.explain.why import (
+    Attribution,
+    Patching,
+    attribute,
+    attribution_patching,
+    patch,
+    patching,
+)
 
 __all__ = [
     "AblationEffect",
     "AttentionForm",
     "AttentionTrace",
+    "Attribution",
     "Checks",
     "ExpertTrace",
     "ModelTrace",
     "ModuleRun",
+    "Patching",
     "Projection",
     "TokenStep",
     "ablate",
     "ablation_effect",
+    "attribute",
+    "attribution_patching",
     "head_scores",
     "logit_lens",
+    "patch",
+    "patching",
     "rollout",
     "top_tokens",
     "trace_attention",

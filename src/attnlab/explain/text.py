@@ -25,9 +25,12 @@ __all__ = [
     "DECIMALS",
     "Paragraph",
     "ablation_table",
+    "attribution_components",
+    "attribution_table",
     "format_number",
     "heatmap_tables",
     "matrix_table",
+    "patch_table",
     "roles_table",
     "step_renderables",
     "walkthrough_renderables",
@@ -495,6 +498,70 @@ def ablation_table(
     table.add_column(after_header, no_wrap=True)
     for i, (b_tok, b_p, a_tok, a_p) in enumerate(zip(*before, *after, strict=True), 1):
         table.add_row(str(i), f"{b_tok!r} {b_p:.3f}", f"{a_tok!r} {a_p:.3f}")
+    return table
+
+
+def attribution_components(attribution: Any) -> list[tuple[str, float]]:
+    """Every part of an :class:`~attnlab.explain.Attribution`, largest ``|value|`` first.
+
+    Heads are named ``"L.H"``, feed-forward blocks ``"mlp L"``, and the two constant parts
+    ``"embedding"`` and ``"bias"``; the parts sum to ``total - error``.
+
+    Returns:
+        ``[(name, value), ...]``, sorted by ``|value|`` descending.
+    """
+    heads = attribution.heads.detach().float()  # (L, H)
+    mlp = attribution.mlp.detach().float()  # (L,)
+    parts = [("embedding", float(attribution.embedding)), ("bias", float(attribution.bias))]
+    parts += [
+        (f"{layer}.{head}", float(heads[layer, head]))
+        for layer in range(heads.shape[0])
+        for head in range(heads.shape[1])
+    ]
+    parts += [(f"mlp {layer}", float(mlp[layer])) for layer in range(mlp.shape[0])]
+    return sorted(parts, key=lambda p: -abs(p[1]))
+
+
+def attribution_table(attribution: Any, k: int = 10) -> Table:
+    """The ``k`` largest parts of an attribution: value and share of ``total``.
+
+    Args:
+        attribution: an :class:`~attnlab.explain.Attribution`.
+        k: rows shown (the largest ``|value|`` first).
+
+    Returns:
+        A table: component (``L.H``, ``mlp L``, ``embedding``, ``bias``), value, share.
+    """
+    total = float(attribution.total)
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
+    table.add_column("component", style="cyan", no_wrap=True)
+    table.add_column("value", justify="right", no_wrap=True)
+    table.add_column("share", justify="right", no_wrap=True)
+    for name, value in attribution_components(attribution)[:k]:
+        share = f"{100 * value / total:+.1f}%" if total != 0 else "-"
+        table.add_row(name, f"{value:+.4f}", share)
+    return table
+
+
+def patch_table(grid: torch.Tensor, over: str, tokens: Sequence[str] | None = None) -> Table:
+    """An activation-patching grid: layers down, heads (or positions) across.
+
+    Args:
+        grid: ``(L, H)`` for ``over="heads"``, ``(L, T)`` for ``"residual"`` / ``"mlp"``.
+        over: what was patched (the columns' name).
+        tokens: the column labels of an ``(L, T)`` grid (the clean prompt's tokens).
+
+    Returns:
+        A table of the normalised effects to 2 decimals (1 = the clean answer restored).
+    """
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
+    table.add_column("layer" if over == "heads" else "layer \\ token", style="cyan")
+    values = grid.detach().float()
+    for j in range(values.shape[1]):
+        label = str(j) if over == "heads" or tokens is None else f"{j} {tokens[j]!r}"
+        table.add_column(label, justify="right", no_wrap=True)
+    for layer in range(values.shape[0]):
+        table.add_row(str(layer), *(f"{float(v):.2f}" for v in values[layer]))
     return table
 
 

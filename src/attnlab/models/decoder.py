@@ -54,7 +54,14 @@ from attnlab.attention import Attention, KVCache
 from attnlab.biases import AlibiBias, RelativePositionBias
 from attnlab.latent import LatentAttention, MLAConfig
 from attnlab.masks import AttentionMask, PaddingMask
-from attnlab.models._lm import keep_last, residual_after_block, set_attention_backend
+from attnlab.models._lm import (
+    block_input,
+    first_block,
+    keep_last,
+    mlp_output,
+    residual_after_block,
+    set_attention_backend,
+)
 from attnlab.models.fast_decode import (
     DecodePlan,
     FastDecoding,
@@ -461,7 +468,7 @@ class DecoderBlock(nn.Module):
         if self.placement == "post":
             a, weights = self._attend(x, kv_cache, need_weights, bias)
             x = x + self.attn_norm(a) * r if r != 1.0 else x + self.attn_norm(a)  # (B, T, C)
-            m = self.mlp_norm(self.mlp(x))  # type: ignore[misc]
+            m = mlp_output(self, self.mlp_norm(self.mlp(x)))  # type: ignore[misc]
             return (x + m * r if r != 1.0 else x + m), weights, None
         normed = self.attn_norm(x)
         a, weights = self._attend(normed, kv_cache, need_weights, bias)
@@ -478,6 +485,7 @@ class DecoderBlock(nn.Module):
         m = self.mlp(h)
         if self.mlp_post_norm is not None:
             m = self.mlp_post_norm(m)
+        m = mlp_output(self, m)
         return (x + m * r if r != 1.0 else x + m), weights, cross_weights  # (B, T, C)
 
 
@@ -790,7 +798,11 @@ class Decoder(nn.Module, FastDecoding):
         )
         all_weights: list[torch.Tensor] = []
         cross_weights: list[torch.Tensor] = []
+        start = first_block()
         for i, block in enumerate(self.blocks):
+            if i < start:  # an experiment resumes from a stream it cached (edit_block_input)
+                continue
+            x = block_input(i, x)
             x, w, cw = block(
                 x,
                 kv_cache[i] if kv_cache is not None else None,

@@ -58,7 +58,7 @@ import torch
 from torch import nn
 
 from attnlab.attention import KVCache, StaticKVCache, recording_attention
-from attnlab.models._lm import watching_residual
+from attnlab.models._lm import editing_blocks
 from attnlab.quant import column_major, fuse_rows, native_product, row_product
 from attnlab.rope import RotaryEmbedding
 
@@ -68,6 +68,8 @@ __all__ = [
     "decode_plan",
     "defer_decode_plan",
     "fast_step",
+    "hook_tables",
+    "module_hooks",
     "new_caches",
     "takes_fast_step",
     "why_not_fast_decode",
@@ -313,6 +315,7 @@ class DecodePlan:
         assert not isinstance(parts, str)
         self.share_float = share_float
         self.parts = parts
+        self._hook_tables = hook_tables(model)
         att0 = _block_parts(parts.blocks[0])[1]
         self.H, self.G, self.D = att0.num_heads, att0.num_kv_heads, att0.head_dim
         scale = getattr(att0, "scale", None)
@@ -459,6 +462,11 @@ class DecodePlan:
     def capturing(self) -> bool:
         """True when a layer was asked to ``capture`` its weights (the step skips layers)."""
         return any(layer.attention.capture for layer in self.layers)
+
+    def hooked(self) -> bool:
+        """True when a PyTorch forward hook or pre-hook would fire on a module the step
+        skips (:func:`module_hooks`): the model then runs its modules."""
+        return module_hooks(self._hook_tables)
 
     def _rope_tables(
         self, length: int, device: torch.device, rope: RotaryEmbedding | None = None
@@ -789,13 +797,42 @@ def takes_fast_step(
 
     One new token per row, every layer's cache a :class:`StaticKVCache`, eval mode, no
     gradients, no weights asked for or recorded (:func:`attnlab.attention.record_attention`;
-    a layer's ``capture`` is checked by :meth:`DecodePlan.capturing`).
+    a layer's ``capture`` is checked by :meth:`DecodePlan.capturing`), no block hook point
+    in use (:func:`attnlab.models._lm.editing_blocks`). A PyTorch forward hook or pre-hook
+    on a module the step would skip is checked by :meth:`DecodePlan.hooked` (from the
+    plan's list of the modules' hook tables, a few microseconds), so that a user's
+    ``register_forward_hook`` keeps firing while :func:`attnlab.generation.generate`
+    decodes.
     """
     if input_ids.shape[1] != 1 or need_weights or not kv_cache or model.training:
         return False
-    if torch.is_grad_enabled() or recording_attention() or watching_residual():
+    if torch.is_grad_enabled() or recording_attention() or editing_blocks():
         return False
     return all(isinstance(c, StaticKVCache) for c in kv_cache)
+
+
+def hook_tables(model: nn.Module) -> list[dict[Any, Any]]:
+    """The forward-hook and forward-pre-hook tables of every module inside ``model`` (not
+    the model's own: its hooks fire around the step too). PyTorch registers and removes
+    hooks in these tables in place, so one list answers :func:`module_hooks` for as long
+    as the modules stay (a plan is rebuilt when they are replaced)."""
+    return [
+        table
+        for m in model.modules()
+        if m is not model
+        for table in (m._forward_hooks, m._forward_pre_hooks)
+    ]
+
+
+def module_hooks(tables: list[dict[Any, Any]]) -> bool:
+    """Whether a PyTorch forward hook or forward pre-hook would fire: a global one
+    (``torch.nn.modules.module.register_module_forward_hook`` and ``..._pre_hook``) or one
+    in ``tables`` (:func:`hook_tables`)."""
+    from torch.nn.modules import module as torch_module
+
+    if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
+        return True
+    return any(tables)
 
 
 def new_caches(n_layers: int, max_len: int | None) -> list[KVCache]:
@@ -860,8 +897,9 @@ def defer_decode_plan(model: FastDecoding, *, share_float: bool) -> None:
 def fast_step(
     model: Any, input_ids: torch.Tensor, kv_cache: Any, need_weights: bool = False
 ) -> torch.Tensor | None:
-    """The logits of :meth:`DecodePlan.step` when :func:`takes_fast_step` allows it and
-    no layer captures its weights; None: run the model's modules instead."""
+    """The logits of :meth:`DecodePlan.step` when :func:`takes_fast_step` allows it, no
+    layer captures its weights and no PyTorch hook would fire on a module the step skips;
+    None: run the model's modules instead."""
     if not takes_fast_step(model, input_ids, kv_cache, need_weights):
         return None
     plan = model._decode_plan
@@ -869,4 +907,6 @@ def fast_step(
         if why_not_fast_decode(model) is not None:
             return None  # checked per call only for layouts that stay on their modules
         plan = decode_plan(model)
-    return None if plan.capturing() else plan.step(input_ids, kv_cache)
+    if plan.capturing() or plan.hooked():
+        return None
+    return plan.step(input_ids, kv_cache)

@@ -28,7 +28,13 @@ from attnlab.attention import Attention, KVCache
 from attnlab.backends import available_backends
 from attnlab.checkpoint import Checkpoint, CheckpointError, check_state_dict, load_checkpoint
 from attnlab.generation import generate, generate_stream
-from attnlab.models._lm import keep_last, residual_after_block
+from attnlab.models._lm import (
+    block_input,
+    first_block,
+    keep_last,
+    mlp_output,
+    residual_after_block,
+)
 from attnlab.models.fast_decode import (
     DecodePlan,
     FastDecoding,
@@ -211,7 +217,7 @@ class TransformerBlock(nn.Module):
         x = self.att(self.norm1(x), is_causal=True, kv_cache=kv_cache)  # (B, T, C)
         x = self.drop_shortcut(x) + shortcut
         shortcut = x
-        x = self.ff(self.norm2(x))  # (B, T, C)
+        x = mlp_output(self, self.ff(self.norm2(x)))  # (B, T, C)
         return self.drop_shortcut(x) + shortcut
 
 
@@ -377,7 +383,11 @@ class GPTModel(nn.Module, FastDecoding):
             positions = torch.arange(past, past + T, device=input_ids.device)  # (T,)
         x = self.tok_emb(input_ids) + self.pos_emb(positions)  # (B, T, C)
         x = self.drop_emb(x)
+        start = first_block()
         for i, block in enumerate(self.trf_blocks):
+            if i < start:  # an experiment resumes from a stream it cached (edit_block_input)
+                continue
+            x = block_input(i, x)
             x = block(x, None if kv_cache is None else kv_cache[i])  # (B, T, C)
             residual_after_block(i, x)
         x = keep_last(x, logits_to_keep)  # (B, T or logits_to_keep, C)

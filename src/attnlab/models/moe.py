@@ -52,6 +52,7 @@ __all__ = [
     "Routing",
     "ScoreCorrection",
     "clamped_swiglu",
+    "record_experts",
     "record_routing",
 ]
 
@@ -225,6 +226,34 @@ _ROUTING_RECORDER: ContextVar[RoutingRecorder | None] = ContextVar(
 )
 
 
+# Receives (layer, expert or None for the shared one, token rows (n,), their outputs (n, C)).
+ExpertRecorder = Callable[["MixtureOfExperts", "int | None", torch.Tensor, torch.Tensor], None]
+_EXPERT_RECORDER: ContextVar[ExpertRecorder | None] = ContextVar(
+    "attnlab_expert_recorder", default=None
+)
+
+
+@contextmanager
+def record_experts(recorder: ExpertRecorder) -> Iterator[None]:
+    """Hand every expert's weighted output to ``recorder``, in this call only.
+
+    Each :class:`MixtureOfExperts` forward calls ``recorder(layer, e, rows, y)`` once per
+    expert ``e`` that ran: ``rows`` ``(n,)`` the tokens (of the call's ``B*T``, in order)
+    routed to it and ``y`` ``(n, C)`` what it added to their outputs (its routing weight
+    applied); then once with ``e=None`` for the shared expert (every row), when the layer
+    has one. The layer's output is the sum of these. The tensors are the layer's own:
+    keep what you need, detached.
+
+    Args:
+        recorder: ``(layer, e, rows, y) -> None``.
+    """
+    token = _EXPERT_RECORDER.set(recorder)
+    try:
+        yield
+    finally:
+        _EXPERT_RECORDER.reset(token)
+
+
 @contextmanager
 def record_routing(recorder: RoutingRecorder) -> Iterator[None]:
     """Hand every :class:`MixtureOfExperts` forward run inside the block to ``recorder``.
@@ -330,6 +359,7 @@ class MixtureOfExperts(nn.Module):
         weights = routing.weights.reshape(-1)[order].to(x.dtype)  # (N*k,)
         tokens = order // k  # the token of each grouped slot
         out = torch.zeros_like(flat)  # (N, C)
+        experts_seen = _EXPERT_RECORDER.get()
         start = 0
         for e, n in enumerate(counts):
             if n == 0:  # no token chose this expert: it costs nothing
@@ -341,9 +371,15 @@ class MixtureOfExperts(nn.Module):
             if self.config.weight_inputs:
                 h = h * w
             y = self._expert(e, h)  # (n, C)
-            out.index_add_(0, rows, y if self.config.weight_inputs else y * w)
+            y = y if self.config.weight_inputs else y * w
+            if experts_seen is not None:
+                experts_seen(self, e, rows, y)
+            out.index_add_(0, rows, y)
         if self.shared is not None:
-            out = out + self.shared(flat)
+            shared = self.shared(flat)  # (N, C)
+            if experts_seen is not None:
+                experts_seen(self, None, torch.arange(flat.shape[0], device=x.device), shared)
+            out = out + shared
         return out.view_as(x)
 
     def _expert(self, e: int, h: torch.Tensor) -> torch.Tensor:

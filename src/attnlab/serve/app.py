@@ -18,10 +18,17 @@ Routes:
 - ``POST /api/lens``: ``{"model", "text", "k"?}`` -> the logit lens: the top tokens after
   every block at every position.
 - ``POST /api/rollout``: ``{"model", "text", "residual"?}`` -> attention rollout ``(T, T)``.
+- ``POST /api/attribute``: ``{"model", "text" | "ids", "target"?, "contrast"?, "position"?,
+  "by_source"?, "k"?}`` -> direct logit attribution (:func:`attnlab.explain.attribute`):
+  every head's, MLP's and constant part of ``logit(target) - logit(contrast)``, and the
+  top tokens at that position (for a contrast picker).
+- ``POST /api/patch``: ``{"model", "clean", "corrupted", "target", "contrast", "over"?,
+  "method"?}`` -> the activation-patching grid (:func:`attnlab.explain.patch`) or its
+  first-order estimate (:func:`attnlab.explain.attribution_patching`).
 - ``POST /api/generate``: ``{"model", "text", "max_new_tokens"?, "temperature"?,
-  "top_k"?, "top_p"?, "seed"?, "layer"?, "head"?}`` -> server-sent events, one per
-  token (the next-token distribution, the text, the attention of the query that
-  predicted it), then ``done``.
+  "top_k"?, "top_p"?, "seed"?, "layer"?, "head"?}`` -> server-sent events: the prompt's
+  token ids, then one per token (the next-token distribution, the text, the attention of
+  the query that predicted it), then ``done``.
 
 Every error is JSON ``{"error": "..."}``: 400 bad JSON, 404 unknown model, 413 a limit
 exceeded (the message names the limit and its flag), 422 a wrong field, 429 the work
@@ -352,8 +359,8 @@ def _causal_model(registry: ModelRegistry, name: str) -> LoadedModel:
     if loaded.example is not None or not loaded.causal:
         raise ApiError(
             422,
-            f"model {name!r} is not a causal language model: head roles, "
-            "ablation, the logit lens and rollout need one",
+            f"model {name!r} is not a causal language model: head roles, ablation, the "
+            "logit lens, rollout, attribution and patching need one",
         )
     return loaded
 
@@ -515,6 +522,233 @@ def _head_pairs(body: dict[str, Any]) -> list[tuple[int, int]]:
     return pairs
 
 
+# ------------------------------------------------------------------ why this token
+
+MAX_TOKEN_CHARS = 200  # a target/contrast given as text: one token is never longer
+# Patching runs one forward per layer and head (or position): a prompt pair is kept short.
+MAX_PATCH_TOKENS = 256
+
+
+def _token_field(body: dict[str, Any], name: str) -> int | str | None:
+    """A token given as an id (int >= 0) or as text that must be exactly one token."""
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ApiError(
+            422, f"`{name}` must be a token id or the text of one token, got {type(value).__name__}"
+        )
+    if isinstance(value, int) and value < 0:
+        raise ApiError(422, f"`{name}` must be a token id >= 0, got {value}")
+    if isinstance(value, str) and not 0 < len(value) <= MAX_TOKEN_CHARS:
+        raise ApiError(422, f"`{name}` must be the text of one token (1..{MAX_TOKEN_CHARS} chars)")
+    return value
+
+
+def _ids_field(body: dict[str, Any], limits: ServeLimits) -> list[int] | None:
+    """Token ids sent instead of text (e.g. a prompt and the tokens generated after it)."""
+    raw = body.get("ids")
+    if raw is None:
+        return None
+    if not isinstance(raw, list) or not raw:
+        raise ApiError(422, "`ids` must be a non-empty list of token ids")
+    if len(raw) > limits.max_tokens:
+        raise ApiError(
+            413, f"`ids` has {len(raw):,} tokens; the limit is {limits.max_tokens:,} (--max-tokens)"
+        )
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in raw):
+        raise ApiError(422, "`ids` must hold token ids (ints >= 0)")
+    return list(raw)
+
+
+def _check_ids(loaded: LoadedModel, ids: list[int], limits: ServeLimits) -> list[int]:
+    from attnlab.explain.heads import _vocab_size
+
+    limit, flag = limits.max_tokens, "--max-tokens"
+    if loaded.context_length is not None and loaded.context_length < limit:
+        limit, flag = loaded.context_length, "the model's context length"
+    if len(ids) > limit:
+        raise ApiError(413, f"`ids` has {len(ids):,} tokens; the limit is {limit:,} ({flag})")
+    vocab = _vocab_size(loaded.model)
+    bad = [i for i in ids if i >= vocab]
+    if bad:
+        raise ApiError(422, f"`ids` holds {bad[0]}; this model's ids are 0..{vocab - 1}")
+    return ids
+
+
+def _token_id(loaded: LoadedModel, value: int | str, name: str) -> int:
+    """The id of a token field: an id within the vocabulary, or text of exactly one token."""
+    from attnlab.explain.heads import _vocab_size
+    from attnlab.explain.model_trace import _token_texts
+
+    if isinstance(value, int):
+        vocab = _vocab_size(loaded.model)
+        if value >= vocab:
+            raise ApiError(
+                422, f"`{name}` = {value} is not a token id of this model (0..{vocab - 1})"
+            )
+        return value
+    try:
+        ids = loaded.encode(value)
+    except Exception as e:
+        raise ApiError(422, f"`{name}` could not be tokenized: {e}"[:300]) from None
+    if len(ids) != 1:
+        spelled = ", ".join(repr(t) for t in _token_texts(loaded.tokenizer, ids[:8]))
+        raise ApiError(
+            422,
+            f"`{name}` {value[:40]!r} is {len(ids)} tokens ({spelled or 'none'}); "
+            "it must be exactly one token",
+        )
+    return int(ids[0])
+
+
+def _spell(loaded: LoadedModel, token: int | None) -> dict[str, Any] | None:
+    from attnlab.explain.model_trace import _token_texts
+
+    if token is None:
+        return None
+    return {"id": int(token), "token": _token_texts(loaded.tokenizer, [int(token)])[0]}
+
+
+def _listed(value: Any) -> Any:
+    return None if value is None else value.detach().float().tolist()
+
+
+def _attribute_work(
+    registry: ModelRegistry,
+    name: str,
+    text: str | None,
+    ids: list[int] | None,
+    fields: dict[str, Any],
+    limits: ServeLimits,
+) -> dict[str, Any]:
+    import torch
+
+    from attnlab.explain import attribute
+    from attnlab.explain.heads import ablate
+    from attnlab.explain.model_trace import _token_texts
+
+    loaded = _causal_model(registry, name)
+    if ids is None:
+        assert text is not None  # the route sends one of them
+        ids = _encode(loaded, text, limits)
+    else:
+        ids = _check_ids(loaded, ids, limits)
+    T, position = len(ids), fields["position"]
+    if not -T <= position < T:
+        raise ApiError(422, f"`position` must be in {-T}..{T - 1} for {T} tokens, got {position}")
+    pos = position % T
+    with torch.no_grad():
+        logits = ablate(loaded.model, ids, [])[0, pos]  # (V,): the model's own prediction
+    target = fields["target"]
+    target_id = int(logits.argmax()) if target is None else _token_id(loaded, target, "target")
+    contrast = fields["contrast"]
+    contrast_id = None if contrast is None else _token_id(loaded, contrast, "contrast")
+    with _user_errors():
+        result = attribute(
+            loaded.model, ids, target_id, contrast_id, pos, by_source=fields["by_source"]
+        )
+    return {
+        "model": name,
+        "ids": ids,
+        "tokens": _token_texts(loaded.tokenizer, ids),
+        "position": pos,
+        "target": _spell(loaded, target_id),
+        "contrast": _spell(loaded, contrast_id),
+        "total": float(result.total),
+        "logit_difference": float(result.logit_difference),
+        "embedding": float(result.embedding),
+        "heads": _listed(result.heads),
+        "mlp": _listed(result.mlp),
+        "experts": _listed(result.experts),
+        "shared_experts": _listed(result.shared_experts),
+        "bias": float(result.bias),
+        "error": float(result.error),
+        "by_source": _listed(result.by_source),
+        "frozen": list(result.frozen),
+        "top": _tops(loaded, logits, fields["k"]),
+    }
+
+
+def _patch_work(
+    registry: ModelRegistry,
+    name: str,
+    clean: str,
+    corrupted: str,
+    fields: dict[str, Any],
+    limits: ServeLimits,
+) -> dict[str, Any]:
+    from attnlab.explain import attribution_patching, patching
+    from attnlab.explain.model_trace import _token_texts
+
+    loaded = _causal_model(registry, name)
+    clean_ids = _encode_field(loaded, clean, "clean", limits)
+    corrupted_ids = _encode_field(loaded, corrupted, "corrupted", limits)
+    if len(clean_ids) > MAX_PATCH_TOKENS:
+        raise ApiError(
+            413,
+            f"`clean` has {len(clean_ids):,} tokens; patching runs the model once per layer "
+            f"and head (or position), so it takes at most {MAX_PATCH_TOKENS} tokens",
+        )
+    if len(clean_ids) != len(corrupted_ids):
+        raise ApiError(
+            422,
+            f"`clean` is {len(clean_ids)} tokens and `corrupted` is {len(corrupted_ids)}; "
+            "patching needs prompts of the same token length",
+        )
+    target = _token_id(loaded, fields["target"], "target")
+    contrast = _token_id(loaded, fields["contrast"], "contrast")
+    over, method = fields["over"], fields["method"]
+    with _user_errors():
+        if method == "attribution":
+            grid = attribution_patching(loaded.model, clean_ids, corrupted_ids, target, contrast)
+            m_clean, m_corrupted = (
+                _metric(loaded, ids, target, contrast) for ids in (clean_ids, corrupted_ids)
+            )
+        else:
+            run = patching(loaded.model, clean_ids, corrupted_ids, target, contrast, over=over)
+            grid, m_clean, m_corrupted = run.grid, run.clean, run.corrupted
+    return {
+        "model": name,
+        "over": over,
+        "method": method,
+        "tokens": _token_texts(loaded.tokenizer, clean_ids),
+        "corrupted_tokens": _token_texts(loaded.tokenizer, corrupted_ids),
+        "target": _spell(loaded, target),
+        "contrast": _spell(loaded, contrast),
+        "clean": m_clean,
+        "corrupted": m_corrupted,
+        "grid": _listed(grid),
+    }
+
+
+def _metric(loaded: LoadedModel, ids: list[int], target: int, contrast: int) -> float:
+    """``logit(target) - logit(contrast)`` at the last position of the model's own run."""
+    import torch
+
+    from attnlab.explain.heads import ablate
+
+    with torch.no_grad():
+        logits = ablate(loaded.model, ids, [])[0, -1].double()  # (V,)
+    return float(logits[target] - logits[contrast])
+
+
+def _encode_field(loaded: LoadedModel, text: str, name: str, limits: ServeLimits) -> list[int]:
+    """``_encode`` for a text field other than ``text``: its errors name the field."""
+    try:
+        return _encode(loaded, text, limits)
+    except ApiError as e:
+        raise ApiError(e.status, e.message.replace("`text`", f"`{name}`")) from None
+
+
+def _text_field(body: dict[str, Any], name: str, limits: ServeLimits) -> str:
+    """A required text field other than ``text``, bounded as ``text`` is."""
+    try:
+        return _text({"text": body.get(name)}, limits)
+    except ApiError as e:
+        raise ApiError(e.status, e.message.replace("`text`", f"`{name}`")) from None
+
+
 @contextmanager
 def _user_errors() -> Iterator[None]:
     """Library ValueError/TypeError (checked arguments) -> 422."""
@@ -572,6 +806,7 @@ def _generate_work(
     gen = torch.Generator().manual_seed(params["seed"])
     reason = "length"
     all_ids = list(ids)
+    emit("prompt", {"ids": list(ids)})  # what a generated token's attribution runs on
     with torch.no_grad(), record_attention(LastRow()), _user_errors():
         for i, nxt in enumerate(
             generate_stream(
@@ -681,6 +916,7 @@ def render_page(lang: str = "en") -> tuple[str, str]:
         '<section id="panel-step" aria-live="polite" hidden></section>\n'
         '<section id="panel-heads" aria-label="heads" hidden></section>\n'
         '<section id="panel-generate" aria-label="generate"></section>\n'
+        '<section id="panel-why" aria-label="why this token" hidden></section>\n'
         f'<script type="application/json" id="attnlab-serve">{strings}</script>\n'
         f"<script>{page_js}</script>\n<script>{serve_js}</script>\n</body>\n</html>\n"
     )
@@ -798,6 +1034,54 @@ def create_app(
         assert residual is not None
         return JSONResponse(await pool.run(_rollout_work, registry, name, text, residual, limits))
 
+    async def attribution(request: Request) -> Response:
+        body = await _read_json(request, limits)
+        name = _model_name(body, registry)
+        ids = _ids_field(body, limits)
+        if ids is not None and body.get("text") is not None:
+            raise ApiError(422, "give `text` or `ids`, not both")
+        text = _text(body, limits) if ids is None else None
+        position = _int(body, "position", -1, -limits.max_tokens, limits.max_tokens)
+        by_source = body.get("by_source", False)
+        if not isinstance(by_source, bool):
+            raise ApiError(422, f"`by_source` must be true or false, got {str(by_source)[:40]!r}")
+        fields = {
+            "target": _token_field(body, "target"),
+            "contrast": _token_field(body, "contrast"),
+            "position": position,
+            "by_source": by_source,
+            "k": _int(body, "k", 10, 1, limits.max_top_k, "max_top_k"),
+        }
+        return JSONResponse(
+            await pool.run(_attribute_work, registry, name, text, ids, fields, limits)
+        )
+
+    async def patching(request: Request) -> Response:
+        body = await _read_json(request, limits)
+        name = _model_name(body, registry)
+        clean = _text_field(body, "clean", limits)
+        corrupted = _text_field(body, "corrupted", limits)
+        over = body.get("over", "heads")
+        if over not in ("heads", "residual", "mlp"):
+            raise ApiError(
+                422, f"`over` must be 'heads', 'residual' or 'mlp', got {str(over)[:40]!r}"
+            )
+        method = body.get("method", "activation")
+        if method not in ("activation", "attribution"):
+            raise ApiError(
+                422, f"`method` must be 'activation' or 'attribution', got {str(method)[:40]!r}"
+            )
+        if method == "attribution" and over != "heads":
+            raise ApiError(422, "`method` 'attribution' estimates heads only: send `over` 'heads'")
+        fields = {"over": over, "method": method}
+        for key in ("target", "contrast"):
+            fields[key] = _token_field(body, key)
+            if fields[key] is None:
+                raise ApiError(422, f"`{key}` is required: a token id or the text of one token")
+        return JSONResponse(
+            await pool.run(_patch_work, registry, name, clean, corrupted, fields, limits)
+        )
+
     async def generate(request: Request) -> Response:
         body = await _read_json(request, limits)
         name = _model_name(body, registry)
@@ -880,6 +1164,8 @@ def create_app(
             Route("/api/ablate", ablation, methods=["POST"]),
             Route("/api/lens", lens, methods=["POST"]),
             Route("/api/rollout", rollout, methods=["POST"]),
+            Route("/api/attribute", attribution, methods=["POST"]),
+            Route("/api/patch", patching, methods=["POST"]),
         ],
         exception_handlers={
             ApiError: on_api_error,

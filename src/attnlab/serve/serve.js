@@ -136,6 +136,7 @@
     textBox.title = ex ? T_.example_text : "";
     $("panel-generate").hidden = !m || m.kind !== "causal-lm" && m.kind !== "checkpoint";
     $("panel-heads").hidden = !headsApplies();
+    $("panel-why").hidden = !headsApplies();
   }
 
   /* ---------------------------------------------------------------- the trace */
@@ -161,6 +162,7 @@
         h: a.num_heads }) + " \u2014 " + T_.step_hint);
       $("panel-step").hidden = true;
       showHeads(false);
+      showWhyStrip();
       api.traced = (api.traced || 0) + 1;
       document.body.dataset.traced = String(api.traced);
     }).catch(function (e) {
@@ -287,6 +289,21 @@
     p.appendChild(gen.bars);
     p.appendChild(gen.attn);
   }
+  function addGenToken(ev) {
+    // One span per generated token (its text as it streamed): a click asks why it came out.
+    var span = el("span", "gen-tok", ev.text || tokLabel(ev.token));
+    span.dataset.index = String(ev.index);
+    span.title = WT.why_click;
+    span.tabIndex = 0;
+    function open() {
+      var runner = ev.top.filter(function (t) { return t.id !== ev.id; })[0];
+      openWhy({ ids: ev.context, position: -1, target: ev.id,
+        contrast: runner ? runner.id : null, top: ev.top });
+    }
+    span.addEventListener("click", open);
+    span.addEventListener("keydown", function (e) { if (e.key === "Enter") open(); });
+    gen.out.appendChild(span);
+  }
   function showBars(ev) {
     gen.bars.textContent = "";
     var max = ev.top.length ? ev.top[0].p : 1;
@@ -322,6 +339,7 @@
     api.busy++;
     watchLoading();
     gen.out.textContent = "";
+    api.generated = [];
     var added = "";
     fetch("/api/generate", { method: "POST", headers: { "Content-Type": "application/json" },
       body: JSON.stringify(body), signal: controller.signal }).then(function (r) {
@@ -341,14 +359,19 @@
               if (line.indexOf("event: ") === 0) ev = line.slice(7);
               if (line.indexOf("data: ") === 0) data = JSON.parse(line.slice(6));
             });
-            if (ev === "token") {
+            if (ev === "prompt") {
+              gen.prompt = data.ids;
+              gen.ids = [];
+            } else if (ev === "token") {
               added += data.text;
-              gen.out.textContent = added;
+              data.context = gen.prompt.concat(gen.ids); // the ids that predicted it
+              gen.ids.push(data.id);
               api.generated.push(data);
+              addGenToken(data);
               showBars(data);
             } else if (ev === "done") {
               added += data.text;
-              gen.out.textContent = added;
+              if (data.text) gen.out.appendChild(el("span", null, data.text));
               document.body.dataset.generated = String(api.generated.length);
             } else if (ev === "error") {
               status(data.error, true);
@@ -593,10 +616,298 @@
     }).catch(function (e) { status(e.message, true); });
   }
 
+
+  /* --------------------------------------------------------- why this token */
+  var WT = {
+    "en": { why: "Why this token", why_click: "click: why this token?",
+      why_hint: "Click a token of the text (the prediction of the token before it), the " +
+        "next-token chip, or a generated token: which heads and MLPs wrote it.",
+      next: "next \u2192", rather: "rather than", none: "(no contrast)",
+      total: "total {w} = {t}; embedding {e}, bias {b}, error {r}",
+      heads_grid: "Heads (layers \u00d7 heads): each head's direct write towards the target",
+      mlp_bars: "MLPs, embedding and constant terms",
+      src: "Head {l}.{h}: its value-weighted attention over the source tokens (sums to {v})",
+      src_hint: "Click a head to see which source tokens it read the answer from.",
+      patch: "Patching", clean: "clean", corrupted: "corrupted", target: "target",
+      contrast: "contrast", over: "over", method: "method", run_patch: "Patch",
+      activation: "activation patching", attribution: "attribution patching",
+      patch_hint: "Each cell: the share of the clean answer that putting that component " +
+        "back from the clean run restores (1 all, 0 none)." },
+    "zh-TW": { why: "為什麼是這個詞元", why_click: "點一下：為什麼是這個詞元？",
+      why_hint: "點文字中的一個詞元（它前一個詞元的預測）、下一個詞元，或生成的詞元：看是哪些頭和 MLP 寫出了它。",
+      next: "下一個 \u2192", rather: "而不是", none: "（不對比）",
+      total: "總計 {w} = {t}；嵌入 {e}，偏置 {b}，誤差 {r}",
+      heads_grid: "注意力頭（層 \u00d7 頭）：每個頭直接寫向目標的量",
+      mlp_bars: "MLP、嵌入與常數項",
+      src: "頭 {l}.{h}：以值加權的注意力在來源詞元上的分配（總和 {v}）",
+      src_hint: "點一個頭，看它從哪些來源詞元讀到答案。",
+      patch: "修補（patching）", clean: "乾淨", corrupted: "損壞", target: "目標",
+      contrast: "對比", over: "對象", method: "方法", run_patch: "修補",
+      activation: "激活修補", attribution: "歸因修補",
+      patch_hint: "每格：把該元件從乾淨的執行放回後，恢復的答案比例（1 全部，0 沒有）。" },
+  }[LANG];
+  function wtr(key, vals) {
+    var s = WT[key];
+    Object.keys(vals || {}).forEach(function (k) { s = s.split("{" + k + "}").join(vals[k]); });
+    return s;
+  }
+  function diverging(v, vmax) {
+    // blue (away from the target) - white - red (towards it), as the CLI's figures
+    var f = Math.max(-1, Math.min(1, v / (vmax || 1)));
+    var end = f >= 0 ? [178, 24, 43] : [33, 102, 172];
+    var a = Math.abs(f);
+    return "rgb(" + end.map(function (c) { return Math.round(255 + (c - 255) * a); })
+      .join(",") + ")";
+  }
+  function absMax(rows) {
+    var m = 0;
+    rows.forEach(function (r) { (r.length === undefined ? [r] : r).forEach(function (v) {
+      m = Math.max(m, Math.abs(v)); }); });
+    return m || 1;
+  }
+  var why = { req: null, seq: 0 };
+  function buildWhy() {
+    var p = $("panel-why");
+    p.appendChild(el("h2", null, WT.why));
+    why.hint = el("p", "hint", WT.why_hint);
+    p.appendChild(why.hint);
+    why.strip = el("div", "why-strip");
+    why.strip.id = "why-strip";
+    p.appendChild(why.strip);
+    why.body = el("div");
+    why.body.id = "why-body";
+    p.appendChild(why.body);
+    // the clean / corrupted form
+    var f = el("div", "why-form");
+    f.appendChild(el("h3", null, WT.patch));
+    why.clean = el("input"); why.clean.id = "why-clean"; why.clean.size = 48;
+    why.corrupted = el("input"); why.corrupted.id = "why-corrupted"; why.corrupted.size = 48;
+    why.ptarget = el("input"); why.ptarget.id = "why-target"; why.ptarget.size = 8;
+    why.pcontrast = el("input"); why.pcontrast.id = "why-contrast"; why.pcontrast.size = 8;
+    why.over = el("select"); why.over.id = "why-over";
+    ["heads", "residual", "mlp"].forEach(function (o) {
+      var opt = el("option", null, o); opt.value = o; why.over.appendChild(opt); });
+    why.method = el("select"); why.method.id = "why-method";
+    ["activation", "attribution"].forEach(function (o) {
+      var opt = el("option", null, WT[o]); opt.value = o; why.method.appendChild(opt); });
+    [["clean", why.clean], ["corrupted", why.corrupted], ["target", why.ptarget],
+      ["contrast", why.pcontrast], ["over", why.over], ["method", why.method]]
+      .forEach(function (x) { f.appendChild(labelled(WT[x[0]], x[1])); });
+    // Filled from the text and the last answer explained, until the user types in them.
+    [why.clean, why.ptarget, why.pcontrast].forEach(function (i) {
+      i.addEventListener("input", function () { i.dataset.edited = "1"; });
+    });
+    var go = el("button", "act", WT.run_patch);
+    go.id = "why-patch"; go.type = "button";
+    go.addEventListener("click", runPatch);
+    f.appendChild(go);
+    why.grid = el("div"); why.grid.id = "why-patch-grid";
+    f.appendChild(why.grid);
+    p.appendChild(f);
+  }
+  function showWhyStrip() {
+    // The trace's tokens: token i is what position i-1 predicted; "next" is the model's own.
+    var p = $("panel-why");
+    p.hidden = !headsApplies();
+    if (p.hidden || !api.trace || !api.trace.token_ids) return;
+    why.strip.textContent = "";
+    var ids = api.trace.token_ids, toks = api.trace.attention.tokens;
+    toks.forEach(function (t, i) {
+      var chip = el("span", "why-tok" + (i === 0 ? " first" : ""), tokLabel(t));
+      chip.dataset.index = String(i);
+      if (i > 0) {
+        chip.title = WT.why_click;
+        chip.tabIndex = 0;
+        chip.addEventListener("click", function () {
+          openWhy({ ids: ids, position: i - 1, target: ids[i] }); });
+      }
+      why.strip.appendChild(chip);
+    });
+    var nxt = el("span", "why-tok next", WT.next);
+    nxt.id = "why-next"; nxt.tabIndex = 0; nxt.title = WT.why_click;
+    nxt.addEventListener("click", function () { openWhy({ ids: ids, position: -1 }); });
+    why.strip.appendChild(nxt);
+    if (!why.clean.dataset.edited) why.clean.value = textBox.value;
+  }
+  function openWhy(q) {
+    // q: {ids, position, target?, contrast? (undefined: the runner-up), top?}
+    var body = { model: api.trace ? api.trace.model : modelSel.value, ids: q.ids,
+      position: q.position, by_source: true, k: 10 };
+    if (q.target !== undefined && q.target !== null) body.target = q.target;
+    var runnerUp = q.contrast === undefined;
+    if (!runnerUp && q.contrast !== null) body.contrast = q.contrast;
+    var mine = ++why.seq;
+    $("panel-why").hidden = false;
+    status(tr("working"));
+    return postJSON("/api/attribute", body).then(function (res) {
+      if (mine !== why.seq) return null;
+      if (runnerUp) { // first the prediction's top tokens, then against the runner-up
+        var r = res.top.filter(function (t) { return t.id !== res.target.id; })[0];
+        return openWhy({ ids: q.ids, position: q.position, target: res.target.id,
+          contrast: r ? r.id : null });
+      }
+      api.why = res;
+      api.whyBody = body;
+      renderWhy(res);
+      status("");
+      document.body.dataset.why = String((+document.body.dataset.why || 0) + 1);
+      return res;
+    }).catch(function (e) { if (mine === why.seq) status(e.message, true); });
+  }
+  function renderWhy(res) {
+    var b = why.body;
+    b.textContent = "";
+    var line = el("p", "why-line");
+    line.appendChild(el("strong", null, "#" + res.position + " " +
+      tokLabel(res.tokens[res.position]) + " \u2192 " + tokLabel(res.target.token)));
+    line.appendChild(el("span", null, " " + WT.rather + " "));
+    var pick = el("select");
+    pick.id = "why-contrast-pick";
+    var none = el("option", null, WT.none); none.value = ""; pick.appendChild(none);
+    var seen = {};
+    res.top.concat(res.contrast ? [res.contrast] : []).forEach(function (t) {
+      if (t.id === res.target.id || seen[t.id]) return;
+      seen[t.id] = true;
+      var o = el("option", null, tokLabel(t.token) + (t.p !== undefined ?
+        "  (p " + t.p.toFixed(3) + ")" : ""));
+      o.value = String(t.id);
+      pick.appendChild(o);
+    });
+    pick.value = res.contrast ? String(res.contrast.id) : "";
+    pick.addEventListener("change", function () {
+      openWhy({ ids: res.ids, position: res.position, target: res.target.id,
+        contrast: pick.value === "" ? null : +pick.value });
+    });
+    line.appendChild(pick);
+    b.appendChild(line);
+    var w = "logit(" + JSON.stringify(res.target.token) + ")" + (res.contrast ?
+      " \u2212 logit(" + JSON.stringify(res.contrast.token) + ")" : "");
+    var tot = el("p", "small", wtr("total", { w: w, t: res.total.toFixed(4),
+      e: res.embedding.toFixed(4), b: res.bias.toFixed(4), r: res.error.toExponential(1) }));
+    tot.id = "why-total";
+    tot.dataset.total = String(res.total);
+    b.appendChild(tot);
+    if (res.frozen.length) b.appendChild(el("p", "small why-frozen", res.frozen.join("; ")));
+    var row = el("div", "why-cols");
+    // the heads grid
+    var left = el("div", "why-col");
+    left.appendChild(el("h4", null, WT.heads_grid));
+    var vmax = absMax(res.heads);
+    var t = el("table", "hd-grid why-grid");
+    t.id = "why-heads";
+    var hr = el("tr");
+    hr.appendChild(el("th", null, "L\\H"));
+    for (var h = 0; h < res.heads[0].length; h++) hr.appendChild(el("th", null, h));
+    t.appendChild(hr);
+    res.heads.forEach(function (vals, l) {
+      var tr_ = el("tr");
+      tr_.appendChild(el("th", null, l));
+      vals.forEach(function (v, h_) {
+        var td = el("td", "hd-cell why-cell", v.toFixed(2));
+        td.style.background = diverging(v, vmax);
+        td.style.color = Math.abs(v) / vmax > 0.6 ? "#fff" : "#111";
+        td.dataset.layer = String(l);
+        td.dataset.head = String(h_);
+        td.dataset.v = String(v);
+        td.title = "head " + l + "." + h_ + ": " + v.toFixed(4);
+        td.addEventListener("click", function () { showSources(res, l, h_); });
+        tr_.appendChild(td);
+      });
+      t.appendChild(tr_);
+    });
+    left.appendChild(t);
+    left.appendChild(el("p", "small", WT.src_hint));
+    why.srcTitle = el("p", "small why-src-title");
+    left.appendChild(why.srcTitle);
+    why.src = el("div", "bars why-src");
+    why.src.id = "why-src";
+    left.appendChild(why.src);
+    row.appendChild(left);
+    // the MLP bars (with the embedding and the constant terms)
+    var right = el("div", "why-col");
+    right.appendChild(el("h4", null, WT.mlp_bars));
+    var names = ["embedding"].concat(res.mlp.map(function (_, l) { return "mlp " + l; }),
+      ["bias"]);
+    var values = [res.embedding].concat(res.mlp, [res.bias]);
+    var bmax = absMax(values);
+    var bars = el("div", "why-bars");
+    bars.id = "why-mlp";
+    values.forEach(function (v, i) {
+      bars.appendChild(el("span", "tk", names[i]));
+      var track = el("div", "why-track");
+      var bar = el("div", "why-bar " + (v >= 0 ? "pos" : "neg"));
+      bar.style.width = (50 * Math.abs(v) / bmax).toFixed(1) + "%";
+      bar.dataset.v = String(v);
+      track.appendChild(bar);
+      bars.appendChild(track);
+      bars.appendChild(el("span", "p", v.toFixed(3)));
+    });
+    right.appendChild(bars);
+    row.appendChild(right);
+    b.appendChild(row);
+    // open on the strongest head
+    var best = [0, 0], bv = -1;
+    res.heads.forEach(function (vals, l) { vals.forEach(function (v, h_) {
+      if (Math.abs(v) > bv) { bv = Math.abs(v); best = [l, h_]; } }); });
+    showSources(res, best[0], best[1]);
+    if (!why.ptarget.dataset.edited) why.ptarget.value = res.target.token;
+    if (!why.pcontrast.dataset.edited) why.pcontrast.value = res.contrast ? res.contrast.token : "";
+    $("panel-why").scrollIntoView({ block: "nearest" });
+  }
+  function showSources(res, l, h) {
+    why.src.textContent = "";
+    why.srcTitle.textContent = "";
+    Array.prototype.forEach.call(why.body.querySelectorAll(".why-cell"), function (td) {
+      td.classList.toggle("sel", +td.dataset.layer === l && +td.dataset.head === h);
+    });
+    if (!res.by_source) return;
+    var row = res.by_source[l][h];
+    why.srcTitle.textContent = wtr("src", { l: l, h: h, v: res.heads[l][h].toFixed(4) });
+    var m = absMax(row);
+    row.forEach(function (v, j) {
+      if (j > res.position) return; // a query reads only what came before it
+      why.src.appendChild(el("span", "tk", "#" + j + " " + tokLabel(res.tokens[j])));
+      var bar = el("div", "bar " + (v >= 0 ? "pos" : "neg"));
+      bar.style.width = (100 * Math.abs(v) / m).toFixed(1) + "%";
+      bar.dataset.v = String(v);
+      why.src.appendChild(bar);
+      why.src.appendChild(el("span", "p", v.toFixed(4)));
+    });
+    api.whySource = { layer: l, head: h };
+  }
+  function runPatch() {
+    var body = { model: api.trace ? api.trace.model : modelSel.value,
+      clean: why.clean.value, corrupted: why.corrupted.value, target: why.ptarget.value,
+      contrast: why.pcontrast.value, over: why.over.value, method: why.method.value };
+    status(tr("working"));
+    postJSON("/api/patch", body).then(function (res) {
+      api.patch = res;
+      why.grid.textContent = "";
+      why.grid.appendChild(el("p", "small", WT.patch_hint));
+      var cols = res.over === "heads" ? res.grid[0].map(function (_, h) { return String(h); })
+        : res.tokens;
+      var vmax = absMax(res.grid);
+      var rows = res.grid.map(function (_, l) { return "L" + l; });
+      var table = labelledHeatmap(rows, cols, res.grid, function (v, l, c) {
+        var td = el("td", "why-pcell", v.toFixed(2));
+        td.style.background = diverging(v, vmax);
+        td.style.color = Math.abs(v) / vmax > 0.6 ? "#fff" : "#111";
+        td.dataset.v = String(v);
+        td.title = "layer " + l + ", " + (res.over === "heads" ? "head " + c :
+          "position " + c + " " + JSON.stringify(res.tokens[c])) + ": " + v.toFixed(4);
+        return td;
+      }, "why-patch");
+      why.grid.appendChild(table);
+      status("");
+      document.body.dataset.patched = String((+document.body.dataset.patched || 0) + 1);
+    }).catch(function (e) { status(e.message, true); });
+  }
+
   /* ---------------------------------------------------------------------- main */
   buildControls();
   buildGenerate();
   buildHeads();
+  buildWhy();
   fetch("/api/models").then(function (r) { return r.json(); }).then(function (j) {
     api.models = j.models;
     CONF.limits = j.limits;
