@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -134,16 +133,23 @@ def run_llama_bench(
     peer: peers.LlamaCpp, path: Path, *, threads: int, prompt: int, new: int, reps: int
 ) -> dict[str, BenchFigure]:
     """``llama-bench -m path -t threads -p prompt -n new -r reps -o json``, parsed."""
-    cmd = [
-        str(peer.tool("llama-bench")), "-m", str(path), "-t", str(threads),
+    args = [
+        "-m", str(path), "-t", str(threads),
         "-p", str(prompt), "-n", str(new), "-r", str(reps), "-o", "json",
     ]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    proc, fallback = peers.run_bench(peer, args)
     if proc.returncode != 0:
         raise RuntimeError(
-            f"{' '.join(cmd)} failed ({proc.returncode}):\n{(proc.stderr or proc.stdout)[-2000:]}"
+            f"llama-bench {' '.join(args)} failed ({proc.returncode}):\n"
+            f"{(proc.stderr or proc.stdout)[-2000:]}"
         )
+    if fallback is not None:
+        FALLBACKS.add(fallback)
     return parse_llama_bench(proc.stdout)
+
+
+#: What run_llama_bench had to change on this machine, for the records' notes.
+FALLBACKS: set[str] = set()
 
 
 def find_file(name: str) -> Path:
@@ -315,6 +321,8 @@ def bench_file(
     flags = " ".join(peer.info.get("cmake_flags", []))
     rec.note(f"file: {path.name} ({first.model_type}); llama.cpp built by {BUILD_COMMAND} "
              f"(llama-cpp-python {peer.info.get('llama_cpp_python')}, {flags})")  # fmt: skip
+    for fallback in sorted(FALLBACKS):
+        rec.note(fallback)
     rec.note(f"rounds kept (quiet): {len(kept) if res.quiet_pairs else 0}/{args.rounds}; "
              + res.quietness())  # fmt: skip
     rec.note("attnlab decode: one-token steps only (after the first new token); llama.cpp "

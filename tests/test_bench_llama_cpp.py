@@ -23,7 +23,8 @@ import bench_llama_cpp as bench  # noqa: E402
 
 from model_files import save_hf, write_gguf  # noqa: E402
 
-PEER = bench.peers.find()
+PEERS = bench.peers
+PEER = PEERS.find()
 if PEER is None:
     pytest.skip(f"llama.cpp is not built: run `{bench.BUILD_COMMAND}`", allow_module_level=True)
 
@@ -42,7 +43,6 @@ LLAMA = {
 @pytest.fixture(scope="module")
 def bench_output(tmp_path_factory) -> str:
     """llama-bench -t 2 -p 8 -n 4 -r 1 -o json on a tiny Llama Q8_0 file."""
-    import subprocess
 
     root = tmp_path_factory.mktemp("bench-llama-cpp")
     folder = save_hf("llama", LLAMA, root / "llama", torch.float32)
@@ -51,9 +51,8 @@ def bench_output(tmp_path_factory) -> str:
     # write_gguf writes no merges key; llama.cpp's BPE vocabulary refuses a file without
     # one. One merge of two byte tokens makes the file loadable.
     write_gguf(folder, path, "llama", "Q8_0", extra=lambda w: w.add_token_merges(["Ġ t"]))
-    cmd = [str(PEER.tool("llama-bench")), "-m", str(path), "-t", "2", "-p", "8", "-n", "4",
-           "-r", "1", "-o", "json"]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    args = ["-m", str(path), "-t", "2", "-p", "8", "-n", "4", "-r", "1", "-o", "json"]
+    proc, _ = PEERS.run_bench(PEER, args)  # --repack 0 where the extra buffers crash
     assert proc.returncode == 0, proc.stderr[-2000:]
     return proc.stdout
 

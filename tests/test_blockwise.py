@@ -250,7 +250,9 @@ def test_fused_chunked_default_tiles_are_one_causal_square_per_chunk(monkeypatch
     res = blockwise_attention(q, k, v, mask, dropout_p=0.0, scale=0.25, tile_path="fused")
     if (S - T) % chunk == 0:
         assert {c[1] for c in calls} == {"causal"}
-        assert len(calls) == math.ceil(T / chunk) * 2  # per chunk, per head
+        # per chunk, and per range of the 2 heads the pool's threads take (one with one thread)
+        parts = max(1, min(torch.get_num_threads(), 2))
+        assert len(calls) == math.ceil(T / chunk) * parts
     dout = torch.randn(res.output.shape, generator=gen, dtype=torch.float64)
     ours = torch.autograd.grad(res.output, (q, k, v), dout)
     ref, _ = reference_attention(q, k, v, mask=mask.dense(T, S), scale=0.25)

@@ -314,6 +314,40 @@ def convert(peer: LlamaCpp, jobs: list[tuple[Path, str, Path]]) -> dict[Path, st
     return {Path(k): v for k, v in errors.items()}
 
 
+def run_bench(
+    peer: LlamaCpp, args: list[str]
+) -> tuple[subprocess.CompletedProcess[str], str | None]:
+    """``llama-bench ARGS`` as its users run it; where it dies by a signal, once more with
+    its extra buffer types off (``--repack 0``), and a line saying so.
+
+    llama-bench's default puts weights in the CPU's extra buffer types (repacked layouts,
+    AMX tiles). On a virtual machine whose CPU reports AMX but does not run its tile
+    instructions (``tilezero`` raised SIGILL inside ggml's AMX kernel on a Xeon here), that
+    dies with no message; the plain CPU buffers are the peer there.
+
+    Returns:
+        The finished process, and None or the line that says the fallback was taken.
+    """
+    cmd = [str(peer.tool("llama-bench")), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if proc.returncode >= 0 or "--repack" in args:
+        return proc, None
+    again = subprocess.run([*cmd, "--repack", "0"], capture_output=True, text=True, check=False)
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    note = (
+        f"llama-bench died by signal {-proc.returncode} with its extra buffer types (repacked "
+        f"weights, AMX tiles) on this CPU ({cpu}); measured with --repack 0"
+    )
+    return again, note
+
+
 def quantize(peer: LlamaCpp, source: Path, target: Path, qtype: str, threads: int = 1) -> str:
     """``llama-quantize source target qtype`` (e.g. ``Q4_K_M``, ``IQ4_XS``).
 
