@@ -512,9 +512,11 @@ def _decompose(
                 assert written is not None
                 w_attn, k = _pull_back(post, written, w_attn)
                 bias += k * r
-            W_O = attn.out_proj.weight.detach().double()  # (C, H*Dv)
+            W_O = attn.out_proj.weight.detach().float()  # (C, H*Dv), no copy for fp32
             Dv = W_O.shape[1] // attn.num_heads
-            direction = (w_attn @ W_O).view(attn.num_heads, Dv)  # (H, Dv)
+            # one fp32 product (a float64 copy of every W_O would cost more than the
+            # forward); its rounding is far below the parts' tolerance
+            direction = (w_attn.float() @ W_O).double().view(attn.num_heads, Dv)  # (H, Dv)
             heads[i, : attn.num_heads] = (z.double().view(attn.num_heads, Dv) * direction).sum(-1)
             if attn.out_proj.bias is not None:
                 bias += float(attn.out_proj.bias.detach().double() @ w_attn)
