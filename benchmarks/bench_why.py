@@ -10,8 +10,8 @@ On SmolLM2-135M-Instruct (the packaged file, float32), a 16-token indirect-objec
 - ``patch(over="heads")`` over all 270 heads against the naive loop: one full forward of
   the corrupted prompt per head, a forward pre-hook on that layer's output projection
   swapping the head's slice for the clean run's (as the tests' reference does);
-- ``attribution_patching`` (a clean forward, a corrupted forward and one backward) against
-  one forward.
+- ``attribution_patching`` (one forward of both prompts as a batch of two, one backward)
+  against one forward.
 
     PYTHONPATH=src python benchmarks/bench_why.py                 # 2 threads
     PYTHONPATH=src python benchmarks/bench_why.py --rounds 20 --patch-rounds 3

@@ -512,9 +512,11 @@ def _decompose(
                 assert written is not None
                 w_attn, k = _pull_back(post, written, w_attn)
                 bias += k * r
-            W_O = attn.out_proj.weight.detach().double()  # (C, H*Dv)
+            W_O = attn.out_proj.weight.detach().float()  # (C, H*Dv), no copy for fp32
             Dv = W_O.shape[1] // attn.num_heads
-            direction = (w_attn @ W_O).view(attn.num_heads, Dv)  # (H, Dv)
+            # one fp32 product (a float64 copy of every W_O would cost more than the
+            # forward); its rounding is far below the parts' tolerance
+            direction = (w_attn.float() @ W_O).double().view(attn.num_heads, Dv)  # (H, Dv)
             heads[i, : attn.num_heads] = (z.double().view(attn.num_heads, Dv) * direction).sum(-1)
             if attn.out_proj.bias is not None:
                 bias += float(attn.out_proj.bias.detach().double() @ w_attn)
@@ -862,9 +864,9 @@ def attribution_patching(
 ) -> torch.Tensor:
     """Attribution patching: the first-order estimate of :func:`patch` over heads.
 
-    One clean forward (no gradients) records every head's output ``z`` (its slice of the
-    output projection's input); one corrupted forward and one backward give ``dm/dz`` at
-    the corrupted run. Each head's cell is ``sum over positions and its dims of
+    One forward of both prompts (as a batch of two) records every head's output ``z`` (its
+    slice of the output projection's input) on each, and one backward from the corrupted
+    run's ``m`` gives ``dm/dz`` there. Each head's cell is ``sum over positions and its dims of
     dm/dz * (z_clean - z_corrupted)``, divided by ``m_clean - m_corrupted`` as
     :func:`patch` normalises. No parameter gradient is computed, and the fast one-token
     decode step is never taken with gradients on.
@@ -883,7 +885,6 @@ def attribution_patching(
     layout, clean, corrupted, t, c = _pair(
         model, clean_ids, corrupted_ids, target, contrast, tokenizer, "attribution_patching"
     )
-    good = _record_run(model, layout, clean, t, c)
     index = {id(a): i for i, a in enumerate(layout.attentions)}
     L = len(layout.blocks)
     contexts: list[Any] = [None] * L
@@ -896,15 +897,18 @@ def attribution_patching(
     def keep(layer: Any, context: torch.Tensor) -> torch.Tensor:
         i = index.get(id(layer))
         if i is not None:
-            contexts[i] = context
+            contexts[i] = context  # (2, T, H*Dv): the clean row, then the corrupted one
         return context
 
+    # Both prompts as one batch of two rows (each row attends only to itself): one
+    # forward, and one backward from the corrupted row's metric.
+    both = torch.cat([clean, corrupted])  # (2, T)
     with _eval_mode(model), torch.enable_grad(), edit_block_input(leaf), edit_heads(keep):
-        logits = model(corrupted, logits_to_keep=1)  # type: ignore[operator]
-        m = _metric(logits, t, c)[0]
-        grads = torch.autograd.grad(m, contexts)
-    m_bad = float(m.detach())
-    if good.m == m_bad:
+        logits = model(both, logits_to_keep=1)  # type: ignore[operator]
+        metrics = _metric(logits, t, c)  # (2,)
+        grads = torch.autograd.grad(metrics[1], contexts)
+    m_good, m_bad = (float(v) for v in metrics.detach())
+    if m_good == m_bad:
         raise ValueError(
             f"the clean and corrupted prompts give the same logit difference ({m_bad:.6g}): "
             "there is nothing to restore; pick prompts (or tokens) that differ"
@@ -913,7 +917,8 @@ def attribution_patching(
     out = torch.full((L, max(width)), float("nan"), dtype=torch.float64)
     for i in range(L):
         H = width[i]
-        delta = (good.contexts[i] - contexts[i].detach()).double()  # (1, T, H*Dv)
-        g = grads[i].double()
+        z = contexts[i].detach().double()
+        delta = z[0] - z[1]  # (T, H*Dv)
+        g = grads[i][1].double()  # (T, H*Dv)
         out[i, :H] = (g * delta).view(-1, H, delta.shape[-1] // H).sum((0, 2))  # (H,)
-    return (out / (good.m - m_bad)).to(torch.float32)
+    return (out / (m_good - m_bad)).to(torch.float32)
