@@ -65,6 +65,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     budget_text = os.environ.get(BUDGET_ENV, "")
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     line = f"attnlab: the suite took {elapsed:.0f} s on {_cpu_model()}"
+    if reporter is not None:
+        reporter.ensure_newline()
     if not budget_text:
         if reporter is not None:
             reporter.write_line(line)
