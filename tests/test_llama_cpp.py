@@ -70,7 +70,8 @@ from attnlab.models.families import FAMILIES, family_for  # noqa: E402
 from attnlab.pretrained import load_pretrained  # noqa: E402
 from model_files import gpt2_tokenizer, save_hf, score_correction, spm_tokenizer  # noqa: E402
 
-pytestmark = pytest.mark.llamacpp
+# converting and quantising every family takes minutes: slow, like the long grids
+pytestmark = [pytest.mark.llamacpp, pytest.mark.slow]
 
 # Every width a 2-D weight's rows run over (hidden, intermediate, heads x head dim) is a
 # multiple of 256, the K-quants' block. Two layers, four heads, two KV heads where the
