@@ -1,6 +1,6 @@
 """A candidate measured and not taken: the SmolLM2 decode step compiled by ``torch.compile``.
 
-The short loop of :meth:`attnlab.models.fast_decode.DecodePlan._step_rows` is written out
+The short loop of :func:`attnlab.models.decode.short.step_short` is written out
 here over the cache's views (its positions a dynamic dimension, so one graph serves every
 position and cache length) and compiled with Inductor, whose on-disk cache
 (``TORCHINDUCTOR_CACHE_DIR``, default under ``/tmp``) makes a later process skip the C++
@@ -32,7 +32,8 @@ from _records import Recorder
 from bench_decode_step import PROMPT, products
 from torch import nn
 
-from attnlab.models.fast_decode import _rms, decode_plan
+from attnlab.models.fast_decode import decode_plan
+from attnlab.norms import rms_norm
 from attnlab.pretrained import load_pretrained
 
 
@@ -73,7 +74,7 @@ def main() -> None:
         """The short loop over views of the caches that end at the new position."""
         B, f32 = x.shape[0], x.dtype
         for row, kb, vb in zip(rows, kvs, vvs, strict=True):
-            qkv = row.qkv(_rms(x, *row.norm1).to(row.dtype))
+            qkv = row.qkv(rms_norm(x, *row.norm1).to(row.dtype))
             qk = qkv[:, :nqk].to(f32).view(B, H + G, D)
             qk = qk * cos + qk.roll(D // 2, dims=-1) * sin  # fused by Inductor
             kb.select(2, -1).copy_(qk[:, H:])
@@ -83,7 +84,7 @@ def main() -> None:
             scores = torch.bmm(q, kb.reshape(B * G, S, D).transpose(1, 2)) * row.scale
             o = torch.bmm(torch.softmax(scores, -1), vb.reshape(B * G, S, D)).view(B, H * D)
             x = x + row.out(o.to(row.dtype))
-            gate, up = row.gate_up(_rms(x, *row.norm2).to(row.dtype)).to(f32).chunk(2, -1)
+            gate, up = row.gate_up(rms_norm(x, *row.norm2).to(row.dtype)).to(f32).chunk(2, -1)
             x = x + row.down((row.act(gate) * up).to(row.dtype))
         return x
 

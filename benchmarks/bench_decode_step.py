@@ -9,7 +9,7 @@ length after each step, so every side runs the same position):
 
 - ``native``: :meth:`DecodePlan.step` as generation runs it where :mod:`attnlab.native`
   is built (the short loop's layers compiled: the same kernels, plain loops between them);
-- ``short loop``: the same step in Python, :meth:`DecodePlan._step_rows` (both models take
+- ``short loop``: the same step in Python, :meth:`DecodePlan._step_short` (both models take
   it: bare kernels, RoPE as one product);
 - ``general loop``: the same step with the short loop switched off (the loop every other
   layout takes);

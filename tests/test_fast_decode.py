@@ -402,7 +402,7 @@ SHORT_LOOP_LAYOUTS = ("llama", "qwen3-like", "gemma3-like", "gemma3-like, mixed 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", "int4", "q8_0", "q5_0"])
 @pytest.mark.parametrize("layout", SHORT_LOOP_LAYOUTS)
 def test_the_short_loop_gives_the_general_loops_tokens_and_logits(layout, dtype, monkeypatch):
-    """Two rows through DecodePlan._step_rows and through the general loop, from the same
+    """Two rows through DecodePlan._step_short and through the general loop, from the same
     caches, past the local layers' window: the same kernels on the same rows, attention
     by another call (one SDPA against two batched products and a softmax). The Python
     short loop: the compiled one is test_native_step's."""

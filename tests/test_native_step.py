@@ -153,7 +153,7 @@ def test_generation_takes_the_native_step(monkeypatch):
     ids = torch.tensor([[3, 1, 4]])
     calls = []
     monkeypatch.setattr(
-        DecodePlan, "_step_rows", lambda *a: calls.append(1) or pytest.fail("Python loop")
+        DecodePlan, "_step_short", lambda *a: calls.append(1) or pytest.fail("Python loop")
     )
     out = generate(model, ids, 12)
     assert out.shape == (1, 15) and not calls

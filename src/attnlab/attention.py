@@ -25,7 +25,7 @@ from attnlab.functional import (
     scaled_dot_product_attention,
 )
 from attnlab.masks import AttentionMask, ChunkedMask, SlidingWindowMask, as_mask
-from attnlab.norms import QKNorm
+from attnlab.norms import QKNorm, norm_heads
 from attnlab.rope import RopeConfig, RotaryEmbedding, rotate_half
 
 __all__ = [
@@ -704,16 +704,11 @@ class Attention(nn.Module):
             values = self.W_value(src).view(B, S_new, G, D).transpose(1, 2)  # (B, G, S_new, D)
         queries_projected, keys_projected = queries, keys
         if self.q_norm is not None and self.k_norm is not None and self.qk_norm is not None:
-            if self.qk_norm.scope == "all":  # OLMo 2: over the heads' concatenation
-                queries = self.q_norm(q_flat).view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
-                if k_flat is not None:
-                    keys = (
-                        self.k_norm(k_flat).view(B, S_new, G, D).transpose(1, 2)
-                    )  # (B, G, S_new, D)
-            else:  # Qwen3, Gemma 3: each head vector (StableLM 2: each with its own weight)
-                queries = self.q_norm(queries)
-                if not cross_cached:
-                    keys = self.k_norm(keys)
+            # OLMo 2: over the heads' concatenation; Qwen3, Gemma 3: each head vector
+            # (StableLM 2: each with its own weight)
+            queries = norm_heads(self.qk_norm.scope, self.q_norm, q_flat, H)  # (B, H, T, D)
+            if k_flat is not None:
+                keys = norm_heads(self.qk_norm.scope, self.k_norm, k_flat, G)  # (B, G, S_new, D)
 
         if self.rope is not None:
             pos = self._positions(position_ids, B, T, kv_cache, x.device)

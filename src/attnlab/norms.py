@@ -5,13 +5,47 @@ Shape legend: C the normalised (last) dim.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 from torch import nn
 
-__all__ = ["HeadwiseNorm", "L2Norm", "QKNorm", "RMSNorm"]
+__all__ = ["HeadwiseNorm", "L2Norm", "QKNorm", "RMSNorm", "norm_heads", "rms_norm"]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """``weight * x / sqrt(mean(x^2) + eps)`` over the last dim, computed in fp32 and
+    returned in ``x``'s dtype before the weight multiplies it: :class:`RMSNorm`'s numbers,
+    and the decode step's for its float32 rows (no dtype round trip there).
+
+    Args:
+        x: ``(..., C)``.
+        weight: broadcastable to ``x``, or None (no weight: :class:`L2Norm`).
+        eps: added to the mean square.
+    """
+    xf = x if x.dtype == torch.float32 else x.float()
+    normed = xf * torch.rsqrt(xf.square().mean(dim=-1, keepdim=True).add_(eps))
+    if normed.dtype != x.dtype:
+        normed = normed.to(x.dtype)
+    return normed if weight is None else weight * normed
+
+
+def norm_heads(
+    scope: str, norm: Callable[[torch.Tensor], torch.Tensor], flat: torch.Tensor, heads: int
+) -> torch.Tensor:
+    """Queries or keys through their QK-norm, as :class:`QKNorm`'s ``scope`` says: over
+    the heads' concatenation (``"all"``, OLMo 2) or over each head vector (``"head"``, and
+    ``"each_head"`` with a weight per head). The attention layer's and the decode step's.
+
+    Shape:
+        flat ``(B, T, heads * D)`` -> ``(B, heads, T, D)``.
+    """
+    B, T, _ = flat.shape
+    if scope == "all":
+        return norm(flat).view(B, T, heads, -1).transpose(1, 2)  # (B, heads, T, D)
+    return norm(flat.view(B, T, heads, -1).transpose(1, 2))  # (B, heads, T, D)
 
 
 class RMSNorm(nn.Module):
@@ -29,9 +63,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(..., C) -> (..., C)."""
-        xf = x.float()  # no copy for fp32 input
-        xf = xf * torch.rsqrt(xf.square().mean(dim=-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
@@ -51,8 +83,7 @@ class L2Norm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(..., C) -> (..., C)."""
-        xf = x.float()
-        return (xf * torch.rsqrt(xf.square().mean(dim=-1, keepdim=True) + self.eps)).to(x.dtype)
+        return rms_norm(x, None, self.eps)
 
     def extra_repr(self) -> str:
         return f"eps={self.eps}"
@@ -130,10 +161,8 @@ class HeadwiseNorm(nn.Module):
         """(B, heads, T, D) -> (B, heads, T, D)."""
         if self.kind == "layer":
             y = nn.functional.layer_norm(x, (x.shape[-1],), eps=self.eps)
-        else:
-            xf = x.float()
-            y = (xf * torch.rsqrt(xf.square().mean(dim=-1, keepdim=True) + self.eps)).to(x.dtype)
-        return y * self.weight[:, None, :]  # (B, heads, T, D)
+            return y * self.weight[:, None, :]  # (B, heads, T, D)
+        return rms_norm(x, self.weight[:, None, :], self.eps)  # (B, heads, T, D)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, kind={self.kind!r}, eps={self.eps}"

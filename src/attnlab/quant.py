@@ -48,6 +48,8 @@ from typing import Any, ClassVar, NamedTuple, Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from attnlab.native import PRODUCT_KINDS
+
 __all__ = [
     "WEIGHT_DTYPES",
     "WEIGHT_FORMATS",
@@ -95,8 +97,11 @@ def _stacked(
     return fused
 
 
-# Product kinds of the native decode step (``attnlab/native/decode_step.cpp``'s ``Kind``).
-NATIVE_INT4, NATIVE_INT8, NATIVE_LINEAR, NATIVE_Q8, NATIVE_Q5 = 0, 2, 3, 4, 5
+# Product kinds of the native decode step, by attnlab.native's table (checked against the
+# compiled module's at each build).
+NATIVE_INT4, NATIVE_INT8, NATIVE_LINEAR, NATIVE_Q8, NATIVE_Q5 = (
+    PRODUCT_KINDS[k] for k in ("int4", "int8", "linear", "q8_0", "q5_0")
+)
 
 
 class NativeProduct(NamedTuple):

@@ -20,6 +20,7 @@ __all__ = [
     "edit_block_input",
     "edit_mlp",
     "editing_blocks",
+    "embed_scaled",
     "first_block",
     "keep_last",
     "mlp_output",
@@ -195,3 +196,13 @@ def keep_last(x: torch.Tensor, logits_to_keep: int | None) -> torch.Tensor:
     if logits_to_keep < 1:
         raise ValueError(f"`logits_to_keep` must be >= 1 or None, got {logits_to_keep}")
     return x[:, -logits_to_keep:]  # (B, min(T, logits_to_keep), C)
+
+
+def embed_scaled(x: torch.Tensor) -> torch.Tensor:
+    """Token embeddings times ``sqrt(C)`` (Gemma), the factor rounded to the embeddings'
+    dtype first as the reference implementation does; the decoder's and the decode step's.
+
+    Shape:
+        x ``(..., C)`` -> ``(..., C)``.
+    """
+    return x * torch.tensor(x.shape[-1] ** 0.5, dtype=x.dtype)

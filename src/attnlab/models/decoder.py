@@ -51,11 +51,13 @@ import torch
 from torch import nn
 
 from attnlab.attention import Attention, KVCache
+from attnlab.backends.base import softcap_scores
 from attnlab.biases import AlibiBias, RelativePositionBias
 from attnlab.latent import LatentAttention, MLAConfig
 from attnlab.masks import AttentionMask, PaddingMask
 from attnlab.models._lm import (
     block_input,
+    embed_scaled,
     first_block,
     keep_last,
     mlp_output,
@@ -773,8 +775,7 @@ class Decoder(nn.Module, FastDecoding):
         if self.embed_norm is not None:
             x = self.embed_norm(x)
         if self.config.embed_scale:
-            # Gemma: sqrt(C) rounded to the activation dtype first, as the reference does.
-            x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
+            x = embed_scaled(x)
         if self.config.embed_multiplier != 1.0:
             x = x * self.config.embed_multiplier
         if self.pos_embeddings is not None:
@@ -839,7 +840,4 @@ class Decoder(nn.Module, FastDecoding):
         logits = self.lm_head(hidden)  # (B, T, V)
         if self.config.logits_scaling != 1.0:
             logits = logits / self.config.logits_scaling
-        if self.config.final_softcap is not None:
-            c = self.config.final_softcap
-            logits = torch.tanh(logits / c) * c  # (B, T, V)
-        return logits
+        return softcap_scores(logits, self.config.final_softcap)  # (B, T, V)

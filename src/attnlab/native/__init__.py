@@ -25,7 +25,14 @@ from types import ModuleType
 
 import torch
 
-__all__ = ["NATIVE_ENV", "build_dir", "extension", "why_not_native"]
+__all__ = [
+    "NATIVE_ENV",
+    "PRODUCT_KINDS",
+    "STEP_ACTIVATIONS",
+    "build_dir",
+    "extension",
+    "why_not_native",
+]
 
 #: ``0`` (off), ``1`` (required: a failed build raises) or unset (on when it builds).
 NATIVE_ENV = "ATTNLAB_NATIVE"
@@ -33,6 +40,13 @@ SOURCES = ("decode_step.cpp",)
 # -fopenmp: at::parallel_for (q8_0.h) is OpenMP inlined into the caller, serial without it;
 # the module then links the libgomp.so.1 that torch has already loaded.
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno")
+
+#: The compiled step's product kinds by attnlab's names (``Kind`` in ``decode_step.cpp``):
+#: :class:`attnlab.quant.NativeProduct`'s ``kind``. The module exports its own table and a
+#: build whose table differs is not used.
+PRODUCT_KINDS: dict[str, int] = {"int4": 0, "int8": 2, "linear": 3, "q8_0": 4, "q5_0": 5}
+#: The compiled step's activations, by their index there (``Act``), checked the same way.
+STEP_ACTIVATIONS: tuple[str, ...] = ("silu", "gelu_tanh", "gelu", "relu")
 
 _loaded: ModuleType | None = None
 _why: str | None = None
@@ -112,6 +126,10 @@ def extension() -> ModuleType | None:
         else:
             try:
                 _loaded = _build()
+                _why = _tables_differ(_loaded)
+                if _why is not None:
+                    _loaded = None
+                    print(f"attnlab: the native decode step is not used: {_why}", file=sys.stderr)
             except Exception as err:  # a compiler error, a missing header, ...
                 try:
                     failed.parent.mkdir(parents=True, exist_ok=True)
@@ -128,6 +146,24 @@ def extension() -> ModuleType | None:
     if _loaded is None and mode == "1":
         raise RuntimeError(f"{NATIVE_ENV}=1 but the native decode step is unavailable: {_why}")
     return _loaded
+
+
+def _tables_differ(module: ModuleType) -> str | None:
+    """Why ``module``'s exported product kinds or activations differ from
+    :data:`PRODUCT_KINDS` and :data:`STEP_ACTIVATIONS` (one of the two was edited without
+    the other), or None when they agree."""
+    expected = {
+        "PRODUCT_KINDS": PRODUCT_KINDS,
+        "ACTIVATIONS": {name: i for i, name in enumerate(STEP_ACTIVATIONS)},
+    }
+    for name, want in expected.items():
+        got = dict(getattr(module, name, None) or {})
+        if got != want:
+            return (
+                f"its {name} {got} differ from attnlab.native's {want}: make "
+                "decode_step.cpp's enums and attnlab/native/__init__.py agree"
+            )
+    return None
 
 
 def _has_ninja_module() -> bool:

@@ -1,5 +1,6 @@
-// attnlab's native decode step: the short loop of attnlab.models.fast_decode
-// (DecodePlan._step_rows) for one new token per row, written once in C++.
+// attnlab's native decode step: the short loop of attnlab.models.decode.short
+// (step_short) for one new token per row, written once in C++
+// (attnlab.models.decode.compiled drives it).
 //
 // The Python loop spends about as long around the weight products as in them: some
 // forty tensor operations a layer, a microsecond or two each. Here the products are the
@@ -25,6 +26,8 @@
 
 namespace {
 
+// attnlab.native.PRODUCT_KINDS and STEP_ACTIVATIONS name these; the module exports them
+// (PRODUCT_KINDS, ACTIVATIONS below) and attnlab.native checks them after each build.
 enum Kind : int64_t { kInt4 = 0, kInt8 = 2, kLinear = 3, kQ8 = 4, kQ5 = 5 };
 enum Act : int64_t { kSilu = 0, kGeluTanh = 1, kGelu = 2, kRelu = 3 };
 
@@ -74,10 +77,6 @@ struct Product {
     }
   }
 };
-
-// (kind, a, b, group_size, n, bias): attnlab.quant.NativeProduct
-using ProductSpec = std::tuple<int64_t, at::Tensor, c10::optional<at::Tensor>, int64_t, int64_t,
-                               c10::optional<at::Tensor>>;
 
 struct Norm {
   at::Tensor weight;  // float32, (C,) or (rows, C)
@@ -180,29 +179,26 @@ class Step {
     TORCH_CHECK(D_ % 2 == 0, "native step: odd head dim ", D_);
   }
 
-  void add_layer(std::tuple<at::Tensor, double> norm1, std::tuple<at::Tensor, double> norm2,
-                 c10::optional<std::tuple<at::Tensor, double>> attn_post,
-                 c10::optional<std::tuple<at::Tensor, double>> mlp_post,
-                 c10::optional<std::tuple<at::Tensor, double>> qk_norm, at::ScalarType dtype,
-                 const std::vector<ProductSpec>& qkv, const std::vector<ProductSpec>& out,
-                 const std::vector<ProductSpec>& gate_up, const std::vector<ProductSpec>& down,
-                 int64_t act, double scale, int64_t window, int64_t rope) {
+  // spec: one layer, its fields read by name (attnlab.models.decode.compiled.NativeLayer):
+  // norm1, norm2, attn_post, mlp_post, qk_norm ((weight, eps) or None), dtype, the products
+  // qkv, out, gate_up, down (lists of attnlab.quant.NativeProduct), act, scale, window, rope.
+  void add_layer(const py::object& spec) {
     Layer l;
-    l.norm1 = norm(norm1, C_);
-    l.norm2 = norm(norm2, C_);
-    if (attn_post) l.attn_post = norm(*attn_post, C_);
-    if (mlp_post) l.mlp_post = norm(*mlp_post, C_);
-    if (qk_norm) l.qk_norm = norm(*qk_norm, (H_ + G_) * D_);
-    l.dtype = dtype;
-    l.qkv = products(qkv, (H_ + 2 * G_) * D_, "qkv");
-    l.out = products(out, C_, "out");
-    l.gate_up = products(gate_up, 2 * F_, "gate_up");
-    l.down = products(down, C_, "down");
-    TORCH_CHECK(act >= kSilu && act <= kRelu, "native step: activation ", act);
-    l.act = act;
-    l.scale = scale;
-    l.window = window;
-    l.rope = rope;
+    l.norm1 = norm(spec, "norm1", C_);
+    l.norm2 = norm(spec, "norm2", C_);
+    l.attn_post = norm(spec, "attn_post", C_, true);
+    l.mlp_post = norm(spec, "mlp_post", C_, true);
+    l.qk_norm = norm(spec, "qk_norm", (H_ + G_) * D_, true);
+    l.dtype = spec.attr("dtype").cast<at::ScalarType>();
+    l.qkv = products(spec, "qkv", (H_ + 2 * G_) * D_);
+    l.out = products(spec, "out", C_);
+    l.gate_up = products(spec, "gate_up", 2 * F_);
+    l.down = products(spec, "down", C_);
+    l.act = spec.attr("act").cast<int64_t>();
+    TORCH_CHECK(l.act >= kSilu && l.act <= kRelu, "native step: activation ", l.act);
+    l.scale = spec.attr("scale").cast<double>();
+    l.window = spec.attr("window").cast<int64_t>();
+    l.rope = spec.attr("rope").cast<int64_t>();
     layers_.push_back(std::move(l));
   }
 
@@ -343,32 +339,47 @@ class Step {
   }
 
  private:
-  static Norm norm(const std::tuple<at::Tensor, double>& spec, int64_t numel) {
+  // spec.<name>: (weight, eps), or None where `optional`
+  static Norm norm(const py::object& spec, const char* name, int64_t numel,
+                   bool optional = false) {
     Norm n;
-    n.weight = std::get<0>(spec).to(at::kFloat).contiguous();
-    n.eps = std::get<1>(spec);
-    TORCH_CHECK(n.weight.numel() == numel,
-                "native step: a norm weight of ", n.weight.numel(), " values, ", numel,
-                " expected");
+    const py::object field = spec.attr(name);
+    if (field.is_none()) {
+      TORCH_CHECK(optional, "native step: the layer's ", name, " is None");
+      return n;
+    }
+    const auto pair = field.cast<std::tuple<at::Tensor, double>>();
+    n.weight = std::get<0>(pair).to(at::kFloat).contiguous();
+    n.eps = std::get<1>(pair);
+    TORCH_CHECK(n.weight.numel() == numel, "native step: ", name, "'s weight has ",
+                n.weight.numel(), " values, ", numel, " expected");
     return n;
   }
 
-  static std::vector<Product> products(const std::vector<ProductSpec>& specs, int64_t width,
-                                       const char* what) {
+  static at::Tensor optional_tensor(const py::object& value) {
+    return value.is_none() ? at::Tensor() : value.cast<at::Tensor>();
+  }
+
+  // spec.<name>: products whose outputs sit side by side, `width` columns in all; each
+  // read by name: kind, a, b (or None), group_size, n, bias (or None)
+  static std::vector<Product> products(const py::object& spec, const char* name,
+                                       int64_t width) {
     std::vector<Product> found;
     int64_t total = 0;
-    for (const auto& s : specs) {
-      Product p{std::get<0>(s), std::get<1>(s),
-                std::get<2>(s).has_value() ? *std::get<2>(s) : at::Tensor(), std::get<3>(s),
-                std::get<4>(s),
-                std::get<5>(s).has_value() ? std::get<5>(s)->to(at::kFloat).contiguous()
-                                           : at::Tensor()};
+    for (const py::handle s : spec.attr(name)) {
+      const at::Tensor bias = optional_tensor(s.attr("bias"));
+      Product p{s.attr("kind").cast<int64_t>(),
+                s.attr("a").cast<at::Tensor>(),
+                optional_tensor(s.attr("b")),
+                s.attr("group_size").cast<int64_t>(),
+                s.attr("n").cast<int64_t>(),
+                bias.defined() ? bias.to(at::kFloat).contiguous() : bias};
       TORCH_CHECK(p.kind == kInt4 || (p.kind >= kInt8 && p.kind <= kQ5),
                   "native step: product kind ", p.kind);
       total += p.n;
       found.push_back(std::move(p));
     }
-    TORCH_CHECK(total == width, "native step: ", what, " products give ", total,
+    TORCH_CHECK(total == width, "native step: ", name, " products give ", total,
                 " columns, ", width, " expected");
     return found;
   }
@@ -382,9 +393,22 @@ class Step {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Step>(m, "Step")
       .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t>())
-      .def("add_layer", &Step::add_layer)
+      .def("add_layer", &Step::add_layer, py::arg("spec"))
       .def("num_layers", &Step::num_layers)
       .def("run", &Step::run, py::call_guard<py::gil_scoped_release>());
+  py::dict kinds;
+  kinds["int4"] = static_cast<int64_t>(kInt4);
+  kinds["int8"] = static_cast<int64_t>(kInt8);
+  kinds["linear"] = static_cast<int64_t>(kLinear);
+  kinds["q8_0"] = static_cast<int64_t>(kQ8);
+  kinds["q5_0"] = static_cast<int64_t>(kQ5);
+  m.attr("PRODUCT_KINDS") = kinds;
+  py::dict acts;
+  acts["silu"] = static_cast<int64_t>(kSilu);
+  acts["gelu_tanh"] = static_cast<int64_t>(kGeluTanh);
+  acts["gelu"] = static_cast<int64_t>(kGelu);
+  acts["relu"] = static_cast<int64_t>(kRelu);
+  m.attr("ACTIVATIONS") = acts;
   m.def("q8_0_mm", &attnlab_q8::q8_0_mm, py::call_guard<py::gil_scoped_release>(),
         "y (M, N) = x (M, K) @ W^T for W in Q8_0: int8 codes (N, K), scales (N, K/32)");
   m.def("q5_0_mm", &attnlab_q5::q5_0_mm, py::call_guard<py::gil_scoped_release>(),
