@@ -494,3 +494,57 @@ def test_the_short_loop_leaves_no_inference_tensor_behind(monkeypatch):
     assert model._decode_plan.rows is not None
     assert not logits.is_inference()
     assert not any(c._k.is_inference() or c._v.is_inference() for c in cache)
+
+
+# --------------------------------------------------------------------------- which loop
+
+
+def test_decode_path_names_the_loop_the_step_takes_and_why(monkeypatch):
+    """:meth:`decode_path` (and :meth:`DecodePlan.path`) name the loop a one-token call
+    runs, with a reason, and the step runs that loop."""
+    from attnlab.models.decode.plan import DecodePlan
+
+    monkeypatch.setenv(NATIVE_ENV, "0")
+    taken = []
+    for loop in ("general", "short"):
+        real = getattr(DecodePlan, f"_step_{loop}")
+
+        def counted(self, *args, _real=real, _loop=loop):
+            taken.append(_loop)
+            return _real(self, *args)
+
+        monkeypatch.setattr(DecodePlan, f"_step_{loop}", counted)
+
+    def decode(model: Decoder, batch: int) -> str:
+        taken.clear()
+        with torch.no_grad():
+            cache = model.new_kv_cache(max_len=8)
+            model(torch.zeros(batch, 2, dtype=torch.long), kv_cache=cache)
+            model(torch.zeros(batch, 1, dtype=torch.long), kv_cache=cache)
+        return taken[0] if taken else "modules"
+
+    plain = quantize_model(_model(), "int4")
+    path = plain.decode_path()
+    assert path.loop == "short" and "ATTNLAB_NATIVE=0" in path.why, path
+    assert decode(plain, 1) == "short"
+    wide = plain.decode_path(batch=16)
+    assert wide.loop == "general" and "16 rows" in wide.why
+    assert decode(plain, 16) == "general"
+    capped = quantize_model(_model(**LAYOUTS["gemma2-like"]), "int4")
+    path = capped.decode_path()
+    assert path.loop == "general" and "soft-capping" in path.why, path
+    assert decode(capped, 1) == "general"
+    assert str(path).startswith("general: ")
+    alibi = _model(positions="alibi")
+    assert alibi.decode_path().loop == "modules" and "alibi" in alibi.decode_path().why
+    assert decode(alibi, 1) == "modules"
+    plain.train()
+    assert plain.decode_path().loop == "modules" and "training" in plain.decode_path().why
+    plain.eval()
+    handle = plain.blocks[0].mlp.register_forward_hook(lambda *a: None)
+    try:
+        assert plain.decode_path().loop == "modules" and "hook" in plain.decode_path().why
+        assert decode(plain, 1) == "modules"
+    finally:
+        handle.remove()
+    assert plain.decode_path().loop == "short"

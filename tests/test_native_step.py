@@ -224,3 +224,62 @@ def test_a_failed_build_is_a_note_once_and_an_error_when_required(monkeypatch, t
             native.extension()
     finally:
         native._loaded, native._why, native._tried = state
+
+
+def test_the_compiled_module_exports_the_kinds_and_activations_python_names():
+    ext = native.extension()
+    assert ext is not None
+    assert dict(ext.PRODUCT_KINDS) == native.PRODUCT_KINDS
+    assert dict(ext.ACTIVATIONS) == {n: i for i, n in enumerate(native.STEP_ACTIVATIONS)}
+    kinds = (quant.NATIVE_INT4, quant.NATIVE_INT8, quant.NATIVE_LINEAR, quant.NATIVE_Q8)
+    assert kinds + (quant.NATIVE_Q5,) == tuple(
+        native.PRODUCT_KINDS[k] for k in ("int4", "int8", "linear", "q8_0", "q5_0")
+    )
+
+
+def test_a_build_whose_enums_differ_from_pythons_is_not_used(monkeypatch, tmp_path, capsys):
+    import types
+
+    monkeypatch.setenv("ATTNLAB_CACHE", str(tmp_path))
+    monkeypatch.delenv(native.NATIVE_ENV, raising=False)
+    stale = types.ModuleType("stale")
+    stale.PRODUCT_KINDS = {**native.PRODUCT_KINDS, "q5_0": 6}  # type: ignore[attr-defined]
+    stale.ACTIVATIONS = {n: i for i, n in enumerate(native.STEP_ACTIVATIONS)}  # type: ignore[attr-defined]
+    monkeypatch.setattr(native, "_build", lambda: stale)
+    state = native._loaded, native._why, native._tried
+    native._reset()
+    try:
+        assert native.extension() is None
+        why = native.why_not_native() or ""
+        assert "PRODUCT_KINDS" in why and "'q5_0': 6" in why and "decode_step.cpp" in why
+        assert "not used" in capsys.readouterr().err
+        assert not (native.build_dir() / "failed.log").exists()  # the next build retries
+        monkeypatch.setenv(native.NATIVE_ENV, "1")
+        native._reset()
+        with pytest.raises(RuntimeError, match="PRODUCT_KINDS"):
+            native.extension()
+    finally:
+        native._loaded, native._why, native._tried = state
+
+
+def test_the_compiled_step_takes_one_named_spec_per_layer():
+    """Each layer reaches C++ as one NativeLayer whose fields are read by name: a spec
+    missing a field is refused with that field's name."""
+    from attnlab.models.decode.compiled import NativeLayer
+
+    model, plan = _prepared("llama", "int4")
+    ext = native.extension()
+    assert ext is not None and plan.path().loop == "compiled"
+    C, F = CONFIG.hidden_size, CONFIG.intermediate_size
+    step = ext.Step(C, plan.H, plan.G, plan.D, F)
+    compiled = plan.native_step()
+    assert compiled is not None and compiled.num_layers() == CONFIG.num_layers
+    fields = {f for f in NativeLayer.__dataclass_fields__}
+    assert {"norm1", "qkv", "gate_up", "act", "window", "rope"} <= fields
+
+    class Missing:
+        norm1 = (torch.ones(C), 1e-5)
+
+    with pytest.raises(AttributeError, match="norm2"):
+        step.add_layer(Missing())
+    assert step.num_layers() == 0
