@@ -53,7 +53,7 @@ def takes_fast_step(
     a layer's ``capture`` is checked by :meth:`DecodePlan.capturing`), no block hook point
     in use (:func:`attnlab.models._lm.editing_blocks`). A PyTorch forward hook or pre-hook
     on a module the step would skip is checked by :meth:`DecodePlan.hooked` (from the
-    plan's list of the modules' hook tables, a few microseconds), so that a user's
+    plan's list of the modules' hook tables, without walking the modules), so that a user's
     ``register_forward_hook`` keeps firing while :func:`attnlab.generation.generate`
     decodes.
     """

@@ -1,11 +1,11 @@
 """attnlab's compiled CPU code: the decode step's short loop in C++, built on first use.
 
-The Python decode step spends about as long around its weight products as in them (some
-forty tensor operations a layer, a microsecond or two each: ``benchmarks/bench_decode_step.py``).
+The Python decode step spends much of its time around its weight products (some forty
+tensor operations a layer; ``benchmarks/bench_decode_step.py`` measures the split).
 ``decode_step.cpp`` runs the same layers with the same product kernels and plain loops for
 everything between them. It is compiled once per machine by
-:func:`torch.utils.cpp_extension.load` (about 30 seconds on 2 cores, a C++ compiler and
-Ninja needed) into attnlab's cache folder and loaded from there by later processes.
+:func:`torch.utils.cpp_extension.load` (a C++ compiler and Ninja needed) into attnlab's
+cache folder and loaded from there by later processes.
 
 Nothing depends on it: without a compiler, or when the build fails, decoding takes the
 Python loop (same numbers up to the order of float32 sums) and :func:`why_not_native`

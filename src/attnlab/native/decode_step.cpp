@@ -2,8 +2,8 @@
 // (step_short) for one new token per row, written once in C++
 // (attnlab.models.decode.compiled drives it).
 //
-// The Python loop spends about as long around the weight products as in them: some
-// forty tensor operations a layer, a microsecond or two each. Here the products are the
+// The Python loop spends much of its time around the weight products: some forty tensor
+// operations a layer (benchmarks/bench_decode_step.py). Here the products are the
 // same kernels with the same inputs (PyTorch's int4 / int8 / dense kernels and q8_0.h's on
 // rows in the layer's dtype); everything around them (RMSNorm, QK-norm, RoPE, the cache write,
 // attention over the cache, the activation, the residual adds) is a plain loop over
