@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from attnlab import native
 from attnlab.attention import StaticKVCache
 from attnlab.models._lm import embed_scaled
 from attnlab.quant import NativeProduct, native_product
@@ -88,7 +89,6 @@ def native_layer(layer: KernelLayer, activations: dict[int, int]) -> NativeLayer
 
 def build_compiled(plan: DecodePlan) -> Any | str:
     """The compiled ``Step`` over ``plan``'s kernel layers, or why there is none."""
-    from attnlab import native
     from attnlab.models.decoder import ACTIVATIONS
 
     if plan.kernel_layers is None:

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from attnlab.models.decode.layout import Layer, block_parts
+from attnlab.norms import RMSNorm
 from attnlab.quant import fuse_rows, row_product
 
 __all__ = ["SHORT_LOOP_MAX_BATCH", "KernelLayer", "LayerProducts", "kernel_layers"]
@@ -64,8 +65,6 @@ class KernelLayer:
 
 def _rms_spec(norm: nn.Module) -> RmsSpec | None:
     """(weight, eps) of an attnlab RMSNorm (fp32 math, ``weight * normed``), else None."""
-    from attnlab.norms import RMSNorm
-
     if type(norm) is not RMSNorm:
         return None
     return norm.weight, float(norm.eps)

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from attnlab.models.moe import MixtureOfExperts
 from attnlab.quant import column_major, fuse_rows
 from attnlab.rope import RotaryEmbedding
 
@@ -127,8 +128,6 @@ def model_parts(model: Any) -> Parts | str:
 def block_parts(block: Any) -> tuple[nn.Module, Any, nn.Module, Any, Any, Any, Any]:
     """(norm1, attention, norm2, gate or None, up, down, activation) of one block; for a
     mixture of experts, (norm1, attention, norm2, None, the module, None, None)."""
-    from attnlab.models.moe import MixtureOfExperts
-
     if hasattr(block, "att"):  # the book's TransformerBlock: ff = Linear, GELU, Linear
         up, act, down = block.ff.layers
         return block.norm1, block.att, block.norm2, None, up, down, act
