@@ -8,7 +8,9 @@ differ in) and names its weights.
 
 The model follows attnlab's causal-LM protocol: ``model(input_ids, kv_cache=...)``
 returns logits, ``model.new_kv_cache()`` gives one :class:`KVCache` per layer,
-``model.context_length`` bounds the window.
+``model.context_length`` bounds the window. One new token per row over static caches is
+handed to the one-token decode step (:meth:`Decoder.forward`; ``model.decode_path()`` says
+which loop and why).
 
 Shape legend: B batch, T new tokens, S keys (cached + new), C width, V vocabulary,
 H query heads, G key/value heads, D head dim, F feed-forward width.

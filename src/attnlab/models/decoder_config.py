@@ -1,7 +1,7 @@
 """The one decoder's options and what it trades in: :class:`DecoderConfig` (the sizes
 and the choices real decoders differ in), each layer's options, the layer cache with the
 cross-attention cache beside it, and what a pass through the stack returns; the decoder
-itself is :class:`attnlab.models.decoder.Decoder`.
+itself is :class:`attnlab.models.decoder.Decoder`. The options real decoders differ in:
 
 - ``norm``: ``"rms"`` (RMSNorm, computed in fp32) or ``"layer"`` (LayerNorm, ``norm_bias``);
 - ``norm_placement``: ``"pre"`` ``x + f(norm(x))`` (Llama, GPT-2), ``"post"``
