@@ -232,7 +232,7 @@ def test_the_compiled_module_exports_the_kinds_and_activations_python_names():
     assert dict(ext.PRODUCT_KINDS) == native.PRODUCT_KINDS
     assert dict(ext.ACTIVATIONS) == {n: i for i, n in enumerate(native.STEP_ACTIVATIONS)}
     kinds = (quant.NATIVE_INT4, quant.NATIVE_INT8, quant.NATIVE_LINEAR, quant.NATIVE_Q8)
-    assert kinds + (quant.NATIVE_Q5,) == tuple(
+    assert (*kinds, quant.NATIVE_Q5) == tuple(
         native.PRODUCT_KINDS[k] for k in ("int4", "int8", "linear", "q8_0", "q5_0")
     )
 
@@ -267,7 +267,7 @@ def test_the_compiled_step_takes_one_named_spec_per_layer():
     missing a field is refused with that field's name."""
     from attnlab.models.decode.compiled import NativeLayer
 
-    model, plan = _prepared("llama", "int4")
+    _, plan = _prepared("llama", "int4")
     ext = native.extension()
     assert ext is not None and plan.path().loop == "compiled"
     C, F = CONFIG.hidden_size, CONFIG.intermediate_size

@@ -171,6 +171,27 @@ void gated(const float* gate, const float* up, float* out, int64_t n, int64_t ac
   }
 }
 
+// Products whose outputs sit side by side: each writes its n columns of (B, ld) rows.
+void run_products(const std::vector<Product>& products, const at::Tensor& in, float* dst,
+                  int64_t ld) {
+  int64_t col = 0;
+  for (const Product& p : products) {
+    p.run(in, dst + col, ld);
+    col += p.n;
+  }
+}
+
+// RoPE in place on `vectors` head vectors of width D: x cos + roll(x, D/2) sin (sin's first
+// half negated by the caller)
+void rotate(float* qk, int64_t vectors, int64_t D, const float* cs, const float* sn) {
+  std::vector<float> tmp(D);
+  for (int64_t v = 0; v < vectors; ++v) {
+    float* hv = qk + v * D;
+    for (int64_t d = 0; d < D; ++d) tmp[d] = hv[d] * cs[d] + hv[(d + D / 2) % D] * sn[d];
+    std::copy(tmp.begin(), tmp.end(), hv);
+  }
+}
+
 class Step {
  public:
   Step(int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t ffn)
@@ -215,8 +236,7 @@ class Step {
                 "native step: x must be (B, ", C_, ") float32");
     TORCH_CHECK(static_cast<int64_t>(caches.size()) == 2 * L, "native step: ", caches.size(),
                 " cache tensors for ", L, " layers");
-    const int64_t B = x_in.size(0), D = D_, H = H_, G = G_, C = C_, F = F_;
-    const int64_t nq = H * D, nqk = (H + G) * D, nqkv = (H + 2 * G) * D;
+    const int64_t B = x_in.size(0), D = D_, G = G_;
     for (const auto& t : caches) {
       TORCH_CHECK(t.dim() == 4 && t.size(0) == B && t.size(1) == G && t.size(3) == D &&
                       t.scalar_type() == at::kFloat && t.is_contiguous() && pos < t.size(2),
@@ -230,115 +250,121 @@ class Step {
     at::Tensor x_out = x_in.contiguous().clone();  // an ordinary tensor, as the caches
     c10::InferenceMode guard;  // the products' outputs: no version counters, no views
     float* x = x_out.data_ptr<float>();
-    std::vector<float> h(B * std::max(C, 2 * F)), qkv(B * nqkv), qk(B * nqk), o(B * nq),
-        a(B * C), gu(B * 2 * F);
-    const int64_t S = pos + 1;
+    Rows rows(B, C_, (H_ + G_) * D_, (H_ + 2 * G_) * D_, H_ * D_, F_);
     for (int64_t li = 0; li < L; ++li) {
       const Layer& l = layers_[li];
-      // attention: norm, Q/K/V, QK-norm, RoPE, cache, softmax(q k^T scale) v, out
-      rms_rows(x, h.data(), B, C, l.norm1, false);
-      at::Tensor xin = as_input(h, B, C, l.dtype);
-      int64_t col = 0;
-      for (const Product& p : l.qkv) {
-        p.run(xin, qkv.data() + col, nqkv);
-        col += p.n;
-      }
-      for (int64_t r = 0; r < B; ++r)
-        std::copy(qkv.begin() + r * nqkv, qkv.begin() + r * nqkv + nqk, qk.begin() + r * nqk);
-      if (l.qk_norm.defined()) {
-        for (int64_t r = 0; r < B; ++r)
-          rms_rows(qk.data() + r * nqk, qk.data() + r * nqk, H + G, D, l.qk_norm, true);
-      }
-      const auto& rot = rotations.at(l.rope);
-      const float* cs = std::get<0>(rot).data_ptr<float>();
-      const float* sn = std::get<1>(rot).data_ptr<float>();
-      std::vector<float> tmp(D);
-      for (int64_t v = 0; v < B * (H + G); ++v) {  // x cos + roll(x, D/2) sin
-        float* hv = qk.data() + v * D;
-        for (int64_t d = 0; d < D; ++d) tmp[d] = hv[d] * cs[d] + hv[(d + D / 2) % D] * sn[d];
-        std::copy(tmp.begin(), tmp.end(), hv);
-      }
-      float* kc = caches[2 * li].data_ptr<float>();
-      float* vc = caches[2 * li + 1].data_ptr<float>();
-      const int64_t max_len = caches[2 * li].size(2);
-      for (int64_t r = 0; r < B; ++r) {
-        for (int64_t g = 0; g < G; ++g) {
-          const int64_t at_pos = ((r * G + g) * max_len + pos) * D;
-          std::copy_n(qk.data() + r * nqk + (H + g) * D, D, kc + at_pos);
-          std::copy_n(qkv.data() + r * nqkv + nqk + g * D, D, vc + at_pos);
-        }
-      }
-      const int64_t s0 = (l.window > 0 && S > l.window) ? S - l.window : 0;
-      const float scale = static_cast<float>(l.scale);
-      // Heads in parallel once they are worth a thread's start (long caches, wide heads).
-      const int64_t head_work = (S - s0) * D;
-      at::parallel_for(0, B * H, std::max<int64_t>(1, (1 << 15) / head_work),
-                       [&](int64_t begin, int64_t end) {
-        std::vector<float> scores(S);
-        for (int64_t i = begin; i < end; ++i) {
-          const int64_t r = i / H, hh = i % H, g = hh / (H / G);
-          const float* q = qk.data() + r * nqk + hh * D;
-          const float* keys = kc + (r * G + g) * max_len * D;
-          const float* vals = vc + (r * G + g) * max_len * D;
-          float mx = -INFINITY;
-          for (int64_t s = s0; s < S; ++s) {
-            const float* k = keys + s * D;
-            float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < D; ++d) dot += q[d] * k[d];
-            scores[s] = dot * scale;
-            mx = std::max(mx, scores[s]);
-          }
-          float total = 0.f;
-          float* sc = scores.data();
-#pragma omp simd reduction(+ : total)
-          for (int64_t s = s0; s < S; ++s) {
-            sc[s] = exp_fast(sc[s] - mx);
-            total += sc[s];
-          }
-          float* od = o.data() + r * nq + hh * D;
-          std::fill_n(od, D, 0.f);
-          for (int64_t s = s0; s < S; ++s) {
-            const float w = sc[s] / total;
-            const float* v = vals + s * D;
-#pragma omp simd
-            for (int64_t d = 0; d < D; ++d) od[d] += w * v[d];
-          }
-        }
-      });
-      col = 0;
-      at::Tensor oin = as_input(o, B, nq, l.dtype);
-      for (const Product& p : l.out) {
-        p.run(oin, a.data() + col, C);
-        col += p.n;
-      }
-      if (l.attn_post.defined()) rms_rows(a.data(), a.data(), B, C, l.attn_post, false);
-      for (int64_t i = 0; i < B * C; ++i) x[i] += a[i];
-      // MLP: norm, gate and up, act(gate) * up, down
-      rms_rows(x, h.data(), B, C, l.norm2, false);
-      xin = as_input(h, B, C, l.dtype);
-      col = 0;
-      for (const Product& p : l.gate_up) {
-        p.run(xin, gu.data() + col, 2 * F);
-        col += p.n;
-      }
-      for (int64_t r = 0; r < B; ++r) {
-        const float* gr = gu.data() + r * 2 * F;
-        gated(gr, gr + F, h.data() + r * F, F, l.act);
-      }
-      at::Tensor min = as_input(h, B, F, l.dtype);
-      col = 0;
-      for (const Product& p : l.down) {
-        p.run(min, a.data() + col, C);
-        col += p.n;
-      }
-      if (l.mlp_post.defined()) rms_rows(a.data(), a.data(), B, C, l.mlp_post, false);
-      for (int64_t i = 0; i < B * C; ++i) x[i] += a[i];
+      attention_block(l, x, B, pos, rotations.at(l.rope), caches[2 * li], caches[2 * li + 1],
+                      rows);
+      mlp_block(l, x, B, rows);
     }
     return x_out;
   }
 
  private:
+  // One call's scratch rows, reused by every layer.
+  struct Rows {
+    std::vector<float> h, qkv, qk, o, a, gu;
+    Rows(int64_t B, int64_t C, int64_t nqk, int64_t nqkv, int64_t nq, int64_t F)
+        : h(B * std::max(C, 2 * F)), qkv(B * nqkv), qk(B * nqk), o(B * nq), a(B * C),
+          gu(B * 2 * F) {}
+  };
+
+  // x += out(attention(norm1(x))): Q/K/V, QK-norm, RoPE, the cache write at `pos`,
+  // softmax(q k^T scale) v over the cache, the output product and its sandwich norm
+  void attention_block(const Layer& l, float* x, int64_t B, int64_t pos,
+                       const std::tuple<at::Tensor, at::Tensor>& rotation,
+                       const at::Tensor& key_cache, const at::Tensor& value_cache,
+                       Rows& w) const {
+    const int64_t D = D_, H = H_, G = G_, C = C_;
+    const int64_t nq = H * D, nqk = (H + G) * D, nqkv = (H + 2 * G) * D;
+    rms_rows(x, w.h.data(), B, C, l.norm1, false);
+    run_products(l.qkv, as_input(w.h, B, C, l.dtype), w.qkv.data(), nqkv);
+    for (int64_t r = 0; r < B; ++r)
+      std::copy(w.qkv.begin() + r * nqkv, w.qkv.begin() + r * nqkv + nqk,
+                w.qk.begin() + r * nqk);
+    if (l.qk_norm.defined()) {
+      for (int64_t r = 0; r < B; ++r)
+        rms_rows(w.qk.data() + r * nqk, w.qk.data() + r * nqk, H + G, D, l.qk_norm, true);
+    }
+    rotate(w.qk.data(), B * (H + G), D, std::get<0>(rotation).data_ptr<float>(),
+           std::get<1>(rotation).data_ptr<float>());
+    float* kc = key_cache.data_ptr<float>();
+    float* vc = value_cache.data_ptr<float>();
+    const int64_t max_len = key_cache.size(2);
+    for (int64_t r = 0; r < B; ++r) {
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t at_pos = ((r * G + g) * max_len + pos) * D;
+        std::copy_n(w.qk.data() + r * nqk + (H + g) * D, D, kc + at_pos);
+        std::copy_n(w.qkv.data() + r * nqkv + nqk + g * D, D, vc + at_pos);
+      }
+    }
+    const int64_t S = pos + 1;
+    const int64_t s0 = (l.window > 0 && S > l.window) ? S - l.window : 0;
+    attend(w.qk.data(), kc, vc, max_len, B, s0, S, static_cast<float>(l.scale), w.o.data());
+    run_products(l.out, as_input(w.o, B, nq, l.dtype), w.a.data(), C);
+    if (l.attn_post.defined()) rms_rows(w.a.data(), w.a.data(), B, C, l.attn_post, false);
+    for (int64_t i = 0; i < B * C; ++i) x[i] += w.a[i];
+  }
+
+  // o (B, H D) = softmax(q k^T scale) v of each head over cache positions [s0, S), q the
+  // queries at the start of each row of qk (B, (H + G) D); a head's group's keys and values
+  // are (B, G, max_len, D) caches
+  void attend(const float* qk, const float* kc, const float* vc, int64_t max_len, int64_t B,
+              int64_t s0, int64_t S, float scale, float* o) const {
+    const int64_t D = D_, H = H_, G = G_;
+    const int64_t nq = H * D, nqk = (H + G) * D;
+    // Heads in parallel once they are worth a thread's start (long caches, wide heads).
+    const int64_t head_work = (S - s0) * D;
+    at::parallel_for(0, B * H, std::max<int64_t>(1, (1 << 15) / head_work),
+                     [&](int64_t begin, int64_t end) {
+      std::vector<float> scores(S);
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t r = i / H, hh = i % H, g = hh / (H / G);
+        const float* q = qk + r * nqk + hh * D;
+        const float* keys = kc + (r * G + g) * max_len * D;
+        const float* vals = vc + (r * G + g) * max_len * D;
+        float mx = -INFINITY;
+        for (int64_t s = s0; s < S; ++s) {
+          const float* k = keys + s * D;
+          float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t d = 0; d < D; ++d) dot += q[d] * k[d];
+          scores[s] = dot * scale;
+          mx = std::max(mx, scores[s]);
+        }
+        float total = 0.f;
+        float* sc = scores.data();
+#pragma omp simd reduction(+ : total)
+        for (int64_t s = s0; s < S; ++s) {
+          sc[s] = exp_fast(sc[s] - mx);
+          total += sc[s];
+        }
+        float* od = o + r * nq + hh * D;
+        std::fill_n(od, D, 0.f);
+        for (int64_t s = s0; s < S; ++s) {
+          const float wt = sc[s] / total;
+          const float* v = vals + s * D;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) od[d] += wt * v[d];
+        }
+      }
+    });
+  }
+
+  // x += down(act(gate(norm2(x))) * up(norm2(x))), then its sandwich norm
+  void mlp_block(const Layer& l, float* x, int64_t B, Rows& w) const {
+    const int64_t C = C_, F = F_;
+    rms_rows(x, w.h.data(), B, C, l.norm2, false);
+    run_products(l.gate_up, as_input(w.h, B, C, l.dtype), w.gu.data(), 2 * F);
+    for (int64_t r = 0; r < B; ++r) {
+      const float* gr = w.gu.data() + r * 2 * F;
+      gated(gr, gr + F, w.h.data() + r * F, F, l.act);
+    }
+    run_products(l.down, as_input(w.h, B, F, l.dtype), w.a.data(), C);
+    if (l.mlp_post.defined()) rms_rows(w.a.data(), w.a.data(), B, C, l.mlp_post, false);
+    for (int64_t i = 0; i < B * C; ++i) x[i] += w.a[i];
+  }
+
   // spec.<name>: (weight, eps), or None where `optional`
   static Norm norm(const py::object& spec, const char* name, int64_t numel,
                    bool optional = false) {
