@@ -423,9 +423,7 @@ def test_a_gguf_type_is_held_as_stored_by_one_format(monkeypatch):
         ("float32", "Q4_0", None),
     ],
 )
-def test_gguf_holding_names_the_format_and_whether_the_codes_are_kept(
-    dtype, type_name, expected
-):
+def test_gguf_holding_names_the_format_and_whether_the_codes_are_kept(dtype, type_name, expected):
     held = gguf_holding(dtype, type_name)
     assert (None if held is None else (held.format.name, held.stored)) == expected
 
