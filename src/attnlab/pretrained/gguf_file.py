@@ -65,8 +65,9 @@ def dequantize_q8_0(blocks: np.ndarray) -> np.ndarray:
     """Q8_0 blocks (N, 34) uint8 -> (N, 32) float32, ``q * d``.
 
     One pass that writes the output once (the codes read in place, converted inside the
-    multiply): Gemma's 262k x 640 embedding is Q8_0, and a separate int8 -> float32 copy
-    then an in-place multiply took 5x longer on it.
+    multiply), not an int8 -> float32 copy and then a multiply over it: Gemma's 262k x 640
+    embedding is Q8_0 (``benchmarks/bench_pretrained.py --only gemma3-load`` times the
+    load).
     """
     out = np.empty((blocks.shape[0], QK), dtype=np.float32)  # (N, Q)
     np.multiply(blocks[:, 2:].view(np.int8), f16_columns(blocks, 1), out=out)
@@ -126,8 +127,8 @@ def dequantize(data: np.ndarray, type_name: str, shape: tuple[int, ...]) -> torc
     """Dequantise one GGUF tensor's raw data to a float32 torch tensor of ``shape``.
 
     The kernels are numpy, not torch, on purpose: numpy's element-wise operations run on
-    one thread, while torch's split across its thread pool, and on a machine whose few
-    cores are shared that pool's waiting made loading 5-20x slower in our measurements.
+    one thread, while torch's split across its thread pool, whose waiting on a machine
+    whose few cores are shared costs more than the work.
 
     Args:
         data: the tensor's bytes as stored in the file (any numpy dtype; viewed as bytes).

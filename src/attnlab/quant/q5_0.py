@@ -204,7 +204,7 @@ class Q5Linear(WeightFormat):
 
     def _bf16_weight(self) -> torch.Tensor:
         """:attr:`weight` rounded to bfloat16 (N, K): unpacked by the native build where
-        there is one (several times faster than torch's shifts and masks)."""
+        there is one (in registers, where torch's shifts and masks write each step out)."""
         ext = native_kernels()
         if ext is not None:
             return ext.q5_0_dequant(self.blocks)  # type: ignore[no-any-return]

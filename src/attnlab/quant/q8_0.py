@@ -71,9 +71,9 @@ class Q8Linear(WeightFormat):
     fallback = "int8"
     codes: torch.Tensor
     scales: torch.Tensor
-    #: From this many rows of input on, dequantise and use bf16 ``mm``: the native kernel
-    #: (float32 FMAs) is faster below about 20 rows, the dense product of the dequantised
-    #: weight from about 24 (``benchmarks/bench_q8_0.py --rows``).
+    #: From this many rows of input on, dequantise and use bf16 ``mm``: where the dense
+    #: product of the dequantised weight overtakes the native kernel (float32 FMAs),
+    #: ``benchmarks/bench_q8_0.py --rows``.
     dense_from_rows: int = 20
     #: Weights dequantised at a time by the dense product (rows of that many values).
     _dense_chunk: ClassVar[int] = 1 << 22
