@@ -689,7 +689,7 @@ def apply_transform(
             H, D = config.num_heads, _head_dim(config)
             per_head = t.reshape(H, 3, D, *t.shape[1:])  # (H, 3, D, ...)
             # One copy into (3, H, D, ...): q, k, v are then row blocks of one tensor,
-            # which the fused QKV product reuses (attnlab.quant.fuse_rows).
+            # which the fused QKV product reuses (attnlab.quant.fuse_linears).
             grouped = per_head.transpose(0, 1).reshape(3 * H * D, *t.shape[1:])
             out = tuple(grouped.split(H * D, dim=0))
         elif part == "plus1":
