@@ -119,3 +119,13 @@ def test_version_and_help(capsys):
     assert code == 0 and re.fullmatch(r"attnlab \d+\.\d+\.\d+\n", out)
     code, out, _ = run_main(capsys)
     assert code == 0 and "walkthrough" in out
+
+
+def test_generate_help_lists_every_weight_precision(capsys):
+    """``--dtype``'s help is built from the registered weight formats."""
+    from attnlab.quant import WEIGHT_DTYPES
+
+    code, out, _ = run_main(capsys, "generate", "--help")
+    assert code == 0
+    for name in WEIGHT_DTYPES:
+        assert name in out, name

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import numpy as np
 import pytest
 import torch
@@ -9,17 +11,28 @@ from torch import nn
 
 from attnlab.pretrained.gguf_file import dequantize, int4_codes
 from attnlab.quant import (
+    WEIGHT_DTYPES,
+    WEIGHT_FORMATS,
     BF16Linear,
+    GGUFBlock,
     Int4Linear,
     Int8Linear,
     Q8Linear,
+    WeightFormat,
     column_major,
+    dtype_help,
+    fuse_linears,
     fuse_rows,
+    gguf_blocks,
+    gguf_format,
+    gguf_holding,
     quantize_linear,
     quantize_model,
+    register_format,
     row_product,
     unpack_int4_t,
 )
+from attnlab.quant import base as quant_base
 
 
 def _ref(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
@@ -365,3 +378,60 @@ def test_q8_0_holds_gguf_5_and_6_bit_values_to_8_bits_a_block(type_name):
     error = (layer.weight - values).view(N, K // 32, 32).abs()
     assert (error <= block_max / 254 * (1 + 2**-10)).all()
     assert error.amax() > 0  # not the file's values exactly: a second quantisation
+
+
+def test_each_format_owns_its_gguf_blocks_reader_and_help_line():
+    """A format's GGUF block layout agrees with gguf-py's table of sizes, each GGUF type is
+    held as stored by one format at most, and the CLI's help names every precision."""
+    gconst = pytest.importorskip("gguf.constants", reason="pip install 'attnlab[pretrained]'")
+    blocks = gguf_blocks()
+    assert {"Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q5_0"} <= set(blocks)
+    for type_name, block in blocks.items():
+        qtype = gconst.GGMLQuantizationType[type_name]
+        assert gconst.GGML_QUANT_SIZES[qtype] == (block.values, block.nbytes), type_name
+        fmt = gguf_format(type_name)
+        assert fmt is not None and fmt.gguf_types == frozenset(fmt.gguf_blocks)
+        assert type_name in fmt.gguf_types
+        assert fmt.gguf_codes.__func__ is not WeightFormat.gguf_codes.__func__, fmt.name
+    assert gguf_format("Q6_K") is None  # dequantised by gguf-py, then held as q8_0
+    text = dtype_help()
+    for name in WEIGHT_DTYPES:
+        assert name in text, name
+    for fmt in WEIGHT_FORMATS.values():
+        assert fmt.cli_help and fmt.cli_help in text, fmt.name
+
+
+def test_a_gguf_type_is_held_as_stored_by_one_format(monkeypatch):
+    class Other(WeightFormat):
+        name = "other-q8"
+        gguf_blocks = MappingProxyType({"Q8_0": GGUFBlock(32, 34, 1)})
+
+    monkeypatch.setattr(quant_base, "WEIGHT_FORMATS", dict(WEIGHT_FORMATS))
+    with pytest.raises(ValueError, match="'q8_0' holds"):
+        register_format(Other)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "type_name", "expected"),
+    [
+        ("int4", "Q4_K", ("int4", True)),
+        ("int4", "Q5_0", ("q5_0", True)),
+        ("int4", "Q8_0", ("q8_0", True)),
+        ("int4", "Q6_K", ("q8_0", False)),  # the values, quantised again to 8 bits
+        ("int4", "F32", None),
+        ("q8_0", "Q4_0", None),
+        ("float32", "Q4_0", None),
+    ],
+)
+def test_gguf_holding_names_the_format_and_whether_the_codes_are_kept(dtype, type_name, expected):
+    held = gguf_holding(dtype, type_name)
+    assert (None if held is None else (held.format.name, held.stored)) == expected
+
+
+def test_the_former_names_still_work():
+    w = torch.randn(64, 64)
+    a, b = Q8Linear.from_float(w), Q8Linear.from_float(w)
+    assert fuse_rows is fuse_linears
+    stored = (a.codes, a.scales)
+    assert Q8Linear.rows_shape(stored) == Q8Linear.weight_shape(stored) == (64, 64)
+    assert torch.equal(Q8Linear.from_rows(stored).weight, b.weight)

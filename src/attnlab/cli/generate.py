@@ -10,6 +10,7 @@ import typer
 from attnlab.cli.app import app
 from attnlab.cli.models import check_dtype, load_checkpoint_model, load_pretrained_model
 from attnlab.cli.output import UserError, output, user_input
+from attnlab.quant import dtype_help
 
 
 def _stream(
@@ -84,10 +85,7 @@ def generate(
     ] = "auto",
     dtype: Annotated[
         str,
-        typer.Option(
-            help="Weight precision: float32 (exact), bfloat16, int8, int4, q8_0, q5_0 "
-            "(weight-only; faster decoding, docs/guides/generation.md gives each one's accuracy)."
-        ),
+        typer.Option(help=dtype_help()),
     ] = "float32",
     max_new_tokens: Annotated[
         int, typer.Option("--max-new-tokens", "-n", help="Tokens to generate.")

@@ -689,7 +689,7 @@ def apply_transform(
             H, D = config.num_heads, _head_dim(config)
             per_head = t.reshape(H, 3, D, *t.shape[1:])  # (H, 3, D, ...)
             # One copy into (3, H, D, ...): q, k, v are then row blocks of one tensor,
-            # which the fused QKV product reuses (attnlab.quant.fuse_rows).
+            # which the fused QKV product reuses (attnlab.quant.fuse_linears).
             grouped = per_head.transpose(0, 1).reshape(3 * H * D, *t.shape[1:])
             out = tuple(grouped.split(H * D, dim=0))
         elif part == "plus1":
@@ -817,7 +817,7 @@ class HeldLinear:
     Attributes:
         format: the weight format of each linear layer the tensor fills.
         codes: the format's codes read from the file (tensors whose first dimension is
-            the weight's rows, :meth:`attnlab.quant.WeightFormat.from_rows`), which go
+            the weight's rows, :meth:`attnlab.quant.WeightFormat.from_stored`), which go
             through the weight plan's row transforms; None: the format is made from the
             tensor's float values (:meth:`attnlab.quant.WeightFormat.from_float`).
     """
@@ -992,7 +992,7 @@ def _hold_linear(
     where: str | Path,
 ) -> None:
     """Replace the ``nn.Linear`` whose weight is ``target`` by ``fmt`` made from ``piece``
-    (its codes, of the weight's shape by :meth:`~attnlab.quant.WeightFormat.rows_shape`,
+    (its codes, of the weight's shape by :meth:`~attnlab.quant.WeightFormat.weight_shape`,
     or its float values), its bias
     taken out of ``weights``. Codes ``fmt`` cannot take (a shape its kernel cannot pack)
     leave the linear to :func:`fill`, with ``values()``.
@@ -1004,7 +1004,7 @@ def _hold_linear(
     parent_name, _, leaf = module_name.rpartition(".")
     linear = model.get_submodule(module_name)
     assert isinstance(linear, nn.Linear)
-    shape = fmt.rows_shape(piece) if isinstance(piece, tuple) else tuple(piece.shape)
+    shape = fmt.weight_shape(piece) if isinstance(piece, tuple) else tuple(piece.shape)
     if shape != tuple(linear.weight.shape):
         raise ModelFileError(
             where,
@@ -1017,7 +1017,7 @@ def _hold_linear(
     bias = weights.get(bias_name) if linear.bias is not None else None
     if isinstance(piece, tuple):
         try:
-            module = fmt.from_rows(piece, bias)
+            module = fmt.from_stored(piece, bias)
         except ValueError:  # a shape the format's kernel cannot pack: float, quantised later
             weights[target] = values()
             return

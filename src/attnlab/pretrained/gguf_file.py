@@ -3,27 +3,23 @@
 The header is parsed here (the format is small: gguf.md in llama.cpp), tensor data is
 memory-mapped, and the block formats this project meets (Q4_0, Q4_1, Q8_0, MXFP4) are
 dequantised here, vectorised over every block of a tensor at once (numpy). Any other
-quantisation type (the K-quants, ...) falls back to ``gguf.quants.dequantize``, which
-is vectorised numpy.
+quantisation type (the K-quants, Q5_0, ...) falls back to ``gguf.quants.dequantize``,
+which is vectorised numpy. The types a weight format holds as stored are read, not
+dequantised, by that format (:meth:`GGUFContents.codes`,
+:meth:`attnlab.quant.WeightFormat.gguf_codes`), whose module gives their block layout;
+the sizes of every type come from the ``gguf`` package's table, and those of the types
+read here from the formats' :attr:`~attnlab.quant.WeightFormat.gguf_blocks` (tested to
+agree).
 
 GGUF stores a 2-D weight with ``shape = [ne0, ne1]``: ``ne0`` is the contiguous (input)
 dimension, so the torch tensor is ``(ne1, ne0)`` = ``(out_features, in_features)``, exactly
 ``nn.Linear.weight``'s layout.
 
-Block layouts (``ggml-common.h``), 32 weights per block, all little-endian:
-
-- ``Q4_0``: ``d: f16``, ``qs: u8[16]``; weight ``j`` is ``(nibble_j - 8) * d``.
-- ``Q4_1``: ``d: f16``, ``m: f16``, ``qs: u8[16]``; weight ``j`` is ``nibble_j * d + m``.
-- ``Q8_0``: ``d: f16``, ``qs: i8[32]``; weight ``j`` is ``qs[j] * d``.
-- ``Q5_0``: ``d: f16``, ``qh: u32``, ``qs: u8[16]``; weight ``j`` is ``(q_j - 16) * d``, ``q_j``
-  its nibble with bit ``j`` of ``qh`` above it (dequantised by gguf-py; read as stored
-  for ``attnlab.quant.Q5Linear`` by :func:`q5_0_codes`).
-- ``MXFP4`` (gpt-oss's experts): ``e: u8`` (an E8M0 exponent), ``qs: u8[16]``; weight ``j``
-  is ``E2M1(nibble_j) * 2**(e - 127)``, the E2M1 values ``0, 0.5, 1, 1.5, 2, 3, 4, 6``
-  and their negatives (ggml stores them doubled, ``kvalues_mxfp4``, with ``2**(e - 128)``).
-
-For the 4-bit formats weights ``0..15`` are the low nibbles of ``qs[0..15]`` and weights
-``16..31`` the high nibbles.
+``MXFP4`` (gpt-oss's experts; no weight format holds it): ``e: u8`` (an E8M0 exponent),
+``qs: u8[16]``; weight ``j`` is ``E2M1(nibble_j) * 2**(e - 127)``, the E2M1 values ``0,
+0.5, 1, 1.5, 2, 3, 4, 6`` and their negatives (ggml stores them doubled,
+``kvalues_mxfp4``, with ``2**(e - 128)``); weights ``0..15`` are the low nibbles of
+``qs[0..15]`` and ``16..31`` the high ones.
 """
 
 from __future__ import annotations
@@ -39,38 +35,27 @@ import numpy as np
 import torch
 
 from attnlab.pretrained.errors import ModelFileError, check_finite
+from attnlab.quant import Int4Linear, Q5Linear, Q8Linear, gguf_blocks, gguf_format
+from attnlab.quant.base import GGUFBlock, f16_columns, nibbles
 
 # Shape legend: N blocks, Q = 32 weights per block, R rows, K = row length (ne0).
 
-QK = 32  # weights per block for Q4_0, Q4_1, Q8_0
+QK = 32  # weights per block for Q4_0, Q4_1, Q8_0, MXFP4
 QK_K = 256  # weights per super-block of the K-quants
-
-
-def _f16_columns(blocks: np.ndarray, n: int) -> np.ndarray:
-    """The first ``n`` little-endian float16 values of every block, as (N, n) float32."""
-    return np.ascontiguousarray(blocks[:, : 2 * n]).view(np.float16).astype(np.float32)
-
-
-def _unpack_nibbles(qs: np.ndarray) -> np.ndarray:
-    """(N, 16) packed bytes -> (N, 32) float32 in 0..15: low nibbles first, then high."""
-    out = np.empty((qs.shape[0], QK), dtype=np.float32)  # (N, Q)
-    np.bitwise_and(qs, 0x0F, out=out[:, : QK // 2], casting="unsafe")
-    np.right_shift(qs, 4, out=out[:, QK // 2 :], casting="unsafe")
-    return out
 
 
 def dequantize_q4_0(blocks: np.ndarray) -> np.ndarray:
     """Q4_0 blocks (N, 18) uint8 -> (N, 32) float32, ``(q - 8) * d``."""
-    out = _unpack_nibbles(blocks[:, 2:])
+    out = nibbles(blocks[:, 2:], np.float32)  # (N, Q)
     out -= 8.0
-    out *= _f16_columns(blocks, 1)  # (N, 1) broadcast
+    out *= f16_columns(blocks, 1)  # (N, 1) broadcast
     return out
 
 
 def dequantize_q4_1(blocks: np.ndarray) -> np.ndarray:
     """Q4_1 blocks (N, 20) uint8 -> (N, 32) float32, ``q * d + m`` (two roundings, as ggml)."""
-    dm = _f16_columns(blocks, 2)  # (N, 2): d, m
-    out = _unpack_nibbles(blocks[:, 4:])
+    dm = f16_columns(blocks, 2)  # (N, 2): d, m
+    out = nibbles(blocks[:, 4:], np.float32)  # (N, Q)
     out *= dm[:, :1]
     out += dm[:, 1:]
     return out
@@ -80,11 +65,12 @@ def dequantize_q8_0(blocks: np.ndarray) -> np.ndarray:
     """Q8_0 blocks (N, 34) uint8 -> (N, 32) float32, ``q * d``.
 
     One pass that writes the output once (the codes read in place, converted inside the
-    multiply): Gemma's 262k x 640 embedding is Q8_0, and a separate int8 -> float32 copy
-    then an in-place multiply took 5x longer on it.
+    multiply), not an int8 -> float32 copy and then a multiply over it: Gemma's 262k x 640
+    embedding is Q8_0 (``benchmarks/bench_pretrained.py --only gemma3-load`` times the
+    load).
     """
     out = np.empty((blocks.shape[0], QK), dtype=np.float32)  # (N, Q)
-    np.multiply(blocks[:, 2:].view(np.int8), _f16_columns(blocks, 1), out=out)
+    np.multiply(blocks[:, 2:].view(np.int8), f16_columns(blocks, 1), out=out)
     return out
 
 
@@ -111,163 +97,38 @@ def mxfp4_values(codes: np.ndarray, exponents: np.ndarray) -> np.ndarray:
 def dequantize_mxfp4(blocks: np.ndarray) -> np.ndarray:
     """MXFP4 blocks (N, 17) uint8 -> (N, 32) float32 (:func:`mxfp4_values`); a block's
     first 16 weights are the low nibbles of its bytes, the next 16 the high ones."""
-    codes = np.empty((blocks.shape[0], QK), dtype=np.uint8)  # (N, Q)
-    np.bitwise_and(blocks[:, 1:], 0x0F, out=codes[:, : QK // 2])
-    np.right_shift(blocks[:, 1:], 4, out=codes[:, QK // 2 :])
-    return mxfp4_values(codes, blocks[:, :1])  # (N, Q)
+    return mxfp4_values(nibbles(blocks[:, 1:]), blocks[:, :1])  # (N, Q)
 
 
-def _q4_k_codes(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Q4_K super-blocks (N, 144) -> codes (N, 256) uint8, scales and zeros (N, 8) float32.
+# The weight formats' readers of the types they hold as stored, by their former names.
+int4_codes = Int4Linear.gguf_codes
+q8_0_codes = Q8Linear.gguf_codes
+q5_0_codes = Q5Linear.gguf_codes
+#: GGUF types whose blocks read as the codes of a weight format, as row-aligned tensors
+#: (:func:`attnlab.quant.gguf_format` answers for formats registered since).
+CODE_READERS = {t: gguf_format(t).gguf_codes for t in gguf_blocks()}  # type: ignore[union-attr]
 
-    Sub-block ``s`` (32 weights) is ``w = d * sc[s] * q - dmin * m[s]``: in the int4
-    convention ``scale = d * sc`` and ``zero = 8 scale - dmin * m``, both exact in float32
-    (an 11-bit significand times a 6-bit integer) up to the one rounding of the difference.
-    """
-    n = blocks.shape[0]
-    d_dmin = _f16_columns(blocks, 2)  # (N, 2)
-    packed = blocks[:, 4:16].reshape(n, 3, 4)  # 12 bytes of 6-bit scales and mins
-    low, high, top = packed[:, 0], packed[:, 1], packed[:, 2]  # (N, 4) each
-    # Sub-blocks 0-3: the low 6 bits of bytes 0-3 (scales) and 4-7 (mins); 4-7: the
-    # nibbles of bytes 8-11 with those bytes' top 2 bits above them (ggml's get_scale_min_k4).
-    sc = np.concatenate([low & 63, (top & 15) | ((low >> 2) & 48)], axis=1)  # (N, 8)
-    mins = np.concatenate([high & 63, (top >> 4) | ((high >> 2) & 48)], axis=1)  # (N, 8)
-    qs = blocks[:, 16:].reshape(n, 4, 32)  # 32 bytes per pair of sub-blocks
-    codes = np.empty((n, 4, 2, 32), dtype=np.uint8)  # sub-block 2j: low nibbles, 2j+1: high
-    np.bitwise_and(qs, 0x0F, out=codes[:, :, 0])
-    np.right_shift(qs, 4, out=codes[:, :, 1])
-    scales = d_dmin[:, :1] * sc  # (N, 8)
-    zeros = 8.0 * scales - d_dmin[:, 1:] * mins
-    return codes.reshape(n, QK_K), scales, zeros
-
-
-def int4_codes(
-    data: np.ndarray, type_name: str, shape: tuple[int, ...]
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Q4_0 / Q4_1 / Q4_K blocks as 4-bit codes with per-32 scale and zero, not dequantised.
-
-    In the convention of ``attnlab.quant.Int4Linear``, ``w = (q - 8) * scale + zero``:
-    Q4_0 is ``(q - 8) * d`` (zero 0), Q4_1 is ``q * d + m`` (zero ``m + 8 d``), Q4_K's
-    sub-block is ``d sc q - dmin m`` (scale ``d sc``, zero ``8 d sc - dmin m``).
-
-    Args:
-        data: the tensor's bytes as stored in the file.
-        type_name: ``"Q4_0"``, ``"Q4_1"`` or ``"Q4_K"``.
-        shape: the torch shape (R, K).
-
-    Returns:
-        codes (R, K) uint8 in 0..15, scales (R, K/32) float32, zeros (R, K/32) float32.
-
-    Raises:
-        ValueError: another type, or a shape that is not 2-D with K a multiple of the
-            block (32; Q4_K: 256).
-    """
-    block = QK_K if type_name == "Q4_K" else QK
-    if type_name not in ("Q4_0", "Q4_1", "Q4_K") or len(shape) != 2 or shape[1] % block:
-        raise ValueError(
-            f"int4 codes need a 2-D Q4_0/Q4_1/Q4_K tensor with rows of whole blocks, got "
-            f"{type_name} {shape}"
-        )
-    R, K = shape
-    raw = np.asarray(data).view(np.uint8)
-    if type_name == "Q4_K":
-        codes, scales, zeros = _q4_k_codes(raw.reshape(-1, 144))
-    else:
-        block_bytes, n_half = (18, 1) if type_name == "Q4_0" else (20, 2)
-        blocks = raw.reshape(-1, block_bytes)  # (N, bytes)
-        qs = blocks[:, 2 * n_half :]  # (N, 16)
-        codes = np.empty((blocks.shape[0], QK), dtype=np.uint8)  # (N, Q)
-        np.bitwise_and(qs, 0x0F, out=codes[:, : QK // 2])
-        np.right_shift(qs, 4, out=codes[:, QK // 2 :])
-        dm = _f16_columns(blocks, n_half)  # (N, 1 or 2)
-        scales = dm[:, 0]
-        zeros = dm[:, 1] + 8.0 * scales if n_half == 2 else np.zeros_like(scales)
-    return (
-        torch.from_numpy(codes).reshape(R, K),
-        torch.from_numpy(np.ascontiguousarray(scales)).reshape(R, K // QK),
-        torch.from_numpy(np.ascontiguousarray(zeros)).reshape(R, K // QK),
-    )
-
-
-def q8_0_codes(
-    data: np.ndarray, type_name: str, shape: tuple[int, ...]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q8_0 blocks as stored, not dequantised: ``attnlab.quant.Q8Linear``'s codes and scales.
-
-    Args:
-        data: the tensor's bytes as stored in the file.
-        type_name: ``"Q8_0"``.
-        shape: the torch shape (R, K).
-
-    Returns:
-        codes (R, K) int8, scales (R, K/32) float16 (the blocks' own ``d``).
-
-    Raises:
-        ValueError: another type, or a shape that is not 2-D with K a multiple of 32, or
-            that the data does not fill.
-    """
-    if type_name != "Q8_0" or len(shape) != 2 or shape[1] % QK:
-        raise ValueError(
-            f"q8_0 codes need a 2-D Q8_0 tensor with rows of whole blocks, got {type_name} {shape}"
-        )
-    R, K = shape
-    blocks = np.asarray(data).view(np.uint8).reshape(R * K // QK, 2 + QK)  # (N, 34)
-    scales = np.ascontiguousarray(blocks[:, :2]).view(np.float16)  # (N, 1)
-    codes = np.ascontiguousarray(blocks[:, 2:]).view(np.int8)  # (N, Q)
-    return torch.from_numpy(codes).reshape(R, K), torch.from_numpy(scales).reshape(R, K // QK)
-
-
-def q5_0_codes(data: np.ndarray, type_name: str, shape: tuple[int, ...]) -> tuple[torch.Tensor]:
-    """Q5_0 blocks as stored (copied out of the file): ``attnlab.quant.Q5Linear``'s blocks,
-    each weight row's 22-byte blocks in a row.
-
-    Args:
-        data: the tensor's bytes as stored in the file.
-        type_name: ``"Q5_0"``.
-        shape: the torch shape (R, K).
-
-    Returns:
-        ``(blocks,)``: (R, K/32 * 22) uint8.
-
-    Raises:
-        ValueError: another type, or a shape that is not 2-D with K a multiple of 32, or
-            that the data does not fill.
-    """
-    if type_name != "Q5_0" or len(shape) != 2 or shape[1] % QK:
-        raise ValueError(
-            f"q5_0 codes need a 2-D Q5_0 tensor with rows of whole blocks, got {type_name} {shape}"
-        )
-    R, K = shape
-    blocks = np.array(np.asarray(data).view(np.uint8).reshape(R, K // QK * 22))  # (R, K/32*22)
-    return (torch.from_numpy(blocks),)
-
-
-# GGUF types whose blocks read as the codes of a weight format (attnlab.quant.WeightFormat's
-# gguf_types name the types each format takes), as row-aligned tensors.
-CODE_READERS = {
-    "Q4_0": int4_codes,
-    "Q4_1": int4_codes,
-    "Q4_K": int4_codes,
-    "Q8_0": q8_0_codes,
-    "Q5_0": q5_0_codes,
-}
-
+# The types dequantised here, by kernel; the block layout of those no format holds.
 _BLOCK_KERNELS = {
-    "Q4_0": (18, dequantize_q4_0),
-    "Q4_1": (20, dequantize_q4_1),
-    "Q8_0": (34, dequantize_q8_0),
-    "MXFP4": (17, dequantize_mxfp4),
+    "Q4_0": dequantize_q4_0,
+    "Q4_1": dequantize_q4_1,
+    "Q8_0": dequantize_q8_0,
+    "MXFP4": dequantize_mxfp4,
 }
-# (block bytes, f16 scales at the start of each block): checking those checks the values.
-_BLOCK_SCALES = {"Q4_0": (18, 1), "Q4_1": (20, 2), "Q8_0": (34, 1), "Q5_0": (22, 1)}
+_OWN_BLOCKS = {"MXFP4": GGUFBlock(values=QK, nbytes=17)}  # no float16 scale: values checked
+
+
+def _block(type_name: str) -> GGUFBlock | None:
+    """``type_name``'s block layout, if a weight format holds it or it is read here."""
+    return gguf_blocks().get(type_name) or _OWN_BLOCKS.get(type_name)
 
 
 def dequantize(data: np.ndarray, type_name: str, shape: tuple[int, ...]) -> torch.Tensor:
     """Dequantise one GGUF tensor's raw data to a float32 torch tensor of ``shape``.
 
     The kernels are numpy, not torch, on purpose: numpy's element-wise operations run on
-    one thread, while torch's split across its thread pool, and on a machine whose few
-    cores are shared that pool's waiting made loading 5-20x slower in our measurements.
+    one thread, while torch's split across its thread pool, whose waiting on a machine
+    whose few cores are shared costs more than the work.
 
     Args:
         data: the tensor's bytes as stored in the file (any numpy dtype; viewed as bytes).
@@ -287,10 +148,10 @@ def dequantize(data: np.ndarray, type_name: str, shape: tuple[int, ...]) -> torc
     if type_name == "BF16":
         bits = np.asarray(data).view(np.uint8).view(np.uint16).astype(np.uint32) << 16
         return torch.from_numpy(bits.view(np.float32)).reshape(shape)
-    if type_name in _BLOCK_KERNELS:
-        block_bytes, kernel = _BLOCK_KERNELS[type_name]
-        blocks = np.asarray(data).view(np.uint8).reshape(-1, block_bytes)  # (N, bytes)
-        return torch.from_numpy(kernel(blocks)).reshape(shape)  # (N, Q) -> shape
+    block = _block(type_name)
+    if type_name in _BLOCK_KERNELS and block is not None:  # (every kernel's type has one)
+        blocks = np.asarray(data).view(np.uint8).reshape(-1, block.nbytes)  # (N, bytes)
+        return torch.from_numpy(_BLOCK_KERNELS[type_name](blocks)).reshape(shape)  # (N, Q)
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize as gguf_dequantize
 
@@ -376,19 +237,19 @@ class GGUFContents:
             raise ModelFileError(self.path, f"has no tensor {name!r}")
         info = self.tensor_infos[name]
         raw = self._data[info.offset : info.offset + info.nbytes]
-        self._check_block_scales(name, raw)
+        scales_checked = self._check_block_scales(name, raw)
         try:
             out = dequantize(raw, info.type_name, info.shape)
         except NotImplementedError as e:
             raise ModelFileError(self.path, f"tensor {name!r}: {e}") from None
-        if info.type_name not in _BLOCK_SCALES:  # MXFP4's exponents are always finite
+        if not scales_checked:
             check_finite(out, name, self.path)
         return out
 
     def codes(self, name: str) -> tuple[torch.Tensor, ...]:
-        """Tensor ``name``'s blocks as codes, not dequantised (:data:`CODE_READERS`: for the
-        4-bit types :func:`int4_codes`, for Q8_0 :func:`q8_0_codes`, for Q5_0
-        :func:`q5_0_codes`).
+        """Tensor ``name``'s blocks as codes, not dequantised: read by the weight format that
+        holds its type as stored (:func:`attnlab.quant.gguf_format`,
+        :meth:`~attnlab.quant.WeightFormat.gguf_codes`).
 
         Raises:
             ModelFileError: no such tensor, a type without codes here, or NaN / inf in its
@@ -397,11 +258,12 @@ class GGUFContents:
         if name not in self.tensor_infos:
             raise ModelFileError(self.path, f"has no tensor {name!r}")
         info = self.tensor_infos[name]
-        if info.type_name not in CODE_READERS:
+        fmt = gguf_format(info.type_name)
+        if fmt is None:
             raise ModelFileError(self.path, f"tensor {name!r}: no codes for type {info.type_name}")
         raw = self.raw(name)
         try:
-            out = CODE_READERS[info.type_name](raw, info.type_name, info.shape)
+            out = fmt.gguf_codes(raw, info.type_name, info.shape)
         except ValueError as e:  # a shape the blocks do not fit
             raise ModelFileError(self.path, f"tensor {name!r}: {e}") from None
         if not self._check_block_scales(name, raw):
@@ -410,18 +272,18 @@ class GGUFContents:
         return out
 
     def _check_block_scales(self, name: str, raw: np.ndarray) -> bool:
-        """For a type of :data:`_BLOCK_SCALES`, check its blocks' float16 scales (and
-        Q4_1's mins) and return True: the values (``d`` times an integer, plus ``m``) are
-        finite exactly when those are, 1/32 of the values to check. False for other types.
+        """For a type whose blocks start with float16 scales (:attr:`GGUFBlock.f16_scales`:
+        ``d``, Q4_1's ``m``, Q4_K's ``dmin``), check those and return True: the values
+        (``d`` times an integer, plus or minus ``m``) are finite exactly when those are, a
+        fraction of the values to check. False for other types.
 
         Raises:
             ModelFileError: a scale that is NaN or inf (named).
         """
-        type_name = self.tensor_infos[name].type_name
-        if type_name not in _BLOCK_SCALES:
+        block = _block(self.tensor_infos[name].type_name)
+        if block is None or not block.f16_scales:
             return False
-        block_bytes, n_scales = _BLOCK_SCALES[type_name]
-        scales = _f16_columns(raw.reshape(-1, block_bytes), n_scales)
+        scales = f16_columns(raw.reshape(-1, block.nbytes), block.f16_scales)
         check_finite(scales, name, self.path, what="quantisation scale")
         return True
 

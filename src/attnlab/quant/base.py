@@ -1,0 +1,265 @@
+"""The weight-format base class, its registry and the helpers its formats share.
+
+Shape legend: N output features (weight rows), K input features, M rows of input (B*T),
+R weight rows of a GGUF tensor, G blocks per weight row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
+from typing import Any, ClassVar, NamedTuple
+
+import numpy as np
+import torch
+from torch import nn
+
+from attnlab.quant.kinds import NativeProduct
+
+__all__ = [
+    "WEIGHT_FORMATS",
+    "GGUFBlock",
+    "WeightFormat",
+    "register_format",
+]
+
+
+class GGUFBlock(NamedTuple):
+    """How a GGUF type stores its weights (``ggml-common.h``): ``values`` weights in
+    ``nbytes`` bytes a block, each block starting with ``f16_scales`` float16 numbers whose
+    finiteness decides its values' (checking those checks the values; 0: none such)."""
+
+    values: int
+    nbytes: int
+    f16_scales: int = 0
+
+
+def f16_columns(blocks: np.ndarray, n: int) -> np.ndarray:
+    """The first ``n`` little-endian float16 values of every block (..., bytes), as
+    (..., n) float32."""
+    return np.ascontiguousarray(blocks[..., : 2 * n]).view(np.float16).astype(np.float32)
+
+
+def nibbles(qs: np.ndarray, dtype: type = np.uint8) -> np.ndarray:
+    """(..., B) packed bytes -> (..., 2B) in 0..15 as ``dtype``: the low nibbles, then the
+    high ones (the 4- and 5-bit GGUF types' order within a block), written once."""
+    half = qs.shape[-1]
+    out = np.empty((*qs.shape[:-1], 2 * half), dtype=dtype)
+    np.bitwise_and(qs, 0x0F, out=out[..., :half], casting="unsafe")
+    np.right_shift(qs, 4, out=out[..., half:], casting="unsafe")
+    return out
+
+
+def native_kernels() -> Any:
+    """The compiled kernels (:func:`attnlab.native.extension`), or None without them: the
+    one place the formats ask for them."""
+    from attnlab import native
+
+    return native.extension()
+
+
+def as_2d(x: torch.Tensor, k: int) -> torch.Tensor:
+    return x.reshape(-1, k).to(torch.bfloat16)  # (M, K)
+
+
+def output_slices(parts: Sequence[Any]) -> list[slice]:
+    """The output rows of each part in their stacked product."""
+    out, start = [], 0
+    for m in parts:
+        out.append(slice(start, start + m.out_features))
+        start += m.out_features
+    return out
+
+
+def fuse_buffers(
+    cls: Any, parts: Sequence[Any], names: Sequence[str], bias: torch.Tensor | None
+) -> Any:
+    """``cls`` built from the parts' buffers ``names`` (its constructor's arguments, in
+    order) each concatenated over the output rows, ``bias`` last; each part's buffers then
+    become views of the fused ones (no second copy)."""
+    fused = cls(*(torch.cat([getattr(m, name) for m in parts]) for name in names), bias)
+    for m, rows in zip(parts, output_slices(parts), strict=True):
+        for name in names:
+            setattr(m, name, getattr(fused, name)[rows])
+    return fused
+
+
+def tensor_version(t: torch.Tensor) -> int:
+    """``t``'s in-place version counter (0 for an inference tensor, which has none)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return 0
+
+
+class WeightFormat(nn.Module):
+    """A linear layer's weight in one stored format; the base of the formats here.
+
+    A format is registered under its :attr:`name` (:data:`WEIGHT_FORMATS`,
+    :func:`register_format`) and builds itself from a float weight (:meth:`from_float`)
+    or from its stored tensors (:meth:`from_stored`: tensors whose first dimension is the
+    weight's rows, so that a loader's renames, head permutations and row splits apply to
+    them as to a weight). A GGUF tensor of a type in :attr:`gguf_blocks` is read into them
+    as stored by :meth:`gguf_codes`. Siblings that read the same input stack their rows
+    into one product (:meth:`fuse`). Its forward takes and returns the input's dtype and
+    runs :meth:`product` on bfloat16 rows.
+
+    A new format is a subclass here (its block layout, reader, help line and products)
+    plus, for the compiled decode step, its kernel in :mod:`attnlab.native`.
+    """
+
+    #: The registry key, e.g. ``"int4"``.
+    name: ClassVar[str]
+    #: What it is, in a few words: its entry in the CLI's ``--dtype`` help
+    #: (:func:`attnlab.quant.dtype_help`).
+    cli_help: ClassVar[str] = ""
+    #: GGUF types whose blocks this format holds as stored (codes unchanged), with their
+    #: layout; :meth:`gguf_codes` reads them.
+    gguf_blocks: ClassVar[Mapping[str, GGUFBlock]] = MappingProxyType({})
+    #: The names of :attr:`gguf_blocks` (set for each subclass).
+    gguf_types: ClassVar[frozenset[str]] = frozenset()
+    #: GGUF types this format would hold only by quantising their values again, by the
+    #: format that holds them with less loss (a loader stores such tensors in that one).
+    gguf_instead: ClassVar[Mapping[str, str]] = MappingProxyType({})
+    #: The format a weight gets when this one cannot hold its shape (:meth:`why_not`).
+    fallback: ClassVar[str | None] = None
+
+    in_features: int
+    out_features: int
+    bias: torch.Tensor | None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.gguf_types = frozenset(cls.gguf_blocks)
+
+    @classmethod
+    def why_not(cls, out_features: int, in_features: int, group_size: int = 32) -> str | None:
+        """Why an (N, K) weight cannot be held in this format, or None if it can."""
+        return None
+
+    @classmethod
+    def from_float(
+        cls, weight: torch.Tensor, bias: torch.Tensor | None = None, *, group_size: int = 32
+    ) -> WeightFormat:
+        """Quantise a float (N, K) weight (``group_size``: for formats with groups)."""
+        raise NotImplementedError
+
+    @classmethod
+    def from_stored(
+        cls, stored: Sequence[torch.Tensor], bias: torch.Tensor | None = None
+    ) -> WeightFormat:
+        """Build from the format's stored tensors, each (N, ...) (see the class).
+
+        Raises:
+            ValueError: tensors of a shape this format cannot take.
+        """
+        raise NotImplementedError
+
+    @classmethod
+    def from_rows(
+        cls, stored: Sequence[torch.Tensor], bias: torch.Tensor | None = None
+    ) -> WeightFormat:
+        """:meth:`from_stored` (its former name)."""
+        return cls.from_stored(stored, bias)
+
+    @classmethod
+    def weight_shape(cls, stored: Sequence[torch.Tensor]) -> tuple[int, ...]:
+        """The (N, K) weight that ``stored`` (as :meth:`from_stored` takes it) holds: the
+        first tensor's shape, unless the format packs several weights a byte."""
+        return tuple(stored[0].shape)
+
+    @classmethod
+    def rows_shape(cls, stored: Sequence[torch.Tensor]) -> tuple[int, ...]:
+        """:meth:`weight_shape` (its former name)."""
+        return cls.weight_shape(stored)
+
+    @classmethod
+    def gguf_codes(
+        cls, data: np.ndarray, type_name: str, shape: tuple[int, ...]
+    ) -> tuple[torch.Tensor, ...]:
+        """A GGUF tensor of a type in :attr:`gguf_blocks`, not dequantised: the tensors
+        :meth:`from_stored` takes.
+
+        Args:
+            data: the tensor's bytes as stored in the file.
+            type_name: its GGML type name.
+            shape: the torch shape (R, K).
+
+        Raises:
+            ValueError: another type, a shape that is not 2-D with K a multiple of the
+                block, or one the data does not fill.
+        """
+        raise NotImplementedError
+
+    @classmethod
+    def gguf_block_rows(
+        cls, data: np.ndarray, type_name: str, shape: tuple[int, ...]
+    ) -> np.ndarray:
+        """``data`` as (R, G, bytes) uint8 blocks, checked as :meth:`gguf_codes` says."""
+        block = cls.gguf_blocks.get(type_name)
+        if block is None or len(shape) != 2 or shape[1] % block.values:
+            raise ValueError(
+                f"{cls.name} codes need a 2-D {'/'.join(cls.gguf_blocks)} tensor with rows "
+                f"of whole blocks, got {type_name} {shape}"
+            )
+        R, K = shape
+        return np.asarray(data).view(np.uint8).reshape(R, K // block.values, block.nbytes)
+
+    @classmethod
+    def fuse(cls, parts: Sequence[Any], bias: torch.Tensor | None) -> WeightFormat | None:
+        """One module for ``parts`` (same class and input width) with their rows stacked,
+        or None when they cannot be stacked; ``bias`` is theirs concatenated."""
+        raise NotImplementedError
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The weight as the product uses it, float32 (N, K)."""
+        raise NotImplementedError
+
+    def product(self, x2: torch.Tensor) -> torch.Tensor:
+        """(M, K) bfloat16 -> (M, N)."""
+        raise NotImplementedError
+
+    def row_kernel(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The bare product of a few bfloat16 rows (fewer than the format's dense
+        crossover), bias not added: what the decode step calls
+        (:func:`attnlab.quant.row_product`)."""
+        return self.product
+
+    def native_product(self) -> NativeProduct | None:
+        """What the native decode step (:mod:`attnlab.native`) calls for :meth:`row_kernel`:
+        the same kernel on the same tensors; None when it has no such call."""
+        return None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(..., K) -> (..., N), in ``x``'s dtype."""
+        y = self.product(as_2d(x, self.in_features)).to(x.dtype)  # (M, N)
+        if self.bias is not None:
+            y = y + self.bias.to(x.dtype)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.name}"
+
+
+#: Weight formats by name (:func:`register_format`); ``"float32"`` is ``nn.Linear`` itself.
+WEIGHT_FORMATS: dict[str, type[WeightFormat]] = {}
+
+
+def register_format(cls: type[WeightFormat]) -> type[WeightFormat]:
+    """Class decorator: make ``cls`` a weight precision by its ``name``.
+
+    Raises:
+        ValueError: the name is taken (or is ``"float32"``, the unquantised layer), or a
+            GGUF type it holds as stored is another format's.
+    """
+    if cls.name == "float32" or cls.name in WEIGHT_FORMATS:
+        raise ValueError(f"weight format name {cls.name!r} is already taken")
+    for other in WEIGHT_FORMATS.values():
+        if cls.gguf_types & other.gguf_types:
+            raise ValueError(
+                f"weight format {cls.name!r} holds GGUF types "
+                f"{sorted(cls.gguf_types & other.gguf_types)} as stored, which {other.name!r} holds"
+            )
+    WEIGHT_FORMATS[cls.name] = cls
+    return cls

@@ -1,0 +1,295 @@
+"""Weight-only int4 in groups: :class:`Int4Linear` (``"int4"``), which also holds GGUF's
+Q4_0, Q4_1 and Q4_K blocks as they are.
+
+``w = (q - 8) * scale + zero`` per group of ``group_size`` input columns; the CPU kernel is
+``torch.ops.aten._weight_int4pack_mm_for_cpu``. GGUF's Q4_0 and Q4_1 blocks are this
+format with groups of 32 (Q4_0: ``zero = 0``; Q4_1: ``w = q*d + m``, so ``zero = m + 8d``),
+and so is each 32-weight sub-block of a Q4_K super-block (``w = d sc q - dmin m``:
+``scale = d sc``, ``zero = 8 d sc - dmin m``); they are taken as they are, codes unchanged
+(:meth:`Int4Linear.gguf_codes`), the scales and zeros rounded to bfloat16.
+
+GGUF block layouts (``ggml-common.h``), little-endian, weights ``0..15`` of a 32-weight
+block in the low nibbles of ``qs[0..15]`` and ``16..31`` in the high ones:
+
+- ``Q4_0``: ``d: f16``, ``qs: u8[16]``; weight ``j`` is ``(nibble_j - 8) * d``.
+- ``Q4_1``: ``d: f16``, ``m: f16``, ``qs: u8[16]``; weight ``j`` is ``nibble_j * d + m``.
+- ``Q4_K``: 256 weights: ``d, dmin: f16``, 12 bytes of 6-bit scales and mins, ``qs:
+  u8[128]`` (sub-blocks ``2j`` and ``2j + 1`` the low and high nibbles of bytes
+  ``32j..32j+31``).
+
+Shape legend: N output features, K input features, M rows of input (B*T), R weight rows
+of a GGUF tensor, G blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from attnlab.quant.base import GGUFBlock, WeightFormat, f16_columns, nibbles, register_format
+from attnlab.quant.kinds import NATIVE_INT4, NativeProduct
+
+__all__ = ["Int4Linear", "unpack_int4_t"]
+
+_PACK_TILE = 64  # rows per tile of the CPU int4 packing: packs of 64-row parts concatenate
+QK = 32  # weights per group of the GGUF types held here (per sub-block for Q4_K)
+
+
+@register_format
+class Int4Linear(WeightFormat):
+    """Weight-only int4 in groups: ``W[n, k] = (q[n, k] - 8) * scale[g, n] + zero[g, n]``.
+
+    ``g = k // group_size``; q in 0..15. The codes are packed once by
+    ``_convert_weight_to_int4pack_for_cpu`` (needs N % 16 == 0 and K % group_size == 0);
+    a weight of another shape gets :attr:`fallback` (int8) instead.
+
+    Args:
+        packed: the packed codes (from :meth:`from_codes`).
+        scales_and_zeros: (K / group_size, N, 2) bfloat16.
+        group_size: input columns per group (32, 64, 128, ...).
+        in_features: K.
+        bias: (N,) or None; kept in float32.
+    """
+
+    name = "int4"
+    cli_help = "groups of 32, GGUF Q4_0/Q4_1/Q4_K as stored"
+    gguf_blocks: ClassVar[Mapping[str, GGUFBlock]] = MappingProxyType(
+        {
+            "Q4_0": GGUFBlock(values=32, nbytes=18, f16_scales=1),  # d
+            "Q4_1": GGUFBlock(values=32, nbytes=20, f16_scales=2),  # d, m
+            "Q4_K": GGUFBlock(values=256, nbytes=144, f16_scales=2),  # d, dmin
+        }
+    )
+    # The 5-, 6- and 8-bit types have more levels than 4 bits: as int4 they would be
+    # quantised again. q5_0 and q8_0 hold Q5_0's and Q8_0's blocks as they are; q8_0 holds
+    # the other 5- and 6-bit types' values to 8 bits per 32 weights (at most 1/254 of a
+    # block's largest value off, plus the scale's float16 rounding; bf16 itself rounds each
+    # value by up to 1/256 of it), at 1.0625 bytes a weight where bf16 reads 2. int8 (one
+    # scale per row) loses more: ``benchmarks/bench_llama_cpp.py``'s agreement,
+    # docs/guides/llama-cpp.md.
+    gguf_instead: ClassVar[Mapping[str, str]] = MappingProxyType(
+        {"Q5_0": "q5_0", **{t: "q8_0" for t in ("Q5_1", "Q5_K", "Q6_K", "Q8_0")}}
+    )
+    fallback = "int8"
+    packed: torch.Tensor
+    scales_and_zeros: torch.Tensor
+    #: From this many rows of input on, dequantise and use bf16 ``mm`` (the crossover in
+    #: ``benchmarks/bench_int_prefill.py``).
+    dense_from_rows: int = 128
+
+    def __init__(
+        self,
+        packed: torch.Tensor,
+        scales_and_zeros: torch.Tensor,
+        group_size: int,
+        in_features: int,
+        bias: torch.Tensor | None = None,
+    ) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = scales_and_zeros.shape[1]
+        self.group_size = group_size
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales_and_zeros", scales_and_zeros.to(torch.bfloat16).contiguous())
+        self.register_buffer("bias", None if bias is None else bias.detach().float())
+
+    @classmethod
+    def why_not(cls, out_features: int, in_features: int, group_size: int = 32) -> str | None:
+        """Why (N, K) cannot be packed with this group size, or None if it can."""
+        if out_features % 16:
+            return f"out_features={out_features} is not a multiple of 16"
+        if in_features % group_size:
+            return f"in_features={in_features} is not a multiple of group_size={group_size}"
+        return None
+
+    @classmethod
+    def from_codes(
+        cls,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        zeros: torch.Tensor,
+        bias: torch.Tensor | None = None,
+    ) -> Int4Linear:
+        """Pack 4-bit codes with per-group scales and zeros.
+
+        Args:
+            codes: (N, K) integers in 0..15.
+            scales: (N, K / group_size).
+            zeros: (N, K / group_size).
+            bias: (N,) or None.
+
+        Raises:
+            ValueError: shapes the CPU kernel cannot take.
+        """
+        N, K = codes.shape
+        group_size = K // scales.shape[1]
+        why = cls.why_not(N, K, group_size)
+        if why is not None or group_size * scales.shape[1] != K:
+            raise ValueError(f"cannot pack an int4 weight of shape {(N, K)}: {why}")
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            codes.to(torch.int32).contiguous(), 2
+        )
+        sz = torch.stack([scales.t(), zeros.t()], dim=-1)  # (K/gs, N, 2)
+        return cls(packed, sz, group_size, K, bias)
+
+    @classmethod
+    def from_stored(
+        cls, stored: Sequence[torch.Tensor], bias: torch.Tensor | None = None
+    ) -> Int4Linear:
+        """From ``(codes, scales, zeros)`` as :meth:`from_codes` takes them."""
+        codes, scales, zeros = stored
+        return cls.from_codes(codes, scales, zeros, bias)
+
+    @classmethod
+    def gguf_codes(
+        cls, data: np.ndarray, type_name: str, shape: tuple[int, ...]
+    ) -> tuple[torch.Tensor, ...]:
+        """Q4_0 / Q4_1 / Q4_K blocks as 4-bit codes with per-32 scale and zero, not
+        dequantised (see the module): codes (R, K) uint8 in 0..15, scales and zeros
+        (R, K/32) float32 (:meth:`~attnlab.quant.WeightFormat.gguf_codes`)."""
+        R, K = shape
+        blocks = cls.gguf_block_rows(data, type_name, shape)  # (R, G, bytes)
+        flat = blocks.reshape(-1, blocks.shape[-1])  # (R*G, bytes)
+        if type_name == "Q4_K":
+            codes, scales, zeros = _q4_k_codes(flat)
+        else:
+            n_half = cls.gguf_blocks[type_name].f16_scales  # Q4_0: d; Q4_1: d, m
+            codes = nibbles(flat[:, 2 * n_half :])  # (R*G, 32)
+            dm = f16_columns(flat, n_half)  # (R*G, 1 or 2)
+            scales = dm[:, 0]
+            zeros = dm[:, 1] + 8.0 * scales if n_half == 2 else np.zeros_like(scales)
+        return (
+            torch.from_numpy(codes).reshape(R, K),
+            torch.from_numpy(np.ascontiguousarray(scales)).reshape(R, K // QK),
+            torch.from_numpy(np.ascontiguousarray(zeros)).reshape(R, K // QK),
+        )
+
+    @classmethod
+    def from_float(
+        cls, weight: torch.Tensor, bias: torch.Tensor | None = None, *, group_size: int = 32
+    ) -> Int4Linear:
+        """Quantise a float (N, K) weight per group: min/max over each group onto 0..15."""
+        N, K = weight.shape
+        why = cls.why_not(N, K, group_size)
+        if why is not None:
+            raise ValueError(f"cannot pack an int4 weight of shape {(N, K)}: {why}")
+        w = weight.detach().float().view(N, K // group_size, group_size)  # (N, K/gs, gs)
+        lo, hi = w.amin(dim=-1), w.amax(dim=-1)  # (N, K/gs)
+        scales = ((hi - lo) / 15.0).clamp_min(1e-12).to(torch.bfloat16).float()
+        zeros = (lo + 8.0 * scales).to(torch.bfloat16).float()
+        q = torch.round((w - zeros[..., None]) / scales[..., None] + 8.0).clamp_(0, 15)
+        return cls.from_codes(q.view(N, K), scales, zeros, bias)
+
+    @classmethod
+    def fuse(cls, parts: Sequence[Any], bias: torch.Tensor | None) -> Int4Linear | None:
+        """Packs concatenated when every part has a multiple of 64 rows (the packing's
+        tile) and all share a group size; the parts keep their own packs (int4 is small)."""
+        if any(m.out_features % _PACK_TILE for m in parts):
+            return None
+        if len({m.group_size for m in parts}) != 1:
+            return None
+        return cls(
+            torch.cat([m.packed for m in parts]),
+            torch.cat([m.scales_and_zeros for m in parts], dim=1),
+            parts[0].group_size,
+            parts[0].in_features,
+            bias,
+        )
+
+    def codes_t(self) -> torch.Tensor:
+        """The 4-bit codes, transposed: (K, N) uint8 in 0..15 (see :func:`unpack_int4_t`)."""
+        return unpack_int4_t(self.packed, self.out_features, self.in_features)
+
+    def _dequantized_t(self, dtype: torch.dtype) -> torch.Tensor:
+        """``Wᵀ`` (K, N) in ``dtype``: ``q * scale + (zero - 8 scale)`` per group."""
+        K, N, gs = self.in_features, self.out_features, self.group_size
+        q = self.codes_t().view(K // gs, gs, N).to(dtype)  # (K/gs, gs, N)
+        s, z = self.scales_and_zeros.to(dtype).unbind(-1)  # (K/gs, N) each
+        # Contiguous operands: addcmul broadcasts strided ones slowly (bench_int_prefill.py).
+        zero = (z - 8 * s).unsqueeze(1)  # (K/gs, 1, N)
+        return torch.addcmul(zero, q, s.contiguous().unsqueeze(1)).view(K, N)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantised weight, float32 (N, K), as the kernel computes it."""
+        return self._dequantized_t(torch.float32).t()
+
+    def product(self, x2: torch.Tensor) -> torch.Tensor:
+        """(M, K) bfloat16 -> (M, N)."""
+        if x2.shape[0] >= self.dense_from_rows:
+            return torch.mm(x2, self._dequantized_t(torch.bfloat16))
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x2, self.packed, self.group_size, self.scales_and_zeros
+        )
+
+    def row_kernel(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        op = torch.ops.aten._weight_int4pack_mm_for_cpu
+        packed, gs, sz = self.packed, self.group_size, self.scales_and_zeros
+        return lambda x: op(x, packed, gs, sz)
+
+    def native_product(self) -> NativeProduct | None:
+        return NativeProduct(
+            NATIVE_INT4,
+            self.packed,
+            self.scales_and_zeros,
+            self.group_size,
+            self.out_features,
+            self.bias,
+        )
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, group_size={self.group_size}"
+
+
+def _q4_k_codes(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K super-blocks (B, 144) -> codes (B, 256) uint8, scales and zeros (B, 8) float32.
+
+    Sub-block ``s`` (32 weights) is ``w = d * sc[s] * q - dmin * m[s]``: in the int4
+    convention ``scale = d * sc`` and ``zero = 8 scale - dmin * m``, both exact in float32
+    (an 11-bit significand times a 6-bit integer) up to the one rounding of the difference.
+    """
+    n = blocks.shape[0]
+    d_dmin = f16_columns(blocks, 2)  # (B, 2)
+    packed = blocks[:, 4:16].reshape(n, 3, 4)  # 12 bytes of 6-bit scales and mins
+    low, high, top = packed[:, 0], packed[:, 1], packed[:, 2]  # (B, 4) each
+    # Sub-blocks 0-3: the low 6 bits of bytes 0-3 (scales) and 4-7 (mins); 4-7: the
+    # nibbles of bytes 8-11 with those bytes' top 2 bits above them (ggml's get_scale_min_k4).
+    sc = np.concatenate([low & 63, (top & 15) | ((low >> 2) & 48)], axis=1)  # (B, 8)
+    mins = np.concatenate([high & 63, (top >> 4) | ((high >> 2) & 48)], axis=1)  # (B, 8)
+    # 32 bytes per pair of sub-blocks: sub-block 2j the low nibbles, 2j+1 the high ones.
+    codes = nibbles(blocks[:, 16:].reshape(n, 4, 32))  # (B, 4, 64)
+    scales = d_dmin[:, :1] * sc  # (B, 8)
+    zeros = 8.0 * scales - d_dmin[:, 1:] * mins
+    return codes.reshape(n, 256), scales, zeros
+
+
+def unpack_int4_t(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """The codes that ``_convert_weight_to_int4pack_for_cpu`` packed, transposed: (K, N) uint8.
+
+    The CPU packing (PyTorch 2.x) takes rows in tiles of 64: tile ``b`` is ``K * 32``
+    bytes, byte ``(b, k, j)`` holding row ``64 b + j`` in its low nibble and row
+    ``64 b + 32 + j`` in its high one; the last ``N % 64`` rows (a multiple of 16) are
+    ``K * r / 2`` bytes, byte ``(k, j)`` holding rows ``2 j`` (low) and ``2 j + 1`` (high).
+    Tested against the codes given to the packing (``tests/test_quant.py``).
+    """
+    N, K = out_features, in_features
+    flat = packed.reshape(-1)
+    n_main = N - N % _PACK_TILE
+    half = _PACK_TILE // 2
+    out = torch.empty(K, N, dtype=torch.uint8, device=packed.device)  # (K, N)
+    if n_main:
+        tiles = flat[: n_main * K // 2].view(n_main // _PACK_TILE, K, half)  # (N/64, K, 32)
+        dst = out[:, :n_main].view(K, n_main // _PACK_TILE, _PACK_TILE).transpose(0, 1)
+        torch.bitwise_and(tiles, 15, out=dst[..., :half])
+        torch.bitwise_right_shift(tiles, 4, out=dst[..., half:])
+    r = N - n_main
+    if r:
+        tail = flat[n_main * K // 2 :].view(K, r // 2)  # (K, r/2)
+        dst = out[:, n_main:].view(K, r // 2, 2)
+        torch.bitwise_and(tail, 15, out=dst[..., 0])
+        torch.bitwise_right_shift(tail, 4, out=dst[..., 1])
+    return out
