@@ -401,7 +401,7 @@ class Decoder(nn.Module, FastDecoding):
         Args:
             share_float: fuse float Q/K/V and gate/up weights too, the parameters becoming
                 views of the fused ones, fp32 ones column-major (see
-                :func:`attnlab.quant.fuse_rows`); None: as the loader asked
+                :func:`attnlab.quant.fuse_linears`); None: as the loader asked
                 (:func:`attnlab.models.fast_decode.defer_decode_plan`), else False.
 
         Raises:

@@ -5,7 +5,7 @@ residual, QK-norm of either scope, attention soft-capping, sliding windows, atte
 sinks (gpt-oss: one more softmax column with no value, dropped after the softmax),
 mixtures of experts (the module called on the rows: routing is per token), rotary or
 learned positions. Each layer's products are its modules' (fused where
-:func:`attnlab.quant.fuse_rows` could), norms single calls, attention two batched
+:func:`attnlab.quant.fuse_linears` could), norms single calls, attention two batched
 products and a softmax over the cache (no mask: the last position sees every key).
 
 Shape legend: B batch, H query heads, G key/value heads, D head dim, C width, S cached

@@ -21,7 +21,7 @@ from torch import nn
 
 from attnlab.models.decode.layout import Layer, block_parts
 from attnlab.norms import RMSNorm
-from attnlab.quant import fuse_rows, row_product
+from attnlab.quant import fuse_linears, row_product
 
 __all__ = ["SHORT_LOOP_MAX_BATCH", "KernelLayer", "LayerProducts", "kernel_layers"]
 
@@ -89,7 +89,7 @@ def _qkv_modules(layer: Layer, share: bool) -> list[Any]:
     that V does not: Gemma 3's Q4_K_M) and values; else all three."""
     if layer.qkv is not None:
         return [layer.qkv]
-    qk = fuse_rows([layer.q, layer.k], share_float=share)
+    qk = fuse_linears([layer.q, layer.k], share_float=share)
     return [qk, layer.v] if qk is not None else [layer.q, layer.k, layer.v]
 
 
@@ -126,7 +126,7 @@ def kernel_layer(
         H, G, D: query heads, key/value heads, head dim.
         scale: the model's score scale (a layer's own wins).
         rope: the index of the layer's rotary embedding in the plan's list.
-        share: fuse float products too (:func:`attnlab.quant.fuse_rows`).
+        share: fuse float products too (:func:`attnlab.quant.fuse_linears`).
     """
     if layer.placement not in ("pre", "sandwich"):
         return f"norm placement {layer.placement!r}"

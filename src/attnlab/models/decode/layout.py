@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from attnlab.models.moe import MixtureOfExperts
-from attnlab.quant import column_major, fuse_rows
+from attnlab.quant import column_major, fuse_linears
 from attnlab.rope import RotaryEmbedding
 
 __all__ = [
@@ -209,7 +209,7 @@ class Layer:
 
 def read_layer(block: Any, share: bool) -> Layer:
     """``block`` as a :class:`Layer`, its Q/K/V and gate/up products fused
-    (:func:`attnlab.quant.fuse_rows`; float ones too when ``share``, and wide float weights
+    (:func:`attnlab.quant.fuse_linears`; float ones too when ``share``, and wide float weights
     then column-major)."""
     norm1, att, norm2, gate, up, down, act = block_parts(block)
     qk_norm = getattr(att, "qk_norm", None)
@@ -233,13 +233,13 @@ def read_layer(block: Any, share: bool) -> Layer:
         attn_post=None if attn_post is None else norm_fn(attn_post),
         mlp_post=None if mlp_post is None else norm_fn(mlp_post),
         norm1=norm_fn(norm1),
-        qkv=fuse_rows([att.W_query, att.W_key, att.W_value], share_float=share),
+        qkv=fuse_linears([att.W_query, att.W_key, att.W_value], share_float=share),
         q=att.W_query,
         k=att.W_key,
         v=att.W_value,
         out=att.out_proj,
         norm2=norm_fn(norm2),
-        gate_up=fuse_rows([gate, up], share_float=share) if gate is not None else None,
+        gate_up=fuse_linears([gate, up], share_float=share) if gate is not None else None,
         gate=gate,
         up=up,
         down=down,

@@ -94,7 +94,7 @@ class DecodePlan:
             ``head``) or the book's GPT (``tok_emb``, ``pos_emb``, ``trf_blocks``,
             ``final_norm``, ``out_head``).
         share_float: also fuse float (``nn.Linear``) products, the parameters becoming
-            views of the fused weights (:func:`attnlab.quant.fuse_rows`), and store every
+            views of the fused weights (:func:`attnlab.quant.fuse_linears`), and store every
             fp32 product's weight column-major (:func:`attnlab.quant.column_major`);
             loaders of inference models ask for it
             (:func:`attnlab.models.fast_decode.defer_decode_plan`), models being trained
