@@ -668,7 +668,7 @@ class Q8Linear(WeightFormat):
     def row_kernel(self) -> Callable[[torch.Tensor], torch.Tensor]:
         from attnlab import native
 
-        ext = native.extension()
+        ext = native.loaded()
         if ext is not None:
             op, codes, scales = ext.q8_0_mm, self.codes, self.scales
             return lambda x: op(x, codes, scales)
@@ -872,7 +872,7 @@ class Q5Linear(WeightFormat):
         there is one (several times faster than torch's shifts and masks)."""
         from attnlab import native
 
-        ext = native.extension()
+        ext = native.loaded()
         if ext is not None:
             return ext.q5_0_dequant(self.blocks)  # type: ignore[no-any-return]
         return self.weight.to(torch.bfloat16)
@@ -880,7 +880,7 @@ class Q5Linear(WeightFormat):
     def row_kernel(self) -> Callable[[torch.Tensor], torch.Tensor]:
         from attnlab import native
 
-        ext = native.extension()
+        ext = native.loaded()
         if ext is not None:
             op, blocks = ext.q5_0_mm, self.blocks
             return lambda x: op(x, blocks)
@@ -1192,7 +1192,7 @@ def _q8_0_bf16(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     in float32) rounded once; by the native build where there is one."""
     from attnlab import native
 
-    ext = native.extension()
+    ext = native.loaded()
     if ext is not None and codes.is_contiguous() and scales.is_contiguous():
         return ext.q8_0_dequant(codes, scales)  # type: ignore[no-any-return]
     N, K = codes.shape

@@ -29,6 +29,8 @@ from attnlab.backends import math as _math
 from attnlab.backends import ring as _ring
 from attnlab.backends import sdpa as _sdpa
 from attnlab.backends.base import AttentionRequest, Backend, BackendResult, WeightsRequest
+from attnlab.backends.registry import REGISTRY as _REGISTRY
+from attnlab.backends.registry import available_backends, get_backend
 from attnlab.backends.request import PreparedCall, prepare_call
 from attnlab.backends.table import (
     DEFAULT_TABLE_PATH,
@@ -70,7 +72,6 @@ __all__ = [
     "variant_support",
 ]
 
-_REGISTRY: dict[str, Backend] = {}
 #: The fixed order ``auto`` tries backends in when no table row covers a call.
 AUTO_ORDER: list[str] = []
 
@@ -89,22 +90,6 @@ def register_backend(backend: Backend, *, auto_rank: int | None = None) -> None:
     if auto_rank is not None:
         AUTO_ORDER.insert(auto_rank, backend.name)
     clear_dispatch_cache()
-
-
-def available_backends() -> list[str]:
-    """Names accepted as ``backend=``: ``"auto"`` and every registered backend."""
-    return ["auto", *_REGISTRY]
-
-
-def get_backend(name: str) -> Backend:
-    """The registered backend called ``name``.
-
-    Raises:
-        ValueError: unknown name.
-    """
-    if name not in _REGISTRY:
-        raise ValueError(f"`backend` must be one of {available_backends()}, got {name!r}")
-    return _REGISTRY[name]
 
 
 # --- the crossover table ------------------------------------------------------------------

@@ -8,6 +8,7 @@ import typer
 from rich.console import RenderableType
 
 import attnlab
+from attnlab import native
 from attnlab.cli.app import app
 from attnlab.cli.output import UserError, output, user_input
 
@@ -203,7 +204,21 @@ def info(
         variants.add_column(name)
     for label, reasons in variant_support():
         variants.add_row(label, *("yes" if reasons[n] is None else reasons[n] for n in served_by))
-    output.show(table, _info_dispatch_table(show_table), verdict, variants, *_info_presets(None))
+    output.show(
+        table,
+        _info_dispatch_table(show_table),
+        verdict,
+        variants,
+        _info_native(),
+        *_info_presets(None),
+    )
+
+
+def _info_native() -> RenderableType:
+    """The compiled decode step's state, and how to retry a failed build; never builds."""
+    from rich.text import Text
+
+    return Text(f"compiled decode step (attnlab.native): {native.status()}")
 
 
 def _info_dispatch_table(full: bool) -> RenderableType:

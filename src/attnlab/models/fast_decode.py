@@ -57,8 +57,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from attnlab import native
 from attnlab.attention import KVCache, StaticKVCache, recording_attention
 from attnlab.models._lm import editing_blocks
+from attnlab.models.mlp import ACTIVATIONS
+from attnlab.models.moe import MixtureOfExperts
+from attnlab.norms import RMSNorm
 from attnlab.quant import column_major, fuse_rows, native_product, row_product
 from attnlab.rope import RotaryEmbedding
 
@@ -174,8 +178,6 @@ def _parts(model: Any) -> _Parts | str:
 def _block_parts(block: Any) -> tuple[nn.Module, Any, nn.Module, Any, Any, Any, Any]:
     """(norm1, attention, norm2, gate or None, up, down, activation) of one block; for a
     mixture of experts, (norm1, attention, norm2, None, the module, None, None)."""
-    from attnlab.models.moe import MixtureOfExperts
-
     if hasattr(block, "att"):  # the book's TransformerBlock: ff = Linear, GELU, Linear
         up, act, down = block.ff.layers
         return block.norm1, block.att, block.norm2, None, up, down, act
@@ -278,8 +280,6 @@ class _Row:
 
 def _rms_parts(norm: nn.Module) -> tuple[torch.Tensor, float] | None:
     """(weight, eps) of an attnlab RMSNorm (fp32 math, ``weight * normed``), else None."""
-    from attnlab.norms import RMSNorm
-
     if type(norm) is not RMSNorm:
         return None
     return norm.weight, float(norm.eps)
@@ -602,9 +602,6 @@ class DecodePlan:
         return self._native or None
 
     def _build_native(self) -> Any | None:
-        from attnlab import native
-        from attnlab.models.decoder import ACTIVATIONS
-
         if self.rows is None or self.parts.embedding.weight.dtype != torch.float32:
             return None
         ext = native.extension()
