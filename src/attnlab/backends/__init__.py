@@ -42,7 +42,16 @@ from attnlab.backends.table import (
     pass_name,
 )
 from attnlab.backends.weights import exact_weights, select_weights
-from attnlab.masks import AttentionMask, as_mask
+from attnlab.biases import AlibiBias, RelativePositionBias
+from attnlab.masks import (
+    AttentionMask,
+    CausalMask,
+    ChunkedMask,
+    DocumentMask,
+    PaddingMask,
+    SlidingWindowMask,
+    as_mask,
+)
 
 __all__ = [
     "AUTO_ORDER",
@@ -567,15 +576,6 @@ def explain_dispatch(
 
 
 def _variant_calls() -> list[tuple[str, dict[str, object]]]:
-    from attnlab.biases import AlibiBias, RelativePositionBias
-    from attnlab.masks import (
-        CausalMask,
-        ChunkedMask,
-        DocumentMask,
-        PaddingMask,
-        SlidingWindowMask,
-    )
-
     H, T = 2, 4
     ids = torch.tensor([[0, 0, 1, 1]])
     return [

@@ -45,6 +45,7 @@ from attnlab.pretrained.build import (
 from attnlab.pretrained.errors import ModelFileError
 from attnlab.pretrained.gguf_file import GGUFContents, read_gguf
 from attnlab.pretrained.hf import load_hf_directory, read_json
+from attnlab.pretrained.stores import locate
 from attnlab.pretrained.tokenizer import PretrainedTokenizer, tokenizer_from_gguf
 from attnlab.quant import (
     WEIGHT_DTYPES,
@@ -297,8 +298,6 @@ def model_family(path: str | Path) -> Family:
         MissingPackageError: a package loading it needs (:func:`require_packages`).
     """
     if isinstance(path, str) and not Path(path).exists():
-        from attnlab.pretrained.stores import locate
-
         located = locate(path)
         if located is not None:
             path = located.path
@@ -536,7 +535,14 @@ def set_weight_dtype(model: Any, weight: str | None) -> Any:
     # a fused qkv) fuse back without a copy, the others are copied once then.
     if hasattr(model, "prepare_decode") and why_not_fast_decode(model) is None:
         defer_decode_plan(model, share_float=True)  # others decode through their modules
-        native.extension()  # built here, not at the first token: the step and q8_0/q5_0 use it
-    elif any(isinstance(m, (Q8Linear, Q5Linear)) for m in model.modules()):
-        native.extension()  # their products' kernels: a forward never builds it
+    prepare_native(model)
     return model
+
+
+def prepare_native(model: Any) -> None:
+    """Build (once per machine) or load the compiled step (:mod:`attnlab.native`) when
+    ``model`` can use it: its fast decode step, or ``q8_0`` / ``q5_0`` products, whose
+    forwards only take what is loaded and never start a build."""
+    fast = hasattr(model, "prepare_decode") and why_not_fast_decode(model) is None
+    if fast or any(isinstance(m, (Q8Linear, Q5Linear)) for m in model.modules()):
+        native.extension()
