@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
+from attnlab.checkpoint import CheckpointError
+
 __all__ = [
     "DEFAULT_CORPUS_NAME",
     "EOT_TOKEN_ID",
@@ -265,8 +267,6 @@ def checkpoint_tokenizer(ckpt: Any) -> Any:
         CheckpointError: the recorded tokenizer is malformed, or its vocabulary is not the
             size of the model's (``model_config.vocab_size``).
     """
-    from attnlab.checkpoint import CheckpointError
-
     source = str(ckpt.directory)
     try:
         tok = tokenizer_from_dict(ckpt.extra.get("tokenizer"), source=source)

@@ -19,13 +19,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from types import ModuleType
 from typing import TYPE_CHECKING
 
 import torch
 
+from attnlab.backends import (
+    WeightsRequest,
+    exact_weights,
+    prepare_call,
+    resolve_call,
+    select_weights,
+)
+
 if TYPE_CHECKING:
-    from attnlab.backends.base import WeightsRequest
     from attnlab.masks import AttentionMask
 
 __all__ = [
@@ -332,9 +338,8 @@ def scaled_dot_product_attention(
             reason), an unknown head or row in ``need_weights``, ``softcap <= 0``,
             ``sinks`` not a float tensor ``(H,)``.
     """
-    backends = _backends()
     # validated and chosen once per call signature, then cached
-    chosen, mask, scale_f, wanted, softcap_f, sinks_t = backends.resolve_call(
+    chosen, mask, scale_f, wanted, softcap_f, sinks_t = resolve_call(
         query,
         key,
         value,
@@ -360,9 +365,9 @@ def scaled_dot_product_attention(
     if wanted is None:
         return result.output
     if result.weights is not None:
-        weights = backends.select_weights(result.weights, wanted)
+        weights = select_weights(result.weights, wanted)
     else:
-        weights = backends.exact_weights(
+        weights = exact_weights(
             query,
             key,
             mask,
@@ -373,19 +378,6 @@ def scaled_dot_product_attention(
             sinks=sinks_t,
         )
     return result.output, weights
-
-
-_BACKENDS: ModuleType | None = None
-
-
-def _backends() -> ModuleType:
-    """``attnlab.backends``, imported on first use (it imports this module's callers)."""
-    global _BACKENDS
-    if _BACKENDS is None:
-        import attnlab.backends
-
-        _BACKENDS = attnlab.backends
-    return _BACKENDS
 
 
 def exact_attention_weights(
@@ -426,8 +418,6 @@ def exact_attention_weights(
     Raises:
         ValueError, TypeError: as :func:`scaled_dot_product_attention`.
     """
-    from attnlab.backends import WeightsRequest, exact_weights, prepare_call
-
     request = WeightsRequest(heads=heads, rows=rows)  # type: ignore[arg-type]
     value = key[..., :1]  # shape-only stand-in: the weights never touch the values
     call = prepare_call(

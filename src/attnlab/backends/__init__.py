@@ -29,6 +29,8 @@ from attnlab.backends import math as _math
 from attnlab.backends import ring as _ring
 from attnlab.backends import sdpa as _sdpa
 from attnlab.backends.base import AttentionRequest, Backend, BackendResult, WeightsRequest
+from attnlab.backends.registry import REGISTRY as _REGISTRY
+from attnlab.backends.registry import available_backends, get_backend
 from attnlab.backends.request import PreparedCall, prepare_call
 from attnlab.backends.table import (
     DEFAULT_TABLE_PATH,
@@ -40,7 +42,16 @@ from attnlab.backends.table import (
     pass_name,
 )
 from attnlab.backends.weights import exact_weights, select_weights
-from attnlab.masks import AttentionMask, as_mask
+from attnlab.biases import AlibiBias, RelativePositionBias
+from attnlab.masks import (
+    AttentionMask,
+    CausalMask,
+    ChunkedMask,
+    DocumentMask,
+    PaddingMask,
+    SlidingWindowMask,
+    as_mask,
+)
 
 __all__ = [
     "AUTO_ORDER",
@@ -70,7 +81,6 @@ __all__ = [
     "variant_support",
 ]
 
-_REGISTRY: dict[str, Backend] = {}
 #: The fixed order ``auto`` tries backends in when no table row covers a call.
 AUTO_ORDER: list[str] = []
 
@@ -89,22 +99,6 @@ def register_backend(backend: Backend, *, auto_rank: int | None = None) -> None:
     if auto_rank is not None:
         AUTO_ORDER.insert(auto_rank, backend.name)
     clear_dispatch_cache()
-
-
-def available_backends() -> list[str]:
-    """Names accepted as ``backend=``: ``"auto"`` and every registered backend."""
-    return ["auto", *_REGISTRY]
-
-
-def get_backend(name: str) -> Backend:
-    """The registered backend called ``name``.
-
-    Raises:
-        ValueError: unknown name.
-    """
-    if name not in _REGISTRY:
-        raise ValueError(f"`backend` must be one of {available_backends()}, got {name!r}")
-    return _REGISTRY[name]
 
 
 # --- the crossover table ------------------------------------------------------------------
@@ -582,15 +576,6 @@ def explain_dispatch(
 
 
 def _variant_calls() -> list[tuple[str, dict[str, object]]]:
-    from attnlab.biases import AlibiBias, RelativePositionBias
-    from attnlab.masks import (
-        CausalMask,
-        ChunkedMask,
-        DocumentMask,
-        PaddingMask,
-        SlidingWindowMask,
-    )
-
     H, T = 2, 4
     ids = torch.tensor([[0, 0, 1, 1]])
     return [

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from attnlab.backends.base import AttentionRequest, WeightsRequest
+from attnlab.backends.registry import available_backends
 from attnlab.masks import AttentionMask, as_mask
 
 __all__ = ["PreparedCall", "check_sinks", "check_softcap", "prepare_call"]
@@ -125,8 +126,6 @@ def prepare_call(
         scale_f = float(scale)
     if not isinstance(backend, str):
         raise TypeError(f"`backend` must be a str, got {type(backend).__name__}")
-    from attnlab.backends import available_backends  # the registry imports this module
-
     if backend not in available_backends():
         raise ValueError(f"`backend` must be one of {available_backends()}, got {backend!r}")
     mask = as_mask(attn_mask, is_causal)  # type: ignore[arg-type]

@@ -15,7 +15,9 @@ from attnlab.cli.app import app, main
 from attnlab.cli.output import Output, UserError, output, user_input
 
 # The command modules register themselves on `app` when imported; this order is the
-# order of `attnlab --help`.
+# order of `attnlab --help`. Every command module is imported at start-up, so each imports
+# what only its own command needs (models, loaders, training, figures, the server and its
+# optional starlette) inside the command: a command pays for its own libraries, not for all.
 COMMAND_MODULES = (
     "walkthrough",
     "train",

@@ -12,6 +12,9 @@ import typer
 from attnlab.cli.app import app
 from attnlab.cli.models import load_model_arg, token_arg
 from attnlab.cli.output import UserError, output, user_input
+from attnlab.explain import attribute as attribute_
+from attnlab.explain.html import attribution_html
+from attnlab.explain.model_trace import _encode, _token_texts
 
 
 @app.command()
@@ -63,8 +66,6 @@ def attribute(
     (its scale frozen at its value in this run) and the unembedding row of the target
     (minus the contrast's). The parts sum to the total; the difference is the error.
     """
-    from attnlab.explain import attribute as attribute_
-    from attnlab.explain.model_trace import _encode, _token_texts
     from attnlab.explain.text import attribution_components, attribution_table
 
     if top < 1:
@@ -201,8 +202,6 @@ def _write_figures(
         fig.savefig(path, format=ext, dpi=130, metadata=meta)
         output.note(f"wrote {path}")
     if html is not None:
-        from attnlab.explain.html import attribution_html
-
         html.parent.mkdir(parents=True, exist_ok=True)
         html.write_text(attribution_html(result, fig, tokens, source, what), encoding="utf-8")
         output.note(f"wrote {html}")

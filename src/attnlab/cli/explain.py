@@ -11,6 +11,18 @@ from rich.console import RenderableType
 from attnlab.cli.app import app
 from attnlab.cli.models import load_model_arg
 from attnlab.cli.output import DEFAULT_OUT, UserError, output, user_input
+from attnlab.examples import EXAMPLES
+from attnlab.explain.heads import ablate, ablation_effect, parse_heads, top_tokens
+from attnlab.explain.html import walkthrough_from_renderables, write_html
+from attnlab.explain.model_trace import (
+    _encode,
+    _token_texts,
+    attention_layers,
+    auto_top_k,
+    trace_from_walkthrough,
+    trace_model,
+)
+from attnlab.explain.trace import trace_example
 
 
 @app.command()
@@ -88,7 +100,6 @@ def explain(
     With no model, the seed's example (--example journey|toy) with its walkthrough; with
     --checkpoint DIR or --model NAME, the attention of that model on TEXT.
     """
-    from attnlab.examples import EXAMPLES
     from attnlab.explain.i18n import LANGS, message, normalize_lang
 
     try:
@@ -112,8 +123,6 @@ def explain(
         raise UserError("--token chooses the query of --steps; add --steps")
     ablated: list[tuple[int, int]] = []
     if ablate is not None:
-        from attnlab.explain.heads import parse_heads
-
         if checkpoint is None and model is None:
             raise UserError("--ablate needs a model (--checkpoint DIR or --model NAME)")
         if ablate_mode not in ("zero", "mean"):
@@ -128,10 +137,7 @@ def explain(
             raise UserError("TEXT needs a model: pass --checkpoint DIR or --model NAME")
         if example not in EXAMPLES:
             raise UserError(f"unknown --example {example!r}; choose one of {', '.join(EXAMPLES)}")
-        from attnlab.explain.html import walkthrough_from_renderables
-        from attnlab.explain.model_trace import trace_from_walkthrough
         from attnlab.explain.text import walkthrough_renderables
-        from attnlab.explain.trace import trace_example
 
         example_trace = trace_example(example)
         flow_source = example_trace
@@ -141,8 +147,6 @@ def explain(
         if text is None or not text.strip():
             raise UserError("TEXT must not be empty: give the text to run through the model")
         net, tokenizer, source = load_model_arg(checkpoint, model)
-        from attnlab.explain.model_trace import attention_layers, auto_top_k, trace_model
-
         with user_input():
             n_tokens = len(tokenizer.encode(text))
             blocks = attention_layers(net)
@@ -169,8 +173,6 @@ def explain(
         output.show(*_ablation_renderables(net, tokenizer, trace, ablated, ablate_mode))
     if steps:
         output.show(*_step_renderables(net, text, tokenizer, source, layer, head, token, lang))
-
-    from attnlab.explain.html import write_html
 
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -297,8 +299,6 @@ def _ablation_renderables(
     """The next-token prediction at the last position with and without ``heads``."""
     from rich.text import Text
 
-    from attnlab.explain.heads import ablate, ablation_effect, top_tokens
-    from attnlab.explain.model_trace import _token_texts
     from attnlab.explain.text import ablation_table
 
     ids = list(trace.token_ids)
@@ -344,7 +344,6 @@ def _step_renderables(
     lang: str,
 ) -> list[RenderableType]:
     """The terminal part of `explain --steps`: the walk into one head for one query."""
-    from attnlab.explain.model_trace import _encode
     from attnlab.explain.steps import head_steps, step_sections, step_summary
     from attnlab.explain.text import step_renderables
 

@@ -122,10 +122,12 @@ def generate(
         if chat:
             raise UserError("--chat needs --model (a chat model); a GPT checkpoint has no template")
         assert checkpoint is not None  # exactly one of the two was given
+        from attnlab.pretrained.loaders import prepare_native
         from attnlab.quant import quantize_model
 
         lm, tok, _ = load_checkpoint_model(checkpoint, backend)
         quantize_model(lm, dtype)
+        prepare_native(lm)
         ids = tok.encode(prompt, allowed_special="all")
         eos_id = getattr(tok, "eot_token", None)  # GPT-2's <|endoftext|>; words have none
     if lm.context_length is not None:  # an encoder-decoder has none (relative positions)

@@ -12,6 +12,8 @@ import typer
 from attnlab.cli.app import app
 from attnlab.cli.models import load_model_arg
 from attnlab.cli.output import UserError, output, user_input
+from attnlab.explain.heads import default_input, head_scores
+from attnlab.explain.model_trace import _encode
 
 
 @app.command()
@@ -47,8 +49,6 @@ def heads(
     query, on the first token, on the query itself, and (on a random sequence repeated
     twice) on the token that followed the query's earlier copy.
     """
-    from attnlab.explain.heads import default_input, head_scores
-    from attnlab.explain.model_trace import _encode
     from attnlab.explain.text import roles_table
 
     if top < 1:

@@ -8,8 +8,26 @@ import typer
 from rich.console import RenderableType
 
 import attnlab
+from attnlab import native
+from attnlab.backends import (
+    AUTO_ORDER,
+    available_backends,
+    dispatch_table,
+    explain_dispatch,
+    get_backend,
+    variant_support,
+)
+from attnlab.biases import AlibiBias, RelativePositionBias
 from attnlab.cli.app import app
 from attnlab.cli.output import UserError, output, user_input
+from attnlab.masks import (
+    BooleanMask,
+    CausalMask,
+    ChunkedMask,
+    DocumentMask,
+    PaddingMask,
+    SlidingWindowMask,
+)
 
 _INFO_DTYPES = {
     "float32": "float32",
@@ -106,18 +124,6 @@ def info(
     import torch
     from rich.table import Table
 
-    from attnlab.backends import AUTO_ORDER, explain_dispatch, get_backend, variant_support
-    from attnlab.backends import available_backends as names
-    from attnlab.biases import AlibiBias, RelativePositionBias
-    from attnlab.masks import (
-        BooleanMask,
-        CausalMask,
-        ChunkedMask,
-        DocumentMask,
-        PaddingMask,
-        SlidingWindowMask,
-    )
-
     if dtype not in _INFO_DTYPES:
         raise UserError(f"unknown --dtype {dtype!r}; choose one of {', '.join(_INFO_DTYPES)}")
     if mask not in _INFO_MASKS:
@@ -176,7 +182,7 @@ def info(
     table.add_column("backend")
     table.add_column("auto rank")
     table.add_column("what it is")
-    for name in names():
+    for name in available_backends():
         if name == "auto":
             continue
         rank = str(AUTO_ORDER.index(name) + 1) if name in AUTO_ORDER else "-"
@@ -198,20 +204,32 @@ def info(
         verdict.add_row(name, "chosen" if why is None else why)
     variants = Table(title="attention variants: which backend serves which (yes, or why not)")
     variants.add_column("variant")
-    served_by = [n for n in names() if n != "auto"]
+    served_by = [n for n in available_backends() if n != "auto"]
     for name in served_by:
         variants.add_column(name)
     for label, reasons in variant_support():
         variants.add_row(label, *("yes" if reasons[n] is None else reasons[n] for n in served_by))
-    output.show(table, _info_dispatch_table(show_table), verdict, variants, *_info_presets(None))
+    output.show(
+        table,
+        _info_dispatch_table(show_table),
+        verdict,
+        variants,
+        _info_native(),
+        *_info_presets(None),
+    )
+
+
+def _info_native() -> RenderableType:
+    """The compiled decode step's state, and how to retry a failed build; never builds."""
+    from rich.text import Text
+
+    return Text(f"compiled decode step (attnlab.native): {native.status()}")
 
 
 def _info_dispatch_table(full: bool) -> RenderableType:
     """``attnlab info``'s crossover table: where it was measured, how quiet, its rows."""
     from rich.table import Table
     from rich.text import Text
-
-    from attnlab.backends import dispatch_table
 
     with user_input():
         table = dispatch_table()

@@ -8,7 +8,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from attnlab.backends import available_backends
 from attnlab.cli.output import UserError, output, user_input
+from attnlab.explain.model_trace import _encode, _token_texts
 
 __all__ = [
     "check_dtype",
@@ -30,8 +32,6 @@ def check_dtype(dtype: str) -> None:
 
 def check_local_backend(backend: str) -> None:
     """``--backend`` must name a backend that runs in this one process."""
-    from attnlab.backends import available_backends
-
     local = [b for b in available_backends() if b != "ring"]
     if backend == "ring":
         raise UserError(
@@ -151,8 +151,6 @@ def token_arg(tokenizer: Any, text: str | None, token_id: int | None, flag: str)
         UserError: both or (for a required flag, checked by the caller) neither given, or
             text that is not exactly one token (how many it is, and what they are).
     """
-    from attnlab.explain.model_trace import _encode, _token_texts
-
     if text is not None and token_id is not None:
         raise UserError(f"give either --{flag} TEXT or --{flag}-id N, not both")
     if token_id is not None:

@@ -12,6 +12,8 @@ import typer
 from attnlab.cli.app import app
 from attnlab.cli.models import load_model_arg, token_arg
 from attnlab.cli.output import UserError, output, user_input
+from attnlab.explain import patching
+from attnlab.explain.model_trace import _encode, _token_texts
 
 OVER = ("heads", "residual", "mlp")
 
@@ -58,8 +60,6 @@ def patch(
     (m_patched - m_corrupted) / (m_clean - m_corrupted): 1 restores the clean answer,
     0 changes nothing.
     """
-    from attnlab.explain import patching
-    from attnlab.explain.model_trace import _encode, _token_texts
     from attnlab.explain.text import patch_table
 
     if over not in OVER:

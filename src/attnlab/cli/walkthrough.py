@@ -9,6 +9,8 @@ import typer
 
 from attnlab.cli.app import app
 from attnlab.cli.output import DEFAULT_OUT, UserError, output, user_input
+from attnlab.examples import EXAMPLES, get_example
+from attnlab.explain.trace import trace_example
 
 
 @app.command()
@@ -43,9 +45,7 @@ def walkthrough(
     no_figures: Annotated[bool, typer.Option("--no-figures", help="Do not write figures.")] = False,
 ) -> None:
     """Walk through the seed's self-attention step by step, with figures."""
-    from attnlab.examples import EXAMPLES, get_example
     from attnlab.explain.i18n import LANGS, normalize_lang
-    from attnlab.explain.trace import trace_example
 
     try:
         lang = normalize_lang(lang)

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from attnlab.backends.blockwise import attend_chunk, attend_chunk_backward, merge_partials
+from attnlab.backends.request import check_softcap
 from attnlab.distributed.sharding import Segment, check_layout, local_segments
 from attnlab.masks import CausalMask
 
@@ -519,8 +520,6 @@ def ring_attention(
         scale = 1.0 / math.sqrt(query.shape[-1])
     if not isinstance(scale, (int, float)) or not (0 < scale < float("inf")):
         raise ValueError(f"`scale` must be a positive finite number, got {scale!r}")
-    from attnlab.backends.request import check_softcap  # validated as everywhere
-
     softcap = check_softcap(softcap)
     if block_size is not None and (not isinstance(block_size, int) or block_size < 1):
         raise ValueError(f"`block_size` must be a positive int, got {block_size!r}")

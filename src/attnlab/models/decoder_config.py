@@ -44,6 +44,7 @@ from torch import nn
 
 from attnlab.attention import KVCache
 from attnlab.latent import MLAConfig
+from attnlab.models.mlp import Activation
 from attnlab.models.moe import MoEConfig
 from attnlab.norms import QKNorm, RMSNorm
 from attnlab.rope import RopeConfig
@@ -56,8 +57,6 @@ __all__ = [
     "StackOutput",
     "make_norm",
 ]
-
-Activation = Literal["silu", "gelu", "gelu_tanh", "relu"]
 
 
 class LayerOptions(NamedTuple):

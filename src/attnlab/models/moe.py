@@ -44,6 +44,8 @@ from typing import Literal
 import torch
 from torch import nn
 
+from attnlab.models.mlp import ACTIVATIONS, MLP
+
 __all__ = [
     "ExpertWeights",
     "Experts",
@@ -280,7 +282,7 @@ class MixtureOfExperts(nn.Module):
         dim: width C.
         config: the experts, the router and its rules.
         activation: the experts' activation, a name of
-            :data:`attnlab.models.decoder.ACTIVATIONS`.
+            :data:`attnlab.models.mlp.ACTIVATIONS`.
 
     Attributes:
         last_routing: the :class:`Routing` of the last forward (what the explainer shows),
@@ -295,9 +297,6 @@ class MixtureOfExperts(nn.Module):
 
     def __init__(self, dim: int, config: MoEConfig, *, activation: str = "silu") -> None:
         super().__init__()
-        # the activations and the shared expert are the dense MLP's (decoder imports us)
-        from attnlab.models.decoder import ACTIVATIONS, MLP
-
         if activation not in ACTIVATIONS:
             raise ValueError(
                 f"`activation` must be one of {sorted(ACTIVATIONS)}, got {activation!r}"

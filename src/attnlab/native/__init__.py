@@ -1,16 +1,25 @@
-"""attnlab's compiled CPU code: the decode step's short loop in C++, built on first use.
+"""attnlab's compiled CPU code: the decode step's short loop in C++, built explicitly.
 
-The Python decode step spends much of its time around its weight products (some forty
-tensor operations a layer; ``benchmarks/bench_decode_step.py`` measures the split).
+The Python decode step spends about as long around its weight products as in them
+(``benchmarks/bench_decode_step.py`` measures the two loops side by side).
 ``decode_step.cpp`` runs the same layers with the same product kernels and plain loops for
 everything between them. It is compiled once per machine by
-:func:`torch.utils.cpp_extension.load` (a C++ compiler and Ninja needed) into attnlab's
-cache folder and loaded from there by later processes.
+:func:`torch.utils.cpp_extension.load` (tens of seconds; a C++ compiler and Ninja needed)
+into attnlab's cache folder and loaded from there by later processes.
+
+When it is built. :func:`extension` builds it (or loads an earlier build) and is called
+where a model is loaded or prepared for decoding; the weight products only ask
+:func:`loaded` for what the process already has, so a forward never starts a build.
 
 Nothing depends on it: without a compiler, or when the build fails, decoding takes the
 Python loop (same numbers up to the order of float32 sums) and :func:`why_not_native`
 says why. ``ATTNLAB_NATIVE=0`` turns it off; ``ATTNLAB_NATIVE=1`` makes a failed build an
-error instead of a note.
+error instead of a note, and retries one that failed before. A failure is written to
+``failed.log`` beside the build with the toolchain it was built with; it is retried when
+the compiler or Ninja changes, after :data:`RETRY_AFTER_S`, with ``ATTNLAB_NATIVE=1``, or
+when the file is deleted (:func:`retry_hint`).
+
+This package imports nothing from attnlab but :mod:`attnlab.paths` (the cache folder).
 """
 
 from __future__ import annotations
@@ -19,27 +28,39 @@ import hashlib
 import os
 import platform
 import shutil
+import subprocess
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
+from attnlab.paths import cache_dir
+
 __all__ = [
     "NATIVE_ENV",
     "PRODUCT_KINDS",
+    "RETRY_AFTER_S",
     "STEP_ACTIVATIONS",
     "build_dir",
     "extension",
+    "loaded",
+    "retry_hint",
+    "status",
     "why_not_native",
 ]
 
 #: ``0`` (off), ``1`` (required: a failed build raises) or unset (on when it builds).
 NATIVE_ENV = "ATTNLAB_NATIVE"
+#: A failed build is tried again after this many seconds (a full disk, a killed compiler).
+RETRY_AFTER_S = 24 * 3600
 SOURCES = ("decode_step.cpp",)
 # -fopenmp: at::parallel_for (q8_0.h) is OpenMP inlined into the caller, serial without it;
 # the module then links the libgomp.so.1 that torch has already loaded.
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno")
+_TOOLCHAIN_LINE = "toolchain: "
+_TIME_LINE = "failed at: "
 
 #: The compiled step's product kinds by attnlab's names (``Kind`` in ``decode_step.cpp``):
 #: :class:`attnlab.quant.NativeProduct`'s ``kind``. The module exports its own table and a
@@ -51,6 +72,7 @@ STEP_ACTIVATIONS: tuple[str, ...] = ("silu", "gelu_tanh", "gelu", "relu")
 _loaded: ModuleType | None = None
 _why: str | None = None
 _tried = False
+_skipped = False  # this process did not try: a failed.log stood
 
 
 def _cpu_flags() -> str:
@@ -67,8 +89,6 @@ def _cpu_flags() -> str:
 def build_dir() -> Path:
     """Where this machine's build lives: one folder per source, torch version, compiler
     flags and CPU (``-march=native`` code must not run on another CPU)."""
-    from attnlab.pretrained.loaders import cache_dir
-
     here = Path(__file__).parent
     key = hashlib.sha256()
     for path in sorted([*here.glob("*.cpp"), *here.glob("*.h")]):  # sources and headers
@@ -78,15 +98,74 @@ def build_dir() -> Path:
     return cache_dir() / "native" / key.hexdigest()[:16]
 
 
+def _compiler() -> str:
+    return os.environ.get("CXX", "c++")
+
+
+def _toolchain() -> str:
+    """The rest of the build key: the compiler (its path and version) and Ninja's version.
+    Not part of :func:`build_dir` (a new compiler need not rebuild a working module), but
+    a build that failed is tried again when it changes."""
+    parts = []
+    for command in ([_compiler(), "--version"], ["ninja", "--version"]):
+        path = shutil.which(command[0])
+        try:
+            run = subprocess.run(
+                [path or command[0], *command[1:]], capture_output=True, text=True, timeout=10
+            )
+            first = (run.stdout or run.stderr).strip().splitlines()
+            parts.append(f"{path} {first[0] if first else ''}".strip())
+        except (OSError, subprocess.SubprocessError):
+            parts.append(f"{command[0]} missing")
+    return " | ".join(parts)
+
+
+def _failed_log() -> Path:
+    return build_dir() / "failed.log"
+
+
+def _write_failure(failed: Path, err: BaseException) -> None:
+    failed.parent.mkdir(parents=True, exist_ok=True)
+    failed.write_text(
+        f"{_TOOLCHAIN_LINE}{_toolchain()}\n"
+        f"{_TIME_LINE}{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}\n"
+        f"{type(err).__name__}: {err}\n"
+    )
+
+
+def _failed_before(failed: Path) -> bool:
+    """Whether ``failed`` still stands: written with this toolchain, less than
+    :data:`RETRY_AFTER_S` ago (a log without the toolchain, an older attnlab's, is retried)."""
+    try:
+        text = failed.read_text()
+        age = time.time() - failed.stat().st_mtime
+    except OSError:
+        return False
+    recorded = next((ln for ln in text.splitlines() if ln.startswith(_TOOLCHAIN_LINE)), None)
+    if recorded is None or age > RETRY_AFTER_S:
+        return False
+    return recorded[len(_TOOLCHAIN_LINE) :] == _toolchain()
+
+
+def retry_hint(failed: Path | None = None) -> str:
+    """How a failed build is tried again, naming its ``failed.log``."""
+    failed = _failed_log() if failed is None else failed
+    return (
+        f"{failed}: delete it to try again, or set {NATIVE_ENV}=1 to retry now; it is "
+        f"retried by itself when the compiler or Ninja changes or after "
+        f"{RETRY_AFTER_S // 3600} h"
+    )
+
+
 def _build() -> ModuleType:
-    from torch.utils.cpp_extension import load
+    from torch.utils.cpp_extension import load  # deferred: only a build needs it
 
     folder = build_dir()
     folder.mkdir(parents=True, exist_ok=True)
     name = "attnlab_native_" + folder.name
     if not any(folder.glob(f"{name}*.so")):
         print(
-            f"attnlab: compiling the native decode step (once per machine, about 30 s) "
+            f"attnlab: compiling the native decode step (once per machine, tens of seconds) "
             f"into {folder}",
             file=sys.stderr,
             flush=True,
@@ -102,39 +181,49 @@ def _build() -> ModuleType:
     )
 
 
+def loaded() -> ModuleType | None:
+    """The compiled module if this process has built or loaded it (:func:`extension`),
+    else None; never builds. What the weight products call on every forward."""
+    if os.environ.get(NATIVE_ENV, "") == "0":
+        return None
+    return _loaded
+
+
 def extension() -> ModuleType | None:
-    """The compiled module (built on the first call of a process), or None: see
-    :func:`why_not_native`.
+    """The compiled module, built (or loaded from an earlier build) on the first call of a
+    process, or None: see :func:`why_not_native`. Called where a model is loaded or
+    prepared for decoding, never from a forward.
 
     Raises:
         RuntimeError: ``ATTNLAB_NATIVE=1`` and the module could not be built.
     """
-    global _loaded, _why, _tried
+    global _loaded, _why, _tried, _skipped
     mode = os.environ.get(NATIVE_ENV, "")
     if mode == "0":
         return None
-    if not _tried:
-        _tried = True
+    if not _tried or (mode == "1" and _skipped):  # required: a standing failure is retried
+        _tried, _skipped = True, False
         _loaded, _why = None, None
-        failed = build_dir() / "failed.log"
-        if failed.is_file():  # this source on this machine failed before: do not retry
-            _why = f"its build failed before; see {failed} (delete it to try again)"
-        elif shutil.which(os.environ.get("CXX", "c++")) is None:
-            _why = "no C++ compiler (`c++`) on PATH"
+        failed = _failed_log()
+        if mode != "1" and failed.is_file() and _failed_before(failed):
+            _skipped = True
+            _why = f"its build failed before; see {retry_hint(failed)}"
+        elif shutil.which(_compiler()) is None:
+            _why = f"no C++ compiler (`{_compiler()}`) on PATH"
         elif shutil.which("ninja") is None and not _has_ninja_module():
             _why = "no Ninja (pip install ninja, or apt-get install ninja-build)"
         else:
             try:
                 _loaded = _build()
+                failed.unlink(missing_ok=True)
                 _why = _tables_differ(_loaded)
                 if _why is not None:
                     _loaded = None
                     print(f"attnlab: the native decode step is not used: {_why}", file=sys.stderr)
             except Exception as err:  # a compiler error, a missing header, ...
                 try:
-                    failed.parent.mkdir(parents=True, exist_ok=True)
-                    failed.write_text(f"{type(err).__name__}: {err}\n")
-                    _why = f"its build failed; see {failed}"
+                    _write_failure(failed, err)
+                    _why = f"its build failed; see {retry_hint(failed)}"
                 except OSError:  # a read-only cache: say it here instead
                     _why = f"its build failed: {type(err).__name__}: {err}"
                 print(
@@ -166,6 +255,26 @@ def _tables_differ(module: ModuleType) -> str | None:
     return None
 
 
+def status() -> str:
+    """One line on the compiled step for ``attnlab info``, without building it."""
+    mode = os.environ.get(NATIVE_ENV, "")
+    if mode == "0":
+        return f"off ({NATIVE_ENV}=0)"
+    if _loaded is not None:
+        return f"loaded from {build_dir()}"
+    folder = build_dir()
+    failed = folder / "failed.log"
+    if failed.is_file():
+        standing = "stands" if _failed_before(failed) else "will be retried at the next load"
+        return f"its build failed (the failure {standing}); see {retry_hint(failed)}"
+    if any(folder.glob("attnlab_native_*.so")):
+        return f"built in {folder}; loaded when a model is loaded for decoding"
+    return (
+        f"not built yet; built into {folder} when a model is first loaded for decoding "
+        f"(a C++ compiler and Ninja needed; {NATIVE_ENV}=0 turns it off)"
+    )
+
+
 def _has_ninja_module() -> bool:
     try:
         import ninja  # type: ignore[import-not-found]  # noqa: F401
@@ -186,5 +295,5 @@ def why_not_native() -> str | None:
 
 def _reset() -> None:
     """Forget this process's attempt (tests)."""
-    global _loaded, _why, _tried
-    _loaded, _why, _tried = None, None, False
+    global _loaded, _why, _tried, _skipped
+    _loaded, _why, _tried, _skipped = None, None, False, False

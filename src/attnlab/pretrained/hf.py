@@ -11,7 +11,6 @@ never opened.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,6 +27,8 @@ from attnlab.models.families import Family
 from attnlab.pretrained.build import build_config, build_model, family_from
 from attnlab.pretrained.errors import ModelFileError, check_finite
 from attnlab.pretrained.gguf_file import mxfp4_values
+from attnlab.pretrained.json_file import MAX_JSON_BYTES as MAX_JSON_BYTES  # re-exported
+from attnlab.pretrained.json_file import read_json
 from attnlab.pretrained.safetensors_file import SafetensorsFile, read_safetensors
 from attnlab.pretrained.tokenizer import PretrainedTokenizer, tokenizer_from_hf_dir
 
@@ -39,28 +40,6 @@ __all__ = [
     "read_json",
     "weight_files",
 ]
-
-MAX_JSON_BYTES = 64 * 1024 * 1024
-
-
-def read_json(path: Path, *, what: str) -> dict[str, Any]:
-    """A JSON object from ``path``, size-capped.
-
-    Raises:
-        ModelFileError: missing, too big, not JSON, not an object.
-    """
-    if not path.is_file():
-        raise ModelFileError(path, f"is missing ({what})")
-    size = path.stat().st_size
-    if size > MAX_JSON_BYTES:
-        raise ModelFileError(path, f"is {size} bytes, more than the {MAX_JSON_BYTES} allowed")
-    try:
-        data = json.loads(path.read_bytes())
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise ModelFileError(path, f"is not valid JSON ({type(e).__name__}: {e})") from None
-    if not isinstance(data, dict):
-        raise ModelFileError(path, f"must hold a JSON object, got {type(data).__name__}")
-    return data
 
 
 def _inside(folder: Path, name: object, where: Path, root: Path | None = None) -> Path:

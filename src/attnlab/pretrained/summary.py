@@ -10,6 +10,12 @@ from typing import Any
 
 import torch
 
+from attnlab.attention import Attention
+from attnlab.backends import explain_dispatch
+from attnlab.masks import AttentionMask, CausalMask, ChunkedMask, SlidingWindowMask
+from attnlab.models.decoder import Decoder
+from attnlab.models.encoder import Encoder
+from attnlab.models.encoder_decoder import EncoderDecoder
 from attnlab.rope import RotaryEmbedding
 
 __all__ = ["LayerSummary", "ModelSummary", "summarize_model"]
@@ -95,10 +101,6 @@ class ModelSummary:
 
 def _attention_layers(model: Any) -> list[tuple[str, Any, bool]]:
     """``(role, Attention, causal)`` for every attention layer, in the order they run."""
-    from attnlab.attention import Attention
-    from attnlab.models.decoder import Decoder
-    from attnlab.models.encoder_decoder import EncoderDecoder
-
     if isinstance(model, EncoderDecoder):
         rows = [("encoder", b.attention, False) for b in model.encoder.blocks]
         for b in model.decoder.blocks:
@@ -124,12 +126,6 @@ def summarize_model(model: Any, *, probe_length: int = 1024) -> ModelSummary:
     Raises:
         TypeError: a model that is none of these.
     """
-    from attnlab.backends import explain_dispatch
-    from attnlab.masks import AttentionMask, CausalMask, ChunkedMask, SlidingWindowMask
-    from attnlab.models.decoder import Decoder
-    from attnlab.models.encoder import Encoder
-    from attnlab.models.encoder_decoder import EncoderDecoder
-
     if not isinstance(model, (Decoder, Encoder, EncoderDecoder)):
         raise TypeError(
             f"`model` must be a Decoder, Encoder or EncoderDecoder, got {type(model).__name__}"

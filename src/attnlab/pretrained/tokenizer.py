@@ -21,6 +21,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from attnlab.pretrained.errors import ModelFileError
+from attnlab.pretrained.json_file import read_json
+
 if TYPE_CHECKING:
     from attnlab.pretrained.gguf_file import GGUFContents
 
@@ -34,8 +37,6 @@ def tokenizer_errors(path: str | Path, what: str) -> Iterator[None]:
     ``ModelFileError`` naming the file: the ``tokenizers`` library's own exceptions (plain
     ``Exception``, and Rust panics, which pyo3 raises as a ``BaseException``) and any other
     error of the building code. Interrupts and exits pass through."""
-    from attnlab.pretrained.errors import ModelFileError
-
     try:
         yield
     except ModelFileError:
@@ -184,8 +185,6 @@ def tokenizer_from_json(
     """
     from tokenizers import Tokenizer
 
-    from attnlab.pretrained.errors import ModelFileError
-
     path = Path(path)
     if not path.is_file():
         raise ModelFileError(path, "is missing (the tokenizer)")
@@ -222,8 +221,6 @@ def tokenizer_from_hf_dir(folder: str | Path, *, max_length: int | None) -> Pret
     Raises:
         ModelFileError: a missing ``tokenizer.json`` or a broken ``tokenizer_config.json``.
     """
-    from attnlab.pretrained.hf import read_json
-
     folder = Path(folder)
     config_path = folder / "tokenizer_config.json"
     config = read_json(config_path, what="the tokenizer config") if config_path.is_file() else {}
@@ -326,8 +323,6 @@ def tokenizer_from_gguf(contents: GGUFContents) -> PretrainedTokenizer:
             lacks, a special token id out of range, or anything the ``tokenizers`` library
             refuses (:func:`tokenizer_errors`).
     """
-    from attnlab.pretrained.errors import ModelFileError
-
     meta = contents.metadata
     kind = meta.get("tokenizer.ggml.model")
     if kind not in ("gpt2", "llama"):
@@ -364,8 +359,6 @@ def tokenizer_from_gguf(contents: GGUFContents) -> PretrainedTokenizer:
 
 def _token_id(contents: GGUFContents, key: str) -> int | None:
     """``tokenizer.ggml.{key}_token_id``: None when absent, else an id in the vocabulary."""
-    from attnlab.pretrained.errors import ModelFileError
-
     name = f"tokenizer.ggml.{key}_token_id"
     value = contents.metadata.get(name)
     if value is None:
@@ -396,8 +389,6 @@ def _add_special_tokens(backend: Any, contents: GGUFContents) -> None:
 def _bpe_backend(contents: GGUFContents) -> Any:
     """Byte-level BPE from the vocabulary and merge list, split as ``tokenizer.ggml.pre``."""
     from tokenizers import Tokenizer, decoders, models
-
-    from attnlab.pretrained.errors import ModelFileError
 
     raw_merges = contents.merges
     if not all(isinstance(m, str) and " " in m for m in raw_merges):
@@ -463,8 +454,6 @@ def _flag(contents: GGUFContents, key: str, default: bool) -> bool:
 
     ``bool("false")`` is true: a string or a number here would silently flip the tokenizer.
     """
-    from attnlab.pretrained.errors import ModelFileError
-
     value = contents.metadata.get(key, default)
     if not isinstance(value, bool):
         raise ModelFileError(contents.path, f"{key} must be a bool, got {value!r}")
@@ -481,8 +470,6 @@ def _sentencepiece_backend(contents: GGUFContents) -> Any:
     ``tokenizer.ggml.add_eos_token`` is.
     """
     from tokenizers import Tokenizer, decoders, models, normalizers, processors
-
-    from attnlab.pretrained.errors import ModelFileError
 
     meta, tokens, scores = contents.metadata, contents.tokens, contents.scores
     if len(scores) != len(tokens) or not all(

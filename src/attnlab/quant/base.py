@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from attnlab import native
 from attnlab.quant.kinds import NativeProduct
 
 __all__ = [
@@ -51,11 +52,10 @@ def nibbles(qs: np.ndarray, dtype: type = np.uint8) -> np.ndarray:
 
 
 def native_kernels() -> Any:
-    """The compiled kernels (:func:`attnlab.native.extension`), or None without them: the
-    one place the formats ask for them."""
-    from attnlab import native
-
-    return native.extension()
+    """The compiled kernels when this process has built or loaded them
+    (:func:`attnlab.native.loaded`; a model's load builds them), or None: the one place the
+    formats ask for them, and never a build from inside a forward."""
+    return native.loaded()
 
 
 def as_2d(x: torch.Tensor, k: int) -> torch.Tensor:

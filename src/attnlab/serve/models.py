@@ -17,6 +17,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from attnlab.checkpoint import FORMAT, load_checkpoint
+from attnlab.data import checkpoint_tokenizer
+from attnlab.examples import EXAMPLES, get_example
+from attnlab.models.decoder import Decoder
+from attnlab.models.gpt import GPTModel
+from attnlab.pretrained import (
+    PRETRAINED_MODELS,
+    load_pretrained,
+    model_family,
+    packaged_installed,
+    require_packages,
+)
+from attnlab.pretrained.catalog import ModelEntry, check_model, find_models
+from attnlab.pretrained.json_file import read_json
+from attnlab.pretrained.stores import is_store_name, locate
+
 __all__ = [
     "LoadedModel",
     "ModelRegistry",
@@ -211,14 +227,10 @@ class ModelRegistry:
 
 def example_spec(name: str = "journey") -> ModelSpec:
     """The seed text's example as a "model": its fixed six tokens, its walkthrough."""
-    from attnlab.examples import EXAMPLES
-
     if name not in EXAMPLES:
         raise ValueError(f"unknown example {name!r}; choose one of {', '.join(EXAMPLES)}")
 
     def load() -> LoadedModel:
-        from attnlab.examples import get_example
-
         ex = get_example(name)
         return LoadedModel(
             model=None,
@@ -243,10 +255,6 @@ def checkpoint_spec(directory: Path, name: str | None = None) -> ModelSpec:
     directory = Path(directory)
 
     def load() -> LoadedModel:
-        from attnlab.checkpoint import load_checkpoint
-        from attnlab.data import checkpoint_tokenizer
-        from attnlab.models.gpt import GPTModel
-
         ckpt = load_checkpoint(directory, model_type="gpt", with_training_state=False)
         model = GPTModel.from_checkpoint(ckpt)  # checks the config against the weights
         tok = checkpoint_tokenizer(ckpt)  # GPT-2's, or the words it was trained on
@@ -270,8 +278,6 @@ def pretrained_spec(name: str) -> ModelSpec:
         MissingPackageError: a package loading it needs is not installed (checked now, so
             that the server does not start offering a model it cannot load).
     """
-    from attnlab.pretrained import PRETRAINED_MODELS, require_packages
-
     require_packages(name)
     kind, what = PRETRAINED_MODELS[name]
     return ModelSpec(name, what, _pretrained_loader(name, name), kind)
@@ -288,8 +294,6 @@ def path_spec(path: Path) -> ModelSpec:
         ModelFileError: an unreadable ``config.json`` or GGUF header, or an unknown family.
         MissingPackageError: a package loading it needs is not installed.
     """
-    from attnlab.pretrained import model_family
-
     family = model_family(path)
     what = f"GGUF file {path.name}" if path.is_file() else f"{family.name} model in {path.name}/"
     kind = {"decoder": "causal-lm"}.get(family.kind, family.kind)
@@ -298,9 +302,6 @@ def path_spec(path: Path) -> ModelSpec:
 
 def _pretrained_loader(name_or_path: str | Path, source: str) -> Callable[[], LoadedModel]:
     def load() -> LoadedModel:
-        from attnlab.models.decoder import Decoder
-        from attnlab.pretrained import load_pretrained
-
         model, tok = load_pretrained(name_or_path)
         causal = isinstance(model, Decoder)
         return LoadedModel(
@@ -357,9 +358,6 @@ def store_spec(name: str, entry: Any = None) -> ModelSpec:
         ModelFileError: it cannot be loaded (the loader's own error).
         MissingPackageError: a package loading it needs is missing.
     """
-    from attnlab.pretrained.catalog import ModelEntry, check_model
-    from attnlab.pretrained.stores import locate
-
     if entry is None:
         located = locate(name)
         if located is None:
@@ -388,10 +386,6 @@ def spec_for(value: str) -> ModelSpec:
         ModelFileError: a model directory or GGUF file that cannot be read.
         MissingPackageError: a package loading the model needs is not installed.
     """
-    from attnlab.examples import EXAMPLES
-    from attnlab.pretrained import PRETRAINED_MODELS
-    from attnlab.pretrained.stores import is_store_name
-
     key = value.strip()
     if key.startswith("example:") and key.split(":", 1)[1] in EXAMPLES:
         return example_spec(key.split(":", 1)[1])
@@ -416,9 +410,6 @@ def spec_for(value: str) -> ModelSpec:
 
 def _is_training_checkpoint(config: Path) -> bool:
     """Whether ``config.json`` is the manifest ``attnlab train`` writes (not a HF config)."""
-    from attnlab.checkpoint import FORMAT
-    from attnlab.pretrained.hf import read_json
-
     return read_json(config, what="the model's configuration").get("format") == FORMAT
 
 
@@ -427,16 +418,12 @@ def default_specs(runs: Path = Path("runs/gpt"), *, stores: bool = True) -> list
     whose weights are installed, and (``stores``) every loadable model ``attnlab models``
     finds in the Hugging Face cache, Ollama's store and LM Studio's folder, offered under
     its store name (headers read now, weights on first use)."""
-    from attnlab.pretrained import PRETRAINED_MODELS, packaged_installed
-
     specs = [example_spec("journey")]
     if runs.is_dir():
         with contextlib.suppress(ValueError):
             specs.append(spec_for(str(runs)))
     specs += [pretrained_spec(n) for n in PRETRAINED_MODELS if packaged_installed(n)]
     if stores:
-        from attnlab.pretrained.catalog import find_models
-
         names = {s.name for s in specs}
         for entry in find_models(stores=True, packaged=False):
             if entry.loadable and entry.name not in names:

@@ -25,6 +25,7 @@ from torch import nn
 from attnlab import native
 from attnlab.attention import StaticKVCache
 from attnlab.models._lm import embed_scaled
+from attnlab.models.mlp import ACTIVATIONS
 from attnlab.quant import NativeProduct, native_product
 
 if TYPE_CHECKING:
@@ -89,7 +90,6 @@ def native_layer(layer: KernelLayer, activations: dict[int, int]) -> NativeLayer
 
 def build_compiled(plan: DecodePlan) -> Any | str:
     """The compiled ``Step`` over ``plan``'s kernel layers, or why there is none."""
-    from attnlab.models.decoder import ACTIVATIONS
 
     if plan.kernel_layers is None:
         return "no short loop"

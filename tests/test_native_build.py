@@ -1,0 +1,94 @@
+"""When attnlab's compiled step is built, and when a failed build is tried again.
+
+No compiler needed: the build itself is replaced by a stand-in that records its calls.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from attnlab import native
+from attnlab.quant import Q5Linear, Q8Linear
+from cli_runner import run_main
+
+
+@pytest.fixture
+def fresh(monkeypatch, tmp_path) -> Iterator[list[int]]:
+    """A new process's state over an empty cache, the build replaced by a failing one
+    that records its calls; the real state comes back afterwards."""
+    monkeypatch.setenv("ATTNLAB_CACHE", str(tmp_path))
+    monkeypatch.delenv(native.NATIVE_ENV, raising=False)
+    builds: list[int] = []
+
+    def broken():
+        builds.append(1)
+        raise RuntimeError("error: no space left on device")
+
+    monkeypatch.setattr(native, "_build", broken)
+    monkeypatch.setattr(native, "_toolchain", lambda: "c++ 13.2 | ninja 1.11")
+    state = native._loaded, native._why, native._tried, native._skipped
+    native._reset()
+    yield builds
+    native._loaded, native._why, native._tried, native._skipped = state
+
+
+def test_a_weight_products_forward_never_builds(fresh):
+    q8 = Q8Linear.from_float(torch.randn(16, 64))
+    q5 = Q5Linear.from_float(torch.randn(16, 64))
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        q8(x), q5(x), q8(x[:1]), q5(x[:1])  # the prompt's product and the rows' kernel
+    assert fresh == []
+    assert native.loaded() is None
+
+
+def test_a_failure_stands_for_the_same_toolchain_and_is_retried_for_another(fresh, monkeypatch):
+    assert native.extension() is None and fresh == [1]
+    log = native.build_dir() / "failed.log"
+    assert "toolchain: c++ 13.2 | ninja 1.11" in log.read_text()
+    native._reset()  # a new process, the same compiler: not tried again
+    assert native.extension() is None and fresh == [1]
+    why = native.why_not_native() or ""
+    assert "failed before" in why and "ATTNLAB_NATIVE=1" in why and str(log) in why
+    monkeypatch.setattr(native, "_toolchain", lambda: "c++ 14.1 | ninja 1.11")
+    native._reset()  # a new compiler: tried again
+    assert native.extension() is None and fresh == [1, 1]
+
+
+def test_a_failed_log_without_a_toolchain_or_old_is_retried(fresh):
+    log = native.build_dir() / "failed.log"
+    log.parent.mkdir(parents=True)
+    log.write_text("RuntimeError: killed\n")  # an older attnlab's log: no build key in it
+    assert native.extension() is None and fresh == [1]
+    assert "toolchain:" in log.read_text()
+    old = time.time() - native.RETRY_AFTER_S - 60
+    os.utime(log, (old, old))
+    native._reset()
+    assert native.extension() is None and fresh == [1, 1]
+
+
+def test_required_retries_a_standing_failure_and_a_success_clears_it(fresh, monkeypatch):
+    assert native.extension() is None and fresh == [1]
+    log = native.build_dir() / "failed.log"
+    built = object()
+    monkeypatch.setattr(native, "_build", lambda: built)
+    monkeypatch.setenv(native.NATIVE_ENV, "1")
+    native._reset()
+    assert native.extension() is built
+    assert native.loaded() is built and not log.exists()
+
+
+def test_info_says_how_to_retry_a_failed_build(fresh, capsys):
+    assert native.extension() is None
+    native._reset()
+    code, out, err = run_main(capsys, "info", "--seq-len", "16")
+    assert code == 0, err
+    text = "".join(out.split())  # rich wraps long lines anywhere
+    assert "compileddecodestep" in text and "failurestands" in text
+    assert "ATTNLAB_NATIVE=1" in text and "failed.log" in text
+    assert fresh == [1]  # info reports; it does not build
