@@ -6,6 +6,7 @@ No compiler needed: the build itself is replaced by a stand-in that records its 
 from __future__ import annotations
 
 import os
+import types
 import time
 from collections.abc import Iterator
 
@@ -75,7 +76,11 @@ def test_a_failed_log_without_a_toolchain_or_old_is_retried(fresh):
 def test_required_retries_a_standing_failure_and_a_success_clears_it(fresh, monkeypatch):
     assert native.extension() is None and fresh == [1]
     log = native.build_dir() / "failed.log"
-    built = object()
+    # a build that exports the tables the step checks (native.PRODUCT_KINDS, ...)
+    built = types.SimpleNamespace(
+        PRODUCT_KINDS=dict(native.PRODUCT_KINDS),
+        ACTIVATIONS={name: i for i, name in enumerate(native.STEP_ACTIVATIONS)},
+    )
     monkeypatch.setattr(native, "_build", lambda: built)
     monkeypatch.setenv(native.NATIVE_ENV, "1")
     native._reset()
