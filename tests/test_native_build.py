@@ -6,8 +6,8 @@ No compiler needed: the build itself is replaced by a stand-in that records its 
 from __future__ import annotations
 
 import os
-import types
 import time
+import types
 from collections.abc import Iterator
 
 import pytest
