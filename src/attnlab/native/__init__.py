@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -39,6 +40,7 @@ import torch
 from attnlab.paths import cache_dir
 
 __all__ = [
+    "MARCH_ENV",
     "NATIVE_ENV",
     "PRODUCT_KINDS",
     "RETRY_AFTER_S",
@@ -46,6 +48,7 @@ __all__ = [
     "build_dir",
     "extension",
     "loaded",
+    "march",
     "retry_hint",
     "status",
     "why_not_native",
@@ -56,9 +59,35 @@ NATIVE_ENV = "ATTNLAB_NATIVE"
 #: A failed build is tried again after this many seconds (a full disk, a killed compiler).
 RETRY_AFTER_S = 24 * 3600
 SOURCES = ("decode_step.cpp",)
+#: The ``-march`` the module is built for: unset, ``native`` (this CPU's widest branch).
+#: ``x86-64-v3`` (AVX2), ``x86-64`` (no SIMD branch) or ``skylake-avx512`` build the other
+#: branches of the kernels on any machine that can run them: how the tests cover every
+#: branch, and how a machine is made to behave like an older one.
+MARCH_ENV = "ATTNLAB_NATIVE_MARCH"
+_MARCH = re.compile(r"[a-z0-9][a-z0-9_.+-]*")
 # -fopenmp: at::parallel_for (q8_0.h) is OpenMP inlined into the caller, serial without it;
 # the module then links the libgomp.so.1 that torch has already loaded.
-_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno")
+_BASE_FLAGS = ("-O3", "-fopenmp", "-fno-math-errno")
+
+
+def march() -> str:
+    """The ``-march`` of this process's build (:data:`MARCH_ENV`, default ``native``).
+
+    Raises:
+        ValueError: :data:`MARCH_ENV` is not a plain architecture name.
+    """
+    value = os.environ.get(MARCH_ENV, "").strip() or "native"
+    if not _MARCH.fullmatch(value):
+        raise ValueError(
+            f"{MARCH_ENV} must be an architecture name as gcc's -march takes it "
+            f"(native, x86-64-v3, x86-64, skylake-avx512, ...), got {value!r}"
+        )
+    return value
+
+
+def _flags() -> tuple[str, ...]:
+    return (*_BASE_FLAGS, f"-march={march()}")
+
 _TOOLCHAIN_LINE = "toolchain: "
 _TIME_LINE = "failed at: "
 
@@ -93,7 +122,7 @@ def build_dir() -> Path:
     key = hashlib.sha256()
     for path in sorted([*here.glob("*.cpp"), *here.glob("*.h")]):  # sources and headers
         key.update(path.read_bytes())
-    for part in (torch.__version__, sys.version, " ".join(_FLAGS), _cpu_flags()):
+    for part in (torch.__version__, sys.version, " ".join(_flags()), _cpu_flags()):
         key.update(part.encode())
     return cache_dir() / "native" / key.hexdigest()[:16]
 
@@ -174,7 +203,7 @@ def _build() -> ModuleType:
     return load(
         name,
         [str(here / s) for s in SOURCES],
-        extra_cflags=list(_FLAGS),
+        extra_cflags=list(_flags()),
         extra_ldflags=["-fopenmp"],
         build_directory=str(folder),
         verbose=False,
@@ -261,14 +290,15 @@ def status() -> str:
     if mode == "0":
         return f"off ({NATIVE_ENV}=0)"
     if _loaded is not None:
-        return f"loaded from {build_dir()}"
+        branch = getattr(_loaded, "SIMD", "unknown")
+        return f"loaded from {build_dir()} (-march={march()}: the {branch} kernels)"
     folder = build_dir()
     failed = folder / "failed.log"
     if failed.is_file():
         standing = "stands" if _failed_before(failed) else "will be retried at the next load"
         return f"its build failed (the failure {standing}); see {retry_hint(failed)}"
     if any(folder.glob("attnlab_native_*.so")):
-        return f"built in {folder}; loaded when a model is loaded for decoding"
+        return f"built in {folder} (-march={march()}); loaded when a model is loaded for decoding"
     return (
         f"not built yet; built into {folder} when a model is first loaded for decoding "
         f"(a C++ compiler and Ninja needed; {NATIVE_ENV}=0 turns it off)"

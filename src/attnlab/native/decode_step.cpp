@@ -435,6 +435,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   acts["gelu"] = static_cast<int64_t>(kGelu);
   acts["relu"] = static_cast<int64_t>(kRelu);
   m.attr("ACTIVATIONS") = acts;
+  // The kernels' compile-time branch (q8_0.h, q5_0.h, simd.h), set by -march: what
+  // `attnlab info` reports and what the per-branch tests check they built.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__)
+  m.attr("SIMD") = "avx512-bf16";
+#elif defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+  m.attr("SIMD") = "avx512";
+#elif defined(__AVX2__) && defined(__FMA__)
+  m.attr("SIMD") = "avx2";
+#else
+  m.attr("SIMD") = "scalar";
+#endif
   m.def("q8_0_mm", &attnlab_q8::q8_0_mm, py::call_guard<py::gil_scoped_release>(),
         "y (M, N) = x (M, K) @ W^T for W in Q8_0: int8 codes (N, K), scales (N, K/32)");
   m.def("q5_0_mm", &attnlab_q5::q5_0_mm, py::call_guard<py::gil_scoped_release>(),

@@ -1,0 +1,90 @@
+"""Every compiled branch of the native kernels, built and tested on this machine.
+
+``-march=native`` compiles only the branch of ``q8_0.h``, ``q5_0.h`` and ``simd.h`` that
+this CPU selects. Each other branch this CPU can run is built here with
+``ATTNLAB_NATIVE_MARCH`` (``x86-64-v3``: AVX2; ``x86-64``: the plain loops;
+``skylake-avx512``: AVX-512 without BF16) and the kernel and step tests run against it,
+in a process of its own, so that a CI machine of any class tests them all.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from attnlab import native
+
+TESTS = Path(__file__).parent
+KERNEL_TESTS = ("test_native_q8.py", "test_native_q5.py", "test_native_step.py")
+
+# (-march, the branch it compiles (the module's SIMD), the CPU flags it needs to run)
+BRANCHES = [
+    ("skylake-avx512", "avx512", {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"}),
+    ("x86-64-v3", "avx2", {"avx2", "fma", "f16c", "bmi1", "bmi2", "movbe"}),
+    ("x86-64", "scalar", set()),
+]
+
+
+def _cpu_flags() -> set[str]:
+    line = native._cpu_flags()
+    return set(line.split(":", 1)[-1].split())
+
+
+def _env(march: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env[native.MARCH_ENV] = march
+    env[native.NATIVE_ENV] = "1"  # a build that fails is an error here, never a skip
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(TESTS.parent / "src"), *filter(None, [env.get("PYTHONPATH")])]
+    )
+    return env
+
+
+def test_march_must_be_an_architecture_name(monkeypatch):
+    monkeypatch.setenv(native.MARCH_ENV, "native; rm -rf /")
+    with pytest.raises(ValueError, match="ATTNLAB_NATIVE_MARCH"):
+        native.march()
+    monkeypatch.setenv(native.MARCH_ENV, "x86-64-v3")
+    assert native.march() == "x86-64-v3"
+    other = native.build_dir()
+    monkeypatch.delenv(native.MARCH_ENV)
+    assert native.march() == "native" and native.build_dir() != other  # one build each
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("march", "branch", "needs"), BRANCHES, ids=[b[0] for b in BRANCHES])
+def test_kernels_and_step_on_every_branch_this_cpu_runs(ext, march, branch, needs):
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the branches are x86's")
+    missing = needs - _cpu_flags()
+    if missing:
+        pytest.skip(f"this CPU cannot run the {branch} branch (no {', '.join(sorted(missing))})")
+    if getattr(ext, "SIMD", None) == branch:
+        pytest.skip(f"the {branch} branch is this CPU's own build, tested by {KERNEL_TESTS}")
+    env = _env(march)
+    probe = subprocess.run(
+        [sys.executable, "-c", "from attnlab import native; print(native.extension().SIMD)"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert probe.returncode == 0, probe.stderr
+    assert probe.stdout.strip() == branch, (march, probe.stdout, probe.stderr)
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider",
+         *(str(TESTS / name) for name in KERNEL_TESTS)],
+        env=env,
+        cwd=TESTS.parent,
+        capture_output=True,
+        text=True,
+        check=False,
+    )  # fmt: skip
+    tail = "\n".join(run.stdout.splitlines()[-30:])
+    assert run.returncode == 0, f"-march={march} ({branch}):\n{tail}\n{run.stderr[-2000:]}"
+    assert " passed" in tail and " skipped" not in tail.splitlines()[-1], tail
