@@ -29,9 +29,11 @@ from attnlab.explain.why.activation_patching import (
     patching,
 )
 from attnlab.explain.why.attribution import Attribution, attribute
-from attnlab.explain.why.layout import Over as Over
-from attnlab.explain.why.layout import TokenArg as TokenArg
-from attnlab.explain.why.layout import token_id
+from attnlab.explain.why.layout import (  # noqa: F401  (old import paths)
+    Over,
+    TokenArg,
+    token_id,
+)
 
 __all__ = [
     "Attribution",
