@@ -19,9 +19,6 @@ TokenArg = int | str
 Over = Literal["heads", "residual", "mlp"]
 
 
-# --------------------------------------------------------------------------- layout
-
-
 @dataclass(frozen=True)
 class _Layout:
     """Where a causal LM keeps what attribution reads (attnlab's decoder or its GPT)."""
