@@ -1120,7 +1120,7 @@ def grid_main(args: argparse.Namespace) -> None:
         cells = measure_grid(args, with_auto=False)
         table = {
             "format": TABLE_FORMAT,
-            "about": "backends fastest first per (dtype, pass, mask, length), measured by "
+            "about": "backends fastest first per (dtype, pass, mask, length), timed by "
             "benchmarks/bench_attention.py --write-table; auto dispatches by it",
             "machine": machine_info(args, quiet, meter),
             "shape": {"B": 1, "H": H, "D": D, "device": "cpu"},

@@ -55,7 +55,7 @@ def test_the_rank_that_raised_is_named_when_its_peer_died_first(tmp_path, monkey
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
     from torch.distributed.elastic.multiprocessing.errors.error_handler import ErrorHandler
 
-    from attnlab.train import _root_cause_order, _with_error_files
+    from attnlab.distributed.training import _root_cause_order, _with_error_files
 
     rank_dir = tmp_path / "run-1" / "attempt_0"
     for rank in (0, 1):

@@ -1,4 +1,4 @@
-"""Peak CPU memory of a call, measured from PyTorch's own allocation records.
+"""Peak CPU memory of a call, read from PyTorch's own allocation records.
 
 ``torch.profiler`` with ``profile_memory=True`` records every allocation and free made by
 PyTorch's CPU allocator while profiling (size and time). Sorting them by time and taking

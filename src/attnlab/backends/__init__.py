@@ -187,7 +187,7 @@ def _table_row(request: AttentionRequest) -> tuple[TableRow | None, str]:
     if request.device_type != table.device:
         return (
             None,
-            f"the table was measured on {table.device}, this call is on {request.device_type}",
+            f"the table was timed on {table.device}, this call is on {request.device_type}",
         )
     dtype = str(request.dtype).removeprefix("torch.")
     kind = mask_kind(request.mask, request.T, request.S)

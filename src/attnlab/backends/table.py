@@ -1,4 +1,4 @@
-"""The crossover table ``auto`` dispatches by: which backend was fastest, measured.
+"""The crossover table ``auto`` dispatches by: which backend was fastest, as timed.
 
 Shape legend: B batch, H query heads, T query length, S key length, D head dim.
 
@@ -16,7 +16,7 @@ fastest first, with the times that ranking came from::
 
 A call matches a row when its dtype, pass (``"forward"`` without autograd, else
 ``"forward+backward"``) and mask kind (:func:`mask_kind`) are the row's and
-``t_from <= sqrt(T*S) < t_below`` (``t_below`` null: no upper bound). Rows are measured
+``t_from <= sqrt(T*S) < t_below`` (``t_below`` null: no upper bound). Rows are timed
 at ``T == S``; ``sqrt(T*S)`` carries them to calls with ``T != S`` by the size of the
 score matrix. A call no row covers (another dtype, mask kind or device) uses the fixed
 order.
@@ -88,7 +88,7 @@ class TableRow:
         dtype, pass_, mask: what the row covers.
         t_from, t_below: the range of ``sqrt(T*S)`` it covers (``t_below`` None: no bound).
         order: backend names, fastest first.
-        ms: measured milliseconds, ``{T: {backend: ms}}``, for the lengths measured.
+        ms: the recorded times in milliseconds, ``{T: {backend: ms}}``, for the lengths timed.
     """
 
     index: int
@@ -110,7 +110,7 @@ class TableRow:
 
     def describe(self, T: int | None = None, S: int | None = None) -> str:
         """``row 12 (bfloat16, forward+backward, causal, sqrt(T*S) in [45, 91):
-        math 1.29 < sdpa 1.76 < blockwise 3.6 ms at T=64)``, with the times measured
+        math 1.29 < sdpa 1.76 < blockwise 3.6 ms at T=64)``, with the times recorded
         nearest the call's ``sqrt(T*S)`` (the largest length when not given)."""
         timing = ""
         if self.ms:
@@ -130,8 +130,8 @@ class DispatchTable:
 
     Attributes:
         path: the file it was read from ("" when built in memory).
-        machine: what the file says about where and how it was measured.
-        shape: the B, H, D (and device) it was measured at.
+        machine: what the file says about where and how it was timed.
+        shape: the B, H, D (and device) it was timed at.
         rows: the rows, in file order.
     """
 

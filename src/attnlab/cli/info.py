@@ -227,7 +227,7 @@ def _info_native() -> RenderableType:
 
 
 def _info_dispatch_table(full: bool) -> RenderableType:
-    """``attnlab info``'s crossover table: where it was measured, how quiet, its rows."""
+    """``attnlab info``'s crossover table: where it was timed, how quiet, its rows."""
     from rich.table import Table
     from rich.text import Text
 
@@ -243,7 +243,7 @@ def _info_dispatch_table(full: bool) -> RenderableType:
         else "quietness not recorded"
     )
     title = (
-        f"auto's crossover table ({len(table.rows)} rows, {table.path}): measured "
+        f"auto's crossover table ({len(table.rows)} rows, {table.path}): timed "
         f"{m.get('date', '?')} on {m.get('cpu', '?')}, torch {m.get('torch', '?')}, "
         f"{m.get('threads', '?')} threads; {quiet}"
         + ("" if m.get("quiet", True) else " (NOT QUIET: provisional)")

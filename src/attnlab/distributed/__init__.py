@@ -1,6 +1,8 @@
 """Ring attention over torch.distributed: exact attention on a sequence split across ranks.
 
-See :func:`ring_attention` and the README's "Ring attention" section.
+See :func:`ring_attention` and the README's "Ring attention" section. The process side of
+data-parallel training (joining the process group, launching the workers of
+``attnlab train --nproc``) is :mod:`attnlab.distributed.training`.
 """
 
 from __future__ import annotations

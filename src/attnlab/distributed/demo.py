@@ -1,4 +1,4 @@
-"""The ``attnlab ring-demo`` computation: ring attention on N local processes, measured.
+"""The ``attnlab ring-demo`` computation: ring attention on N local processes, timed.
 
 Library code: returns data (frozen dataclasses), never prints; the CLI renders it.
 
@@ -133,7 +133,8 @@ class RankReport:
 
 @dataclass(frozen=True)
 class RingDemoResult:
-    """What ``attnlab ring-demo`` measured."""
+    """What ``attnlab ring-demo`` found: each rank's time, bytes sent and peak memory, and
+    the largest difference from one process."""
 
     nproc: int
     seq_len: int
@@ -256,7 +257,7 @@ def run_ring_demo(
         causal: causal attention.
         layout: ``"contiguous"`` or ``"zigzag"``.
         dtype: ``"float32"``, ``"float64"`` or ``"bfloat16"``.
-        backward: also run the backward pass (timed and measured with the forward).
+        backward: also run the backward pass (timed with the forward).
         block_size: tile size of the block kernel (default: the blockwise backend's).
         overlap: overlap transfers with compute.
         seed: seed of the random inputs.

@@ -1,29 +1,32 @@
-"""Figures of a trace: the attention-weights heatmap and the flow diagram.
-
-For any model's :class:`~attnlab.explain.model_trace.ModelTrace`: one head
-(:func:`plot_heatmap`), one layer's heads (:func:`plot_heads`) and every layer and
-head as thumbnails (:func:`plot_model`).
-
-matplotlib is imported lazily, inside each function, and figures are built with
-``matplotlib.figure.Figure`` directly (no pyplot, no GUI backend, nothing global
-changed); saving renders with Agg (PNG) or the SVG backend. Every plotting function
-takes ``ax=None`` and returns the Figure. Figure text follows ``lang=``: Traditional
-Chinese (``"zh-TW"``) when a CJK font is available (:mod:`attnlab.explain.fonts`; the
-``zh-tw`` extra installs Noto Sans TC), else English, which matplotlib's bundled DejaVu
-fonts render on any machine.
+"""The walkthrough's figures of one attention computation: the weights heatmap
+(:func:`plot_attention_weights`), the flow diagram of shapes and operations
+(:func:`plot_attention_flow`, :func:`flow_shapes`) and both saved for every step
+(:func:`save_walkthrough_figures`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
-from attnlab.explain.fonts import FigureLang, figure_lang
+from attnlab.explain.figures.base import (
+    _ARROW,
+    _NOTE,
+    _OP_EDGE,
+    _OP_FACE,
+    _TENSOR_EDGE,
+    _TENSOR_FACE,
+    ANNOTATE_MAX,
+    _drawing,
+    _luminance,
+    _new_axes,
+    _tick_positions,
+)
+from attnlab.explain.fonts import figure_lang
 from attnlab.explain.i18n import message
 from attnlab.explain.trace import AttentionTrace
 
@@ -32,74 +35,6 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
     from attnlab.attention import Attention
-    from attnlab.explain.model_trace import ModelTrace
-
-__all__ = [
-    "FlowShapes",
-    "flow_shapes",
-    "plot_attention_flow",
-    "plot_attention_weights",
-    "plot_attribution",
-    "plot_heads",
-    "plot_heatmap",
-    "plot_model",
-    "plot_patch",
-    "save_walkthrough_figures",
-]
-
-# Colours: tensors blue, operations amber; both readable in print and for colour-blind eyes.
-_TENSOR_FACE, _TENSOR_EDGE = "#dbe9f6", "#2b6cb0"
-_OP_FACE, _OP_EDGE = "#fde8c8", "#c05621"
-_ARROW = "#4a5568"
-_NOTE = "#4a5568"
-
-# Heatmaps write each weight in its cell up to this many tokens a side.
-ANNOTATE_MAX = 12
-# At most this many token labels per heatmap axis (long inputs show every n-th).
-MAX_TICK_LABELS = 40
-# Thumbnails (plot_heads / plot_model) are max-pooled to at most this many bins a side.
-THUMB_BINS = 128
-
-
-@contextmanager
-def _drawing(lang: str) -> Iterator[FigureLang]:
-    """Build a figure in ``lang``: text created inside uses the CJK font when needed."""
-    fl = figure_lang(lang)
-    if fl.family is None:
-        yield fl
-        return
-    from matplotlib import rc_context
-
-    with rc_context({"font.family": [fl.family, "DejaVu Sans"]}):
-        yield fl
-
-
-def _luminance(rgba: tuple[float, float, float, float]) -> float:
-    """WCAG relative luminance; below ~0.2 white text has the better contrast."""
-    r, g, b = (c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4 for c in rgba[:3])
-    return 0.2126 * r + 0.7152 * g + 0.0722 * b
-
-
-def _tick_positions(n: int) -> list[int]:
-    """Every position up to MAX_TICK_LABELS, else evenly spaced ones (first and last kept)."""
-    if n <= MAX_TICK_LABELS:
-        return list(range(n))
-    step = -(-n // MAX_TICK_LABELS)
-    ticks = list(range(0, n, step))
-    if n - 1 - ticks[-1] < step / 2:
-        ticks.pop()  # too close to the last label to be readable
-    return [*ticks, n - 1]
-
-
-def _new_axes(ax: Axes | None, figsize: tuple[float, float]) -> tuple[Figure, Axes]:
-    if ax is not None:
-        fig = ax.get_figure()
-        assert fig is not None  # an Axes always belongs to a figure
-        return fig, ax  # type: ignore[return-value]
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=figsize, layout="constrained")
-    return fig, fig.add_subplot()
 
 
 def plot_attention_weights(
@@ -547,281 +482,3 @@ def save_walkthrough_figures(
             fig.savefig(path, dpi=150, metadata=meta)
             paths.append(path)
     return paths
-
-
-# ------------------------------------------------------------- model traces (issue 6)
-
-
-def _trace_label(trace: ModelTrace, layer: int, lang: str = "en") -> str:
-    if trace.layer_names is not None:
-        return trace.layer_names[trace.layers.index(layer)]
-    return message("fig.layer", lang, i=layer)
-
-
-def _pooled(weights: torch.Tensor, bins: int) -> torch.Tensor:
-    """Max-pool a ``(T, S)`` map to at most ``bins`` a side (exact when it fits)."""
-    T, S = weights.shape
-    if max(T, S) <= bins:
-        return weights
-    pooled = torch.nn.functional.adaptive_max_pool2d(
-        weights[None, None], (min(T, bins), min(S, bins))
-    )  # (1, 1, T', S')
-    return pooled[0, 0]
-
-
-def plot_heatmap(
-    trace: ModelTrace,
-    layer: int,
-    head: int,
-    ax: Axes | None = None,
-    *,
-    annotate: bool | None = None,
-    lang: str = "en",
-) -> Figure:
-    """One head's attention weights as a heatmap, tokens on both axes.
-
-    Rows are queries, columns keys. Small matrices (up to 12 tokens) have each
-    weight written in its cell; long inputs show a subset of the token labels.
-
-    Args:
-        trace: a :class:`~attnlab.explain.model_trace.ModelTrace`.
-        layer: a captured layer (model numbering).
-        head: a captured head.
-        ax: draw into this Axes; by default a new Figure.
-        annotate: write the values in the cells (default: when at most 12 tokens).
-        lang: ``"en"`` or ``"zh-TW"`` (figure text; English without a CJK font).
-
-    Returns:
-        The Figure.
-
-    Raises:
-        ValueError: the layer or head is not in the trace.
-    """
-    weights = trace.head_weights(layer, head)  # (T, S)
-    fl = figure_lang(lang).lang
-    title = message("fig.layer_head", fl, layer=_trace_label(trace, layer, fl), h=head)
-    if trace.source:
-        title = f"{trace.source}: {title}"
-    return plot_attention_weights(
-        weights,
-        list(trace.tokens),
-        ax,
-        key_tokens=list(trace.key_tokens),
-        title=title,
-        annotate=annotate,
-        lang=lang,
-    )
-
-
-def _thumb(ax: Axes, weights: torch.Tensor, vmax: float, cmap: str) -> None:
-    ax.imshow(
-        _pooled(weights.float(), THUMB_BINS).numpy(),
-        cmap=cmap,
-        vmin=0.0,
-        vmax=vmax,
-        interpolation="nearest",
-        aspect="auto",
-    )
-    ax.set_xticks([])
-    ax.set_yticks([])
-
-
-def plot_heads(
-    trace: ModelTrace, layer: int, *, cols: int = 4, cmap: str = "Blues", lang: str = "en"
-) -> Figure:
-    """Every captured head of one layer, side by side (rows queries, columns keys).
-
-    Long inputs are max-pooled to 128 bins a side so that strong weights stay visible.
-
-    Args:
-        trace: the trace.
-        layer: a captured layer.
-        cols: heads per row of the grid.
-        cmap: a matplotlib colormap name.
-        lang: ``"en"`` or ``"zh-TW"`` (figure text; English without a CJK font).
-
-    Returns:
-        The Figure (one Axes per head, titled ``head h``).
-
-    Raises:
-        ValueError: the layer is not in the trace, or ``cols`` < 1.
-    """
-
-    if cols < 1:
-        raise ValueError(f"`cols` must be at least 1, got {cols}")
-    with _drawing(lang) as fl:
-        return _heads_figure(trace, layer, cols, cmap, fl.lang)
-
-
-def _heads_figure(trace: ModelTrace, layer: int, cols: int, cmap: str, lang: str) -> Figure:
-    from matplotlib.figure import Figure
-
-    maps = [trace.head_weights(layer, h) for h in trace.heads]  # each (T, S)
-    n = len(maps)
-    ncols = min(cols, n)
-    nrows = -(-n // ncols)
-    fig = Figure(figsize=(2.6 * ncols + 0.6, 2.6 * nrows + 0.6), layout="constrained")
-    axes = fig.subplots(nrows, ncols, squeeze=False)
-    for i, ax in enumerate(axes.flat):
-        if i >= n:
-            ax.set_axis_off()
-            continue
-        _thumb(ax, maps[i], 1.0, cmap)
-        ax.set_title(message("fig.head", lang, h=trace.heads[i]), fontsize=10)
-    axes[0, 0].set_ylabel(message("fig.query", lang))
-    axes[-1, 0].set_xlabel(message("fig.key", lang))
-    title = message(
-        "fig.heads_title", lang, layer=_trace_label(trace, layer, lang), n=len(trace.tokens)
-    )
-    fig.suptitle(f"{trace.source + ': ' if trace.source else ''}{title}", fontsize=11)
-    return fig
-
-
-def plot_model(trace: ModelTrace, *, cmap: str = "Blues", lang: str = "en") -> Figure:
-    """Thumbnails of every captured layer (rows) and head (columns).
-
-    Args:
-        trace: the trace.
-        cmap: a matplotlib colormap name.
-        lang: ``"en"`` or ``"zh-TW"`` (figure text; English without a CJK font).
-
-    Returns:
-        The Figure, one Axes per (layer, head) in row-major order.
-    """
-    with _drawing(lang) as fl:
-        return _model_figure(trace, cmap, fl.lang)
-
-
-def _model_figure(trace: ModelTrace, cmap: str, lang: str) -> Figure:
-    from matplotlib.figure import Figure
-
-    L, H = len(trace.layers), len(trace.heads)
-    size = 1.3 if L * H <= 64 else 0.8
-    fig = Figure(figsize=(size * H + 1.4, size * L + 0.9), layout="constrained")
-    axes = fig.subplots(L, H, squeeze=False)
-    for li, layer in enumerate(trace.layers):
-        for hi, head in enumerate(trace.heads):
-            ax = axes[li, hi]
-            _thumb(ax, trace.head_weights(layer, head), 1.0, cmap)
-            if li == 0:
-                ax.set_title(message("fig.head", lang, h=head), fontsize=8)
-            if hi == 0:
-                ax.set_ylabel(_trace_label(trace, layer, lang), fontsize=8)
-    title = message("fig.model_title", lang, L=L, H=H, n=len(trace.tokens))
-    fig.suptitle(f"{trace.source + ': ' if trace.source else ''}{title}", fontsize=10)
-    return fig
-
-
-# ------------------------------------------------------------------ why this token
-
-
-def _symmetric(values: torch.Tensor) -> float:
-    """The half-range of a diverging colour scale centred on 0 (never 0 itself)."""
-    top = float(values.abs().max()) if values.numel() else 0.0
-    return top if top > 0 else 1.0
-
-
-def _grid_cells(ax: Axes, values: torch.Tensor, vmax: float, fmt: str) -> None:
-    """Write each value in its cell when the grid is small enough to read them."""
-    from matplotlib import colormaps
-
-    rows, cols = values.shape
-    if rows * cols > 400:
-        return
-    cmap = colormaps["RdBu_r"]
-    for i in range(rows):
-        for j in range(cols):
-            v = float(values[i, j])
-            ink = "white" if _luminance(cmap(0.5 + 0.5 * v / vmax)) < 0.2 else "black"
-            ax.text(j, i, format(v, fmt), ha="center", va="center", fontsize=7, color=ink)
-
-
-def plot_attribution(
-    attribution: Any, *, title: str | None = None, source: str | None = None
-) -> Figure:
-    """Direct logit attribution: the layers x heads grid beside the MLP bars.
-
-    Red is a push towards the target (or towards the target rather than the contrast),
-    blue a push away; one colour scale is centred on 0 and shared by no other figure.
-    The MLP bars carry the embedding and the constant terms as two more bars.
-
-    Args:
-        attribution: an :class:`~attnlab.explain.Attribution`.
-        title: the figure's title (default: the total and the error).
-        source: a model label put before the title.
-
-    Returns:
-        The Figure: the heads grid (first Axes, with a colour bar) and the bars (last Axes).
-    """
-    from matplotlib.figure import Figure
-
-    heads = attribution.heads.detach().float().cpu()  # (L, H)
-    mlp = attribution.mlp.detach().float().cpu()  # (L,)
-    L, H = heads.shape
-    height = max(3.2, 0.24 * L + 1.4)
-    fig = Figure(figsize=(0.42 * H + 5.8, height), layout="constrained")
-    grid_ax, bar_ax = fig.subplots(1, 2, width_ratios=[max(H, 3), 4])
-    vmax = _symmetric(heads)
-    image = grid_ax.imshow(heads.numpy(), cmap="RdBu_r", vmin=-vmax, vmax=vmax, aspect="auto")
-    _grid_cells(grid_ax, heads, vmax, ".1f" if vmax >= 1 else ".2f")
-    grid_ax.set_xticks(range(H))
-    grid_ax.set_yticks(_tick_positions(L))
-    grid_ax.set_xlabel("head")
-    grid_ax.set_ylabel("layer")
-    grid_ax.set_title("heads", fontsize=10)
-    fig.colorbar(image, ax=grid_ax, shrink=0.8, label="logit difference")
-    names = ["embedding", *[f"mlp {layer}" for layer in range(L)], "bias"]
-    values = [float(attribution.embedding), *mlp.tolist(), float(attribution.bias)]
-    colours = ["#b2182b" if v >= 0 else "#2166ac" for v in values]
-    bar_ax.barh(range(len(values)), values, color=colours)
-    bar_ax.set_yticks(range(len(values)), names, fontsize=7 if L > 16 else 8)
-    bar_ax.invert_yaxis()
-    bar_ax.axvline(0, color="#4a5568", linewidth=0.8)
-    bar_ax.set_title("MLPs, embedding, bias", fontsize=10)
-    bar_ax.set_xlabel("logit difference")
-    total = float(attribution.total)
-    error = float(attribution.error)
-    label = title if title is not None else f"total {total:+.3f} (error {error:+.1e})"
-    fig.suptitle(f"{source + ': ' if source else ''}{label}", fontsize=11)
-    return fig
-
-
-def plot_patch(
-    grid: torch.Tensor,
-    *,
-    over: str = "heads",
-    tokens: Sequence[str] | None = None,
-    title: str | None = None,
-    ax: Axes | None = None,
-) -> Figure:
-    """An activation-patching grid: 1 where the patch restores the clean answer, 0 where
-    it changes nothing; a diverging scale centred on 0.
-
-    Args:
-        grid: ``(L, H)`` (``over="heads"``) or ``(L, T)`` (``"residual"``, ``"mlp"``).
-        over: what was patched; names the columns.
-        tokens: column labels of an ``(L, T)`` grid (the clean prompt's tokens).
-        title: the Axes' title.
-        ax: draw into this Axes (default: a new Figure).
-
-    Returns:
-        The Figure.
-    """
-    values = grid.detach().float().cpu()
-    L, C = values.shape
-    fig, ax = _new_axes(ax, (0.42 * C + 2.6, max(3.0, 0.24 * L + 1.4)))
-    vmax = _symmetric(values)
-    image = ax.imshow(values.numpy(), cmap="RdBu_r", vmin=-vmax, vmax=vmax, aspect="auto")
-    _grid_cells(ax, values, vmax, ".2f")
-    ax.set_yticks(_tick_positions(L))
-    ax.set_ylabel("layer")
-    if over == "heads" or tokens is None:
-        ax.set_xticks(range(C))
-        ax.set_xlabel("head" if over == "heads" else "position")
-    else:
-        ticks = _tick_positions(C)
-        ax.set_xticks(ticks, [repr(tokens[j])[1:-1] for j in ticks], rotation=90, fontsize=8)
-        ax.set_xlabel("position (clean prompt)")
-    ax.set_title(title if title is not None else f"patching over {over}", fontsize=10)
-    fig.colorbar(image, ax=ax, shrink=0.8, label="share of the answer restored")
-    return fig

@@ -1,28 +1,7 @@
-"""One self-contained, offline HTML page that shows a trace interactively.
-
-The page has three views:
-
-- **head view**: the tokens in two columns (queries left, keys right) and a line
-  from every query to each of its ``k`` strongest keys, thickness and opacity by
-  weight, one colour per head; hover or focus a token to isolate its row;
-- **model view**: one small heatmap per layer and head; click one to open it in the
-  head view;
-- **walkthrough**: the seed example's steps with their numbers (when given).
-
-For a mixture-of-experts model (a trace with ``experts``) the head view's panel also holds
-the layer's token x expert grid (the router weight of each expert a token went to), and
-the model view a small routing heatmap beside each routed layer's heads.
-
-Everything is in the one file: the CSS and JS (``page.css``, ``page.js`` next to
-this module) are inlined, and the data is embedded as JSON in a non-executed
-``<script type="application/json">`` block, escaped so that no token text can
-close it. A Content-Security-Policy forbids every network request and every
-script but the page's own (by hash). Token text is only ever set with
-``textContent`` in the page, so it shows as text and never runs.
-
-Short inputs embed every weight exactly (float32). Long ones embed each query's
-strongest keys, with the weights in 16-bit fixed point (``round(w * 65535)``, error
-below 1e-5), within an edge budget so that a 2,048-token page stays a few megabytes.
+"""The interactive page of a model trace: its data (:func:`page_data`, the strongest
+keys per query within :data:`EDGE_BUDGET`), its strings in each language, and the page itself
+(:func:`render_html`, :func:`write_html`, :func:`render_iframe` for Jupyter, which this
+module registers as ``ModelTrace``'s HTML view).
 """
 
 from __future__ import annotations
@@ -31,7 +10,6 @@ import base64
 import hashlib
 import html as _html
 import json
-from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -42,16 +20,6 @@ import numpy as np
 if TYPE_CHECKING:
     from attnlab.explain.model_trace import ModelTrace
 
-__all__ = [
-    "PageWalkthrough",
-    "WalkthroughStep",
-    "attribution_html",
-    "page_data",
-    "render_html",
-    "render_iframe",
-    "walkthrough_from_renderables",
-    "write_html",
-]
 
 # Total (query, key) weights embedded in one page: dense when it fits, else the
 # strongest keys per query within this budget (about 5 bytes each in the file).
@@ -456,154 +424,6 @@ def render_iframe(
         f'<iframe srcdoc="{_html.escape(doc, quote=True)}" '
         f'style="width:100%;height:{int(height)}px;border:1px solid #ddd" '
         'title="attnlab attention explainer"></iframe>'
-    )
-
-
-# ------------------------------------------------------------------ walkthrough
-
-
-def _table_dict(table: Any) -> dict[str, Any]:
-    """A rich Table of numbers as a page table: the very strings the terminal prints."""
-    columns = list(table.columns)
-    texts = [[str(c) for c in col.cells] for col in columns]
-    # matrix_table puts the row labels first, left-justified; numbers are right-justified.
-    has_labels = bool(columns) and columns[0].justify != "right"
-    rows = texts[0] if has_labels else None
-    value_cols = columns[1:] if has_labels else columns
-    value_texts = texts[1:] if has_labels else texts
-    n_rows = len(value_texts[0]) if value_texts else 0
-    name = str(table.title or "")
-    return {
-        "name": name,
-        "caption": name,
-        "corner": str(columns[0].header) if has_labels else "",
-        "rows": rows,
-        "cols": [str(c.header) for c in value_cols],
-        "cells": [[col[r] for col in value_texts] for r in range(n_rows)],
-        "shade": "weights" in name,
-    }
-
-
-def walkthrough_from_renderables(renderables: list[Any]) -> PageWalkthrough:
-    """The terminal walkthrough, as the page's walkthrough view.
-
-    Takes what :func:`attnlab.explain.text.walkthrough_renderables` returns and keeps
-    its titles, explanations and tables cell for cell, so the page shows the very
-    numbers (and words, in the same language) that ``attnlab walkthrough`` prints.
-
-    Args:
-        renderables: the terminal walkthrough's renderables.
-
-    Returns:
-        The page walkthrough: one step per titled block, parts as ``part`` steps.
-    """
-    from rich.console import Group
-    from rich.padding import Padding
-    from rich.table import Table
-    from rich.text import Text
-
-    from attnlab.explain.text import Paragraph
-
-    def collect(obj: Any, tables: list[dict[str, Any]], lines: list[str]) -> None:
-        if isinstance(obj, Table):
-            tables.append(_table_dict(obj))
-        elif isinstance(obj, Text):
-            if obj.plain.strip():
-                lines.append(obj.plain.strip())
-        elif isinstance(obj, Padding):
-            collect(obj.renderable, tables, lines)
-        elif isinstance(obj, Group):
-            for sub in obj.renderables:
-                collect(sub, tables, lines)
-
-    intro: list[str] = []
-    steps: list[WalkthroughStep] = []
-    for r in renderables:
-        if isinstance(r, Paragraph):
-            if not steps:
-                intro.append(r.text)
-            continue
-        if not isinstance(r, Group):
-            continue
-        items = list(r.renderables)
-        if not items or not isinstance(items[0], Paragraph):
-            continue
-        title = items[0].text
-        if "underline" in str(items[0].style):
-            steps.append(WalkthroughStep(id=f"part-{len(steps)}", title=title, kind="part"))
-            continue
-        body = " ".join(p.text for p in items[1:] if isinstance(p, Paragraph))
-        tables: list[dict[str, Any]] = []
-        lines: list[str] = []
-        for sub in items[1:]:
-            if not isinstance(sub, Paragraph):
-                collect(sub, tables, lines)
-        steps.append(
-            WalkthroughStep(
-                id=f"step-{len(steps)}",
-                title=title,
-                body=body,
-                code="\n".join(lines),
-                tables=tuple(tables),
-            )
-        )
-    return PageWalkthrough(steps=tuple(steps), intro=" \u2014 ".join(intro))
-
-
-def attribution_html(
-    attribution: Any, figure: Any, tokens: Sequence[str], source: str, what: str, k: int = 20
-) -> str:
-    """A self-contained page of a direct logit attribution: its figure and its parts.
-
-    Args:
-        attribution: an :class:`~attnlab.explain.Attribution`.
-        figure: its :func:`~attnlab.explain.figures.plot_attribution` Figure (inlined as SVG).
-        tokens: the prompt's tokens (for the source split of the strongest heads).
-        source: the model's label.
-        what: the explained quantity, e.g. ``"logit(' Mary') - logit(' John')"``.
-        k: table rows (the largest parts first).
-
-    Returns:
-        The page: no script, no request beyond itself.
-    """
-    import io
-    from html import escape
-
-    from attnlab.explain.text import attribution_components
-
-    buf = io.StringIO()
-    figure.savefig(buf, format="svg", metadata={"Date": None, "Creator": None})
-    svg = buf.getvalue()
-    svg = svg[svg.find("<svg") :]  # drop the XML prologue and doctype: inline SVG
-    total = float(attribution.total)
-    parts = attribution_components(attribution)
-    rows = "".join(
-        f"<tr><td>{escape(name)}</td><td>{value:+.4f}</td>"
-        f"<td>{(100 * value / total if total else 0):+.1f}%</td></tr>"
-        for name, value in parts[:k]
-    )
-    sources = ""
-    if getattr(attribution, "by_source", None) is not None:
-        items = []
-        for name in [n for n, _ in parts if "." in n][:5]:
-            layer, head = (int(x) for x in name.split("."))
-            row = attribution.by_source[layer, head].detach().float()  # (S,)
-            order = row.abs().argsort(descending=True)[:5].tolist()
-            cells = ", ".join(f"{j} {escape(repr(tokens[j]))} {float(row[j]):+.3f}" for j in order)
-            items.append(f"<li><b>{escape(name)}</b>: {cells}</li>")
-        sources = "<h2>Where the strongest heads read it</h2><ul>" + "".join(items) + "</ul>"
-    title = f"{source}: {what}"
-    return (
-        '<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
-        f"<title>{escape(title)}</title>\n<style>body {{ font-family: system-ui, sans-serif; "
-        "margin: 1.5em; } table { border-collapse: collapse; font-variant-numeric: "
-        "tabular-nums; } td, th { padding: 2px 10px; text-align: right; } "
-        "td:first-child { text-align: left; } svg { max-width: 100%; height: auto; }"
-        "</style>\n</head>\n<body>\n"
-        f"<h1>{escape(title)}</h1>\n<p>total {total:+.4f}, error "
-        f"{float(attribution.error):+.2e}</p>\n{svg}\n"
-        "<h2>The largest parts</h2>\n<table><tr><th>component</th><th>value</th>"
-        f"<th>share</th></tr>{rows}</table>\n{sources}\n</body>\n</html>\n"
     )
 
 
