@@ -88,6 +88,7 @@ def march() -> str:
 def _flags() -> tuple[str, ...]:
     return (*_BASE_FLAGS, f"-march={march()}")
 
+
 _TOOLCHAIN_LINE = "toolchain: "
 _TIME_LINE = "failed at: "
 
