@@ -10,6 +10,10 @@ were quiet and how busy the rest of the machine was.
 Every time is kept (:attr:`PairResult.times`), so a script can report the median of the
 per-pair ratios between two names (:meth:`PairResult.ratio`, each pair adjacent in time,
 so slow drift of the machine cancels) and their spread, not only a best-of.
+
+A call too short to time alone (a kernel of microseconds) is timed as a run of calls:
+:func:`call_run` makes the run, and each of its times divided by its length is the mean
+time of one call.
 """
 
 from __future__ import annotations
@@ -77,19 +81,40 @@ class PairResult:
         )
 
 
+def call_run(fn: Callable[[], object], seconds: float) -> tuple[Callable[[], None], int]:
+    """``fn`` called back to back for about ``seconds`` in all, and how many calls that is.
+
+    ``fn`` runs twice first (a warm-up, then a call that sets the count). Time the run
+    (e.g. in :func:`timed_pairs`) and divide by the count: the mean time of one call.
+    """
+    fn()
+    t0 = time.perf_counter()
+    fn()
+    calls = max(1, int(seconds / max(time.perf_counter() - t0, 1e-6)))
+
+    def run() -> None:
+        for _ in range(calls):
+            fn()
+
+    return run, calls
+
+
 def timed_pairs(
     fns: dict[str, Callable[[], object]],
     pairs: int,
     *,
     max_other: float = 0.25,
     before: Callable[[str], object] | None = None,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> PairResult:
-    """Run ``fns`` ``pairs`` times interleaved; best wall time per name over quiet pairs.
+    """Run ``fns`` ``pairs`` times interleaved; best time per name over quiet pairs.
 
     A pair is quiet when the CPU used by other processes during it stays below
     ``max_other`` cores. When no pair is quiet, the best over all pairs is reported
     (and the summary says 0 quiet pairs). ``before(name)`` runs untimed before each
     call (e.g. drop the model the previous load made, so that freeing it is not timed).
+    ``clock`` times each call: wall time, or ``time.thread_time`` for the calling
+    thread's CPU time.
     """
     best_quiet = {name: float("inf") for name in fns}
     best_all = dict(best_quiet)
@@ -103,9 +128,9 @@ def timed_pairs(
         for name, fn in items if rep % 2 == 0 else reversed(items):
             if before is not None:
                 before(name)
-            t0 = time.perf_counter()
+            t0 = clock()
             fn()
-            times[name] = time.perf_counter() - t0
+            times[name] = clock() - t0
         b1, c1, w1 = _machine_busy_s(), _own_cpu_s(), time.perf_counter()
         used = ((b1 - b0) - (c1 - c0)) / (w1 - w0) if b0 is not None and b1 is not None else 0.0
         other.append(max(used, 0.0))

@@ -72,6 +72,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from _quiet import timed_pairs
 from _records import Recorder
 
 from attnlab import masks as attn_masks
@@ -151,21 +152,15 @@ def bench(
     fns: dict[str, Callable[[], object]], reps: int, budget_s: float = 3.0
 ) -> dict[str, float]:
     """Minimum time of each call over interleaved repetitions (at least ``reps``; up to 20
-    while the rounds take under ``budget_s``): a shared machine's noise only ever adds
-    time, so the minimum is the best estimate."""
+    while the rounds take under ``budget_s``; :func:`_quiet.timed_pairs`, the quiet ones):
+    a shared machine's noise only ever adds time, so the minimum is the best estimate."""
     one_round = 0.0
     for f in fns.values():  # warm up, and size the repetitions
         t0 = TIMER()
         f()
         one_round += TIMER() - t0
     reps = max(reps, min(20, int(budget_s / max(one_round, 1e-6))))
-    best = dict.fromkeys(fns, math.inf)
-    for _ in range(reps):
-        for name, f in fns.items():
-            t0 = TIMER()
-            f()
-            best[name] = min(best[name], TIMER() - t0)
-    return best
+    return timed_pairs(fns, reps, clock=TIMER).best
 
 
 class DirectLayer(torch.nn.Module):

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import time
 
 import torch
+from _quiet import timed_pairs
 
 from attnlab.models.fast_decode import decode_plan
 from attnlab.pretrained import load_pretrained
@@ -58,18 +58,18 @@ def main() -> None:
         compiled(nxt, compiled_cache)
         t_second = time.perf_counter() - t0
         plan.step(nxt, eager_cache)
-        times: dict[str, list[float]] = {"eager": [], "compiled": []}
-        for i in range(n):
-            sides = [("eager", plan.step, eager_cache), ("compiled", compiled, compiled_cache)]
-            for name, fn, cache in sides if i % 2 == 0 else reversed(sides):
-                t0 = time.perf_counter()
-                fn(nxt, cache)
-                times[name].append(time.perf_counter() - t0)
-    eager, comp = (statistics.median(times[k]) for k in ("eager", "compiled"))
+        res = timed_pairs(
+            {
+                "eager": lambda: plan.step(nxt, eager_cache),
+                "compiled": lambda: compiled(nxt, compiled_cache),
+            },
+            n,
+        )
+    eager, comp = (res.median(k) for k in ("eager", "compiled"))
     gain = eager - comp
     print(
         f"threads {torch.get_num_threads()}, loadavg {os.getloadavg()[0]:.2f}; SmolLM2 "
-        f"{args.dtype} decode step, median of {n} interleaved steps"
+        f"{args.dtype} decode step, median of {n} interleaved steps ({res.quietness()})"
     )
     print(f"  first compiled call (compile): {t_compile:7.1f} s; second call {t_second:.3f} s")
     print(f"  eager    {eager * 1e3:7.2f} ms/step")

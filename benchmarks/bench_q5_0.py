@@ -16,11 +16,11 @@ slows both alike.
 from __future__ import annotations
 
 import argparse
-import time
 from collections.abc import Callable
 
 import numpy as np
 import torch
+from _quiet import call_run, timed_pairs
 from _records import Recorder
 
 from attnlab import native
@@ -45,19 +45,6 @@ def _gguf_q5_0(N: int, K: int) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(raw).reshape(N, -1))
 
 
-def _best_s(fn: Callable[[], object], seconds: float) -> float:
-    """The mean time of calls lasting about ``seconds`` in all."""
-    fn()
-    t0 = time.perf_counter()
-    fn()
-    once = max(time.perf_counter() - t0, 1e-6)
-    calls = max(1, int(seconds / once))
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    return (time.perf_counter() - t0) / calls
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, nargs="+", default=[2, 1])
@@ -72,7 +59,8 @@ def main() -> None:
         measured=(
             "one bf16 row times a Q5_0 weight held as q5_0 (its blocks, 0.6875 bytes a "
             "weight) against the same weight's values as q8_0 (1.0625 bytes a weight), both "
-            "by attnlab's native kernels; interleaved; best of rounds, microseconds a call"
+            "by attnlab's native kernels; interleaved (_quiet.timed_pairs); best of the quiet "
+            "rounds, microseconds a call"
         ),
         threads=max(args.threads),
     )
@@ -86,10 +74,9 @@ def main() -> None:
         }
         for threads in args.threads:
             torch.set_num_threads(threads)
-            best = {name: float("inf") for name in kernels}
-            for _ in range(args.repeats):  # interleaved: each round times both
-                for name, fn in kernels.items():
-                    best[name] = min(best[name], _best_s(fn, 0.02))
+            runs = {name: call_run(fn, 0.02) for name, fn in kernels.items()}
+            res = timed_pairs({name: run for name, (run, _) in runs.items()}, args.repeats)
+            best = {name: res.best[name] / calls for name, (_, calls) in runs.items()}
             us = {name: 1e6 * t for name, t in best.items()}
             gbs = {"q5_0": N * K * 0.6875 / best["q5_0"] / 1e9}
             gbs["q8_0"] = N * K * 1.0625 / best["q8_0"] / 1e9

@@ -18,11 +18,11 @@ where it overtakes the native kernel is ``Q8Linear.dense_from_rows``.
 from __future__ import annotations
 
 import argparse
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from _quiet import call_run, timed_pairs
 from _records import Recorder
 
 from attnlab import native
@@ -73,22 +73,6 @@ def _kernels(ext: Any, layer: Q8Linear, x: torch.Tensor) -> dict[str, Callable[[
     return kernels
 
 
-def _best_s(fn: Callable[[], object], seconds: float, rounds: int) -> float:
-    """The best mean time of ``rounds`` rounds of calls lasting about ``seconds`` each."""
-    fn()
-    t0 = time.perf_counter()
-    fn()
-    once = max(time.perf_counter() - t0, 1e-6)
-    calls = max(1, int(seconds / once))
-    best = float("inf")
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - t0) / calls)
-    return best
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, nargs="+", default=[2, 1])
@@ -104,8 +88,8 @@ def main() -> None:
         measured=(
             f"q8_0 product of {args.rows} bf16 row(s) by attnlab's native kernel against "
             "the int4-halves path (PyTorch's int4 kernel, 2N rows) and, for several rows, "
-            "the dense product of the dequantised weight; same codes, interleaved; best of "
-            "rounds, microseconds a call"
+            "the dense product of the dequantised weight; same codes, interleaved "
+            "(_quiet.timed_pairs); best of the quiet rounds, microseconds a call"
         ),
         threads=max(args.threads),
     )
@@ -117,10 +101,9 @@ def main() -> None:
         seconds = 0.05 if N * K < 10**7 else 0.3
         for threads in args.threads:
             torch.set_num_threads(threads)
-            best = {name: float("inf") for name in kernels}
-            for _ in range(args.repeats):  # interleaved: each round times both
-                for name, fn in kernels.items():
-                    best[name] = min(best[name], _best_s(fn, seconds, 1))
+            runs = {name: call_run(fn, seconds) for name, fn in kernels.items()}
+            res = timed_pairs({name: run for name, (run, _) in runs.items()}, args.repeats)
+            best = {name: res.best[name] / calls for name, (_, calls) in runs.items()}
             us = {name: 1e6 * t for name, t in best.items()}
             gbs = N * K * 1.0625 / best["native"] / 1e9
             print(

@@ -13,11 +13,10 @@ Prints tokens/s of each and the ratio attnlab / plain (target >= 0.95).
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
+from _quiet import timed_pairs
 from _records import Recorder
 from torch import nn
 
@@ -89,27 +88,28 @@ def main() -> None:
     n_params = {k: sum(p.numel() for p in m.parameters()) for k, m in models.items()}
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in models.items()}
     B, T = args.batch_size, cfg.context_length
-    times: dict[str, list[float]] = {k: [] for k in models}
-    for step in range(args.steps + 2):
-        x = torch.randint(0, cfg.vocab_size, (B, T))
-        y = torch.randint(0, cfg.vocab_size, (B, T))
-        order = list(models) if step % 2 == 0 else list(reversed(models))
-        for name in order:
-            model, opt = models[name], opts[name]
-            t0 = time.perf_counter()
-            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            if step >= 2:  # warm-up steps are not timed
-                times[name].append(time.perf_counter() - t0)
+    x = torch.randint(0, cfg.vocab_size, (B, T))
+    y = torch.randint(0, cfg.vocab_size, (B, T))
+
+    def step(name: str) -> None:
+        model, opt = models[name], opts[name]
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    fns = {name: (lambda name=name: step(name)) for name in models}
+    for _ in range(2):  # warm-up steps are not timed
+        for fn in fns.values():
+            fn()
+    res = timed_pairs(fns, args.steps)  # type: ignore[arg-type]
     print(
         f"config: {args.preset} ({cfg.n_layers} layers, emb {cfg.emb_dim}, {cfg.n_heads} heads, "
         f"context {T}), batch {B}, {args.steps} timed steps, {args.threads} threads"
     )
     tps = {}
     for name in models:
-        med = statistics.median(times[name])
+        med = res.median(name)
         tps[name] = B * T / med
         print(f"  {name:<28} {n_params[name]:>12,} params  {tps[name]:>9,.0f} tokens/s")
     a, b = tps["attnlab GPTModel"], tps["plain PyTorch GPT (F.sdpa)"]

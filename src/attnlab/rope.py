@@ -43,6 +43,7 @@ __all__ = [
     "YarnScaling",
     "rotate_half",
     "rotate_pairs",
+    "yarn_mscale",
 ]
 
 
@@ -175,6 +176,13 @@ class Llama3Scaling:
         return torch.where(medium, smoothed, scaled), 1.0
 
 
+def yarn_mscale(factor: float, m: float = 1.0) -> float:
+    """YaRN's attention factor for a context extension ``factor``: ``0.1 * m * ln(factor) + 1``
+    (1 when ``factor`` <= 1); ``m`` is DeepSeek's ``mscale`` / ``mscale_all_dim`` (1 in the
+    paper). cos and sin are multiplied by it, so the scores by its square."""
+    return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+
 @dataclass(frozen=True)
 class YarnScaling:
     """YaRN (``rope_type="yarn"``): high frequencies kept, low ones interpolated by ``factor``,
@@ -217,15 +225,11 @@ class YarnScaling:
         """The factor cos and sin are multiplied by."""
         if self.attention_factor is not None:
             return float(self.attention_factor)
-
-        def get_mscale(scale: float, m: float = 1.0) -> float:
-            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
         if self.mscale and self.mscale_all_dim:
-            return get_mscale(self.factor, self.mscale) / get_mscale(
+            return yarn_mscale(self.factor, self.mscale) / yarn_mscale(
                 self.factor, self.mscale_all_dim
             )
-        return get_mscale(self.factor)
+        return yarn_mscale(self.factor)
 
     def frequencies(
         self, base: float, dim: int, seq_len: int | None = None

@@ -145,7 +145,7 @@ def _gguf_file_type(meta: dict[str, Any], types: Counter[str]) -> str | None:
 def _check_gguf(path: Path) -> _Checked:
     contents = read_gguf(path)
     family, config = gguf_config(contents)
-    infos = _weight_infos(contents)
+    infos = _weight_infos(contents, family)
     names = {n: math.prod(i.shape) for n, i in infos.items()}
     check_weights(config, names, family=family, source="gguf", where=path)
     types = Counter(i.type_name for i in infos.values() if len(i.shape) == 2)

@@ -32,6 +32,7 @@ from attnlab import native
 from attnlab.models.decoder import Decoder
 from attnlab.models.encoder import Encoder
 from attnlab.models.families import Family
+from attnlab.models.families.phi3 import LONGROPE_TENSORS as LONGROPE_TENSORS
 from attnlab.models.fast_decode import defer_decode_plan, why_not_fast_decode
 from attnlab.paths import CACHE_ENV as CACHE_ENV  # re-exported from its old home
 from attnlab.paths import cache_dir
@@ -335,15 +336,15 @@ def packaged_gguf(name: str, *, announce: Callable[[str], None] | None = None) -
 
 
 # RoPE settings llama.cpp stores as tensors: config, not weights. rope_freqs: one divisor
-# per frequency (Llama 3 scaling); rope_factors_long / _short: Phi-3's LongRoPE factors.
+# per frequency (Llama 3 scaling); a page's own (Phi-3's LongRoPE factors): its
+# `gguf_tensors`.
 ROPE_FREQS = "rope_freqs.weight"
-LONGROPE_TENSORS = {"long": "rope_factors_long.weight", "short": "rope_factors_short.weight"}
-_ROPE_TENSORS = {ROPE_FREQS, *LONGROPE_TENSORS.values()}
 
 
-def _weight_infos(contents: GGUFContents) -> dict[str, Any]:
+def _weight_infos(contents: GGUFContents, family: Family) -> dict[str, Any]:
     """The file's tensors that are model weights (not the RoPE tensors)."""
-    return {n: i for n, i in contents.tensor_infos.items() if n not in _ROPE_TENSORS}
+    config = {ROPE_FREQS, *family.gguf_tensors.values()}
+    return {n: i for n, i in contents.tensor_infos.items() if n not in config}
 
 
 def _rope_tensor(contents: GGUFContents, name: str) -> tuple[float, ...]:
@@ -379,15 +380,9 @@ def gguf_config(contents: GGUFContents) -> tuple[Family, AnyConfig]:
     }
     if ROPE_FREQS in contents.tensor_infos:
         extra["rope_factors"] = _rope_tensor(contents, ROPE_FREQS)
-    present = [n for n in LONGROPE_TENSORS.values() if n in contents.tensor_infos]
-    if present and len(present) != len(LONGROPE_TENSORS):
-        raise ModelFileError(
-            path,
-            f"tensor {present[0]!r} (Phi-3 LongRoPE factors) needs its partner "
-            f"{sorted(set(LONGROPE_TENSORS.values()) - set(present))[0]!r}, which is missing",
-        )
-    if present:
-        extra["rope_longrope"] = {k: _rope_tensor(contents, n) for k, n in LONGROPE_TENSORS.items()}
+    for option, name in family.gguf_tensors.items():
+        if name in contents.tensor_infos:
+            extra[option] = _rope_tensor(contents, name)
     return family, build_config(family, meta, where=path, source="gguf", extra=extra)
 
 
@@ -424,7 +419,7 @@ def load_gguf(
     path = Path(path)
     contents = read_gguf(path)
     family, config = gguf_config(contents)
-    names = {name: math.prod(info.shape) for name, info in _weight_infos(contents).items()}
+    names = {name: math.prod(info.shape) for name, info in _weight_infos(contents, family).items()}
     model = build_model(
         config,
         names,
