@@ -46,7 +46,7 @@ from torch.profiler import profile
 from attnlab.models.fast_decode import DecodePlan, decode_plan
 from attnlab.native import why_not_native
 from attnlab.pretrained import load_pretrained
-from attnlab.quant import row_product
+from attnlab.quant import decode_product
 
 PROMPT = 64
 NAMES = {"smollm2-135m-instruct": "SmolLM2-135M-Instruct", "gemma3-270m": "Gemma 3 270M"}
@@ -63,7 +63,7 @@ def op_counts(fn: Callable[[], object]) -> tuple[int, int]:
 
 
 def _kernel_call(m: Any) -> tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor]:
-    found = row_product(m)
+    found = decode_product(m)
     if found is None:
         raise SystemExit(f"bench_decode_step: no bare kernel for {type(m).__name__}")
     dtype, fn = found
@@ -77,7 +77,7 @@ def products(plan: DecodePlan, model: Any) -> Callable[[], None]:
         qkv = [layer.qkv] if layer.qkv is not None else [layer.q, layer.k, layer.v]
         gate_up = [layer.gate_up] if layer.gate_up is not None else [layer.gate, layer.up]
         for m in (*qkv, layer.out, *gate_up, layer.down):
-            found = row_product(m)
+            found = decode_product(m)
             if found is None:
                 raise SystemExit(f"bench_decode_step: no bare kernel for {type(m).__name__}")
             dtype, fn = found

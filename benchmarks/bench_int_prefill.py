@@ -4,7 +4,7 @@ For SmolLM2-135M's four product shapes (fused QKV 960x576, output 576x576, fused
 3072x576, down 576x1536) and M rows of input, times one layer's forward both ways,
 interleaved (order reversed every round), and prints the median per side summed over the
 four shapes, their ratio, and the smallest M from which dequantising wins: the
-``dense_from_rows`` of :class:`attnlab.quant.Int8Linear` / :class:`~attnlab.quant.Int4Linear`.
+``dense_from_tokens`` of :class:`attnlab.quant.Int8Linear` / :class:`~attnlab.quant.Int4Linear`.
 
     PYTHONPATH=src python benchmarks/bench_int_prefill.py --threads 1 --rounds 15
 """
@@ -47,7 +47,7 @@ def main() -> None:
     )
     for cls in (Int8Linear, Int4Linear):
         layers = [cls.from_float(w) for w in weights]
-        print(f"{cls.__name__} (dense_from_rows now {cls.dense_from_rows})")
+        print(f"{cls.__name__} (dense_from_tokens now {cls.dense_from_tokens})")
         print(f"  {'M':>4} {'int kernel':>11} {'dequant+mm':>11} {'kernel/dense':>13}")
         crossover = None
         for m in [int(r) for r in args.rows.split(",")]:
@@ -58,7 +58,7 @@ def main() -> None:
                 for side in sides:
                     t = 0.0
                     for layer, x in zip(layers, xs, strict=True):
-                        layer.dense_from_rows = 1 if side == "dense" else 1 << 30
+                        layer.dense_from_tokens = 1 if side == "dense" else 1 << 30
                         t0 = time.perf_counter()
                         layer(x)
                         t += time.perf_counter() - t0

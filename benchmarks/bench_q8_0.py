@@ -9,7 +9,7 @@ attention output, fused gate/up and down products, and the 262144 x 640 output h
 interleaved in one process at each thread count: the best of ``--repeats`` rounds of
 calls for each, so that a busy shared machine slows both alike. With ``--rows`` above one
 the dense product (the weight dequantised to bf16, then ``mm``: the prompt path) runs too:
-where it overtakes the native kernel is ``Q8Linear.dense_from_rows``.
+where it overtakes the native kernel is ``Q8Linear.dense_from_tokens``.
 
     PYTHONPATH=src python benchmarks/bench_q8_0.py --threads 2 1
     PYTHONPATH=src python benchmarks/bench_q8_0.py --threads 1 --rows 16
@@ -47,18 +47,18 @@ PEERS = {
 
 def _dense(layer: Q8Linear, x: torch.Tensor) -> torch.Tensor:
     """The layer's prompt path whatever the rows."""
-    saved = layer.dense_from_rows
-    layer.dense_from_rows = 1
+    saved = layer.dense_from_tokens
+    layer.dense_from_tokens = 1
     try:
         return layer.product(x)
     finally:
-        layer.dense_from_rows = saved
+        layer.dense_from_tokens = saved
 
 
 def _kernels(ext: Any, layer: Q8Linear, x: torch.Tensor) -> dict[str, Callable[[], object]]:
     """The native kernel, the int4 halves and (several rows) the dense product, on ``x``."""
     codes, scales, n = layer.codes, layer.scales, layer.out_features
-    halves = layer._halves().row_kernel()
+    halves = layer._halves().decode_kernel()
 
     def summed() -> torch.Tensor:
         both = halves(x)  # (M, 2N)

@@ -179,8 +179,8 @@ def test_int_prefill_dequantises_and_gives_the_one_row_kernels_logits(dtype, mon
 
     fp32 = _model(3)
     model = quantize_model(_model(3), dtype)
-    monkeypatch.setattr(quant.Int8Linear, "dense_from_rows", 8)
-    monkeypatch.setattr(quant.Int4Linear, "dense_from_rows", 8)
+    monkeypatch.setattr(quant.Int8Linear, "dense_from_tokens", 8)
+    monkeypatch.setattr(quant.Int4Linear, "dense_from_tokens", 8)
     ids = torch.randint(0, CONFIG.vocab_size, (2, 12), generator=torch.Generator().manual_seed(5))
     calls = {"dense": 0}
     real_mm = torch.mm

@@ -16,9 +16,9 @@ from attnlab.quant import (
     Int8Linear,
     Q5Linear,
     Q8Linear,
+    decode_product,
     fuse_rows,
     quantize_linear,
-    row_product,
 )
 
 
@@ -100,10 +100,10 @@ def test_the_layer_runs_and_fuses_as_its_weight():
 
     x = torch.randn(3, K, generator=g)
     assert_bf16_product(layer(x), x)
-    dtype, bare = row_product(layer)
+    dtype, bare = decode_product(layer)
     assert_bf16_product(bare(x.to(dtype)), x)
     assert_bf16_product(
-        layer(prompt := torch.randn(layer.dense_from_rows + 5, K, generator=g)), prompt
+        layer(prompt := torch.randn(layer.dense_from_tokens + 5, K, generator=g)), prompt
     )
     other = Q5Linear.from_float(values[:16])
     fused = fuse_rows([layer, other])
@@ -187,7 +187,7 @@ def test_the_q8_0_path_gives_the_native_products_within_bf16(ext, monkeypatch):
     torch.testing.assert_close(native_y, ext.q5_0_mm(x, layer.blocks), atol=0, rtol=0)
     monkeypatch.setenv(native.NATIVE_ENV, "0")
     fallback_y = layer.product(x)
-    _, bare = row_product(layer)
+    _, bare = decode_product(layer)
     torch.testing.assert_close(bare(x), fallback_y, atol=0, rtol=0)
     as_q8 = layer._as_q8()
     assert isinstance(as_q8, Q8Linear) and torch.equal(as_q8.weight, layer.weight)
@@ -259,7 +259,7 @@ def test_native_dequantisation_is_the_weight_rounded_once_to_bf16(ext, N, K):
     got = ext.q5_0_dequant(layer.blocks)
     assert got.dtype == torch.bfloat16 and got.shape == (N, K)
     assert torch.equal(got, layer.weight.to(torch.bfloat16))
-    x = torch.randn(layer.dense_from_rows + 3, K).bfloat16()  # a prompt: the dense path
+    x = torch.randn(layer.dense_from_tokens + 3, K).bfloat16()  # a prompt: the dense path
     assert torch.equal(layer.product(x), torch.mm(x, layer.weight.to(torch.bfloat16).t()))
     with pytest.raises(RuntimeError, match="q5_0_dequant: blocks must be"):
         ext.q5_0_dequant(layer.blocks[:, :21])

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from attnlab import native
-from attnlab.quant import NATIVE_Q8, Q8Linear, row_product
+from attnlab.quant import NATIVE_Q8, Q8Linear, decode_product
 
 
 def _layer(N: int, K: int, scale_dtype: torch.dtype, seed: int) -> Q8Linear:
@@ -76,7 +76,7 @@ def test_the_int4_halves_path_gives_the_native_products_within_bf16(ext, scale_d
     torch.testing.assert_close(native_y, ext.q8_0_mm(x, layer.codes, layer.scales), atol=0, rtol=0)
     monkeypatch.setenv(native.NATIVE_ENV, "0")
     halves_y = layer.product(x)
-    _, bare = row_product(layer)
+    _, bare = decode_product(layer)
     torch.testing.assert_close(bare(x), halves_y, atol=0, rtol=0)
     magnitude = x.double().abs() @ layer.weight.double().abs().t()
     err = (halves_y.double() - native_y.double()).abs()
@@ -122,7 +122,7 @@ def test_native_dequantisation_is_the_weight_rounded_once_to_bf16(ext, scale_dty
     got = ext.q8_0_dequant(layer.codes, layer.scales)
     assert got.dtype == torch.bfloat16 and got.shape == (104, 640)
     assert torch.equal(got, layer.weight.to(torch.bfloat16))
-    x = torch.randn(layer.dense_from_rows + 3, 640).bfloat16()  # a prompt: the dense path
+    x = torch.randn(layer.dense_from_tokens + 3, 640).bfloat16()  # a prompt: the dense path
     assert torch.equal(layer.product(x), torch.mm(x, layer.weight.to(torch.bfloat16).t()))
     with pytest.raises(RuntimeError, match="q8_0_dequant: scales must be"):
         ext.q8_0_dequant(layer.codes, layer.scales[:, :3])

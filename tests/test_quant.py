@@ -20,6 +20,7 @@ from attnlab.quant import (
     Q8Linear,
     WeightFormat,
     column_major,
+    decode_product,
     dtype_help,
     fuse_linears,
     fuse_rows,
@@ -29,7 +30,6 @@ from attnlab.quant import (
     quantize_linear,
     quantize_model,
     register_format,
-    row_product,
     unpack_int4_t,
 )
 from attnlab.quant import base as quant_base
@@ -101,18 +101,18 @@ def test_unpacked_int4_codes_are_the_codes_given_to_the_packing(N):
 
 @pytest.mark.parametrize("cls", [Int8Linear, Int4Linear])
 def test_many_rows_dequantise_and_give_the_kernels_product(cls):
-    """From ``dense_from_rows`` rows on (a prompt) the layer dequantises and runs bf16 mm."""
+    """From ``dense_from_tokens`` rows on (a prompt) the layer dequantises and runs bf16 mm."""
     g = torch.Generator().manual_seed(4)
     w, b = torch.randn(80, 64, generator=g) * 0.1, torch.randn(80, generator=g)
     q = cls.from_float(w, b)
-    x = torch.randn(cls.dense_from_rows + 3, 64, generator=g)
+    x = torch.randn(cls.dense_from_tokens + 3, 64, generator=g)
     dense = q(x)
     _close_bf16_out(dense, _ref(x, q.weight, b))  # fp64 product of the layer's own weights
-    q.dense_from_rows = 1 << 30  # the one-row kernel for every row count
+    q.dense_from_tokens = 1 << 30  # the one-row kernel for every row count
     kernel = q(x)
     scale = kernel.abs().max().item()
     torch.testing.assert_close(dense, kernel, atol=scale * 2**-7, rtol=2**-7)
-    assert 1 < cls.dense_from_rows <= 256  # decode (one row) keeps the kernel
+    assert 1 < cls.dense_from_tokens <= 256  # decode (one row) keeps the kernel
 
 
 def test_int4_rejects_shapes_the_kernel_cannot_pack_and_quantize_linear_falls_back():
@@ -264,8 +264,8 @@ def test_int8_takes_the_dense_product_where_the_kernel_cannot(K):
             expected = x @ q.weight.T + linear.bias
             torch.testing.assert_close(q(x), expected, atol=0.05, rtol=0.02)
             # the decode step's bare kernel takes the same guard
-            dtype, bare = row_product(q)
-            got = bare(x.to(dtype))  # bias added by row_product
+            dtype, bare = decode_product(q)
+            got = bare(x.to(dtype))  # bias added by decode_product
             torch.testing.assert_close(got.float(), expected, atol=0.05, rtol=0.02)
 
 
@@ -328,10 +328,10 @@ def test_q8_0_holds_gguf_q8_0_values_as_stored():
     x = torch.randn(3, K)
     reference = (x.double() @ values.double().T).float()
     torch.testing.assert_close(layer(x), reference, atol=0.05, rtol=0.02)
-    dtype, bare = row_product(layer)
+    dtype, bare = decode_product(layer)
     torch.testing.assert_close(bare(x.to(dtype)).float(), reference, atol=0.05, rtol=0.02)
     # a prompt (the dense path: each weight rounded once to bf16) agrees too
-    prompt = torch.randn(layer.dense_from_rows + 5, K).bfloat16().float()  # as run
+    prompt = torch.randn(layer.dense_from_tokens + 5, K).bfloat16().float()  # as run
     torch.testing.assert_close(
         layer(prompt), (prompt.double() @ values.double().T).float(), atol=0.05, rtol=0.02
     )
@@ -349,7 +349,7 @@ def test_q8_0_prompt_dequantises_a_few_million_weights_at_a_time(monkeypatch):
     """The dense path in row chunks (a 262144-row head is 670 MB in float32) gives the
     product of the whole bf16 weight: each column is the same rows' sum."""
     layer = Q8Linear.from_float(torch.randn(200, 64))
-    x = torch.randn(layer.dense_from_rows + 1, 64).bfloat16()
+    x = torch.randn(layer.dense_from_tokens + 1, 64).bfloat16()
     whole = torch.mm(x, layer.weight.to(torch.bfloat16).t())  # (M, N)
     monkeypatch.setattr(Q8Linear, "_dense_chunk", 48 * 64)  # 48 rows a chunk: 5 chunks
     chunked = layer.product(x)

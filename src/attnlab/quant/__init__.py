@@ -30,7 +30,7 @@ A new format is its module here (a registered subclass, imported by
 
 Both int kernels need bfloat16 activations, scales and zeros on the CPU (they accept fp32
 inputs, but their fast path is bf16's). They are made for a few rows (decoding): from
-``dense_from_rows`` rows of input on (a prompt), the int layers instead dequantise their
+``dense_from_tokens`` rows of input on (a prompt), the int layers instead dequantise their
 weight to bfloat16 for that one call and run the regular bf16 ``mm`` (int8: the codes
 converted, the per-row scale applied to the product's columns; int4: the packed codes
 unpacked, ``q * scale + (zero - 8 scale)`` per group); nothing is kept, so memory stays
@@ -74,6 +74,7 @@ from attnlab.quant.kinds import (
 )
 from attnlab.quant.products import (
     column_major,
+    decode_product,
     fuse_linears,
     fuse_rows,
     native_product,
@@ -101,6 +102,7 @@ __all__ = [
     "Q8Linear",
     "WeightFormat",
     "column_major",
+    "decode_product",
     "dtype_help",
     "fuse_linears",
     "fuse_rows",

@@ -220,14 +220,18 @@ class WeightFormat(nn.Module):
         """(M, K) bfloat16 -> (M, N)."""
         raise NotImplementedError
 
-    def row_kernel(self) -> Callable[[torch.Tensor], torch.Tensor]:
+    def decode_kernel(self) -> Callable[[torch.Tensor], torch.Tensor]:
         """The bare product of a few bfloat16 rows (fewer than the format's dense
         crossover), bias not added: what the decode step calls
-        (:func:`attnlab.quant.row_product`)."""
+        (:func:`attnlab.quant.decode_product`)."""
         return self.product
 
+    def row_kernel(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """:meth:`decode_kernel` (its former name)."""
+        return self.decode_kernel()
+
     def native_product(self) -> NativeProduct | None:
-        """What the native decode step (:mod:`attnlab.native`) calls for :meth:`row_kernel`:
+        """What the native decode step (:mod:`attnlab.native`) calls for :meth:`decode_kernel`:
         the same kernel on the same tensors; None when it has no such call."""
         return None
 

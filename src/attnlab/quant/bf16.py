@@ -64,7 +64,7 @@ class BF16Linear(WeightFormat):
         """(M, K) bfloat16 -> (M, N)."""
         return torch.mm(x2, self.weight_bf16.t())
 
-    def row_kernel(self) -> Callable[[torch.Tensor], torch.Tensor]:
+    def decode_kernel(self) -> Callable[[torch.Tensor], torch.Tensor]:
         wt = self.weight_bf16.t()
         return lambda x: torch.mm(x, wt)
 

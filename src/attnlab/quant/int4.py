@@ -79,7 +79,7 @@ class Int4Linear(WeightFormat):
     scales_and_zeros: torch.Tensor
     #: From this many rows of input on, dequantise and use bf16 ``mm`` (the crossover in
     #: ``benchmarks/bench_int_prefill.py``).
-    dense_from_rows: int = 128
+    dense_from_tokens: int = 128
 
     def __init__(
         self,
@@ -220,13 +220,13 @@ class Int4Linear(WeightFormat):
 
     def product(self, x2: torch.Tensor) -> torch.Tensor:
         """(M, K) bfloat16 -> (M, N)."""
-        if x2.shape[0] >= self.dense_from_rows:
+        if x2.shape[0] >= self.dense_from_tokens:
             return torch.mm(x2, self._dequantized_t(torch.bfloat16))
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             x2, self.packed, self.group_size, self.scales_and_zeros
         )
 
-    def row_kernel(self) -> Callable[[torch.Tensor], torch.Tensor]:
+    def decode_kernel(self) -> Callable[[torch.Tensor], torch.Tensor]:
         op = torch.ops.aten._weight_int4pack_mm_for_cpu
         packed, gs, sz = self.packed, self.group_size, self.scales_and_zeros
         return lambda x: op(x, packed, gs, sz)

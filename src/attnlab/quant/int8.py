@@ -32,7 +32,7 @@ class Int8Linear(WeightFormat):
     scales: torch.Tensor
     #: From this many rows of input on, dequantise and use bf16 ``mm`` (the crossover in
     #: ``benchmarks/bench_int_prefill.py``).
-    dense_from_rows: int = 16
+    dense_from_tokens: int = 16
 
     def __init__(
         self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None
@@ -79,12 +79,12 @@ class Int8Linear(WeightFormat):
         """(M, K) bfloat16 -> (M, N)."""
         # torch's int8 kernel (torch 2.13 CPU) needs K a multiple of 16: otherwise it returns
         # wrong numbers for one row (K=24) or crashes for several (K=24, 40); dense then
-        if x2.shape[0] >= self.dense_from_rows or self.in_features % 16:
+        if x2.shape[0] >= self.dense_from_tokens or self.in_features % 16:
             # Codes in [-127, 127] are exact in bf16; W = diag(scale) q, so scale the columns.
             return torch.mm(x2, self.qweight.to(torch.bfloat16).t()).mul_(self.scales)
         return torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)
 
-    def row_kernel(self) -> Callable[[torch.Tensor], torch.Tensor]:
+    def decode_kernel(self) -> Callable[[torch.Tensor], torch.Tensor]:
         if self.in_features % 16:  # the kernel's wrong widths (see product)
             return self.product
         op, q, s = torch.ops.aten._weight_int8pack_mm, self.qweight, self.scales

@@ -16,7 +16,14 @@ from torch import nn
 from attnlab.quant.base import WeightFormat, output_slices
 from attnlab.quant.kinds import NATIVE_LINEAR, NativeProduct
 
-__all__ = ["column_major", "fuse_linears", "fuse_rows", "native_product", "row_product"]
+__all__ = [
+    "column_major",
+    "decode_product",
+    "fuse_linears",
+    "fuse_rows",
+    "native_product",
+    "row_product",
+]
 
 
 def fuse_linears(linears: Sequence[Any], *, share_float: bool = False) -> nn.Module | None:
@@ -134,7 +141,7 @@ class _FusedLinear(nn.Module):
         return nn.functional.linear(x, self.weight, self.bias)
 
 
-def row_product(linear: object) -> tuple[torch.dtype, Any] | None:
+def decode_product(linear: object) -> tuple[torch.dtype, Any] | None:
     """The bare product of a few rows that ``linear.forward`` runs, for the decode step.
 
     ``forward`` reshapes its input, converts it to the kernel's dtype and converts the
@@ -147,11 +154,11 @@ def row_product(linear: object) -> tuple[torch.dtype, Any] | None:
         ``(dtype, fn)``: ``fn`` takes (M, K) rows in ``dtype`` and returns (M, N) in the
         kernel's output dtype (bfloat16 for the bf16 / int layers, ``dtype`` for float),
         bias added (in float32). None for other modules. Valid for fewer rows than the
-        layer's ``dense_from_rows``.
+        layer's ``dense_from_tokens``.
     """
     bias = getattr(linear, "bias", None)
     if isinstance(linear, WeightFormat):
-        fn, dtype = linear.row_kernel(), torch.bfloat16
+        fn, dtype = linear.decode_kernel(), torch.bfloat16
     elif isinstance(linear, (nn.Linear, _FusedLinear)):
         w, b = linear.weight, linear.bias
         return w.dtype, lambda x: nn.functional.linear(x, w, b)
@@ -164,7 +171,7 @@ def row_product(linear: object) -> tuple[torch.dtype, Any] | None:
 
 
 def native_product(linear: object) -> NativeProduct | None:
-    """:func:`row_product`'s kernel as the native decode step calls it, or None (a module
+    """:func:`decode_product`'s kernel as the native decode step calls it, or None (a module
     it cannot call: the step then takes the Python loop)."""
     if isinstance(linear, WeightFormat):
         return linear.native_product()
@@ -176,3 +183,5 @@ def native_product(linear: object) -> NativeProduct | None:
 
 #: :func:`fuse_linears` (its former name).
 fuse_rows = fuse_linears
+#: :func:`decode_product` (its former name).
+row_product = decode_product

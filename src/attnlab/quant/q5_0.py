@@ -74,7 +74,7 @@ class Q5Linear(WeightFormat):
     :class:`Q8Linear` (``q - 16`` as its 8-bit codes, the same scales), built on first use
     and kept beside the module, not in its state (a file's weight of rows that one cannot
     hold, not a multiple of 8, is dequantised for each product). From
-    :attr:`dense_from_rows` rows on (a prompt) the weight is dequantised to bfloat16 for
+    :attr:`dense_from_tokens` rows on (a prompt) the weight is dequantised to bfloat16 for
     that call and run by the dense ``mm``.
 
     Args:
@@ -88,7 +88,7 @@ class Q5Linear(WeightFormat):
     fallback = "int8"
     blocks: torch.Tensor
     #: From this many rows of input on, dequantise and use bf16 ``mm``.
-    dense_from_rows: int = 128
+    dense_from_tokens: int = 128
 
     def __init__(self, blocks: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
@@ -197,10 +197,10 @@ class Q5Linear(WeightFormat):
 
     def product(self, x2: torch.Tensor) -> torch.Tensor:
         """(M, K) bfloat16 -> (M, N)."""
-        if x2.shape[0] >= self.dense_from_rows:
+        if x2.shape[0] >= self.dense_from_tokens:
             # A prompt: every d * (q - 16) (exact in float32) rounded once to bfloat16.
             return torch.mm(x2, self._bf16_weight().t())
-        return self.row_kernel()(x2)
+        return self.decode_kernel()(x2)
 
     def _bf16_weight(self) -> torch.Tensor:
         """:attr:`weight` rounded to bfloat16 (N, K): unpacked by the native build where
@@ -210,7 +210,7 @@ class Q5Linear(WeightFormat):
             return ext.q5_0_dequant(self.blocks)  # type: ignore[no-any-return]
         return self.weight.to(torch.bfloat16)
 
-    def row_kernel(self) -> Callable[[torch.Tensor], torch.Tensor]:
+    def decode_kernel(self) -> Callable[[torch.Tensor], torch.Tensor]:
         ext = native_kernels()
         if ext is not None:
             op, blocks = ext.q5_0_mm, self.blocks
@@ -218,7 +218,7 @@ class Q5Linear(WeightFormat):
         if Q8Linear.why_not(self.out_features, self.in_features) is not None:
             # A file's rows that q8_0's int4 halves cannot pack: the dense product.
             return lambda x: torch.mm(x, self.weight.to(torch.bfloat16).t())
-        return self._as_q8().row_kernel()
+        return self._as_q8().decode_kernel()
 
     def _as_q8(self) -> Q8Linear:
         """The codes as a :class:`Q8Linear` (``q - 16``, the same scales: the same weight),

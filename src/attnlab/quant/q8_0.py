@@ -50,7 +50,7 @@ class Q8Linear(WeightFormat):
     zero ``8 d``), the product the two halves summed; built from the codes on first use and
     kept beside the module, not in its state. That path reads 1.25 bytes a weight and its
     scales are bfloat16, so its products are within bfloat16's rounding of the native ones.
-    From :attr:`dense_from_rows` rows on (a prompt) the weight is dequantised to bfloat16
+    From :attr:`dense_from_tokens` rows on (a prompt) the weight is dequantised to bfloat16
     for that call and run by the dense ``mm``.
 
     The scales are float16, Q8_0's own type: a file's scales are held exactly, and
@@ -74,7 +74,7 @@ class Q8Linear(WeightFormat):
     #: From this many rows of input on, dequantise and use bf16 ``mm``: where the dense
     #: product of the dequantised weight overtakes the native kernel (float32 FMAs),
     #: ``benchmarks/bench_q8_0.py --rows``.
-    dense_from_rows: int = 20
+    dense_from_tokens: int = 20
     #: Weights dequantised at a time by the dense product (rows of that many values).
     _dense_chunk: ClassVar[int] = 1 << 22
 
@@ -168,8 +168,8 @@ class Q8Linear(WeightFormat):
 
     def product(self, x2: torch.Tensor) -> torch.Tensor:
         """(M, K) bfloat16 -> (M, N)."""
-        if x2.shape[0] < self.dense_from_rows:
-            return self.row_kernel()(x2)
+        if x2.shape[0] < self.dense_from_tokens:
+            return self.decode_kernel()(x2)
         # A prompt: every d * q (exact in float32) rounded once to bfloat16, a few million
         # weights at a time: the whole of a 262144 x 640 head in float32 is 670 MB, and
         # fresh memory of that size cost more than the product.
@@ -183,12 +183,12 @@ class Q8Linear(WeightFormat):
             y[:, start : start + codes.shape[0]] = torch.mm(x2, q8_0_bf16(codes, scales).t())
         return y
 
-    def row_kernel(self) -> Callable[[torch.Tensor], torch.Tensor]:
+    def decode_kernel(self) -> Callable[[torch.Tensor], torch.Tensor]:
         ext = native_kernels()
         if ext is not None:
             op, codes, scales = ext.q8_0_mm, self.codes, self.scales
             return lambda x: op(x, codes, scales)
-        kernel, n = self._halves().row_kernel(), self.out_features
+        kernel, n = self._halves().decode_kernel(), self.out_features
 
         def rows(x: torch.Tensor) -> torch.Tensor:
             both = kernel(x)  # (M, 2N)

@@ -4,7 +4,7 @@ call.
 A layer qualifies when it is a pre-norm or sandwich layer of RMSNorms (Llama, Mistral,
 Qwen2, Qwen3, SmolLM2, Gemma 3: QK-norm per head vector, windows, a rotary embedding per
 layer) with table RoPE, a gated MLP, no soft-capping, no sinks and no parallel residual,
-and every product of it has a bare kernel (:func:`attnlab.quant.row_product`) taking rows
+and every product of it has a bare kernel (:func:`attnlab.quant.decode_product`) taking rows
 of one dtype.
 
 Shape legend: B batch, H query heads, G key/value heads, D head dim, C width.
@@ -21,11 +21,11 @@ from torch import nn
 
 from attnlab.models.decode.layout import Layer, block_parts
 from attnlab.norms import RMSNorm
-from attnlab.quant import fuse_linears, row_product
+from attnlab.quant import decode_product, fuse_linears
 
 __all__ = ["SHORT_LOOP_MAX_BATCH", "KernelLayer", "LayerProducts", "kernel_layers"]
 
-# The bare kernels are the int layers' few-row ones (Int4Linear.dense_from_rows and
+# The bare kernels are the int layers' few-row ones (Int4Linear.dense_from_tokens and
 # Int8Linear's are larger); a batch of this many rows or more takes the modules' products.
 SHORT_LOOP_MAX_BATCH = 16
 
@@ -74,7 +74,7 @@ def _side_by_side_kernel(linears: Sequence[Any]) -> tuple[torch.dtype, Any] | No
     """(dtype, fn): the bare products of ``linears`` (one input) with their outputs side by
     side, one product when ``linears`` is one module; None when a kernel is missing or
     they take different dtypes."""
-    found = [row_product(m) for m in linears]
+    found = [decode_product(m) for m in linears]
     if any(f is None for f in found) or len({f[0] for f in found if f is not None}) != 1:
         return None
     kernels = [f[1] for f in found if f is not None]
@@ -97,7 +97,7 @@ def _qkv_kernel(modules: Sequence[Any], nqk: int) -> tuple[torch.dtype, Any] | N
     """(dtype, fn): ``fn(h)`` gives queries and keys side by side (B, (H + G) D) and values
     (B, G D), from :func:`_qkv_modules`' products."""
     if len(modules) == 1:
-        found = row_product(modules[0])
+        found = decode_product(modules[0])
         if found is None:
             return None
         kernel = found[1]
@@ -108,7 +108,7 @@ def _qkv_kernel(modules: Sequence[Any], nqk: int) -> tuple[torch.dtype, Any] | N
 
         return found[0], fused
     found_qk = _side_by_side_kernel(modules[:-1])
-    found_v = row_product(modules[-1])
+    found_v = decode_product(modules[-1])
     if found_qk is None or found_v is None or found_qk[0] != found_v[0]:
         return None
     qk_kernel, v_kernel = found_qk[1], found_v[1]
@@ -160,7 +160,7 @@ def kernel_layer(
     qkv = _qkv_kernel(qkv_modules, (H + G) * D)
     gate_up_modules = [layer.gate_up] if layer.gate_up is not None else [layer.gate, layer.up]
     gate_up = _side_by_side_kernel(gate_up_modules)
-    out, down = row_product(layer.out), row_product(layer.down)
+    out, down = decode_product(layer.out), decode_product(layer.down)
     if qkv is None or out is None or gate_up is None or down is None:
         return "a product without a bare kernel"
     dtypes = {qkv[0], out[0], gate_up[0], down[0]}

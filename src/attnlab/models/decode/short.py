@@ -1,7 +1,7 @@
 """The short loop: one new token per row through a plain stack's layers as bare kernels
 (:class:`attnlab.models.decode.kernels.KernelLayer`), in Python.
 
-Each product's kernel is called bare (:func:`attnlab.quant.row_product`) on rows kept in
+Each product's kernel is called bare (:func:`attnlab.quant.decode_product`) on rows kept in
 its dtype, QK-norm of every head is one call, RoPE one (D, D) product, the cache is written
 by :meth:`attnlab.attention.StaticKVCache.append`, attention is one
 ``scaled_dot_product_attention`` call, in inference mode: fewer tensor operations a layer
