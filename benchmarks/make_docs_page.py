@@ -10,7 +10,7 @@ Reads every record in ``benchmarks/results/`` (written by the benchmark scripts 
     python benchmarks/make_docs_page.py            # write both
     python benchmarks/make_docs_page.py --check    # exit 1 when docs/benchmarks.md is stale
 
-``tests/test_benchmark_records.py`` fails when the page is not what the records make.
+``tests/project/test_benchmark_records.py`` fails when the page is not what the records make.
 """
 
 from __future__ import annotations

@@ -32,58 +32,30 @@ from _records import ROOT, Recorder
 #: on the slowest machine class CI may get (an AVX-512 Xeon without VNNI, 2 cores).
 BUDGET_S = 2700.0
 
-#: Test files by area, first match wins (a prefix of the file's name under tests/).
-AREAS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("llama.cpp corpus", ("test_llama_cpp", "test_bench_llama_cpp")),
-    ("fuzzing and properties", ("test_fuzz", "test_properties", "test_untrusted")),
-    ("docs and notebook", ("test_docs_examples", "test_tutorial_notebook", "test_benchmark")),
-    ("training", ("test_train", "test_cli_train", "test_cli_gpt", "test_checkpoint", "test_data")),
-    ("serve and browser", ("test_serve", "test_explain_page")),
-    ("native step and weight formats", ("test_native", "test_quant", "test_fast_decode")),
-    (
-        "families and files",
-        (
-            "test_famil",
-            "test_newest",
-            "test_gguf",
-            "test_hub",
-            "test_deepseek",
-            "test_t5",
-            "test_pretrained",
-            "test_gemma3",
-            "test_model_stores",
-            "test_cli_own_model",
-            "test_cli_pretrained",
-            "test_generation",
-        ),
-    ),
-    ("several processes", ("test_distributed", "test_gpt_context", "test_cli_ring")),
-    ("explain", ("test_explain", "test_trace", "test_heads", "test_why", "test_figures")),
-    (
-        "attention core",
-        (
-            "test_backends",
-            "test_blockwise",
-            "test_attention",
-            "test_masks",
-            "test_functional",
-            "test_rope",
-            "test_score",
-            "test_dispatch",
-            "test_ladder",
-            "test_gpt",
-        ),
-    ),
-    ("cli", ("test_cli",)),
-)
+#: The areas of the suite: the folders of tests/, each the tests of one area of the code.
+AREAS: dict[str, str] = {
+    "attention": "attention core",
+    "book": "the book's ladder and GPT",
+    "families": "families",
+    "files": "model files and stores",
+    "llama_cpp": "llama.cpp corpus",
+    "decode": "decode step, native and weight formats",
+    "explain": "explain",
+    "serve": "serve and browser",
+    "cli": "cli",
+    "train": "training",
+    "distributed": "several processes",
+    "project": "docs, notebook, records, imports",
+}
 
 
-def area_of(test_file: str) -> str:
-    """The area of a test file (``tests/test_x.py`` or ``test_x``); ``other`` if none."""
-    name = Path(test_file).name
-    for area, prefixes in AREAS:
-        if name.startswith(prefixes):
-            return area
+def area_of(module: str) -> str:
+    """The area of a test module (``tests/<folder>/test_x.py``, or JUnit's dotted
+    ``tests.<folder>.test_x``); ``other`` if it is in no area's folder."""
+    parts = module.replace("\\", "/").replace("/", ".").split(".")
+    for folder in parts:
+        if folder in AREAS:
+            return AREAS[folder]
     return "other"
 
 
@@ -93,9 +65,7 @@ def times_by_area(junit: Path) -> tuple[Counter[str], Counter[str], int]:
     counts: Counter[str] = Counter()
     failed = 0
     for case in ET.parse(junit).getroot().iter("testcase"):
-        module = case.get("classname", "").split(".")
-        test_file = next((m for m in module if m.startswith("test_")), "other")
-        area = area_of(test_file)
+        area = area_of(case.get("classname", "") or case.get("file", ""))
         seconds[area] += float(case.get("time", 0.0))
         counts[area] += 1
         failed += sum(1 for child in case if child.tag in ("failure", "error"))

@@ -78,7 +78,7 @@ def t5_relative_bucket(
     Half the buckets per direction when bidirectional; below ``max_exact = n // 2`` each
     distance has its own bucket, then log-spaced buckets up to ``max_distance`` (the
     logarithm in float32, as the original code), beyond it the last bucket. Independent
-    of attnlab; ``tests/test_score_kinds.py`` also checks attnlab against transformers.
+    of attnlab; ``tests/attention/test_score_kinds.py`` also checks attnlab against transformers.
     """
     n = -relative_position.long()
     ret = torch.zeros_like(n)

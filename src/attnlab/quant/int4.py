@@ -274,7 +274,7 @@ def unpack_int4_t(packed: torch.Tensor, out_features: int, in_features: int) -> 
     bytes, byte ``(b, k, j)`` holding row ``64 b + j`` in its low nibble and row
     ``64 b + 32 + j`` in its high one; the last ``N % 64`` rows (a multiple of 16) are
     ``K * r / 2`` bytes, byte ``(k, j)`` holding rows ``2 j`` (low) and ``2 j + 1`` (high).
-    Tested against the codes given to the packing (``tests/test_quant.py``).
+    Tested against the codes given to the packing (``tests/decode/test_quant.py``).
     """
     N, K = out_features, in_features
     flat = packed.reshape(-1)

@@ -21,7 +21,7 @@ sync_api = pytest.importorskip(
     "playwright.sync_api", reason="browser tests need the playwright package (dev extra)"
 )
 
-ARTIFACTS = Path(__file__).parent / "artifacts"
+ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts"
 JOURNEY = ["Your", " journey", " starts", " with", " one", " step"]
 HOSTILE = [
     "<img src=x onerror=alert(1)>",

@@ -24,8 +24,8 @@ httpx = pytest.importorskip("httpx", reason="pip install 'attnlab[dev]'")
 from attnlab.serve import ModelRegistry, ServeLimits, create_app, model_spec  # noqa: E402
 from serve_helpers import live_server, tiny_gpt, tokenizer  # noqa: E402
 
-SRC = Path(__file__).resolve().parents[1] / "src"
-ARTIFACTS = Path(__file__).parent / "artifacts"
+SRC = Path(__file__).resolve().parents[2] / "src"
+ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts"
 
 
 class ServeProcess:

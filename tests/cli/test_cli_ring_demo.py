@@ -12,7 +12,7 @@ import pytest
 
 from attnlab.cli import main
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+SRC = Path(__file__).resolve().parents[2] / "src"
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(180)]
 

@@ -15,7 +15,7 @@ if importlib.util.find_spec("gguf") is None:
 from attnlab.models.families import FAMILIES
 from attnlab.pretrained.reference import families_page
 
-PAGE = Path(__file__).resolve().parents[1] / "docs" / "reference" / "families.md"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "reference" / "families.md"
 
 
 def test_the_families_page_is_the_data_written_out():

@@ -16,7 +16,7 @@ from attnlab.models.gpt import GPTConfig
 from attnlab.train import TrainConfig, train
 from cli_runner import run_main
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+SRC = Path(__file__).resolve().parents[2] / "src"
 
 
 def _one_error_line(err: str) -> str:

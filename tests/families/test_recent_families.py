@@ -513,7 +513,7 @@ def test_gpt_oss_hub_mxfp4_experts_match_transformers_dequantisation(checkpoints
         load_pretrained(folder)
 
 
-# gpt-oss metadata as llama.cpp's converter writes it (tests/test_llama_cpp.py converts a
+# gpt-oss metadata as llama.cpp's converter writes it (tests/llama_cpp/test_llama_cpp.py converts a
 # checkpoint with it); the loader reads it through the family page.
 _GPT_OSS_GGUF = {
     "general.architecture": "gpt-oss",

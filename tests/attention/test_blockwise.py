@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from test_backends import MASK_KINDS, TILE_PATHS, make_mask, reference_for
 
 from attnlab._memory import peak_allocated
 from attnlab.backends.blockwise import (
@@ -30,7 +31,6 @@ from attnlab.masks import (
     as_mask,
 )
 from reference import reference_attention, tol
-from test_backends import MASK_KINDS, TILE_PATHS, make_mask, reference_for
 
 F64 = tol(torch.float64)
 
@@ -449,8 +449,9 @@ def test_alibi_in_row_blocks_matches_reference(monkeypatch, T, S, causal, dtype,
     """ALiBi (& causal) in many row blocks: on fused fp32/fp64 tiles it runs as one more head
     dim (the op sees D + 1), centred on each row block; output, log-sum-exp and gradients
     against the fp64 reference (the bias written from the published slopes)."""
-    from attnlab.biases import AlibiBias
     from test_backends import grad_tol
+
+    from attnlab.biases import AlibiBias
 
     calls = _count_tiles(monkeypatch)
     gen = torch.Generator().manual_seed(3)

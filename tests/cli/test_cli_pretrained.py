@@ -14,7 +14,7 @@ from cli_runner import run_cli, run_main
 
 pytestmark = pytest.mark.pretrained
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+SRC = Path(__file__).resolve().parents[2] / "src"
 
 
 def _have(*modules: str) -> bool:

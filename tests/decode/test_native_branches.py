@@ -19,7 +19,8 @@ import pytest
 
 from attnlab import native
 
-TESTS = Path(__file__).parent
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parents[1]
 KERNEL_TESTS = ("test_native_q8.py", "test_native_q5.py", "test_native_step.py")
 
 # (-march, the branch it compiles (the module's SIMD), the CPU flags it needs to run)
@@ -39,9 +40,7 @@ def _env(march: str) -> dict[str, str]:
     env = dict(os.environ)
     env[native.MARCH_ENV] = march
     env[native.NATIVE_ENV] = "1"  # a build that fails is an error here, never a skip
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(TESTS.parent / "src"), *filter(None, [env.get("PYTHONPATH")])]
-    )
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), *filter(None, [env.get("PYTHONPATH")])])
     return env
 
 
@@ -80,7 +79,7 @@ def test_kernels_and_step_on_every_branch_this_cpu_runs(ext, march, branch, need
         [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider",
          *(str(TESTS / name) for name in KERNEL_TESTS)],
         env=env,
-        cwd=TESTS.parent,
+        cwd=ROOT,
         capture_output=True,
         text=True,
         check=False,

@@ -38,7 +38,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 if not all(
     importlib.util.find_spec(m) for m in ("transformers", "tokenizers", "gguf", "sentencepiece")
@@ -495,7 +495,7 @@ def test_converter_files_load_as_transformers_reads_them(corpus, case, outtype, 
         assert {t for n, t in types.items() if n.endswith("_exps.weight")} == {"MXFP4"}
     if outtype == "f32" and CORPUS[case].mxfp4_experts:
         # the same codes read from the hub's layout by attnlab (whose reading is checked
-        # against transformers' in test_newest_families.py): equal to the bit
+        # against transformers' in test_recent_families.py): equal to the bit
         source = _logits(load_pretrained(corpus.hf_dir(case))[0])
         assert torch.equal(_logits(load_pretrained(path)[0]), source)
     elif outtype == "f32":  # and the file holds the checkpoint: the source model's logits

@@ -19,7 +19,7 @@ from explain_helpers import launch_browser  # noqa: E402
 from serve_helpers import live_server, tiny_gpt, tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.browser
-ARTIFACTS = Path(__file__).parent / "artifacts"
+ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts"
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ import dataclasses
 
 import pytest
 import torch
+from test_fast_decode import CONFIG, LAYOUTS, _model
 
 from attnlab import native, quant
 from attnlab.attention import StaticKVCache
@@ -19,7 +20,6 @@ from attnlab.generation import generate
 from attnlab.models.decoder import Decoder
 from attnlab.models.fast_decode import DecodePlan
 from attnlab.quant import quantize_model
-from test_fast_decode import CONFIG, LAYOUTS, _model
 
 pytestmark = pytest.mark.skipif(
     native.why_not_native() is not None,

@@ -17,7 +17,7 @@ from explain_helpers import launch_browser  # noqa: E402
 from serve_helpers import live_server, tiny_gpt, tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.browser
-ARTIFACTS = Path(__file__).parent / "artifacts"
+ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts"
 
 
 def test_click_a_head_and_the_distribution_changes_then_lens_and_rollout():

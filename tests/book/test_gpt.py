@@ -28,7 +28,7 @@ def _both(cfg: GPTConfig, seed: int = 123, backend: str = "auto"):
     return ours, book
 
 
-# "ring" needs a process group: tests/test_distributed_ring.py trains the GPT with it.
+# "ring" needs a process group: tests/distributed/test_distributed_ring.py trains the GPT with it.
 @pytest.mark.parametrize("backend", [b for b in available_backends() if b != "ring"])
 def test_same_seed_gives_the_books_weights_and_outputs(backend):
     ours, book = _both(SMALL, backend=backend)

@@ -31,9 +31,9 @@ from attnlab.explain import attribute, attribution_patching, patch, patching
 from attnlab.models.gpt import GPTConfig, GPTModel
 from attnlab.pretrained import load_pretrained
 from book_gpt import BookGPTModel
+from families.test_hub_configs import GGUF_CONFIGS
+from families.test_recent_families import FAMILIES as NEWEST
 from model_files import TINY_CONFIGS, TINY_ENCODERS, save_hf, score_correction, smollm2_reference
-from test_hub_configs import GGUF_CONFIGS
-from test_newest_families import FAMILIES as NEWEST
 
 # every decoder family the other tests build: name -> (model_type, config overrides)
 EVERY_FAMILY: dict[str, tuple[str, dict]] = {

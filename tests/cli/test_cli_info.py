@@ -12,7 +12,7 @@ import pytest
 
 from cli_runner import run_cli, run_main
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+SRC = Path(__file__).resolve().parents[2] / "src"
 
 
 def test_info_runs_for_real():

@@ -29,7 +29,7 @@ from attnlab.functional import scaled_dot_product_attention
 from attnlab.masks import CausalMask, PaddingMask, SlidingWindowMask
 from reference import reference_attention, tol
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 KNOWN = ("sdpa", "blockwise", "math", "ring")
 
 
