@@ -254,6 +254,13 @@ QUANT_TYPES = (
     "F16", "BF16", "Q8_0", "Q5_0", "Q5_1", "Q4_K_M", "Q5_K_M", "Q6_K", "Q3_K_M", "Q2_K",
     "IQ4_NL", "IQ4_XS",
 )  # fmt: skip
+# The types attnlab keeps as codes (q8_0, q5_0, int4 from Q4_K): their blocks go through
+# each family's row transforms (QKV splits, RoPE permutations, experts), so every family
+# is quantised in each. The others are dequantised by gguf-py, whatever the family: each
+# is quantised for a few families in turn (two a family, every type at least three
+# times), which catches a reader's error as surely as all of them and costs a third.
+CODE_TYPES = ("Q8_0", "Q5_0", "Q4_K_M")
+READ_TYPES = tuple(t for t in QUANT_TYPES if t not in CODE_TYPES)
 # Architectures transformers' GGUF reader does not know, or reads otherwise than llama.cpp
 # runs them: the reference is transformers' model of the source directory with the file's
 # dequantised weights put in. transformers reads a Mixtral file ("llama" with experts) as a
@@ -299,7 +306,7 @@ class Corpus:
     def quantised_file(self, case: str, qtype: str) -> tuple[Path, set[str]]:
         """The file llama-quantize made of ``case`` in ``qtype``, and the tensor types it
         says it wrote."""
-        if case not in self.quantised:  # every type of one case at once, two at a time
+        if case not in self.quantised:  # every planned type of one case, two at a time
             source = self.converter_file(case, "f32")
 
             def one(qtype: str) -> tuple[Path, set[str]] | str:
@@ -312,9 +319,10 @@ class Corpus:
                     return f"llama-quantize fell back to another type:\n{log[-2000:]}"
                 return target, set(re.findall(r"converting to (\w+)", log))
 
+            qtypes = QUANT_PLAN[case]
             with ThreadPoolExecutor(2) as pool:
-                made = pool.map(one, QUANT_TYPES)
-                self.quantised[case] = dict(zip(QUANT_TYPES, made, strict=True))
+                made = pool.map(one, qtypes)
+                self.quantised[case] = dict(zip(qtypes, made, strict=True))
         found = self.quantised[case][qtype]
         if isinstance(found, str):
             pytest.fail(f"llama-quantize {case} {qtype}: {found}")
@@ -508,17 +516,43 @@ def test_converter_files_load_as_transformers_reads_them(corpus, case, outtype, 
         torch.testing.assert_close(ours, _logits(source.eval()), atol=ATOL, rtol=0)
 
 
+# its experts are MXFP4 already: gpt_oss covers the types
+_QUANT_FAMILIES = [case for case, spec in CORPUS.items() if not spec.mxfp4_experts]
+
+
+def quant_plan() -> dict[str, tuple[str, ...]]:
+    """The types each case is quantised in: every code type, and two of the read types
+    in turn."""
+    n = len(READ_TYPES)
+    return {
+        case: (*CODE_TYPES, READ_TYPES[(2 * i) % n], READ_TYPES[(2 * i + 1) % n])
+        for i, case in enumerate(_QUANT_FAMILIES)
+    }
+
+
+QUANT_PLAN = quant_plan()
 # GPT-2's 50257 tokens and 50000 merges take gguf-py's reader (which transformers runs
-# twice per file) seconds per file: those families' twelve types are the slow part.
+# twice per file) seconds per file: those families' types are the slow part.
 _QUANT_CASES = [
-    pytest.param(case, marks=pytest.mark.slow) if spec.tokenizer == "gpt2" else case
-    for case, spec in CORPUS.items()
-    if not spec.mxfp4_experts  # its experts are MXFP4 already: gpt_oss covers the types
+    pytest.param(case, qtype, marks=pytest.mark.slow)
+    if CORPUS[case].tokenizer == "gpt2"
+    else (case, qtype)
+    for case, qtypes in QUANT_PLAN.items()
+    for qtype in qtypes
 ]
 
 
-@pytest.mark.parametrize("qtype", QUANT_TYPES)
-@pytest.mark.parametrize("case", _QUANT_CASES)
+def test_the_quantised_cases_cover_every_type_and_family():
+    by_type = {t: [c for c, ts in QUANT_PLAN.items() if t in ts] for t in QUANT_TYPES}
+    assert set(QUANT_PLAN) == set(_QUANT_FAMILIES)
+    assert all(
+        len(cases) == len(_QUANT_FAMILIES) for t, cases in by_type.items() if t in CODE_TYPES
+    )
+    assert all(len(cases) >= 3 for cases in by_type.values()), by_type
+    assert all(len(set(ts)) == len(CODE_TYPES) + 2 for ts in QUANT_PLAN.values())
+
+
+@pytest.mark.parametrize(("case", "qtype"), _QUANT_CASES)
 def test_llama_quantize_files_load_as_transformers_reads_them(corpus, case, qtype, record_property):
     path, written = corpus.quantised_file(case, qtype)
     # the type itself, as ggml names it (Q4_K_M: q4_K, with q6_K for some tensors)
