@@ -212,6 +212,27 @@ def _layers(edges: dict[str, set[str]]) -> dict[str, int]:
     return height
 
 
+def by_area(graph: Graph) -> Graph:
+    """The graph with every module of a subpackage merged into it (``attnlab.models``
+    for ``attnlab.models.decode.plan``): the areas of DESIGN.md's one-way flow, a figure a
+    person can read."""
+
+    def area(name: str) -> str:
+        parts = name.split(".")
+        top = ".".join(parts[:2])
+        return top if len(parts) > 2 or graph.modules[name].name == "__init__.py" else name
+
+    merged = Graph(modules={area(m): graph.modules[m] for m in graph.modules})
+    for src, dst in ((graph.edges, merged.edges), (graph.local_edges, merged.local_edges)):
+        for a, bs in src.items():
+            for b in bs:
+                if area(a) != area(b):
+                    dst[area(a)].add(area(b))
+    for m, n in graph.local_counts.items():
+        merged.local_counts[area(m)] += n
+    return merged
+
+
 def to_png(graph: Graph, path: Path) -> None:
     """Draw the graph with matplotlib: one column per layer, lower layers on the left."""
     import matplotlib  # deferred: only the figure needs it
@@ -226,7 +247,8 @@ def to_png(graph: Graph, path: Path) -> None:
         columns[height[m]].append(m)
     pos = {m: (x, -y) for x, ms in columns.items() for y, m in enumerate(ms)}
     tall = max(len(ms) for ms in columns.values())
-    fig, ax = plt.subplots(figsize=(2 + 1.9 * len(columns), 1 + 0.3 * tall))
+    small = len(edges) <= 40  # the areas' graph: larger boxes and lines
+    fig, ax = plt.subplots(figsize=(2 + 1.9 * len(columns), 1 + (0.6 if small else 0.3) * tall))
     in_cycle = {m for comp in cycles(edges) for m in comp}
     for a, bs in edges.items():
         for b in bs:
@@ -238,8 +260,8 @@ def to_png(graph: Graph, path: Path) -> None:
                 xytext=(x0, y0),
                 arrowprops={
                     "arrowstyle": "->",
-                    "lw": 0.4,
-                    "alpha": 0.35,
+                    "lw": 0.7 if small else 0.4,
+                    "alpha": 0.5 if small else 0.35,
                     "linestyle": "--" if local else "-",
                     "color": "red" if a in in_cycle and b in in_cycle else "grey",
                 },
@@ -249,7 +271,7 @@ def to_png(graph: Graph, path: Path) -> None:
             x,
             y,
             m.removeprefix(PACKAGE + ".") or PACKAGE,
-            fontsize=5,
+            fontsize=8 if small else 5,
             ha="center",
             va="center",
             bbox={"boxstyle": "round", "fc": "mistyrose" if m in in_cycle else "white", "lw": 0.3},
@@ -268,14 +290,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dot", type=Path, help="write the graph as Graphviz dot")
     parser.add_argument("--png", type=Path, help="write the graph as a PNG figure")
     parser.add_argument(
+        "--areas",
+        action="store_true",
+        help="merge each subpackage into one node (models, explain, ...) before the checks",
+    )
+    parser.add_argument(
         "--packages",
         action="store_true",
         help="count the parent packages an import runs first as dependencies too",
     )
     args = parser.parse_args(argv)
     graph = build_graph(args.root)
+    if args.areas:
+        graph = by_area(graph)
     found = cycles(graph.all_edges(packages=args.packages))
-    print(f"{len(graph.modules)} modules")
+    print(f"{len(graph.modules)} {'areas' if args.areas else 'modules'}")
     if found:
         print(f"{len(found)} cycle(s) (strongly connected components):")
         for comp in found:
@@ -285,7 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     total = sum(graph.local_counts.values())
     print(f"{total} function-local attnlab imports")
     for name, count in sorted(graph.local_counts.items(), key=lambda kv: (-kv[1], kv[0])):
-        print(f"  {count:4d}  {graph.modules[name].relative_to(args.root)}")
+        where = name if args.areas else graph.modules[name].relative_to(args.root)
+        print(f"  {count:4d}  {where}")
     if args.dot:
         args.dot.write_text(to_dot(graph), encoding="utf-8")
     if args.png:

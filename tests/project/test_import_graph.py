@@ -69,3 +69,17 @@ def test_the_tool_finds_a_cycle_through_a_lazy_import_but_not_a_type_checking_on
     assert graph.edges["attnlab.c"] == {"attnlab.d"}
     dot = tool.to_dot(graph)
     assert '"attnlab.sub.b" -> "attnlab.a" [style=dashed];' in dot
+
+
+def test_areas_merge_a_subpackage_and_keep_only_the_edges_between_areas(tool, tmp_path):
+    pkg = tmp_path / "attnlab"
+    (pkg / "models" / "decode").mkdir(parents=True)
+    for init in (pkg, pkg / "models", pkg / "models" / "decode"):
+        (init / "__init__.py").write_text("")
+    (pkg / "masks.py").write_text("")
+    (pkg / "models" / "a.py").write_text("from attnlab.models.decode import b\n")
+    (pkg / "models" / "decode" / "b.py").write_text("from attnlab import masks\n")
+    areas = tool.by_area(tool.build_graph(tmp_path))
+    assert set(areas.modules) == {"attnlab", "attnlab.masks", "attnlab.models"}
+    assert areas.all_edges()["attnlab.models"] == {"attnlab.masks"}  # not itself
+    assert tool.cycles(areas.all_edges()) == []

@@ -110,10 +110,9 @@ def launch(
         k: os.environ.get(k) for k in ("GLOO_SOCKET_IFNAME", "OMP_NUM_THREADS", "PYTHONPATH")
     }
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo on 127.0.0.1 only
-    # The workers must import this same attnlab (e.g. a source checkout that is not installed).
-    import attnlab
-
-    here = str(Path(attnlab.__file__).resolve().parent.parent)
+    # The workers must import this same attnlab (e.g. a source checkout that is not installed):
+    # the folder that holds the attnlab package this file is in.
+    here = str(Path(__file__).resolve().parents[2])
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     if here not in paths:
         os.environ["PYTHONPATH"] = os.pathsep.join([here, *paths])
