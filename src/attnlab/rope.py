@@ -69,8 +69,15 @@ def _positive(name: str, value: Any, *, allow_none: bool = False) -> None:
 
 
 def _default_inv_freq(base: float, dim: int) -> torch.Tensor:
-    """``base^(-2i/R)`` for i < R/2, float64 (R = ``dim``, the rotated dims)."""
-    return 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)  # (R/2,)
+    """``base^(-2i/R)`` for i < R/2, float64 (R = ``dim``, the rotated dims).
+
+    The inverse frequencies are always computed on the CPU: a model built under
+    ``torch.device("meta")`` (a loader counting a config's parameters) then needs no meta
+    kernels for float math, whose first use imports ``torch._dynamo`` (seconds).
+    """
+    return 1.0 / base ** (
+        torch.arange(0, dim, 2, dtype=torch.float64, device="cpu") / dim
+    )  # (R/2,)
 
 
 @dataclass(frozen=True)
@@ -246,7 +253,9 @@ class YarnScaling:
         low, high = max(low, 0), min(high, dim - 1)
         if low == high:
             high += 0.001  # transformers' guard against a zero-width ramp
-        ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+        ramp = (
+            (torch.arange(dim // 2, dtype=torch.float64, device="cpu") - low) / (high - low)
+        ).clamp(0, 1)
         extrapolation = 1 - ramp  # 1: keep the frequency, 0: interpolate it
         inv = _default_inv_freq(base, dim)
         inv = (inv / self.factor) * (1 - extrapolation) + inv * extrapolation
@@ -330,7 +339,9 @@ class LongRopeScaling:
                 f"`short_factor` / `long_factor` must hold one value per rotating pair "
                 f"(R/2 = {inv.numel()}), got {len(factors)}"
             )
-        return inv / torch.tensor(factors, dtype=torch.float64), self.resolved_attention_factor()
+        return inv / torch.tensor(
+            factors, dtype=torch.float64, device="cpu"
+        ), self.resolved_attention_factor()
 
 
 @dataclass(frozen=True)
@@ -370,7 +381,7 @@ class FrequencyFactors:
                 f"`factors` must hold one value per rotating pair (R/2 = {inv.numel()}), "
                 f"got {len(self.factors)}"
             )
-        return inv / torch.tensor(self.factors, dtype=torch.float64), 1.0
+        return inv / torch.tensor(self.factors, dtype=torch.float64, device="cpu"), 1.0
 
 
 RopeScaling = (
