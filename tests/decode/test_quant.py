@@ -435,3 +435,49 @@ def test_the_former_names_still_work():
     stored = (a.codes, a.scales)
     assert Q8Linear.rows_shape(stored) == Q8Linear.weight_shape(stored) == (64, 64)
     assert torch.equal(Q8Linear.from_rows(stored).weight, b.weight)
+
+
+# PyTorch packs int4 weights in the layout of the CPU kernels it chose (ATEN_CPU_CAPABILITY):
+# a CPU without AVX-512 packs otherwise than the machine these tests usually run on.
+_INT4_UNDER = """
+import os, sys, torch
+from attnlab.quant import Int4Linear
+got = torch.backends.cpu.get_cpu_capability()
+assert got == sys.argv[1], got
+g = torch.Generator().manual_seed(0)
+N, K, gs = 208, 64, 32  # three tiles of 64 (six of 32) and a tail of 16
+codes = torch.randint(0, 16, (N, K), generator=g)
+scales = torch.randint(1, 64, (N, K // gs), generator=g).float() / 256
+zeros = torch.randint(-64, 64, (N, K // gs), generator=g).float() / 128
+lin = Int4Linear.from_codes(codes, scales, zeros)
+assert torch.equal(lin.codes_t(), codes.t().to(torch.uint8)), "codes read back wrong"
+w = (codes - 8) * scales.repeat_interleave(gs, 1) + zeros.repeat_interleave(gs, 1)
+torch.testing.assert_close(lin.weight, w)
+x = torch.randn(lin.dense_from_tokens + 3, K, generator=g).bfloat16()
+dense = lin.product(x).float()  # the prompt's path: dequantised from the codes read back
+kernel = lin.decode_kernel()(x).float()  # PyTorch's own kernel on its own packing
+torch.testing.assert_close(dense, kernel, atol=0.05 * kernel.abs().max().item(), rtol=0.02)
+"""
+
+
+@pytest.mark.parametrize(
+    ("capability", "needs"), [("DEFAULT", ""), ("AVX2", "avx2"), ("AVX512", "avx512bw")]
+)
+def test_int4_codes_read_back_under_every_set_of_pytorch_cpu_kernels(capability, needs):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    if needs and f" {needs}" not in flags:
+        pytest.skip(f"this CPU has no {needs}")
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability.lower()}
+    run = subprocess.run(
+        [sys.executable, "-c", _INT4_UNDER, capability],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]

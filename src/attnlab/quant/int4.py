@@ -23,6 +23,7 @@ of a GGUF tensor, G blocks.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, ClassVar
@@ -33,9 +34,11 @@ import torch
 from attnlab.quant.base import GGUFBlock, WeightFormat, f16_columns, nibbles, register_format
 from attnlab.quant.kinds import NATIVE_INT4, NativeProduct
 
-__all__ = ["Int4Linear", "unpack_int4_t"]
+__all__ = ["Int4Linear", "pack_layout", "unpack_int4_t"]
 
-_PACK_TILE = 64  # rows per tile of the CPU int4 packing: packs of 64-row parts concatenate
+# Packs of parts whose rows are a multiple of 64 concatenate: 64 is a multiple of the
+# packing's tile on every CPU (:func:`pack_layout`).
+_FUSE_ROWS = 64
 QK = 32  # weights per group of the GGUF types held here (per sub-block for Q4_K)
 
 
@@ -188,7 +191,7 @@ class Int4Linear(WeightFormat):
     def fuse(cls, parts: Sequence[Any], bias: torch.Tensor | None) -> Int4Linear | None:
         """Packs concatenated when every part has a multiple of 64 rows (the packing's
         tile) and all share a group size; the parts keep their own packs (int4 is small)."""
-        if any(m.out_features % _PACK_TILE for m in parts):
+        if any(m.out_features % _FUSE_ROWS for m in parts):
             return None
         if len({m.group_size for m in parts}) != 1:
             return None
@@ -267,25 +270,69 @@ def _q4_k_codes(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]
     return codes.reshape(n, 256), scales, zeros
 
 
+# (rows per tile T, whether a byte holds rows 2j and 2j+1 of its tile rather than j and
+# T/2 + j): PyTorch's AVX-512 kernels, its AVX2 ones, and its plain ones.
+_LAYOUTS = ((64, False), (32, False), (32, True))
+
+
+@functools.cache
+def pack_layout() -> tuple[int, bool]:
+    """The layout of this process's ``_convert_weight_to_int4pack_for_cpu``: rows per
+    tile, and whether a byte holds two neighbouring rows.
+
+    PyTorch lays the packed rows out by the CPU kernels it chose: tiles of 64 rows with its
+    AVX-512 kernels, 32 with its AVX2 ones, 32 in neighbouring pairs with its plain ones
+    (``ATEN_CPU_CAPABILITY`` can choose any of them on one machine). Found once per process
+    by packing known codes and reading them back each way; a layout no reading gives back
+    is refused rather than read wrongly.
+
+    Raises:
+        RuntimeError: this PyTorch packs int4 weights in a layout attnlab does not know.
+    """
+    N, K = 208, 4  # three tiles of 64 and a tail of 16, or six of 32 and the same tail
+    codes = torch.randint(0, 16, (N, K), generator=torch.Generator().manual_seed(0))
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 2)
+    want = codes.t().to(torch.uint8)
+    for layout in _LAYOUTS:
+        if torch.equal(_unpack(packed, N, K, layout), want):
+            return layout
+    raise RuntimeError(
+        "this PyTorch packs int4 weights (_convert_weight_to_int4pack_for_cpu) in a layout "
+        f"attnlab does not know (torch {torch.__version__}, CPU kernels "
+        f"{torch.backends.cpu.get_cpu_capability()}); load with --dtype int8 or bfloat16"
+    )
+
+
 def unpack_int4_t(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
     """The codes that ``_convert_weight_to_int4pack_for_cpu`` packed, transposed: (K, N) uint8.
 
-    The CPU packing (PyTorch 2.x) takes rows in tiles of 64: tile ``b`` is ``K * 32``
-    bytes, byte ``(b, k, j)`` holding row ``64 b + j`` in its low nibble and row
-    ``64 b + 32 + j`` in its high one; the last ``N % 64`` rows (a multiple of 16) are
-    ``K * r / 2`` bytes, byte ``(k, j)`` holding rows ``2 j`` (low) and ``2 j + 1`` (high).
-    Tested against the codes given to the packing (``tests/decode/test_quant.py``).
+    The CPU packing takes rows in tiles of T (:func:`pack_layout`: 64 or 32): tile ``b`` is
+    ``K * T / 2`` bytes, byte ``(b, k, j)`` holding row ``T b + j`` in its low nibble and
+    row ``T b + T/2 + j`` in its high one (with PyTorch's plain kernels, rows ``T b + 2 j``
+    and ``T b + 2 j + 1``); the last ``N % T`` rows (a multiple of 16) are ``K * r / 2``
+    bytes, byte ``(k, j)`` holding rows ``2 j`` (low) and ``2 j + 1`` (high).
+    Tested against the codes given to the packing (``tests/decode/test_quant.py``), under
+    each of PyTorch's CPU kernel sets.
     """
-    N, K = out_features, in_features
+    return _unpack(packed, out_features, in_features, pack_layout())
+
+
+def _unpack(packed: torch.Tensor, N: int, K: int, layout: tuple[int, bool]) -> torch.Tensor:
+    tile, pairs = layout
     flat = packed.reshape(-1)
-    n_main = N - N % _PACK_TILE
-    half = _PACK_TILE // 2
+    n_main = N - N % tile
+    half = tile // 2
     out = torch.empty(K, N, dtype=torch.uint8, device=packed.device)  # (K, N)
     if n_main:
-        tiles = flat[: n_main * K // 2].view(n_main // _PACK_TILE, K, half)  # (N/64, K, 32)
-        dst = out[:, :n_main].view(K, n_main // _PACK_TILE, _PACK_TILE).transpose(0, 1)
-        torch.bitwise_and(tiles, 15, out=dst[..., :half])
-        torch.bitwise_right_shift(tiles, 4, out=dst[..., half:])
+        tiles = flat[: n_main * K // 2].view(n_main // tile, K, half)  # (N/T, K, T/2)
+        if pairs:
+            dst = out[:, :n_main].view(K, n_main // tile, half, 2).transpose(0, 1)
+            torch.bitwise_and(tiles, 15, out=dst[..., 0])
+            torch.bitwise_right_shift(tiles, 4, out=dst[..., 1])
+        else:
+            dst = out[:, :n_main].view(K, n_main // tile, tile).transpose(0, 1)
+            torch.bitwise_and(tiles, 15, out=dst[..., :half])
+            torch.bitwise_right_shift(tiles, 4, out=dst[..., half:])
     r = N - n_main
     if r:
         tail = flat[n_main * K // 2 :].view(K, r // 2)  # (K, r/2)
