@@ -489,7 +489,16 @@ def test_the_short_loop_leaves_no_inference_tensor_behind(monkeypatch):
     ids = torch.tensor([[3]])
     with torch.no_grad():
         slow = generate(model, ids, 60, use_cache=False)
-    assert torch.equal(generate(model, ids, 60), slow)  # one-token prompt, past the window
+    fast = generate(model, ids, 60)  # one-token prompt, past the window
+    # The two paths round bf16 rows in different orders (the CPU's kernels choose it): they
+    # agree token for token unless the uncached path met a near-tie, within 8 bf16 steps.
+    differ = (fast != slow).nonzero()
+    if differ.numel():
+        i = int(differ[0, 1])
+        with torch.no_grad():
+            top2 = model(slow[:, :i][:, -CONFIG.context_length :])[0, -1].float().topk(2).values
+        assert top2[0] - top2[1] <= 8 * 2**-8 * top2.abs().max(), (i, top2)
+        assert i > 30, f"the paths part at token {i}, before the window slides"
     with torch.no_grad():
         cache = model.new_kv_cache(max_len=8)
         model(torch.tensor([[3, 4]]), kv_cache=cache)
