@@ -86,4 +86,5 @@ def test_kernels_and_step_on_every_branch_this_cpu_runs(ext, march, branch, need
     )  # fmt: skip
     tail = "\n".join(run.stdout.splitlines()[-30:])
     assert run.returncode == 0, f"-march={march} ({branch}):\n{tail}\n{run.stderr[-2000:]}"
-    assert " passed" in tail and " skipped" not in tail.splitlines()[-1], tail
+    # the kernel tests ran on this build: none skipped for want of it (extras may be missing)
+    assert " passed" in tail and "native build is unavailable" not in run.stdout, tail
