@@ -7,6 +7,7 @@ exact."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -23,6 +24,8 @@ if not all(importlib.util.find_spec(m) for m in ("transformers", "tokenizers", "
 from attnlab.generation import generate
 from attnlab.models.decoder import Decoder
 from attnlab.pretrained import ModelFileError, load_pretrained
+from attnlab.pretrained.gguf_file import read_gguf
+from attnlab.pretrained.tokenizer import tokenizer_from_gguf
 from model_files import (
     CORPUS,
     TINY_CONFIGS,
@@ -358,3 +361,33 @@ def test_gguf_sentencepiece_tables_that_disagree_are_refused(hf_dirs, tmp_path, 
     path = tmp_path / "short.gguf"
     write_gguf(hf_dirs["phi3"], path, "phi3", "F32")
     _refused(path, "tokenizer.ggml.scores", "one number per token")
+
+
+def test_gguf_tokenizer_read_back_from_the_cache_equals_the_one_built(
+    hf_dirs, tmp_path, monkeypatch
+):
+    """The rebuilt tokenizer is kept in attnlab's cache (a 262k-token SentencePiece
+    vocabulary takes seconds to turn into merges): the entry read back encodes and decodes
+    as the build it came from; a change to any tokenizer key makes another entry; a damaged
+    entry is rebuilt, not trusted."""
+    from attnlab.pretrained.tokenizer import tokenizer_cache_key
+
+    monkeypatch.setenv("ATTNLAB_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "phi3.gguf"
+    write_gguf(hf_dirs["phi3"], path, "phi3", "F32")
+    contents = read_gguf(path)
+    built = tokenizer_from_gguf(contents)
+    entry = tmp_path / "cache" / "tokenizers" / f"{tokenizer_cache_key(contents)}.json"
+    assert entry.is_file()
+    cached = tokenizer_from_gguf(read_gguf(path))
+    for text in SPM_TEXTS:
+        ids = built.encode(text)
+        assert cached.encode(text) == ids, text
+        assert cached.decode(ids) == built.decode(ids)
+    flipped = dict(contents.metadata, **{"tokenizer.ggml.add_space_prefix": False})
+    other = dataclasses.replace(contents, metadata=flipped)
+    assert tokenizer_cache_key(other) != tokenizer_cache_key(contents)
+    assert tokenizer_from_gguf(other).encode("the cat") != built.encode("the cat")
+    entry.write_text("{not json")
+    assert tokenizer_from_gguf(read_gguf(path)).encode("the cat") == built.encode("the cat")
+    assert entry.read_text().startswith("{") and "not json" not in entry.read_text()

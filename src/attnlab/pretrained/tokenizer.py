@@ -346,7 +346,8 @@ def tokenizer_from_gguf(contents: GGUFContents) -> PretrainedTokenizer:
         raise ModelFileError(contents.path, "`tokenizer.chat_template` must be a string")
     context = meta.get(f"{meta.get('general.architecture', '')}.context_length")
     with tokenizer_errors(contents.path, "the tokenizer (tokenizer.ggml.*) cannot be built"):
-        backend = _bpe_backend(contents) if kind == "gpt2" else _sentencepiece_backend(contents)
+        build = _bpe_backend if kind == "gpt2" else _sentencepiece_backend
+        backend = _cached_backend(contents, build)
         return PretrainedTokenizer(
             backend,
             pad_id=pad,
@@ -355,6 +356,80 @@ def tokenizer_from_gguf(contents: GGUFContents) -> PretrainedTokenizer:
             max_length=context if isinstance(context, int) and context > 0 else None,
             chat_template=template,
         )
+
+
+# Bump when the rebuild below changes what it makes from the same metadata: the cached
+# tokenizers are keyed by it, so every old entry is then rebuilt once.
+_BUILD_VERSION = 1
+
+
+def tokenizer_cache_key(contents: GGUFContents) -> str:
+    """A digest of everything a GGUF tokenizer is rebuilt from.
+
+    It covers the vocabulary, token types, scores and merges, every other
+    ``tokenizer.ggml.*`` key, the ``tokenizers`` library's version and this module's
+    :data:`_BUILD_VERSION`. Two files with the same tokenizer share one cached entry, and a
+    change to any of these makes a new one.
+    """
+    import hashlib
+
+    import numpy as np
+    import tokenizers
+
+    digest = hashlib.sha256()
+
+    def add(label: str, data: bytes) -> None:
+        digest.update(f"{label}:{len(data)}:".encode())
+        digest.update(data)
+
+    add("build", f"{_BUILD_VERSION} tokenizers {tokenizers.__version__}".encode())
+    add("tokens", "\0".join(contents.tokens).encode("utf-8", "surrogatepass"))
+    add("types", np.asarray(contents.token_types, dtype=np.int64).tobytes())
+    add("scores", np.asarray(contents.scores, dtype=np.float64).tobytes())
+    add("merges", "\n".join(contents.merges).encode("utf-8", "surrogatepass"))
+    meta = sorted(
+        (k, repr(v)) for k, v in contents.metadata.items() if k.startswith("tokenizer.ggml.")
+    )
+    add("metadata", repr(meta).encode("utf-8", "surrogatepass"))
+    return digest.hexdigest()
+
+
+def _cached_backend(contents: GGUFContents, build: Any) -> Any:
+    """``build(contents)``, or the same tokenizer read back from attnlab's cache.
+
+    A SentencePiece vocabulary such as Gemma's (262k tokens) takes seconds to turn into
+    merges; the built tokenizer's JSON reads back in a fraction of that. Entries live in
+    ``<cache>/tokenizers/<key>.json`` (:func:`tokenizer_cache_key`), written atomically. An
+    entry the ``tokenizers`` library cannot read is rebuilt and replaced; a cache folder
+    that cannot be written only costs the rebuild. ``ATTNLAB_TOKENIZER_CACHE=0`` turns the
+    cache off.
+    """
+    import os
+
+    from tokenizers import Tokenizer
+
+    from attnlab.paths import cache_dir
+
+    if os.environ.get("ATTNLAB_TOKENIZER_CACHE", "1") == "0":
+        return build(contents)
+    try:
+        path = cache_dir() / "tokenizers" / f"{tokenizer_cache_key(contents)}.json"
+    except (TypeError, ValueError):  # a table of the wrong types: let the build name it
+        return build(contents)
+    if path.is_file():
+        try:
+            return Tokenizer.from_file(str(path))
+        except Exception:  # a damaged entry: rebuilt below
+            pass
+    backend = build(contents)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(backend.to_str(), encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError:
+        pass
+    return backend
 
 
 def _token_id(contents: GGUFContents, key: str) -> int | None:
