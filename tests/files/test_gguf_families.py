@@ -257,6 +257,43 @@ def test_gguf_q8_0_linears_keep_their_values_under_int4_not_requantised(hf_dirs,
         assert torch.equal(layer.weight, values), name
 
 
+def test_gguf_q8_0_embedding_is_held_as_the_files_codes_and_looks_up_its_values(hf_dirs, tmp_path):
+    """dtype="int4" on a Q8_0 embedding tied to the head: the table stays the file's codes
+    (no float32 copy: Gemma 3's would be 670 MB), one module serves the lookup and the
+    head, every row looked up is the file's value, and the greedy text is the same as with
+    a float table."""
+    from attnlab.quant import HeldEmbedding, Q8Linear
+
+    path = tmp_path / "gemma2.Q8_0.gguf"
+    write_gguf(hf_dirs["gemma2"], path, "gemma2", "Q8_0")
+    model, tok = load_pretrained(path)
+    held, _ = load_pretrained(path, dtype="int4")
+    table = held.tok_embeddings
+    assert isinstance(table, HeldEmbedding) and isinstance(held.lm_head, Q8Linear)
+    assert table.table is held.lm_head
+    assert "tok_embeddings.weight" not in dict(held.named_parameters())
+    assert [n for n, m in held.named_modules() if m is held.lm_head] == ["lm_head"]
+    values = model.tok_embeddings.weight
+    ids = torch.arange(values.shape[0]).view(2, -1)
+    assert torch.equal(table(ids), values[ids])
+    assert torch.equal(table.weight, values)
+    prompt = torch.tensor([tok.encode(CORPUS[1])])
+    with torch.no_grad():
+        assert torch.equal(
+            generate(held, prompt, 12), generate(_float_table(held, values), prompt, 12)
+        )
+
+
+def _float_table(model, values):
+    """``model`` with its held table swapped for a float ``nn.Embedding`` of ``values``."""
+    import copy
+
+    other = copy.deepcopy(model)
+    other.tok_embeddings = torch.nn.Embedding.from_pretrained(values.clone())
+    other.invalidate_decode_plan()
+    return other
+
+
 @pytest.mark.parametrize("family", ["llama", "phi3", "gemma2"])
 def test_gguf_q5_0_linears_kept_as_stored_under_int4(hf_dirs, tmp_path, family):
     """dtype="int4" on Q5_0 blocks: every projection (llama's q/k rows permuted back,

@@ -40,7 +40,7 @@ from attnlab.pretrained.config import (
     lookup as lookup,
 )
 from attnlab.pretrained.errors import ModelFileError
-from attnlab.quant import WeightFormat, holding
+from attnlab.quant import HeldEmbedding, WeightFormat, holding
 
 __all__ = [
     "LIMITS",
@@ -395,6 +395,11 @@ def build_model(
         if transform.startswith("row:"):  # StableLM's per-head norms, one tensor per head
             rows.setdefault(targets[0], {})[int(transform[4:])] = get(name)
             continue
+        if held is not None and not transform and _token_embedding(model, targets):
+            how = held(name)
+            stored = how is not None and how.codes is not None and how.format.gathers_rows
+            if stored and _hold_embedding(model, how, where):  # type: ignore[arg-type]
+                continue
         how = (
             held(name) if held is not None and _linear_targets(model, targets, transform) else None
         )
@@ -435,6 +440,46 @@ def build_model(
         _hold_linear(model, target, fmt, piece, again, weights, where)
     fill(model, weights, where, dtype)
     return model.eval()
+
+
+def _token_embedding(model: nn.Module, targets: tuple[str, ...]) -> bool:
+    """Whether ``targets`` is the one decoder's token embedding table alone."""
+    embedding = getattr(model, "tok_embeddings", None)
+    return (
+        targets == ("tok_embeddings.weight",)
+        and isinstance(embedding, nn.Embedding)
+        and not isinstance(model, EncoderDecoder)
+    )
+
+
+def _hold_embedding(model: nn.Module, how: HeldLinear, where: str | Path) -> bool:
+    """The token embedding as the file's codes (:class:`attnlab.quant.HeldEmbedding`),
+    never dequantised as a whole: a lookup reads the rows it needs, to the values a float
+    table would hold. A tied output head becomes the same format module. False (the table
+    is then read as values) when the format cannot take the codes' shape.
+
+    Raises:
+        ModelFileError: codes whose shape is not the table's.
+    """
+    embedding = model.get_submodule("tok_embeddings")
+    assert isinstance(embedding, nn.Embedding) and how.codes is not None
+    shape = how.format.weight_shape(how.codes)
+    if shape != tuple(embedding.weight.shape):
+        raise ModelFileError(
+            where,
+            f"tok_embeddings.weight has shape {shape}, the config (config.json / metadata) "
+            f"implies {tuple(embedding.weight.shape)}",
+        )
+    try:
+        table = how.format.from_stored(how.codes, None)
+    except ValueError:  # a shape the format cannot hold: a float table
+        return False
+    head = getattr(model, "lm_head", None)
+    tied = isinstance(head, nn.Linear) and head.weight is embedding.weight
+    model.tok_embeddings = HeldEmbedding(table, head=tied)
+    if tied:
+        model.lm_head = table
+    return True
 
 
 def _hold_linear(

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from attnlab import native
 from attnlab.models.decoder import Decoder
@@ -448,8 +449,8 @@ def _hold_tied_head(model: Decoder | Encoder, contents: GGUFContents, weight: st
     if embedding is None or not isinstance(model, Decoder):
         return
     head = model.lm_head
-    if head is None or head.weight is not model.tok_embeddings.weight:
-        return  # no head, or its own tensor: held as the file stores it (build_model)
+    if not isinstance(head, nn.Linear) or head.weight is not model.tok_embeddings.weight:
+        return  # no head, its own tensor, or held with the table (build_model)
     holding = gguf_holding(weight, embedding.type_name)
     if holding is None or holding.format.name == weight:
         return  # the precision's own format, or none: set_weight_dtype quantises the head

@@ -62,6 +62,7 @@ from attnlab.quant.registry import (
 # isort: on
 from attnlab.quant.base import WEIGHT_FORMATS, GGUFBlock, WeightFormat, register_format
 from attnlab.quant.bf16 import BF16Linear
+from attnlab.quant.embedding import HeldEmbedding
 from attnlab.quant.int4 import Int4Linear, unpack_int4_t
 from attnlab.quant.int8 import Int8Linear
 from attnlab.quant.kinds import (
@@ -95,6 +96,7 @@ __all__ = [
     "BuildsFromLinears",
     "GGUFBlock",
     "GGUFHolding",
+    "HeldEmbedding",
     "Int4Linear",
     "Int8Linear",
     "NativeProduct",

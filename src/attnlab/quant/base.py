@@ -123,6 +123,9 @@ class WeightFormat(nn.Module):
     gguf_instead: ClassVar[Mapping[str, str]] = MappingProxyType({})
     #: The format a weight gets when this one cannot hold its shape (:meth:`why_not`).
     fallback: ClassVar[str | None] = None
+    #: Whether :meth:`rows` reads only the rows it is asked for (an embedding table held
+    #: in this format then costs the codes' memory, not a float copy of the table).
+    gathers_rows: ClassVar[bool] = False
 
     in_features: int
     out_features: int
@@ -215,6 +218,13 @@ class WeightFormat(nn.Module):
     def weight(self) -> torch.Tensor:
         """The weight as the product uses it, float32 (N, K)."""
         raise NotImplementedError
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` (any shape of integers) of :attr:`weight`: (..., K) float32, each
+        value as :attr:`weight` has it. What an embedding table held in this format looks
+        up (:class:`attnlab.quant.HeldEmbedding`); here the whole weight is dequantised,
+        a format with :attr:`gathers_rows` reads only the rows asked for."""
+        return self.weight[ids]
 
     def product(self, x2: torch.Tensor) -> torch.Tensor:
         """(M, K) bfloat16 -> (M, N)."""

@@ -69,6 +69,7 @@ class Q8Linear(WeightFormat):
         {"Q8_0": GGUFBlock(values=32, nbytes=34, f16_scales=1)}  # d
     )
     fallback = "int8"
+    gathers_rows = True
     codes: torch.Tensor
     scales: torch.Tensor
     #: From this many rows of input on, dequantise and use bf16 ``mm``: where the dense
@@ -165,6 +166,15 @@ class Q8Linear(WeightFormat):
         N, K = self.codes.shape
         q = self.codes.view(N, K // 32, 32).float()  # (N, K/32, 32)
         return (q * self.scales.float()[..., None]).view(N, K)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of :attr:`weight`, (..., K) float32: only those rows' codes and
+        scales read, each value ``d * q`` exactly as :attr:`weight` has it."""
+        K = self.in_features
+        flat = ids.reshape(-1)
+        q = self.codes.index_select(0, flat).view(-1, K // 32, 32).float()  # (M, K/32, 32)
+        d = self.scales.index_select(0, flat).float()  # (M, K/32)
+        return (q * d[..., None]).view(*ids.shape, K)
 
     def product(self, x2: torch.Tensor) -> torch.Tensor:
         """(M, K) bfloat16 -> (M, N)."""

@@ -149,7 +149,9 @@ def quantize_model(
     """Replace every ``nn.Linear`` of ``model`` by its ``dtype`` version, in place.
 
     A tied output head (``lm_head.weight is tok_embeddings.weight``) is untied: the
-    embedding stays float32 for the lookup and the head gets its own quantised copy.
+    embedding stays float32 for the lookup and the head gets its own quantised copy (a
+    GGUF file's Q8_0 table is instead held once for both, as the loader reads it:
+    :class:`attnlab.quant.HeldEmbedding`).
     Layers already in a :class:`WeightFormat` (e.g. taken from a GGUF file's codes) stay as
     they are. What the model built from its old layers is dropped
     (:class:`BuildsFromLinears`).

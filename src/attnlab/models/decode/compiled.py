@@ -20,11 +20,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
 
 from attnlab import native
 from attnlab.attention import StaticKVCache
 from attnlab.models._lm import embed_scaled
+from attnlab.models.decode.layout import embedding_dtype
 from attnlab.models.mlp import ACTIVATIONS
 from attnlab.quant import NativeProduct, native_product
 
@@ -93,7 +93,7 @@ def build_compiled(plan: DecodePlan) -> Any | str:
 
     if plan.kernel_layers is None:
         return "no short loop"
-    if plan.parts.embedding.weight.dtype != torch.float32:
+    if embedding_dtype(plan.parts.embedding) != torch.float32:
         return "its rows are not float32"
     ext = native.extension()
     if ext is None:
@@ -101,7 +101,7 @@ def build_compiled(plan: DecodePlan) -> Any | str:
     acts = {id(ACTIVATIONS[name]): i for i, name in enumerate(native.STEP_ACTIVATIONS)}
     first = plan.kernel_layers[0].products
     F = sum(m.out_features for m in first.gate_up) // 2
-    C = plan.parts.embedding.weight.shape[1]
+    C = plan.parts.embedding.embedding_dim
     step = ext.Step(C, plan.H, plan.G, plan.D, F)
     for i, layer in enumerate(plan.kernel_layers):
         spec = native_layer(layer, acts)
@@ -134,7 +134,7 @@ def step_compiled(
     cache's next slot, :meth:`StaticKVCache.next_slot`)."""
     parts = plan.parts
     pos = kv_cache[0].seq_len
-    x = nn.functional.embedding(input_ids[:, 0], parts.embedding.weight)  # (B, C)
+    x = parts.embedding.forward(input_ids[:, 0])  # (B, C)
     if parts.embed_scale:
         x = embed_scaled(x)
     rotations = []

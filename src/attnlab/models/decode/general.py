@@ -18,7 +18,6 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 
 from attnlab.attention import KVCache
 from attnlab.backends.base import softcap_scores
@@ -41,7 +40,7 @@ def step_general(
     B = input_ids.shape[0]
     pos = kv_cache[0].seq_len
     # Rows are (B, width) 2-D tensors throughout: the products go straight to mm.
-    x = nn.functional.embedding(input_ids[:, 0], parts.embedding.weight)  # (B, C)
+    x = parts.embedding.forward(input_ids[:, 0])  # (B, C)
     if parts.embed_scale:
         x = embed_scaled(x)
     if parts.positions is not None:

@@ -92,7 +92,7 @@ _STEP_OPTIONS = frozenset(
 class Parts:
     """Where a decoder keeps its pieces (the one decoder's names, or the book's GPT's)."""
 
-    embedding: nn.Embedding
+    embedding: nn.Module  # nn.Embedding, or a table held in a weight format
     positions: nn.Embedding | None
     blocks: list[Any]
     final_norm: nn.Module
@@ -123,6 +123,15 @@ def model_parts(model: Any) -> Parts | str:
         model.head,  # the one decoder's head: input scale, lm_head module, final softcap
         embed_scale=bool(getattr(config, "embed_scale", False)),
     )
+
+
+def embedding_dtype(embedding: nn.Module) -> torch.dtype | None:
+    """The dtype of the rows an embedding's lookup returns: its weight's, or the
+    ``dtype`` of a table held in a weight format (:class:`attnlab.quant.HeldEmbedding`),
+    read without dequantising the table."""
+    if isinstance(embedding, nn.Embedding):
+        return embedding.weight.dtype
+    return getattr(embedding, "dtype", None)
 
 
 def block_parts(block: Any) -> tuple[nn.Module, Any, nn.Module, Any, Any, Any, Any]:

@@ -56,7 +56,7 @@ def step_short(
     parts = plan.parts
     B = input_ids.shape[0]
     pos = kv_cache[0].seq_len
-    x = nn.functional.embedding(input_ids[:, 0], parts.embedding.weight)  # (B, C)
+    x = parts.embedding.forward(input_ids[:, 0])  # (B, C)
     if parts.embed_scale:
         x = embed_scaled(x)
     f32 = x.dtype
