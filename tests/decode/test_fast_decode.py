@@ -173,12 +173,13 @@ def test_each_precision_decodes_through_the_fast_step_as_its_module_path(dtype):
 
 @pytest.mark.parametrize("dtype", ["int8", "int4"])
 def test_int_prefill_dequantises_and_gives_the_one_row_kernels_logits(dtype, monkeypatch):
-    """A prompt (many rows: bf16 mm of dequantised weights) against the same tokens fed
-    one at a time (the int kernels). The paths differ by bf16 roundings only (int4: of the
-    dequantised weight; int8: of the product before its row scale), 2^-8 relative per
-    product, which this random 3-layer model amplifies to a few percent of the logits;
-    against fp32 both carry the same quantisation error."""
+    """A prompt (many rows: a dense mm of dequantised weights, in the prompt arithmetic's
+    dtype) against the same tokens fed one at a time (the int kernels). The paths differ
+    by bf16 roundings only (int4: of the dequantised weight; int8: of the product before
+    its row scale), 2^-8 relative per product, which this random 3-layer model amplifies
+    to a few percent of the logits; against fp32 both carry the same quantisation error."""
     from attnlab import quant
+    from attnlab.quant.arith import prompt_dtype
 
     fp32 = _model(3)
     model = quantize_model(_model(3), dtype)
@@ -189,7 +190,7 @@ def test_int_prefill_dequantises_and_gives_the_one_row_kernels_logits(dtype, mon
     real_mm = torch.mm
 
     def counting_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        calls["dense"] += a.dtype == torch.bfloat16
+        calls["dense"] += a.dtype == prompt_dtype()
         return real_mm(a, b)
 
     with torch.no_grad():

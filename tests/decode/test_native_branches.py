@@ -32,7 +32,7 @@ BRANCHES = [
 
 
 def _cpu_flags() -> set[str]:
-    line = native._cpu_flags()
+    line = native.cpu_flags()
     return set(line.split(":", 1)[-1].split())
 
 

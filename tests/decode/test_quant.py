@@ -481,3 +481,70 @@ def test_int4_codes_read_back_under_every_set_of_pytorch_cpu_kernels(capability,
         check=False,
     )
     assert run.returncode == 0, run.stderr[-3000:]
+
+
+@pytest.fixture
+def prompt_arith(monkeypatch):
+    """Set the prompt arithmetic's inputs (environment, CPU flags) and read the choice
+    afresh; the process's own choice is restored afterwards."""
+    from attnlab import native
+    from attnlab.quant import arith
+
+    def choose(flags: str, **env: str) -> tuple[torch.dtype, str]:
+        for name in (arith.PROMPT_DTYPE_ENV, "ONEDNN_MAX_CPU_ISA"):
+            monkeypatch.delenv(name, raising=False)
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        monkeypatch.setattr(native, "cpu_flags", lambda: f"flags\t\t: {flags}")
+        arith.prompt_arithmetic.cache_clear()
+        return arith.prompt_arithmetic()
+
+    yield choose
+    arith.prompt_arithmetic.cache_clear()
+
+
+def test_prompt_products_run_in_bf16_only_where_the_cpu_has_bf16_dot_products(prompt_arith):
+    """bf16 for a CPU with AVX512-BF16 or AMX (oneDNN's fast kernels), float32 for
+    AVX-512 without BF16 (Skylake) and AVX2 alone (PyTorch's bf16 mm converts or loops
+    there); ONEDNN_MAX_CPU_ISA below bf16 counts as a CPU without it; the environment
+    variable decides outright and a wrong value is refused."""
+    skylake = "fpu sse4_2 avx avx2 fma avx512f avx512bw avx512vl avx512dq"
+    assert prompt_arith("fpu avx2 fma")[0] == torch.float32
+    dtype, why = prompt_arith(skylake)
+    assert dtype == torch.float32 and "no bf16 dot products" in why
+    assert prompt_arith(f"{skylake} avx512_bf16")[0] == torch.bfloat16
+    assert prompt_arith(f"{skylake} amx_bf16 amx_tile")[0] == torch.bfloat16
+    dtype, why = prompt_arith(f"{skylake} avx512_bf16", ONEDNN_MAX_CPU_ISA="AVX512_CORE")
+    assert dtype == torch.float32 and "ONEDNN_MAX_CPU_ISA=AVX512_CORE" in why
+    bf16_cap = {"ONEDNN_MAX_CPU_ISA": "avx512_core_bf16"}
+    assert prompt_arith(f"{skylake} avx512_bf16", **bf16_cap)[0] == torch.bfloat16
+    assert prompt_arith("fpu avx2", ATTNLAB_PROMPT_DTYPE="bfloat16")[0] == torch.bfloat16
+    assert prompt_arith(f"{skylake} avx512_bf16", ATTNLAB_PROMPT_DTYPE="float32")[0] == (
+        torch.float32
+    )
+    with pytest.raises(ValueError, match="ATTNLAB_PROMPT_DTYPE must be one of"):
+        prompt_arith("fpu", ATTNLAB_PROMPT_DTYPE="fp16")
+
+
+@pytest.mark.parametrize("cls", [Int8Linear, Int4Linear, Q8Linear, BF16Linear])
+def test_a_float32_prompt_product_is_the_float32_product_of_the_stored_weight(cls, prompt_arith):
+    """Where the prompt arithmetic is float32, a prompt's product is that of the float32
+    rows (not rounded to bf16) and the stored weight's exact values: within float32's
+    summation error of the fp64 product, far inside the bf16 bound; a few rows still go
+    to the bf16 kernel."""
+    g = torch.Generator().manual_seed(5)
+    w, b = torch.randn(96, 64, generator=g) * 0.1, torch.randn(96, generator=g)
+    q = cls.from_float(w, b)
+    x = torch.randn(max(q.dense_from_tokens, 16) + 5, 64, generator=g)
+    prompt_arith("fpu avx2 fma")
+    y = q(x)
+    exact = x.double() @ q.weight.double().T + b.double()
+    bound = 64 * torch.finfo(torch.float32).eps * (x.abs().double() @ q.weight.abs().double().T)
+    assert ((y.double() - exact).abs() <= bound + 1e-6).all()
+    prompt_arith("fpu avx512_bf16")
+    rounded = q(x)
+    assert (rounded.double() - exact).abs().max() > 50 * (y.double() - exact).abs().max()
+    prompt_arith("fpu avx2 fma")
+    few = x[:2] if cls is not BF16Linear else x[:1]
+    q.dense_from_tokens = 1 << 30
+    _close_bf16_out(q(few), _ref(few, q.weight, b))

@@ -223,7 +223,14 @@ def _info_native() -> RenderableType:
     """The compiled decode step's state, and how to retry a failed build; never builds."""
     from rich.text import Text
 
-    return Text(f"compiled decode step (attnlab.native): {native.status()}")
+    from attnlab.quant.arith import prompt_arithmetic
+
+    dtype, why = prompt_arithmetic()
+    return Text(
+        f"compiled decode step (attnlab.native): {native.status()}\n"
+        f"prompt products of the int and bf16 weights: {str(dtype).removeprefix('torch.')} "
+        f"({why})"
+    )
 
 
 def _info_dispatch_table(full: bool) -> RenderableType:

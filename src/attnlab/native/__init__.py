@@ -105,15 +105,20 @@ _tried = False
 _skipped = False  # this process did not try: a failed.log stood
 
 
-def _cpu_flags() -> str:
-    """The CPU's feature flags (``-march=native`` builds for them), or its name."""
+def cpu_flags() -> str:
+    """The CPU's feature flags line from ``/proc/cpuinfo`` (x86 ``flags``, Arm
+    ``Features``; ``-march=native`` builds for them), or the processor's name where there
+    is no such file."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
+            if line.startswith(("flags", "Features")):
                 return line
     except OSError:
         pass
     return platform.processor()
+
+
+_cpu_flags = cpu_flags  # its former name
 
 
 def build_dir() -> Path:
@@ -123,7 +128,7 @@ def build_dir() -> Path:
     key = hashlib.sha256()
     for path in sorted([*here.glob("*.cpp"), *here.glob("*.h")]):  # sources and headers
         key.update(path.read_bytes())
-    for part in (torch.__version__, sys.version, " ".join(_flags()), _cpu_flags()):
+    for part in (torch.__version__, sys.version, " ".join(_flags()), cpu_flags()):
         key.update(part.encode())
     return cache_dir() / "native" / key.hexdigest()[:16]
 

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from attnlab import native
+from attnlab.quant.arith import prompt_dtype
 from attnlab.quant.kinds import NativeProduct
 
 __all__ = [
@@ -56,10 +57,6 @@ def native_kernels() -> Any:
     (:func:`attnlab.native.loaded`; a model's load builds them), or None: the one place the
     formats ask for them, and never a build from inside a forward."""
     return native.loaded()
-
-
-def as_2d(x: torch.Tensor, k: int) -> torch.Tensor:
-    return x.reshape(-1, k).to(torch.bfloat16)  # (M, K)
 
 
 def output_slices(parts: Sequence[Any]) -> list[slice]:
@@ -123,6 +120,11 @@ class WeightFormat(nn.Module):
     gguf_instead: ClassVar[Mapping[str, str]] = MappingProxyType({})
     #: The format a weight gets when this one cannot hold its shape (:meth:`why_not`).
     fallback: ClassVar[str | None] = None
+    #: From this many rows of input on (a prompt), :meth:`forward` hands :meth:`product`
+    #: its rows in the prompt arithmetic's dtype (:func:`attnlab.quant.arith.prompt_dtype`:
+    #: float32 on a CPU without bf16 dot products) and the product runs dense in it;
+    #: fewer rows go in bfloat16 to the format's decode kernel.
+    dense_from_tokens: int = 16
     #: Whether :meth:`rows` reads only the rows it is asked for (an embedding table held
     #: in this format then costs the codes' memory, not a float copy of the table).
     gathers_rows: ClassVar[bool] = False
@@ -227,7 +229,8 @@ class WeightFormat(nn.Module):
         return self.weight[ids]
 
     def product(self, x2: torch.Tensor) -> torch.Tensor:
-        """(M, K) bfloat16 -> (M, N)."""
+        """(M, K) bfloat16 -> (M, N); a dense product (from :attr:`dense_from_tokens`
+        rows on) runs in ``x2``'s dtype, bfloat16 or float32."""
         raise NotImplementedError
 
     def decode_kernel(self) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -247,7 +250,9 @@ class WeightFormat(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(..., K) -> (..., N), in ``x``'s dtype."""
-        y = self.product(as_2d(x, self.in_features)).to(x.dtype)  # (M, N)
+        x2 = x.reshape(-1, self.in_features)  # (M, K)
+        dtype = prompt_dtype() if x2.shape[0] >= self.dense_from_tokens else torch.bfloat16
+        y = self.product(x2.to(dtype)).to(x.dtype)  # (M, N)
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
         return y.view(*x.shape[:-1], self.out_features)

@@ -61,8 +61,9 @@ class BF16Linear(WeightFormat):
         return self.weight_bf16.float()
 
     def product(self, x2: torch.Tensor) -> torch.Tensor:
-        """(M, K) bfloat16 -> (M, N)."""
-        return torch.mm(x2, self.weight_bf16.t())
+        """(M, K) bfloat16 -> (M, N); float32 rows (a prompt where bf16 products are slow,
+        :mod:`attnlab.quant.arith`) against the weight's exact float32 values."""
+        return torch.mm(x2, self.weight_bf16.t().to(x2.dtype))
 
     def decode_kernel(self) -> Callable[[torch.Tensor], torch.Tensor]:
         wt = self.weight_bf16.t()

@@ -222,9 +222,10 @@ class Int4Linear(WeightFormat):
         return self._dequantized_t(torch.float32).t()
 
     def product(self, x2: torch.Tensor) -> torch.Tensor:
-        """(M, K) bfloat16 -> (M, N)."""
+        """(M, K) bfloat16 -> (M, N); from :attr:`dense_from_tokens` rows on, dense in
+        ``x2``'s dtype."""
         if x2.shape[0] >= self.dense_from_tokens:
-            return torch.mm(x2, self._dequantized_t(torch.bfloat16))
+            return torch.mm(x2, self._dequantized_t(x2.dtype))
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             x2, self.packed, self.group_size, self.scales_and_zeros
         )

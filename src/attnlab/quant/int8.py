@@ -81,7 +81,7 @@ class Int8Linear(WeightFormat):
         # wrong numbers for one row (K=24) or crashes for several (K=24, 40); dense then
         if x2.shape[0] >= self.dense_from_tokens or self.in_features % 16:
             # Codes in [-127, 127] are exact in bf16; W = diag(scale) q, so scale the columns.
-            return torch.mm(x2, self.qweight.to(torch.bfloat16).t()).mul_(self.scales)
+            return torch.mm(x2, self.qweight.to(x2.dtype).t()).mul_(self.scales)
         return torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)
 
     def decode_kernel(self) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -198,8 +198,10 @@ class Q5Linear(WeightFormat):
     def product(self, x2: torch.Tensor) -> torch.Tensor:
         """(M, K) bfloat16 -> (M, N)."""
         if x2.shape[0] >= self.dense_from_tokens:
-            # A prompt: every d * (q - 16) (exact in float32) rounded once to bfloat16.
-            return torch.mm(x2, self._bf16_weight().t())
+            # A prompt: every d * (q - 16) (exact in float32), rounded once to bfloat16
+            # for a bf16 product.
+            w = self._bf16_weight() if x2.dtype == torch.bfloat16 else self.weight
+            return torch.mm(x2, w.to(x2.dtype).t())
         return self.decode_kernel()(x2)
 
     def _bf16_weight(self) -> torch.Tensor:

@@ -186,11 +186,12 @@ class Q8Linear(WeightFormat):
         N, K = self.codes.shape
         step = max(8, self._dense_chunk // K)
         if step >= N:
-            return torch.mm(x2, q8_0_bf16(self.codes, self.scales).t())
-        y = torch.empty(x2.shape[0], N, dtype=torch.bfloat16, device=x2.device)  # (M, N)
+            return torch.mm(x2, q8_0_dense(self.codes, self.scales, x2.dtype).t())
+        y = torch.empty(x2.shape[0], N, dtype=x2.dtype, device=x2.device)  # (M, N)
         for start in range(0, N, step):
             codes, scales = self.codes[start : start + step], self.scales[start : start + step]
-            y[:, start : start + codes.shape[0]] = torch.mm(x2, q8_0_bf16(codes, scales).t())
+            w = q8_0_dense(codes, scales, x2.dtype)
+            y[:, start : start + codes.shape[0]] = torch.mm(x2, w.t())
         return y
 
     def decode_kernel(self) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -231,12 +232,16 @@ class Q8Linear(WeightFormat):
         return NativeProduct(NATIVE_Q8, self.codes, self.scales, 32, self.out_features, self.bias)
 
 
-def q8_0_bf16(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """Q8_0 codes (N, K) and scales (N, K/32) as the bfloat16 weight: each ``d * q`` (exact
-    in float32) rounded once; by the native build where there is one."""
+def q8_0_dense(
+    codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
+    """Q8_0 codes (N, K) and scales (N, K/32) as the ``dtype`` weight: each ``d * q``
+    (exact in float32), rounded once for bfloat16 (by the native build where there is
+    one)."""
     ext = native_kernels()
-    if ext is not None and codes.is_contiguous() and scales.is_contiguous():
+    contiguous = codes.is_contiguous() and scales.is_contiguous()
+    if dtype == torch.bfloat16 and ext is not None and contiguous:
         return ext.q8_0_dequant(codes, scales)  # type: ignore[no-any-return]
     N, K = codes.shape
     w = codes.view(N, K // 32, 32).float() * scales.float()[..., None]  # (N, K/32, 32)
-    return w.view(N, K).to(torch.bfloat16)
+    return w.view(N, K).to(dtype)
