@@ -97,3 +97,39 @@ def test_info_says_how_to_retry_a_failed_build(fresh, capsys):
     assert "compileddecodestep" in text and "failurestands" in text
     assert "ATTNLAB_NATIVE=1" in text and "failed.log" in text
     assert fresh == [1]  # info reports; it does not build
+
+
+def test_a_stamped_build_is_imported_without_the_build_tools(tmp_path, monkeypatch):
+    """A module whose stamp (size, mtime) matches is imported directly; one that does not
+    (an interrupted link, a file changed since) goes through PyTorch's build tools, which
+    then stamp it. Never a half-written module imported."""
+    import json
+    import shutil
+
+    if native.extension() is None:
+        pytest.skip(f"native build is unavailable: {native.why_not_native()}")
+    built = native.build_dir()
+    name = "attnlab_native_" + built.name
+    folder = tmp_path / built.name
+    folder.mkdir()
+    shutil.copy2(built / f"{name}.so", folder / f"{name}.so")
+    stamp = {"file": f"{name}.so", **native._stamp_of(folder / f"{name}.so")}
+    (folder / native._STAMP).write_text(json.dumps(stamp))
+    module = native._import_built(folder, name)
+    assert module is not None and hasattr(module, "Step")
+    os.utime(folder / f"{name}.so", ns=(1, 1))  # the file changed since it was stamped
+    assert native._import_built(folder, name) is None
+    (folder / native._STAMP).write_text("{not json")
+    assert native._import_built(folder, name) is None
+    calls = []
+    monkeypatch.setattr(native, "build_dir", lambda: folder)
+    import torch.utils.cpp_extension as cpp_extension
+
+    def load(module_name, *args, **kwargs):
+        calls.append(module_name)
+        return types.SimpleNamespace(name=module_name)
+
+    monkeypatch.setattr(cpp_extension, "load", load)
+    assert native._build().name == name and calls == [name]
+    assert json.loads((folder / native._STAMP).read_text())["mtime_ns"] == 1
+    assert hasattr(native._build(), "Step") and calls == [name]  # stamped: imported

@@ -192,12 +192,49 @@ def retry_hint(failed: Path | None = None) -> str:
     )
 
 
+#: Written beside a module that built and imported: its file's size and mtime. A folder is
+#: one build of one set of sources and flags (:func:`build_dir`), so a module that matches
+#: its stamp is imported directly, without PyTorch's build tools (which import slowly and
+#: run Ninja to see that nothing changed).
+_STAMP = "built.json"
+
+
+def _stamp_of(module_file: Path) -> dict[str, int]:
+    stat = module_file.stat()
+    return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+def _import_built(folder: Path, name: str) -> ModuleType | None:
+    """The module built in ``folder`` when its stamp says it is complete, else None."""
+    import importlib.util
+    import json
+
+    module_file = folder / f"{name}.so"
+    try:
+        stamp = json.loads((folder / _STAMP).read_text())
+        if stamp != {"file": module_file.name, **_stamp_of(module_file)}:
+            return None
+    except (OSError, ValueError):
+        return None
+    spec = importlib.util.spec_from_file_location(name, module_file)
+    if spec is None or spec.loader is None:
+        return None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _build() -> ModuleType:
-    from torch.utils.cpp_extension import load  # deferred: only a build needs it
+    import json
 
     folder = build_dir()
     folder.mkdir(parents=True, exist_ok=True)
     name = "attnlab_native_" + folder.name
+    built = _import_built(folder, name)
+    if built is not None:
+        return built
+    from torch.utils.cpp_extension import load  # deferred: only a build needs it
+
     if not any(folder.glob(f"{name}*.so")):
         print(
             f"attnlab: compiling the native decode step (once per machine, tens of seconds) "
@@ -206,7 +243,7 @@ def _build() -> ModuleType:
             flush=True,
         )
     here = Path(__file__).parent
-    return load(
+    module = load(
         name,
         [str(here / s) for s in SOURCES],
         extra_cflags=list(_flags()),
@@ -214,6 +251,13 @@ def _build() -> ModuleType:
         build_directory=str(folder),
         verbose=False,
     )
+    module_file = folder / f"{name}.so"
+    if module_file.is_file():
+        stamp = {"file": module_file.name, **_stamp_of(module_file)}
+        tmp = folder / f".{_STAMP}.{os.getpid()}"
+        tmp.write_text(json.dumps(stamp))
+        os.replace(tmp, folder / _STAMP)
+    return module
 
 
 def loaded() -> ModuleType | None:
