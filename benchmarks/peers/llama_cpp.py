@@ -2,8 +2,9 @@
 
 The source is the ``llama-cpp-python`` sdist from PyPI, which vendors llama.cpp under
 ``vendor/llama.cpp`` (``convert_hf_to_gguf.py``, ``gguf-py/``, the CMake project). The
-tools are built with CMake + Ninja, with weight repacking off (``GGML_CPU_REPACK=OFF``):
-the repacked CPU kernels crash on the machines this project runs on.
+tools are built with CMake + Ninja. The default build is for this CPU
+(``GGML_NATIVE=ON``) with weight repacking off (``GGML_CPU_REPACK=OFF``): the repacked
+CPU kernels crashed on a machine this project ran on.
 
 Layout of the cache (``$ATTNLAB_PEERS/llama.cpp``, default
 ``~/.cache/attnlab/peers/llama.cpp``)::
@@ -13,6 +14,18 @@ Layout of the cache (``$ATTNLAB_PEERS/llama.cpp``, default
     converter-packages/  the transformers version the converter pins (pip --target)
     llama_cpp.json       versions and build flags; written last, so its presence means built
 
+Variants for a CPU class (``--isa``, the classes of ``benchmarks/_isa.py``) or with weight
+repacking on (``--repack``) live beside it, one folder each:
+``llama.cpp-<isa>[-repack]`` (``llama.cpp-avx2``, ``llama.cpp-native-repack``). A variant
+builds ``llama-bench`` alone, has no converter packages, and copies its source from the
+default build's ``src/`` when that holds the same release (else it downloads the sdist).
+Its ``llama_cpp.json`` says its ``isa``, ``repack`` and CMake flags. The classes:
+
+- ``native``: ``GGML_NATIVE=ON`` (``-march=native``: whatever this CPU has, AMX included);
+- ``avx512-core``: AVX-512 F/CD/VL/DQ/BW with AVX2, FMA, F16C, BMI2; no VNNI, VBMI, BF16
+  or AMX (Skylake-SP);
+- ``avx2``: AVX2, FMA, F16C, BMI2; no AVX-VNNI, no AVX-512 (x86-64-v3).
+
 Running the script again does nothing when ``llama_cpp.json`` and the binaries exist.
 
 Usage::
@@ -20,6 +33,8 @@ Usage::
     python benchmarks/peers/llama_cpp.py            # build if needed, print the folder
     python benchmarks/peers/llama_cpp.py --check    # exit 1 if not built, build nothing
     python benchmarks/peers/llama_cpp.py --version 0.3.36 --jobs 2
+    python benchmarks/peers/llama_cpp.py --isa avx2 --jobs 1     # llama.cpp-avx2
+    python benchmarks/peers/llama_cpp.py --isa avx512-core --repack
 
 Needs a C/C++ compiler, ``cmake`` (>= 3.14) and ``ninja`` on PATH (Debian: ``apt-get
 install build-essential cmake ninja-build``; or ``pip install cmake ninja``).
@@ -45,16 +60,39 @@ from typing import Any
 # Pinned so that every machine converts and quantises with the same code.
 DEFAULT_VERSION = "0.3.36"
 TOOLS = ("llama-quantize", "llama-bench", "llama-perplexity")
+# A variant (another CPU class, or repacking on) is for timing alone.
+VARIANT_TOOLS = ("llama-bench",)
 CMAKE_FLAGS = (
     "-DCMAKE_BUILD_TYPE=Release",
     "-DGGML_NATIVE=ON",
-    # Repacked weight layouts crash on this project's CPUs; the plain kernels do not.
+    # Repacked weight layouts crashed on a CPU this project ran on; the plain kernels did not.
     "-DGGML_CPU_REPACK=OFF",
     "-DLLAMA_CURL=OFF",
     "-DLLAMA_BUILD_TESTS=OFF",
     "-DLLAMA_BUILD_SERVER=OFF",
     "-DLLAMA_BUILD_EXAMPLES=ON",
 )
+# The instruction sets of each CPU class (benchmarks/_isa.py), as the vendored ggml's
+# CMake options name them (ggml/CMakeLists.txt; ggml/src/ggml-cpu/CMakeLists.txt turns
+# each into -m flags when GGML_NATIVE is off). Every x86 option is named, on or off, since
+# their defaults depend on GGML_NATIVE and on SOURCE_DATE_EPOCH.
+_X86_ON = ("SSE42", "AVX", "AVX2", "FMA", "F16C", "BMI2")
+_X86_OFF = ("AVX_VNNI", "AVX512_VBMI", "AVX512_VNNI", "AVX512_BF16", "AMX_TILE", "AMX_INT8",
+            "AMX_BF16")  # fmt: skip
+ISA_FLAGS: dict[str, tuple[str, ...]] = {
+    "native": ("-DGGML_NATIVE=ON",),
+    "avx512-core": (
+        "-DGGML_NATIVE=OFF",
+        *(f"-DGGML_{o}=ON" for o in (*_X86_ON, "AVX512")),
+        *(f"-DGGML_{o}=OFF" for o in _X86_OFF),
+    ),
+    "avx2": (
+        "-DGGML_NATIVE=OFF",
+        *(f"-DGGML_{o}=ON" for o in _X86_ON),
+        *(f"-DGGML_{o}=OFF" for o in ("AVX512", *_X86_OFF)),
+    ),
+}
+ISAS = tuple(ISA_FLAGS)
 RECORD = "llama_cpp.json"
 # The converter is written against the transformers its requirements pin (4.x; the pin is
 # read from the vendored requirements file): transformers 5 rewrites some hub configs on
@@ -95,6 +133,16 @@ class LlamaCpp:
         """The vendored ``gguf`` package's parent, to put on the converter's PYTHONPATH."""
         return self.src / "gguf-py"
 
+    @property
+    def isa(self) -> str:
+        """The CPU class it was built for (``native`` for a record that does not say)."""
+        return str(self.info.get("isa", "native"))
+
+    @property
+    def repack(self) -> bool:
+        """Whether it was built with weight repacking (``GGML_CPU_REPACK=ON``)."""
+        return bool(self.info.get("repack", False))
+
     def tool(self, name: str) -> Path:
         """The path of one built tool, e.g. ``tool("llama-quantize")``."""
         return self.bin / name
@@ -107,19 +155,64 @@ def cache_dir() -> Path:
     return base / "llama.cpp"
 
 
-def find(root: Path | None = None) -> LlamaCpp | None:
-    """The built peer in ``root`` (default: :func:`cache_dir`), or None if not built."""
-    root = cache_dir() if root is None else root
+def _check_isa(isa: str) -> None:
+    if isa not in ISA_FLAGS:
+        raise SystemExit(f"llama_cpp.py: unknown isa {isa!r}; choose from {', '.join(ISAS)}")
+
+
+def is_default(isa: str, repack: bool) -> bool:
+    """Whether ``(isa, repack)`` is the default build (native, no repacking)."""
+    return isa == "native" and not repack
+
+
+def peer_dir(isa: str = "native", repack: bool = False) -> Path:
+    """The folder of a build: :func:`cache_dir` for the default one, else
+    ``llama.cpp-<isa>[-repack]`` beside it."""
+    _check_isa(isa)
+    root = cache_dir()
+    if is_default(isa, repack):
+        return root
+    return root.with_name(f"{root.name}-{isa}{'-repack' if repack else ''}")
+
+
+def cmake_flags(isa: str = "native", repack: bool = False) -> tuple[str, ...]:
+    """The CMake flags of a build (the default one's are :data:`CMAKE_FLAGS`)."""
+    _check_isa(isa)
+    out: list[str] = []
+    for flag in CMAKE_FLAGS:
+        if flag == "-DGGML_NATIVE=ON":
+            out.extend(ISA_FLAGS[isa])
+        elif flag == "-DGGML_CPU_REPACK=OFF":
+            out.append(f"-DGGML_CPU_REPACK={'ON' if repack else 'OFF'}")
+        else:
+            out.append(flag)
+    return tuple(out)
+
+
+def find(root: Path | None = None, isa: str = "native", repack: bool = False) -> LlamaCpp | None:
+    """The built peer in ``root`` (default: :func:`peer_dir` of ``isa`` and ``repack``), or
+    None if not built.
+
+    What counts as built follows the folder's record: the default build (a record without
+    ``isa`` and ``repack``, or native without repacking) needs every tool of :data:`TOOLS`,
+    the converter and its packages; a variant needs the tools its record lists.
+    """
+    root = peer_dir(isa, repack) if root is None else root
     record = root / RECORD
     if not record.is_file():
         return None
     peer = LlamaCpp(
         root=root, src=root / "src", bin=root / "build" / "bin", info=json.loads(record.read_text())
     )
-    tools = all(os.access(peer.tool(t), os.X_OK) for t in TOOLS)
-    packages = (peer.converter_packages / "transformers").is_dir()
-    if not peer.converter.is_file() or not tools or not packages:
+    default = is_default(peer.isa, peer.repack)
+    needed = TOOLS if default else tuple(peer.info.get("tools") or VARIANT_TOOLS)
+    tools = all(os.access(peer.tool(t), os.X_OK) for t in needed)
+    if not tools:
         return None
+    if default:
+        packages = (peer.converter_packages / "transformers").is_dir()
+        if not peer.converter.is_file() or not packages:
+            return None
     return peer
 
 
@@ -163,6 +256,12 @@ def _converter_transformers_pin(src: Path) -> str:
     return "transformers>=4.45,<5"
 
 
+def _compiler() -> str | None:
+    """The first line of ``c++ --version``."""
+    out = subprocess.run(["c++", "--version"], capture_output=True, text=True, check=False)
+    return out.stdout.splitlines()[0] if out.stdout else None
+
+
 def _ggml_version(src: Path) -> str | None:
     text = (src / "ggml" / "CMakeLists.txt").read_text(errors="replace")
     parts = [
@@ -171,22 +270,71 @@ def _ggml_version(src: Path) -> str | None:
     return ".".join(p.group(1) for p in parts if p) if all(parts) else None
 
 
+def _download_source(version: str, root: Path) -> None:
+    """Put the sdist's vendored llama.cpp in ``root/src`` and the commit it vendors in
+    ``root/llama_cpp_commit.txt``."""
+    src = root / "src"
+    with tempfile.TemporaryDirectory(prefix="llama-cpp-sdist-") as tmp:
+        _run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+             f"llama-cpp-python=={version}", "-d", tmp]
+        )  # fmt: skip
+        (sdist,) = Path(tmp).glob("llama_cpp_python-*.tar.gz")
+        top = sdist.name.removesuffix(".tar.gz")
+        prefix = f"{top}/vendor/llama.cpp/"
+        with tarfile.open(sdist) as tar:
+            members = [m for m in tar.getmembers() if m.name.startswith(prefix)]
+            for m in members:
+                m.name = m.name[len(prefix) :]
+            tar.extractall(Path(tmp) / "llama.cpp", members=members, filter="data")
+            changelog = tar.extractfile(f"{top}/CHANGELOG.md")
+            text = changelog.read().decode("utf-8", "replace") if changelog else ""
+        (root / "llama_cpp_commit.txt").write_text(
+            (_vendored_commit(text, version) or "unknown") + "\n"
+        )
+        if src.exists():
+            shutil.rmtree(src)
+        shutil.move(str(Path(tmp) / "llama.cpp"), src)
+
+
+def _copy_source(default: LlamaCpp, root: Path) -> None:
+    """Copy the default build's source and commit file into ``root`` (a variant's folder)."""
+    print(f"+ copy {default.src} -> {root / 'src'}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="src-", dir=root) as tmp:
+        shutil.copytree(default.src, Path(tmp) / "src", symlinks=True)
+        if (root / "src").exists():
+            shutil.rmtree(root / "src")
+        shutil.move(str(Path(tmp) / "src"), root / "src")
+    commit = default.info.get("llama_cpp_commit") or "unknown"
+    (root / "llama_cpp_commit.txt").write_text(f"{commit}\n")
+
+
 def build(
-    version: str = DEFAULT_VERSION, jobs: int | None = None, root: Path | None = None
+    version: str = DEFAULT_VERSION,
+    jobs: int | None = None,
+    root: Path | None = None,
+    isa: str = "native",
+    repack: bool = False,
 ) -> LlamaCpp:
     """Download the llama-cpp-python sdist, build llama.cpp's tools into ``root``.
 
-    Does nothing (returns the existing build) when the tools are already there.
+    Does nothing (returns the existing build) when the tools are already there. The default
+    build (native, no repacking) has every tool of :data:`TOOLS` and the converter's
+    packages; a variant has ``llama-bench`` alone, from a copy of the default build's
+    source when the default build holds ``version`` (else from the sdist).
 
     Args:
         version: The llama-cpp-python release whose vendored llama.cpp is built.
         jobs: Parallel compile jobs (default: Ninja's choice).
-        root: The cache folder (default: :func:`cache_dir`).
+        root: The cache folder (default: :func:`peer_dir` of ``isa`` and ``repack``).
+        isa: The CPU class to build for (:data:`ISA_FLAGS`).
+        repack: Build with weight repacking (``GGML_CPU_REPACK=ON``).
 
     Returns:
         The built peer.
     """
-    root = cache_dir() if root is None else root
+    root = peer_dir(isa, repack) if root is None else root
+    default = is_default(isa, repack)
     found = find(root)
     if found is not None:
         if found.info.get("llama_cpp_python") != version:
@@ -203,57 +351,46 @@ def build(
     src = root / "src"
     commit_file = root / "llama_cpp_commit.txt"
     if not (src / "convert_hf_to_gguf.py").is_file():
-        with tempfile.TemporaryDirectory(prefix="llama-cpp-sdist-") as tmp:
-            _run(
-                [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                 f"llama-cpp-python=={version}", "-d", tmp]
-            )  # fmt: skip
-            (sdist,) = Path(tmp).glob("llama_cpp_python-*.tar.gz")
-            top = sdist.name.removesuffix(".tar.gz")
-            prefix = f"{top}/vendor/llama.cpp/"
-            with tarfile.open(sdist) as tar:
-                members = [m for m in tar.getmembers() if m.name.startswith(prefix)]
-                for m in members:
-                    m.name = m.name[len(prefix) :]
-                tar.extractall(Path(tmp) / "llama.cpp", members=members, filter="data")
-                changelog = tar.extractfile(f"{top}/CHANGELOG.md")
-                text = changelog.read().decode("utf-8", "replace") if changelog else ""
-            commit_file.write_text((_vendored_commit(text, version) or "unknown") + "\n")
-            if src.exists():
-                shutil.rmtree(src)
-            shutil.move(str(Path(tmp) / "llama.cpp"), src)
+        base = None if default else find(peer_dir())
+        if base is not None and base.info.get("llama_cpp_python") == version:
+            _copy_source(base, root)
+        else:
+            _download_source(version, root)
     commit = commit_file.read_text().strip() if commit_file.exists() else "unknown"
     packages = root / "converter-packages"
     transformers_pin = _converter_transformers_pin(src)
-    if not (packages / "transformers").is_dir():
+    if default and not (packages / "transformers").is_dir():
         _run(
             [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target",
              str(packages), transformers_pin, *CONVERTER_DEPS]
         )  # fmt: skip
     build_dir = root / "build"
+    flags = cmake_flags(isa, repack)
+    tools = TOOLS if default else VARIANT_TOOLS
     # The commit goes into the binaries too (`llama-bench` prints it), since CMake cannot
     # find it without git metadata.
     _run(
-        [cmake, "-S", str(src), "-B", str(build_dir), "-G", "Ninja", *CMAKE_FLAGS,
+        [cmake, "-S", str(src), "-B", str(build_dir), "-G", "Ninja", *flags,
          f"-DLLAMA_BUILD_COMMIT={commit}"]
     )  # fmt: skip
-    _run([ninja, "-C", str(build_dir), *(["-j", str(jobs)] if jobs else []), *TOOLS])
-    compiler = subprocess.run(["c++", "--version"], capture_output=True, text=True, check=False)
+    _run([ninja, "-C", str(build_dir), *(["-j", str(jobs)] if jobs else []), *tools])
     info = {
         "llama_cpp_python": version,
         "llama_cpp_commit": commit,
         "ggml_version": _ggml_version(src),
-        "converter_packages": [transformers_pin, *CONVERTER_DEPS],
-        "cmake_flags": [*CMAKE_FLAGS, f"-DLLAMA_BUILD_COMMIT={commit}"],
-        "tools": list(TOOLS),
+        "isa": isa,
+        "repack": repack,
+        **({"converter_packages": [transformers_pin, *CONVERTER_DEPS]} if default else {}),
+        "cmake_flags": [*flags, f"-DLLAMA_BUILD_COMMIT={commit}"],
+        "tools": list(tools),
         "machine": platform.machine(),
-        "compiler": compiler.stdout.splitlines()[0] if compiler.stdout else None,
+        "compiler": _compiler(),
     }
     (root / RECORD).write_text(json.dumps(info, indent=2) + "\n")
     found = find(root)
     if found is None:
         raise SystemExit(
-            f"llama_cpp.py: the build in {build_dir} did not produce {', '.join(TOOLS)}"
+            f"llama_cpp.py: the build in {build_dir} did not produce {', '.join(tools)}"
         )
     return found
 
@@ -333,19 +470,22 @@ def run_bench(
     if proc.returncode >= 0 or "--repack" in args:
         return proc, None
     again = subprocess.run([*cmd, "--repack", "0"], capture_output=True, text=True, check=False)
-    cpu = platform.processor() or platform.machine()
+    note = (
+        f"llama-bench died by signal {-proc.returncode} with its extra buffer types (repacked "
+        f"weights, AMX tiles) on this CPU ({cpu_name()}); measured with --repack 0"
+    )
+    return again, note
+
+
+def cpu_name() -> str:
+    """The CPU's model name as ``/proc/cpuinfo`` gives it (else what ``platform`` knows)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+                return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    note = (
-        f"llama-bench died by signal {-proc.returncode} with its extra buffer types (repacked "
-        f"weights, AMX tiles) on this CPU ({cpu}); measured with --repack 0"
-    )
-    return again, note
+    return platform.processor() or platform.machine()
 
 
 def quantize(peer: LlamaCpp, source: Path, target: Path, qtype: str, threads: int = 1) -> str:
@@ -439,12 +579,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--version", default=DEFAULT_VERSION, help="llama-cpp-python release")
     parser.add_argument("--jobs", type=int, default=None, help="parallel compile jobs")
     parser.add_argument("--check", action="store_true", help="only say whether it is built")
+    parser.add_argument("--isa", choices=ISAS, default="native",
+                        help="CPU class to build for (a variant: llama-bench alone)")  # fmt: skip
+    parser.add_argument("--repack", action="store_true",
+                        help="weight repacking on (GGML_CPU_REPACK=ON; a variant)")  # fmt: skip
     args = parser.parse_args(argv)
     if args.check:
-        peer = find()
-        print(peer.root if peer else f"not built in {cache_dir()}")
+        peer = find(isa=args.isa, repack=args.repack)
+        print(peer.root if peer else f"not built in {peer_dir(args.isa, args.repack)}")
         return 0 if peer else 1
-    peer = build(args.version, args.jobs)
+    peer = build(args.version, args.jobs, isa=args.isa, repack=args.repack)
     print(peer.root)
     print(json.dumps(peer.info, indent=2))
     return 0
