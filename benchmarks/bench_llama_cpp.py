@@ -152,8 +152,15 @@ def build_command(isa: str = "native", repack: bool = False) -> str:
 
 
 def config_name(label: str, isa: str, repack: bool, quick: bool = False) -> str:
-    """A record's config: the file's label, the CPU class, ``-repack`` when asked, ``-quick``."""
-    return f"{label}-{isa}" + ("-repack" if repack else "") + ("-quick" if quick else "")
+    """A record's config: the file's label, then the CPU class unless it is the machine as
+    it is, ``-repack`` when asked, ``-quick``. The machine as it is without repacking keeps
+    the bare label, the name of every record before the classes existed."""
+    return (
+        label
+        + ("" if isa == "native" else f"-{isa}")
+        + ("-repack" if repack else "")
+        + ("-quick" if quick else "")
+    )
 
 
 def reexec_env(isa: str, environ: Mapping[str, str]) -> dict[str, str] | None:
