@@ -1,4 +1,5 @@
-"""A real attnlab server (uvicorn on 127.0.0.1, a free port) inside the test process."""
+"""A real attnlab server (uvicorn on 127.0.0.1, a free port) inside the test process, and
+clicks on its page that wait for the page to settle first."""
 
 from __future__ import annotations
 
@@ -49,3 +50,31 @@ def live_server(app: Any) -> Iterator[str]:
 
 def tokenizer() -> Any:
     return get_tokenizer()
+
+
+def settle(page: Any, timeout_ms: int = 60_000) -> None:
+    """Wait until the served page has no request of its own in flight.
+
+    An answer the page draws can set off more work that draws later, above the panels a
+    test clicks in next: a trace draws the heads panel (its roles, then the ablation), a
+    finished generation traces the longer text again and redraws the head view. A
+    ``body[data-...]`` marker says that one answer is drawn, not that this follow-up work
+    is. The page counts its requests in flight (``window.attnlabServe.busy``) and starts
+    a follow-up request in the promise callbacks of the answer that sets it off, before
+    that task ends, so the count reads zero only once everything set off is drawn.
+    """
+    page.wait_for_function("() => window.attnlabServe.busy === 0", timeout=timeout_ms)
+
+
+def click_settled(page: Any, selector: str, timeout_ms: int = 60_000) -> None:
+    """Click ``selector`` once the served page has settled (:func:`settle`).
+
+    A click is two input events, mousedown and mouseup, and Playwright checks that the
+    element is under the pointer at the first one only. When an answer drawn between the
+    two moves the element (the heads panel growing above the generate panel moves it by
+    hundreds of pixels), the mouseup lands on whatever is there now and the browser sends
+    the click to an ancestor of both: the element's handler never runs, and the test waits
+    for a marker that never comes.
+    """
+    settle(page, timeout_ms)
+    page.click(selector, timeout=timeout_ms)

@@ -16,7 +16,7 @@ sync_api = pytest.importorskip("playwright.sync_api", reason="needs playwright (
 
 from attnlab.serve import ModelRegistry, create_app, example_spec, model_spec  # noqa: E402
 from explain_helpers import launch_browser  # noqa: E402
-from serve_helpers import live_server, tiny_gpt, tokenizer  # noqa: E402
+from serve_helpers import click_settled, live_server, tiny_gpt, tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.browser
 ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts"
@@ -69,7 +69,7 @@ def test_type_step_into_a_head_and_generate(browser, server):
     p = o.page
     text = "The cat sat on the mat <img src=x onerror=alert(1)>"
     p.fill("#text", text)
-    p.click("#explain")
+    click_settled(p, "#explain")
     p.wait_for_function("(t) => window.attnlabServe.trace.attention.tokens.join('') === t",
                         arg=text, timeout=30_000)  # fmt: skip
     tokens = p.locator(".hv-col.queries .tok").all_text_contents()
@@ -81,13 +81,13 @@ def test_type_step_into_a_head_and_generate(browser, server):
     assert p.text_content("#matrix-hover").startswith("#0 The \u2192 #0 The: 1.0000")
     # Step into layer 1, head 2, query token 4.
     p.select_option("#layer", "1")
-    p.click("#heads input[data-head='2']")  # add head 2 ...
-    p.click("#heads input[data-head='0']")  # ... and drop head 0: head 2 first
-    p.click(".hv-col.queries .tok[data-i='4']")
+    click_settled(p, "#heads input[data-head='2']")  # add head 2 ...
+    click_settled(p, "#heads input[data-head='0']")  # ... and drop head 0: head 2 first
+    click_settled(p, ".hv-col.queries .tok[data-i='4']")
     p.wait_for_selector("body[data-stepped='1']", timeout=30_000)
     ARTIFACTS.mkdir(exist_ok=True)
     p.locator("#panel-step").screenshot(path=str(ARTIFACTS / "serve-step.png"))
-    p.click("#panel-step .st-sec[data-step='weights'] button.more")  # 19 keys: expand
+    click_settled(p, "#panel-step .st-sec[data-step='weights'] button.more")  # 19 keys: expand
     cells = p.locator("table[data-name='attn_weights_4'] td").all_text_contents()
     shown = [float(c) for c in cells]
     trace = httpx.post(f"{server}/api/trace", json={"model": "tiny", "text": text}).json()
@@ -100,12 +100,12 @@ def test_type_step_into_a_head_and_generate(browser, server):
     # A long vector is truncated, and expands.
     x_cells = "#panel-step .st-sec[data-step='input'] td"
     assert p.locator(x_cells).count() == 13  # 12 numbers and "…"
-    p.click("#panel-step .st-sec[data-step='input'] button.more")
+    click_settled(p, "#panel-step .st-sec[data-step='input'] button.more")
     assert p.locator(x_cells).count() == 32
     # Generate 3 tokens, streaming: bars, text, and the text box grows and is traced again.
     before = o.traced()
     p.fill("#gen-n", "3")
-    p.click("#gen-stream")
+    click_settled(p, "#gen-stream")
     p.wait_for_selector("body[data-generated='3']", timeout=30_000)
     assert p.locator("#gen-bars .bar").count() == 10
     assert p.locator("#gen-bars .bar.chosen").count() == 1
@@ -124,12 +124,12 @@ def test_the_example_and_a_bad_request(browser, server):
     p.wait_for_function("() => window.attnlabServe.trace.model === 'example:journey'")
     assert p.is_disabled("#text") and p.is_hidden("#panel-generate")
     assert p.locator("#tab-walk").is_visible()
-    p.click(".hv-col.queries .tok[data-i='1']")
+    click_settled(p, ".hv-col.queries .tok[data-i='1']")
     p.wait_for_selector("body[data-stepped='1']", timeout=30_000)
     assert "0.2264" in p.text_content("#panel-step")  # the book's attn_weights_2
     p.select_option("#model", "tiny")
     p.fill("#text", "x" * 5000)  # over the model's context: the API's 413, shown
-    p.click("#explain")
+    click_settled(p, "#explain")
     p.wait_for_selector("#status.err", timeout=30_000)
     assert "the limit is 64" in p.text_content("#status")
     p.close()

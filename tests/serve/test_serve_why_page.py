@@ -14,7 +14,7 @@ sync_api = pytest.importorskip("playwright.sync_api", reason="needs playwright (
 
 from attnlab.serve import ModelRegistry, create_app, model_spec  # noqa: E402
 from explain_helpers import launch_browser  # noqa: E402
-from serve_helpers import live_server, tiny_gpt, tokenizer  # noqa: E402
+from serve_helpers import click_settled, live_server, tiny_gpt, tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.browser
 ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts"
@@ -35,11 +35,14 @@ def test_click_a_generated_token_and_the_panel_shows_the_attribution():
         page.on("request", lambda r: hosts.add(r.url.split("/")[2]))
         page.goto(url)
         page.wait_for_selector("body[data-traced='1']", timeout=60_000)
+        # Every click waits for the page to settle: what an answer sets off (the heads panel
+        # after a trace, a new trace after a generation) draws above the panels clicked in
+        # here and moves them, and a click they move between mousedown and mouseup is lost.
         page.fill("#gen-n", "3")
-        page.click("#gen-stream")
+        click_settled(page, "#gen-stream")
         page.wait_for_selector("body[data-generated='3']", timeout=60_000)
         assert page.locator("#gen-out .gen-tok").count() == 3
-        page.click("#gen-out .gen-tok[data-index='1']")
+        click_settled(page, "#gen-out .gen-tok[data-index='1']")
         page.wait_for_selector("body[data-why='1']", timeout=60_000)
         generated = page.evaluate("window.attnlabServe.generated")
         body = page.evaluate("window.attnlabServe.whyBody")
@@ -66,14 +69,13 @@ def test_click_a_generated_token_and_the_panel_shows_the_attribution():
         assert float(page.get_attribute("#why-total", "data-total")) == expected["total"]
         assert page.input_value("#why-contrast-pick") == str(runner["id"])
         # A click on a head: its value-weighted attention over the source tokens.
-        page.click("#why-heads .why-cell[data-layer='1'][data-head='2']")
+        click_settled(page, "#why-heads .why-cell[data-layer='1'][data-head='2']")
         src = page.locator("#why-src .bar").evaluate_all("els => els.map(e => Number(e.dataset.v))")
         assert src == expected["by_source"][1][2][: len(body["ids"])]
         ARTIFACTS.mkdir(exist_ok=True)
         page.locator("#panel-why").screenshot(path=str(ARTIFACTS / "serve-why.png"))
         # A token of the text: what the position before it predicted, against the runner-up.
-        page.wait_for_selector("#why-strip .why-tok[data-index='2']", timeout=60_000)
-        page.click("#why-strip .why-tok[data-index='2']")
+        click_settled(page, "#why-strip .why-tok[data-index='2']")
         page.wait_for_selector("body[data-why='2']", timeout=60_000)
         why = page.evaluate("window.attnlabServe.why")
         assert why["position"] == 1 and why["target"]["id"] == why["ids"][2]
@@ -84,7 +86,7 @@ def test_click_a_generated_token_and_the_panel_shows_the_attribution():
         page.fill("#why-corrupted", "When Mary and John went to the store, Mary gave a drink to")
         page.fill("#why-target", " Mary")
         page.fill("#why-contrast", " John")
-        page.click("#why-patch")
+        click_settled(page, "#why-patch")
         page.wait_for_selector("body[data-patched='1']", timeout=60_000)
         grid = page.evaluate("window.attnlabServe.patch.grid")
         shown = page.locator("#why-patch-grid td.why-pcell").evaluate_all(
