@@ -47,6 +47,20 @@ run, and the record's notes say so and name the CPU.
 
     PYTHONPATH=src python benchmarks/bench_llama_cpp.py --isa avx2 --build-peer
     PYTHONPATH=src python benchmarks/bench_llama_cpp.py --isa avx512-core --repack
+
+Decode at a depth (``--depth N``): ``--new`` tokens (default 32) generated with ``N`` tokens
+already in the cache, and the memory each side holds for that cache. Each round runs
+``llama-bench -d N -p 0 -n NEW`` twice, with ``-fa 0`` and ``-fa 1`` (the better setting is
+the peer and the record names it), and attnlab's greedy generation of ``NEW + 1`` tokens
+after an ``N``-token prompt: the prompt's forward fills the cache and gives the first token
+(not timed, as llama-bench's depth fill is not), then ``NEW`` one-token steps are timed.
+Memory: the bytes of the cache generation allocated (its tensors' ``nbytes``) against
+llama.cpp's cache for that context computed as llama.cpp sizes it (:func:`llama_cpp_kv`:
+llama-bench's JSON does not report it), and the peak RSS of this process against that of
+the llama-bench process (:func:`run_measured`). No prefill or agreement at a depth: those
+are depth 0's. The config gets ``-depthN`` (``smollm2-135m-instruct-depth4096``).
+
+    PYTHONPATH=src python benchmarks/bench_llama_cpp.py --depth 4096 --dtypes int4
 """
 
 from __future__ import annotations
@@ -55,11 +69,14 @@ import argparse
 import gc
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -73,7 +90,9 @@ from peers import llama_cpp as peers
 from attnlab.data import default_corpus
 from attnlab.generation import generate_stream
 from attnlab.pretrained import ModelFileError, load_pretrained
+from attnlab.pretrained.gguf_file import read_gguf
 from attnlab.pretrained.loaders import smollm2_path
+from attnlab.pretrained.tokenizer import tokenizer_from_gguf
 
 BUILD_COMMAND = "python benchmarks/peers/llama_cpp.py"
 CACHE = Path.home() / ".cache" / "attnlab"
@@ -91,12 +110,19 @@ class BenchFigure:
     """One llama-bench test (a pp or a tg) as its JSON output reports it.
 
     Attributes:
-        test: ``"pp512"`` (prompt processing of 512 tokens) or ``"tg128"`` (generation).
+        test: ``"pp512"`` (prompt processing of 512 tokens) or ``"tg128"`` (generation);
+            after a depth, ``"tg32@d4096"`` (32 tokens generated with 4096 already in the
+            cache: llama-bench's ``tg32 @ d4096``).
         avg_ts: mean tokens/s over the repetitions.
         samples_ts: tokens/s of each repetition.
         threads: ``n_threads``.
         build_commit: the llama.cpp commit the tool was built from.
         model_type: what llama.cpp calls the file (e.g. ``"llama 256M Q4_1"``).
+        depth: ``n_depth``: tokens in the cache before the timed part (``-d``).
+        flash_attn: ``flash_attn`` as asked (``-fa``): 0 off, 1 on, -1 auto; None when the
+            output does not say.
+        type_k: ``type_k``, the K cache's element type (``"f16"``, llama.cpp's default).
+        type_v: ``type_v``, the V cache's.
     """
 
     test: str
@@ -105,10 +131,15 @@ class BenchFigure:
     threads: int
     build_commit: str
     model_type: str
+    depth: int = 0
+    flash_attn: int | None = None
+    type_k: str = "f16"
+    type_v: str = "f16"
 
 
 def parse_llama_bench(text: str) -> dict[str, BenchFigure]:
-    """llama-bench's ``-o json`` output, one figure per test (``"pp512"``, ``"tg128"``).
+    """llama-bench's ``-o json`` output, one figure per test (``"pp512"``, ``"tg128"``,
+    ``"tg32@d4096"``).
 
     Raises:
         ValueError: not a JSON list of tests, or a test without the field named.
@@ -130,7 +161,9 @@ def parse_llama_bench(text: str) -> dict[str, BenchFigure]:
                 f"llama-bench test {i}: exactly one of n_prompt ({n_prompt}) and n_gen "
                 f"({n_gen}) must be positive"
             )
-        test = f"pp{n_prompt}" if n_prompt else f"tg{n_gen}"
+        depth = int(row.get("n_depth", 0))
+        test = (f"pp{n_prompt}" if n_prompt else f"tg{n_gen}") + (f"@d{depth}" if depth else "")
+        fa = row.get("flash_attn")
         out[test] = BenchFigure(
             test=test,
             avg_ts=float(row["avg_ts"]),
@@ -138,6 +171,10 @@ def parse_llama_bench(text: str) -> dict[str, BenchFigure]:
             threads=int(row["n_threads"]),
             build_commit=str(row.get("build_commit", "unknown")),
             model_type=str(row.get("model_type", "")),
+            depth=depth,
+            flash_attn=None if fa is None else int(fa),
+            type_k=str(row.get("type_k", "f16")),
+            type_v=str(row.get("type_v", "f16")),
         )
     return out
 
@@ -151,14 +188,16 @@ def build_command(isa: str = "native", repack: bool = False) -> str:
     )
 
 
-def config_name(label: str, isa: str, repack: bool, quick: bool = False) -> str:
+def config_name(label: str, isa: str, repack: bool, quick: bool = False, depth: int = 0) -> str:
     """A record's config: the file's label, then the CPU class unless it is the machine as
-    it is, ``-repack`` when asked, ``-quick``. The machine as it is without repacking keeps
-    the bare label, the name of every record before the classes existed."""
+    it is, ``-repack`` when asked, ``-depthN`` for decode at a depth, ``-quick``. The
+    machine as it is without repacking, at depth 0, keeps the bare label, the name of every
+    record before the classes and depths existed."""
     return (
         label
         + ("" if isa == "native" else f"-{isa}")
         + ("-repack" if repack else "")
+        + (f"-depth{depth}" if depth else "")
         + ("-quick" if quick else "")
     )
 
@@ -246,29 +285,86 @@ def repack_failure(returncode: int, cpu: str, failed: Path, standin: Path) -> st
     )
 
 
-def run_llama_bench(
-    builds: Builds, path: Path, *, threads: int, prompt: int, new: int, reps: int
-) -> dict[str, BenchFigure]:
-    """``llama-bench -m path -t threads -p prompt -n new -r reps -o json``, parsed.
+Run = Callable[[list[str]], subprocess.CompletedProcess[str]]
+
+
+def _run_text(cmd: list[str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(cmd, capture_output=True, text=True, check=False)
+
+
+# Starts the command as its child and writes "STATUS MAXRSS_KIB" of that child into the file
+# named by its first argument; the command follows. See run_measured.
+_PEAK_HELPER = """\
+import os, sys
+pid = os.fork()
+if pid == 0:
+    try:
+        os.execvp(sys.argv[2], sys.argv[2:])
+    finally:
+        os._exit(127)
+_, status, usage = os.wait4(pid, 0)
+with open(sys.argv[1], "w") as f:
+    f.write(f"{status} {usage.ru_maxrss}")
+"""
+
+
+def run_measured(cmd: list[str]) -> tuple[subprocess.CompletedProcess[str], int]:
+    """Run ``cmd`` to its end: the finished process (output as text) and its peak resident
+    set in bytes.
+
+    A process's ``ru_maxrss`` counts the memory of the process it was started from: Linux
+    records the high-water mark of the address space that ``exec`` replaces, and a child
+    of this process (forked or vforked from it) execs from this process's pages, so
+    ``os.wait4`` or ``RUSAGE_CHILDREN`` would give at least this process's own peak (with
+    a model loaded, far above llama-bench's). So a small Python (``-I -S``, a few MiB)
+    starts ``cmd`` as its own child and reports that child's ``wait4`` status and peak;
+    the figure cannot read below the small Python's size.
+
+    Raises:
+        RuntimeError: the small Python itself failed.
+    """
+    with (
+        tempfile.TemporaryFile("w+") as out,
+        tempfile.TemporaryFile("w+") as err,
+        tempfile.TemporaryDirectory() as tmp,
+    ):
+        report = Path(tmp) / "peak"
+        helper = [sys.executable, "-I", "-S", "-c", _PEAK_HELPER, str(report), *cmd]
+        started = subprocess.run(helper, stdout=out, stderr=err, text=True, check=False)
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+        if started.returncode != 0 or not report.is_file():
+            raise RuntimeError(
+                f"starting {cmd[0]} to measure its memory failed ({started.returncode}):\n"
+                f"{stderr[-2000:]}"
+            )
+        status, peak_kib = (int(x) for x in report.read_text().split())
+    returncode = os.waitstatus_to_exitcode(status)
+    done = subprocess.CompletedProcess(cmd, returncode, stdout, stderr)
+    return done, peak_kib * 1024  # Linux counts ru_maxrss in KiB
+
+
+def _bench_process(builds: Builds, args: list[str], run: Run) -> subprocess.CompletedProcess[str]:
+    """``llama-bench ARGS`` from :attr:`Builds.measured`, finished with status 0.
 
     With a repacking build: that build's llama-bench with its extra buffer types on
     (``--repack 1``, its default, said so that no other fallback is taken); where it fails,
-    the plain build stands in from then on (:attr:`Builds.repack_failed`)."""
-    args = [
-        "-m", str(path), "-t", str(threads),
-        "-p", str(prompt), "-n", str(new), "-r", str(reps), "-o", "json",
-    ]  # fmt: skip
+    the plain build stands in from then on (:attr:`Builds.repack_failed`).
+
+    Raises:
+        RuntimeError: llama-bench failed (the end of its output in the message).
+    """
     if builds.repack is not None and builds.repack_failed is None:
-        cmd = [str(builds.repack.tool("llama-bench")), *args, "--repack", "1"]
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        proc = run([str(builds.repack.tool("llama-bench")), *args, "--repack", "1"])
         if proc.returncode == 0:
-            return parse_llama_bench(proc.stdout)
+            return proc
         builds.repack_failed = repack_failure(
             proc.returncode, peers.cpu_name(), builds.repack.root, builds.plain.root
         )
         print(f"{builds.repack_failed}:\n{(proc.stderr or proc.stdout)[-1000:]}", file=sys.stderr)
         FALLBACKS.add(builds.repack_failed)
-    proc, fallback = peers.run_bench(builds.plain, args)
+    proc, fallback = peers.run_bench(builds.plain, args, run)
     if proc.returncode != 0:
         raise RuntimeError(
             f"llama-bench {' '.join(args)} failed ({proc.returncode}):\n"
@@ -276,7 +372,227 @@ def run_llama_bench(
         )
     if fallback is not None:
         FALLBACKS.add(fallback)
-    return parse_llama_bench(proc.stdout)
+    return proc
+
+
+def run_llama_bench(
+    builds: Builds, path: Path, *, threads: int, prompt: int, new: int, reps: int
+) -> dict[str, BenchFigure]:
+    """``llama-bench -m path -t threads -p prompt -n new -r reps -o json``, parsed (from
+    the build :func:`_bench_process` chooses)."""
+    args = [
+        "-m", str(path), "-t", str(threads),
+        "-p", str(prompt), "-n", str(new), "-r", str(reps), "-o", "json",
+    ]  # fmt: skip
+    return parse_llama_bench(_bench_process(builds, args, _run_text).stdout)
+
+
+def depth_args(
+    path: Path, *, threads: int, depth: int, new: int, reps: int, flash_attn: bool
+) -> list[str]:
+    """llama-bench's arguments for ``new`` tokens generated after ``depth`` tokens in the
+    cache, flash attention on or off: ``-d depth -p 0 -n new -fa 1|0``.
+
+    llama-bench fills the cache with ``depth`` tokens before each repetition's clock starts
+    (``-d``, its ``n_depth``), then times ``new`` one-token decodes; ``-p 0`` leaves out
+    its prompt test, so the output holds the one test ``tg{new} @ d{depth}``."""
+    return [
+        "-m", str(path), "-t", str(threads), "-d", str(depth), "-p", "0", "-n", str(new),
+        "-r", str(reps), "-fa", "1" if flash_attn else "0", "-o", "json",
+    ]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class DepthRun:
+    """One llama-bench process at a depth.
+
+    Attributes:
+        figure: its ``tg{new}@d{depth}`` test.
+        peak_rss: the process's peak resident set, bytes (:func:`run_measured`).
+    """
+
+    figure: BenchFigure
+    peak_rss: int
+
+
+MeasuredRun = Callable[[list[str]], tuple[subprocess.CompletedProcess[str], int]]
+
+
+def run_llama_bench_depth(
+    builds: Builds,
+    path: Path,
+    *,
+    threads: int,
+    depth: int,
+    new: int,
+    reps: int,
+    flash_attn: bool,
+    run: MeasuredRun = run_measured,
+) -> DepthRun:
+    """llama-bench with :func:`depth_args` (from the build :func:`_bench_process` chooses),
+    its test and the peak RSS of the process whose output it is (``run`` starts each
+    process and returns it finished with its peak RSS).
+
+    Raises:
+        ValueError: the output has no ``tg{new}@d{depth}`` test, or one with another
+            flash attention setting than asked.
+    """
+    peaks: list[int] = []
+
+    def measured(cmd: list[str]) -> subprocess.CompletedProcess[str]:
+        proc, peak = run(cmd)
+        peaks.append(peak)
+        return proc
+
+    args = depth_args(path, threads=threads, depth=depth, new=new, reps=reps, flash_attn=flash_attn)
+    figures = parse_llama_bench(_bench_process(builds, args, measured).stdout)
+    test = f"tg{new}@d{depth}"
+    if test not in figures:
+        raise ValueError(f"llama-bench {' '.join(args)} gave {sorted(figures)}, not {test}")
+    fig = figures[test]
+    if fig.flash_attn is not None and fig.flash_attn != int(flash_attn):
+        raise ValueError(
+            f"llama-bench {test} ran with flash_attn {fig.flash_attn}, asked {int(flash_attn)}"
+        )
+    return DepthRun(fig, peaks[-1])  # the last process started is the one that succeeded
+
+
+def best_flash_attn(samples: Mapping[bool, Sequence[float]]) -> tuple[bool, float]:
+    """The flash attention setting with the highest tokens/s among its ``samples``, and
+    that figure (llama.cpp's better one); a tie goes to the setting listed first.
+
+    Raises:
+        ValueError: no samples.
+    """
+    best: tuple[bool, float] | None = None
+    for fa, values in samples.items():
+        for v in values:
+            if best is None or v > best[1]:
+                best = (fa, v)
+    if best is None:
+        raise ValueError("no llama-bench samples to choose the flash attention setting by")
+    return best
+
+
+#: Bytes of one element of llama.cpp's cache types that have no blocks.
+GGML_TYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
+# llama.cpp pads its context, and its sliding-window cache, to this many cells
+# (src/llama-context.cpp: GGML_PAD(n_ctx, 256); src/llama-kv-cache-iswa.cpp).
+LLAMA_CTX_PAD = 256
+
+
+def _pad(n: int, to: int = LLAMA_CTX_PAD) -> int:
+    return -(-n // to) * to
+
+
+@dataclass(frozen=True)
+class KvLayout:
+    """What a model's key/value cache holds per position, layer by layer.
+
+    Attributes:
+        widths: per layer, the cached width of K (and of V): key/value heads x head dim,
+            llama.cpp's ``n_embd_k_gqa`` (``n_embd_v_gqa``).
+        windows: per layer, its sliding window (keys a query sees, itself included:
+            llama.cpp's ``n_swa``), or None for a layer that sees every key.
+    """
+
+    widths: tuple[int, ...]
+    windows: tuple[int | None, ...]
+
+
+def kv_layout(config: Any) -> KvLayout:
+    """The :class:`KvLayout` of a decoder's config (``attnlab.models.DecoderConfig``).
+
+    Raises:
+        ValueError: latent attention or chunked layers (llama.cpp caches those otherwise).
+    """
+    if getattr(config, "mla", None) is not None:
+        raise ValueError("latent attention (MLA): llama.cpp caches the latent, not K and V")
+    layers = config.per_layer()
+    if any(o.chunk is not None for o in layers):
+        raise ValueError("chunked attention layers: not covered by this arithmetic")
+    width = config.num_kv_heads * config.attention_head_dim
+    return KvLayout((width,) * len(layers), tuple(o.window for o in layers))
+
+
+@dataclass(frozen=True)
+class LlamaKv:
+    """llama.cpp's key/value cache for one context, as :func:`llama_cpp_kv` computes it.
+
+    Attributes:
+        nbytes: the K and V tensors' bytes, all layers.
+        cells: positions allocated for the layers that see every key (``n_ctx``).
+        swa_cells: positions allocated for the sliding-window layers; None without any.
+        layers: layers that see every key.
+        swa_layers: sliding-window layers.
+    """
+
+    nbytes: int
+    cells: int
+    swa_cells: int | None
+    layers: int
+    swa_layers: int
+
+    def describe(self, type_k: str, type_v: str) -> str:
+        """One line: cells x layers per cache and the element types."""
+        parts = [f"{self.cells} cells x {self.layers} layers"]
+        if self.swa_cells is not None:
+            parts.append(f"{self.swa_cells} cells x {self.swa_layers} sliding-window layers")
+        return f"{' + '.join(parts)}, K {type_k}, V {type_v}"
+
+
+def llama_cpp_kv(
+    layout: KvLayout,
+    *,
+    depth: int,
+    new: int,
+    prompt: int = 0,
+    flash_attn: bool,
+    type_k: str = "f16",
+    type_v: str = "f16",
+    n_batch: int = 2048,
+    n_ubatch: int = 512,
+) -> LlamaKv:
+    """The K and V cache llama-bench allocates for one test, as llama.cpp sizes it.
+
+    llama-bench asks for a context of ``prompt + new + depth`` tokens
+    (``tools/llama-bench/llama-bench.cpp``, ``to_llama_cparams``) with one sequence and no
+    unified cache; llama.cpp (``src/llama-context.cpp``) clamps the batch to that context
+    (``n_batch = min(n_ctx, n_batch)``, ``n_ubatch = min(n_batch, n_ubatch)``) and pads the
+    context to a multiple of 256 cells. Without sliding-window layers that is one cache of
+    ``n_ctx`` cells for every layer. With them (Gemma 2 and 3: ``llama_kv_cache_iswa``, its
+    ``swa_full`` off in llama-bench) the layers that see every key get ``n_ctx`` cells and
+    the sliding-window ones ``pad256(min(n_ctx, n_swa + n_ubatch))``
+    (``src/llama-kv-cache-iswa.cpp``). Each layer's K is ``cells x n_embd_k_gqa`` elements
+    of ``type_k``, V likewise; with flash attention off V is stored transposed, each layer
+    as wide as the widest (``n_embd_v_gqa_max``, ``src/llama-kv-cache.cpp``).
+
+    Raises:
+        ValueError: an element type with blocks (``q8_0``...), sliding windows of different
+            sizes (llama.cpp has one ``n_swa``), or a context of no tokens.
+    """
+    for t in (type_k, type_v):
+        if t not in GGML_TYPE_BYTES:
+            raise ValueError(f"cache type {t!r}: only {sorted(GGML_TYPE_BYTES)} are covered")
+    asked = prompt + new + depth
+    if asked < 1:
+        raise ValueError(f"a context of {asked} tokens")
+    swa = {w for w in layout.windows if w is not None}
+    if len(swa) > 1:
+        raise ValueError(f"sliding windows of sizes {sorted(swa)}: llama.cpp has one n_swa")
+    n_batch = min(asked, n_batch)
+    n_ubatch = min(n_batch, n_ubatch)
+    n_ctx = _pad(asked)
+    swa_cells = _pad(min(n_ctx, swa.pop() + n_ubatch)) if swa else None
+    v_max = max(layout.widths)
+    bk, bv = GGML_TYPE_BYTES[type_k], GGML_TYPE_BYTES[type_v]
+    total = 0
+    for width, window in zip(layout.widths, layout.windows, strict=True):
+        cells = n_ctx if window is None else swa_cells
+        assert cells is not None
+        total += cells * (width * bk + (width if flash_attn else v_max) * bv)
+    n_swa_layers = sum(w is not None for w in layout.windows)
+    return LlamaKv(total, n_ctx, swa_cells, len(layout.windows) - n_swa_layers, n_swa_layers)
 
 
 #: What run_llama_bench had to change on this machine, for the records' notes.
@@ -302,15 +618,58 @@ def find_file(name: str) -> Path:
     raise SystemExit(f"bench_llama_cpp: unknown --model {name!r}; choose one of {MODELS}")
 
 
-class AttnlabSide:
-    """One precision of the model on the file: its decode and prefill, timed per call."""
+@contextmanager
+def watching_caches(model: Any) -> Iterator[list[list[Any]]]:
+    """While open, every cache ``model.new_kv_cache`` makes is also put in the list it
+    yields, so that the buffers a generation allocated can be measured after it.
 
-    def __init__(self, path: Path, dtype: str, prompt: torch.Tensor, prefill: torch.Tensor,
-                 new: int) -> None:  # fmt: skip
-        self.model, _ = load_pretrained(path, dtype=dtype)
+    An instance attribute of the same signature stands in for the method (generation reads
+    ``max_len`` from the signature) and is removed on leaving."""
+    made: list[list[Any]] = []
+    method = model.new_kv_cache
+
+    def new_kv_cache(max_len: int | None = None) -> list[Any]:
+        cache = method() if max_len is None else method(max_len=max_len)
+        made.append(cache)
+        return cache
+
+    model.new_kv_cache = new_kv_cache
+    try:
+        yield made
+    finally:
+        del model.new_kv_cache
+
+
+def cache_nbytes(cache: list[Any]) -> int:
+    """Bytes the key and value buffers of a model's cache (one entry per layer) hold.
+
+    Raises:
+        TypeError: a layer's cache that does not say its bytes (``nbytes``).
+    """
+    total = 0
+    for i, layer in enumerate(cache):
+        n = getattr(layer, "nbytes", None)
+        if not isinstance(n, int):
+            raise TypeError(f"layer {i}'s cache ({type(layer).__name__}) has no nbytes")
+        total += n
+    return total
+
+
+class AttnlabSide:
+    """One precision of the model on the file (``model``, from ``load_pretrained``): its
+    decode and prefill, timed per call."""
+
+    def __init__(
+        self, model: Any, prompt: torch.Tensor, prefill: torch.Tensor | None, new: int
+    ) -> None:
+        self.model = model
         self.prompt, self.prefill_ids, self.new = prompt, prefill, new
         self.decode_tps: list[float] = []
         self.prefill_tps: list[float] = []
+        #: The bytes of the cache the last :meth:`decode_at_depth` filled.
+        self.cache_bytes: int | None = None
+        #: Its element type.
+        self.cache_dtype: torch.dtype | None = None
 
     @torch.no_grad()
     def decode(self) -> None:
@@ -319,8 +678,26 @@ class AttnlabSide:
         self.decode_tps.append((len(stamps) - 1) / (stamps[-1] - stamps[0]))
 
     @torch.no_grad()
+    def decode_at_depth(self) -> None:
+        """Greedy generation of ``new + 1`` tokens after the prompt (the depth): the
+        prompt's forward fills the cache and gives the first token (not timed), then
+        ``new`` one-token steps over the cache, timed, as llama-bench's ``tg`` after
+        ``-d``. Keeps the bytes of the cache generation allocated (:attr:`cache_bytes`)."""
+        with watching_caches(self.model) as made:
+            stamps = [
+                time.perf_counter() for _ in generate_stream(self.model, self.prompt, self.new + 1)
+            ]
+        self.decode_tps.append((len(stamps) - 1) / (stamps[-1] - stamps[0]))
+        if len(made) != 1:
+            raise RuntimeError(f"generation made {len(made)} caches, one expected")
+        self.cache_bytes = cache_nbytes(made[0])
+        first = made[0][0]
+        self.cache_dtype = first.cached()[0].dtype if hasattr(first, "cached") else None
+
+    @torch.no_grad()
     def prefill(self) -> None:
         """One forward over the prefill tokens, the last position's logits."""
+        assert self.prefill_ids is not None
         t0 = time.perf_counter()
         self.model(self.prefill_ids, logits_to_keep=1)
         self.prefill_tps.append(self.prefill_ids.shape[1] / (time.perf_counter() - t0))
@@ -385,7 +762,10 @@ def bench_file(
             ref_argmax = reference(agree_ids)[0].argmax(-1)
         del reference
         gc.collect()
-        sides = {d: AttnlabSide(path, d, prompt, prefill, args.new) for d in args.dtypes}
+        sides = {
+            d: AttnlabSide(load_pretrained(path, dtype=d)[0], prompt, prefill, args.new)
+            for d in args.dtypes
+        }
         agreement = {
             d: float((s.argmax(agree_ids) == ref_argmax).float().mean()) for d, s in sides.items()
         }
@@ -483,6 +863,179 @@ def bench_file(
     return rec.write()
 
 
+def _mib(n: float) -> float:
+    return n / 2**20
+
+
+def bench_depth(builds: Builds, config: str, path: Path, args: argparse.Namespace) -> Path:
+    """Decode at a depth (``--depth``) on one file, with the memory each side holds; print
+    its table; return the record's path.
+
+    Each round runs llama-bench at the depth with flash attention off and on (two
+    processes) and attnlab's :meth:`AttnlabSide.decode_at_depth` in each precision. No
+    prefill and no agreement: those are depth 0's, and the agreement's float32 reference
+    would be part of this process's peak RSS."""
+    depth, new = args.depth, args.new
+    rec = Recorder(
+        "bench_llama_cpp",
+        config,
+        f"{path.name}: decode of {new} tokens with {depth} already in the cache, llama-bench "
+        f"-t {args.threads} -d {depth} -p 0 -n {new} -r {args.reps} with -fa 0 and -fa 1 (the "
+        f"better counts) against attnlab on the same file at {args.threads} threads (greedy "
+        f"decode of {new} tokens after a {depth}-token prompt, its forward not timed), and "
+        f"the key/value cache and peak RSS of each side; {args.rounds} interleaved rounds, "
+        f"best of the kept rounds; both sides as CPU class {args.isa} (benchmarks/_isa.py), "
+        f"llama.cpp built for it{' with weight repacking' if args.repack else ''}",
+        args.threads,
+    )
+    text = tokenizer_from_gguf(read_gguf(path)).encode(default_corpus())
+    ids = (text * -(-depth // len(text)))[:depth]  # the text tiled to the depth
+    sides = {
+        d: AttnlabSide(load_pretrained(path, dtype=d)[0], torch.tensor([ids]), None, new)
+        for d in args.dtypes
+    }
+    model = next(iter(sides.values())).model
+    limit = model.context_length
+    if limit is not None and depth + new + 1 > limit:
+        raise SystemExit(
+            f"bench_llama_cpp: --depth {depth} with --new {new} needs {depth + new + 1} "
+            f"positions; {path.name}'s context is {limit}"
+        )
+    layout = kv_layout(model.config)
+    warm = torch.tensor([ids[:16]])
+    for s in sides.values():  # the first one-token step builds the fast decode plan
+        list(generate_stream(s.model, warm, 2))
+
+    builds = Builds(builds.plain, builds.repack)  # the repacking build is tried on each file
+    peer_runs: dict[bool, list[DepthRun]] = {False: [], True: []}
+    ran: list[peers.LlamaCpp] = []
+
+    def bench_peer(fa: bool) -> None:
+        peer_runs[fa].append(
+            run_llama_bench_depth(
+                builds,
+                path,
+                threads=args.threads,
+                depth=depth,
+                new=new,
+                reps=args.reps,
+                flash_attn=fa,
+            )
+        )
+        ran.append(builds.measured)
+
+    fns: dict[str, Any] = {
+        "llama-bench -fa 0": lambda: bench_peer(False),
+        "llama-bench -fa 1": lambda: bench_peer(True),
+    }
+    for d, s in sides.items():
+        fns[f"{d} decode at depth"] = s.decode_at_depth
+    res = timed_pairs(fns, args.rounds, max_other=MAX_OTHER)
+    own_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    kept = [i for i, used in enumerate(res.other_load) if used < MAX_OTHER]
+    kept = kept or list(range(args.rounds))  # none quiet: every round, as timed_pairs does
+
+    best = {
+        fa: max(x for i in kept for x in runs[i].figure.samples_ts)
+        for fa, runs in peer_runs.items()
+    }
+    win, peer_tg = best_flash_attn({fa: [v] for fa, v in best.items()})
+    on_off = {False: "off", True: "on"}
+    first = peer_runs[win][0].figure
+    peer_rss = {fa: max(r.peak_rss for r in runs) for fa, runs in peer_runs.items()}
+    kv = llama_cpp_kv(layout, depth=depth, new=new, flash_attn=win, type_k=first.type_k,
+                      type_v=first.type_v)  # fmt: skip
+    other_kv = llama_cpp_kv(layout, depth=depth, new=new, flash_attn=not win,
+                            type_k=first.type_k, type_v=first.type_v)  # fmt: skip
+    peer = ran[-1]
+    variant = "" if peers.is_default(peer.isa, peer.repack) else (
+        f" ({peer.isa}{', repack' if peer.repack else ''})"
+    )  # fmt: skip
+    peer_name = f"llama.cpp {first.build_commit} llama-bench{variant}"
+    tg = f"tg{new} @ d{depth}"
+
+    print(f"\n{config}: {path}")
+    print(f"  llama.cpp ({first.model_type}, build {first.build_commit}, -t {first.threads}), "
+          f"{tg}:")  # fmt: skip
+    for fa in (False, True):
+        mark = "  (the better)" if fa == win else ""
+        print(f"    -fa {on_off[fa]:<3} {best[fa]:8.1f} tokens/s   peak RSS "
+              f"{_mib(peer_rss[fa]):7.1f} MiB{mark}")  # fmt: skip
+    print(f"    KV cache {_mib(kv.nbytes):7.2f} MiB ({kv.describe(first.type_k, first.type_v)})")
+    print(f"  attnlab, {args.threads} threads:")
+    print(f"    {'precision':<10} {'decode tok/s':>13} {'x llama':>8} {'KV cache MiB':>13} "
+          f"{'x llama':>8}")  # fmt: skip
+    fa_name = f"{peer_name} {tg} -fa {on_off[win]}"
+    for fa in (False, True):
+        rec.add(f"llama.cpp {tg} -fa {on_off[fa]}", best[fa], "tokens/s",
+                note="best repetition, kept rounds")  # fmt: skip
+    for d, s in sides.items():
+        dec = _best(s.decode_tps, kept)
+        assert s.cache_bytes is not None
+        print(f"    {d:<10} {dec:13.1f} {dec / peer_tg:7.2f}x {_mib(s.cache_bytes):13.2f} "
+              f"{s.cache_bytes / kv.nbytes:7.2f}x")  # fmt: skip
+        rec.add(f"attnlab {d} decode at depth {depth} ({new} tokens)", dec, "tokens/s",
+                peer=f"{fa_name} (the better)", peer_value=peer_tg)  # fmt: skip
+        rec.add(f"attnlab {d} KV cache at depth {depth}", _mib(s.cache_bytes), "MiB",
+                peer=f"llama.cpp -fa {on_off[win]} (computed)", peer_value=_mib(kv.nbytes),
+                better="lower",
+                note=f"{s.cache_dtype}, {depth + new + 1} positions x "
+                f"{len(layout.widths)} layers")  # fmt: skip
+    print(f"  peak RSS: attnlab {_mib(own_peak):.1f} MiB (this process, {', '.join(sides)}), "
+          f"llama-bench -fa {on_off[win]} {_mib(peer_rss[win]):.1f} MiB")  # fmt: skip
+    print(f"  {res.quietness()}")
+    rec.add(f"peak RSS at depth {depth}", _mib(own_peak), "MiB",
+            peer=f"llama-bench -fa {on_off[win]} process", peer_value=_mib(peer_rss[win]),
+            better="lower", note=f"attnlab: the whole process, {', '.join(sides)}")  # fmt: skip
+
+    flags = " ".join(peer.info.get("cmake_flags", []))
+    rec.note(f"file: {path.name} ({first.model_type}); llama.cpp built by "
+             f"{build_command(peer.isa, peer.repack)} (llama-cpp-python "
+             f"{peer.info.get('llama_cpp_python')}, {flags})")  # fmt: skip
+    if builds.repack_failed is not None:
+        rec.note(builds.repack_failed)
+    for fallback in sorted(FALLBACKS):
+        rec.note(fallback)
+    rec.note(f"rounds kept (quiet): {len(kept) if res.quiet_pairs else 0}/{args.rounds}; "
+             + res.quietness())  # fmt: skip
+    rec.note(f"decode at depth: both sides time {new} one-token steps with {depth} tokens "
+             f"already cached (keys {depth + 1} to {depth + new}); llama-bench fills its "
+             f"cache with {depth} random tokens before each repetition's clock, attnlab with "
+             f"the forward of a {depth}-token prompt (the text tiled) whose logits give the "
+             "first token; neither fill is timed")  # fmt: skip
+    rec.note(f"llama.cpp's better setting: -fa {on_off[win]} ({best[win]:.1f} tokens/s against "
+             f"{best[not win]:.1f} with -fa {on_off[not win]})")  # fmt: skip
+    rec.note(f"attnlab KV cache: the nbytes of the cache generation allocated for the call, "
+             f"summed over its layers (model.new_kv_cache(max_len=prompt + new tokens): a "
+             f"StaticKVCache of {depth + new + 1} positions per layer; sliding-window layers "
+             "hold every position too)")  # fmt: skip
+    rec.note(f"llama.cpp KV cache: not in llama-bench's JSON; computed from the file's "
+             f"config as llama.cpp allocates it for a context of depth + new = {depth + new} "
+             f"tokens (padded to 256 cells; sliding-window layers pad256(min(n_ctx, n_swa + "
+             f"n_ubatch)) cells): {kv.describe(first.type_k, first.type_v)} = {kv.nbytes} "
+             f"bytes with -fa {on_off[win]}, {other_kv.nbytes} with -fa "
+             f"{on_off[not win]}")  # fmt: skip
+    rec.note(f"peak RSS: attnlab's is ru_maxrss of this process after the run (from its start: "
+             f"Python, torch, the file loaded in {', '.join(sides)}, the depth fill's forward "
+             f"and the caches); llama.cpp's "
+             f"is ru_maxrss of each llama-bench process (os.wait4 in a small Python that starts "
+             f"it: one started straight from this process would count this process's pages), "
+             f"the largest over the "
+             f"rounds: -fa off {_mib(peer_rss[False]):.1f} MiB, -fa on "
+             f"{_mib(peer_rss[True]):.1f} MiB")  # fmt: skip
+    mixed = len({b.root for b in ran}) > 1  # the repacking build failed after some rounds
+    for i in range(args.rounds):
+        which = f"; build {ran[2 * i].root}, {ran[2 * i + 1].root}" if mixed else ""
+        rounds = ", ".join(
+            f"-fa {on_off[fa]} avg {peer_runs[fa][i].figure.avg_ts:.1f} "
+            f"{[round(x, 1) for x in peer_runs[fa][i].figure.samples_ts]}"
+            for fa in (False, True)
+        )
+        rec.note(f"llama-bench round {i}: {tg} {rounds}; others used {res.other_load[i]:.2f} "
+                 f"cores{which}")  # fmt: skip
+    return rec.write()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
@@ -497,7 +1050,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
     ap.add_argument("--reps", type=int, default=3, help="llama-bench -r")
     ap.add_argument("--prompt", type=int, default=64, help="attnlab's decode prompt")
-    ap.add_argument("--new", type=int, default=128, help="new tokens (llama-bench -n)")
+    ap.add_argument("--new", type=int, default=None,
+                    help="new tokens (llama-bench -n; default 128, 32 with --depth)")  # fmt: skip
     ap.add_argument("--prefill", type=int, default=512, help="prefill tokens (llama-bench -p)")
     ap.add_argument("--agree", type=int, default=128, help="teacher-forced positions")
     ap.add_argument("--dtypes", default=",".join(DTYPES), help="attnlab weight precisions")
@@ -513,7 +1067,19 @@ def main(argv: list[str] | None = None) -> int:
                          "where it fails)")  # fmt: skip
     ap.add_argument("--build-peer", action="store_true",
                     help="build the llama.cpp this run needs when it is not built")  # fmt: skip
+    ap.add_argument("--depth", type=int, default=0,
+                    help="decode after this many tokens in the cache (llama-bench -d), with "
+                         "the memory each side holds; 0: decode and prefill from the "
+                         "start")  # fmt: skip
     args = ap.parse_args(argv)
+    if args.depth < 0:
+        ap.error(f"--depth must be >= 0, got {args.depth}")
+    if args.depth and args.agreement_only:
+        ap.error("--depth measures decode and memory; --agreement-only is depth 0's")
+    if args.new is None:
+        args.new = 32 if args.depth else 128
+    if args.new < 1:
+        ap.error(f"--new must be >= 1, got {args.new}")
     env = reexec_env(args.isa, os.environ)
     if env is not None:  # the kernels' caps are read at start: start again with them
         script = str(Path(__file__).resolve())
@@ -543,7 +1109,12 @@ def main(argv: list[str] | None = None) -> int:
     for label, path in files:
         if not path.is_file():
             raise SystemExit(f"bench_llama_cpp: --file {path}: no such file")
-        bench_file(builds, config_name(label, args.isa, args.repack, args.quick), path, args)
+        config = config_name(label, args.isa, args.repack, args.quick, args.depth)
+        if args.depth:
+            assert builds is not None
+            bench_depth(builds, config, path, args)
+        else:
+            bench_file(builds, config, path, args)
     return 0
 
 

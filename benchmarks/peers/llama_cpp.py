@@ -52,6 +52,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -451,11 +452,19 @@ def convert(peer: LlamaCpp, jobs: list[tuple[Path, str, Path]]) -> dict[Path, st
     return {Path(k): v for k, v in errors.items()}
 
 
+def _run_captured(cmd: list[str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(cmd, capture_output=True, text=True, check=False)
+
+
 def run_bench(
-    peer: LlamaCpp, args: list[str]
+    peer: LlamaCpp,
+    args: list[str],
+    run: Callable[[list[str]], subprocess.CompletedProcess[str]] = _run_captured,
 ) -> tuple[subprocess.CompletedProcess[str], str | None]:
     """``llama-bench ARGS`` as its users run it; where it dies by a signal, once more with
-    its extra buffer types off (``--repack 0``), and a line saying so.
+    its extra buffer types off (``--repack 0``), and a line saying so. ``run`` starts each
+    process and returns it finished, its output as text (a caller that also wants the
+    process's resource use passes its own).
 
     llama-bench's default puts weights in the CPU's extra buffer types (repacked layouts,
     AMX tiles). On a virtual machine whose CPU reports AMX but does not run its tile
@@ -466,10 +475,10 @@ def run_bench(
         The finished process, and None or the line that says the fallback was taken.
     """
     cmd = [str(peer.tool("llama-bench")), *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    proc = run(cmd)
     if proc.returncode >= 0 or "--repack" in args:
         return proc, None
-    again = subprocess.run([*cmd, "--repack", "0"], capture_output=True, text=True, check=False)
+    again = run([*cmd, "--repack", "0"])
     note = (
         f"llama-bench died by signal {-proc.returncode} with its extra buffer types (repacked "
         f"weights, AMX tiles) on this CPU ({cpu_name()}); measured with --repack 0"
