@@ -5,7 +5,7 @@ their weight and run one dense ``mm``. In bfloat16 that is the fastest product a
 bf16 dot products has (AVX512-BF16, AMX: oneDNN's kernels). A CPU without them has no
 fast bf16 ``mm``: on AVX-512 without BF16 (Skylake, Cascade Lake, Zen 3 has no AVX-512 at
 all) oneDNN converts every operand to float32 inside its kernel, and on AVX2 alone
-PyTorch's bf16 ``mm`` falls back to a loop a hundred times slower than float32's
+PyTorch's bf16 ``mm`` falls back to a loop tens of times slower than float32's
 (``benchmarks/bench_prompt_arith.py``). There the weight is dequantised to float32 and
 the product runs in float32, which is also exact where bf16 rounds: the activations are
 not rounded and every dequantised weight is the stored value.
