@@ -4,8 +4,8 @@ Q4_0, Q4_1 and Q4_K blocks as they are.
 ``w = (q - 8) * scale + zero`` per group of ``group_size`` input columns; the CPU kernel is
 ``torch.ops.aten._weight_int4pack_mm_for_cpu`` where PyTorch runs its AVX-512 kernels, and
 attnlab's own (``attnlab/native/q4.h``, the same weights) elsewhere when the native build is
-loaded: PyTorch's AVX2 int4 kernel takes about 2.5 times its AVX-512 one's time for a
-decode row, slower than attnlab's q8_0 kernel reading twice the bytes.
+loaded: PyTorch's AVX2 int4 kernel is much slower than its AVX-512 one for a decode row,
+slower even than attnlab's q8_0 kernel, which reads twice the bytes.
 
 GGUF's Q4_0 and Q4_1 blocks are this format with groups of 32 (Q4_0: ``zero = 0``; Q4_1:
 ``w = q*d + m``, so ``zero = m + 8d``), and so is each 32-weight sub-block of a Q4_K
