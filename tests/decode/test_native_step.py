@@ -123,10 +123,21 @@ def _assert_same_choice_beyond_ties(got: torch.Tensor, want: torch.Tensor, step:
     return int(clear.sum())
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "int8", "int4", "q8_0"])
+# int4 twice: PyTorch's int4 kernel where it reports AVX-512 kernels, attnlab's own (the q4
+# kind) where it reports AVX2 ones (the capability stubbed: the choice reads it)
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8", "int4@AVX512", "int4@AVX2", "q8_0"])
 @pytest.mark.parametrize("layout", sorted(NATIVE_LAYOUTS))
-def test_native_step_with_bf16_rows_matches_the_python_loop_step_by_step(layout, dtype):
+def test_native_step_with_bf16_rows_matches_the_python_loop_step_by_step(
+    layout, dtype, monkeypatch
+):
+    dtype, _, capability = dtype.partition("@")
+    if capability:
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
     model, plan = _prepared(layout, dtype)
+    if capability:
+        spec = quant.native_product(plan.layers[0].out)
+        assert spec is not None
+        assert spec.kind == (quant.NATIVE_INT4 if capability == "AVX512" else quant.NATIVE_Q4)
     ids = torch.randint(0, CONFIG.vocab_size, (2, 14), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         caches = model.new_kv_cache(max_len=16)
@@ -232,8 +243,8 @@ def test_the_compiled_module_exports_the_kinds_and_activations_python_names():
     assert dict(ext.PRODUCT_KINDS) == native.PRODUCT_KINDS
     assert dict(ext.ACTIVATIONS) == {n: i for i, n in enumerate(native.STEP_ACTIVATIONS)}
     kinds = (quant.NATIVE_INT4, quant.NATIVE_INT8, quant.NATIVE_LINEAR, quant.NATIVE_Q8)
-    assert (*kinds, quant.NATIVE_Q5) == tuple(
-        native.PRODUCT_KINDS[k] for k in ("int4", "int8", "linear", "q8_0", "q5_0")
+    assert (*kinds, quant.NATIVE_Q5, quant.NATIVE_Q4) == tuple(
+        native.PRODUCT_KINDS[k] for k in ("int4", "int8", "linear", "q8_0", "q5_0", "q4")
     )
 
 

@@ -95,7 +95,14 @@ _TIME_LINE = "failed at: "
 #: The compiled step's product kinds by attnlab's names (``Kind`` in ``decode_step.cpp``):
 #: :class:`attnlab.quant.NativeProduct`'s ``kind``. The module exports its own table and a
 #: build whose table differs is not used.
-PRODUCT_KINDS: dict[str, int] = {"int4": 0, "int8": 2, "linear": 3, "q8_0": 4, "q5_0": 5}
+PRODUCT_KINDS: dict[str, int] = {
+    "int4": 0,
+    "int8": 2,
+    "linear": 3,
+    "q8_0": 4,
+    "q5_0": 5,
+    "q4": 6,
+}
 #: The compiled step's activations, by their index there (``Act``), checked the same way.
 STEP_ACTIVATIONS: tuple[str, ...] = ("silu", "gelu_tanh", "gelu", "relu")
 

@@ -4,8 +4,8 @@
 //
 // The Python loop spends much of its time around the weight products: some forty tensor
 // operations a layer (benchmarks/bench_decode_step.py). Here the products are the
-// same kernels with the same inputs (PyTorch's int4 / int8 / dense kernels and q8_0.h's on
-// rows in the layer's dtype); everything around them (RMSNorm, QK-norm, RoPE, the cache write,
+// same kernels with the same inputs (PyTorch's int4 / int8 / dense kernels, and q4.h's,
+// q5_0.h's and q8_0.h's, on rows in the layer's dtype); everything around them (RMSNorm, QK-norm, RoPE, the cache write,
 // attention over the cache, the activation, the residual adds) is a plain loop over
 // float32 rows. The numbers are the Python loop's up to the order of float32 sums.
 //
@@ -21,6 +21,7 @@
 #include <tuple>
 #include <vector>
 
+#include "q4.h"
 #include "q5_0.h"
 #include "q8_0.h"
 
@@ -28,14 +29,15 @@ namespace {
 
 // attnlab.native.PRODUCT_KINDS and STEP_ACTIVATIONS name these; the module exports them
 // (PRODUCT_KINDS, ACTIVATIONS below) and attnlab.native checks them after each build.
-enum Kind : int64_t { kInt4 = 0, kInt8 = 2, kLinear = 3, kQ8 = 4, kQ5 = 5 };
+enum Kind : int64_t { kInt4 = 0, kInt8 = 2, kLinear = 3, kQ8 = 4, kQ5 = 5, kQ4 = 6 };
 enum Act : int64_t { kSilu = 0, kGeluTanh = 1, kGelu = 2, kRelu = 3 };
 
 // One weight product: (B, K) rows in the layer's dtype -> (B, n) float32 at a column
 // offset of a wider row buffer, bias added.
 struct Product {
   int64_t kind;
-  at::Tensor a, b;  // int4: packed, scales_and_zeros; int8: codes, scales; linear: weight
+  // int4: packed, scales_and_zeros; q4: codes, scale_offset; int8: codes, scales; linear: weight
+  at::Tensor a, b;
   int64_t group_size;
   int64_t n;
   at::Tensor bias;  // (n,) float32, or undefined
@@ -51,6 +53,9 @@ struct Product {
         break;
       case kQ5:
         y = attnlab_q5::q5_0_mm(x, a);
+        break;
+      case kQ4:
+        y = attnlab_q4::q4_mm(x, a, b);
         break;
       case kInt8:
         y = at::_weight_int8pack_mm(x, a, b);
@@ -400,7 +405,7 @@ class Step {
                 s.attr("group_size").cast<int64_t>(),
                 s.attr("n").cast<int64_t>(),
                 bias.defined() ? bias.to(at::kFloat).contiguous() : bias};
-      TORCH_CHECK(p.kind == kInt4 || (p.kind >= kInt8 && p.kind <= kQ5),
+      TORCH_CHECK(p.kind == kInt4 || (p.kind >= kInt8 && p.kind <= kQ4),
                   "native step: product kind ", p.kind);
       total += p.n;
       found.push_back(std::move(p));
@@ -428,6 +433,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   kinds["linear"] = static_cast<int64_t>(kLinear);
   kinds["q8_0"] = static_cast<int64_t>(kQ8);
   kinds["q5_0"] = static_cast<int64_t>(kQ5);
+  kinds["q4"] = static_cast<int64_t>(kQ4);
   m.attr("PRODUCT_KINDS") = kinds;
   py::dict acts;
   acts["silu"] = static_cast<int64_t>(kSilu);
@@ -435,7 +441,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   acts["gelu"] = static_cast<int64_t>(kGelu);
   acts["relu"] = static_cast<int64_t>(kRelu);
   m.attr("ACTIVATIONS") = acts;
-  // The kernels' compile-time branch (q8_0.h, q5_0.h, simd.h), set by -march: what
+  // The kernels' compile-time branch (q4.h, q8_0.h, q5_0.h, simd.h), set by -march: what
   // `attnlab info` reports and what the per-branch tests check they built.
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__)
   m.attr("SIMD") = "avx512-bf16";
@@ -450,6 +456,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "y (M, N) = x (M, K) @ W^T for W in Q8_0: int8 codes (N, K), scales (N, K/32)");
   m.def("q5_0_mm", &attnlab_q5::q5_0_mm, py::call_guard<py::gil_scoped_release>(),
         "y (M, N) = x (M, K) @ W^T for W in Q5_0: its blocks as stored, (N, K/32 * 22) uint8");
+  m.def("q4_mm", &attnlab_q4::q4_mm, py::call_guard<py::gil_scoped_release>(),
+        "y (M, N) = x (M, K) @ W^T for attnlab's int4 layout: codes (N, K/2) uint8, "
+        "scale_offset (N, K/32, 2) float32");
   m.def("q8_0_dequant", &attnlab_q8::q8_0_dequant, py::call_guard<py::gil_scoped_release>(),
         "the Q8_0 weight (N, K) in bfloat16 from its codes and scales");
   m.def("q5_0_dequant", &attnlab_q5::q5_0_dequant, py::call_guard<py::gil_scoped_release>(),

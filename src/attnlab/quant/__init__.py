@@ -16,8 +16,10 @@ entry in the CLI's ``--dtype`` help (:func:`dtype_help`).
   one scale per output row (symmetric), ``torch.ops.aten._weight_int8pack_mm``.
 - :class:`Int4Linear` (``"int4"``, :mod:`~attnlab.quant.int4`): 4-bit codes in groups of
   ``group_size`` input columns, each group with a scale and a zero; GGUF's Q4_0, Q4_1 and
-  Q4_K blocks as they are. GGUF's 5-, 6- and 8-bit types go to :class:`Q5Linear` (Q5_0)
-  and :class:`Q8Linear` (the others) instead (:attr:`WeightFormat.gguf_instead`).
+  Q4_K blocks as they are. Run by PyTorch's int4 kernel where that is its AVX-512 one, else
+  by attnlab's own (:mod:`attnlab.native`) where it is built. GGUF's 5-, 6- and 8-bit
+  types go to :class:`Q5Linear` (Q5_0) and :class:`Q8Linear` (the others) instead
+  (:attr:`WeightFormat.gguf_instead`).
 - :class:`Q8Linear` (``"q8_0"``, :mod:`~attnlab.quant.q8_0`): int8 codes with one float16
   scale per 32 weights (llama.cpp's Q8_0), run by attnlab's own kernel
   (:mod:`attnlab.native`) or, without it, as two int4 halves by PyTorch's.
@@ -69,6 +71,7 @@ from attnlab.quant.kinds import (
     NATIVE_INT4,
     NATIVE_INT8,
     NATIVE_LINEAR,
+    NATIVE_Q4,
     NATIVE_Q5,
     NATIVE_Q8,
     NativeProduct,
@@ -88,6 +91,7 @@ __all__ = [
     "NATIVE_INT4",
     "NATIVE_INT8",
     "NATIVE_LINEAR",
+    "NATIVE_Q4",
     "NATIVE_Q5",
     "NATIVE_Q8",
     "WEIGHT_DTYPES",

@@ -2,11 +2,16 @@
 Q4_0, Q4_1 and Q4_K blocks as they are.
 
 ``w = (q - 8) * scale + zero`` per group of ``group_size`` input columns; the CPU kernel is
-``torch.ops.aten._weight_int4pack_mm_for_cpu``. GGUF's Q4_0 and Q4_1 blocks are this
-format with groups of 32 (Q4_0: ``zero = 0``; Q4_1: ``w = q*d + m``, so ``zero = m + 8d``),
-and so is each 32-weight sub-block of a Q4_K super-block (``w = d sc q - dmin m``:
-``scale = d sc``, ``zero = 8 d sc - dmin m``); they are taken as they are, codes unchanged
-(:meth:`Int4Linear.gguf_codes`), the scales and zeros rounded to bfloat16.
+``torch.ops.aten._weight_int4pack_mm_for_cpu`` where PyTorch runs its AVX-512 kernels, and
+attnlab's own (``attnlab/native/q4.h``, the same weights) elsewhere when the native build is
+loaded: PyTorch's AVX2 int4 kernel is much slower than its AVX-512 one for a decode row,
+slower even than attnlab's q8_0 kernel, which reads twice the bytes.
+
+GGUF's Q4_0 and Q4_1 blocks are this format with groups of 32 (Q4_0: ``zero = 0``; Q4_1:
+``w = q*d + m``, so ``zero = m + 8d``), and so is each 32-weight sub-block of a Q4_K
+super-block (``w = d sc q - dmin m``: ``scale = d sc``, ``zero = 8 d sc - dmin m``); they
+are taken as they are, codes unchanged (:meth:`Int4Linear.gguf_codes`), the scales and
+zeros rounded to bfloat16.
 
 GGUF block layouts (``ggml-common.h``), little-endian, weights ``0..15`` of a 32-weight
 block in the low nibbles of ``qs[0..15]`` and ``16..31`` in the high ones:
@@ -31,8 +36,16 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from attnlab.quant.base import GGUFBlock, WeightFormat, f16_columns, nibbles, register_format
-from attnlab.quant.kinds import NATIVE_INT4, NativeProduct
+from attnlab.quant.base import (
+    GGUFBlock,
+    WeightFormat,
+    f16_columns,
+    native_kernels,
+    nibbles,
+    register_format,
+    tensor_version,
+)
+from attnlab.quant.kinds import NATIVE_INT4, NATIVE_Q4, NativeProduct
 
 __all__ = ["Int4Linear", "pack_layout", "unpack_int4_t"]
 
@@ -226,16 +239,53 @@ class Int4Linear(WeightFormat):
         ``x2``'s dtype."""
         if x2.shape[0] >= self.dense_from_tokens:
             return torch.mm(x2, self._dequantized_t(x2.dtype))
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x2, self.packed, self.group_size, self.scales_and_zeros
-        )
+        return self.decode_kernel()(x2)
+
+    def _native_kernel(self) -> Any:
+        """attnlab's int4 kernel module where it is the one to use, else None: the native
+        build is loaded, PyTorch's int4 kernels are not its AVX-512 ones (which are faster
+        than attnlab's; ``ATEN_CPU_CAPABILITY`` chooses them) and the groups are whole
+        32-weight groups."""
+        if self.group_size % QK or torch.backends.cpu.get_cpu_capability() == "AVX512":
+            return None
+        return native_kernels()
 
     def decode_kernel(self) -> Callable[[torch.Tensor], torch.Tensor]:
-        op = torch.ops.aten._weight_int4pack_mm_for_cpu
+        ext = self._native_kernel()
+        if ext is not None:
+            op, (codes, scale_offset) = ext.q4_mm, self._native_layout()
+            return lambda x: op(x, codes, scale_offset)
+        torch_op = torch.ops.aten._weight_int4pack_mm_for_cpu
         packed, gs, sz = self.packed, self.group_size, self.scales_and_zeros
-        return lambda x: op(x, packed, gs, sz)
+        return lambda x: torch_op(x, packed, gs, sz)
+
+    def _native_layout(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The weight as ``attnlab/native/q4.h`` reads it, built on first use and again when
+        the packed codes or the scales change: codes (N, K/2) uint8, per row and group of 32
+        weights 16 bytes (weight ``j`` in the low nibble of byte ``j``, ``j + 16`` in its
+        high one), and (N, K/32, 2) float32 pairs ``(scale, zero - 8 scale)``, the scale
+        exact and the offset rounded once, as PyTorch's AVX2 kernel computes it."""
+        key = tuple((t.data_ptr(), tensor_version(t)) for t in (self.packed, self.scales_and_zeros))
+        cached = self.__dict__.get("_native_q4")
+        if cached is not None and cached[0] == key:
+            return cached[1]  # type: ignore[no-any-return]
+        N, K = self.out_features, self.in_features
+        q = self.codes_t().t().reshape(N, K // QK, 2, QK // 2)  # (N, K/32, 2, 16)
+        codes = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(N, K // 2)  # (N, K/2)
+        s, z = self.scales_and_zeros.float().unbind(-1)  # (K/gs, N) each
+        per_group = self.group_size // QK
+        s = s.t().repeat_interleave(per_group, dim=1)  # (N, K/32)
+        z = z.t().repeat_interleave(per_group, dim=1)  # (N, K/32)
+        scale_offset = torch.stack([s, z - 8 * s], dim=-1).contiguous()  # (N, K/32, 2)
+        layout = (codes.contiguous(), scale_offset)
+        # In __dict__, not as a buffer: derived from the state dict, never saved with it.
+        self.__dict__["_native_q4"] = (key, layout)
+        return layout
 
     def native_product(self) -> NativeProduct | None:
+        if self._native_kernel() is not None:
+            codes, scale_offset = self._native_layout()
+            return NativeProduct(NATIVE_Q4, codes, scale_offset, QK, self.out_features, self.bias)
         return NativeProduct(
             NATIVE_INT4,
             self.packed,

@@ -16,6 +16,7 @@ __all__ = [
     "NATIVE_INT4",
     "NATIVE_INT8",
     "NATIVE_LINEAR",
+    "NATIVE_Q4",
     "NATIVE_Q5",
     "NATIVE_Q8",
     "NativeProduct",
@@ -23,8 +24,8 @@ __all__ = [
 
 # Product kinds of the native decode step, by attnlab.native's table (checked against the
 # compiled module's at each build).
-NATIVE_INT4, NATIVE_INT8, NATIVE_LINEAR, NATIVE_Q8, NATIVE_Q5 = (
-    PRODUCT_KINDS[k] for k in ("int4", "int8", "linear", "q8_0", "q5_0")
+NATIVE_INT4, NATIVE_INT8, NATIVE_LINEAR, NATIVE_Q8, NATIVE_Q5, NATIVE_Q4 = (
+    PRODUCT_KINDS[k] for k in ("int4", "int8", "linear", "q8_0", "q5_0", "q4")
 )
 
 

@@ -1,0 +1,165 @@
+"""attnlab's int4 product (``attnlab/native/q4.h``) against a float64 product of
+:class:`attnlab.quant.Int4Linear`'s weight and against PyTorch's int4 kernel, the layout
+it reads (built from the layer's packed codes), and the choice between the two kernels by
+the CPU kernels PyTorch reports."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnlab import native
+from attnlab.quant import NATIVE_INT4, NATIVE_Q4, Int4Linear, decode_product
+
+
+def _layer(N: int, K: int, group_size: int, seed: int) -> Int4Linear:
+    """Random codes over the whole range (0 and 15 in every row), bf16 scales of several
+    magnitudes and zeros anywhere from -2 to 2 scales' worth of 8 (offsets far from the
+    weights: ``zero - 8 scale`` then rounds in float32)."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (N, K), generator=g, dtype=torch.uint8)
+    codes[:, :2] = torch.tensor([0, 15], dtype=torch.uint8)
+    G = K // group_size
+    powers = torch.randint(-6, 1, (N, G), generator=g)
+    scales = torch.rand(N, G, generator=g) * 10.0**powers + 1e-8  # (N, G)
+    zeros = (torch.rand(N, G, generator=g) * 4 - 2) * 8 * scales  # (N, G)
+    return Int4Linear.from_codes(codes, scales, zeros)
+
+
+def _magnitude(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x.double().abs() @ w.double().abs().t()  # (M, N)
+
+
+def _bound(x: torch.Tensor, layer: Int4Linear, reference: torch.Tensor, out: torch.dtype):
+    """The float32 sum's error bound over K terms (K * 2^-24 of sum |x w|, doubled for the
+    order), plus the output's rounding (bf16: half a unit in the last of 8 bits, 2^-8 of the
+    value; float32: 2^-24)."""
+    K = x.shape[1]
+    rounding = 2**-8 if out == torch.bfloat16 else 2**-24
+    return K * 2**-23 * _magnitude(x, layer.weight) + rounding * reference.abs() + 1e-30
+
+
+def _torch_int4(layer: Int4Linear, x: torch.Tensor) -> torch.Tensor:
+    op = torch.ops.aten._weight_int4pack_mm_for_cpu
+    return op(x, layer.packed, layer.group_size, layer.scales_and_zeros)
+
+
+@pytest.mark.parametrize(("N", "K", "group_size"), [(16, 32, 32), (48, 96, 32), (32, 160, 32),
+                                                    (64, 576, 64), (80, 1536, 128)])  # fmt: skip
+def test_the_layout_holds_the_layers_weight_exactly(N, K, group_size):
+    """Decoded as the kernel reads it (``q * s + o``, one float32 rounding), the native layout
+    gives :attr:`Int4Linear.weight` to the bit; K = 96 and 160 are multiples of 32, not 64."""
+    layer = _layer(N, K, group_size, seed=N + K)
+    codes, scale_offset = layer._native_layout()
+    assert codes.shape == (N, K // 2) and codes.dtype == torch.uint8
+    assert scale_offset.shape == (N, K // 32, 2) and scale_offset.dtype == torch.float32
+    blocks = codes.view(N, K // 32, 16)
+    q = torch.cat([blocks & 15, blocks >> 4], dim=-1).float()  # (N, K/32, 32): weight order
+    s, o = scale_offset[..., :1], scale_offset[..., 1:]  # (N, K/32, 1) each
+    assert torch.equal((q * s + o).view(N, K), layer.weight)  # q * s exact: one rounding
+    assert torch.equal(q.view(N, K).to(torch.uint8), layer.codes_t().t())
+
+
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize(("N", "K", "group_size"), [(16, 32, 32), (48, 96, 32), (32, 160, 32),
+                                                    (64, 576, 64), (1536, 576, 32),
+                                                    (80, 1536, 128)])  # fmt: skip
+def test_kernel_is_the_float64_product_of_the_weight(ext, N, K, group_size, M, x_dtype):
+    """Every output within the float32 sum's bound of ``x @ W^T`` in float64, W the layer's
+    ``weight``; one to five rows and nine (two passes over each weight row)."""
+    layer = _layer(N, K, group_size, seed=N * K + M)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).to(x_dtype)
+    reference = x.double() @ layer.weight.double().t()  # (M, N)
+    y = ext.q4_mm(x, *layer._native_layout())
+    assert y.dtype == x_dtype and y.shape == (M, N)
+    err = (y.double() - reference).abs()
+    bound = _bound(x, layer, reference, x_dtype)
+    assert bool((err <= bound).all()), (err / bound).max().item()
+
+
+@pytest.mark.parametrize("M", [1, 3, 5])
+@pytest.mark.parametrize(("N", "K", "group_size"), [(48, 96, 32), (64, 576, 64), (80, 1536, 128)])
+def test_kernel_is_pytorchs_within_both_bounds(ext, N, K, group_size, M):
+    """PyTorch's int4 kernel on the same layer and bf16 rows: both within their bound of the
+    float64 product, so within the sum of the two of each other. Its AVX-512 kernel rounds
+    ``(q - 8) s + zero`` once where the layer's weight (and its AVX2 kernel) round
+    ``zero - 8 s`` first: each weight off by at most 2^-24 of ``|w| + |zero - 8 s|`` more."""
+    layer = _layer(N, K, group_size, seed=N + K + M)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).bfloat16()
+    reference = x.double() @ layer.weight.double().t()
+    ours, theirs = ext.q4_mm(x, *layer._native_layout()), _torch_int4(layer, x)
+    offsets = layer._native_layout()[1][..., 1].repeat_interleave(32, dim=1)  # (N, K)
+    bound = _bound(x, layer, reference, torch.bfloat16)
+    theirs_bound = bound + 2**-23 * (_magnitude(x, layer.weight) + _magnitude(x, offsets))
+    assert bool(((ours.double() - reference).abs() <= bound).all())
+    assert bool(((theirs.double() - reference).abs() <= theirs_bound).all())
+    assert bool(((ours.double() - theirs.double()).abs() <= bound + theirs_bound).all())
+
+
+def test_kernel_refuses_what_it_cannot_read(ext):
+    codes, scale_offset = _layer(16, 64, 32, seed=0)._native_layout()
+    with pytest.raises(RuntimeError, match=r"scale_offset must be a contiguous \(16, 2, 2\)"):
+        ext.q4_mm(torch.randn(1, 64), codes, scale_offset[:, :1])
+    with pytest.raises(RuntimeError, match="codes must be a contiguous 2-D uint8"):
+        ext.q4_mm(torch.randn(1, 64), codes.view(torch.int8), scale_offset)
+    with pytest.raises(RuntimeError, match="not a multiple of 32"):
+        ext.q4_mm(torch.randn(1, 48), codes[:, :24].contiguous(), scale_offset)
+    with pytest.raises(RuntimeError, match=r"x must be \(M, 64\) bfloat16 or float32"):
+        ext.q4_mm(torch.randn(1, 64).half(), codes, scale_offset)
+    with pytest.raises(RuntimeError, match=r"x must be \(M, 64\)"):
+        ext.q4_mm(torch.randn(1, 32), codes, scale_offset)
+
+
+@pytest.mark.parametrize("capability", ["AVX2", "DEFAULT", "AVX512"])
+def test_the_kernel_follows_the_cpu_kernels_pytorch_reports(ext, capability, monkeypatch):
+    """attnlab's kernel wherever PyTorch's int4 kernels are not its AVX-512 ones, in the
+    product, the bare decode kernel and the compiled step's call; PyTorch's otherwise and
+    without the native build."""
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    layer = _layer(64, 576, 32, seed=1)
+    x = torch.randn(3, 576).bfloat16()
+    ours, theirs = ext.q4_mm(x, *layer._native_layout()), _torch_int4(layer, x)
+    want = theirs if capability == "AVX512" else ours
+    _, bare = decode_product(layer)
+    for got in (layer.product(x), bare(x), layer.decode_kernel()(x)):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+    spec = layer.native_product()
+    assert spec is not None and spec.n == 64
+    if capability == "AVX512":
+        assert spec.kind == NATIVE_INT4 and spec.a is layer.packed
+    else:
+        codes, scale_offset = layer._native_layout()
+        assert spec.kind == NATIVE_Q4 and spec.a is codes and spec.b is scale_offset
+    monkeypatch.setenv(native.NATIVE_ENV, "0")
+    torch.testing.assert_close(layer.product(x), theirs, atol=0, rtol=0)
+    assert layer.native_product().kind == NATIVE_INT4  # type: ignore[union-attr]
+
+
+def test_a_group_size_below_32_is_left_to_pytorchs_kernel(ext, monkeypatch):
+    """Groups of 16 do not fill the native layout's 32-weight groups: PyTorch's kernel is
+    called, and refuses them, rather than attnlab's reading them wrongly."""
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    layer = Int4Linear.from_float(torch.randn(16, 64), group_size=16)
+    assert layer.native_product().kind == NATIVE_INT4  # type: ignore[union-attr]
+    with pytest.raises(RuntimeError, match="qGroupSize"):
+        layer.product(torch.randn(2, 64).bfloat16())
+
+
+def test_the_layout_is_built_once_beside_the_module(ext, monkeypatch):
+    """Built on first use, kept out of the state dict and the module tree, built again when
+    the scales change in place; a prompt (the dense path) gives the same as before."""
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    layer = _layer(32, 128, 32, seed=2)
+    first = layer._native_layout()
+    assert layer._native_layout() is first
+    assert set(layer.state_dict()) == {"packed", "scales_and_zeros"}
+    assert not list(layer.children())
+    with torch.no_grad():
+        layer.scales_and_zeros[..., 0] *= 2
+    again = layer._native_layout()
+    assert again is not first and torch.equal(again[1][..., 0], 2 * first[1][..., 0])
+    x = torch.randn(2, 128).bfloat16()
+    reference = x.double() @ layer.weight.double().t()
+    assert bool(((layer.product(x).double() - reference).abs() <= _bound(
+        x, layer, reference, torch.bfloat16)).all())  # fmt: skip
