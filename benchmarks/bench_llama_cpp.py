@@ -841,16 +841,8 @@ def bench_file(
         print(f"    cannot load the file: {unloadable}")
         rec.note(f"attnlab cannot load this file: {unloadable}")
     print(f"  {res.quietness()}")
-    flags = " ".join(peer.info.get("cmake_flags", []))
-    rec.note(f"file: {path.name} ({first.model_type}); llama.cpp built by "
-             f"{build_command(peer.isa, peer.repack)} (llama-cpp-python "
-             f"{peer.info.get('llama_cpp_python')}, {flags})")  # fmt: skip
-    if builds.repack_failed is not None:
-        rec.note(builds.repack_failed)
-    for fallback in sorted(FALLBACKS):
-        rec.note(fallback)
-    rec.note(f"rounds kept (quiet): {len(kept) if res.quiet_pairs else 0}/{args.rounds}; "
-             + res.quietness())  # fmt: skip
+    _note_build(rec, path, first, peer, builds, len(kept) if res.quiet_pairs else 0, args.rounds,
+                res.quietness())  # fmt: skip
     rec.note("attnlab decode: one-token steps only (after the first new token); llama.cpp "
              "tg: one-token steps from an empty context")  # fmt: skip
     mixed = len({b.root for b in ran}) > 1  # the repacking build failed after some rounds
@@ -988,16 +980,8 @@ def bench_depth(builds: Builds, config: str, path: Path, args: argparse.Namespac
             peer=f"llama-bench -fa {on_off[win]} process", peer_value=_mib(peer_rss[win]),
             better="lower", note=f"attnlab: the whole process, {', '.join(sides)}")  # fmt: skip
 
-    flags = " ".join(peer.info.get("cmake_flags", []))
-    rec.note(f"file: {path.name} ({first.model_type}); llama.cpp built by "
-             f"{build_command(peer.isa, peer.repack)} (llama-cpp-python "
-             f"{peer.info.get('llama_cpp_python')}, {flags})")  # fmt: skip
-    if builds.repack_failed is not None:
-        rec.note(builds.repack_failed)
-    for fallback in sorted(FALLBACKS):
-        rec.note(fallback)
-    rec.note(f"rounds kept (quiet): {len(kept) if res.quiet_pairs else 0}/{args.rounds}; "
-             + res.quietness())  # fmt: skip
+    _note_build(rec, path, first, peer, builds, len(kept) if res.quiet_pairs else 0, args.rounds,
+                res.quietness())  # fmt: skip
     rec.note(f"decode at depth: both sides time {new} one-token steps with {depth} tokens "
              f"already cached (keys {depth + 1} to {depth + new}); llama-bench fills its "
              f"cache with {depth} random tokens before each repetition's clock, attnlab with "
@@ -1034,6 +1018,21 @@ def bench_depth(builds: Builds, config: str, path: Path, args: argparse.Namespac
         rec.note(f"llama-bench round {i}: {tg} {rounds}; others used {res.other_load[i]:.2f} "
                  f"cores{which}")  # fmt: skip
     return rec.write()
+
+
+def _note_build(rec: Recorder, path: Path, first: Any, peer: Any, builds: Any, kept: int,
+                rounds: int, quietness: str) -> None:  # fmt: skip
+    """The notes every record of this script carries: the file, the llama.cpp build that
+    ran (and any that failed or stood in), and how many rounds were quiet."""
+    flags = " ".join(peer.info.get("cmake_flags", []))
+    rec.note(f"file: {path.name} ({first.model_type}); llama.cpp built by "
+             f"{build_command(peer.isa, peer.repack)} (llama-cpp-python "
+             f"{peer.info.get('llama_cpp_python')}, {flags})")  # fmt: skip
+    if builds.repack_failed is not None:
+        rec.note(builds.repack_failed)
+    for fallback in sorted(FALLBACKS):
+        rec.note(fallback)
+    rec.note(f"rounds kept (quiet): {kept}/{rounds}; {quietness}")
 
 
 def main(argv: list[str] | None = None) -> int:
