@@ -30,6 +30,13 @@ def test_info_runs_for_real():
         assert name in out
     assert "backend='auto' -> blockwise" in out
     assert "materialised" in out  # why sdpa stepped aside
+    # The kernels chosen for this CPU, each with its reason.
+    from attnlab.quant.arith import prompt_arithmetic
+
+    dtype, why = prompt_arithmetic()
+    flat = " ".join(out.split())
+    assert f"prompt products of the int and bf16 weights: {str(dtype)[6:]} ({why})" in flat
+    assert "int4 decode products: " in flat
 
 
 def test_info_explains_a_refused_backend_as_a_user_error(capsys):

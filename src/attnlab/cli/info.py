@@ -221,15 +221,24 @@ def info(
 
 def _info_native() -> RenderableType:
     """The compiled decode step's state, and how to retry a failed build; never builds."""
+    import torch
     from rich.text import Text
 
     from attnlab.quant.arith import prompt_arithmetic
 
     dtype, why = prompt_arithmetic()
+    capability = torch.backends.cpu.get_cpu_capability()
+    int4 = (
+        "PyTorch's (its AVX-512 kernels)"
+        if capability == "AVX512"
+        else f"attnlab's q4 kernel when the compiled step is loaded (PyTorch's int4 kernels "
+        f"here are its {capability} ones, slower)"
+    )
     return Text(
         f"compiled decode step (attnlab.native): {native.status()}\n"
         f"prompt products of the int and bf16 weights: {str(dtype).removeprefix('torch.')} "
-        f"({why})"
+        f"({why})\n"
+        f"int4 decode products: {int4}"
     )
 
 
