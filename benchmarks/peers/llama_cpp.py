@@ -271,6 +271,33 @@ def _ggml_version(src: Path) -> str | None:
     return ".".join(p.group(1) for p in parts if p) if all(parts) else None
 
 
+def _extract(tar: tarfile.TarFile, members: list[tarfile.TarInfo], dest: Path) -> None:
+    """Extract ``members`` into ``dest``, refusing any that would land outside it.
+
+    Python's ``data`` filter does this where it exists (3.12, and 3.11.4 on); Debian's
+    Python 3.11.2 has no ``filter`` argument, so the same refusals are made here first:
+    absolute names, ``..`` parts, links that point out of ``dest``, and devices.
+
+    Raises:
+        SystemExit: a member that would escape, named.
+    """
+    root = dest.resolve()
+    for m in members:
+        target = (root / m.name).resolve()
+        bad = m.name.startswith("/") or ".." in Path(m.name).parts or m.isdev()
+        if m.issym() or m.islnk():
+            link = (target.parent / m.linkname) if m.issym() else (root / m.linkname)
+            bad = bad or not link.resolve().is_relative_to(root)
+        if bad or not target.is_relative_to(root):
+            raise SystemExit(
+                f"llama_cpp.py: the sdist's member {m.name!r} would land outside {dest}"
+            )
+    if hasattr(tarfile, "data_filter"):
+        tar.extractall(dest, members=members, filter="data")
+    else:
+        tar.extractall(dest, members=members)  # checked above
+
+
 def _download_source(version: str, root: Path) -> None:
     """Put the sdist's vendored llama.cpp in ``root/src`` and the commit it vendors in
     ``root/llama_cpp_commit.txt``."""
@@ -287,7 +314,7 @@ def _download_source(version: str, root: Path) -> None:
             members = [m for m in tar.getmembers() if m.name.startswith(prefix)]
             for m in members:
                 m.name = m.name[len(prefix) :]
-            tar.extractall(Path(tmp) / "llama.cpp", members=members, filter="data")
+            _extract(tar, members, Path(tmp) / "llama.cpp")
             changelog = tar.extractfile(f"{top}/CHANGELOG.md")
             text = changelog.read().decode("utf-8", "replace") if changelog else ""
         (root / "llama_cpp_commit.txt").write_text(

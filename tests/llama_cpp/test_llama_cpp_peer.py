@@ -254,3 +254,42 @@ def test_check_names_the_variant_folder(monkeypatch, tmp_path, capsys):
     monkeypatch.setenv("ATTNLAB_PEERS", str(tmp_path))
     assert peer.main(["--check", "--isa", "avx512-core", "--repack"]) == 1
     assert str(tmp_path / "llama.cpp-avx512-core-repack") in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("data_filter", [True, False])
+def test_the_sdist_is_extracted_inside_its_folder_with_or_without_the_data_filter(
+    tmp_path, monkeypatch, data_filter
+):
+    """Debian's Python 3.11.2 has no ``filter`` argument to ``extractall``: the source
+    still extracts there, and a member that would land outside the folder (``..``, an
+    absolute name, a link out) is refused with its name, with or without the filter."""
+    import io
+    import tarfile
+
+    def sdist(*entries: tarfile.TarInfo) -> Path:
+        path = tmp_path / f"sdist{len(list(tmp_path.glob('*.tar')))}.tar"
+        with tarfile.open(path, "w") as tar:
+            for info in entries:
+                data = b"x" if info.isfile() else None
+                if data is not None:
+                    info.size = len(data)
+                tar.addfile(info, io.BytesIO(data) if data is not None else None)
+        return path
+
+    def member(name: str, link: str | None = None) -> tarfile.TarInfo:
+        info = tarfile.TarInfo(name)
+        if link is not None:
+            info.type, info.linkname = tarfile.SYMTYPE, link
+        return info
+
+    if not data_filter:
+        monkeypatch.delattr(tarfile, "data_filter", raising=False)
+    good = sdist(member("src/a.c"), member("src/link", "a.c"))
+    dest = tmp_path / "out"
+    with tarfile.open(good) as tar:
+        peer._extract(tar, tar.getmembers(), dest)
+    assert (dest / "src" / "a.c").read_bytes() == b"x"
+    for bad in (member("../escape.c"), member("/abs.c"), member("src/out", "../../x")):
+        with tarfile.open(sdist(bad)) as tar, pytest.raises(SystemExit, match="outside"):
+            peer._extract(tar, tar.getmembers(), tmp_path / "out2")
+        assert not (tmp_path / "escape.c").exists()
