@@ -49,9 +49,6 @@ inline void row_dots(const uint8_t* q, const float* so, const float* x, int64_t 
 #if defined(__AVX512F__)
   // Sums over groups g % C, C a compile-time count: sums picked by a run-time index
   // (g % C) lived in memory, and took 46 us for 1536 x 576 and one row against 28.
-  __m512 acc[C][R];
-  for (int c = 0; c < C; ++c)
-    for (int r = 0; r < R; ++r) acc[c][r] = _mm512_setzero_ps();
   const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   auto block = [&](int64_t g, __m512* sums) {
     // the group's 16 weight values fma(q, s, o), looked up by code: a permute reads only
@@ -68,16 +65,7 @@ inline void row_dots(const uint8_t* q, const float* so, const float* x, int64_t 
       sums[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xg + 16), sums[r]);
     }
   };
-  const int64_t G = K / kBlock;
-  int64_t g = 0;
-  for (; g + C <= G; g += C)
-    for (int c = 0; c < C; ++c) block(g + c, acc[c]);
-  for (int c = 0; g < G; ++g, ++c) block(g, acc[c]);
-  for (int r = 0; r < R; ++r) {
-    __m512 total = acc[0][r];
-    for (int c = 1; c < C; ++c) total = _mm512_add_ps(total, acc[c][r]);
-    out[r] = _mm512_reduce_add_ps(total);
-  }
+  attnlab_simd::sum_groups<C, R>(K / kBlock, block, out);
 #elif defined(__AVX2__) && defined(__FMA__)
   // Sums over the group's four vectors j % C (j a compile-time index once unrolled): with
   // four multiply-adds a group this took 25 us for 1536 x 576 and one row, where sums over

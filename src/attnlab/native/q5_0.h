@@ -188,9 +188,6 @@ inline void row_dots(const uint8_t* blocks, const c10::BFloat16* x, int64_t K, f
   // C sums a row over blocks g % C: one row's blocks one after another into one sum would
   // wait on each multiply-add's latency (more sums for fewer rows: registers).
   constexpr int C = 2;
-  __m512 acc[C][R];
-  for (int c = 0; c < C; ++c)
-    for (int r = 0; r < R; ++r) acc[c][r] = _mm512_setzero_ps();
   const __m512i table = _mm512_load_si512(kBf16Values);
   auto block = [&](int64_t g, __m512* sums) {
     const uint8_t* b = blocks + g * kBlockBytes;
@@ -202,16 +199,7 @@ inline void row_dots(const uint8_t* blocks, const c10::BFloat16* x, int64_t K, f
       sums[r] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), w, xg), vd, sums[r]);
     }
   };
-  const int64_t G = K / kBlock;
-  int64_t g = 0;
-  for (; g + C <= G; g += C)
-    for (int c = 0; c < C; ++c) block(g + c, acc[c]);
-  for (int c = 0; g < G; ++g, ++c) block(g, acc[c]);
-  for (int r = 0; r < R; ++r) {
-    __m512 total = acc[0][r];
-    for (int c = 1; c < C; ++c) total = _mm512_add_ps(total, acc[c][r]);
-    out[r] = _mm512_reduce_add_ps(total);
-  }
+  attnlab_simd::sum_groups<C, R>(K / kBlock, block, out);
 }
 
 // One bf16 row of x (decoding) against two weight rows at once: a sum per weight row (two
