@@ -256,6 +256,14 @@ def find_peer(isa: str = "native", repack: bool = False, build: bool = False) ->
     found: dict[bool, peers.LlamaCpp] = {}
     for rp in [False, True] if repack else [False]:
         peer = peers.find(isa=isa, repack=rp)
+        if peer is not None and peer.for_tests:
+            if not build:
+                raise SystemExit(
+                    f"bench_llama_cpp: llama.cpp in {peer.root} was built for the tests alone "
+                    "(its own C++ unoptimised), no peer to time against; build the release "
+                    f"tools with `{build_command(isa, rp)}`, or pass --build-peer"
+                )
+            peer = None
         if peer is None and build:
             peer = peers.build(isa=isa, repack=rp)
         if peer is None:

@@ -28,6 +28,13 @@ Its ``llama_cpp.json`` says its ``isa``, ``repack`` and CMake flags. The classes
 
 Running the script again does nothing when ``llama_cpp.json`` and the binaries exist.
 
+``--for-tests`` builds the default folder for the tests alone (CI does): llama.cpp's own C++
+(libllama, common, the tools) at ``-O0``, ggml's kernels at ``-O3`` as in a release build.
+It builds in about half the time, converts, quantises and scores the tests' small files
+exactly as the release build does (the arithmetic is ggml's), but it is no peer to time
+against: ``bench_llama_cpp.py`` refuses it, and running this script without the flag
+builds the release tools over it.
+
 Usage::
 
     python benchmarks/peers/llama_cpp.py            # build if needed, print the folder
@@ -35,6 +42,7 @@ Usage::
     python benchmarks/peers/llama_cpp.py --version 0.3.36 --jobs 2
     python benchmarks/peers/llama_cpp.py --isa avx2 --jobs 1     # llama.cpp-avx2
     python benchmarks/peers/llama_cpp.py --isa avx512-core --repack
+    python benchmarks/peers/llama_cpp.py --for-tests --jobs 2   # CI
 
 Needs a C/C++ compiler, ``cmake`` (>= 3.14) and ``ninja`` on PATH (Debian: ``apt-get
 install build-essential cmake ninja-build``; or ``pip install cmake ninja``).
@@ -144,6 +152,11 @@ class LlamaCpp:
         """Whether it was built with weight repacking (``GGML_CPU_REPACK=ON``)."""
         return bool(self.info.get("repack", False))
 
+    @property
+    def for_tests(self) -> bool:
+        """Whether it was built for the tests alone (``--for-tests``: no peer to time against)."""
+        return bool(self.info.get("for_tests", False))
+
     def tool(self, name: str) -> Path:
         """The path of one built tool, e.g. ``tool("llama-quantize")``."""
         return self.bin / name
@@ -176,8 +189,19 @@ def peer_dir(isa: str = "native", repack: bool = False) -> Path:
     return root.with_name(f"{root.name}-{isa}{'-repack' if repack else ''}")
 
 
-def cmake_flags(isa: str = "native", repack: bool = False) -> tuple[str, ...]:
-    """The CMake flags of a build (the default one's are :data:`CMAKE_FLAGS`)."""
+# A build for the tests alone: llama.cpp's C++ unoptimised, ggml's kept at -O3 by a file
+# CMake includes after ggml's project() (a directory-scoped setting, so only ggml's targets).
+FOR_TESTS_FLAGS = (
+    "-DCMAKE_CXX_FLAGS_RELEASE=-O0 -DNDEBUG",
+    f"-DCMAKE_PROJECT_ggml_INCLUDE={Path(__file__).resolve().with_name('ggml_optimised.cmake')}",
+)
+
+
+def cmake_flags(
+    isa: str = "native", repack: bool = False, for_tests: bool = False
+) -> tuple[str, ...]:
+    """The CMake flags of a build (the default one's are :data:`CMAKE_FLAGS`; with
+    ``for_tests``, :data:`FOR_TESTS_FLAGS` added)."""
     _check_isa(isa)
     out: list[str] = []
     for flag in CMAKE_FLAGS:
@@ -187,6 +211,8 @@ def cmake_flags(isa: str = "native", repack: bool = False) -> tuple[str, ...]:
             out.append(f"-DGGML_CPU_REPACK={'ON' if repack else 'OFF'}")
         else:
             out.append(flag)
+    if for_tests:
+        out.extend(FOR_TESTS_FLAGS)
     return tuple(out)
 
 
@@ -343,6 +369,7 @@ def build(
     root: Path | None = None,
     isa: str = "native",
     repack: bool = False,
+    for_tests: bool = False,
 ) -> LlamaCpp:
     """Download the llama-cpp-python sdist, build llama.cpp's tools into ``root``.
 
@@ -357,13 +384,25 @@ def build(
         root: The cache folder (default: :func:`peer_dir` of ``isa`` and ``repack``).
         isa: The CPU class to build for (:data:`ISA_FLAGS`).
         repack: Build with weight repacking (``GGML_CPU_REPACK=ON``).
+        for_tests: The default build for the tests alone (:data:`FOR_TESTS_FLAGS`). A
+            release build already there serves the tests too; a build for the tests is
+            rebuilt in release when asked without this.
 
     Returns:
         The built peer.
     """
     root = peer_dir(isa, repack) if root is None else root
     default = is_default(isa, repack)
+    if for_tests and not default:
+        raise SystemExit(
+            "llama_cpp.py: --for-tests builds the default folder (native, no --repack)"
+        )
     found = find(root)
+    if found is not None and found.for_tests and not for_tests:
+        print(f"llama_cpp.py: {root} was built for the tests alone; building the release tools")
+        (root / RECORD).unlink()
+        shutil.rmtree(root / "build")  # CMake's cache keeps the flags it was given
+        found = None
     if found is not None:
         if found.info.get("llama_cpp_python") != version:
             built = found.info.get("llama_cpp_python")
@@ -393,7 +432,7 @@ def build(
              str(packages), transformers_pin, *CONVERTER_DEPS]
         )  # fmt: skip
     build_dir = root / "build"
-    flags = cmake_flags(isa, repack)
+    flags = cmake_flags(isa, repack, for_tests)
     tools = TOOLS if default else VARIANT_TOOLS
     # The commit goes into the binaries too (`llama-bench` prints it), since CMake cannot
     # find it without git metadata.
@@ -408,6 +447,7 @@ def build(
         "ggml_version": _ggml_version(src),
         "isa": isa,
         "repack": repack,
+        **({"for_tests": True} if for_tests else {}),
         **({"converter_packages": [transformers_pin, *CONVERTER_DEPS]} if default else {}),
         "cmake_flags": [*flags, f"-DLLAMA_BUILD_COMMIT={commit}"],
         "tools": list(tools),
@@ -619,12 +659,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="CPU class to build for (a variant: llama-bench alone)")  # fmt: skip
     parser.add_argument("--repack", action="store_true",
                         help="weight repacking on (GGML_CPU_REPACK=ON; a variant)")  # fmt: skip
+    parser.add_argument("--for-tests", action="store_true",
+                        help="for the tests alone: llama.cpp's C++ at -O0, ggml at -O3 (no peer "
+                        "to time against)")  # fmt: skip
     args = parser.parse_args(argv)
     if args.check:
         peer = find(isa=args.isa, repack=args.repack)
         print(peer.root if peer else f"not built in {peer_dir(args.isa, args.repack)}")
         return 0 if peer else 1
-    peer = build(args.version, args.jobs, isa=args.isa, repack=args.repack)
+    peer = build(
+        args.version, args.jobs, isa=args.isa, repack=args.repack, for_tests=args.for_tests
+    )
     print(peer.root)
     print(json.dumps(peer.info, indent=2))
     return 0

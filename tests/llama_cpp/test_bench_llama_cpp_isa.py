@@ -121,6 +121,20 @@ def test_a_missing_build_names_the_command_that_builds_it(monkeypatch, tmp_path)
     )
 
 
+def test_a_build_for_the_tests_alone_is_no_peer_to_time_against(monkeypatch, tmp_path):
+    monkeypatch.setenv("ATTNLAB_PEERS", str(tmp_path))
+    root = PEERS.peer_dir("avx2")
+    _fake_build(root, "avx2", False, "exit 0\n")
+    info = json.loads((root / PEERS.RECORD).read_text())
+    (root / PEERS.RECORD).write_text(json.dumps({**info, "for_tests": True}))
+    with pytest.raises(SystemExit, match=r"for the tests alone.*llama_cpp.py --isa avx2`"):
+        bench.find_peer("avx2")
+    built = []
+    monkeypatch.setattr(PEERS, "build", lambda **kw: built.append(kw) or "release")
+    assert bench.find_peer("avx2", build=True).plain == "release"
+    assert built == [{"isa": "avx2", "repack": False}]
+
+
 BENCH_JSON = json.dumps([
     {"n_prompt": 8, "n_gen": 0, "avg_ts": 100.0, "samples_ts": [100.0], "n_threads": 2},
     {"n_prompt": 0, "n_gen": 4, "avg_ts": 20.0, "samples_ts": [20.0], "n_threads": 2},

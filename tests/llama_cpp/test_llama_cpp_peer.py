@@ -293,3 +293,38 @@ def test_the_sdist_is_extracted_inside_its_folder_with_or_without_the_data_filte
         with tarfile.open(sdist(bad)) as tar, pytest.raises(SystemExit, match="outside"):
             peer._extract(tar, tar.getmembers(), tmp_path / "out2")
         assert not (tmp_path / "escape.c").exists()
+
+
+def test_a_build_for_the_tests_keeps_ggml_optimised_and_is_rebuilt_in_release_for_timing(
+    monkeypatch, tmp_path
+):
+    monkeypatch.setenv("ATTNLAB_PEERS", str(tmp_path))
+    commands = _fake_toolchain(monkeypatch)
+    root = peer.peer_dir()
+    _fake_default(root)
+    for tool in peer.TOOLS:  # the source and packages stay, the tools are not built yet
+        (root / "build" / "bin" / tool).unlink()
+    (root / peer.RECORD).unlink()
+    built = peer.build(jobs=2, for_tests=True)
+    assert built.for_tests and peer.find() == built
+    cmake = commands[0]
+    flags = cmake[cmake.index("Ninja") + 1 :]
+    assert "-DCMAKE_CXX_FLAGS_RELEASE=-O0 -DNDEBUG" in flags
+    (include,) = [f for f in flags if f.startswith("-DCMAKE_PROJECT_ggml_INCLUDE=")]
+    # The file CMake includes after ggml's project() puts ggml's C++ back at -O3.
+    text = Path(include.split("=", 1)[1]).read_text()
+    assert re.search(r'^set\(CMAKE_CXX_FLAGS_RELEASE "-O3 -DNDEBUG"\)$', text, re.M)
+    assert json.loads((root / peer.RECORD).read_text())["for_tests"] is True
+    # It serves the tests again without a rebuild; asked for without the flag (a peer to
+    # time against), it is built again in release, from a fresh CMake cache.
+    assert peer.build(for_tests=True) == built and len(commands) == 2
+    (root / "build" / "CMakeCache.txt").write_text("CMAKE_CXX_FLAGS_RELEASE:STRING=-O0\n")
+    release = peer.build(jobs=2)
+    assert not release.for_tests and not (root / "build" / "CMakeCache.txt").exists()
+    cmake = commands[2]
+    assert cmake[cmake.index("Ninja") + 1 : -1] == list(peer.cmake_flags())
+    assert not any("O0" in f or "ggml_INCLUDE" in f for f in peer.cmake_flags())
+    # A release build serves the tests as it is.
+    assert peer.build(for_tests=True) == release and len(commands) == 4
+    with pytest.raises(SystemExit, match="default folder"):
+        peer.build(isa="avx2", for_tests=True)
