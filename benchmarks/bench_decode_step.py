@@ -18,6 +18,11 @@ length after each step, so every side runs the same position):
   around the products can go under (the weights' bytes over the memory's bandwidth);
 - ``head only``: the output head's kernel alone (part of ``products only``).
 
+At a depth (``--depth N``) the cache holds ``N`` positions when each side runs its step:
+the prompt's forward writes the first 64 and random keys and values stand for the rest
+(what attention costs does not depend on what the keys hold), and every side runs at
+position ``N``. The record's config gets ``-depthN``.
+
 Each side is reported as wall time (best and median: on a shared machine the best is the
 figure) and as the calling thread's CPU time (``time.thread_time``, best; at one thread
 it holds the work of the step whatever else runs, since waiting for a core is not
@@ -28,6 +33,7 @@ Python, and all of them, nested ones included). One record per precision goes to
     PYTHONPATH=src python benchmarks/bench_decode_step.py                  # int4, 2 threads
     PYTHONPATH=src python benchmarks/bench_decode_step.py --threads 1 --dtypes int4,int8
     PYTHONPATH=src python benchmarks/bench_decode_step.py --model gemma3-270m
+    PYTHONPATH=src python benchmarks/bench_decode_step.py --depth 4096 --rounds 10
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -101,22 +108,35 @@ def head_only(model: Any) -> Callable[[], None]:
     return run
 
 
+def fill(cache: list[Any], depth: int) -> None:
+    """Random keys and values (float32 normal) from the cache's end up to ``depth``
+    positions, as if a prompt of ``depth`` tokens had been read."""
+    g = torch.Generator().manual_seed(1)
+    for c in cache:
+        for t in (c._k, c._v):
+            part = t[:, :, c.seq_len : depth]
+            part.copy_(torch.randn(part.shape, generator=g, dtype=part.dtype))
+        c._len = depth
+
+
 def bench(dtype: str, args: argparse.Namespace) -> None:
+    depth = max(args.depth, PROMPT)
+    at = f"after a {PROMPT}-token prompt" if depth == PROMPT else f"at depth {depth}"
     rec = Recorder(
         "bench_decode_step",
-        f"{TAGS[args.model]}-{dtype}-t{args.threads}",
-        f"{NAMES[args.model]} ({dtype} weights) one-token decode step after a "
-        f"{PROMPT}-token prompt at {args.threads} threads: the native step, the short loop, "
-        f"the general loop and the products alone, {args.rounds} interleaved rounds, the "
-        "same position every round",
+        f"{TAGS[args.model]}-{dtype}-t{args.threads}" + (f"-depth{depth}" if args.depth else ""),
+        f"{NAMES[args.model]} ({dtype} weights) one-token decode step {at} at "
+        f"{args.threads} threads: the native step, the short loop, the general loop and the "
+        f"products alone, {args.rounds} interleaved rounds, the same position every round",
         args.threads,
     )
     model, _ = load_pretrained(find_file(args.model), dtype=dtype)
     ids = torch.randint(0, 49152, (1, PROMPT), generator=torch.Generator().manual_seed(0))
     nxt = torch.tensor([[5]])
     with torch.no_grad():
-        cache = model.new_kv_cache(max_len=PROMPT + 8)
+        cache = model.new_kv_cache(max_len=depth + 8)
         model(ids, kv_cache=cache, logits_to_keep=1)
+        fill(cache, depth)
         plan = decode_plan(model)
         rows = plan.rows
         if rows is None:
@@ -124,7 +144,7 @@ def bench(dtype: str, args: argparse.Namespace) -> None:
 
         def rewind() -> None:
             for c in cache:
-                c._len = PROMPT  # the same position every call: equal work
+                c._len = depth  # the same position every call: equal work
 
         compiled = plan.native_step()
         if compiled is None:
@@ -169,7 +189,8 @@ def bench(dtype: str, args: argparse.Namespace) -> None:
                 fn()
                 wall[name].append(time.perf_counter() - t0)
                 cpu[name].append(time.thread_time() - c0)
-    print(f"{NAMES[args.model]} {dtype}, {args.threads} threads, {args.rounds} interleaved rounds")
+    print(f"{NAMES[args.model]} {dtype} {at}, {args.threads} threads, {args.rounds} interleaved "
+          "rounds")  # fmt: skip
     print(f"  {'side':14s} {'ops (python/all)':>17s} {'wall best':>10s} {'median':>8s} "
           f"{'cpu best':>9s}  (ms per token)")  # fmt: skip
     for name in sides:
@@ -194,7 +215,10 @@ def bench(dtype: str, args: argparse.Namespace) -> None:
           "(wall best)")  # fmt: skip
     rec.note("products only: the step's int4 / int8 / float kernels called back to back on "
              "one row each (the memory-bound floor of the step)")  # fmt: skip
-    rec.write()
+    if args.depth:
+        rec.note(f"depth {depth}: the prompt's forward wrote {PROMPT} positions, random "
+                 f"float32 normal keys and values the rest")  # fmt: skip
+    rec.write(folder=args.results)
 
 
 def main() -> None:
@@ -203,7 +227,18 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--dtypes", default="int4", help="comma-separated weight precisions")
+    parser.add_argument("--depth", type=int, default=0,
+                        help=f"positions in the cache at the timed step (default: the "
+                             f"{PROMPT}-token prompt's)")  # fmt: skip
+    parser.add_argument(
+        "--results",
+        type=Path,
+        default=None,
+        help="where the record goes (default benchmarks/results)",
+    )
     args = parser.parse_args()
+    if args.depth < 0:
+        parser.error(f"--depth must be >= 0, got {args.depth}")
     torch.set_num_threads(args.threads)
     for dtype in args.dtypes.split(","):
         bench(dtype, args)

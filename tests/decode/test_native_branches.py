@@ -1,8 +1,8 @@
 """Every compiled branch of the native kernels, built and tested on this machine.
 
-``-march=native`` compiles only the branch of ``q4.h``, ``q8_0.h``, ``q5_0.h`` and
-``simd.h`` that this CPU selects. Each other branch this CPU can run is built here with
-``ATTNLAB_NATIVE_MARCH`` (``x86-64-v3``: AVX2; ``x86-64``: the plain loops;
+``-march=native`` compiles only the branch of ``q4.h``, ``q8_0.h``, ``q5_0.h``,
+``attend.h`` and ``simd.h`` that this CPU selects. Each other branch this CPU can run is
+built here with ``ATTNLAB_NATIVE_MARCH`` (``x86-64-v3``: AVX2; ``x86-64``: the plain loops;
 ``skylake-avx512``: AVX-512 without BF16) and the kernel and step tests run against it,
 in a process of its own, so that a CI machine of any class tests them all.
 """
@@ -22,6 +22,7 @@ from attnlab import native
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parents[1]
 KERNEL_TESTS = (
+    "test_native_attend.py",
     "test_native_q4.py",
     "test_native_q8.py",
     "test_native_q5.py",

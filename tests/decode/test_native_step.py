@@ -86,12 +86,31 @@ def test_float32_native_step_gives_the_python_loops_logits_tokens_and_caches(lay
         torch.testing.assert_close(c._v[:, :, :13], p._v[:, :, :13], atol=5e-5, rtol=1e-5)
 
 
-def test_a_long_cache_splits_the_heads_across_threads_with_the_same_logits():
-    # 1100 cached keys of 32 values: enough work per head for the heads to run in parallel
-    model = _model(5, context_length=1200)
+# Caches deeper than attend.h's chunks: several chunks a group whose partial softmaxes are
+# merged, shared between the threads. Query heads a group: 2 (Llama's here), 3 (SmolLM2's)
+# with a window of all layers shorter than the depth, 4 in one group (Gemma 3's) with its
+# local layers' windows shorter than the depth; two rows each. (heads a group, options)
+DEPTH_LAYOUTS = {
+    "llama": (2, {}),
+    "3-heads-a-group-window": (
+        3,
+        {"num_heads": 6, "num_kv_heads": 2, "head_dim": 32, "sliding_window": 300},
+    ),
+    "gemma3-one-group": (
+        4,
+        {**LAYOUTS["gemma3-like"], "num_kv_heads": 1, "layer_windows": (300, None, 300)},
+    ),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(DEPTH_LAYOUTS))
+def test_a_deep_cache_gives_the_python_loops_logits(layout):
+    heads_a_group, options = DEPTH_LAYOUTS[layout]
+    model = _model(5, context_length=1200, **options)
     model.prepare_decode(share_float=True)
     plan = model.prepare_decode()
     assert plan.native_step() is not None
+    assert heads_a_group == plan.H // plan.G
     ids = torch.randint(0, CONFIG.vocab_size, (2, 1105), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         compiled, python = model.new_kv_cache(max_len=1200), model.new_kv_cache(max_len=1200)

@@ -5,9 +5,10 @@
 // The Python loop spends much of its time around the weight products: some forty tensor
 // operations a layer (benchmarks/bench_decode_step.py). Here the products are the
 // same kernels with the same inputs (PyTorch's int4 / int8 / dense kernels, and q4.h's,
-// q5_0.h's and q8_0.h's, on rows in the layer's dtype); everything around them (RMSNorm, QK-norm, RoPE, the cache write,
-// attention over the cache, the activation, the residual adds) is a plain loop over
-// float32 rows. The numbers are the Python loop's up to the order of float32 sums.
+// q5_0.h's and q8_0.h's, on rows in the layer's dtype); everything around them (RMSNorm,
+// QK-norm, RoPE, the cache write, the activation, the residual adds) is a plain loop over
+// float32 rows, and attention over the cache is attend.h's. The numbers are the Python
+// loop's up to the order of float32 sums.
 //
 // Built on first use by attnlab.native (torch.utils.cpp_extension) and cached on disk.
 
@@ -21,6 +22,7 @@
 #include <tuple>
 #include <vector>
 
+#include "attend.h"
 #include "q4.h"
 #include "q5_0.h"
 #include "q8_0.h"
@@ -127,28 +129,7 @@ at::Tensor as_input(const std::vector<float>& buf, int64_t B, int64_t K, at::Sca
   return t;
 }
 
-// exp(x) within about 1 ulp (Cody-Waite reduction by ln 2, Cephes' degree-6 polynomial)
-// in arithmetic only, so that loops over it vectorise: std::exp does not without
-// -ffast-math, and the activations and the softmax call it for every element.
-inline float exp_fast(float x) {
-  x = x < -87.33654f ? -87.33654f : (x > 88.37626f ? 88.37626f : x);  // 2^n stays normal
-  // n = round(x / ln 2), by adding and taking away 1.5 * 2^23: std::floor and std::min
-  // keep GCC from vectorising the loops this is inlined into
-  const float n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;
-  float r = x - n * 0.693359375f;
-  r = r + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
+using attnlab_simd::exp_fast;
 
 // out[j] = act(gate[j]) * up[j], as torch's silu and gelu (tanh: through exp, within a
 // few ulp of torch.tanh).
@@ -305,55 +286,11 @@ class Step {
     }
     const int64_t S = pos + 1;
     const int64_t s0 = (l.window > 0 && S > l.window) ? S - l.window : 0;
-    attend(w.qk.data(), kc, vc, max_len, B, s0, S, static_cast<float>(l.scale), w.o.data());
+    attnlab_attend::attend(w.qk.data(), nqk, kc, vc, max_len, B, H, G, D, s0, S,
+                           static_cast<float>(l.scale), w.o.data(), nq);
     run_products(l.out, as_input(w.o, B, nq, l.dtype), w.a.data(), C);
     if (l.attn_post.defined()) rms_rows(w.a.data(), w.a.data(), B, C, l.attn_post, false);
     for (int64_t i = 0; i < B * C; ++i) x[i] += w.a[i];
-  }
-
-  // o (B, H D) = softmax(q k^T scale) v of each head over cache positions [s0, S), q the
-  // queries at the start of each row of qk (B, (H + G) D); a head's group's keys and values
-  // are (B, G, max_len, D) caches
-  void attend(const float* qk, const float* kc, const float* vc, int64_t max_len, int64_t B,
-              int64_t s0, int64_t S, float scale, float* o) const {
-    const int64_t D = D_, H = H_, G = G_;
-    const int64_t nq = H * D, nqk = (H + G) * D;
-    // Heads in parallel once they are worth a thread's start (long caches, wide heads).
-    const int64_t head_work = (S - s0) * D;
-    at::parallel_for(0, B * H, std::max<int64_t>(1, (1 << 15) / head_work),
-                     [&](int64_t begin, int64_t end) {
-      std::vector<float> scores(S);
-      for (int64_t i = begin; i < end; ++i) {
-        const int64_t r = i / H, hh = i % H, g = hh / (H / G);
-        const float* q = qk + r * nqk + hh * D;
-        const float* keys = kc + (r * G + g) * max_len * D;
-        const float* vals = vc + (r * G + g) * max_len * D;
-        float mx = -INFINITY;
-        for (int64_t s = s0; s < S; ++s) {
-          const float* k = keys + s * D;
-          float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < D; ++d) dot += q[d] * k[d];
-          scores[s] = dot * scale;
-          mx = std::max(mx, scores[s]);
-        }
-        float total = 0.f;
-        float* sc = scores.data();
-#pragma omp simd reduction(+ : total)
-        for (int64_t s = s0; s < S; ++s) {
-          sc[s] = exp_fast(sc[s] - mx);
-          total += sc[s];
-        }
-        float* od = o + r * nq + hh * D;
-        std::fill_n(od, D, 0.f);
-        for (int64_t s = s0; s < S; ++s) {
-          const float wt = sc[s] / total;
-          const float* v = vals + s * D;
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) od[d] += wt * v[d];
-        }
-      }
-    });
   }
 
   // x += down(act(gate(norm2(x))) * up(norm2(x))), then its sandwich norm
@@ -419,6 +356,32 @@ class Step {
   std::vector<Layer> layers_;
 };
 
+// attend.h's attention alone, for its tests and benchmarks: o (B, H, D) from queries
+// (B, H, D) and caches (B, G, max_len, D), all float32, over the positions [s0, S).
+at::Tensor attend(const at::Tensor& query, const at::Tensor& key_cache,
+                  const at::Tensor& value_cache, int64_t s0, int64_t S, double scale) {
+  TORCH_CHECK(query.dim() == 3 && query.scalar_type() == at::kFloat,
+              "attend: query must be (B, H, D) float32");
+  const int64_t B = query.size(0), H = query.size(1), D = query.size(2);
+  for (const at::Tensor* t : {&key_cache, &value_cache}) {
+    TORCH_CHECK(t->dim() == 4 && t->size(0) == B && t->size(3) == D &&
+                    t->scalar_type() == at::kFloat && t->is_contiguous() &&
+                    t->sizes() == key_cache.sizes(),
+                "attend: the caches must be contiguous (", B, ", G, max_len, ", D,
+                ") float32 tensors of one shape");
+  }
+  const int64_t G = key_cache.size(1), max_len = key_cache.size(2);
+  TORCH_CHECK(G > 0 && H % G == 0, "attend: ", H, " heads in ", G, " groups");
+  TORCH_CHECK(0 <= s0 && s0 <= S && S <= max_len, "attend: positions [", s0, ", ", S,
+              ") of a cache of ", max_len);
+  const at::Tensor q = query.contiguous();
+  at::Tensor o = at::empty({B, H, D}, q.options());
+  attnlab_attend::attend(q.data_ptr<float>(), H * D, key_cache.data_ptr<float>(),
+                         value_cache.data_ptr<float>(), max_len, B, H, G, D, s0, S,
+                         static_cast<float>(scale), o.data_ptr<float>(), H * D);
+  return o;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -441,8 +404,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   acts["gelu"] = static_cast<int64_t>(kGelu);
   acts["relu"] = static_cast<int64_t>(kRelu);
   m.attr("ACTIVATIONS") = acts;
-  // The kernels' compile-time branch (q4.h, q8_0.h, q5_0.h, simd.h), set by -march: what
-  // `attnlab info` reports and what the per-branch tests check they built.
+  // The kernels' compile-time branch (q4.h, q8_0.h, q5_0.h, attend.h, simd.h), set by
+  // -march: what `attnlab info` reports and what the per-branch tests check they built.
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__)
   m.attr("SIMD") = "avx512-bf16";
 #elif defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -452,6 +415,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #else
   m.attr("SIMD") = "scalar";
 #endif
+  m.def("attend", &attend, py::call_guard<py::gil_scoped_release>(),
+        "o (B, H, D) = softmax(scale q k^T) v over cache positions [s0, S): query (B, H, D), "
+        "caches (B, G, max_len, D), float32", py::arg("query"), py::arg("key_cache"),
+        py::arg("value_cache"), py::arg("s0"), py::arg("S"), py::arg("scale"));
+  // positions a piece of attend's work covers (its tests derive their bounds from it)
+  m.attr("ATTEND_CHUNK") = attnlab_attend::kChunk;
   m.def("q8_0_mm", &attnlab_q8::q8_0_mm, py::call_guard<py::gil_scoped_release>(),
         "y (M, N) = x (M, K) @ W^T for W in Q8_0: int8 codes (N, K), scales (N, K/32)");
   m.def("q5_0_mm", &attnlab_q5::q5_0_mm, py::call_guard<py::gil_scoped_release>(),

@@ -2,10 +2,38 @@
 
 #pragma once
 
+#include <cstdint>
+#include <cstring>
+
+namespace attnlab_simd {
+
+// exp(x) within about 1 ulp (Cody-Waite reduction by ln 2, Cephes' degree-6 polynomial)
+// in arithmetic only, so that loops over it vectorise: std::exp does not without
+// -ffast-math, and the activations and the softmax call it for every element.
+inline float exp_fast(float x) {
+  x = x < -87.33654f ? -87.33654f : (x > 88.37626f ? 88.37626f : x);  // 2^n stays normal
+  // n = round(x / ln 2), by adding and taking away 1.5 * 2^23: std::floor and std::min
+  // keep GCC from vectorising the loops this is inlined into
+  const float n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;
+  float r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+}  // namespace attnlab_simd
+
 #if defined(__AVX2__)
 #include <immintrin.h>
-
-#include <cstdint>
 
 namespace attnlab_simd {
 
