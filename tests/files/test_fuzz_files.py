@@ -39,7 +39,12 @@ from fuzz_files import (
 GGUF_SEEDS = range(0, 250)
 HF_SEEDS = range(0, 250)
 GEMMA2_SEEDS = range(0, 100)  # a SentencePiece GGUF file, and Gemma 2's own config keys
-SLOW_SEEDS = range(250, 3000)
+# Seeds 0..2999 found 22 distinct kinds of bug (each replayed below as an explicit edit): 12
+# below 250, 5 in 250..1249, the other 5 spread over 1250..2999. The slow sweep runs the
+# seeds where the findings were dense, and the five later seeds that each found a kind of
+# bug of its own; the rest of 1250..2999 found no kind of bug the others missed and is left
+# out (64% of the sweep's time).
+SLOW_SEEDS = [*range(250, 1250), 1309, 1931, 2024, 2839, 2870]
 
 
 @pytest.fixture(scope="module")
