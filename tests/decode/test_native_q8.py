@@ -70,13 +70,15 @@ def _quantised_product_bound(
     """The kernel's error bound against the float64 product of x's codes (``_quantise``):
     each integer block sum is exact (the SIMD branches' partial sums are below 2^24, exact
     in float32), so what is left is float32's: the block scale d * e rounded once, and at
-    most G + 7 roundings of the sums (AVX-512: ceil(G / C) multiply-adds in a chain, C - 1
-    adds of the C chains (C <= 4), 4 of the 16 lanes; AVX2 one fewer; the plain loop the
-    sum's conversion, its product and G adds), so gamma(G + 8) of the sum of the terms'
-    magnitudes; plus the output's rounding (bf16: 2^-8 of the value)."""
+    most G + 4 roundings of the sums (AVX-512: G multiply-adds in a chain, then 4 adds of
+    the 16 lanes; AVX2 3 of 8; the plain loop the sum's conversion, its product and G
+    adds), so gamma(G + 5) of the sum of the terms' magnitudes. Where a result is
+    subnormal (the tiny block's: e itself is) a rounding errs by up to 2^-150 absolute
+    instead: the block scale's times its |S|, and one for each of the at most 16 (G + 5)
+    roundings of sums. Plus the output's rounding (bf16: 2^-8 of the value)."""
     M, K = p.shape
     N, G = layer.codes.shape[0], K // 32
-    n = G + 8
+    n = G + 5
     gamma = n * U / (1 - n * U)
     q = layer.codes.double().view(N, G, 32)
     s_abs = torch.einsum("mgk,ngk->mng", p.abs().view(M, G, 32), q.abs())  # (M, N, G)

@@ -29,8 +29,8 @@
 // AVX512_VNNI there is nothing to fuse (one vpmaddwd per block), so that build runs the
 // AVX-512BW branch.
 //
-// One output row of W at a time (parallel over N): its codes are read once for up to
-// kRowsAtOnce rows of x.
+// A few output rows of W at a time (parallel over N): their codes are read once for up
+// to kRowsAtOnce rows of x.
 //
 // Used by decode_step.cpp (Product kind kQ8) and bound as q8_0_mm (attnlab.quant.Q8Linear).
 
@@ -102,7 +102,7 @@ inline void quantise_rows(const T* x, int64_t M, int64_t K, int16_t* p, float* e
 
 // c (R, G) = d[g] * e[r * G + g]: each block's two scales in one, for R rows of x.
 template <int R, typename S>
-inline void block_scales(const S* d, const float* e, int64_t G, float* c) {
+[[gnu::always_inline]] inline void block_scales(const S* d, const float* e, int64_t G, float* c) {
   int64_t g = 0;
 #if defined(__AVX512F__)
   for (; g + 16 <= G; g += 16) {
@@ -137,78 +137,132 @@ inline void block_scales(const S* d, const float* e, int64_t G, float* c) {
   }
 }
 
-// Independent sums a row of x keeps: one row alone would wait on each multiply-add's
-// latency, more rows fill the pipeline themselves (and need the registers).
+// Weight rows a pass takes at once for R rows of x: one row of x against one weight row
+// would wait on each multiply-add's latency and pay a weight row's setup and final sum for
+// 20 blocks (Gemma's K = 640); four weight rows keep four independent sums. More rows of
+// x fill the pipeline themselves (and need the registers).
 template <int R>
-constexpr int chains() {
+constexpr int weight_rows() {
   return R == 1 ? 4 : (R == 2 ? 2 : 1);
 }
+constexpr int64_t kTile = 4;  // weight rows per step of the loop over N (the most above)
 
-// out[r] = sum over blocks g of c[r * G + g] * sum_k q[g * 32 + k] * p[r * K + g * 32 + k]
-// for R rows of codes p (row stride K); c from block_scales.
-template <int R>
-inline void row_dots(const int8_t* q, const int16_t* p, const float* c, int64_t K,
-                     float* out) {
+// Codes are fetched this many bytes ahead of the pass. Four weight rows read side by side
+// are four streams 640 bytes apart that the hardware prefetchers follow badly: Gemma's
+// 262144 x 640 head took 12-15 ms on one core read so (AVX-512 and AVX2), 8 one row at a
+// time, 6 with this (benchmarks/bench_q8_0.py; 4 to 16 KiB ahead about alike).
+constexpr int64_t kPrefetchBytes = 8192;
+
+// The part of block g's slice of a tile's NR weight rows (contiguous, NR * K bytes, swept
+// NR * 32 bytes a block) that lies kPrefetchBytes ahead.
+template <int NR>
+[[gnu::always_inline]] inline void prefetch_ahead(const int8_t* q, int64_t g) {
+  for (int64_t b = 0; b < NR * kBlock; b += 64)
+    __builtin_prefetch(q + kPrefetchBytes + g * NR * kBlock + b, 0, 3);
+}
+
+// out[j * R + r] = sum over blocks g of c[(j * R + r) * G + g] * sum_k q[j * K + g * 32 + k] *
+// p[r * K + g * 32 + k] for NR weight rows of codes q (stride K) and R rows of x's codes p
+// (stride K); c from block_scales, one weight row after another.
+template <int R, int NR>
+[[gnu::always_inline]] inline void dots(const int8_t* q, const int16_t* p, const float* c,
+                                        int64_t K, float* out) {
   const int64_t G = K / kBlock;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-  auto block = [&](int64_t g, __m512* sums) {
-    const __m512i w = _mm512_cvtepi8_epi16(
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + g * kBlock)));
-    for (int r = 0; r < R; ++r) {
-      const __m512i pr = _mm512_loadu_si512(p + r * K + g * kBlock);
-      const __m512 s = _mm512_cvtepi32_ps(_mm512_madd_epi16(w, pr));  // exact: |s| < 2^24
-      sums[r] = _mm512_fmadd_ps(s, _mm512_set1_ps(c[r * G + g]), sums[r]);
-    }
-  };
-  attnlab_simd::sum_groups<chains<R>(), R>(G, block, out);
-#elif defined(__AVX2__) && defined(__FMA__)
-  auto block = [&](int64_t g, __m256* sums) {
-    const int8_t* qg = q + g * kBlock;
-    const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qg)));
-    const __m256i w1 =
-        _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qg + 16)));
-    for (int r = 0; r < R; ++r) {
-      const int16_t* pg = p + r * K + g * kBlock;
-      const __m256i p0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pg));
-      const __m256i p1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pg + 16));
-#if defined(__AVXVNNI__)
-      const __m256i i = _mm256_dpwssd_avx_epi32(_mm256_madd_epi16(w0, p0), w1, p1);
-#else
-      const __m256i i = _mm256_add_epi32(_mm256_madd_epi16(w0, p0), _mm256_madd_epi16(w1, p1));
-#endif
-      const __m256 s = _mm256_cvtepi32_ps(i);  // exact: |s| <= 4 * 127 * 32767 < 2^24
-      sums[r] = _mm256_fmadd_ps(s, _mm256_broadcast_ss(c + r * G + g), sums[r]);
-    }
-  };
-  attnlab_simd::sum_groups_of<__m256, chains<R>(), R>(G, block, out);
-#else
-  for (int r = 0; r < R; ++r) out[r] = 0.f;
+  __m512 sums[NR][R];
+  for (int j = 0; j < NR; ++j)
+    for (int r = 0; r < R; ++r) sums[j][r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
-    const int8_t* qg = q + g * kBlock;
+    prefetch_ahead<NR>(q, g);
+    __m512i x[R];
+    for (int r = 0; r < R; ++r) x[r] = _mm512_loadu_si512(p + r * K + g * kBlock);
+    for (int j = 0; j < NR; ++j) {
+      const __m512i w = _mm512_cvtepi8_epi16(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + j * K + g * kBlock)));
+      for (int r = 0; r < R; ++r) {
+        // 16 sums of two products each: exact in float32 (|s| <= 2 * 127 * 32767 < 2^24)
+        const __m512 s = _mm512_cvtepi32_ps(_mm512_madd_epi16(w, x[r]));
+        sums[j][r] = _mm512_fmadd_ps(s, _mm512_set1_ps(c[(j * R + r) * G + g]), sums[j][r]);
+      }
+    }
+  }
+  for (int j = 0; j < NR; ++j)
+    for (int r = 0; r < R; ++r) out[j * R + r] = _mm512_reduce_add_ps(sums[j][r]);
+#elif defined(__AVX2__) && defined(__FMA__)
+  __m256 sums[NR][R];
+  for (int j = 0; j < NR; ++j)
+    for (int r = 0; r < R; ++r) sums[j][r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    prefetch_ahead<NR>(q, g);
+    for (int j = 0; j < NR; ++j) {
+      const int8_t* qg = q + j * K + g * kBlock;
+      const __m256i w0 =
+          _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qg)));
+      const __m256i w1 =
+          _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qg + 16)));
+      for (int r = 0; r < R; ++r) {
+        const int16_t* pg = p + r * K + g * kBlock;
+        const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pg));
+        const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pg + 16));
+#if defined(__AVXVNNI__)
+        const __m256i i = _mm256_dpwssd_avx_epi32(_mm256_madd_epi16(w0, x0), w1, x1);
+#else
+        const __m256i i =
+            _mm256_add_epi32(_mm256_madd_epi16(w0, x0), _mm256_madd_epi16(w1, x1));
+#endif
+        const __m256 s = _mm256_cvtepi32_ps(i);  // exact: |s| <= 4 * 127 * 32767 < 2^24
+        sums[j][r] = _mm256_fmadd_ps(s, _mm256_broadcast_ss(c + (j * R + r) * G + g),
+                                     sums[j][r]);
+      }
+    }
+  }
+  for (int j = 0; j < NR; ++j)
+    for (int r = 0; r < R; ++r) out[j * R + r] = attnlab_simd::hsum(sums[j][r]);
+#else
+  for (int j = 0; j < NR; ++j) {
     for (int r = 0; r < R; ++r) {
-      const int16_t* pg = p + r * K + g * kBlock;
-      int32_t sum = 0;
+      float total = 0.f;
+      for (int64_t g = 0; g < G; ++g) {
+        const int8_t* qg = q + j * K + g * kBlock;
+        const int16_t* pg = p + r * K + g * kBlock;
+        int32_t sum = 0;
 #pragma omp simd reduction(+ : sum)
-      for (int64_t k = 0; k < kBlock; ++k) sum += static_cast<int32_t>(qg[k]) * pg[k];
-      out[r] += c[r * G + g] * static_cast<float>(sum);
+        for (int64_t k = 0; k < kBlock; ++k) sum += static_cast<int32_t>(qg[k]) * pg[k];
+        total += c[(j * R + r) * G + g] * static_cast<float>(sum);
+      }
+      out[j * R + r] = total;
     }
   }
 #endif
 }
 
-template <typename S>
-inline void rows_dots(int64_t rows, const int8_t* q, const S* d, const int16_t* p,
-                      const float* e, int64_t K, float* c, float* out) {
+// out[j * R + r] for the tile's nw (<= kTile) weight rows and R rows of x: weight_rows<R>()
+// at a time, then one at a time. c: scratch of kTile * R * G floats.
+template <int R, typename S>
+[[gnu::always_inline]] inline void tile(int64_t nw, const int8_t* q, const S* d,
+                                        const int16_t* p, const float* e, int64_t K, float* c,
+                                        float* out) {
+  constexpr int NR = weight_rows<R>();
   const int64_t G = K / kBlock;
+  for (int64_t j = 0; j < nw; ++j) block_scales<R>(d + j * G, e, G, c + j * R * G);
+  int64_t j = 0;
+  for (; j + NR <= nw; j += NR) dots<R, NR>(q + j * K, p, c + j * R * G, K, out + j * R);
+  for (; j < nw; ++j) dots<R, 1>(q + j * K, p, c + j * R * G, K, out + j * R);
+}
+
+template <typename S>
+[[gnu::always_inline]] inline void tile_rows(int64_t rows, int64_t nw, const int8_t* q,
+                                             const S* d, const int16_t* p, const float* e,
+                                             int64_t K, float* c, float* out) {
   switch (rows) {
-    case 1: block_scales<1>(d, e, G, c); return row_dots<1>(q, p, c, K, out);
-    case 2: block_scales<2>(d, e, G, c); return row_dots<2>(q, p, c, K, out);
-    case 3: block_scales<3>(d, e, G, c); return row_dots<3>(q, p, c, K, out);
-    case 4: block_scales<4>(d, e, G, c); return row_dots<4>(q, p, c, K, out);
-    case 5: block_scales<5>(d, e, G, c); return row_dots<5>(q, p, c, K, out);
-    case 6: block_scales<6>(d, e, G, c); return row_dots<6>(q, p, c, K, out);
-    case 7: block_scales<7>(d, e, G, c); return row_dots<7>(q, p, c, K, out);
-    default: block_scales<8>(d, e, G, c); return row_dots<8>(q, p, c, K, out);
+    case 1: return tile<1>(nw, q, d, p, e, K, c, out);
+    case 2: return tile<2>(nw, q, d, p, e, K, c, out);
+    case 3: return tile<3>(nw, q, d, p, e, K, c, out);
+    case 4: return tile<4>(nw, q, d, p, e, K, c, out);
+    case 5: return tile<5>(nw, q, d, p, e, K, c, out);
+    case 6: return tile<6>(nw, q, d, p, e, K, c, out);
+    case 7: return tile<7>(nw, q, d, p, e, K, c, out);
+    default: return tile<8>(nw, q, d, p, e, K, c, out);
   }
 }
 
@@ -221,15 +275,17 @@ inline void q8_0_rows(const int16_t* p, const float* e, const int8_t* codes, con
   const int64_t grain = std::max<int64_t>(1, (32 << 10) / K);
   const int64_t G = K / kBlock;
   at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
-    float dots[kRowsAtOnce];
-    std::vector<float> c(kRowsAtOnce * G);  // one weight row's block scales by rows of x
-    for (int64_t n = begin; n < end; ++n) {
-      const int8_t* q = codes + n * K;
-      const S* d = scales + n * G;
+    float out[kTile * kRowsAtOnce];
+    std::vector<float> c(kTile * kRowsAtOnce * G);  // the tile's block scales
+    for (int64_t n = begin; n < end; n += kTile) {
+      const int64_t nw = std::min(kTile, end - n);
       for (int64_t m0 = 0; m0 < M; m0 += kRowsAtOnce) {
         const int64_t rows = std::min(kRowsAtOnce, M - m0);
-        rows_dots(rows, q, d, p + m0 * K, e + m0 * G, K, c.data(), dots);
-        for (int64_t r = 0; r < rows; ++r) y[(m0 + r) * N + n] = static_cast<T>(dots[r]);
+        tile_rows(rows, nw, codes + n * K, scales + n * G, p + m0 * K, e + m0 * G, K,
+                  c.data(), out);
+        for (int64_t j = 0; j < nw; ++j)
+          for (int64_t r = 0; r < rows; ++r)
+            y[(m0 + r) * N + n + j] = static_cast<T>(out[j * rows + r]);
       }
     }
   });

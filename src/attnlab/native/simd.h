@@ -44,40 +44,24 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
 }
 
-// What sum_groups needs of a vector of floats: zero, add, reduce to one sum.
-inline void set_zero(__m256& v) { v = _mm256_setzero_ps(); }
-inline __m256 add(__m256 a, __m256 b) { return _mm256_add_ps(a, b); }
-inline float reduce(__m256 v) { return hsum(v); }
 #if defined(__AVX512F__)
-inline void set_zero(__m512& v) { v = _mm512_setzero_ps(); }
-inline __m512 add(__m512 a, __m512 b) { return _mm512_add_ps(a, b); }
-inline float reduce(__m512 v) { return _mm512_reduce_add_ps(v); }
-#endif
-
 // out[r] = the sum of every group's products for row r: block(g, acc[c]) adds group g into
 // the c-th of C sets of R sums (c = g % C, a compile-time index in the main loop, so the
-// sums stay in registers), then each row's C sums are added and reduced. V: __m256 or
-// __m512.
-template <typename V, int C, int R, typename Block>
-inline void sum_groups_of(int64_t G, Block&& block, float* out) {
-  V acc[C][R];
+// sums stay in registers), then each row's C sums are added and reduced.
+template <int C, int R, typename Block>
+inline void sum_groups(int64_t G, Block&& block, float* out) {
+  __m512 acc[C][R];
   for (int c = 0; c < C; ++c)
-    for (int r = 0; r < R; ++r) set_zero(acc[c][r]);
+    for (int r = 0; r < R; ++r) acc[c][r] = _mm512_setzero_ps();
   int64_t g = 0;
   for (; g + C <= G; g += C)
     for (int c = 0; c < C; ++c) block(g + c, acc[c]);
   for (int c = 0; g < G; ++g, ++c) block(g, acc[c]);
   for (int r = 0; r < R; ++r) {
-    V total = acc[0][r];
-    for (int c = 1; c < C; ++c) total = add(total, acc[c][r]);
-    out[r] = reduce(total);
+    __m512 total = acc[0][r];
+    for (int c = 1; c < C; ++c) total = _mm512_add_ps(total, acc[c][r]);
+    out[r] = _mm512_reduce_add_ps(total);
   }
-}
-
-#if defined(__AVX512F__)
-template <int C, int R, typename Block>
-inline void sum_groups(int64_t G, Block&& block, float* out) {
-  sum_groups_of<__m512, C, R>(G, block, out);
 }
 #endif
 
