@@ -17,10 +17,12 @@
 // Error: per weight, |x - e p| <= 0.506 e (half a step, plus float32's rounding of x / a,
 // of its product by 32767 and of e: three roundings of at most 2^-24 |x| <= 2^-24 * 32767
 // e each). A product's error is at most 0.506 / 32767 * sum over blocks of a_block * sum
-// |w| over the block, about 2^-16 of each block's largest |x| times its |w| sum: far below
-// bfloat16's rounding of the output (2^-9), on top of the float32 sums' own (the float
-// kernel this replaces had those alone). A block with a non-finite x gets e = NaN, so
-// every output of its row is NaN; an all-zero block has e = 0 and codes 0.
+// |w| over the block, about 2^-16 of each block's largest |x| times its |w| sum, on top of
+// the float32 sums' own (the float kernel this replaces had those alone). Relative to a
+// product's sum |x w| that is larger where a block holds an outlier: Gemma 3's activations
+// gave 2e-5 to 9e-5 of it (the float kernel 2e-7), still far below bfloat16's rounding of
+// the output (2^-9 = 2e-3), which is where decoding rounds it. A block with a non-finite x
+// gets e = NaN, so every output of its row is NaN; an all-zero block has e = 0 and codes 0.
 //
 // Why 16-bit codes rather than llama.cpp's 8-bit ones: AVX2's vpmaddubsw on 8-bit codes needs
 // the sign trick (two more instructions a block) and its error is 2^-8 of a block's largest
