@@ -11,14 +11,26 @@ calls for each, so that a busy shared machine slows both alike. With ``--rows`` 
 the dense product (the weight dequantised to bf16, then ``mm``: the prompt path) runs too:
 where it overtakes the native kernel is ``Q8Linear.dense_from_tokens``.
 
+With ``--baseline FOLDER`` (the build folder of another attnlab's native module, e.g. one
+under ``~/.cache/attnlab/native/`` built before a kernel change) that module's ``q8_0_mm``
+runs too, on the same codes and row: the kernel before and after. ``--shape N K``
+(repeatable) times those shapes instead of Gemma's, and ``ATTNLAB_NATIVE_MARCH`` picks the
+build (``x86-64-v3``: the AVX2 kernel on any machine that runs it; the baseline folder must
+be a build of the same ``-march``).
+
     PYTHONPATH=src python benchmarks/bench_q8_0.py --threads 2 1
     PYTHONPATH=src python benchmarks/bench_q8_0.py --threads 1 --rows 16
+    PYTHONPATH=src python benchmarks/bench_q8_0.py --threads 1 --shape 262144 640 \
+        --shape 1536 576 --baseline ~/.cache/attnlab/native/<folder> --no-halves
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -42,7 +54,21 @@ SHAPES = {
 PEERS = {
     "halves": "int4 halves (PyTorch's int4 kernel, 2N rows)",
     "dense": "dense (dequantised to bf16, then mm)",
+    "baseline": "the --baseline build's q8_0_mm",
 }
+
+
+def _baseline(folder: Path) -> ModuleType:
+    """The native module built in ``folder`` (its ``attnlab_native_*.so``)."""
+    found = sorted(folder.expanduser().glob("attnlab_native_*.so"))
+    if not found:
+        raise SystemExit(f"no attnlab_native_*.so in {folder}")
+    spec = importlib.util.spec_from_file_location(found[0].stem, found[0])
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"cannot load {found[0]}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _dense(layer: Q8Linear, x: torch.Tensor) -> torch.Tensor:
@@ -55,19 +81,23 @@ def _dense(layer: Q8Linear, x: torch.Tensor) -> torch.Tensor:
         layer.dense_from_tokens = saved
 
 
-def _kernels(ext: Any, layer: Q8Linear, x: torch.Tensor) -> dict[str, Callable[[], object]]:
-    """The native kernel, the int4 halves and (several rows) the dense product, on ``x``."""
+def _kernels(
+    ext: Any, layer: Q8Linear, x: torch.Tensor, baseline: Any | None, halves: bool
+) -> dict[str, Callable[[], object]]:
+    """The native kernel, the int4 halves, the baseline build's kernel and (several rows)
+    the dense product, on ``x``."""
     codes, scales, n = layer.codes, layer.scales, layer.out_features
-    halves = layer._halves().decode_kernel()
+    kernels: dict[str, Callable[[], object]] = {"native": lambda: ext.q8_0_mm(x, codes, scales)}
+    if halves:
+        int4 = layer._halves().decode_kernel()
 
-    def summed() -> torch.Tensor:
-        both = halves(x)  # (M, 2N)
-        return both[:, :n] + both[:, n:]
+        def summed() -> torch.Tensor:
+            both = int4(x)  # (M, 2N)
+            return both[:, :n] + both[:, n:]
 
-    kernels: dict[str, Callable[[], object]] = {
-        "native": lambda: ext.q8_0_mm(x, codes, scales),
-        "halves": summed,
-    }
+        kernels["halves"] = summed
+    if baseline is not None:
+        kernels["baseline"] = lambda: baseline.q8_0_mm(x, codes, scales)
     if x.shape[0] > 1:  # the prompt path: the weight dequantised to bf16, then mm
         kernels["dense"] = lambda: _dense(layer, x)
     return kernels
@@ -78,26 +108,38 @@ def main() -> None:
     parser.add_argument("--threads", type=int, nargs="+", default=[2, 1])
     parser.add_argument("--rows", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--shape", type=int, nargs=2, action="append", metavar=("N", "K"),
+        help="a weight shape to time (repeatable); default Gemma 3 270M's",
+    )  # fmt: skip
+    parser.add_argument("--baseline", type=Path, help="another native build's folder")
+    parser.add_argument("--no-halves", action="store_true", help="skip the int4 halves")
     args = parser.parse_args()
     ext = native.extension()
     if ext is None:
         raise SystemExit(f"the native build is unavailable: {native.why_not_native()}")
+    baseline = _baseline(args.baseline) if args.baseline is not None else None
+    shapes = {f"{n}x{k}": (n, k) for n, k in args.shape} if args.shape else SHAPES
+    config = f"gemma3-shapes-rows{args.rows}" if not args.shape else f"shapes-rows{args.rows}"
+    if baseline is not None:
+        config += f"-vs-baseline-{getattr(ext, 'SIMD', 'unknown')}"
     recorder = Recorder(
         benchmark="bench_q8_0",
-        config=f"gemma3-shapes-rows{args.rows}",
+        config=config,
         measured=(
             f"q8_0 product of {args.rows} bf16 row(s) by attnlab's native kernel against "
             "the int4-halves path (PyTorch's int4 kernel, 2N rows) and, for several rows, "
-            "the dense product of the dequantised weight; same codes, interleaved "
+            "the dense product of the dequantised weight (with --baseline, another "
+            "build's q8_0_mm); same codes, interleaved "
             "(_quiet.timed_pairs); best of the quiet rounds, microseconds a call"
         ),
         threads=max(args.threads),
     )
     torch.manual_seed(0)
-    for label, (N, K) in SHAPES.items():
+    for label, (N, K) in shapes.items():
         layer = Q8Linear.from_float(torch.randn(N, K) * 0.02)
         x = torch.randn(args.rows, K).bfloat16()
-        kernels = _kernels(ext, layer, x)
+        kernels = _kernels(ext, layer, x, baseline, not args.no_halves)
         seconds = 0.05 if N * K < 10**7 else 0.3
         for threads in args.threads:
             torch.set_num_threads(threads)

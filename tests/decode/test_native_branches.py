@@ -2,9 +2,10 @@
 
 ``-march=native`` compiles only the branch of ``q4.h``, ``q8_0.h``, ``q5_0.h``,
 ``attend.h`` and ``simd.h`` that this CPU selects. Each other branch this CPU can run is
-built here with ``ATTNLAB_NATIVE_MARCH`` (``x86-64-v3``: AVX2; ``x86-64``: the plain loops;
-``skylake-avx512``: AVX-512 without BF16) and the kernel and step tests run against it,
-in a process of its own, so that a CI machine of any class tests them all.
+built here with ``ATTNLAB_NATIVE_MARCH`` (``x86-64-v3``: AVX2; ``alderlake``: AVX2 with
+AVX-VNNI; ``x86-64``: the plain loops; ``skylake-avx512``: AVX-512 without BF16) and the
+kernel and step tests run against it, in a process of its own, so that a CI machine of any
+class tests them all.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ KERNEL_TESTS = (
 BRANCHES = [
     ("skylake-avx512", "avx512", {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"}),
     ("x86-64-v3", "avx2", {"avx2", "fma", "f16c", "bmi1", "bmi2", "movbe"}),
+    # AVX2 with AVX-VNNI (q8_0.h's vpdpwssd)
+    ("alderlake", "avx2", {"avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "avx_vnni"}),
     ("x86-64", "scalar", set()),
 ]
 

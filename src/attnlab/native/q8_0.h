@@ -3,10 +3,39 @@
 // bf16. 1.0625 bytes a weight (llama.cpp's Q8_0), where PyTorch's kernels would need the
 // codes split into two 4-bit halves (1.25 bytes) or one scale per row (int8).
 //
-// x stays float (no activation quantisation): each weight d * q is exact in float32 (8-bit
-// code times a scale of at most 11 significant bits), and every product and sum runs in
-// float32, so the result is x @ W^T up to the order of the float32 sums. One output row of
-// W at a time (parallel over N): its codes are read once for up to kRowsAtOnce rows of x.
+// Integer dot products. Each 32-block of each row of x is quantised once per call to 16-bit
+// codes with a float scale: a = max |x| over the block, e = a / 32767, p[k] = round(x[k] /
+// a * 32767) in -32767..32767 (half to even), so that x[k] = e * p[k] within about e / 2.
+// A weight block's dot with it is the integer sum S = sum q[k] p[k] (|S| <= 32 * 127 *
+// 32767 < 2^31), computed exactly, and y = sum over blocks of (d * e) * S in float32. The
+// branches form S from the same products: AVX-512BW one vpmaddwd of 32 int16 pairs a block
+// (16 partial sums of two products), AVX2 two of 16 pairs (8 partial sums of four products:
+// at most 4 * 127 * 32767 < 2^24, so exact in float32 too, as are AVX-512's), AVX_VNNI's
+// vpdpwssd fusing the second multiply-add with the add; the plain loop sums S in int32. So
+// they agree up to the order of the float32 sums of the blocks' scaled sums.
+//
+// Error: per weight, |x - e p| <= 0.506 e (half a step, plus float32's rounding of x / a,
+// of its product by 32767 and of e: three roundings of at most 2^-24 |x| <= 2^-24 * 32767
+// e each). A product's error is at most 0.506 / 32767 * sum over blocks of a_block * sum
+// |w| over the block, about 2^-16 of each block's largest |x| times its |w| sum, on top of
+// the float32 sums' own (the float kernel this replaces had those alone). Relative to a
+// product's sum |x w| that is larger where a block holds an outlier: Gemma 3's activations
+// gave 2e-5 to 9e-5 of it (the float kernel 2e-7), still far below bfloat16's rounding of
+// the output (2^-9 = 2e-3), which is where decoding rounds it. A block with a non-finite x
+// gets e = NaN, so every output of its row is NaN; an all-zero block has e = 0 and codes 0.
+//
+// Why 16-bit codes rather than llama.cpp's 8-bit ones: AVX2's vpmaddubsw on 8-bit codes needs
+// the sign trick (two more instructions a block) and its error is 2^-8 of a block's largest
+// |x|; 16-bit codes cost one widening of the weights (shared by every row of x) and one
+// more multiply-add per row on AVX2, none on AVX-512 (one block fills one register).
+// Measured on AVX2, one core, one row, the same four-row passes: 8-bit codes took as long
+// for Gemma's 262144 x 640 head (6.2-6.6 ms against 6.2-6.4: the codes' reading bounds
+// both) and 15% less for a 1536 x 576 weight in cache (20.8 us against 24.0-24.4). With
+// AVX512_VNNI there is nothing to fuse (one vpmaddwd per block), so that build runs the
+// AVX-512BW branch.
+//
+// A few output rows of W at a time (parallel over N): their codes are read once for up
+// to kRowsAtOnce rows of x.
 //
 // Used by decode_step.cpp (Product kind kQ8) and bound as q8_0_mm (attnlab.quant.Q8Linear).
 
@@ -19,7 +48,11 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <limits>
+#include <type_traits>
+#include <vector>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -29,6 +62,7 @@ namespace attnlab_q8 {
 
 constexpr int64_t kBlock = 32;       // weights per scale
 constexpr int64_t kRowsAtOnce = 8;   // rows of x per pass over a weight row (registers)
+constexpr float kLevels = 32767.f;   // activation codes in -kLevels..kLevels
 
 inline float scale_value(c10::Half s) {
 #ifdef __F16C__
@@ -40,92 +74,223 @@ inline float scale_value(c10::Half s) {
 
 inline float scale_value(c10::BFloat16 s) { return static_cast<float>(s); }
 
-// out[r] = sum_k x[r * K + k] * d[k / 32] * q[k] for R rows of x (fp32, row stride K).
+// x (M, K) in T (float or bf16) -> p (M, K) int16 codes and e (M, K/32) float scales, each
+// 32-block as the header says. The same scalar code in every build (a compiler that
+// vectorises it keeps each division, product and rounding), so every branch reads the same
+// codes.
+template <typename T>
+inline void quantise_rows(const T* x, int64_t M, int64_t K, int16_t* p, float* e) {
+  for (int64_t b = 0; b < M * (K / kBlock); ++b) {
+    const T* xb = x + b * kBlock;
+    float v[kBlock];
+    float a = 0.f;
+    bool finite = true;
+    for (int64_t k = 0; k < kBlock; ++k) {
+      v[k] = static_cast<float>(xb[k]);
+      const float m = std::fabs(v[k]);
+      finite = finite && m <= std::numeric_limits<float>::max();  // false for inf and NaN
+      a = std::max(a, m);
+    }
+    int16_t* pb = p + b * kBlock;
+    if (!finite || a == 0.f) {
+      for (int64_t k = 0; k < kBlock; ++k) pb[k] = 0;
+      e[b] = finite ? 0.f : std::numeric_limits<float>::quiet_NaN();
+      continue;
+    }
+    // x / a first: in [-1, 1] whatever a's size (a * (32767 / a) would overflow for a
+    // below 32767 / FLT_MAX), so the code is within -32767..32767 without a clamp.
+    for (int64_t k = 0; k < kBlock; ++k)
+      pb[k] = static_cast<int16_t>(std::nearbyint((v[k] / a) * kLevels));
+    e[b] = a / kLevels;
+  }
+}
+
+// c (R, G) = d[g] * e[r * G + g]: each block's two scales in one, for R rows of x.
 template <int R, typename S>
-inline void row_dots(const int8_t* q, const S* d, const float* x, int64_t K, float* out) {
+[[gnu::always_inline]] inline void block_scales(const S* d, const float* e, int64_t G, float* c) {
+  int64_t g = 0;
 #if defined(__AVX512F__)
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < K / kBlock; ++g) {
-    const __m512 vd = _mm512_set1_ps(scale_value(d[g]));
-    const int8_t* qg = q + g * kBlock;
-    const __m512 w0 = _mm512_mul_ps(
-        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)qg))), vd);
-    const __m512 w1 = _mm512_mul_ps(
-        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(qg + 16)))),
-        vd);
-    for (int r = 0; r < R; ++r) {
-      const float* xg = x + r * K + g * kBlock;
-      acc[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xg), acc[r]);
-      acc[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xg + 16), acc[r]);
+  for (; g + 16 <= G; g += 16) {
+    __m512 vd;
+    if constexpr (std::is_same_v<S, c10::Half>) {
+      vd = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + g)));
+    } else {
+      vd = _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + g))),
+          16));
     }
+    for (int r = 0; r < R; ++r)
+      _mm512_storeu_ps(c + r * G + g, _mm512_mul_ps(vd, _mm512_loadu_ps(e + r * G + g)));
   }
-  for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
-#elif defined(__AVX2__) && defined(__FMA__)
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < K / kBlock; ++g) {
-    const __m256 vd = _mm256_set1_ps(scale_value(d[g]));
-    const int8_t* qg = q + g * kBlock;
-    __m256 w[4];
-    for (int j = 0; j < 4; ++j)
-      w[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                               _mm_loadl_epi64((const __m128i*)(qg + 8 * j)))),
-                           vd);
-    for (int r = 0; r < R; ++r) {
-      const float* xg = x + r * K + g * kBlock;
-      for (int j = 0; j < 4; ++j) acc[r] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(xg + 8 * j), acc[r]);
+#elif defined(__AVX2__) && defined(__F16C__)
+  for (; g + 8 <= G; g += 8) {
+    __m256 vd;
+    if constexpr (std::is_same_v<S, c10::Half>) {
+      vd = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + g)));
+    } else {
+      vd = _mm256_castsi256_ps(_mm256_slli_epi32(
+          _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + g))),
+          16));
     }
+    for (int r = 0; r < R; ++r)
+      _mm256_storeu_ps(c + r * G + g, _mm256_mul_ps(vd, _mm256_loadu_ps(e + r * G + g)));
   }
-  for (int r = 0; r < R; ++r) {
-    out[r] = attnlab_simd::hsum(acc[r]);
-  }
-#else
-  for (int r = 0; r < R; ++r) out[r] = 0.f;
-  for (int64_t g = 0; g < K / kBlock; ++g) {
+#endif
+  for (; g < G; ++g) {
     const float dg = scale_value(d[g]);
-    const int8_t* qg = q + g * kBlock;
+    for (int r = 0; r < R; ++r) c[r * G + g] = dg * e[r * G + g];
+  }
+}
+
+// Weight rows a pass takes at once for R rows of x: one row of x against one weight row
+// would wait on each multiply-add's latency and pay a weight row's setup and final sum for
+// 20 blocks (Gemma's K = 640); four weight rows keep four independent sums. More rows of
+// x fill the pipeline themselves (and need the registers).
+template <int R>
+constexpr int weight_rows() {
+  return R == 1 ? 4 : (R == 2 ? 2 : 1);
+}
+constexpr int64_t kTile = 4;  // weight rows per step of the loop over N (the most above)
+
+// Codes are fetched this many bytes ahead of the pass. Four weight rows read side by side
+// are four streams 640 bytes apart that the hardware prefetchers follow badly: Gemma's
+// 262144 x 640 head took 12-15 ms on one core read so (AVX-512 and AVX2), 8 one row at a
+// time, 6 with this (benchmarks/bench_q8_0.py; 4 to 16 KiB ahead about alike).
+constexpr int64_t kPrefetchBytes = 8192;
+
+// The part of block g's slice of a tile's NR weight rows (contiguous, NR * K bytes, swept
+// NR * 32 bytes a block) that lies kPrefetchBytes ahead.
+template <int NR>
+[[gnu::always_inline]] inline void prefetch_ahead(const int8_t* q, int64_t g) {
+  for (int64_t b = 0; b < NR * kBlock; b += 64)
+    __builtin_prefetch(q + kPrefetchBytes + g * NR * kBlock + b, 0, 3);
+}
+
+// out[j * R + r] = sum over blocks g of c[(j * R + r) * G + g] * sum_k q[j * K + g * 32 + k] *
+// p[r * K + g * 32 + k] for NR weight rows of codes q (stride K) and R rows of x's codes p
+// (stride K); c from block_scales, one weight row after another.
+template <int R, int NR>
+[[gnu::always_inline]] inline void dots(const int8_t* q, const int16_t* p, const float* c,
+                                        int64_t K, float* out) {
+  const int64_t G = K / kBlock;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  __m512 sums[NR][R];
+  for (int j = 0; j < NR; ++j)
+    for (int r = 0; r < R; ++r) sums[j][r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    prefetch_ahead<NR>(q, g);
+    __m512i x[R];
+    for (int r = 0; r < R; ++r) x[r] = _mm512_loadu_si512(p + r * K + g * kBlock);
+    for (int j = 0; j < NR; ++j) {
+      const __m512i w = _mm512_cvtepi8_epi16(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + j * K + g * kBlock)));
+      for (int r = 0; r < R; ++r) {
+        // 16 sums of two products each: exact in float32 (|s| <= 2 * 127 * 32767 < 2^24)
+        const __m512 s = _mm512_cvtepi32_ps(_mm512_madd_epi16(w, x[r]));
+        sums[j][r] = _mm512_fmadd_ps(s, _mm512_set1_ps(c[(j * R + r) * G + g]), sums[j][r]);
+      }
+    }
+  }
+  for (int j = 0; j < NR; ++j)
+    for (int r = 0; r < R; ++r) out[j * R + r] = _mm512_reduce_add_ps(sums[j][r]);
+#elif defined(__AVX2__) && defined(__FMA__)
+  __m256 sums[NR][R];
+  for (int j = 0; j < NR; ++j)
+    for (int r = 0; r < R; ++r) sums[j][r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    prefetch_ahead<NR>(q, g);
+    for (int j = 0; j < NR; ++j) {
+      const int8_t* qg = q + j * K + g * kBlock;
+      const __m256i w0 =
+          _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qg)));
+      const __m256i w1 =
+          _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qg + 16)));
+      for (int r = 0; r < R; ++r) {
+        const int16_t* pg = p + r * K + g * kBlock;
+        const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pg));
+        const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pg + 16));
+#if defined(__AVXVNNI__)
+        const __m256i i = _mm256_dpwssd_avx_epi32(_mm256_madd_epi16(w0, x0), w1, x1);
+#else
+        const __m256i i =
+            _mm256_add_epi32(_mm256_madd_epi16(w0, x0), _mm256_madd_epi16(w1, x1));
+#endif
+        const __m256 s = _mm256_cvtepi32_ps(i);  // exact: |s| <= 4 * 127 * 32767 < 2^24
+        sums[j][r] = _mm256_fmadd_ps(s, _mm256_broadcast_ss(c + (j * R + r) * G + g),
+                                     sums[j][r]);
+      }
+    }
+  }
+  for (int j = 0; j < NR; ++j)
+    for (int r = 0; r < R; ++r) out[j * R + r] = attnlab_simd::hsum(sums[j][r]);
+#else
+  for (int j = 0; j < NR; ++j) {
     for (int r = 0; r < R; ++r) {
-      const float* xg = x + r * K + g * kBlock;
-      float sum = 0.f;
+      float total = 0.f;
+      for (int64_t g = 0; g < G; ++g) {
+        const int8_t* qg = q + j * K + g * kBlock;
+        const int16_t* pg = p + r * K + g * kBlock;
+        int32_t sum = 0;
 #pragma omp simd reduction(+ : sum)
-      for (int64_t k = 0; k < kBlock; ++k) sum += (dg * static_cast<float>(qg[k])) * xg[k];
-      out[r] += sum;
+        for (int64_t k = 0; k < kBlock; ++k) sum += static_cast<int32_t>(qg[k]) * pg[k];
+        total += c[(j * R + r) * G + g] * static_cast<float>(sum);
+      }
+      out[j * R + r] = total;
     }
   }
 #endif
 }
 
+// out[j * R + r] for the tile's nw (<= kTile) weight rows and R rows of x: weight_rows<R>()
+// at a time, then one at a time. c: scratch of kTile * R * G floats.
+template <int R, typename S>
+[[gnu::always_inline]] inline void tile(int64_t nw, const int8_t* q, const S* d,
+                                        const int16_t* p, const float* e, int64_t K, float* c,
+                                        float* out) {
+  constexpr int NR = weight_rows<R>();
+  const int64_t G = K / kBlock;
+  for (int64_t j = 0; j < nw; ++j) block_scales<R>(d + j * G, e, G, c + j * R * G);
+  int64_t j = 0;
+  for (; j + NR <= nw; j += NR) dots<R, NR>(q + j * K, p, c + j * R * G, K, out + j * R);
+  for (; j < nw; ++j) dots<R, 1>(q + j * K, p, c + j * R * G, K, out + j * R);
+}
+
 template <typename S>
-inline void rows_dots(int64_t rows, const int8_t* q, const S* d, const float* x, int64_t K,
-                      float* out) {
+[[gnu::always_inline]] inline void tile_rows(int64_t rows, int64_t nw, const int8_t* q,
+                                             const S* d, const int16_t* p, const float* e,
+                                             int64_t K, float* c, float* out) {
   switch (rows) {
-    case 1: return row_dots<1>(q, d, x, K, out);
-    case 2: return row_dots<2>(q, d, x, K, out);
-    case 3: return row_dots<3>(q, d, x, K, out);
-    case 4: return row_dots<4>(q, d, x, K, out);
-    case 5: return row_dots<5>(q, d, x, K, out);
-    case 6: return row_dots<6>(q, d, x, K, out);
-    case 7: return row_dots<7>(q, d, x, K, out);
-    default: return row_dots<8>(q, d, x, K, out);
+    case 1: return tile<1>(nw, q, d, p, e, K, c, out);
+    case 2: return tile<2>(nw, q, d, p, e, K, c, out);
+    case 3: return tile<3>(nw, q, d, p, e, K, c, out);
+    case 4: return tile<4>(nw, q, d, p, e, K, c, out);
+    case 5: return tile<5>(nw, q, d, p, e, K, c, out);
+    case 6: return tile<6>(nw, q, d, p, e, K, c, out);
+    case 7: return tile<7>(nw, q, d, p, e, K, c, out);
+    default: return tile<8>(nw, q, d, p, e, K, c, out);
   }
 }
 
-// y (M, N) in T (float or bf16) from x (M, K) float32, codes (N, K), scales (N, K/32) in S.
+// y (M, N) in T (float or bf16) from x's codes p (M, K) and scales e (M, K/32), the
+// weight's codes (N, K) and scales (N, K/32) in S.
 template <typename S, typename T>
-inline void q8_0_rows(const float* x, const int8_t* codes, const S* scales, T* y, int64_t M,
-                      int64_t N, int64_t K) {
+inline void q8_0_rows(const int16_t* p, const float* e, const int8_t* codes, const S* scales,
+                      T* y, int64_t M, int64_t N, int64_t K) {
   // Chunks of at least 32 KiB of codes: a thread's start costs about what reading that does.
   const int64_t grain = std::max<int64_t>(1, (32 << 10) / K);
+  const int64_t G = K / kBlock;
   at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
-    float dots[kRowsAtOnce];
-    for (int64_t n = begin; n < end; ++n) {
-      const int8_t* q = codes + n * K;
-      const S* d = scales + n * (K / kBlock);
+    float out[kTile * kRowsAtOnce];
+    std::vector<float> c(kTile * kRowsAtOnce * G);  // the tile's block scales
+    for (int64_t n = begin; n < end; n += kTile) {
+      const int64_t nw = std::min(kTile, end - n);
       for (int64_t m0 = 0; m0 < M; m0 += kRowsAtOnce) {
         const int64_t rows = std::min(kRowsAtOnce, M - m0);
-        rows_dots(rows, q, d, x + m0 * K, K, dots);
-        for (int64_t r = 0; r < rows; ++r) y[(m0 + r) * N + n] = static_cast<T>(dots[r]);
+        tile_rows(rows, nw, codes + n * K, scales + n * G, p + m0 * K, e + m0 * G, K,
+                  c.data(), out);
+        for (int64_t j = 0; j < nw; ++j)
+          for (int64_t r = 0; r < rows; ++r)
+            y[(m0 + r) * N + n + j] = static_cast<T>(out[j * rows + r]);
       }
     }
   });
@@ -150,15 +315,20 @@ inline at::Tensor q8_0_mm(const at::Tensor& x, const at::Tensor& codes, const at
               "q8_0_mm: x must be (M, ", K, ") bfloat16 or float32, got ", x.scalar_type(),
               " of shape ", x.sizes());
   const int64_t M = x.size(0);
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const at::Tensor xc = x.contiguous();
+  std::vector<int16_t> p(M * K);
+  std::vector<float> e(M * (K / kBlock));
+  if (x.scalar_type() == at::kBFloat16)
+    quantise_rows(xc.data_ptr<c10::BFloat16>(), M, K, p.data(), e.data());
+  else
+    quantise_rows(xc.data_ptr<float>(), M, K, p.data(), e.data());
   at::Tensor y = at::empty({M, N}, x.options());
-  const float* xp = xf.data_ptr<float>();
   const int8_t* qp = codes.data_ptr<int8_t>();
   auto run = [&](auto* sp) {
     if (x.scalar_type() == at::kBFloat16)
-      q8_0_rows(xp, qp, sp, y.data_ptr<c10::BFloat16>(), M, N, K);
+      q8_0_rows(p.data(), e.data(), qp, sp, y.data_ptr<c10::BFloat16>(), M, N, K);
     else
-      q8_0_rows(xp, qp, sp, y.data_ptr<float>(), M, N, K);
+      q8_0_rows(p.data(), e.data(), qp, sp, y.data_ptr<float>(), M, N, K);
   };
   if (scales.scalar_type() == at::kHalf)
     run(scales.data_ptr<c10::Half>());

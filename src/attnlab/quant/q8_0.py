@@ -42,8 +42,10 @@ class Q8Linear(WeightFormat):
     file's values.
 
     A few rows of input (decoding) run attnlab's kernel for this layout
-    (``attnlab/native/q8_0.h``, built by :mod:`attnlab.native`): the codes read once, the
-    products and sums in float32, the result rounded to bfloat16 as the int kernels'. Where
+    (``attnlab/native/q8_0.h``, built by :mod:`attnlab.native`): the codes read once, each
+    32-block of the input quantised to 16-bit codes with a float scale (within 2^-16 of the
+    block's largest value), integer dot products per block, their sums in float32, the
+    result rounded to bfloat16 as the int kernels'. Where
     that build is unavailable (no C++ compiler), PyTorch's int4 kernel runs instead: q
     splits exactly into two 4-bit codes, ``q = 16 hi + lo`` (hi in -8..7, lo in 0..15), one
     int4 weight of 2N rows (rows ``n``: hi, scale ``16 d``; rows ``N + n``: lo, scale ``d``,
@@ -73,7 +75,7 @@ class Q8Linear(WeightFormat):
     codes: torch.Tensor
     scales: torch.Tensor
     #: From this many rows of input on, dequantise and use bf16 ``mm``: where the dense
-    #: product of the dequantised weight overtakes the native kernel (float32 FMAs),
+    #: product of the dequantised weight overtakes the native kernel,
     #: ``benchmarks/bench_q8_0.py --rows``.
     dense_from_tokens: int = 20
     #: Weights dequantised at a time by the dense product (rows of that many values).
