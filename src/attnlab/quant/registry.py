@@ -13,6 +13,7 @@ from torch import nn
 
 # The formats register themselves on import, in this order (the order of WEIGHT_DTYPES).
 # isort: off
+from attnlab import native
 from attnlab.quant.base import WEIGHT_FORMATS, GGUFBlock, WeightFormat
 from attnlab.quant import bf16, int8, int4, q8_0, q5_0  # noqa: F401
 # isort: on
@@ -165,7 +166,8 @@ def quantize_model(
             ``benchmarks/bench_pretrained.py``).
 
     Returns:
-        ``model``.
+        ``model``, with the compiled kernels built (once per machine) or loaded when its
+        formats use them (``q8_0``, ``q5_0``).
 
     Raises:
         ValueError: unknown ``dtype``.
@@ -180,4 +182,9 @@ def quantize_model(
         setattr(parent, leaf, quantize_linear(linear, this, group_size=group_size))
     if targets and isinstance(model, BuildsFromLinears):
         model.invalidate_decode_plan()
+    if any(isinstance(m, (q8_0.Q8Linear, q5_0.Q5Linear)) for m in model.modules()):
+        # Their kernels are attnlab's compiled ones, built or loaded here as a model's load
+        # does: a forward never starts a build, so without this the first forwards would
+        # take the fallback kernels and later ones (once anything loaded the build) these.
+        native.extension()
     return model
