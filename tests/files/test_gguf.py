@@ -93,6 +93,43 @@ def test_read_gguf_metadata_and_tables(tiny_gguf):
     }
 
 
+def test_read_gguf_without_importing_the_gguf_package(tiny_gguf):
+    """A fresh process reads the header with gguf's constants module run on its own (the
+    package's ``__init__`` imports its reader, writer and yaml): the same type names and
+    the same table of block sizes as the package's, and the package left unimported."""
+    import subprocess
+    import sys
+
+    from gguf.constants import GGML_QUANT_SIZES
+
+    path, _, _, types = tiny_gguf
+    script = (
+        "import json, sys\n"
+        "from attnlab.pretrained.gguf_file import _ggml_types, read_gguf\n"
+        f"g = read_gguf({str(path)!r})\n"
+        "_, sizes = _ggml_types()\n"
+        "print(json.dumps([{n: i.type_name for n, i in g.tensor_infos.items()},\n"
+        "    {t.name: list(v) for t, v in sizes.items()}, 'gguf' in sys.modules]))\n"
+    )
+    import os
+    from pathlib import Path
+
+    import attnlab
+
+    src = str(Path(attnlab.__file__).parent.parent)  # the attnlab under test
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, check=False
+    )
+    assert run.returncode == 0, run.stderr
+    import json
+
+    names, sizes, imported = json.loads(run.stdout)
+    assert names == {n: t.name for n, t in types.items()}
+    assert sizes == {t.name: list(v) for t, v in GGML_QUANT_SIZES.items()}
+    assert imported is False
+
+
 def test_dequantize_equals_gguf_reference_bit_for_bit(tiny_gguf):
     path, arrays, stored, types = tiny_gguf
     g = read_gguf(path)

@@ -428,3 +428,35 @@ def test_trim_heap_hands_freed_heap_back_to_the_system():
     kept = rss()
     loaders.trim_heap()
     assert rss() < kept - 100 * 2**20 < held
+
+
+def test_a_load_runs_on_one_thread_and_restores_the_count(tmp_path, monkeypatch):
+    """``load_pretrained`` converts on one PyTorch thread (``attnlab._threads``: on busy
+    cores several threads made a load several times slower) and gives back the count that
+    was set, also when the load fails."""
+    import attnlab.pretrained as pretrained
+
+    seen = []
+
+    def fake_load(path, **_):
+        seen.append(torch.get_num_threads())
+        if path.name == "bad.gguf":
+            raise ValueError("broken")
+        return "model", "tok"
+
+    monkeypatch.setattr(pretrained, "load_gguf", fake_load)
+    monkeypatch.setattr(pretrained, "require_packages", lambda path: None)
+    monkeypatch.setattr(pretrained, "set_weight_dtype", lambda model, weight: model)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        for name in ("good.gguf", "bad.gguf"):
+            (tmp_path / name).write_bytes(b"")
+        assert pretrained.load_pretrained(tmp_path / "good.gguf") == ("model", "tok")
+        assert torch.get_num_threads() == 3
+        with pytest.raises(ValueError, match="broken"):
+            pretrained.load_pretrained(tmp_path / "bad.gguf")
+        assert torch.get_num_threads() == 3
+        assert seen == [1, 1]
+    finally:
+        torch.set_num_threads(before)

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from attnlab._threads import one_intra_op_thread
 from attnlab.attention import KVCache, StaticKVCache, recording_attention
 from attnlab.models._lm import editing_blocks
 from attnlab.models.decode.layout import why_not_fast_decode
@@ -128,7 +129,8 @@ def decode_plan(model: FastDecoding, *, share_float: bool | None = None) -> Deco
     with _PLAN_LOCK:
         plan = model._decode_plan
         if plan is None or (share_float and not plan.share_float):
-            plan = DecodePlan(model, share_float=share_float)
+            with one_intra_op_thread():  # small copies and packs (attnlab._threads)
+                plan = DecodePlan(model, share_float=share_float)
             model._decode_plan = plan
     return plan
 

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from attnlab._threads import one_intra_op_thread
 from attnlab.backends import available_backends
 from attnlab.pretrained.errors import ModelFileError
 from attnlab.pretrained.hf import load_hf_directory
@@ -143,12 +144,16 @@ def load_pretrained(
             path, root = located.path, located.root
     if path.exists():
         require_packages(path)
-    if path.is_dir():
-        hf_model, hf_tok = load_hf_directory(path, backend=backend, dtype=param_dtype, root=root)
-        return set_weight_dtype(hf_model, weight), hf_tok
-    if path.is_file():
-        model, tok = load_gguf(path, backend=backend, dtype=param_dtype, weight=weight)
-        return set_weight_dtype(model, weight), tok
+    # Many small conversions: one thread each (attnlab._threads says why).
+    with one_intra_op_thread():
+        if path.is_dir():
+            hf_model, hf_tok = load_hf_directory(
+                path, backend=backend, dtype=param_dtype, root=root
+            )
+            return set_weight_dtype(hf_model, weight), hf_tok
+        if path.is_file():
+            model, tok = load_gguf(path, backend=backend, dtype=param_dtype, weight=weight)
+            return set_weight_dtype(model, weight), tok
     raise ValueError(
         f"`name_or_path` must be one of {sorted(PRETRAINED_MODELS)}, a model directory, a "
         f".gguf file, a Hugging Face repo id in the local cache (org/name[@revision]), "

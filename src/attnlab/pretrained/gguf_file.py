@@ -24,9 +24,11 @@ dimension, so the torch tensor is ``(ne1, ne0)`` = ``(out_features, in_features)
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -441,6 +443,44 @@ class _Cursor:
         return self.scalar(_SCALAR_FORMATS[vtype])
 
 
+@functools.cache
+def _ggml_types() -> tuple[Any, Mapping[Any, tuple[int, int]]]:
+    """The ``gguf`` package's ``GGMLQuantizationType`` and ``GGML_QUANT_SIZES``: from
+    ``gguf.constants`` when the package is imported already, else from that one module
+    run on its own (it imports nothing beyond the standard library). Importing the package
+    runs its ``__init__``, which imports its reader, writer, vocabulary and metadata
+    modules (yaml among them): about 0.1 s of a command's start that a file whose types
+    attnlab reads itself never needs. Only the types' names leave :func:`read_gguf`.
+
+    Raises:
+        ImportError: the ``gguf`` package is not installed.
+    """
+    import importlib.util
+    import sys
+
+    if "gguf" not in sys.modules:
+        spec = importlib.util.find_spec("gguf")
+        if spec is None:
+            raise ImportError(
+                "reading GGUF files needs the gguf package: pip install 'attnlab[pretrained]'"
+            )
+        for folder in spec.submodule_search_locations or ():
+            own = importlib.util.spec_from_file_location(
+                "attnlab._gguf_constants", Path(folder) / "constants.py"
+            )
+            if own is None or own.loader is None:
+                continue
+            module = importlib.util.module_from_spec(own)
+            try:
+                own.loader.exec_module(module)
+            except (OSError, ImportError):  # laid out otherwise: the package below
+                continue
+            return module.GGMLQuantizationType, module.GGML_QUANT_SIZES
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    return GGMLQuantizationType, GGML_QUANT_SIZES
+
+
 def read_gguf(path: str | Path) -> GGUFContents:
     """Open a GGUF file (version 2 or 3) and read its metadata and tokenizer tables.
 
@@ -460,12 +500,7 @@ def read_gguf(path: str | Path) -> GGUFContents:
         ModelFileError: (a ``ValueError``) a missing file, not GGUF version 2 or 3, or a
             header that is truncated or lies (names the field and the problem).
     """
-    try:
-        from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
-    except ImportError as e:
-        raise ImportError(
-            "reading GGUF files needs the gguf package: pip install 'attnlab[pretrained]'"
-        ) from e
+    GGMLQuantizationType, GGML_QUANT_SIZES = _ggml_types()
 
     path = Path(path)
     if not path.is_file():
