@@ -10,59 +10,10 @@ class tests them all.
 
 from __future__ import annotations
 
-import os
-import platform
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 from attnlab import native
-
-TESTS = Path(__file__).resolve().parent
-ROOT = TESTS.parents[1]
-KERNEL_TESTS = (
-    "test_native_attend.py",
-    "test_native_q4.py",
-    "test_native_q8.py",
-    "test_native_q5.py",
-    "test_native_step.py",
-)
-
-# (-march, the branch it compiles (the module's SIMD), the CPU flags it needs to run, the
-# kernel tests that run against it)
-BRANCHES = [
-    (
-        "skylake-avx512",
-        "avx512",
-        {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"},
-        KERNEL_TESTS,
-    ),
-    ("x86-64-v3", "avx2", {"avx2", "fma", "f16c", "bmi1", "bmi2", "movbe"}, KERNEL_TESTS),
-    # AVX2 with AVX-VNNI: only q8_0.h reads __AVXVNNI__ (its vpdpwssd); the rest of this
-    # build is x86-64-v3's source, tested above
-    (
-        "alderlake",
-        "avx2",
-        {"avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "avx_vnni"},
-        ("test_native_q8.py",),
-    ),
-    ("x86-64", "scalar", set(), KERNEL_TESTS),
-]
-
-
-def _cpu_flags() -> set[str]:
-    line = native.cpu_flags()
-    return set(line.split(":", 1)[-1].split())
-
-
-def _env(march: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env[native.MARCH_ENV] = march
-    env[native.NATIVE_ENV] = "1"  # a build that fails is an error here, never a skip
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), *filter(None, [env.get("PYTHONPATH")])])
-    return env
+from native_branches import check_branch
 
 
 def test_march_must_be_an_architecture_name(monkeypatch):
@@ -77,37 +28,5 @@ def test_march_must_be_an_architecture_name(monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    ("march", "branch", "needs", "tests"), BRANCHES, ids=[b[0] for b in BRANCHES]
-)
-def test_kernels_and_step_on_every_branch_this_cpu_runs(ext, march, branch, needs, tests):
-    if platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("the branches are x86's")
-    missing = needs - _cpu_flags()
-    if missing:
-        pytest.skip(f"this CPU cannot run the {branch} branch (no {', '.join(sorted(missing))})")
-    if getattr(ext, "SIMD", None) == branch:
-        pytest.skip(f"the {branch} branch is this CPU's own build, tested by {KERNEL_TESTS}")
-    env = _env(march)
-    probe = subprocess.run(
-        [sys.executable, "-c", "from attnlab import native; print(native.extension().SIMD)"],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert probe.returncode == 0, probe.stderr
-    assert probe.stdout.strip() == branch, (march, probe.stdout, probe.stderr)
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider",
-         *(str(TESTS / name) for name in tests)],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=False,
-    )  # fmt: skip
-    tail = "\n".join(run.stdout.splitlines()[-30:])
-    assert run.returncode == 0, f"-march={march} ({branch}):\n{tail}\n{run.stderr[-2000:]}"
-    # the kernel tests ran on this build: none skipped for want of it (extras may be missing)
-    assert " passed" in tail and "native build is unavailable" not in run.stdout, tail
+def test_the_avx512_branch_without_bf16(ext):
+    check_branch(ext, "skylake-avx512")
