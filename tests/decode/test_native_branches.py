@@ -1,12 +1,6 @@
-"""Every compiled branch of the native kernels, built and tested on this machine.
-
-``-march=native`` compiles only the branch of ``q4.h``, ``q8_0.h``, ``q5_0.h``,
-``attend.h`` and ``simd.h`` that this CPU selects. Each other branch this CPU can run is
-built here with ``ATTNLAB_NATIVE_MARCH`` (``x86-64-v3``: AVX2; ``alderlake``: AVX2 with
-AVX-VNNI; ``x86-64``: the plain loops; ``skylake-avx512``: AVX-512 without BF16) and the
-kernel and step tests run against it, in a process of its own, so that a CI machine of any
-class tests them all.
-"""
+"""The AVX-512 branch without bf16 (``skylake-avx512``) of the native kernels, built and
+tested on this machine, and the check of ``ATTNLAB_NATIVE_MARCH``: which branches exist and
+why each is built is in ``tests/native_branches.py``."""
 
 from __future__ import annotations
 
