@@ -4,7 +4,9 @@ with gguf.GGUFWriter under llama.cpp's tensor names."""
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 
 import numpy as np
 import torch
@@ -770,12 +772,49 @@ def smollm2_reference():
     from attnlab.pretrained.loaders import smollm2_path
 
     path = smollm2_path()
-    config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
-    config._attn_implementation = "eager"
-    model = LlamaForCausalLM(config).eval()
-    state = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
+    with gguf_read_once():  # transformers parses the file for its config, then its tensors
+        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+        config._attn_implementation = "eager"
+        model = LlamaForCausalLM(config).eval()
+        state = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)
+    state = state["tensors"]
     result = model.load_state_dict(state, strict=False)
     assert result.unexpected_keys == [] and result.missing_keys == ["lm_head.weight"]
     model.tie_weights()
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     return model
+
+
+_GGUF_READS: dict[tuple[str, int, int], object] = {}
+
+
+@contextlib.contextmanager
+def gguf_read_once():
+    """Within the block, gguf-py's ``GGUFReader`` parses each file once.
+
+    transformers' GGUF loaders make a new reader for the config, again for the tensors and
+    again for a tokenizer, and gguf-py parses every metadata field into numpy views: for
+    GPT-2's 50,257 tokens and 50,000 merges that is seconds a read, for Gemma 3's 262,144
+    tokens more. The reference is still transformers reading the file with gguf-py; only
+    the repeated parse of the same bytes is shared (keyed on the path, its size and its
+    modification time, so a file written again is read again). transformers only reads
+    the reader's fields and tensors."""
+    import gguf
+
+    real = gguf.GGUFReader
+
+    def reader(path, mode="r"):
+        st = os.stat(path)
+        key = (os.path.realpath(path), st.st_size, st.st_mtime_ns)
+        if mode != "r":
+            return real(path, mode)
+        if key not in _GGUF_READS:
+            _GGUF_READS.clear()  # one file at a time: readers hold the parsed fields
+            _GGUF_READS[key] = real(path, mode)
+        return _GGUF_READS[key]
+
+    gguf.GGUFReader = reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = real

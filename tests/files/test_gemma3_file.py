@@ -29,6 +29,7 @@ from attnlab.generation import generate
 from attnlab.pretrained import GEMMA3_INSTALL, MissingPackageError, load_pretrained
 from attnlab.pretrained.errors import ModelFileError
 from attnlab.pretrained.loaders import CACHE_ENV, GEMMA3_PACKAGES, assemble_chunks, gemma3_path
+from model_files import gguf_read_once
 
 GEMMA3_MODULES = [p.replace("-", "_") for p in GEMMA3_PACKAGES]
 
@@ -121,16 +122,18 @@ def gemma3(gemma3_file: Path):
 def reference_tokenizer(gemma3_file: Path):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(gemma3_file.parent), gguf_file=gemma3_file.name)
+    with gguf_read_once():  # the reference model's load reuses the parse
+        return AutoTokenizer.from_pretrained(str(gemma3_file.parent), gguf_file=gemma3_file.name)
 
 
 @pytest.fixture(scope="session")
 def reference_model(gemma3_file: Path):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        str(gemma3_file.parent), gguf_file=gemma3_file.name, dtype=torch.float32
-    )
+    with gguf_read_once():  # transformers parses the file for its config, then its tensors
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gemma3_file.parent), gguf_file=gemma3_file.name, dtype=torch.float32
+        )
     return model.eval()
 
 
