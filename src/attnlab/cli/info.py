@@ -67,8 +67,8 @@ def info(
     dtype: Annotated[
         str,
         typer.Option(
-            help="float32, bfloat16, float16 or float64; with --model, the dtype the model "
-            "loads in (float32, bfloat16 or float16)."
+            help="float32, bfloat16, float16 or float64; with --model, the dtype of the "
+            "model's parameters (float32, bfloat16 or float16)."
         ),
     ] = "float32",
     mask: Annotated[
@@ -105,7 +105,8 @@ def info(
             "-m",
             help="A model directory, .gguf file or packaged name: summarise it (family, "
             "layers, heads, RoPE, window, parameters, dtype, each layer's backend for a "
-            "call of --seq-len tokens); shows only that.",
+            "call of --seq-len tokens) from its config and tensor headers, reading no "
+            "weight; shows only that.",
         ),
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="With --model: print JSON.")] = False,
@@ -341,7 +342,8 @@ def _info_presets(preset: str | None) -> list[RenderableType]:
 
 
 def _info_model(name: str, seq_len: int, backend: str, as_json: bool, dtype: str) -> None:
-    """``attnlab info --model``: the model's summary table (or JSON), loaded in ``dtype``."""
+    """``attnlab info --model``: the model's summary table (or JSON), its parameters in
+    ``dtype``; built from the config and tensor headers, no weight read."""
     import dataclasses
     import json
 
@@ -358,8 +360,9 @@ def _info_model(name: str, seq_len: int, backend: str, as_json: bool, dtype: str
         raise UserError(
             f"--dtype {dtype!r} with --model: a model loads in one of {', '.join(model_dtypes)}"
         )
+    # The structure alone: the config and the tensor headers, no weight read.
     net, _, source = load_pretrained_model(
-        name, backend=backend, dtype=getattr(torch, _INFO_DTYPES[dtype])
+        name, backend=backend, dtype=getattr(torch, _INFO_DTYPES[dtype]), weights=False
     )
     with user_input():
         summary = summarize_model(net, probe_length=seq_len)

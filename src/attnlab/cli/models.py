@@ -60,7 +60,12 @@ def load_checkpoint_model(directory: Path, backend: str = "auto") -> tuple[Any, 
 
 
 def load_pretrained_model(
-    name: str, *, kind: str | None = None, backend: str = "auto", dtype: Any = "float32"
+    name: str,
+    *,
+    kind: str | None = None,
+    backend: str = "auto",
+    dtype: Any = "float32",
+    weights: bool = True,
 ) -> tuple[Any, Any, str]:
     """The model ``--model NAME`` gives (a packaged name, a model directory, a GGUF file or
     a store name: ``org/name[@revision]`` in the Hugging Face cache, ``ollama:NAME[:TAG]``,
@@ -74,6 +79,8 @@ def load_pretrained_model(
         backend: ``--backend`` (one that runs in this process).
         dtype: ``load_pretrained``'s: a weight precision by name (``--dtype`` of
             ``generate``, checked here) or a ``torch.dtype`` (``--dtype`` of ``info``).
+        weights: False: the model's structure alone, on the meta device, and no tokenizer
+            (:func:`attnlab.pretrained.load_structure`: no weight is read).
 
     Raises:
         UserError: an unknown name (the packaged names that fit are listed), a model of
@@ -84,6 +91,7 @@ def load_pretrained_model(
         PRETRAINED_MODELS,
         MissingPackageError,
         load_pretrained,
+        load_structure,
         model_family,
     )
     from attnlab.pretrained.stores import is_store_name
@@ -112,9 +120,20 @@ def load_pretrained_model(
                 _check_kind(
                     name, "encoder" if family_kind == "encoder" else "causal-lm", kind, fitting
                 )
-            model, tok = load_pretrained(
-                key if packaged else name, backend=backend, dtype=dtype, announce=output.note
-            )
+            if weights:
+                model, tok = load_pretrained(
+                    key if packaged else name, backend=backend, dtype=dtype, announce=output.note
+                )
+            else:
+                model, tok = (
+                    load_structure(
+                        key if packaged else name,
+                        backend=backend,
+                        dtype=dtype,
+                        announce=output.note,
+                    ),
+                    None,
+                )
     except MissingPackageError as e:
         raise UserError(str(e)) from e
     for note in getattr(model, "load_notes", ()):  # what the file holds that is not used

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from attnlab._meta import structure_only
 from attnlab.attention import Attention, KVCache
 from attnlab.backends import available_backends
 from attnlab.checkpoint import Checkpoint, CheckpointError, check_state_dict, load_checkpoint
@@ -471,7 +472,7 @@ def parameter_report(cfg: GPTConfig | str, *, bytes_per_param: int = 4) -> Param
     """
     if isinstance(cfg, str):
         cfg = GPTConfig.preset(cfg)
-    with torch.device("meta"):
+    with structure_only():
         model = GPTModel(cfg)
     block = model.trf_blocks[0]
     assert isinstance(block, TransformerBlock)

@@ -66,6 +66,7 @@ __all__ = [
     "PretrainedTokenizer",
     "cosine_similarity_matrix",
     "load_pretrained",
+    "load_structure",
     "locate",
     "mean_pool",
     "model_family",
@@ -134,16 +135,7 @@ def load_pretrained(
         encoder, encoder_tok = load_minilm(backend=backend)
         encoder = encoder.to(param_dtype) if param_dtype != torch.float32 else encoder
         return set_weight_dtype(encoder, weight), encoder_tok
-    if isinstance(name_or_path, str) and key in PRETRAINED_MODELS:
-        name_or_path = packaged_gguf(key, announce=announce)
-    path, root = Path(name_or_path), None
-    if isinstance(name_or_path, str) and not path.exists():
-        located = locate(name_or_path)  # the Hugging Face cache, Ollama, LM Studio
-        if located is not None:
-            located.verify(announce)
-            path, root = located.path, located.root
-    if path.exists():
-        require_packages(path)
+    path, root = _model_path(name_or_path, announce)
     # Many small conversions: one thread each (attnlab._threads says why).
     with one_intra_op_thread():
         if path.is_dir():
@@ -154,12 +146,98 @@ def load_pretrained(
         if path.is_file():
             model, tok = load_gguf(path, backend=backend, dtype=param_dtype, weight=weight)
             return set_weight_dtype(model, weight), tok
-    raise ValueError(
+    raise _not_found(name_or_path)
+
+
+def _model_path(
+    name_or_path: str | Path, announce: Callable[[str], None] | None
+) -> tuple[Path, Path | None]:
+    """The file or directory a packaged name, a path or a store name stands for, and the
+    folder no weight file may resolve outside (a store's; None: the model's own), its
+    packages checked (:func:`require_packages`)."""
+    key = str(name_or_path).lower()
+    if isinstance(name_or_path, str) and key in PRETRAINED_MODELS:
+        name_or_path = packaged_gguf(key, announce=announce)
+    path, root = Path(name_or_path), None
+    if isinstance(name_or_path, str) and not path.exists():
+        located = locate(name_or_path)  # the Hugging Face cache, Ollama, LM Studio
+        if located is not None:
+            located.verify(announce)
+            path, root = located.path, located.root
+    if path.exists():
+        require_packages(path)
+    return path, root
+
+
+def _not_found(name_or_path: str | Path) -> ValueError:
+    return ValueError(
         f"`name_or_path` must be one of {sorted(PRETRAINED_MODELS)}, a model directory, a "
         f".gguf file, a Hugging Face repo id in the local cache (org/name[@revision]), "
         f"ollama:NAME[:TAG] or lmstudio:PUBLISHER/REPO[/FILE], got {str(name_or_path)!r} "
         "(no such file or directory)"
     )
+
+
+def load_structure(
+    name_or_path: str | Path,
+    *,
+    backend: str = "auto",
+    dtype: torch.dtype = torch.float32,
+    announce: Callable[[str], None] | None = None,
+) -> Any:
+    """The model :func:`load_pretrained` would load, on the meta device: its layers, shapes
+    and options, no weight read (a file's config and tensor headers only, so a 7B model is
+    described in a second, in no memory). What ``attnlab info --model`` describes.
+
+    Every check :func:`load_pretrained` makes before it reads a weight is made: the config,
+    the family's tensor names, enough values for the config. A tensor's values (NaN in a
+    scale, a shape a transform cannot split) are only checked by :func:`load_pretrained`.
+
+    Args:
+        name_or_path: as :func:`load_pretrained`'s.
+        backend: attention backend for every layer.
+        dtype: the parameters' dtype (``torch.float32``, ``torch.bfloat16``,
+            ``torch.float16``).
+        announce: as :func:`load_pretrained`'s.
+
+    Returns:
+        The model in eval mode, its parameters on the meta device.
+
+    Raises:
+        ValueError, ModelNotFoundError, ModelFileError, MissingPackageError: as
+            :func:`load_pretrained`.
+    """
+    from attnlab._meta import structure_only
+    from attnlab.pretrained.build import check_weights, model_class
+    from attnlab.pretrained.gguf_file import read_gguf
+    from attnlab.pretrained.hf import plan_hf_directory
+    from attnlab.pretrained.loaders import gguf_config, gguf_weight_names
+
+    if backend not in available_backends():
+        raise ValueError(f"`backend` must be one of {available_backends()}, got {backend!r}")
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"`dtype` must be float32, bfloat16 or float16, got {dtype}")
+    if isinstance(name_or_path, str) and name_or_path.lower() == "all-minilm-l6-v2":
+        return load_pretrained(name_or_path, backend=backend, dtype=dtype)[0]  # 90 MB
+    path, root = _model_path(name_or_path, announce)
+    notes: tuple[str, ...] = ()
+    if path.is_dir():
+        plan = plan_hf_directory(path, root=root)
+        family, config, names, where = plan.family, plan.config, plan.names, plan.where
+        notes, source = plan.notes, "hf"
+    elif path.is_file():
+        contents = read_gguf(path)
+        family, config = gguf_config(contents)
+        names, where, source = gguf_weight_names(contents, family), path, "gguf"
+    else:
+        raise _not_found(name_or_path)
+    check_weights(config, names, family=family, source=source, where=where)  # type: ignore[arg-type]
+    with structure_only():
+        model = model_class(config)(config, backend=backend)  # type: ignore[arg-type]
+    model = model.to(dtype).eval()
+    if notes:
+        model.load_notes = notes
+    return model
 
 
 def mean_pool(hidden: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

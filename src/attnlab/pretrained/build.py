@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from attnlab._meta import skip_random_init, structure_only
 from attnlab.models.decoder import Decoder, DecoderConfig
 from attnlab.models.encoder import Encoder
 from attnlab.models.encoder_decoder import EncoderDecoder, EncoderDecoderConfig
@@ -184,30 +184,6 @@ def _head_dim(config: AnyConfig) -> int:
 
 # --------------------------------------------------------------------------- the model
 
-_INIT_FUNCTIONS = ("uniform_", "normal_", "kaiming_uniform_", "trunc_normal_", "zeros_", "ones_")
-
-
-@contextmanager
-def skip_random_init() -> Iterator[None]:
-    """Build modules without their random initialisation (every weight is overwritten next).
-
-    ``nn.Linear``/``nn.Embedding``/``nn.LayerNorm`` call ``torch.nn.init`` functions in
-    their constructors; for 135M parameters that costs seconds. :func:`fill` then checks
-    that every parameter is loaded, so no uninitialised value can survive.
-    """
-    saved = {name: getattr(nn.init, name) for name in _INIT_FUNCTIONS}
-
-    def keep(tensor: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
-        return tensor
-
-    try:
-        for name in _INIT_FUNCTIONS:
-            setattr(nn.init, name, keep)
-        yield
-    finally:
-        for name, fn in saved.items():
-            setattr(nn.init, name, fn)
-
 
 def fill(
     model: nn.Module,
@@ -260,7 +236,7 @@ def model_class(
 
 def parameter_count(config: AnyConfig) -> int:
     """Parameters the config implies (counted on the meta device: nothing is allocated)."""
-    with skip_random_init(), torch.device("meta"):
+    with structure_only():
         model = model_class(config)(config)  # type: ignore[arg-type]
     return sum(p.numel() for p in model.parameters())
 

@@ -359,6 +359,11 @@ def _rope_tensor(contents: GGUFContents, name: str) -> tuple[float, ...]:
     return tuple(float(x) for x in contents.tensor(name).tolist())
 
 
+def gguf_weight_names(contents: GGUFContents, family: Family) -> dict[str, int]:
+    """The file's weight tensors (not its RoPE tensors): name -> element count."""
+    return {name: math.prod(info.shape) for name, info in _weight_infos(contents, family).items()}
+
+
 def gguf_config(contents: GGUFContents) -> tuple[Family, AnyConfig]:
     """The family and model config of an opened GGUF file (its metadata read through the
     family's ``gguf_keys``; tied embeddings when there is no ``output.weight``).
@@ -421,7 +426,7 @@ def load_gguf(
     path = Path(path)
     contents = read_gguf(path)
     family, config = gguf_config(contents)
-    names = {name: math.prod(info.shape) for name, info in _weight_infos(contents, family).items()}
+    names = gguf_weight_names(contents, family)
     model = build_model(
         config,
         names,

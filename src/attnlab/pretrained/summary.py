@@ -168,7 +168,8 @@ def summarize_model(model: Any, *, probe_length: int = 1024) -> ModelSummary:
             backend=layer.backend,
             # options that rule backends out (PyTorch's kernel has neither)
             softcap=getattr(layer, "softcap", None),
-            sinks=None if getattr(layer, "sinks", None) is None else layer.sinks.detach(),
+            # their shape decides, not their values (a model on the meta device has none)
+            sinks=None if getattr(layer, "sinks", None) is None else shaped(*layer.sinks.shape),
         )
         per_layer.append(LayerSummary(i, H, G, D, window, str(exp.chosen), role, chunk))
     first = layers[0][1]
