@@ -20,10 +20,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 if not all(importlib.util.find_spec(m) for m in ("transformers", "tokenizers", "gguf")):
     pytest.skip("needs transformers, tokenizers and gguf", allow_module_level=True)
 
-from cli_runner import run_main
-
 from attnlab.pretrained import ModelFileError, load_pretrained, load_structure
 from attnlab.pretrained.summary import summarize_model
+from cli_runner import run_main
 from model_files import TINY_CONFIGS, TINY_ENCODERS, save_hf, tiny_config, write_gguf
 
 DECODERS = [f for f in TINY_CONFIGS if f not in TINY_ENCODERS]
