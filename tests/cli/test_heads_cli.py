@@ -16,7 +16,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 if not all(importlib.util.find_spec(m) for m in ("transformers", "tokenizers", "gguf")):
     pytest.skip("needs transformers, tokenizers and gguf", allow_module_level=True)
 
-from cli_runner import run_cli
+from cli_runner import run_cli, run_main
 from model_files import save_hf, write_gguf
 
 LLAMA = {
@@ -95,12 +95,13 @@ def test_heads_on_text_leave_out_induction_and_say_so(files):
          "--ablate-mode"),
     ],
 )  # fmt: skip
-def test_user_errors_are_one_line_and_exit_2(files, tmp_path, args, needle):
+def test_user_errors_are_one_line_and_exit_2(files, tmp_path, args, needle, capsys, monkeypatch):
     args = [str(files[0]) if a == "FILE" else a for a in args]
-    r = run_cli(*args, cwd=tmp_path)
-    assert r.returncode == 2, (r.stdout, r.stderr)
-    assert r.stderr.count("\n") == 1 and needle in r.stderr, r.stderr
-    assert "Traceback" not in r.stderr
+    monkeypatch.chdir(tmp_path)  # in this process: the tests above run the real command
+    code, out, err = run_main(capsys, *args)
+    assert code == 2, (out, err)
+    assert err.count("\n") == 1 and needle in err, err
+    assert "Traceback" not in err
 
 
 @pytest.mark.parametrize("mode", ["zero", "mean"])

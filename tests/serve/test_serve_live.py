@@ -112,12 +112,13 @@ def test_ctrl_c_right_after_the_startup_line_stops_a_server_started_with_sigint_
         (["--model", "example:journey", "--port", "-1"], "--port must be a TCP port"),
     ],
 )
-def test_bad_flags_are_one_line_and_exit_2(tmp_path, args, needle):
-    from cli_runner import run_cli
+def test_bad_flags_are_one_line_and_exit_2(tmp_path, args, needle, capsys, monkeypatch):
+    from cli_runner import run_main
 
-    r = run_cli("serve", *args, cwd=tmp_path)
-    assert r.returncode == 2, (r.stdout, r.stderr)
-    assert r.stderr.count("\n") == 1 and needle in r.stderr, r.stderr
+    monkeypatch.chdir(tmp_path)  # in this process: the tests above start the real command
+    code, out, err = run_main(capsys, "serve", *args)
+    assert code == 2, (out, err)
+    assert err.count("\n") == 1 and needle in err, err
 
 
 def test_a_client_that_leaves_stops_the_generation():
