@@ -12,9 +12,12 @@
 //
 // Built on first use by attnlab.native (torch.utils.cpp_extension) and cached on disk.
 
-#include <torch/extension.h>
-
+// ATen and PyTorch's pybind11 casters, not <torch/extension.h>: that adds the whole C++
+// frontend (modules, optimisers, data loaders), twice the parse time of every build.
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/core/InferenceMode.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <cmath>
 #include <cstdint>
