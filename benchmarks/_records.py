@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from _isa import ISAS
 from _quiet import _machine_busy_s, _own_cpu_s
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -106,7 +107,20 @@ def machine() -> dict[str, Any]:
         "platform": platform.platform(),
         "python": platform.python_version(),
         "torch": torch.__version__,
+        "isa_caps": {k: os.environ[k] for k in sorted(_CAP_VARS) if k in os.environ},
     }
+
+
+_CAP_VARS = {name for caps in ISAS.values() for name in caps}
+
+
+def running_isa() -> str | None:
+    """The CPU class of ``benchmarks/_isa.py`` whose caps this process runs under: None
+    with no caps, ``"capped"`` for caps that are no class's."""
+    caps = {k: os.environ[k] for k in _CAP_VARS if k in os.environ}
+    if not caps:
+        return None
+    return next((isa for isa, want in ISAS.items() if want and want == caps), "capped")
 
 
 @dataclass
@@ -134,6 +148,13 @@ class Recorder:
     _started: str = field(
         default_factory=lambda: _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     )
+
+    def __post_init__(self) -> None:
+        # A run under a CPU class's caps (benchmarks/_isa.py) is that class's record, not
+        # this machine's: its config says so, and the machine lists the caps.
+        isa = running_isa()
+        if isa is not None and f"-{isa}" not in self.config:
+            self.config = f"{self.config}-{isa}"
 
     def add(
         self,

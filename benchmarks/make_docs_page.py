@@ -114,7 +114,13 @@ def render(records: list[dict[str, Any]]) -> str:
             f"- machine: {m['cpu']}"
             + (f" ({' '.join(m['simd'])})" if m.get("simd") else "")
             + f", {m['cores']} cores, torch {m['torch']}, "
-            f"Python {m['python']}; {rec['threads']} threads",
+            f"Python {m['python']}; {rec['threads']} threads"
+            + (
+                "; run as a smaller CPU class: "
+                + ", ".join(f"{k}={v}" for k, v in m["isa_caps"].items())
+                if m.get("isa_caps")
+                else ""
+            ),
             f"- machine state: {_quiet_line(rec['quiet'])}",
             "",
             "| figure | value | peer | peer value | ratio | |",

@@ -38,6 +38,23 @@ def test_record_holds_what_was_measured_and_how(tmp_path: Path) -> None:
     assert path.name.startswith("bench_demo--small--")
 
 
+def test_a_run_under_a_cpu_class_caps_is_that_class_record(tmp_path, monkeypatch) -> None:
+    from _isa import ISAS
+
+    for name in {k for caps in ISAS.values() for k in caps}:
+        monkeypatch.delenv(name, raising=False)
+    assert Recorder("bench_demo", "small", "m", threads=1).config == "small"
+    for name, value in ISAS["avx2"].items():
+        monkeypatch.setenv(name, value)
+    rec = Recorder("bench_demo", "small", "m", threads=1)
+    assert rec.config == "small-avx2"
+    data = json.loads(rec.write(["b.py"], folder=tmp_path).read_text())
+    assert data["config"] == "small-avx2" and data["machine"]["isa_caps"] == ISAS["avx2"]
+    assert Recorder("bench_demo", "smollm2-avx2", "m", threads=1).config == "smollm2-avx2"
+    monkeypatch.delenv("ATTNLAB_NATIVE_MARCH")  # caps that are no class's
+    assert Recorder("bench_demo", "small", "m", threads=1).config == "small-capped"
+
+
 def test_latest_keeps_the_newest_record_of_each_config(tmp_path: Path) -> None:
     for date, config in [("2026-01-02", "a"), ("2026-01-01", "a"), ("2026-01-01", "b")]:
         rec = {"benchmark": "x", "config": config, "date": f"{date}T00:00:00+00:00", "v": date}
