@@ -14,6 +14,17 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import make_docs_page  # noqa: E402
 from _records import Recorder, latest, load_records  # noqa: E402
 
+
+@pytest.fixture(autouse=True)
+def _no_cpu_class_caps(monkeypatch):
+    """The records of these tests are this machine's own, whatever the run's environment
+    (a run under a CPU class's caps files its records as that class's)."""
+    from _isa import ISAS
+
+    for name in {k for caps in ISAS.values() for k in caps}:
+        monkeypatch.delenv(name, raising=False)
+
+
 FIELDS = {"benchmark", "config", "measured", "command", "commit", "local_changes", "date",
           "machine", "threads", "quiet", "figures", "notes"}  # fmt: skip
 
@@ -41,8 +52,6 @@ def test_record_holds_what_was_measured_and_how(tmp_path: Path) -> None:
 def test_a_run_under_a_cpu_class_caps_is_that_class_record(tmp_path, monkeypatch) -> None:
     from _isa import ISAS
 
-    for name in {k for caps in ISAS.values() for k in caps}:
-        monkeypatch.delenv(name, raising=False)
     assert Recorder("bench_demo", "small", "m", threads=1).config == "small"
     for name, value in ISAS["avx2"].items():
         monkeypatch.setenv(name, value)
