@@ -63,25 +63,20 @@ def _no_reads(monkeypatch):
     monkeypatch.setattr(safetensors_file.SafetensorsFile, "tensor", refuse)
 
 
-@pytest.mark.parametrize("family", sorted(TINY_CONFIGS))
-def test_the_structure_of_a_directory_is_the_loaded_models(hf_dirs, family, monkeypatch):
-    loaded, _ = load_pretrained(hf_dirs[family])
+@pytest.mark.parametrize(
+    ("source", "family"),
+    [("hf_dirs", f) for f in sorted(TINY_CONFIGS)] + [("gguf_files", f) for f in sorted(DECODERS)],
+)
+def test_the_structure_is_the_loaded_models(request, source, family, monkeypatch):
+    path = request.getfixturevalue(source)[family]  # a directory or a GGUF file
+    loaded, _ = load_pretrained(path)
     _no_reads(monkeypatch)
-    model = load_structure(hf_dirs[family])
+    model = load_structure(path)
     assert all(p.is_meta for p in model.parameters())
     assert not model.training
     assert summarize_model(model) == summarize_model(loaded)
-    half = load_structure(hf_dirs[family], dtype=torch.bfloat16)
+    half = load_structure(path, dtype=torch.bfloat16)
     assert summarize_model(half).dtype == "bfloat16"
-
-
-@pytest.mark.parametrize("family", sorted(DECODERS))
-def test_the_structure_of_a_gguf_file_is_the_loaded_models(gguf_files, family, monkeypatch):
-    loaded, _ = load_pretrained(gguf_files[family])
-    _no_reads(monkeypatch)
-    model = load_structure(gguf_files[family])
-    assert all(p.is_meta for p in model.parameters())
-    assert summarize_model(model) == summarize_model(loaded)
 
 
 def test_files_refused_before_a_weight_is_read_are_refused_alike(hf_dirs, tmp_path):
