@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 
 import numpy as np
 import torch
@@ -785,7 +784,7 @@ def smollm2_reference():
     return model
 
 
-_GGUF_READS: dict[tuple[str, int, int], object] = {}
+_GGUF_READS: dict[tuple[str, int, int, int], object] = {}
 
 
 @contextlib.contextmanager
@@ -796,16 +795,19 @@ def gguf_read_once():
     again for a tokenizer, and gguf-py parses every metadata field into numpy views: for
     GPT-2's 50,257 tokens and 50,000 merges that is seconds a read, for Gemma 3's 262,144
     tokens more. The reference is still transformers reading the file with gguf-py; only
-    the repeated parse of the same bytes is shared (keyed on the path, its size and its
+    the repeated parse of the same bytes is shared (keyed on the path, inode, size and
     modification time, so a file written again is read again). transformers only reads
     the reader's fields and tensors."""
+    from pathlib import Path
+
     import gguf
+
+    from attnlab.pretrained.loaders import _file_key  # what attnlab's own loads key on
 
     real = gguf.GGUFReader
 
     def reader(path, mode="r"):
-        st = os.stat(path)
-        key = (os.path.realpath(path), st.st_size, st.st_mtime_ns)
+        key = _file_key(Path(path))
         if mode != "r":
             return real(path, mode)
         if key not in _GGUF_READS:

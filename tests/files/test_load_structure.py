@@ -112,3 +112,16 @@ def test_info_reads_no_weight(hf_dirs, gguf_files, capsys, monkeypatch):
         assert code == 0, err
         info = json.loads(out)
         assert info["model"] == str(path) and info["parameters"] > 0
+
+
+def test_the_packaged_encoder_is_on_the_meta_device_too():
+    from attnlab.pretrained import packaged_installed
+
+    if not packaged_installed("all-minilm-l6-v2"):
+        pytest.skip("pip install 'attnlab[pretrained]'")
+    model = load_structure("all-minilm-l6-v2")
+    assert all(p.is_meta for p in model.parameters())
+    assert (
+        summarize_model(model).family
+        == summarize_model(load_pretrained("all-minilm-l6-v2")[0]).family
+    )

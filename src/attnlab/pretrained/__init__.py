@@ -218,7 +218,9 @@ def load_structure(
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"`dtype` must be float32, bfloat16 or float16, got {dtype}")
     if isinstance(name_or_path, str) and name_or_path.lower() == "all-minilm-l6-v2":
-        return load_pretrained(name_or_path, backend=backend, dtype=dtype)[0]  # 90 MB
+        # its structure is built in code from its packaged file's weights (90 MB): loaded,
+        # then moved to the meta device like every other model's here
+        return load_pretrained(name_or_path, backend=backend, dtype=dtype)[0].to("meta")
     path, root = _model_path(name_or_path, announce)
     notes: tuple[str, ...] = ()
     if path.is_dir():
@@ -231,9 +233,10 @@ def load_structure(
         names, where, source = gguf_weight_names(contents, family), path, "gguf"
     else:
         raise _not_found(name_or_path)
-    check_weights(config, names, family=family, source=source, where=where)  # type: ignore[arg-type]
     with structure_only():
         model = model_class(config)(config, backend=backend)  # type: ignore[arg-type]
+    count = sum(p.numel() for p in model.parameters())
+    check_weights(config, names, family=family, source=source, where=where, parameters=count)  # type: ignore[arg-type]
     model = model.to(dtype).eval()
     if notes:
         model.load_notes = notes

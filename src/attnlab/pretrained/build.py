@@ -283,10 +283,15 @@ def check_weights(
     family: Family,
     source: Source,
     where: str | Path,
+    parameters: int | None = None,
 ) -> dict[str, tuple[tuple[str, ...], str]]:
     """The checks :func:`build_model` makes before it allocates or reads anything: the
     weights hold at least the parameters the config implies, and every tensor name is the
     family's (:func:`plan_weights`).
+
+    Args:
+        parameters: the parameter count of the model already built for ``config`` (on the
+            meta device); None: counted here (:func:`parameter_count`).
 
     Returns:
         :func:`plan_weights`' plan.
@@ -295,7 +300,7 @@ def check_weights(
         ModelFileError: too few values for the config, a tensor the family does not know,
             a layer index beyond the config's.
     """
-    needed = parameter_count(config)
+    needed = parameter_count(config) if parameters is None else parameters
     held_names = sum(names.values())
     if needed > held_names:
         raise ModelFileError(
