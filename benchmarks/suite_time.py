@@ -13,17 +13,23 @@ Usage::
     python benchmarks/suite_time.py                 # the whole suite, as CI runs it
     python benchmarks/suite_time.py -- -m "not slow"
     python benchmarks/suite_time.py --junit report.xml --wall 640
+    python benchmarks/suite_time.py --costs         # also rewrite tests/file_costs.json
+
+``--costs`` writes each test file's seconds to ``tests/file_costs.json``, the table the
+suite's ``conftest.py`` orders the files by (longest first, so that no long file starts
+last on one worker while the other has nothing left to run).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 import tempfile
 import time
 import xml.etree.ElementTree as ET
-from collections import Counter
+from collections import Counter, defaultdict
 from pathlib import Path
 
 from _records import ROOT, Recorder
@@ -31,6 +37,9 @@ from _records import ROOT, Recorder
 #: The README's budget for ``python -m pytest`` with every extra installed, in seconds,
 #: on the slowest machine class CI may get (an AVX-512 Xeon without VNNI, 2 cores).
 BUDGET_S = 2700.0
+
+#: The table of seconds per test file that tests/conftest.py orders the files by.
+COSTS = ROOT / "tests" / "file_costs.json"
 
 #: The areas of the suite: the folders of tests/, each the tests of one area of the code.
 AREAS: dict[str, str] = {
@@ -59,9 +68,9 @@ def area_of(module: str) -> str:
     return "other"
 
 
-def times_by_area(junit: Path) -> tuple[Counter[str], Counter[str], int]:
+def times_by_area(junit: Path) -> tuple[dict[str, float], Counter[str], int]:
     """Seconds and test counts by area from a JUnit XML report, and the failures."""
-    seconds: Counter[str] = Counter()
+    seconds: dict[str, float] = defaultdict(float)
     counts: Counter[str] = Counter()
     failed = 0
     for case in ET.parse(junit).getroot().iter("testcase"):
@@ -72,11 +81,49 @@ def times_by_area(junit: Path) -> tuple[Counter[str], Counter[str], int]:
     return seconds, counts, failed
 
 
+def file_of(classname: str) -> str | None:
+    """The test file of a JUnit classname (``tests.train.test_x`` or
+    ``tests.train.test_x.TestClass``), as pytest names it from the root; None if no file
+    of the repository matches."""
+    parts = classname.split(".")
+    for end in range(len(parts), 0, -1):
+        path = "/".join(parts[:end]) + ".py"
+        if (ROOT / path).is_file():
+            return path
+    return None
+
+
+def times_by_file(junit: Path) -> dict[str, float]:
+    """Seconds of each test file (setup, call and teardown of its tests) from a JUnit
+    report, the longest first."""
+    seconds: dict[str, float] = defaultdict(float)
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        path = file_of(case.get("classname", ""))
+        if path is not None:
+            seconds[path] += float(case.get("time", 0.0))
+    return {path: round(s, 2) for path, s in sorted(seconds.items(), key=lambda kv: -kv[1])}
+
+
+def write_costs(junit: Path, out: Path = COSTS) -> None:
+    """Write the per-file seconds of a run as the table the suite orders its files by."""
+    table = {
+        "measured": "seconds of each test file's tests in one run of the whole suite, "
+        "written by benchmarks/suite_time.py --costs; tests/conftest.py runs the files "
+        "longest first",
+        "seconds": times_by_file(junit),
+    }
+    out.write_text(json.dumps(table, indent=1) + "\n", encoding="utf-8")
+    print(f"wrote {out.relative_to(ROOT)} ({len(table['seconds'])} files)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--junit", type=Path, help="read this JUnit report instead of running")
     parser.add_argument("--wall", type=float, help="the wall time of that run, in seconds")
     parser.add_argument("--config", default="full", help="the record's config name")
+    parser.add_argument(
+        "--costs", action="store_true", help="also write tests/file_costs.json from the run"
+    )
     parser.add_argument("pytest_args", nargs="*", help="passed to pytest (after --)")
     args = parser.parse_args(argv)
     rec = Recorder(
@@ -103,11 +150,13 @@ def main(argv: list[str] | None = None) -> int:
         if wall is None:
             parser.error("--junit needs --wall (the run's wall time in seconds)")
     seconds, counts, failed = times_by_area(report)
+    if args.costs:
+        write_costs(report)
     total = sum(seconds.values())
     rec.add("wall time", round(wall, 1), "s", peer="the README's budget", peer_value=BUDGET_S,
             better="lower")  # fmt: skip
     rec.add("workers' time, all tests", round(total, 1), "s", better="lower")
-    for area, s in seconds.most_common():
+    for area, s in sorted(seconds.items(), key=lambda kv: -kv[1]):
         rec.add(
             area,
             round(s, 1),

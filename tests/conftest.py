@@ -28,6 +28,15 @@ def ext() -> ModuleType:
     return module
 
 
+# --------------------------------------------------------------------------- file order
+# pytest-xdist hands a worker one test file at a time (`--dist loadfile`) in the order
+# collected (`--no-loadscope-reorder`): the longest files first (tests/file_order.py).
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    from file_order import file_costs, longest_first
+
+    items[:] = longest_first(items, file_costs())
+
+
 # --------------------------------------------------------------------------- time budget
 # The suite states its own budget (README, "Run the tests"): past ATTNLAB_TEST_BUDGET_S
 # seconds of wall time the run fails with one line saying so, naming the CPU, instead of
