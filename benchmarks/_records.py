@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import itertools
 import json
 import os
 import platform
@@ -231,13 +232,23 @@ class Recorder:
         }
 
     def write(self, command: list[str] | None = None, folder: Path | None = None) -> Path:
-        """Write the record to ``benchmarks/results/`` and say where, on stderr."""
+        """Write the record to ``benchmarks/results/`` and say where, on stderr. Two runs
+        of one config that end in the same second (two seeds run side by side) each keep
+        their record: the second file's name gets ``-2`` (``-3``, ...), never overwriting."""
         rec = self.record(command)
         folder = RESULTS if folder is None else folder
         folder.mkdir(parents=True, exist_ok=True)
         stamp = rec["date"].replace(":", "").replace("-", "").replace("+0000", "Z")
-        path = folder / f"{self.benchmark}--{self.config}--{stamp}.json"
-        path.write_text(json.dumps(rec, indent=1, ensure_ascii=False) + "\n")
+        text = json.dumps(rec, indent=1, ensure_ascii=False) + "\n"
+        for n in itertools.count(1):
+            suffix = "" if n == 1 else f"-{n}"
+            path = folder / f"{self.benchmark}--{self.config}--{stamp}{suffix}.json"
+            try:
+                with path.open("x", encoding="utf-8") as f:  # exclusive: never another's
+                    f.write(text)
+                break
+            except FileExistsError:
+                continue
         print(f"record written: {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}",
               file=sys.stderr)  # fmt: skip
         return path

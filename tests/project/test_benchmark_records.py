@@ -49,6 +49,17 @@ def test_record_holds_what_was_measured_and_how(tmp_path: Path) -> None:
     assert path.name.startswith("bench_demo--small--")
 
 
+def test_records_of_one_config_in_the_same_second_are_both_kept(tmp_path: Path) -> None:
+    recs = [Recorder("bench_demo", "small", "a demo measurement", threads=1) for _ in range(3)]
+    for i, rec in enumerate(recs):
+        rec.add("attnlab", float(i), "tokens/s")
+        rec._started = recs[0]._started  # the same second
+    paths = [rec.write(["b.py"], folder=tmp_path) for rec in recs]
+    assert len(set(paths)) == 3 and paths[1].stem == paths[0].stem + "-2"
+    values = [json.loads(p.read_text())["figures"][0]["value"] for p in paths]
+    assert values == [0.0, 1.0, 2.0]
+
+
 def test_a_run_under_a_cpu_class_caps_is_that_class_record(tmp_path, monkeypatch) -> None:
     from _isa import ISAS
 
