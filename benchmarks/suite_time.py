@@ -116,6 +116,17 @@ def write_costs(junit: Path, out: Path = COSTS) -> None:
     print(f"wrote {out.relative_to(ROOT)} ({len(table['seconds'])} files)")
 
 
+def _cache_state() -> str:
+    """Whether attnlab's cache was empty when the run started: with an empty one (as in CI
+    and for a new user) the run also compiles every native build and makes the packaged
+    model files, which a warm cache reads back."""
+    from attnlab.paths import cache_dir
+
+    folder = cache_dir()
+    empty = not folder.is_dir() or not any(folder.iterdir())
+    return f"attnlab cache {'empty' if empty else 'in use'} at the start ({folder})"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--junit", type=Path, help="read this JUnit report instead of running")
@@ -126,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("pytest_args", nargs="*", help="passed to pytest (after --)")
     args = parser.parse_args(argv)
+    cache = _cache_state()
     rec = Recorder(
         "suite_time",
         args.config,
@@ -164,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
             better="lower",
             note=f"{counts[area]} tests, {100 * s / total:.0f}% of the workers' time",
         )
+    rec.note(cache)
     rec.note(f"{sum(counts.values())} tests, {failed} failed; pytest arguments: "
              f"{' '.join(args.pytest_args) or '(none)'}")  # fmt: skip
     rec.write(["benchmarks/suite_time.py", *(argv if argv is not None else sys.argv[1:])])
