@@ -44,8 +44,7 @@ def test_the_cost_table_is_read_and_a_bad_one_is_ignored(tmp_path):
 
 
 def test_this_session_collects_the_files_longest_first(request):
-    names = list(dict.fromkeys(i.nodeid.split("::", 1)[0] for i in request.session.items))
-    costs = file_costs()
-    counts = {n: sum(i.nodeid.startswith(n + "::") for i in request.session.items) for n in names}
-    seconds = [costs.get(n, UNKNOWN_TEST_S * counts[n]) for n in names]
-    assert seconds == sorted(seconds, reverse=True)
+    # conftest's hook has ordered this session's items: ordering them again changes nothing
+    # (collected in path order, the suite would not be longest first)
+    items = request.session.items
+    assert [i.nodeid for i in longest_first(items, file_costs())] == [i.nodeid for i in items]
