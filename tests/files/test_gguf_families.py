@@ -85,7 +85,7 @@ def test_gguf_tokenizer_with_llama_cpp_pre_tokenizer_names(hf_dirs, tmp_path, fa
         assert tok.encode(text) == hf_tok.encode(text)
         assert tok.decode(tok.encode(text)) == text
     # The split llama.cpp's name stands for: llama3 runs of <= 3 digits, qwen2 single digits.
-    pieces = [p for p, _ in tok.backend.pre_tokenizer.pre_tokenize_str("12345 abc")]
+    pieces = [p for p, _ in tok.backend.tokenizer.pre_tokenizer.pre_tokenize_str("12345 abc")]
     expected = {
         "llama": ["123", "45", "Ġabc"],
         "mistral": ["123", "45", "Ġabc"],
@@ -403,28 +403,36 @@ def test_gguf_sentencepiece_tables_that_disagree_are_refused(hf_dirs, tmp_path, 
 def test_gguf_tokenizer_read_back_from_the_cache_equals_the_one_built(
     hf_dirs, tmp_path, monkeypatch
 ):
-    """The rebuilt tokenizer is kept in attnlab's cache (a 262k-token SentencePiece
-    vocabulary takes seconds to turn into merges): the entry read back encodes and decodes
-    as the build it came from; a change to any tokenizer key makes another entry; a damaged
-    entry is rebuilt, not trusted."""
+    """A byte-level BPE tokenizer rebuilt from a file is kept in attnlab's cache: the entry
+    read back encodes and decodes as the build it came from; a change to any tokenizer key
+    makes another entry; a damaged entry is rebuilt, not trusted. A SentencePiece one
+    (tokenized from its scores, nothing built) writes no entry."""
     from attnlab.pretrained.tokenizer import tokenizer_cache_key
 
     monkeypatch.setenv("ATTNLAB_CACHE", str(tmp_path / "cache"))
-    path = tmp_path / "phi3.gguf"
-    write_gguf(hf_dirs["phi3"], path, "phi3", "F32")
+    path = tmp_path / "qwen2.gguf"
+    write_gguf(hf_dirs["qwen2"], path, "qwen2", "F32")
     contents = read_gguf(path)
     built = tokenizer_from_gguf(contents)
     entry = tmp_path / "cache" / "tokenizers" / f"{tokenizer_cache_key(contents)}.json"
     assert entry.is_file()
     cached = tokenizer_from_gguf(read_gguf(path))
-    for text in SPM_TEXTS:
+    texts = [*CORPUS, "  two spaces\tand\nnewlines", "日本語 ✓", ""]
+    for text in texts:
         ids = built.encode(text)
         assert cached.encode(text) == ids, text
         assert cached.decode(ids) == built.decode(ids)
-    flipped = dict(contents.metadata, **{"tokenizer.ggml.add_space_prefix": False})
-    other = dataclasses.replace(contents, metadata=flipped)
+    other = dataclasses.replace(
+        contents, metadata=dict(contents.metadata, **{"tokenizer.ggml.pre": "gpt2"})
+    )
     assert tokenizer_cache_key(other) != tokenizer_cache_key(contents)
-    assert tokenizer_from_gguf(other).encode("the cat") != built.encode("the cat")
+    split = tokenizer_from_gguf(other).backend.tokenizer.pre_tokenizer.pre_tokenize_str
+    assert [p for p, _ in split("12345")] == ["12345"]  # GPT-2's split, not qwen2's digits
     entry.write_text("{not json")
     assert tokenizer_from_gguf(read_gguf(path)).encode("the cat") == built.encode("the cat")
     assert entry.read_text().startswith("{") and "not json" not in entry.read_text()
+    spm = tmp_path / "phi3.gguf"
+    write_gguf(hf_dirs["phi3"], spm, "phi3", "F32")
+    before = set((tmp_path / "cache" / "tokenizers").iterdir())
+    assert tokenizer_from_gguf(read_gguf(spm)).encode("the cat")
+    assert set((tmp_path / "cache" / "tokenizers").iterdir()) == before

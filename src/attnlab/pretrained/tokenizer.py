@@ -6,10 +6,15 @@
 - SmolLM2's tokenizer lives in the GGUF metadata (``tokenizer.ggml.*``): a byte-level BPE
   vocabulary and merge list, the pre-tokenizer named by ``tokenizer.ggml.pre``, control
   tokens marked by ``token_type == 3``, and a Jinja chat template. :func:`tokenizer_from_gguf`
-  rebuilds it as a ``tokenizers`` BPE model, and a SentencePiece vocabulary
+  rebuilds it as a ``tokenizers`` BPE model. A SentencePiece vocabulary
   (``tokenizer.ggml.model == "llama"``: tokens, scores, token types, ``<0xXX>`` byte tokens,
-  the ``▁`` space marker; Gemma, Phi-3, Llama 2, Mistral files) as a BPE model whose merges
-  follow the scores, with byte fallback, as llama.cpp tokenizes it.
+  the ``▁`` space marker; Gemma, Phi-3, Llama 2, Mistral files) is tokenized from its
+  scores by :class:`attnlab.pretrained.sentencepiece.SentencePieceVocab`, as llama.cpp
+  does, with no merge table to build or load.
+
+:class:`PretrainedTokenizer` is the one interface; what does the work is a
+:class:`TokenizerEngine`: the ``tokenizers`` library (:class:`TokenizersEngine`) or
+:class:`~attnlab.pretrained.sentencepiece.SentencePieceVocab`.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -26,6 +31,7 @@ from attnlab.pretrained.json_file import read_json
 
 if TYPE_CHECKING:
     from attnlab.pretrained.gguf_file import GGUFContents
+    from attnlab.pretrained.sentencepiece import SentencePieceVocab
 
 # llama.cpp token types (llama.h, LLAMA_TOKEN_TYPE_*).
 _CONTROL, _USER_DEFINED = 3, 4
@@ -47,12 +53,51 @@ def tokenizer_errors(path: str | Path, what: str) -> Iterator[None]:
         raise ModelFileError(path, f"{what}: {e}") from None
 
 
+class TokenizerEngine(Protocol):
+    """What does a :class:`PretrainedTokenizer`'s work."""
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]: ...
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str: ...
+
+    def id_to_token(self, token_id: int) -> str | None: ...
+
+    def vocab_size(self) -> int: ...
+
+
+class TokenizersEngine:
+    """A ``tokenizers.Tokenizer`` as a :class:`TokenizerEngine` (its own padding and
+    truncation turned off: :meth:`PretrainedTokenizer.batch` pads and truncates)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        tokenizer.no_padding()
+        tokenizer.no_truncation()
+        self.tokenizer = tokenizer
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [list(e.ids) for e in self.tokenizer.encode_batch(list(texts))]
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
+        return str(self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def id_to_token(self, token_id: int) -> str | None:
+        token = self.tokenizer.id_to_token(int(token_id))
+        return None if token is None else str(token)
+
+    def vocab_size(self) -> int:
+        return int(self.tokenizer.get_vocab_size(with_added_tokens=True))
+
+
 class PretrainedTokenizer:
     """Text <-> token ids for one pretrained model.
 
     Args:
-        backend: the ``tokenizers.Tokenizer`` doing the work (its own padding and
-            truncation are turned off; :meth:`batch` pads).
+        backend: what does the work (:class:`TokenizerEngine`).
         pad_id: id used to pad :meth:`batch`.
         eos_id: end-of-sequence id, or None.
         bos_id: beginning-of-sequence id, or None.
@@ -63,7 +108,7 @@ class PretrainedTokenizer:
 
     def __init__(
         self,
-        backend: Any,
+        backend: TokenizerEngine,
         *,
         pad_id: int,
         eos_id: int | None = None,
@@ -71,8 +116,6 @@ class PretrainedTokenizer:
         max_length: int | None = None,
         chat_template: str | None = None,
     ) -> None:
-        backend.no_padding()
-        backend.no_truncation()
         self.backend = backend
         self.pad_id = pad_id
         self.eos_id = eos_id
@@ -83,17 +126,17 @@ class PretrainedTokenizer:
     @property
     def vocab_size(self) -> int:
         """Number of ids, special tokens included."""
-        return int(self.backend.get_vocab_size(with_added_tokens=True))
+        return self.backend.vocab_size()
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text`` (special-token strings such as ``<|im_start|>`` included)."""
         if not isinstance(text, str):
             raise TypeError(f"`text` must be a str, got {type(text).__name__}")
-        return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
+        return self.backend.encode(text, add_special_tokens=add_special_tokens)
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
         """Text of ``ids``."""
-        return str(self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def id_to_token(self, token_id: int) -> str:
         """The vocabulary string of one id (byte-level or WordPiece form)."""
@@ -116,8 +159,7 @@ class PretrainedTokenizer:
                 f"`texts` must be a non-empty list of strings, got {texts!r}; "
                 "wrap a single text in a list"
             )
-        encodings = self.backend.encode_batch(list(texts))
-        rows = [list(e.ids) for e in encodings]
+        rows = self.backend.encode_batch(list(texts))
         if self.max_length is not None:
             # Keep the final special token ([SEP]) the way tokenizers' truncation does.
             rows = [
@@ -147,6 +189,7 @@ class PretrainedTokenizer:
         template = env.from_string(self.chat_template)
         eos = self.backend.id_to_token(self.eos_id) if self.eos_id is not None else ""
         bos = self.backend.id_to_token(self.bos_id) if self.bos_id is not None else ""
+        eos, bos = eos or "", bos or ""
         return str(
             template.render(
                 messages=list(messages),
@@ -203,7 +246,7 @@ def tokenizer_from_json(
     eos = find("eos_token", "[SEP]", "</s>")
     pad = find("pad_token", "[PAD]", "<pad>")
     return PretrainedTokenizer(
-        backend,
+        TokenizersEngine(backend),
         pad_id=pad if pad is not None else (eos if eos is not None else 0),
         eos_id=eos,
         bos_id=bos,
@@ -346,8 +389,10 @@ def tokenizer_from_gguf(contents: GGUFContents) -> PretrainedTokenizer:
         raise ModelFileError(contents.path, "`tokenizer.chat_template` must be a string")
     context = meta.get(f"{meta.get('general.architecture', '')}.context_length")
     with tokenizer_errors(contents.path, "the tokenizer (tokenizer.ggml.*) cannot be built"):
-        build = _bpe_backend if kind == "gpt2" else _sentencepiece_backend
-        backend = _cached_backend(contents, build)
+        if kind == "gpt2":
+            backend: TokenizerEngine = TokenizersEngine(_cached_backend(contents, _bpe_backend))
+        else:
+            backend = _sentencepiece_vocab(contents)
         return PretrainedTokenizer(
             backend,
             pad_id=pad,
@@ -395,10 +440,9 @@ def tokenizer_cache_key(contents: GGUFContents) -> str:
 
 
 def _cached_backend(contents: GGUFContents, build: Any) -> Any:
-    """``build(contents)``, or the same tokenizer read back from attnlab's cache.
-
-    A SentencePiece vocabulary such as Gemma's (262k tokens) takes seconds to turn into
-    merges; the built tokenizer's JSON reads back in a fraction of that. Entries live in
+    """``build(contents)``, or the same ``tokenizers`` tokenizer read back from attnlab's
+    cache (a byte-level BPE vocabulary: checking and building its merges costs more than
+    reading the built tokenizer's JSON back). Entries live in
     ``<cache>/tokenizers/<key>.json`` (:func:`tokenizer_cache_key`), written atomically. An
     entry the ``tokenizers`` library cannot read is rebuilt and replaced; a cache folder
     that cannot be written only costs the rebuild. ``ATTNLAB_TOKENIZER_CACHE=0`` turns the
@@ -487,43 +531,6 @@ def _bpe_backend(contents: GGUFContents) -> Any:
     return backend
 
 
-def sentencepiece_merges(tokens: Sequence[str], scores: Sequence[float]) -> list[tuple[str, str]]:
-    """The BPE merges a SentencePiece vocabulary implies, best first.
-
-    llama.cpp's SentencePiece tokenizer repeatedly joins the adjacent pair whose joined text
-    is the vocabulary entry with the highest score. As a BPE merge list: every split of every
-    entry into two entries, ranked by the joined entry's score (higher first), then by the
-    longer left piece, then by the pieces' ids. The ranking is one ``numpy.lexsort`` (a
-    262k-token vocabulary such as Gemma's has half a million merges, and sorting them as
-    Python tuples took as long as finding them).
-    """
-    import numpy as np
-
-    vocab: dict[str, int] = {}
-    for i, token in enumerate(tokens):
-        vocab.setdefault(token, i)
-    joined: list[int] = []
-    lefts: list[str] = []
-    rights: list[str] = []
-    for token, i in vocab.items():
-        for k in range(1, len(token)):
-            left = token[:k]
-            if left in vocab:
-                right = token[k:]
-                if right in vocab:
-                    joined.append(i)
-                    lefts.append(left)
-                    rights.append(right)
-    n = len(joined)
-    score = np.asarray(scores, dtype=np.float64)[np.asarray(joined, dtype=np.int64)]
-    left_len = np.fromiter(map(len, lefts), dtype=np.int64, count=n)
-    right_len = np.fromiter(map(len, rights), dtype=np.int64, count=n)
-    left_id = np.fromiter(map(vocab.__getitem__, lefts), dtype=np.int64, count=n)
-    right_id = np.fromiter(map(vocab.__getitem__, rights), dtype=np.int64, count=n)
-    order = np.lexsort((right_id, left_id, -right_len, -left_len, -score))  # last key first
-    return [(lefts[j], rights[j]) for j in order.tolist()]
-
-
 def _flag(contents: GGUFContents, key: str, default: bool) -> bool:
     """A true/false metadata key, refused (named) when the file stores anything else.
 
@@ -535,52 +542,34 @@ def _flag(contents: GGUFContents, key: str, default: bool) -> bool:
     return value
 
 
-def _sentencepiece_backend(contents: GGUFContents) -> Any:
-    """A SentencePiece vocabulary (tokens, scores, types) as a ``tokenizers`` BPE model.
+def _sentencepiece_vocab(contents: GGUFContents) -> SentencePieceVocab:
+    """A SentencePiece vocabulary (tokens, scores, types) as llama.cpp tokenizes it.
 
-    As llama.cpp: spaces become ``▁`` (U+2581) and, when ``tokenizer.ggml.add_space_prefix``
-    is true (its default), one ``▁`` goes before the text (and after every special token);
-    characters not in the vocabulary fall back to their UTF-8 bytes ``<0xXX>``; BOS is added
-    when ``tokenizer.ggml.add_bos_token`` is true (the default), EOS when
+    Spaces become ``▁`` (U+2581) and, when ``tokenizer.ggml.add_space_prefix`` is true (its
+    default), one ``▁`` goes before the text (and after every special token); characters
+    not in the vocabulary fall back to their UTF-8 bytes ``<0xXX>``; control tokens
+    (type 3) and user-defined ones (type 4) are matched whole first; BOS is added when
+    ``tokenizer.ggml.add_bos_token`` is true (the default), EOS when
     ``tokenizer.ggml.add_eos_token`` is.
     """
-    from tokenizers import Tokenizer, decoders, models, normalizers, processors
+    from attnlab.pretrained.sentencepiece import SentencePieceVocab
 
     meta, tokens, scores = contents.metadata, contents.tokens, contents.scores
-    if len(scores) != len(tokens) or not all(
-        isinstance(x, (int, float)) and not isinstance(x, bool) for x in scores
-    ):
+    if len(scores) != len(tokens) or not set(map(type, scores)) <= {int, float}:
         raise ModelFileError(
             contents.path,
             f"tokenizer.ggml.scores ({len(scores)}) must hold one number per token "
             f"({len(tokens)}) for a SentencePiece ('llama') tokenizer",
         )
-    vocab: dict[str, int] = {}
-    for i, token in enumerate(tokens):
-        vocab.setdefault(token, i)
     unk_id = meta.get("tokenizer.ggml.unknown_token_id")
-    unk = tokens[unk_id] if isinstance(unk_id, int) and 0 <= unk_id < len(tokens) else None
-    model = models.BPE(
-        vocab=vocab,
-        merges=sentencepiece_merges(tokens, scores),
-        unk_token=unk,
-        fuse_unk=True,
-        byte_fallback=True,
-    )
-    backend = Tokenizer(model)
+    if not (isinstance(unk_id, int) and not isinstance(unk_id, bool) and 0 <= unk_id < len(tokens)):
+        unk_id = None
     prefix = _flag(contents, "tokenizer.ggml.add_space_prefix", True)
-    steps: list[Any] = [normalizers.Prepend("\u2581")] if prefix else []
-    backend.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", "\u2581")])
-    decode: list[Any] = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
-    if prefix:
-        decode.append(decoders.Strip(" ", 1, 0))
-    backend.decoder = decoders.Sequence(decode)
-    _add_special_tokens(backend, contents)
-    special: list[tuple[str, int]] = []
-    template = ["$A"]
+    added: dict[str, int | None] = {}
     for key, default in (("bos", True), ("eos", False)):
         token_id = meta.get(f"tokenizer.ggml.{key}_token_id")
         if not _flag(contents, f"tokenizer.ggml.add_{key}_token", default) or token_id is None:
+            added[key] = None
             continue
         if isinstance(token_id, bool) or not isinstance(token_id, int):
             raise ModelFileError(contents.path, f"tokenizer.ggml.{key}_token_id must be an int")
@@ -588,12 +577,15 @@ def _sentencepiece_backend(contents: GGUFContents) -> Any:
             raise ModelFileError(
                 contents.path, f"tokenizer.ggml.{key}_token_id = {token_id} is not a token id"
             )
-        special.append((tokens[token_id], token_id))
-        template = [tokens[token_id], *template] if key == "bos" else [*template, tokens[token_id]]
-    if special:
-        backend.post_processor = processors.TemplateProcessing(
-            single=template,
-            pair=[*template, *(t.replace("$A", "$B") for t in template)],
-            special_tokens=special,
-        )
-    return backend
+        added[key] = token_id
+    types = contents.token_types
+    return SentencePieceVocab(
+        tokens,
+        scores,
+        special=[i for i, k in enumerate(types) if k == _CONTROL],
+        added=[i for i, k in enumerate(types) if k == _USER_DEFINED],
+        unk_id=unk_id,
+        add_space_prefix=prefix,
+        bos_id=added["bos"],
+        eos_id=added["eos"],
+    )
