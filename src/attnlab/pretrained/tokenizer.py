@@ -375,7 +375,7 @@ def tokenizer_from_gguf(contents: GGUFContents) -> PretrainedTokenizer:
             "('gpt2') and SentencePiece ('llama')",
         )
     tokens, types = contents.tokens, contents.token_types
-    if not all(isinstance(t, str) for t in tokens) or len(types) != len(tokens):
+    if not set(map(type, tokens)) <= {str} or len(types) != len(tokens):  # one C pass
         raise ModelFileError(
             contents.path,
             f"tokenizer.ggml.tokens ({len(tokens)}) and token_type ({len(types)}) must be "
@@ -578,12 +578,18 @@ def _sentencepiece_vocab(contents: GGUFContents) -> SentencePieceVocab:
                 contents.path, f"tokenizer.ggml.{key}_token_id = {token_id} is not a token id"
             )
         added[key] = token_id
-    types = contents.token_types
+    special: list[int] = []
+    added_ids: list[int] = []
+    for i, k in enumerate(contents.token_types):
+        if k == _CONTROL:
+            special.append(i)
+        elif k == _USER_DEFINED:
+            added_ids.append(i)
     return SentencePieceVocab(
         tokens,
         scores,
-        special=[i for i, k in enumerate(types) if k == _CONTROL],
-        added=[i for i, k in enumerate(types) if k == _USER_DEFINED],
+        special=special,
+        added=added_ids,
         unk_id=unk_id,
         add_space_prefix=prefix,
         bos_id=added["bos"],
