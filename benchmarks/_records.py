@@ -261,9 +261,45 @@ def load_records(folder: Path | None = None) -> list[dict[str, Any]]:
     return sorted(recs, key=lambda r: r["date"])
 
 
+def cpu_of(record: dict[str, Any]) -> str:
+    """The CPU a record was measured on: the model name and the widest SIMD it has, e.g.
+    ``"AMD EPYC (AVX-512 with BF16)"``. That is the machine's own class, also for a run
+    under a smaller class's caps (its config names the class it ran as)."""
+    m = record.get("machine") or {}
+    simd = set(m.get("simd") or [])
+    if "simd" not in m:  # a record from before the field
+        level = "SIMD not recorded"
+    elif simd & {"amx_bf16", "amx_int8"}:
+        level = "AVX-512 with AMX"
+    elif "avx512_bf16" in simd:
+        level = "AVX-512 with BF16"
+    elif "avx512f" in simd:
+        level = "AVX-512"
+    elif "avx2" in simd:
+        level = "AVX2"
+    elif simd & {"asimd", "sve"}:
+        level = "Arm"
+    else:
+        level = "no AVX2"
+    return f"{m.get('cpu') or 'unknown CPU'} ({level})"
+
+
 def latest(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The newest record of each (benchmark, config), sorted by benchmark then config."""
-    newest: dict[tuple[str, str], dict[str, Any]] = {}
+    """The newest record of each (CPU, benchmark, config), sorted by CPU, benchmark and
+    config: a record from another CPU never stands in for this one's (:func:`cpu_of`)."""
+    newest: dict[tuple[str, str, str], dict[str, Any]] = {}
     for r in records:
-        newest[(r["benchmark"], r["config"])] = r  # records are oldest first
-    return [newest[k] for k in sorted(newest)]
+        newest[(cpu_of(r), r["benchmark"], r["config"])] = r  # records are oldest first
+    # A record from before the SIMD field gives way to one of the same CPU model, benchmark
+    # and config that has it (written later: the field has been in every record since).
+    told = {
+        ((r.get("machine") or {}).get("cpu"), r["benchmark"], r["config"])
+        for r in newest.values()
+        if "simd" in (r.get("machine") or {})
+    }
+    return [
+        newest[k]
+        for k in sorted(newest)
+        if "simd" in (newest[k].get("machine") or {})
+        or ((newest[k].get("machine") or {}).get("cpu"), k[1], k[2]) not in told
+    ]

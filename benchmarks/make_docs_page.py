@@ -1,11 +1,13 @@
 """Make the documentation's benchmarks page from the latest benchmark records.
 
 Reads every record in ``benchmarks/results/`` (written by the benchmark scripts through
-``benchmarks/_records.py``), keeps the newest of each (benchmark, config), and writes
+``benchmarks/_records.py``), keeps the newest of each (CPU, benchmark, config), and writes
 
-- ``docs/benchmarks.md``: one section per record (what, command, commit, date, machine,
-  threads, how quiet) with a table of its figures, each beside its peer;
-- ``docs/img/benchmarks.png``: every ratio of those records in one figure.
+- ``docs/benchmarks.md``: one part per CPU (``_records.cpu_of``), and in it one section per
+  record (what, command, commit, date, machine, threads, how quiet) with a table of its
+  figures, each beside its peer;
+- ``docs/img/benchmarks.png``: every ratio of those records in one figure, each panel
+  naming its CPU.
 
     python benchmarks/make_docs_page.py            # write both
     python benchmarks/make_docs_page.py --check    # exit 1 when docs/benchmarks.md is stale
@@ -16,13 +18,14 @@ Reads every record in ``benchmarks/results/`` (written by the benchmark scripts 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _records import QUIET_CORES, ROOT, latest, load_records
+from _records import QUIET_CORES, ROOT, cpu_of, latest, load_records
 
 PAGE = ROOT / "docs" / "benchmarks.md"
 FIGURE = ROOT / "docs" / "img" / "benchmarks.png"
@@ -62,12 +65,16 @@ def _quiet_line(q: dict[str, Any]) -> str:
     )
 
 
+def _anchor(text: str) -> str:
+    return "-".join(re.sub(r"[^a-z0-9]+", " ", text.lower()).split())
+
+
 def _slug(rec: dict[str, Any]) -> str:
-    return f"{rec['benchmark']}-{rec['config']}".replace("_", "-").replace(".", "-").lower()
+    return _anchor(f"{cpu_of(rec)} {rec['benchmark']} {rec['config']}")
 
 
 def render(records: list[dict[str, Any]]) -> str:
-    """The page's Markdown for ``records`` (the latest of each benchmark and config)."""
+    """The page's Markdown for ``records`` (the latest of each CPU, benchmark and config)."""
     out = [
         "# Benchmark results",
         "",
@@ -81,31 +88,49 @@ def render(records: list[dict[str, Any]]) -> str:
         "machine busy says so: read its ratios with that in mind. How the scripts measure "
         "is on [How we measure](how-we-measure.md).",
         "",
+        "The records are grouped by the CPU they were measured on. A ratio compares two "
+        "sides measured in one run on one CPU; ratios from different CPUs are not "
+        "compared. A run that imitated a smaller CPU class (PyTorch's, oneDNN's and MKL's "
+        "instructions capped, `benchmarks/_isa.py`) stays with the CPU it ran on and "
+        "names the class in its configuration (`gemma3-270m-avx2`).",
+        "",
     ]
     if not records:
         out += ["No records yet: run a benchmark script (see How we measure).", ""]
         return "\n".join(out)
-    out += [
-        "![every speed ratio of the records below](img/benchmarks.png)",
-        "",
-        "| benchmark | configuration | date | threads | machine state |",
-        "|---|---|---|---|---|",
-    ]
-    for rec in records:
-        q = rec["quiet"]
-        state = "quiet" if q.get("quiet") else ("busy" if q.get("quiet") is False else "?")
-        out.append(
-            f"| [{rec['benchmark']}](#{_slug(rec)}) | {rec['config']} | {rec['date'][:10]} | "
-            f"{rec['threads']} | {state} |"
-        )
-    out.append("")
+    out += ["![every speed ratio of the records below](img/benchmarks.png)", ""]
+    cpus = sorted({cpu_of(r) for r in records})
+    for cpu in cpus:
+        out += [
+            f"## {cpu} {{#{_anchor(cpu)}}}",
+            "",
+            "| benchmark | configuration | date | threads | machine state |",
+            "|---|---|---|---|---|",
+        ]
+        for rec in records:
+            if cpu_of(rec) != cpu:
+                continue
+            q = rec["quiet"]
+            state = "quiet" if q.get("quiet") else ("busy" if q.get("quiet") is False else "?")
+            out.append(
+                f"| [{rec['benchmark']}](#{_slug(rec)}) | {rec['config']} | "
+                f"{rec['date'][:10]} | {rec['threads']} | {state} |"
+            )
+        out.append("")
+        out += _sections([r for r in records if cpu_of(r) == cpu])
+    return "\n".join(out)
+
+
+def _sections(records: list[dict[str, Any]]) -> list[str]:
+    """One section per record: what, how, where, and its table of figures."""
+    out: list[str] = []
     for rec in records:
         m = rec["machine"]
         commit = rec.get("commit") or "unknown"
         if rec.get("local_changes"):
             commit += " (with local changes)"
         out += [
-            f"## {rec['benchmark']}: {rec['config']} {{#{_slug(rec)}}}",
+            f"### {rec['benchmark']}: {rec['config']} {{#{_slug(rec)}}}",
             "",
             rec["measured"][0].upper() + rec["measured"][1:] + ".",
             "",
@@ -141,7 +166,7 @@ def render(records: list[dict[str, Any]]) -> str:
             out.append(f"- {note}")
         if rec.get("notes"):
             out.append("")
-    return "\n".join(out)
+    return out
 
 
 def plot(records: list[dict[str, Any]], path: Path) -> None:
@@ -160,7 +185,7 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
     panels = [(r, figs) for r, figs in panels if figs]
     if not panels:
         return
-    heights = [max(1.2, 0.22 * len(figs) + 0.6) for _, figs in panels]
+    heights = [max(1.4, 0.22 * len(figs) + 0.8) for _, figs in panels]  # two title lines
     fig, axes = plt.subplots(
         len(panels), 1, figsize=(9, sum(heights)), gridspec_kw={"height_ratios": heights}
     )
@@ -183,8 +208,8 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
         ax.invert_yaxis()
         state = "quiet" if rec["quiet"].get("quiet") else "busy machine"
         ax.set_title(
-            f"{rec['benchmark']}: {rec['config']} ({rec['date'][:10]}, {rec['threads']} "
-            f"threads, {state})",
+            f"{rec['benchmark']}: {rec['config']}\n{cpu_of(rec)}, {rec['date'][:10]}, "
+            f"{rec['threads']} threads, {state}",
             fontsize=9,
             loc="left",
         )

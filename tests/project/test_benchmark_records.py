@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import make_docs_page  # noqa: E402
-from _records import Recorder, latest, load_records  # noqa: E402
+from _records import Recorder, cpu_of, latest, load_records  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -81,6 +81,47 @@ def test_latest_keeps_the_newest_record_of_each_config(tmp_path: Path) -> None:
         (tmp_path / f"x--{config}--{date}.json").write_text(json.dumps(rec))
     got = latest(load_records(tmp_path))
     assert [(r["config"], r["v"]) for r in got] == [("a", "2026-01-02"), ("b", "2026-01-01")]
+
+
+def test_latest_keeps_each_cpus_own_record(tmp_path: Path) -> None:
+    """A record of another CPU never replaces this one's; a record from before the SIMD
+    field gives way to a later one of the same CPU model, and stands alone otherwise."""
+    epyc = {"cpu": "AMD EPYC", "simd": ["avx2", "avx512f", "avx512_bf16"]}
+    xeon = {"cpu": "Intel Xeon", "simd": ["avx2", "avx512f"]}
+    rows = [
+        ("2026-01-01", "a", {"cpu": "AMD EPYC"}),  # before the SIMD field
+        ("2026-01-02", "a", epyc),
+        ("2026-01-03", "a", xeon),
+        ("2026-01-01", "b", {"cpu": "AMD EPYC"}),
+    ]
+    for i, (date, config, machine) in enumerate(rows):
+        rec = {"benchmark": "x", "config": config, "date": f"{date}T00:00:00+00:00"}
+        rec["machine"] = machine
+        (tmp_path / f"x--{config}--{i}.json").write_text(json.dumps(rec))
+    got = [(cpu_of(r), r["config"], r["date"][:10]) for r in latest(load_records(tmp_path))]
+    assert got == [
+        ("AMD EPYC (AVX-512 with BF16)", "a", "2026-01-02"),
+        ("AMD EPYC (SIMD not recorded)", "b", "2026-01-01"),
+        ("Intel Xeon (AVX-512)", "a", "2026-01-03"),
+    ]
+
+
+def test_page_groups_the_records_by_cpu(tmp_path: Path, monkeypatch) -> None:
+    import _records
+
+    base = {"cores": 2, "platform": "Linux", "python": "3.11", "torch": "2", "isa_caps": {}}
+    records = []
+    for cpu, simd, value in (("CPU B", ["avx2"], 3.0), ("CPU A", ["avx2", "avx512f"], 2.0)):
+        machine = {**base, "cpu": cpu, "simd": simd}
+        monkeypatch.setattr(_records, "machine", lambda m=machine: m)
+        rec = Recorder("bench_demo", "small", "a demo measurement", threads=1)
+        rec.add("fast path", value, "tokens/s", peer="slow path", peer_value=1.0)
+        records.append(json.loads(rec.write(["bench_demo.py"], folder=tmp_path).read_text()))
+    text = make_docs_page.render(latest(records))
+    a, b = text.index("## CPU A (AVX-512)"), text.index("## CPU B (AVX2)")
+    assert a < text.index("2.00x") < b < text.index("3.00x")
+    assert text.count("### bench_demo: small") == 2
+    assert "#cpu-a-avx-512-bench-demo-small" in text and "#cpu-b-avx2-bench-demo-small" in text
 
 
 def test_page_shows_each_figure_beside_its_peer(tmp_path: Path) -> None:
