@@ -20,6 +20,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -51,7 +52,7 @@ def main() -> None:
         "HF_HUB_OFFLINE": "1",
     }
 
-    def command(argv: list[str]) -> object:
+    def command(argv: list[str]) -> Callable[[], None]:
         def run() -> None:
             subprocess.run(argv, env=env, check=True, capture_output=True)
 

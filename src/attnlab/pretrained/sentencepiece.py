@@ -12,7 +12,7 @@ after importing torch.
 
 :class:`SentencePieceVocab` needs no table: a pair's rank is computed when the pair is
 met, from the vocabulary (a dict) and the scores, so building it is one pass over the
-tokens (0.14-0.19 s for Gemma's, most of it hashing the 262,144 strings). It gives the
+tokens (0.11-0.19 s for Gemma's, most of it hashing the 262,144 strings). It gives the
 ids and text of the ``tokenizers`` BPE model that the ranked merge table builds
 (``tests/spm_reference.py`` keeps that build, and the tests compare the two, and both
 with transformers, on the same files):
