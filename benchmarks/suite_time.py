@@ -17,7 +17,8 @@ Usage::
 
 ``--costs`` writes each test file's seconds to ``tests/file_costs.json``, the table the
 suite's ``conftest.py`` orders the files by (longest first, so that no long file starts
-last on one worker while the other has nothing left to run).
+last on one worker while the other has nothing left to run), and the tests that took a
+second or more, which the suite marks ``slow``.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 from _records import ROOT, Recorder
+
+sys.path.insert(0, str(ROOT / "tests"))
+from file_order import SLOW_TEST_S
 
 #: The README's budget for ``python -m pytest`` with every extra installed, in seconds,
 #: on the slowest machine class CI may get (an AVX-512 Xeon without VNNI, 2 cores).
@@ -104,16 +108,45 @@ def times_by_file(junit: Path) -> dict[str, float]:
     return {path: round(s, 2) for path, s in sorted(seconds.items(), key=lambda kv: -kv[1])}
 
 
+def node_id(classname: str, name: str) -> str | None:
+    """pytest's node id of a JUnit test case (``tests.train.test_x`` + ``test_y[a]`` ->
+    ``tests/train/test_x.py::test_y[a]``; a class's name between them); None if no file of
+    the repository matches."""
+    path = file_of(classname)
+    if path is None:
+        return None
+    inner = classname.split(".")[path.count("/") + 1 :]
+    return "::".join([path, *inner, name])
+
+
+def slow_tests(junit: Path, threshold: float = SLOW_TEST_S) -> dict[str, float]:
+    """Node ids and seconds of the tests that took ``threshold`` seconds or more (setup,
+    call and teardown), the longest first."""
+    found: dict[str, float] = {}
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        seconds = float(case.get("time", 0.0))
+        node = node_id(case.get("classname", ""), case.get("name", ""))
+        if node is not None and seconds >= threshold:
+            found[node] = round(seconds, 2)
+    return dict(sorted(found.items(), key=lambda kv: -kv[1]))
+
+
 def write_costs(junit: Path, out: Path = COSTS) -> None:
-    """Write the per-file seconds of a run as the table the suite orders its files by."""
+    """Write the per-file seconds of a run as the table the suite orders its files by, and
+    the tests it marks ``slow`` for taking :data:`SLOW_TEST_S` seconds or more."""
     table = {
         "measured": "seconds of each test file's tests in one run of the whole suite, "
         "written by benchmarks/suite_time.py --costs; tests/conftest.py runs the files "
-        "longest first",
+        f"longest first, and marks slow the tests under slow_tests (at least {SLOW_TEST_S:g} s "
+        "each in that run)",
         "seconds": times_by_file(junit),
+        "slow_tests": slow_tests(junit),
     }
     out.write_text(json.dumps(table, indent=1) + "\n", encoding="utf-8")
-    print(f"wrote {out.relative_to(ROOT)} ({len(table['seconds'])} files)")
+    print(
+        f"wrote {out} ({len(table['seconds'])} files, "
+        f"{len(table['slow_tests'])} tests of {SLOW_TEST_S:g} s or more)"
+    )
 
 
 def _cache_state() -> str:
@@ -137,6 +170,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("pytest_args", nargs="*", help="passed to pytest (after --)")
     args = parser.parse_args(argv)
+    if args.costs and any(
+        a in ("-m", "-k") or a.startswith(("-m=", "-k=")) for a in args.pytest_args
+    ):
+        parser.error("--costs measures the whole suite: it takes no -m or -k")
     cache = _cache_state()
     rec = Recorder(
         "suite_time",

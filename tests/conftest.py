@@ -31,9 +31,16 @@ def ext() -> ModuleType:
 # --------------------------------------------------------------------------- file order
 # pytest-xdist hands a worker one test file at a time (`--dist loadfile`) in the order
 # collected (`--no-loadscope-reorder`): the longest files first (tests/file_order.py).
+# A test the same table measured at a second or more is `slow`, as if marked by hand;
+# this runs before `-m` deselects (tryfirst).
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    from file_order import file_costs, longest_first
+    from file_order import file_costs, longest_first, slow_tests
 
+    measured_slow = slow_tests()
+    for item in items:
+        if item.nodeid in measured_slow:
+            item.add_marker(pytest.mark.slow)
     items[:] = longest_first(items, file_costs())
 
 

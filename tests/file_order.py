@@ -1,4 +1,4 @@
-"""The order the suite's files run in: the longest first.
+"""The order the suite's files run in (the longest first), and which tests are slow.
 
 pytest-xdist hands each worker one test file at a time (``--dist loadfile``), in the
 order they were collected (``--no-loadscope-reorder``). A file of one long test collected
@@ -6,6 +6,11 @@ last would keep one worker busy for minutes after the other has run out of files
 files are ordered by their measured seconds, longest first: ``tests/file_costs.json``,
 written by ``python benchmarks/suite_time.py --costs`` from a run of the whole suite. A
 file the table does not know (a new one) counts a tenth of a second a test.
+
+The same run measures each test: one that took at least :data:`SLOW_TEST_S` seconds
+(setup, call and teardown) is listed under ``slow_tests``, and the suite marks it ``slow``
+as if it carried ``@pytest.mark.slow`` (:func:`slow_tests`), so that ``-m "not slow"``
+leaves out every long test, not only those marked by hand.
 """
 
 from __future__ import annotations
@@ -17,6 +22,9 @@ from typing import Protocol, TypeVar
 
 COSTS_FILE = Path(__file__).with_name("file_costs.json")
 UNKNOWN_TEST_S = 0.1
+#: A test measured at least this long (seconds, on the machine the table was measured on)
+#: is ``slow``.
+SLOW_TEST_S = 1.0
 
 
 class _HasNodeId(Protocol):
@@ -34,6 +42,16 @@ def file_costs(path: Path = COSTS_FILE) -> dict[str, float]:
         return {str(name): float(s) for name, s in seconds.items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return {}
+
+
+def slow_tests(path: Path = COSTS_FILE) -> frozenset[str]:
+    """The node ids of the tests the table measured at :data:`SLOW_TEST_S` seconds or more;
+    empty if the table is missing or unreadable."""
+    try:
+        seconds = json.loads(path.read_text(encoding="utf-8"))["slow_tests"]
+        return frozenset(str(node) for node, s in seconds.items() if float(s) >= SLOW_TEST_S)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return frozenset()
 
 
 def longest_first(items: Sequence[T], costs: dict[str, float]) -> list[T]:

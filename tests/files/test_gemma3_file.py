@@ -192,6 +192,8 @@ def test_assembled_file_has_the_packages_hash(gemma3_file, use_cache):
 # --------------------------------------------------------------------------- tokenizer
 
 
+# transformers' tokenizer takes ~16 s to build from the file: the tests that use it are slow.
+@pytest.mark.slow
 @pytest.mark.pretrained
 @needs_reference
 @pytest.mark.parametrize("text", TEXTS)
@@ -215,6 +217,7 @@ def test_tokenizer_decode_round_trips(gemma3, text):
     assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
 
 
+@pytest.mark.slow
 @pytest.mark.pretrained
 @needs_reference
 def test_tokenizer_equals_transformers_and_the_merge_table_on_long_and_generated_text(

@@ -3,12 +3,23 @@
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from file_order import COSTS_FILE, UNKNOWN_TEST_S, file_costs, longest_first
+import pytest
+
+from file_order import (
+    COSTS_FILE,
+    SLOW_TEST_S,
+    UNKNOWN_TEST_S,
+    file_costs,
+    longest_first,
+    slow_tests,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
 @dataclass
@@ -48,3 +59,52 @@ def test_this_session_collects_the_files_longest_first(request):
     # (collected in path order, the suite would not be longest first)
     items = request.session.items
     assert [i.nodeid for i in longest_first(items, file_costs())] == [i.nodeid for i in items]
+
+
+JUNIT = """<?xml version="1.0" encoding="utf-8"?>
+<testsuites><testsuite name="pytest">
+<testcase classname="tests.project.test_file_order" name="test_a[x-1]" time="2.5"/>
+<testcase classname="tests.project.test_file_order" name="test_b" time="0.3"/>
+<testcase classname="tests.project.test_file_order.TestGroup" name="test_c" time="1.0"/>
+<testcase classname="tests.nowhere.test_gone" name="test_d" time="9.0"/>
+</testsuite></testsuites>
+"""
+
+
+def test_a_run_lists_its_tests_of_a_second_or_more_by_node_id(tmp_path):
+    import suite_time
+
+    junit = tmp_path / "junit.xml"
+    junit.write_text(JUNIT)
+    here = "tests/project/test_file_order.py"
+    # a class's name goes between the file and the test; a file that is not there is dropped
+    assert suite_time.slow_tests(junit) == {
+        f"{here}::test_a[x-1]": 2.5,
+        f"{here}::TestGroup::test_c": 1.0,
+    }
+    out = tmp_path / "costs.json"
+    suite_time.write_costs(junit, out)
+    assert slow_tests(out) == {f"{here}::test_a[x-1]", f"{here}::TestGroup::test_c"}
+    assert file_costs(out) == {here: 3.8}
+    for text in ["{", json.dumps({"slow_tests": [1]}), json.dumps({"seconds": {}})]:
+        out.write_text(text)
+        assert slow_tests(out) == frozenset()
+    # measured below the threshold, a listed test is not slow
+    out.write_text(json.dumps({"seconds": {}, "slow_tests": {f"{here}::test_b": 0.3}}))
+    assert slow_tests(out) == frozenset()
+
+
+def test_costs_come_from_the_whole_suite_only(capsys):
+    import suite_time
+
+    with pytest.raises(SystemExit):
+        suite_time.main(["--costs", "--", "-m", "not slow"])
+    assert "takes no -m or -k" in capsys.readouterr().err
+
+
+def test_the_tests_measured_slow_are_marked_slow_in_this_session(request):
+    measured = slow_tests()
+    assert measured, f"{COSTS_FILE} lists no slow tests"
+    assert all(s >= SLOW_TEST_S for s in json.loads(COSTS_FILE.read_text())["slow_tests"].values())
+    collected = [item for item in request.session.items if item.nodeid in measured]
+    assert all(item.get_closest_marker("slow") is not None for item in collected)
