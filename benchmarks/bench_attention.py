@@ -996,14 +996,9 @@ def table_rows(cells: list[dict]) -> list[dict]:
 
 
 def machine_info(args: argparse.Namespace, quiet: dict, meter: QuietMeter) -> dict:
-    cpu = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    from attnlab.native import cpu_model
+
+    cpu = cpu_model()
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "command": "python " + " ".join(sys.argv),

@@ -16,6 +16,13 @@ torch.set_num_threads(_threads)
 if _workers > 1:
     os.environ["OMP_NUM_THREADS"] = str(_threads)
 
+# The int formats' crossovers to dense prompt products are their defaults here, not measured
+# at first use (attnlab.quant.crossover): which path a test's prompt takes must not depend
+# on the timings of whichever process measured first, nor a measurement run inside a test
+# that counts calls. tests/decode/test_crossover.py measures; set it to `measure` to run
+# the whole suite measuring.
+os.environ.setdefault("ATTNLAB_CROSSOVER", "defaults")
+
 
 @pytest.fixture(scope="session")
 def ext() -> ModuleType:

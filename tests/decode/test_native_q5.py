@@ -102,9 +102,8 @@ def test_the_layer_runs_and_fuses_as_its_weight():
     assert_bf16_product(layer(x), x)
     dtype, bare = decode_product(layer)
     assert_bf16_product(bare(x.to(dtype)), x)
-    assert_bf16_product(
-        layer(prompt := torch.randn(layer.dense_from_tokens + 5, K, generator=g)), prompt
-    )
+    layer.dense_from_tokens = 16  # decided here, not measured
+    assert_bf16_product(layer(prompt := torch.randn(21, K, generator=g)), prompt)
     other = Q5Linear.from_float(values[:16])
     fused = fuse_rows([layer, other])
     assert isinstance(fused, Q5Linear) and fused.out_features == N + 16
@@ -259,7 +258,13 @@ def test_native_dequantisation_is_the_weight_rounded_once_to_bf16(ext, N, K):
     got = ext.q5_0_dequant(layer.blocks)
     assert got.dtype == torch.bfloat16 and got.shape == (N, K)
     assert torch.equal(got, layer.weight.to(torch.bfloat16))
-    x = torch.randn(layer.dense_from_tokens + 3, K).bfloat16()  # a prompt: the dense path
+    layer.dense_from_tokens = 16  # decided here, not measured
+    x = torch.randn(19, K).bfloat16()  # a prompt: the dense path
     assert torch.equal(layer.product(x), torch.mm(x, layer.weight.to(torch.bfloat16).t()))
+    # float32 (the prompts of a CPU without bf16 arithmetic): every weight exact
+    exact = ext.q5_0_dequant(layer.blocks, True)
+    assert exact.dtype == torch.float32 and torch.equal(exact, layer.weight)
+    xf = x.float()
+    assert torch.equal(layer.product(xf), torch.mm(xf, layer.weight.t()))
     with pytest.raises(RuntimeError, match="q5_0_dequant: blocks must be"):
         ext.q5_0_dequant(layer.blocks[:, :21])

@@ -105,14 +105,15 @@ def test_many_rows_dequantise_and_give_the_kernels_product(cls):
     g = torch.Generator().manual_seed(4)
     w, b = torch.randn(80, 64, generator=g) * 0.1, torch.randn(80, generator=g)
     q = cls.from_float(w, b)
-    x = torch.randn(cls.dense_from_tokens + 3, 64, generator=g)
+    q.dense_from_tokens = 16  # decided here, not measured
+    x = torch.randn(19, 64, generator=g)
     dense = q(x)
     _close_bf16_out(dense, _ref(x, q.weight, b))  # fp64 product of the layer's own weights
     q.dense_from_tokens = 1 << 30  # the one-row kernel for every row count
     kernel = q(x)
     scale = kernel.abs().max().item()
     torch.testing.assert_close(dense, kernel, atol=scale * 2**-7, rtol=2**-7)
-    assert 1 < cls.dense_from_tokens <= 256  # decode (one row) keeps the kernel
+    assert 16 <= cls.default_dense_from <= 256  # decode (one row) keeps the kernel
 
 
 def test_int4_rejects_shapes_the_kernel_cannot_pack_and_quantize_linear_falls_back():
@@ -331,7 +332,8 @@ def test_q8_0_holds_gguf_q8_0_values_as_stored():
     dtype, bare = decode_product(layer)
     torch.testing.assert_close(bare(x.to(dtype)).float(), reference, atol=0.05, rtol=0.02)
     # a prompt (the dense path: each weight rounded once to bf16) agrees too
-    prompt = torch.randn(layer.dense_from_tokens + 5, K).bfloat16().float()  # as run
+    layer.dense_from_tokens = 16  # decided here, not measured
+    prompt = torch.randn(21, K).bfloat16().float()  # as run
     torch.testing.assert_close(
         layer(prompt), (prompt.double() @ values.double().T).float(), atol=0.05, rtol=0.02
     )
@@ -349,7 +351,8 @@ def test_q8_0_prompt_dequantises_a_few_million_weights_at_a_time(monkeypatch):
     """The dense path in row chunks (a 262144-row head is 670 MB in float32) gives the
     product of the whole bf16 weight: each column is the same rows' sum."""
     layer = Q8Linear.from_float(torch.randn(200, 64))
-    x = torch.randn(layer.dense_from_tokens + 1, 64).bfloat16()
+    layer.dense_from_tokens = 16  # decided here, not measured
+    x = torch.randn(17, 64).bfloat16()
     whole = torch.mm(x, layer.weight.to(torch.bfloat16).t())  # (M, N)
     monkeypatch.setattr(Q8Linear, "_dense_chunk", 48 * 64)  # 48 rows a chunk: 5 chunks
     chunked = layer.product(x)
@@ -453,7 +456,8 @@ lin = Int4Linear.from_codes(codes, scales, zeros)
 assert torch.equal(lin.codes_t(), codes.t().to(torch.uint8)), "codes read back wrong"
 w = (codes - 8) * scales.repeat_interleave(gs, 1) + zeros.repeat_interleave(gs, 1)
 torch.testing.assert_close(lin.weight, w)
-x = torch.randn(lin.dense_from_tokens + 3, K, generator=g).bfloat16()
+lin.dense_from_tokens = 16  # decided here, not measured
+x = torch.randn(19, K, generator=g).bfloat16()
 dense = lin.product(x).float()  # the prompt's path: dequantised from the codes read back
 kernel = lin.decode_kernel()(x).float()  # PyTorch's own kernel on its own packing
 torch.testing.assert_close(dense, kernel, atol=0.05 * kernel.abs().max().item(), rtol=0.02)
@@ -535,7 +539,8 @@ def test_a_float32_prompt_product_is_the_float32_product_of_the_stored_weight(cl
     g = torch.Generator().manual_seed(5)
     w, b = torch.randn(96, 64, generator=g) * 0.1, torch.randn(96, generator=g)
     q = cls.from_float(w, b)
-    x = torch.randn(max(q.dense_from_tokens, 16) + 5, 64, generator=g)
+    q.dense_from_tokens = 16  # decided here, not measured
+    x = torch.randn(21, 64, generator=g)
     prompt_arith("fpu avx2 fma")
     y = q(x)
     exact = x.double() @ q.weight.double().T + b.double()

@@ -239,8 +239,38 @@ def _info_native() -> RenderableType:
         f"compiled decode step (attnlab.native): {native.status()}\n"
         f"prompt products of the int and bf16 weights: {str(dtype).removeprefix('torch.')} "
         f"({why})\n"
-        f"int4 decode products: {int4}"
+        f"int4 decode products: {int4}\n"
+        f"{_info_crossovers()}"
     )
+
+
+def _info_crossovers() -> str:
+    """The int formats' crossovers to dense prompt products measured on this machine, and
+    where they are kept; never measures."""
+    import os
+
+    from attnlab.quant import WEIGHT_FORMATS, crossover
+
+    defaults = ", ".join(
+        f"{name} {cls.default_dense_from}"
+        for name, cls in WEIGHT_FORMATS.items()
+        if cls.dense_from_tokens is None
+    )
+    if os.environ.get(crossover.CROSSOVER_ENV, "").strip() == "defaults":
+        return (
+            f"prompt crossovers: the defaults, dense from {defaults} rows "
+            f"({crossover.CROSSOVER_ENV}=defaults)"
+        )
+    path, found = crossover.measured_here()
+    if not found:
+        return (
+            "prompt crossovers: none measured on this machine yet; each format and weight "
+            f"shape is measured at its first product of {crossover.FIRST_PROBE_ROWS} rows or "
+            f"more (defaults: {defaults}), and kept in {path}"
+        )
+    lines = [f"prompt crossovers (a format's kernel below, one dense mm from), kept in {path}:"]
+    lines += [f"  {entry}: {c.describe()}" for entry, c in found.items()]
+    return "\n".join(lines)
 
 
 def _info_dispatch_table(full: bool) -> RenderableType:

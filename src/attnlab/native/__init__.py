@@ -128,6 +128,18 @@ def cpu_flags() -> str:
 _cpu_flags = cpu_flags  # its former name
 
 
+def cpu_model() -> str:
+    """The CPU's model name from ``/proc/cpuinfo`` (e.g. ``AMD EPYC``), or the processor's
+    name where there is no such line."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
 def build_dir() -> Path:
     """Where this machine's build lives: one folder per source, torch version, compiler
     flags and CPU (``-march=native`` code must not run on another CPU)."""

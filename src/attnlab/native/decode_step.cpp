@@ -434,5 +434,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_0_dequant", &attnlab_q8::q8_0_dequant, py::call_guard<py::gil_scoped_release>(),
         "the Q8_0 weight (N, K) in bfloat16 from its codes and scales");
   m.def("q5_0_dequant", &attnlab_q5::q5_0_dequant, py::call_guard<py::gil_scoped_release>(),
-        "the Q5_0 weight (N, K) in bfloat16 from its blocks");
+        "the Q5_0 weight (N, K) from its blocks: bfloat16, or exact in float32",
+        py::arg("blocks"), py::arg("as_float32") = false);
 }

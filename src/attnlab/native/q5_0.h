@@ -304,36 +304,43 @@ inline at::Tensor q5_0_mm(const at::Tensor& x, const at::Tensor& blocks) {
   return y;
 }
 
-// The weight (N, K) in bfloat16, each d * (q - 16) (exact in float32) rounded once: a
-// prompt's dense product takes it (torch's shifts and masks over the blocks cost about as
-// much as the product).
-inline at::Tensor q5_0_dequant(const at::Tensor& blocks) {
+// The weight (N, K) for a prompt's dense product (torch's shifts and masks over the blocks
+// cost about as much as the product): in bfloat16, each d * (q - 16) (exact in float32)
+// rounded once, or with as_float32 exact, for the float32 products of a CPU without bf16
+// arithmetic.
+inline at::Tensor q5_0_dequant(const at::Tensor& blocks, bool as_float32) {
   TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous() &&
                   blocks.size(1) % kBlockBytes == 0,
               "q5_0_dequant: blocks must be a contiguous (N, K/32 * 22) uint8 tensor, got ",
               blocks.scalar_type(), " of shape ", blocks.sizes());
   const int64_t N = blocks.size(0), G = blocks.size(1) / kBlockBytes, K = G * kBlock;
-  at::Tensor w = at::empty({N, K}, blocks.options().dtype(at::kBFloat16));
+  at::Tensor w = at::empty({N, K}, blocks.options().dtype(as_float32 ? at::kFloat : at::kBFloat16));
   const uint8_t* bp = blocks.data_ptr<uint8_t>();
-  c10::BFloat16* wp = w.data_ptr<c10::BFloat16>();
-  at::parallel_for(0, N, std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(K, 1)),
-                   [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      for (int64_t g = 0; g < G; ++g) {
-        const uint8_t* b = bp + (n * G + g) * kBlockBytes;
-        const float d = scale_at(b);
-        const uint32_t qh = high_bits_at(b);
-        const uint8_t* qs = b + 6;
-        c10::BFloat16* o = wp + n * K + g * kBlock;
-        for (int j = 0; j < 16; ++j) {
-          const int lo = (qs[j] & 0x0F) | (((qh >> j) & 1u) << 4);
-          const int hi = (qs[j] >> 4) | (((qh >> (j + 16)) & 1u) << 4);
-          o[j] = c10::BFloat16(d * static_cast<float>(lo - 16));
-          o[j + 16] = c10::BFloat16(d * static_cast<float>(hi - 16));
+  auto run = [&](auto* wp) {
+    using T = std::remove_pointer_t<decltype(wp)>;
+    at::parallel_for(0, N, std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(K, 1)),
+                     [&](int64_t begin, int64_t end) {
+      for (int64_t n = begin; n < end; ++n) {
+        for (int64_t g = 0; g < G; ++g) {
+          const uint8_t* b = bp + (n * G + g) * kBlockBytes;
+          const float d = scale_at(b);
+          const uint32_t qh = high_bits_at(b);
+          const uint8_t* qs = b + 6;
+          T* o = wp + n * K + g * kBlock;
+          for (int j = 0; j < 16; ++j) {
+            const int lo = (qs[j] & 0x0F) | (((qh >> j) & 1u) << 4);
+            const int hi = (qs[j] >> 4) | (((qh >> (j + 16)) & 1u) << 4);
+            o[j] = static_cast<T>(d * static_cast<float>(lo - 16));
+            o[j + 16] = static_cast<T>(d * static_cast<float>(hi - 16));
+          }
         }
       }
-    }
-  });
+    });
+  };
+  if (as_float32)
+    run(w.data_ptr<float>());
+  else
+    run(w.data_ptr<c10::BFloat16>());
   return w;
 }
 

@@ -31,12 +31,14 @@ A new format is its module here (a registered subclass, imported by
 :mod:`~attnlab.quant.registry`) plus its kernel in :mod:`attnlab.native`.
 
 Both int kernels need bfloat16 activations, scales and zeros on the CPU (they accept fp32
-inputs, but their fast path is bf16's). They are made for a few rows (decoding): from
-``dense_from_tokens`` rows of input on (a prompt), the int layers instead dequantise their
-weight to bfloat16 for that one call and run the regular bf16 ``mm`` (int8: the codes
-converted, the per-row scale applied to the product's columns; int4: the packed codes
-unpacked, ``q * scale + (zero - 8 scale)`` per group); nothing is kept, so memory stays
-that of the codes. ``benchmarks/bench_int_prefill.py`` finds the crossover. Products of
+inputs, but their fast path is bf16's). They are made for a few rows (decoding): from a
+crossover number of rows of input on (a prompt), the int layers instead dequantise their
+weight for that one call and run one dense ``mm`` in the prompt arithmetic's dtype
+(:mod:`~attnlab.quant.arith`; int8: the codes converted, the per-row scale applied to the
+product's columns; int4: the packed codes unpacked, ``q * scale + (zero - 8 scale)`` per
+group); nothing is kept, so memory stays that of the codes. Each format's crossover is
+measured on the machine at first use and cached (:mod:`~attnlab.quant.crossover`);
+``benchmarks/bench_int_prefill.py`` shows the whole curve. Products of
 several linears of one input, stacked, are built by :func:`fuse_linears`
 (:mod:`~attnlab.quant.products`).
 

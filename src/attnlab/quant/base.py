@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from attnlab import native
+from attnlab.quant import crossover
 from attnlab.quant.arith import prompt_dtype
 from attnlab.quant.kinds import NativeProduct
 
@@ -120,11 +121,16 @@ class WeightFormat(nn.Module):
     gguf_instead: ClassVar[Mapping[str, str]] = MappingProxyType({})
     #: The format a weight gets when this one cannot hold its shape (:meth:`why_not`).
     fallback: ClassVar[str | None] = None
-    #: From this many rows of input on (a prompt), :meth:`forward` hands :meth:`product`
-    #: its rows in the prompt arithmetic's dtype (:func:`attnlab.quant.arith.prompt_dtype`:
-    #: float32 on a CPU without bf16 dot products) and the product runs dense in it;
-    #: fewer rows go in bfloat16 to the format's decode kernel.
-    dense_from_tokens: int = 16
+    #: From how many rows of input on (a prompt) :meth:`forward` hands :meth:`product` its
+    #: rows in the prompt arithmetic's dtype (:func:`attnlab.quant.arith.prompt_dtype`:
+    #: float32 on a CPU without bf16 dot products) and the product runs dense in it; fewer
+    #: rows go in bfloat16 to the format's decode kernel. None (the default): this
+    #: machine's crossover, measured at first use (:mod:`attnlab.quant.crossover`); an
+    #: int, set on a layer or a class, decides it.
+    dense_from_tokens: int | None = None
+    #: The crossover ``ATTNLAB_CROSSOVER=defaults`` uses (measured on an AMD EPYC with bf16
+    #: dot products, ``benchmarks/bench_int_prefill.py``).
+    default_dense_from: ClassVar[int] = 16
     #: Whether :meth:`rows` reads only the rows it is asked for (an embedding table held
     #: in this format then costs the codes' memory, not a float copy of the table).
     gathers_rows: ClassVar[bool] = False
@@ -248,10 +254,20 @@ class WeightFormat(nn.Module):
         the same kernel on the same tensors; None when it has no such call."""
         return None
 
+    def runs_dense(self, rows: int) -> bool:
+        """Whether a product of ``rows`` rows of input runs dense (:attr:`dense_from_tokens`);
+        fewer than :data:`~attnlab.quant.crossover.FIRST_PROBE_ROWS` never measure."""
+        n = self.dense_from_tokens
+        if n is None:
+            if rows < crossover.FIRST_PROBE_ROWS:
+                return False
+            n = crossover.dense_from(type(self), (self.out_features, self.in_features))
+        return rows >= n
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(..., K) -> (..., N), in ``x``'s dtype."""
         x2 = x.reshape(-1, self.in_features)  # (M, K)
-        dtype = prompt_dtype() if x2.shape[0] >= self.dense_from_tokens else torch.bfloat16
+        dtype = prompt_dtype() if self.runs_dense(x2.shape[0]) else torch.bfloat16
         y = self.product(x2.to(dtype)).to(x.dtype)  # (M, N)
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)

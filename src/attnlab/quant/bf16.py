@@ -28,6 +28,9 @@ class BF16Linear(WeightFormat):
     name = "bfloat16"
     cli_help = "the weight rounded"
     weight_bf16: torch.Tensor
+    # Its decode kernel and its dense product are one mm: only the prompt's dtype changes
+    # (:mod:`attnlab.quant.arith`), from 16 rows on; nothing to measure.
+    dense_from_tokens = 16
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()

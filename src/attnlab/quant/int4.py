@@ -93,9 +93,10 @@ class Int4Linear(WeightFormat):
     fallback = "int8"
     packed: torch.Tensor
     scales_and_zeros: torch.Tensor
-    #: From this many rows of input on, dequantise and use bf16 ``mm`` (the crossover in
-    #: ``benchmarks/bench_int_prefill.py``).
-    dense_from_tokens: int = 128
+    #: The crossover without measuring (``ATTNLAB_CROSSOVER=defaults``; the EPYC's, in
+    #: ``benchmarks/bench_int_prefill.py``); :mod:`attnlab.quant.crossover` measures this
+    #: machine's.
+    default_dense_from: ClassVar[int] = 128
 
     def __init__(
         self,
@@ -235,9 +236,9 @@ class Int4Linear(WeightFormat):
         return self._dequantized_t(torch.float32).t()
 
     def product(self, x2: torch.Tensor) -> torch.Tensor:
-        """(M, K) bfloat16 -> (M, N); from :attr:`dense_from_tokens` rows on, dense in
+        """(M, K) bfloat16 -> (M, N); from its crossover on (:meth:`runs_dense`), dense in
         ``x2``'s dtype."""
-        if x2.shape[0] >= self.dense_from_tokens:
+        if self.runs_dense(x2.shape[0]):
             return torch.mm(x2, self._dequantized_t(x2.dtype))
         return self.decode_kernel()(x2)
 

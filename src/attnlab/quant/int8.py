@@ -6,7 +6,7 @@ Shape legend: N output features, K input features, M rows of input (B*T).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -30,9 +30,10 @@ class Int8Linear(WeightFormat):
     cli_help = "one scale per row"
     qweight: torch.Tensor
     scales: torch.Tensor
-    #: From this many rows of input on, dequantise and use bf16 ``mm`` (the crossover in
-    #: ``benchmarks/bench_int_prefill.py``).
-    dense_from_tokens: int = 16
+    #: The crossover without measuring (``ATTNLAB_CROSSOVER=defaults``; the EPYC's, in
+    #: ``benchmarks/bench_int_prefill.py``); :mod:`attnlab.quant.crossover` measures this
+    #: machine's.
+    default_dense_from: ClassVar[int] = 16
 
     def __init__(
         self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None
@@ -79,7 +80,7 @@ class Int8Linear(WeightFormat):
         """(M, K) bfloat16 -> (M, N)."""
         # torch's int8 kernel (torch 2.13 CPU) needs K a multiple of 16: otherwise it returns
         # wrong numbers for one row (K=24) or crashes for several (K=24, 40); dense then
-        if x2.shape[0] >= self.dense_from_tokens or self.in_features % 16:
+        if self.runs_dense(x2.shape[0]) or self.in_features % 16:
             # Codes in [-127, 127] are exact in bf16; W = diag(scale) q, so scale the columns.
             return torch.mm(x2, self.qweight.to(x2.dtype).t()).mul_(self.scales)
         return torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)

@@ -154,7 +154,7 @@ def decode_product(linear: object) -> tuple[torch.dtype, Any] | None:
         ``(dtype, fn)``: ``fn`` takes (M, K) rows in ``dtype`` and returns (M, N) in the
         kernel's output dtype (bfloat16 for the bf16 / int layers, ``dtype`` for float),
         bias added (in float32). None for other modules. Valid for fewer rows than the
-        layer's ``dense_from_tokens``.
+        layer's crossover (:meth:`~attnlab.quant.WeightFormat.runs_dense`).
     """
     bias = getattr(linear, "bias", None)
     if isinstance(linear, WeightFormat):

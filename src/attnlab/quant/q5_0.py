@@ -73,9 +73,9 @@ class Q5Linear(WeightFormat):
     bfloat16 as the int kernels'. Where that build is unavailable, the codes run as a
     :class:`Q8Linear` (``q - 16`` as its 8-bit codes, the same scales), built on first use
     and kept beside the module, not in its state (a file's weight of rows that one cannot
-    hold, not a multiple of 8, is dequantised for each product). From
-    :attr:`dense_from_tokens` rows on (a prompt) the weight is dequantised to bfloat16 for
-    that call and run by the dense ``mm``.
+    hold, not a multiple of 8, is dequantised for each product). From its
+    crossover on (:meth:`~attnlab.quant.WeightFormat.runs_dense`; a prompt) the weight is
+    dequantised for that call and run by the dense ``mm``.
 
     Args:
         blocks: (N, K/32 * 22) uint8, K a multiple of 32.
@@ -87,8 +87,9 @@ class Q5Linear(WeightFormat):
     gguf_blocks: ClassVar[Mapping[str, GGUFBlock]] = MappingProxyType({"Q5_0": _BLOCK})
     fallback = "int8"
     blocks: torch.Tensor
-    #: From this many rows of input on, dequantise and use bf16 ``mm``.
-    dense_from_tokens: int = 128
+    #: The crossover without measuring (``ATTNLAB_CROSSOVER=defaults``);
+    #: :mod:`attnlab.quant.crossover` measures this machine's.
+    default_dense_from: ClassVar[int] = 128
 
     def __init__(self, blocks: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
@@ -197,20 +198,21 @@ class Q5Linear(WeightFormat):
 
     def product(self, x2: torch.Tensor) -> torch.Tensor:
         """(M, K) bfloat16 -> (M, N)."""
-        if x2.shape[0] >= self.dense_from_tokens:
+        if self.runs_dense(x2.shape[0]):
             # A prompt: every d * (q - 16) (exact in float32), rounded once to bfloat16
-            # for a bf16 product.
-            w = self._bf16_weight() if x2.dtype == torch.bfloat16 else self.weight
-            return torch.mm(x2, w.to(x2.dtype).t())
+            # for a bf16 product, exact for a float32 one.
+            return torch.mm(x2, self._dense_weight(x2.dtype).t())
         return self.decode_kernel()(x2)
 
-    def _bf16_weight(self) -> torch.Tensor:
-        """:attr:`weight` rounded to bfloat16 (N, K): unpacked by the native build where
-        there is one (in registers, where torch's shifts and masks write each step out)."""
+    def _dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """:attr:`weight` in ``dtype`` (N, K; bfloat16: rounded once): unpacked by the
+        native build where there is one (in registers, where torch's shifts and masks write
+        each step out: a fifth of a float32 prompt's time on Gemma 3 270M)."""
         ext = native_kernels()
-        if ext is not None:
-            return ext.q5_0_dequant(self.blocks)  # type: ignore[no-any-return]
-        return self.weight.to(torch.bfloat16)
+        if ext is not None and dtype in (torch.bfloat16, torch.float32):
+            w = ext.q5_0_dequant(self.blocks, dtype == torch.float32)
+            return w  # type: ignore[no-any-return]
+        return self.weight.to(dtype)
 
     def decode_kernel(self) -> Callable[[torch.Tensor], torch.Tensor]:
         ext = native_kernels()

@@ -52,8 +52,8 @@ class Q8Linear(WeightFormat):
     zero ``8 d``), the product the two halves summed; built from the codes on first use and
     kept beside the module, not in its state. That path reads 1.25 bytes a weight and its
     scales are bfloat16, so its products are within bfloat16's rounding of the native ones.
-    From :attr:`dense_from_tokens` rows on (a prompt) the weight is dequantised to bfloat16
-    for that call and run by the dense ``mm``.
+    From its crossover on (:meth:`~attnlab.quant.WeightFormat.runs_dense`; a prompt) the
+    weight is dequantised for that call and run by the dense ``mm``.
 
     The scales are float16, Q8_0's own type: a file's scales are held exactly, and
     :meth:`from_float`'s have three more significant bits than bfloat16's. A weight whose
@@ -74,10 +74,11 @@ class Q8Linear(WeightFormat):
     gathers_rows = True
     codes: torch.Tensor
     scales: torch.Tensor
-    #: From this many rows of input on, dequantise and use bf16 ``mm``: where the dense
-    #: product of the dequantised weight overtakes the native kernel,
-    #: ``benchmarks/bench_q8_0.py --rows``.
-    dense_from_tokens: int = 20
+    #: The crossover without measuring (``ATTNLAB_CROSSOVER=defaults``; the EPYC's, where
+    #: the dense product of the dequantised weight overtakes the native kernel,
+    #: ``benchmarks/bench_q8_0.py --rows``); :mod:`attnlab.quant.crossover` measures this
+    #: machine's.
+    default_dense_from: ClassVar[int] = 20
     #: Weights dequantised at a time by the dense product (rows of that many values).
     _dense_chunk: ClassVar[int] = 1 << 22
 
@@ -180,7 +181,7 @@ class Q8Linear(WeightFormat):
 
     def product(self, x2: torch.Tensor) -> torch.Tensor:
         """(M, K) bfloat16 -> (M, N)."""
-        if x2.shape[0] < self.dense_from_tokens:
+        if not self.runs_dense(x2.shape[0]):
             return self.decode_kernel()(x2)
         # A prompt: every d * q (exact in float32) rounded once to bfloat16, a few million
         # weights at a time: the whole of a 262144 x 640 head in float32 is 670 MB, and

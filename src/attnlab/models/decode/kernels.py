@@ -25,8 +25,9 @@ from attnlab.quant import decode_product, fuse_linears
 
 __all__ = ["SHORT_LOOP_MAX_BATCH", "KernelLayer", "LayerProducts", "kernel_layers"]
 
-# The bare kernels are the int layers' few-row ones (Int4Linear.dense_from_tokens and
-# Int8Linear's are larger); a batch of this many rows or more takes the modules' products.
+# The bare kernels are the int layers' few-row ones (their crossovers to dense products
+# are never below attnlab.quant.crossover.FIRST_PROBE_ROWS, this many); a batch of this
+# many rows or more takes the modules' products.
 SHORT_LOOP_MAX_BATCH = 16
 
 RmsSpec = tuple[torch.Tensor, float]  # an RMSNorm's weight and eps
