@@ -162,13 +162,13 @@ def test_a_layer_runs_dense_from_the_crossover_and_decoding_never_measures(fresh
     memo = ("int4", (64, 64), torch.get_num_threads(), *settings)
     crossover._found[memo] = crossover.Crossover(48, "set by the test")
     calls = {"mm": 0}
-    real_mm = torch.mm
+    real_mm = crossover.dense_mm
 
     def counting_mm(*args, **kwargs):
         calls["mm"] += 1
         return real_mm(*args, **kwargs)
 
-    monkeypatch.setattr(torch, "mm", counting_mm)
+    monkeypatch.setattr(crossover, "dense_mm", counting_mm)
     layer(torch.randn(47, 64))
     assert calls["mm"] == 0  # the kernel
     layer(torch.randn(48, 64))
@@ -191,3 +191,61 @@ def test_info_shows_the_crossovers_measured_here_and_where_they_are_kept(
     assert "measured on this machine" in line
     monkeypatch.setenv(CROSSOVER_ENV, "defaults")
     assert "int4 128" in _info_crossovers() and "q8_0 20" in _info_crossovers()
+
+
+def test_the_float32_gemm_is_measured_once_and_cached(fresh, monkeypatch):
+    assert crossover.float32_gemm(measure_now=False) is None
+    found = crossover.float32_gemm()
+    assert found is not None
+    name, why = found
+    assert name in crossover.GEMMS and "measured on this machine" in why
+    path = crossover._cache_file(crossover.machine_key())
+    stored = json.loads(path.read_text())["formats"][crossover.GEMM_ENTRY]
+    assert stored["chosen"] == name and set(stored["ms"]) <= set(crossover.GEMMS)
+    assert crossover.GEMM_ENTRY not in crossover.measured_here()[1]  # not a crossover
+    monkeypatch.setattr(crossover, "_gemm", {})
+    monkeypatch.setattr(crossover, "measure_gemm", lambda: pytest.fail("measured again"))
+    assert crossover.float32_gemm() == (name, why)
+    from attnlab.cli.info import _info_crossovers
+
+    assert f"float32 dense products: {name}" in _info_crossovers()
+    monkeypatch.setenv(CROSSOVER_ENV, "defaults")
+    assert crossover.float32_gemm() == ("mkl", f"{CROSSOVER_ENV}=defaults")
+
+
+def test_onednn_wins_only_by_the_margin(monkeypatch):
+    clock = iter(range(10**6))
+
+    def fake_counter():
+        return next(clock) * 1e-3  # every call takes 1 ms...
+
+    calls = crossover._gemm_calls()
+    if "onednn" not in calls:
+        pytest.skip("this PyTorch has no oneDNN linear")
+    monkeypatch.setattr(crossover.time, "perf_counter", fake_counter)
+    chosen, ms = crossover.measure_gemm()
+    assert ms == {"mkl": 1.0, "onednn": 1.0} and chosen == "mkl"  # a tie keeps PyTorch's mm
+
+
+@pytest.mark.parametrize("gemm", ["mkl", "onednn"])
+def test_dense_products_on_either_gemm_are_the_float32_product(gemm, monkeypatch):
+    if gemm not in crossover._gemm_calls():
+        pytest.skip("this PyTorch has no oneDNN linear")
+    monkeypatch.setattr(crossover, "_chosen_gemm", lambda: gemm)
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(40, 96, generator=g), torch.randn(72, 96, generator=g)
+    exact = x.double() @ w.double().T
+    bound = 96 * torch.finfo(torch.float32).eps * (x.abs().double() @ w.abs().double().T)
+    for weight in (w, w.t().contiguous().t()):  # contiguous, and int4's transposed view
+        got = crossover.dense_mm(x, weight)
+        assert got.dtype == torch.float32 and got.shape == (40, 72)
+        assert ((got.double() - exact).abs() <= bound).all()
+    # every float32 format's dense path goes through it
+    layer = Int4Linear.from_float(w[:64])
+    layer.dense_from_tokens = 16
+    torch.testing.assert_close(
+        layer.product(x), torch.mm(x, layer.weight.t()), rtol=1e-5, atol=1e-5
+    )
+    # bfloat16 stays with PyTorch's mm
+    xb, wb = x.bfloat16(), w.bfloat16()
+    assert torch.equal(crossover.dense_mm(xb, wb), torch.mm(xb, wb.t()))

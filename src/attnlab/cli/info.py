@@ -261,16 +261,23 @@ def _info_crossovers() -> str:
             f"prompt crossovers: the defaults, dense from {defaults} rows "
             f"({crossover.CROSSOVER_ENV}=defaults)"
         )
+    gemm = crossover.float32_gemm(measure_now=False)
+    gemm_line = (
+        f"float32 dense products: {gemm[0]} ({gemm[1]})"
+        if gemm is not None
+        else "float32 dense products: PyTorch's mm or oneDNN's, the faster, measured at the "
+        "first float32 prompt"
+    )
     path, found = crossover.measured_here()
     if not found:
         return (
             "prompt crossovers: none measured on this machine yet; each format and weight "
             f"shape is measured at its first product of {crossover.FIRST_PROBE_ROWS} rows or "
-            f"more (defaults: {defaults}), and kept in {path}"
+            f"more (defaults: {defaults}), and kept in {path}\n{gemm_line}"
         )
     lines = [f"prompt crossovers (a format's kernel below, one dense mm from), kept in {path}:"]
     lines += [f"  {entry}: {c.describe()}" for entry, c in found.items()]
-    return "\n".join(lines)
+    return "\n".join([*lines, gemm_line])
 
 
 def _info_dispatch_table(full: bool) -> RenderableType:

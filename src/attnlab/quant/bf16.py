@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from attnlab.quant import crossover
 from attnlab.quant.base import WeightFormat, fuse_buffers, register_format
 from attnlab.quant.kinds import NATIVE_LINEAR, NativeProduct
 
@@ -66,7 +67,7 @@ class BF16Linear(WeightFormat):
     def product(self, x2: torch.Tensor) -> torch.Tensor:
         """(M, K) bfloat16 -> (M, N); float32 rows (a prompt where bf16 products are slow,
         :mod:`attnlab.quant.arith`) against the weight's exact float32 values."""
-        return torch.mm(x2, self.weight_bf16.t().to(x2.dtype))
+        return crossover.dense_mm(x2, self.weight_bf16.to(x2.dtype))
 
     def decode_kernel(self) -> Callable[[torch.Tensor], torch.Tensor]:
         wt = self.weight_bf16.t()

@@ -24,9 +24,15 @@ thread count and the settings that choose kernels), so later processes read it b
 - dense from the smallest row count from which dense wins at every larger count measured;
   the kernel at every row count when it wins at the largest.
 
+The dense product itself, in float32 (a CPU without bf16 dot products), is
+:func:`dense_mm`: PyTorch's ``mm`` calls MKL's sgemm, which on AMD CPUs runs its AVX2 code
+whatever the CPU has (110 GFLOP/s on 2 cores of an EPYC with AVX-512), where oneDNN's
+float32 matmul reaches 400. Which of the two is faster is measured once per machine
+beside the crossovers (:func:`float32_gemm`).
+
 ``ATTNLAB_CROSSOVER=defaults`` uses each format's ``default_dense_from`` (measured on the
-EPYC) instead, and ``attnlab info`` shows the crossovers measured here. A layer's own
-``dense_from_tokens``, when set, overrides both.
+EPYC) and PyTorch's ``mm`` instead, and ``attnlab info`` shows what was measured here. A
+layer's own ``dense_from_tokens``, when set, overrides both.
 """
 
 from __future__ import annotations
@@ -55,6 +61,8 @@ __all__ = [
     "choose",
     "crossover",
     "dense_from",
+    "dense_mm",
+    "float32_gemm",
     "machine_key",
     "measured_here",
 ]
@@ -70,6 +78,9 @@ PROBE_REPEATS = 5
 MARGIN = 0.1
 #: Fewer rows than this never measure anything: decoding runs the kernel.
 FIRST_PROBE_ROWS = PROBE_ROWS[0]
+#: The version of what is measured: a change to the products or to how they are timed
+#: makes every machine measure again.
+MEASURED_BY = "attnlab crossover 1: dense products by float32_gemm"
 #: The ``dense_from`` of a format whose kernel won at every row count measured.
 KERNEL_ALWAYS = 1 << 30
 
@@ -140,6 +151,7 @@ def choose(
 def machine_key() -> dict[str, str]:
     """What a measurement holds for: the CPU, PyTorch, threads and the kernel settings."""
     key = {
+        "measured_by": MEASURED_BY,
         "cpu": native.cpu_model() or sys.platform,
         "cpu_flags": native.cpu_flags(),
         "torch": torch.__version__,
@@ -165,10 +177,15 @@ def _read(path: Path) -> dict[str, Any]:
 
 
 def _write(path: Path, key: dict[str, str], name: str, found: Crossover) -> None:
-    """Add one format's measurement to the machine's file (written whole, then renamed:
-    a reader never sees half a file; two processes measuring at once keep one's)."""
+    """Add one format's measurement to the machine's file."""
+    _write_entry(path, key, name, asdict(found))
+
+
+def _write_entry(path: Path, key: dict[str, str], name: str, entry: dict[str, Any]) -> None:
+    """Add one entry to the machine's file (written whole, then renamed: a reader never
+    sees half a file; two processes measuring at once keep one's)."""
     data = _read(path) or {"machine": key, "formats": {}}
-    data["formats"][name] = asdict(found)
+    data["formats"][name] = entry
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -215,7 +232,7 @@ def measure(cls: _Format, shape: tuple[int, int]) -> Crossover:
     )
 
 
-_lock = threading.Lock()
+_lock = threading.RLock()  # measuring a crossover asks for the GEMM choice
 # This process's crossovers by format, weight shape, threads and kernel settings.
 _found: dict[tuple[Any, ...], Crossover] = {}
 
@@ -276,7 +293,9 @@ def measured_here() -> tuple[Path, dict[str, Crossover]]:
     settings), and those measured so far by ``"<format> <N>x<K>"``; measures nothing."""
     path = _cache_file(machine_key())
     entries = _read(path).get("formats", {})
-    found = {name: _stored(entry, None) for name, entry in sorted(entries.items())}
+    found = {
+        name: _stored(entry, None) for name, entry in sorted(entries.items()) if name != GEMM_ENTRY
+    }
     return path, {name: c for name, c in found.items() if c is not None}
 
 
@@ -286,3 +305,105 @@ def dense_from(cls: _Format, shape: tuple[int, int]) -> int:
     found = crossover(cls, shape)
     assert found is not None
     return found.dense_from
+
+
+# --------------------------------------------------------------------------- float32 GEMM
+#: The cache entry of the float32 GEMM choice, and the product it is measured on (M, K, N).
+GEMM_ENTRY = "float32 gemm"
+GEMM_PROBE = (128, 1024, 2048)
+#: The GEMMs a float32 dense product can run on.
+GEMMS = ("mkl", "onednn")
+
+
+def _onednn_mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` by oneDNN's float32 matmul (the op PyTorch's compiler calls for a
+    linear layer on the CPU); ``weight`` (N, K)."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")  # type: ignore[no-any-return]
+
+
+def _gemm_calls() -> dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
+    calls: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+        "mkl": lambda x, w: torch.mm(x, w.t())
+    }
+    if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        calls["onednn"] = _onednn_mm
+    return calls
+
+
+def measure_gemm() -> tuple[str, dict[str, float]]:
+    """Time each available float32 GEMM on :data:`GEMM_PROBE` (interleaved, best of
+    :data:`PROBE_REPEATS`): the faster by more than :data:`MARGIN` (else PyTorch's ``mm``),
+    and each one's ms. A GEMM that fails or gives another product is left out."""
+    g = torch.Generator().manual_seed(0)
+    m, k, n = GEMM_PROBE
+    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
+    expected = torch.mm(x, w.t())
+    calls = {}
+    for name, call in _gemm_calls().items():
+        try:
+            got = call(x, w)
+        except RuntimeError:
+            continue
+        if got.shape == expected.shape and torch.allclose(got, expected, rtol=1e-4, atol=1e-3):
+            calls[name] = call
+    best = dict.fromkeys(calls, float("inf"))
+    with torch.inference_mode():
+        for i in range(PROBE_REPEATS):
+            for name in list(calls)[:: 1 if i % 2 else -1]:
+                t0 = time.perf_counter()
+                calls[name](x, w)
+                best[name] = min(best[name], (time.perf_counter() - t0) * 1e3)
+    ms = {name: round(t, 4) for name, t in best.items()}
+    chosen = "mkl"
+    if "onednn" in ms and ms["onednn"] < (1 - MARGIN) * ms["mkl"]:
+        chosen = "onednn"
+    return chosen, ms
+
+
+def float32_gemm(*, measure_now: bool = True) -> tuple[str, str] | None:
+    """``(name, why)``: the GEMM of this machine's float32 dense products, ``"mkl"``
+    (PyTorch's ``mm``) or ``"onednn"``; measured at first use and cached beside the
+    crossovers (``ATTNLAB_CROSSOVER=defaults``: ``"mkl"``, nothing measured). None when
+    it is not measured yet and ``measure_now`` is false."""
+    mode = os.environ.get(CROSSOVER_ENV, "").strip() or "measure"
+    if mode == "defaults":
+        return "mkl", f"{CROSSOVER_ENV}=defaults"
+    memo = (GEMM_ENTRY, torch.get_num_threads(), *map(os.environ.get, _KERNEL_SETTINGS))
+    known = _gemm.get(memo)
+    if known is not None:
+        return known
+    key = machine_key()
+    path = _cache_file(key)
+    with _lock:
+        entry = _read(path).get("formats", {}).get(GEMM_ENTRY)
+        try:
+            chosen, ms = str(entry["chosen"]), {str(a): float(b) for a, b in entry["ms"].items()}
+            if chosen not in GEMMS:
+                raise ValueError(chosen)
+        except (KeyError, TypeError, ValueError, AttributeError):
+            if not measure_now:
+                return None
+            chosen, ms = measure_gemm()
+            _write_entry(path, key, GEMM_ENTRY, {"chosen": chosen, "ms": ms})
+        times = ", ".join(f"{name} {t:.2f} ms" for name, t in ms.items())
+        found = (chosen, f"measured on this machine: {times} for a {GEMM_PROBE} product")
+        _gemm[memo] = found
+        return found
+
+
+_gemm: dict[tuple[Any, ...], tuple[str, str]] = {}
+
+
+def _chosen_gemm() -> str:
+    found = float32_gemm()
+    assert found is not None
+    return found[0]
+
+
+def dense_mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` (x (M, K), weight (N, K), any strides) in ``x``'s dtype: a prompt's
+    dense product. float32 goes to this machine's faster GEMM (:func:`float32_gemm`);
+    bfloat16 to PyTorch's ``mm`` (oneDNN's bf16 kernels)."""
+    if x.dtype == torch.float32 and weight.dtype == torch.float32 and _chosen_gemm() == "onednn":
+        return _onednn_mm(x, weight)
+    return torch.mm(x, weight.t())

@@ -36,6 +36,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from attnlab.quant import crossover
 from attnlab.quant.base import (
     GGUFBlock,
     WeightFormat,
@@ -239,7 +240,7 @@ class Int4Linear(WeightFormat):
         """(M, K) bfloat16 -> (M, N); from its crossover on (:meth:`runs_dense`), dense in
         ``x2``'s dtype."""
         if self.runs_dense(x2.shape[0]):
-            return torch.mm(x2, self._dequantized_t(x2.dtype))
+            return crossover.dense_mm(x2, self._dequantized_t(x2.dtype).t())
         return self.decode_kernel()(x2)
 
     def _native_kernel(self) -> Any:

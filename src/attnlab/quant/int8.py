@@ -10,6 +10,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from attnlab.quant import crossover
 from attnlab.quant.base import WeightFormat, fuse_buffers, register_format
 from attnlab.quant.kinds import NATIVE_INT8, NativeProduct
 
@@ -82,7 +83,7 @@ class Int8Linear(WeightFormat):
         # wrong numbers for one row (K=24) or crashes for several (K=24, 40); dense then
         if self.runs_dense(x2.shape[0]) or self.in_features % 16:
             # Codes in [-127, 127] are exact in bf16; W = diag(scale) q, so scale the columns.
-            return torch.mm(x2, self.qweight.to(x2.dtype).t()).mul_(self.scales)
+            return crossover.dense_mm(x2, self.qweight.to(x2.dtype)).mul_(self.scales)
         return torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)
 
     def decode_kernel(self) -> Callable[[torch.Tensor], torch.Tensor]:

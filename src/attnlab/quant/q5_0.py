@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from attnlab.quant import crossover
 from attnlab.quant.base import (
     GGUFBlock,
     WeightFormat,
@@ -201,7 +202,7 @@ class Q5Linear(WeightFormat):
         if self.runs_dense(x2.shape[0]):
             # A prompt: every d * (q - 16) (exact in float32), rounded once to bfloat16
             # for a bf16 product, exact for a float32 one.
-            return torch.mm(x2, self._dense_weight(x2.dtype).t())
+            return crossover.dense_mm(x2, self._dense_weight(x2.dtype))
         return self.decode_kernel()(x2)
 
     def _dense_weight(self, dtype: torch.dtype) -> torch.Tensor:

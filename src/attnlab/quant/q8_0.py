@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from attnlab.quant import crossover
 from attnlab.quant.base import (
     GGUFBlock,
     WeightFormat,
@@ -189,12 +190,12 @@ class Q8Linear(WeightFormat):
         N, K = self.codes.shape
         step = max(8, self._dense_chunk // K)
         if step >= N:
-            return torch.mm(x2, q8_0_dense(self.codes, self.scales, x2.dtype).t())
+            return crossover.dense_mm(x2, q8_0_dense(self.codes, self.scales, x2.dtype))
         y = torch.empty(x2.shape[0], N, dtype=x2.dtype, device=x2.device)  # (M, N)
         for start in range(0, N, step):
             codes, scales = self.codes[start : start + step], self.scales[start : start + step]
             w = q8_0_dense(codes, scales, x2.dtype)
-            y[:, start : start + codes.shape[0]] = torch.mm(x2, w.t())
+            y[:, start : start + codes.shape[0]] = crossover.dense_mm(x2, w)
         return y
 
     def decode_kernel(self) -> Callable[[torch.Tensor], torch.Tensor]:
