@@ -249,3 +249,26 @@ def test_dense_products_on_either_gemm_are_the_float32_product(gemm, monkeypatch
     # bfloat16 stays with PyTorch's mm
     xb, wb = x.bfloat16(), w.bfloat16()
     assert torch.equal(crossover.dense_mm(xb, wb), torch.mm(xb, wb.t()))
+
+
+def test_the_key_counts_the_native_build_a_model_load_would_use(tmp_path, monkeypatch):
+    """`attnlab info` (which never builds or loads it) finds the file a model's process
+    wrote: the key says whether the compiled module would load, not whether it is loaded."""
+    from attnlab import native
+
+    monkeypatch.setattr(native, "_loaded", None)
+    monkeypatch.setattr(native, "_tried", False)
+    monkeypatch.setattr(native, "build_dir", lambda: tmp_path)
+    monkeypatch.delenv(native.NATIVE_ENV, raising=False)
+    assert not native.would_load()  # not built
+    (tmp_path / "attnlab_native_0123.so").write_bytes(b"")
+    assert native.would_load() and crossover.machine_key()["native"] == "loaded"
+    monkeypatch.setenv(native.NATIVE_ENV, "0")
+    assert not native.would_load()
+    monkeypatch.delenv(native.NATIVE_ENV)
+    (tmp_path / "failed.log").write_text("a failed build")
+    assert not native.would_load()
+    (tmp_path / "failed.log").unlink()
+    monkeypatch.setattr(native, "_tried", True)  # tried in this process, and not loaded
+    assert not native.would_load()
+    assert crossover.machine_key()["native"] == "not loaded"

@@ -374,6 +374,18 @@ def status() -> str:
     )
 
 
+def would_load() -> bool:
+    """Whether a model loaded in this process runs the compiled module: it is loaded, or
+    not tried yet and built for this machine (never builds). What keys the measurements
+    made with it (:mod:`attnlab.quant.crossover`), so that ``attnlab info`` finds them."""
+    if loaded() is not None:
+        return True
+    if os.environ.get(NATIVE_ENV, "") == "0" or _tried:
+        return False
+    folder = build_dir()
+    return not (folder / "failed.log").is_file() and any(folder.glob("attnlab_native_*.so"))
+
+
 def _has_ninja_module() -> bool:
     try:
         import ninja  # type: ignore[import-not-found]  # noqa: F401

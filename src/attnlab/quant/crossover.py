@@ -157,7 +157,7 @@ def machine_key() -> dict[str, str]:
         "torch": torch.__version__,
         "threads": str(torch.get_num_threads()),
         "prompt_dtype": str(prompt_dtype()).removeprefix("torch."),
-        "native": "loaded" if native.loaded() is not None else "not loaded",
+        "native": "loaded" if native.would_load() else "not loaded",
     }
     key.update({name: os.environ.get(name, "") for name in _KERNEL_SETTINGS})
     return key
