@@ -272,3 +272,14 @@ def test_the_key_counts_the_native_build_a_model_load_would_use(tmp_path, monkey
     monkeypatch.setattr(native, "_tried", True)  # tried in this process, and not loaded
     assert not native.would_load()
     assert crossover.machine_key()["native"] == "not loaded"
+
+
+def test_a_failed_measurement_keeps_the_default_for_this_process(fresh, monkeypatch):
+    def failing(cls, shape):
+        raise RuntimeError("no memory for the probe")
+
+    monkeypatch.setattr(crossover, "measure", failing)
+    found = crossover.crossover(Q8Linear, SHAPE)
+    assert found is not None and found.dense_from == Q8Linear.default_dense_from
+    assert "measuring failed (no memory for the probe)" in found.source
+    assert crossover.measured_here()[1] == {}  # nothing cached: measured again next time

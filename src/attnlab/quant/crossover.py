@@ -282,8 +282,12 @@ def crossover(
         if found is None:
             if not measure_now:
                 return None
-            found = measure(cls, shape)
-            _write(path, key, entry, found)
+            try:
+                found = measure(cls, shape)
+            except (ValueError, RuntimeError) as e:  # kept for this process, not cached
+                found = Crossover(cls.default_dense_from, f"the default: measuring failed ({e})")
+            else:
+                _write(path, key, entry, found)
         _found[memo] = found
         return found
 
