@@ -231,7 +231,7 @@ def test_onednn_wins_only_by_the_margin(monkeypatch):
 def test_dense_products_on_either_gemm_are_the_float32_product(gemm, monkeypatch):
     if gemm not in crossover._gemm_calls():
         pytest.skip("this PyTorch has no oneDNN linear")
-    monkeypatch.setattr(crossover, "_chosen_gemm", lambda: gemm)
+    monkeypatch.setattr(crossover, "chosen_gemm", lambda: gemm)
     g = torch.Generator().manual_seed(3)
     x, w = torch.randn(40, 96, generator=g), torch.randn(72, 96, generator=g)
     exact = x.double() @ w.double().T
@@ -283,3 +283,48 @@ def test_a_failed_measurement_keeps_the_default_for_this_process(fresh, monkeypa
     assert found is not None and found.dense_from == Q8Linear.default_dense_from
     assert "measuring failed (no memory for the probe)" in found.source
     assert crossover.measured_here()[1] == {}  # nothing cached: measured again next time
+
+
+def test_float32_linears_run_prompts_on_the_chosen_gemm_and_nothing_else(monkeypatch):
+    from torch import nn
+
+    from attnlab.quant import Float32Linear, use_float32_gemm
+
+    g = torch.Generator().manual_seed(7)
+    model = nn.Sequential(nn.Linear(96, 80), nn.ReLU(), nn.Linear(80, 64, bias=False))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(3, 20, 96, generator=g)  # 60 rows: a prompt
+    with torch.no_grad():
+        reference = model(x)
+    assert use_float32_gemm(model) is model
+    assert all(type(m) is Float32Linear for m in (model[0], model[2]))
+    assert model.state_dict().keys() == before.keys()
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+
+    used = []
+    real = crossover.dense_mm
+    monkeypatch.setattr(crossover, "dense_mm", lambda a, w: used.append(a.shape) or real(a, w))
+    seen = []
+    model[0].register_forward_hook(lambda mod, inp, out: seen.append(out.shape))
+    for gemm in ("mkl", "onednn"):
+        if gemm not in crossover._gemm_calls():
+            continue
+        monkeypatch.setattr(crossover, "chosen_gemm", lambda gemm=gemm: gemm)
+        used.clear()
+        with torch.inference_mode():
+            got = model(x)
+        torch.testing.assert_close(got, reference, rtol=1e-5, atol=1e-6)
+        # oneDNN's GEMM only where it was chosen; PyTorch's own linear otherwise
+        assert used == ([(60, 96), (60, 80)] if gemm == "onednn" else [])
+    assert seen and seen[-1] == (3, 20, 80)  # hooks fire as on nn.Linear
+    # with autograd, or a few rows: nn.Linear's own (gradients flow)
+    used.clear()
+    y = model(x)
+    y.sum().backward()
+    assert model[0].weight.grad is not None and used == []
+    with torch.no_grad():
+        model(x[:, :2])  # 6 rows: decoding
+    assert used == []

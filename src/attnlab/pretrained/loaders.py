@@ -56,6 +56,7 @@ from attnlab.quant import (
     Q8Linear,
     gguf_holding,
     quantize_model,
+    use_float32_gemm,
     weight_format,
 )
 
@@ -548,6 +549,9 @@ def set_weight_dtype(model: Any, weight: str | None) -> Any:
     """
     if weight is not None:
         quantize_model(model, weight)
+    # The float32 linears left (all of a float32 model's) run prompts on this machine's
+    # faster float32 GEMM (attnlab.quant.float32).
+    use_float32_gemm(model)
     # The fused one-token step with shared float weights, built at the first step (any
     # float dtype): pieces stored side by side in the file (a gate and an up projection,
     # a fused qkv) fuse back without a copy, the others are copied once then.

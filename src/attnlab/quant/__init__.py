@@ -67,6 +67,7 @@ from attnlab.quant.registry import (
 from attnlab.quant.base import WEIGHT_FORMATS, GGUFBlock, WeightFormat, register_format
 from attnlab.quant.bf16 import BF16Linear
 from attnlab.quant.embedding import HeldEmbedding
+from attnlab.quant.float32 import Float32Linear, use_float32_gemm
 from attnlab.quant.int4 import Int4Linear, unpack_int4_t
 from attnlab.quant.int8 import Int8Linear
 from attnlab.quant.kinds import (
@@ -100,6 +101,7 @@ __all__ = [
     "WEIGHT_FORMATS",
     "BF16Linear",
     "BuildsFromLinears",
+    "Float32Linear",
     "GGUFBlock",
     "GGUFHolding",
     "HeldEmbedding",
@@ -124,5 +126,6 @@ __all__ = [
     "register_format",
     "row_product",
     "unpack_int4_t",
+    "use_float32_gemm",
     "weight_format",
 ]

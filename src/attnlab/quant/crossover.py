@@ -59,6 +59,7 @@ __all__ = [
     "KERNEL_ALWAYS",
     "Crossover",
     "choose",
+    "chosen_gemm",
     "crossover",
     "dense_from",
     "dense_mm",
@@ -398,7 +399,8 @@ def float32_gemm(*, measure_now: bool = True) -> tuple[str, str] | None:
 _gemm: dict[tuple[Any, ...], tuple[str, str]] = {}
 
 
-def _chosen_gemm() -> str:
+def chosen_gemm() -> str:
+    """The name of :func:`float32_gemm`'s choice (measured now if it is not yet)."""
     found = float32_gemm()
     assert found is not None
     return found[0]
@@ -408,6 +410,6 @@ def dense_mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x @ weight.T`` (x (M, K), weight (N, K), any strides) in ``x``'s dtype: a prompt's
     dense product. float32 goes to this machine's faster GEMM (:func:`float32_gemm`);
     bfloat16 to PyTorch's ``mm`` (oneDNN's bf16 kernels)."""
-    if x.dtype == torch.float32 and weight.dtype == torch.float32 and _chosen_gemm() == "onednn":
+    if x.dtype == torch.float32 and weight.dtype == torch.float32 and chosen_gemm() == "onednn":
         return _onednn_mm(x, weight)
     return torch.mm(x, weight.t())
