@@ -27,6 +27,10 @@ entry in the CLI's ``--dtype`` help (:func:`dtype_help`).
   float16 scale per 32 weights (llama.cpp's Q5_0 blocks), run by attnlab's own kernel or,
   without it, as a :class:`Q8Linear`.
 
+Beside them, :class:`Float32Linear` (:mod:`~attnlab.quant.float32`) is ``nn.Linear`` whose
+float32 prompts run on the machine's faster float32 GEMM; loaded models' plain linears
+become it.
+
 A new format is its module here (a registered subclass, imported by
 :mod:`~attnlab.quant.registry`) plus its kernel in :mod:`attnlab.native`.
 
