@@ -91,7 +91,7 @@ def test_generate_from_a_gguf_file_matches_the_library(files, capsys):
         ("dir", "int4", {"Int4Linear", "Int8Linear"}),  # the output head in int8
         ("dir", "int8", {"Int8Linear"}),
         ("gguf", "bfloat16", {"BF16Linear"}),
-        ("dir", "float32", {"Linear"}),
+        ("dir", "float32", {"Float32Linear"}),  # nn.Linear, its prompts on the chosen GEMM
     ],
 )
 def test_generate_from_a_path_runs_in_the_dtype_asked_for(
