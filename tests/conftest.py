@@ -60,16 +60,9 @@ _session_start: list[float] = []
 
 
 def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
+    from attnlab.native import cpu_model
 
-    return platform.processor() or "an unknown CPU"
+    return cpu_model() or "an unknown CPU"
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
@@ -158,8 +157,7 @@ def test_a_layer_runs_dense_from_the_crossover_and_decoding_never_measures(fresh
     layer(x)  # decoding and short prompts: the kernel, nothing measured
     assert not layer.runs_dense(x.shape[0])
 
-    settings = map(os.environ.get, crossover._KERNEL_SETTINGS)
-    memo = ("int4", (64, 64), torch.get_num_threads(), *settings)
+    memo = ("int4", (64, 64), *crossover._process_settings())
     crossover._found[memo] = crossover.Crossover(48, "set by the test")
     calls = {"mm": 0}
     real_mm = crossover.dense_mm

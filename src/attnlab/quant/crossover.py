@@ -164,6 +164,12 @@ def machine_key() -> dict[str, str]:
     return key
 
 
+def _process_settings() -> tuple[int | str | None, ...]:
+    """What can change within a process and keys its measurements: threads and the
+    kernel settings (a cheap lookup, asked on every prompt product)."""
+    return (torch.get_num_threads(), *map(os.environ.get, _KERNEL_SETTINGS))
+
+
 def _cache_file(key: dict[str, str]) -> Path:
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return cache_dir() / "crossover" / f"{digest}.json"
@@ -175,11 +181,6 @@ def _read(path: Path) -> dict[str, Any]:
         return data if isinstance(data, dict) and isinstance(data.get("formats"), dict) else {}
     except (OSError, ValueError):
         return {}
-
-
-def _write(path: Path, key: dict[str, str], name: str, found: Crossover) -> None:
-    """Add one format's measurement to the machine's file."""
-    _write_entry(path, key, name, asdict(found))
 
 
 def _write_entry(path: Path, key: dict[str, str], name: str, entry: dict[str, Any]) -> None:
@@ -269,7 +270,7 @@ def crossover(
     if mode == "defaults":
         return Crossover(cls.default_dense_from, f"{CROSSOVER_ENV}=defaults")
     # Asked on every prompt product: what can change within a process, looked up first.
-    memo = (cls.name, shape, torch.get_num_threads(), *map(os.environ.get, _KERNEL_SETTINGS))
+    memo = (cls.name, shape, *_process_settings())
     found = _found.get(memo)
     if found is not None:
         return found
@@ -288,7 +289,7 @@ def crossover(
             except (ValueError, RuntimeError) as e:  # kept for this process, not cached
                 found = Crossover(cls.default_dense_from, f"the default: measuring failed ({e})")
             else:
-                _write(path, key, entry, found)
+                _write_entry(path, key, entry, asdict(found))
         _found[memo] = found
         return found
 
@@ -373,7 +374,7 @@ def float32_gemm(*, measure_now: bool = True) -> tuple[str, str] | None:
     mode = os.environ.get(CROSSOVER_ENV, "").strip() or "measure"
     if mode == "defaults":
         return "mkl", f"{CROSSOVER_ENV}=defaults"
-    memo = (GEMM_ENTRY, torch.get_num_threads(), *map(os.environ.get, _KERNEL_SETTINGS))
+    memo = (GEMM_ENTRY, *_process_settings())
     known = _gemm.get(memo)
     if known is not None:
         return known
