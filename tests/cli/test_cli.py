@@ -121,6 +121,30 @@ def test_version_and_help(capsys):
     assert code == 0 and "walkthrough" in out
 
 
+def test_the_program_spares_its_exit_the_collector_a_caller_keeps_it(capsys, monkeypatch):
+    """As the program (``argv`` None: ``sys.argv``), :func:`main` freezes the collector's
+    objects once the command has ended and its output is flushed, so that Python's exit
+    does not walk them; called with arguments (in a test, in a notebook) it leaves the
+    caller's collector alone. The program still exits with the command's status."""
+    import gc
+    import sys
+
+    from attnlab.cli import main
+
+    frozen: list[str] = []
+    monkeypatch.setattr(gc, "freeze", lambda: frozen.append(capsys.readouterr().out))
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0 and frozen == []
+    capsys.readouterr()
+    for args, status in ((["--version"], 0), (["generate", "Hi"], 2)):
+        monkeypatch.setattr(sys, "argv", ["attnlab", *args])
+        with pytest.raises(SystemExit) as exc:
+            main()
+        assert exc.value.code == status
+    assert len(frozen) == 2 and frozen[0].startswith("attnlab ")  # after the output
+
+
 def test_generate_help_lists_every_weight_precision(capsys):
     """``--dtype``'s help is built from the registered weight formats."""
     from attnlab.quant import WEIGHT_DTYPES

@@ -93,6 +93,62 @@ def test_read_gguf_metadata_and_tables(tiny_gguf):
     }
 
 
+def _string_items(strings: list[bytes]) -> memoryview:
+    """GGUF string items as a file holds them: a u64 length, then the bytes."""
+    import struct
+
+    return memoryview(b"".join(struct.pack("<Q", len(b)) + b for b in strings)).cast("B")
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_strings_decoded_together_equal_one_by_one(seed):
+    """The bulk decoder (each length field a NUL, one decode, one split) gives the strings
+    the string-by-string reader gives: empty ones, many-byte characters, a NUL inside a
+    string (which the split cannot tell apart: read one by one), and it leaves the cursor
+    after the last string."""
+    from pathlib import Path
+
+    from attnlab.pretrained.gguf_file import _Cursor
+
+    rng = np.random.default_rng(seed)
+    alphabet = ["a", "▁", "é", "中", "🙂", " ", "<0x0A>", "\n", "Ġ"] + (["\x00"] if seed else [])
+    texts = ["".join(rng.choice(alphabet, size=int(rng.integers(0, 6)))) for _ in range(500)]
+    buf = _string_items([t.encode() for t in texts] + [b"tail"])
+    bulk = _Cursor(buf, Path("x.gguf"))
+    assert bulk.strings(len(texts)) == texts
+    one = _Cursor(buf, Path("x.gguf"))
+    assert one._strings_one_by_one(len(texts)) == texts
+    assert bulk.pos == one.pos == len(buf) - 12
+    assert bulk.strings(1) == ["tail"]
+
+
+@pytest.mark.parametrize(
+    ("items", "count", "message"),
+    [
+        ([b"ab", b"\xff"], 2, "string 1 is not valid UTF-8"),
+        ([b"ab", "é".encode()[:1], b"c"], 3, "string 1 is not valid UTF-8"),
+        ([b"ab"], 2, "string 1 length needs 8 bytes"),
+        ([b"ab", b"cd"], 2, None),
+    ],
+)
+def test_strings_refused_as_one_by_one_names_them(items, count, message):
+    """A bad byte, a character cut at a string's end, a run cut short: the string at fault
+    is named, as the string-by-string reader names it; a length past the end too."""
+    import struct
+    from pathlib import Path
+
+    from attnlab.pretrained.errors import ModelFileError
+    from attnlab.pretrained.gguf_file import _Cursor
+
+    buf = _string_items(items)
+    if message is None:  # the second length claims more than the file holds
+        raw = bytearray(buf)
+        raw[10 : 10 + 8] = struct.pack("<Q", 1 << 62)
+        buf, message = memoryview(bytes(raw)).cast("B"), "string 1 of length"
+    with pytest.raises(ModelFileError, match=message):
+        _Cursor(buf, Path("x.gguf")).strings(count)
+
+
 def test_read_gguf_without_importing_the_gguf_package(tiny_gguf):
     """A fresh process reads the header with gguf's constants module run on its own (the
     package's ``__init__`` imports its reader, writer and yaml): the same type names and

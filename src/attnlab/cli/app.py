@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import sys
 from typing import Annotated, Any
 
 import typer
@@ -44,6 +47,11 @@ def main(argv: list[str] | None = None) -> None:
 
     Exits with the command's status: 0 on success, 2 for a user error (one line on
     stderr, no traceback), 130 on Ctrl-C.
+
+    Args:
+        argv: the arguments; None (the program itself) reads ``sys.argv`` and, once the
+            command has ended, leaves Python's exit-time garbage collection out
+            (:func:`_leave_quickly`).
     """
     usage_errors, aborts = framework_errors()
     code: Any
@@ -60,4 +68,24 @@ def main(argv: list[str] | None = None) -> None:
     except aborts:
         output.error("aborted")
         code = 130
+    if argv is None:
+        _leave_quickly()
     raise SystemExit(code if isinstance(code, int) else 0)
+
+
+def _leave_quickly() -> None:
+    """Spare the program's exit the collector's passes over every object alive now.
+
+    Python's shutdown runs the cyclic garbage collector over all live objects, several
+    times while it clears the modules: with torch imported that is 165k objects and
+    0.4-0.6 s after the command's last line (``python -c "import torch"`` spends as long
+    exiting as importing beyond its first second). ``gc.freeze`` moves them to the
+    generation no collection visits; their memory goes back to the system with the
+    process, and atexit handlers still run (the output streams are flushed first). Only the
+    program does it: a caller of :func:`main` in its own process (the tests) keeps its
+    collector whole.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a closed pipe: nothing to say
+            stream.flush()
+    gc.freeze()

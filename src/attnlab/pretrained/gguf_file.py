@@ -326,6 +326,35 @@ _STRING, _ARRAY = 8, 9
 _U64 = struct.Struct("<Q")
 
 
+def _decode_items(region: np.ndarray, lengths: np.ndarray) -> list[str] | None:
+    """The strings of a run of GGUF string items (a u64 length, then that many bytes),
+    decoded at once: each length field becomes one NUL, the whole run one ``decode``, and
+    ``split`` cuts it at the NULs. None where that cannot tell the strings apart or is not
+    UTF-8 (a NUL inside a string, a bad byte, a character cut at a string's end: a NUL
+    cannot continue one), for the caller to find which string it was.
+
+    Args:
+        region: (S,) uint8, the items' bytes, exactly.
+        lengths: (C,) int64, each item's length, in order (``sum(lengths) + 8 C == S``).
+    """
+    count = len(lengths)
+    starts = np.cumsum(lengths + 8) - lengths  # (C,) each string's first byte in region
+    inside = np.zeros(len(region) + 1, dtype=np.int8)  # +1 where a string starts, -1 after
+    inside[starts] += 1
+    inside[starts + lengths] -= 1
+    text = np.zeros(int(lengths.sum()) + count, dtype=np.uint8)  # a NUL before each string
+    is_text = np.ones(len(text), dtype=bool)
+    is_text[starts - 8 - 7 * np.arange(count)] = False  # the NULs' places
+    text[is_text] = region[np.cumsum(inside[:-1], dtype=np.int8).view(bool)]
+    blob = text.tobytes()
+    if blob.count(0) != count:  # a string holds a NUL
+        return None
+    try:
+        return blob.decode("utf-8").split("\x00")[1:]
+    except UnicodeDecodeError:
+        return None
+
+
 _MAX_DIMS = 4  # GGML_MAX_DIMS
 _MAX_ELEMENTS = 1 << 40  # per tensor; far above any real model's largest matrix
 _MAX_DEPTH = 4  # arrays of arrays
@@ -378,9 +407,33 @@ class _Cursor:
     def strings(self, count: int) -> list[str]:
         """``count`` strings in a row (a vocabulary: 262k of them in Gemma's files).
 
-        The same checks as :meth:`string`, in one loop without its per-call overhead: the
-        tokenizer tables were most of the header's parse time.
+        The lengths are read in one loop and the strings decoded together
+        (:func:`_decode_items`), a third of the time of decoding each on its own; the
+        tokenizer tables were most of the header's parse time. A run that is cut short, a
+        length past the file's end, a string that is not UTF-8 or one holding a NUL byte
+        takes :meth:`_strings_one_by_one`, which names the string at fault.
         """
+        buf, pos = self.buf, self.pos
+        length_at = _U64.unpack_from
+        lengths = [0] * count
+        try:
+            for i in range(count):
+                (n,) = length_at(buf, pos)
+                lengths[i] = n
+                pos += 8 + n
+        except (struct.error, OverflowError):  # a length field past the end
+            return self._strings_one_by_one(count)
+        if pos > len(buf) or count == 0:
+            return self._strings_one_by_one(count)
+        region = np.frombuffer(buf, dtype=np.uint8, count=pos - self.pos, offset=self.pos)
+        out = _decode_items(region, np.array(lengths, dtype=np.int64))
+        if out is None:
+            return self._strings_one_by_one(count)
+        self.pos = pos
+        return out
+
+    def _strings_one_by_one(self, count: int) -> list[str]:
+        """:meth:`strings` with :meth:`string`'s checks string by string, in one loop."""
         buf, pos, end = self.buf, self.pos, len(self.buf)
         length_at = _U64.unpack_from
         out: list[str] = []
