@@ -10,7 +10,11 @@
 // (parallel over N): its blocks are read and unpacked once for up to kRowsAtOnce rows of x. With
 // AVX-512 a block's codes are unpacked by byte operations (the fifth bits are a mask) and turned
 // into q - 16 by a table lookup; bf16 rows are then read as they are, a block's 32 products
-// summed by one bf16 dot-product instruction (q - 16 is exact in bf16) and scaled by d.
+// summed by one bf16 dot-product instruction (q - 16 is exact in bf16) and scaled by d. With
+// AVX2 the codes are bytes too (a shuffle and a compare spread the fifth bits, as ggml does),
+// widened to float32 eight at a time; one row of x keeps four sums, so that a block's four
+// multiply-adds do not wait on each other (Gemma 3's 2048 x 640, one thread: 127 us a product
+// against 181 us unpacking each weight's bits in 32-bit lanes).
 //
 // Used by decode_step.cpp (Product kind kQ5) and bound as q5_0_mm (attnlab.quant.Q5Linear).
 
@@ -52,6 +56,29 @@ inline uint32_t high_bits_at(const uint8_t* block) {
   std::memcpy(&qh, block + 2, 4);  // little-endian, as the file (x86)
   return qh;
 }
+
+#if !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)) && \
+    defined(__AVX2__) && defined(__FMA__)
+// The 32 codes of a block less 16 (-16..15) as bytes in weight order: the low nibbles of qs
+// (weights 0-15), then its high nibbles (16-31), 16 added where qh's bit is set: each byte
+// of the result takes qh's byte for its weight (a shuffle within each 128-bit half) and
+// keeps its own bit of it (a compare), as ggml spreads Q5 bits to bytes.
+inline __m256i centred_codes_avx2(const uint8_t* b) {
+  const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 6));
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  const __m256i nibbles =
+      _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), low4), _mm_and_si128(qs, low4));
+  const __m256i qh = _mm256_set1_epi32(static_cast<int>(high_bits_at(b)));
+  const __m256i byte_of_weight = _mm256_setr_epi8(  // weight w's bit is in qh's byte w / 8
+      0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3,
+      3, 3, 3);
+  const __m256i bit_of_weight = _mm256_set1_epi64x(0x8040201008040201);  // bit w % 8
+  const __m256i set = _mm256_cmpeq_epi8(
+      _mm256_and_si256(_mm256_shuffle_epi8(qh, byte_of_weight), bit_of_weight), bit_of_weight);
+  const __m256i codes = _mm256_or_si256(nibbles, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+  return _mm256_sub_epi8(codes, _mm256_set1_epi8(16));
+}
+#endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define ATTNLAB_Q5_AVX512 1
@@ -100,34 +127,32 @@ inline void row_dots(const uint8_t* blocks, const float* x, int64_t K, float* ou
   }
   for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r], acc1[r]));
 #elif defined(__AVX2__) && defined(__FMA__)
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  const __m128i low_nibble = _mm_set1_epi8(0x0F);
-  const __m256i one = _mm256_set1_epi32(1), sixteen = _mm256_set1_epi32(16);
-  const __m256i shifts = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  // A chains of multiply-adds a row (a block's 4 products go to them in turn): one row's
+  // 4 a block into one sum would wait on each one's latency; 16 registers bound R * A.
+  constexpr int A = R == 1 ? 4 : (R == 2 ? 2 : 1);
+  __m256 acc[R][A];
+  for (int r = 0; r < R; ++r)
+    for (int a = 0; a < A; ++a) acc[r][a] = _mm256_setzero_ps();
   for (int64_t g = 0; g < K / kBlock; ++g) {
     const uint8_t* b = blocks + g * kBlockBytes;
     const __m256 vd = _mm256_set1_ps(scale_at(b));
-    const uint32_t qh = high_bits_at(b);
-    const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 6));
-    const __m128i nibbles[2] = {_mm_and_si128(qs, low_nibble),
-                                _mm_and_si128(_mm_srli_epi16(qs, 4), low_nibble)};
+    const __m256i q = centred_codes_avx2(b);  // 32 bytes, q - 16
+    const __m128i halves[2] = {_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)};
     __m256 w[4];
-    for (int j = 0; j < 4; ++j) {  // weights 8j..8j+7: bytes 8 (j % 2).. of nibbles[j / 2]
-      const __m128i bytes = j % 2 ? _mm_srli_si128(nibbles[j / 2], 8) : nibbles[j / 2];
-      const __m256i fifth = _mm256_and_si256(
-          _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(qh >> (8 * j))), shifts), one);
-      const __m256i q =
-          _mm256_or_si256(_mm256_cvtepu8_epi32(bytes), _mm256_slli_epi32(fifth, 4));
-      w[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(q, sixteen)), vd);
+    for (int j = 0; j < 4; ++j) {  // weights 8j..8j+7: bytes 8 (j % 2).. of halves[j / 2]
+      const __m128i bytes = j % 2 ? _mm_srli_si128(halves[j / 2], 8) : halves[j / 2];
+      w[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), vd);
     }
     for (int r = 0; r < R; ++r) {
       const float* xg = x + r * K + g * kBlock;
-      for (int j = 0; j < 4; ++j) acc[r] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(xg + 8 * j), acc[r]);
+      for (int j = 0; j < 4; ++j)
+        acc[r][j % A] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(xg + 8 * j), acc[r][j % A]);
     }
   }
   for (int r = 0; r < R; ++r) {
-    out[r] = attnlab_simd::hsum(acc[r]);
+    __m256 total = acc[r][0];
+    for (int a = 1; a < A; ++a) total = _mm256_add_ps(total, acc[r][a]);
+    out[r] = attnlab_simd::hsum(total);
   }
 #else
   for (int r = 0; r < R; ++r) out[r] = 0.f;
