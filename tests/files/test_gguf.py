@@ -44,12 +44,14 @@ def tiny_gguf(tmp_path_factory):
         "q8_0": rng.standard_normal((4, 64)).astype(np.float32),
         "q4_1": rng.standard_normal((6, 96)).astype(np.float32),
         "q4_0": rng.standard_normal((2, 32)).astype(np.float32),
+        "q5_0": rng.standard_normal((5, 64)).astype(np.float32),
     }
     types = {
         "f32": GGMLQuantizationType.F32,
         "q8_0": GGMLQuantizationType.Q8_0,
         "q4_1": GGMLQuantizationType.Q4_1,
         "q4_0": GGMLQuantizationType.Q4_0,
+        "q5_0": GGMLQuantizationType.Q5_0,
     }
     stored = {name: gguf_quantize(a, types[name]) for name, a in arrays.items()}
     path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
@@ -196,11 +198,32 @@ def test_dequantize_equals_gguf_reference_bit_for_bit(tiny_gguf):
         assert np.array_equal(ours.numpy(), ref), name
     # And the quantisation error is what 4 or 8 bits allow (a wrong layout would be far off).
     assert np.allclose(g.tensor("f32").numpy(), arrays["f32"])
-    for name, bits in (("q8_0", 8), ("q4_1", 4), ("q4_0", 4)):
+    for name, bits in (("q8_0", 8), ("q4_1", 4), ("q4_0", 4), ("q5_0", 5)):
         blocks = arrays[name].reshape(-1, 32)
         step = (blocks.max(1) - blocks.min(1)) / (2**bits - 1)
         err = np.abs(g.tensor(name).numpy().reshape(-1, 32) - blocks).max(1)
         assert (err <= 1.01 * step).all(), name
+
+
+def test_q5_0_every_code_and_fifth_bit_equals_gguf():
+    """Random Q5_0 blocks (every byte of qh and qs drawn, finite float16 scales of both
+    signs): attnlab's reading equals gguf-py's bit for bit, and a hand-made block gives
+    ``(q - 16) d`` with weight j's fifth bit at bit j of qh."""
+    rng = np.random.default_rng(5)
+    n = 4096
+    blocks = rng.integers(0, 256, size=(n, 22), dtype=np.uint8)
+    d = (rng.standard_normal(n) * 0.01).astype(np.float16)
+    blocks[:, :2] = d.view(np.uint8).reshape(n, 2)
+    ours = dequantize(blocks, "Q5_0", (n // 4, 128)).numpy()
+    ref = gguf_dequantize(blocks.reshape(n // 4, 88), GGMLQuantizationType.Q5_0)
+    assert np.array_equal(ours, ref)
+    block = np.zeros(22, dtype=np.uint8)
+    block[:2] = np.array([0.5], dtype=np.float16).view(np.uint8)
+    block[2:6] = np.array([1 | 1 << 17], dtype="<u4").view(np.uint8)  # weights 0 and 17
+    block[6] = 0x3F  # weight 0: low nibble 15, weight 16: high nibble 3
+    want = np.full(32, -8.0, dtype=np.float32)  # (0 - 16) * 0.5
+    want[0], want[16], want[17] = (31 - 16) * 0.5, (3 - 16) * 0.5, (16 - 16) * 0.5
+    assert np.array_equal(dequantize(block, "Q5_0", (1, 32)).numpy()[0], want)
 
 
 def test_dequantize_q4_1_hand_made_block():

@@ -76,6 +76,19 @@ def dequantize_q8_0(blocks: np.ndarray) -> np.ndarray:
     return out
 
 
+def dequantize_q5_0(blocks: np.ndarray) -> np.ndarray:
+    """Q5_0 blocks (N, 22) uint8 -> (N, 32) float32, ``(q - 16) * d``: q's low four bits
+    the nibbles of bytes 6-21 (low ones first), its fifth bit weight ``j``'s bit of the
+    little-endian uint32 in bytes 2-5 (:class:`~attnlab.quant.Q5Linear` holds the blocks as
+    they are; this is a float32 model's reading, a third of the time of ``gguf``'s)."""
+    q = nibbles(blocks[:, 6:])  # (N, Q) in 0..15
+    q |= np.unpackbits(blocks[:, 2:6], axis=1, bitorder="little") << 4  # (N, Q): bit j
+    out = q.astype(np.float32)
+    out -= 16.0
+    out *= f16_columns(blocks, 1)  # (N, 1) broadcast
+    return out
+
+
 # E2M1 codes 0..15 doubled (ggml's kvalues_mxfp4): the sign is bit 3.
 _MXFP4_VALUES = np.array(
     [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.float32
@@ -115,6 +128,7 @@ _BLOCK_KERNELS = {
     "Q4_0": dequantize_q4_0,
     "Q4_1": dequantize_q4_1,
     "Q8_0": dequantize_q8_0,
+    "Q5_0": dequantize_q5_0,
     "MXFP4": dequantize_mxfp4,
 }
 _OWN_BLOCKS = {"MXFP4": GGUFBlock(values=QK, nbytes=17)}  # no float16 scale: values checked
