@@ -14,10 +14,12 @@ from attnlab.quant.crossover import CROSSOVER_ENV, KERNEL_ALWAYS, choose
 
 @pytest.fixture
 def fresh(tmp_path, monkeypatch):
-    """An empty cache, the measuring mode, and no crossover remembered by this process."""
+    """An empty cache, the measuring mode, and no crossover or GEMM choice remembered by
+    this process (an earlier test's would otherwise answer, whatever the order)."""
     monkeypatch.setenv(CACHE_ENV, str(tmp_path))
     monkeypatch.delenv(CROSSOVER_ENV, raising=False)
     monkeypatch.setattr(crossover, "_found", {})
+    monkeypatch.setattr(crossover, "_gemm", {})
     return tmp_path
 
 
