@@ -87,27 +87,25 @@ def main() -> None:
         result = timed_pairs(fns, args.rounds)
         floor = result.best["import torch"]
         rec.add('python -c "import torch"', floor, "s", better="lower")
+        floors = {  # label in fns: (figure suffix, the peer's command)
+            "import torch": ("", 'python -c "import torch"'),
+            "import torch, frozen": (
+                ", against a frozen exit",
+                'python -c "import gc, torch; gc.freeze()"',
+            ),
+        }
         for dtype in ("int4", "float32"):
-            median, low, high = result.ratio(dtype, "import torch")
-            rec.add(
-                f"first token, --dtype {dtype}",
-                result.best[dtype],
-                "s",
-                peer='python -c "import torch"',
-                peer_value=floor,
-                better="lower",
-                note=f"median of the per-round ratios {median:.2f}x ({low:.2f}-{high:.2f})",
-            )
-            median, low, high = result.ratio(dtype, "import torch, frozen")
-            rec.add(
-                f"first token, --dtype {dtype}, against a frozen exit",
-                result.best[dtype],
-                "s",
-                peer='python -c "import gc, torch; gc.freeze()"',
-                peer_value=result.best["import torch, frozen"],
-                better="lower",
-                note=f"median of the per-round ratios {median:.2f}x ({low:.2f}-{high:.2f})",
-            )
+            for label, (suffix, peer) in floors.items():
+                median, low, high = result.ratio(dtype, label)
+                rec.add(
+                    f"first token, --dtype {dtype}{suffix}",
+                    result.best[dtype],
+                    "s",
+                    peer=peer,
+                    peer_value=result.best[label],
+                    better="lower",
+                    note=f"median of the per-round ratios {median:.2f}x ({low:.2f}-{high:.2f})",
+                )
         rec.note(result.quietness())
         for label, times in result.times.items():
             rec.note(f"{label}: " + ", ".join(f"{t:.2f}" for t in times) + " s")
