@@ -205,6 +205,26 @@ def test_dequantize_equals_gguf_reference_bit_for_bit(tiny_gguf):
         assert (err <= 1.01 * step).all(), name
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int8, np.uint8, np.int64])
+def test_fresh_arrays_are_numpy_arrays_over_torch_storage(dtype):
+    """The loaders' outputs (:func:`attnlab.quant.base.fresh`): numpy arrays of the asked
+    shape and dtype, C-contiguous and writable, over a tensor's storage (so that
+    ``torch.from_numpy`` shares it), and ``fresh_copy`` of a strided view of file bytes
+    equal to numpy's own copy."""
+    from attnlab.quant.base import fresh, fresh_copy
+
+    a = fresh((3, 5), dtype)
+    assert a.shape == (3, 5) and a.dtype == dtype and a.flags.c_contiguous and a.flags.writeable
+    a[...] = 7
+    t = torch.from_numpy(a)
+    a[1, 2] = 1
+    assert int(t[1, 2]) == 1 and int(t.sum()) == 7 * 14 + 1
+    blocks = np.random.default_rng(0).integers(0, 256, size=(40, 34), dtype=np.uint8)
+    view = blocks[:, 2:].view(np.int8)  # the codes of Q8_0 blocks, 34 bytes apart
+    copied = fresh_copy(view)
+    assert copied.flags.c_contiguous and np.array_equal(copied, np.ascontiguousarray(view))
+
+
 def test_q5_0_every_code_and_fifth_bit_equals_gguf():
     """Random Q5_0 blocks (every byte of qh and qs drawn, finite float16 scales of both
     signs): attnlab's reading equals gguf-py's bit for bit, and a hand-made block gives

@@ -38,7 +38,7 @@ import torch
 
 from attnlab.pretrained.errors import ModelFileError, check_finite
 from attnlab.quant import Int4Linear, Q5Linear, Q8Linear, gguf_blocks, gguf_format
-from attnlab.quant.base import GGUFBlock, f16_columns, nibbles
+from attnlab.quant.base import GGUFBlock, f16_columns, fresh, nibbles
 
 # Shape legend: N blocks, Q = 32 weights per block, R rows, K = row length (ne0).
 
@@ -71,7 +71,7 @@ def dequantize_q8_0(blocks: np.ndarray) -> np.ndarray:
     embedding is Q8_0 (``benchmarks/bench_pretrained.py --only gemma3-load`` times the
     load).
     """
-    out = np.empty((blocks.shape[0], QK), dtype=np.float32)  # (N, Q)
+    out = fresh((blocks.shape[0], QK), np.float32)  # (N, Q)
     np.multiply(blocks[:, 2:].view(np.int8), f16_columns(blocks, 1), out=out)
     return out
 
@@ -83,7 +83,8 @@ def dequantize_q5_0(blocks: np.ndarray) -> np.ndarray:
     they are; this is a float32 model's reading, a third of the time of ``gguf``'s)."""
     q = nibbles(blocks[:, 6:])  # (N, Q) in 0..15
     q |= np.unpackbits(blocks[:, 2:6], axis=1, bitorder="little") << 4  # (N, Q): bit j
-    out = q.astype(np.float32)
+    out = fresh(q.shape, np.float32)
+    np.copyto(out, q)
     out -= 16.0
     out *= f16_columns(blocks, 1)  # (N, 1) broadcast
     return out
@@ -159,8 +160,10 @@ def dequantize(data: np.ndarray, type_name: str, shape: tuple[int, ...]) -> torc
     """
     if type_name in ("F32", "F16"):
         raw = np.asarray(data).view(np.uint8)
-        out = np.array(raw.view(np.float32 if type_name == "F32" else np.float16))
-        return torch.from_numpy(out.astype(np.float32, copy=False)).reshape(shape)
+        values = raw.view(np.float32 if type_name == "F32" else np.float16)
+        out = fresh(values.shape, np.float32)
+        np.copyto(out, values)
+        return torch.from_numpy(out).reshape(shape)
     if type_name == "BF16":
         bits = np.asarray(data).view(np.uint8).view(np.uint16).astype(np.uint32) << 16
         return torch.from_numpy(bits.view(np.float32)).reshape(shape)

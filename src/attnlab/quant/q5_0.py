@@ -18,6 +18,7 @@ from attnlab.quant import crossover
 from attnlab.quant.base import (
     GGUFBlock,
     WeightFormat,
+    fresh_copy,
     fuse_buffers,
     native_kernels,
     register_format,
@@ -177,7 +178,7 @@ class Q5Linear(WeightFormat):
         """Q5_0 blocks as stored (copied out of the file): ``(blocks,)``, (R, G * 22) uint8,
         each weight row's blocks in a row (:meth:`~attnlab.quant.WeightFormat.gguf_codes`)."""
         R = shape[0]
-        blocks = np.array(cls.gguf_block_rows(data, type_name, shape)).reshape(R, -1)
+        blocks = fresh_copy(cls.gguf_block_rows(data, type_name, shape)).reshape(R, -1)
         return (torch.from_numpy(blocks),)
 
     @classmethod

@@ -21,6 +21,7 @@ from attnlab.quant import crossover
 from attnlab.quant.base import (
     GGUFBlock,
     WeightFormat,
+    fresh_copy,
     fuse_buffers,
     native_kernels,
     register_format,
@@ -152,8 +153,8 @@ class Q8Linear(WeightFormat):
         float16, the blocks' own ``d`` (:meth:`~attnlab.quant.WeightFormat.gguf_codes`)."""
         R, K = shape
         blocks = cls.gguf_block_rows(data, type_name, shape)  # (R, G, 34)
-        scales = np.ascontiguousarray(blocks[..., :2]).view(np.float16)  # (R, G, 1)
-        codes = np.ascontiguousarray(blocks[..., 2:]).view(np.int8)  # (R, G, 32)
+        scales = fresh_copy(blocks[..., :2]).view(np.float16)  # (R, G, 1)
+        codes = fresh_copy(blocks[..., 2:]).view(np.int8)  # (R, G, 32)
         return torch.from_numpy(codes).reshape(R, K), torch.from_numpy(scales).reshape(R, K // 32)
 
     @classmethod
