@@ -12,9 +12,15 @@
 //
 // Built on first use by attnlab.native (torch.utils.cpp_extension) and cached on disk.
 
-// ATen and PyTorch's pybind11 casters, not <torch/extension.h>: that adds the whole C++
-// frontend (modules, optimisers, data loaders), twice the parse time of every build.
-#include <ATen/ATen.h>
+// The ATen operators it calls, one header each, and PyTorch's pybind11 casters: not
+// <ATen/ATen.h> (every operator) or <torch/extension.h> (the whole C++ frontend too), which
+// took most of a build's time (tests/decode/test_native_build.py holds the includes).
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/_weight_int4pack_mm_for_cpu.h>
+#include <ATen/ops/_weight_int8pack_mm.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/linear.h>
 #include <ATen/Parallel.h>
 #include <c10/core/InferenceMode.h>
 #include <torch/csrc/utils/pybind.h>

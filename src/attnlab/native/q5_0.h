@@ -22,7 +22,8 @@
 
 #include "simd.h"
 
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 #include <ATen/Parallel.h>
 
