@@ -314,6 +314,10 @@ def test_a_build_for_the_tests_keeps_ggml_optimised_and_is_rebuilt_in_release_fo
     # The file CMake includes after ggml's project() puts ggml's C++ back at -O3.
     text = Path(include.split("=", 1)[1]).read_text()
     assert re.search(r'^set\(CMAKE_CXX_FLAGS_RELEASE "-O3 -DNDEBUG"\)$', text, re.M)
+    # and compiles llama-common as unity sources, json.cpp on its own, once the target exists
+    assert "set_target_properties(llama-common PROPERTIES UNITY_BUILD ON" in text
+    assert "common/json.cpp" in text and "SKIP_UNITY_BUILD_INCLUSION ON" in text
+    assert 'cmake_language(DEFER DIRECTORY "${CMAKE_SOURCE_DIR}"' in text
     assert json.loads((root / peer.RECORD).read_text())["for_tests"] is True
     # It serves the tests again without a rebuild; asked for without the flag (a peer to
     # time against), it is built again in release, from a fresh CMake cache.
