@@ -31,7 +31,7 @@ Running the script again does nothing when ``llama_cpp.json`` and the binaries e
 ``--for-tests`` builds the default folder for the tests alone (CI does): llama.cpp's own C++
 (libllama, common, the tools) at ``-O0``, common's sources compiled eight to a unity file,
 ggml's kernels at ``-O3`` as in a release build (``ggml_optimised.cmake``). It builds in
-about two fifths of the time, converts, quantises and scores the tests' small files
+about a third of the time, converts, quantises and scores the tests' small files
 exactly as the release build does (the arithmetic is ggml's), but it is no peer to time
 against: ``bench_llama_cpp.py`` refuses it, and running this script without the flag
 builds the release tools over it.
