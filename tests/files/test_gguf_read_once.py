@@ -37,3 +37,31 @@ def test_the_family_check_and_the_load_read_the_header_once(gguf_path, monkeypat
     os.utime(gguf_path, ns=(1, 1))
     loaders.load_gguf(gguf_path)
     assert len(reads) == 3 and loaders._READ == []
+
+
+def test_the_references_shared_parse_reads_what_gguf_py_reads(gguf_path):
+    """``gguf_read_once`` (the transformers references' reader) parses a file once, over a
+    plain array of its bytes: every field and tensor equal to gguf-py's own reading."""
+    import gguf
+    import numpy as np
+
+    from model_files import gguf_read_once
+
+    own = gguf.GGUFReader(gguf_path)
+    assert type(own.data) is np.memmap
+    with gguf_read_once():
+        shared = gguf.GGUFReader(gguf_path)
+        assert gguf.GGUFReader(str(gguf_path)) is shared  # parsed once
+    assert type(shared.data) is np.ndarray and np.array_equal(shared.data, own.data)
+    assert list(shared.fields) == list(own.fields)
+    for name, field in own.fields.items():
+        other = shared.fields[name]
+        assert other.types == field.types and other.data == field.data, name
+        assert len(other.parts) == len(field.parts), name
+        for a, b in zip(other.parts, field.parts, strict=True):
+            assert a.dtype == b.dtype and np.array_equal(a, b), name
+    assert [t.name for t in shared.tensors] == [t.name for t in own.tensors]
+    for a, b in zip(shared.tensors, own.tensors, strict=True):
+        assert a.tensor_type == b.tensor_type and list(a.shape) == list(b.shape), a.name
+        assert a.data.dtype == b.data.dtype and np.array_equal(a.data, b.data), a.name
+    assert type(gguf.GGUFReader(gguf_path).data) is np.memmap  # gguf-py's own again
