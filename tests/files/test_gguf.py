@@ -223,6 +223,8 @@ def test_fresh_arrays_are_numpy_arrays_over_torch_storage(dtype):
     view = blocks[:, 2:].view(np.int8)  # the codes of Q8_0 blocks, 34 bytes apart
     copied = fresh_copy(view)
     assert copied.flags.c_contiguous and np.array_equal(copied, np.ascontiguousarray(view))
+    as_float = fresh_copy(view, np.float32)  # converted on the way, as the loaders' float32
+    assert as_float.dtype == np.float32 and np.array_equal(as_float, view.astype(np.float32))
 
 
 def test_q5_0_every_code_and_fifth_bit_equals_gguf():

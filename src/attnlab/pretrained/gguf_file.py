@@ -38,7 +38,7 @@ import torch
 
 from attnlab.pretrained.errors import ModelFileError, check_finite
 from attnlab.quant import Int4Linear, Q5Linear, Q8Linear, gguf_blocks, gguf_format
-from attnlab.quant.base import GGUFBlock, f16_columns, fresh, nibbles
+from attnlab.quant.base import GGUFBlock, f16_columns, fresh, fresh_copy, nibbles
 
 # Shape legend: N blocks, Q = 32 weights per block, R rows, K = row length (ne0).
 
@@ -83,8 +83,7 @@ def dequantize_q5_0(blocks: np.ndarray) -> np.ndarray:
     they are; this is a float32 model's reading, a third of the time of ``gguf``'s)."""
     q = nibbles(blocks[:, 6:])  # (N, Q) in 0..15
     q |= np.unpackbits(blocks[:, 2:6], axis=1, bitorder="little") << 4  # (N, Q): bit j
-    out = fresh(q.shape, np.float32)
-    np.copyto(out, q)
+    out = fresh_copy(q, np.float32)
     out -= 16.0
     out *= f16_columns(blocks, 1)  # (N, 1) broadcast
     return out
@@ -161,9 +160,7 @@ def dequantize(data: np.ndarray, type_name: str, shape: tuple[int, ...]) -> torc
     if type_name in ("F32", "F16"):
         raw = np.asarray(data).view(np.uint8)
         values = raw.view(np.float32 if type_name == "F32" else np.float16)
-        out = fresh(values.shape, np.float32)
-        np.copyto(out, values)
-        return torch.from_numpy(out).reshape(shape)
+        return torch.from_numpy(fresh_copy(values, np.float32)).reshape(shape)
     if type_name == "BF16":
         bits = np.asarray(data).view(np.uint8).view(np.uint16).astype(np.uint32) << 16
         return torch.from_numpy(bits.view(np.float32)).reshape(shape)

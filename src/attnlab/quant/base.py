@@ -52,10 +52,11 @@ def fresh(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
     return torch.empty(shape, dtype=torch_dtype).numpy()
 
 
-def fresh_copy(src: np.ndarray) -> np.ndarray:
-    """``src`` copied into a C-contiguous :func:`fresh` array (``np.ascontiguousarray`` of a
-    view of the file, without its huge pages)."""
-    out = fresh(src.shape, src.dtype)
+def fresh_copy(src: np.ndarray, dtype: Any = None) -> np.ndarray:
+    """``src`` copied into a C-contiguous :func:`fresh` array, converted to ``dtype`` if
+    given (``np.ascontiguousarray`` or ``astype`` of a view of the file, without its huge
+    pages)."""
+    out = fresh(src.shape, src.dtype if dtype is None else dtype)
     np.copyto(out, src)
     return out
 
