@@ -248,6 +248,63 @@ def test_q5_0_every_code_and_fifth_bit_equals_gguf():
     assert np.array_equal(dequantize(block, "Q5_0", (1, 32)).numpy()[0], want)
 
 
+@pytest.mark.parametrize(
+    ("type_name", "nbytes", "scales_at"), [("Q4_K", 144, 0), ("Q6_K", 210, 208)]
+)
+def test_k_quants_every_byte_equals_gguf(type_name, nbytes, scales_at):
+    """Random Q4_K and Q6_K super-blocks (every byte of the codes and the packed 6-bit or
+    int8 scales drawn, finite float16 d / dmin of both signs): attnlab's float32 reading
+    equals gguf-py's bit for bit, as one tensor of several rows."""
+    rng = np.random.default_rng(11)
+    n = 512
+    blocks = rng.integers(0, 256, size=(n, nbytes), dtype=np.uint8)
+    n_f16 = 2 if type_name == "Q4_K" else 1
+    d = (rng.standard_normal((n, n_f16)) * 0.01).astype(np.float16)
+    blocks[:, scales_at : scales_at + 2 * n_f16] = d.view(np.uint8).reshape(n, 2 * n_f16)
+    ours = dequantize(blocks, type_name, (n // 4, 1024)).numpy()
+    ref = gguf_dequantize(blocks.reshape(n // 4, 4 * nbytes), GGMLQuantizationType[type_name])
+    assert ours.dtype == np.float32 and np.array_equal(ours.view(np.uint32), ref.view(np.uint32))
+
+
+def test_q6_k_hand_made_block():
+    """ggml's layout of a Q6_K block, written out by hand: weight ``j`` of a half takes the
+    low nibble of ``ql[j]`` (``j < 64``) or the high nibble of ``ql[j - 64]``, its two top
+    bits from ``qh[j % 32]`` at bit ``2 (j // 32)``, and ``d * sc[j // 16] * (q - 32)``."""
+    block = np.zeros(210, dtype=np.uint8)
+    block[0] = 0x3A  # weight 0: low nibble 10; weight 64: high nibble 3
+    block[64 + 5] = 0x07  # second half, weight 128 + 5: low nibble 7
+    block[128] = 0b11_00_10_01  # weight 0: top 1, 32: top 2, 64: top 0, 96: top 3
+    block[192 : 192 + 16] = np.arange(1, 17, dtype=np.int8).view(np.uint8)  # sc = 1..16
+    block[192 + 4] = np.array([-3], dtype=np.int8).view(np.uint8)[0]  # sc[4] = -3
+    block[208:210] = np.array([0.25], dtype=np.float16).view(np.uint8)
+    q = np.zeros(256)
+    q[0], q[32], q[64], q[96] = 10 + 16 * 1, 0 + 16 * 2, 3, 0 + 16 * 3
+    q[128 + 5] = 7
+    sc = np.arange(1, 17, dtype=np.float64)
+    sc[4] = -3
+    want = (0.25 * sc[np.arange(256) // 16] * (q - 32)).astype(np.float32)
+    assert np.array_equal(dequantize(block, "Q6_K", (1, 256)).numpy()[0], want)
+
+
+def test_a_q6_k_tensor_with_a_nan_scale_is_refused(tmp_path):
+    """Q6_K's ``d`` is the block's last two bytes, not its first: its values are checked,
+    and a NaN there names the tensor."""
+    from attnlab.pretrained.errors import ModelFileError
+
+    blocks = np.random.default_rng(0).integers(0, 256, size=(2, 210), dtype=np.uint8)
+    blocks[:, 208:210] = np.array([0.01], dtype=np.float16).view(np.uint8)
+    blocks[1, 208:210] = np.array([np.nan], dtype=np.float16).view(np.uint8)
+    w = GGUFWriter(tmp_path / "q6.gguf", "llama")
+    w.add_tensor("w", blocks, raw_dtype=GGMLQuantizationType.Q6_K)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    g = read_gguf(tmp_path / "q6.gguf")
+    with pytest.raises(ModelFileError, match="'w'"):
+        g.tensor("w")
+
+
 def test_dequantize_q4_1_hand_made_block():
     # d = 0.5, m = -1.0; low nibbles 0..15 -> weights 0..15, high nibbles 15..0 -> 16..31.
     qs = np.array([(15 - j) << 4 | j for j in range(16)], dtype=np.uint8)

@@ -48,7 +48,7 @@ from attnlab.quant.base import (
 )
 from attnlab.quant.kinds import NATIVE_INT4, NATIVE_Q4, NativeProduct
 
-__all__ = ["Int4Linear", "pack_layout", "unpack_int4_t"]
+__all__ = ["Int4Linear", "pack_layout", "q4_k_parts", "unpack_int4_t"]
 
 # Packs of parts whose rows are a multiple of 64 concatenate: 64 is a multiple of the
 # packing's tile on every CPU (:func:`pack_layout`).
@@ -301,12 +301,14 @@ class Int4Linear(WeightFormat):
         return f"{super().extra_repr()}, group_size={self.group_size}"
 
 
-def _q4_k_codes(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Q4_K super-blocks (B, 144) -> codes (B, 256) uint8, scales and zeros (B, 8) float32.
+def q4_k_parts(
+    blocks: np.ndarray, dtype: type = np.uint8
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K super-blocks (B, 144) -> codes (B, 256) in 0..15 as ``dtype``, and the
+    sub-blocks' ``d * sc`` and ``dmin * m`` (B, 8) float32.
 
-    Sub-block ``s`` (32 weights) is ``w = d * sc[s] * q - dmin * m[s]``: in the int4
-    convention ``scale = d * sc`` and ``zero = 8 scale - dmin * m``, both exact in float32
-    (an 11-bit significand times a 6-bit integer) up to the one rounding of the difference.
+    Sub-block ``s`` (32 weights) is ``w = d * sc[s] * q - dmin * m[s]``; both products are
+    exact in float32 (an 11-bit significand times a 6-bit integer).
     """
     n = blocks.shape[0]
     d_dmin = f16_columns(blocks, 2)  # (B, 2)
@@ -317,10 +319,16 @@ def _q4_k_codes(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]
     sc = np.concatenate([low & 63, (top & 15) | ((low >> 2) & 48)], axis=1)  # (B, 8)
     mins = np.concatenate([high & 63, (top >> 4) | ((high >> 2) & 48)], axis=1)  # (B, 8)
     # 32 bytes per pair of sub-blocks: sub-block 2j the low nibbles, 2j+1 the high ones.
-    codes = nibbles(blocks[:, 16:].reshape(n, 4, 32))  # (B, 4, 64)
-    scales = d_dmin[:, :1] * sc  # (B, 8)
-    zeros = 8.0 * scales - d_dmin[:, 1:] * mins
-    return codes.reshape(n, 256), scales, zeros
+    codes = nibbles(blocks[:, 16:].reshape(n, 4, 32), dtype)  # (B, 4, 64)
+    return codes.reshape(n, 256), d_dmin[:, :1] * sc, d_dmin[:, 1:] * mins
+
+
+def _q4_k_codes(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K super-blocks (B, 144) -> codes (B, 256) uint8, scales and zeros (B, 8) float32:
+    in the int4 convention (:func:`q4_k_parts`) ``scale = d * sc`` and
+    ``zero = 8 scale - dmin * m``, up to the one rounding of the difference."""
+    codes, scales, mins = q4_k_parts(blocks)
+    return codes, scales, 8.0 * scales - mins
 
 
 # (rows per tile T, whether a byte holds rows 2j and 2j+1 of its tile rather than j and
