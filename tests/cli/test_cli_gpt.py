@@ -180,8 +180,11 @@ def test_ctrl_c_saves_a_checkpoint_and_resume_finishes(tmp_path):
     env["PYTHONPATH"] = str(SRC) + os.pathsep + env.get("PYTHONPATH", "")
     env["MPLBACKEND"] = "Agg"
     out = tmp_path / "run"
-    args = [sys.executable, "-m", "attnlab", "train", "--steps", "40", "--batch-size", "2",
-            "--eval-interval", "100", "--out", str(out)]  # fmt: skip
+    # One block 32 wide (a step ~35 ms): the Ctrl-C a second in lands a few seconds before
+    # the end, and the run is cheap (the tiny preset took 0.18 s a step).
+    args = [sys.executable, "-m", "attnlab", "train", "--steps", "100", "--batch-size", "2",
+            "--eval-interval", "1000", "--layers", "1", "--emb-dim", "32", "--heads", "2",
+            "--context-length", "16", "--out", str(out)]  # fmt: skip
     proc = subprocess.Popen(
         args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path
     )
@@ -197,14 +200,14 @@ def test_ctrl_c_saves_a_checkpoint_and_resume_finishes(tmp_path):
     assert "interrupted at step" in stderr and "--resume" in stderr
     manifest = json.loads((out / "config.json").read_text())
     done = manifest["step"]
-    assert 1 <= done < 40
+    assert 1 <= done < 100
     resumed = subprocess.run(
         [*args[:3], "train", "--resume", str(out), "--out", str(out)],
         env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path,
     )  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr
     assert f"resuming at step {done}" in resumed.stdout
-    assert json.loads((out / "config.json").read_text())["step"] == 40
+    assert json.loads((out / "config.json").read_text())["step"] == 100
 
 
 def test_train_context_length_sets_the_window_and_the_model(capsys, tmp_path):
