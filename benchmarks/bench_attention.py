@@ -687,12 +687,13 @@ class QuietMeter:
         return max(0.0, (busy - self.busy0 - own) / max(1, total - self.total0))
 
 
-def wait_until_quiet(args: argparse.Namespace) -> dict:
-    """Sample the machine until others use at most ``--max-busy`` of it (or give up)."""
+def wait_until_quiet(args: argparse.Namespace, sample_s: float = 2.0) -> dict:
+    """Sample the machine, ``sample_s`` seconds at a time, until others use at most
+    ``--max-busy`` of it (or give up)."""
     deadline = time.monotonic() + args.wait_quiet
     while True:
         meter = QuietMeter().start()
-        time.sleep(2.0)
+        time.sleep(sample_s)
         busy = meter.others()
         quiet = busy <= args.max_busy
         if quiet or time.monotonic() > deadline:

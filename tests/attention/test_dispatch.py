@@ -448,15 +448,15 @@ def test_the_benchmark_checks_that_the_machine_is_quiet(capsys):
     meter = bench.QuietMeter().start()
     assert 0.0 <= meter.others() <= 1.0
     args = argparse.Namespace(max_busy=1.0, wait_quiet=0.0, allow_busy=False)
-    state = bench.wait_until_quiet(args)  # nothing can use more than all of the machine
+    state = bench.wait_until_quiet(args, 0.2)  # nothing can use more than all of the machine
     assert state["quiet"] is True and 0.0 <= state["others_busy_before"] <= 1.0
     assert len(state["loadavg_before"]) == 3
     args = argparse.Namespace(max_busy=-1.0, wait_quiet=0.0, allow_busy=False)
     with pytest.raises(SystemExit) as info:  # never quiet enough: refuses to measure
-        bench.wait_until_quiet(args)
+        bench.wait_until_quiet(args, 0.2)
     assert info.value.code == 2 and "--allow-busy" in capsys.readouterr().err
     args.allow_busy = True
-    assert bench.wait_until_quiet(args)["quiet"] is False  # measured anyway, and said so
+    assert bench.wait_until_quiet(args, 0.2)["quiet"] is False  # measured anyway, and said so
 
 
 def test_the_grid_runs_and_draws(tmp_path, capsys):

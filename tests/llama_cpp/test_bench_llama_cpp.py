@@ -7,7 +7,6 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,6 @@ if not all(importlib.util.find_spec(m) for m in ("transformers", "tokenizers", "
     pytest.skip("needs transformers, tokenizers and gguf", allow_module_level=True)
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import bench_llama_cpp as bench  # noqa: E402
 

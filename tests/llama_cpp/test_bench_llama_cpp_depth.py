@@ -18,7 +18,6 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import bench_llama_cpp as bench  # noqa: E402
 

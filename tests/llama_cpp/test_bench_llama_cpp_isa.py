@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import bench_llama_cpp as bench  # noqa: E402
 from _isa import ISAS  # noqa: E402
