@@ -227,6 +227,45 @@ def test_fresh_arrays_are_numpy_arrays_over_torch_storage(dtype):
     assert as_float.dtype == np.float32 and np.array_equal(as_float, view.astype(np.float32))
 
 
+def test_large_outputs_are_written_in_two_halves_with_the_same_result(monkeypatch):
+    """A large copy or Q8_0 reading runs in two threads (:func:`attnlab.quant.base.in_halves`):
+    every row written once, the same bytes as one thread, and an error in the helper's half
+    raised in the caller."""
+    from attnlab.quant import base
+
+    rng = np.random.default_rng(3)
+    blocks = rng.integers(0, 256, size=(1001, 34), dtype=np.uint8)
+    blocks[:, :2] = (rng.standard_normal((1001, 1)) * 0.01).astype(np.float16).view(np.uint8)
+    one = dequantize(blocks, "Q8_0", (1001, 32)).numpy()
+    copied = base.fresh_copy(blocks[:, 2:])
+    calls = []
+    real = base.in_halves
+
+    def counted(rows, nbytes, work):
+        calls.append(rows)
+        return real(rows, nbytes, work)
+
+    monkeypatch.setattr(base, "HALVES_FROM", 1)
+    monkeypatch.setattr(base.os, "cpu_count", lambda: 2)  # halves on a machine of one core too
+    monkeypatch.setattr(base, "in_halves", counted)
+    import attnlab.pretrained.gguf_file as gguf_file
+
+    monkeypatch.setattr(gguf_file, "in_halves", counted)
+    assert np.array_equal(dequantize(blocks, "Q8_0", (1001, 32)).numpy(), one)
+    assert np.array_equal(base.fresh_copy(blocks[:, 2:]), copied)
+    assert calls == [1001, 1001]
+    seen = []
+
+    def work(a, b):
+        seen.append((a, b))
+        if a > 0:
+            raise ValueError("the second half failed")
+
+    with pytest.raises(ValueError, match="second half"):
+        real(10, 1 << 30, work)
+    assert sorted(seen) == [(0, 5), (5, 10)]
+
+
 def test_q5_0_every_code_and_fifth_bit_equals_gguf():
     """Random Q5_0 blocks (every byte of qh and qs drawn, finite float16 scales of both
     signs): attnlab's reading equals gguf-py's bit for bit, and a hand-made block gives

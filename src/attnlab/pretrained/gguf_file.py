@@ -38,7 +38,7 @@ import torch
 
 from attnlab.pretrained.errors import ModelFileError, check_finite
 from attnlab.quant import Int4Linear, Q5Linear, Q8Linear, gguf_blocks, gguf_format
-from attnlab.quant.base import GGUFBlock, f16_columns, fresh, fresh_copy, nibbles
+from attnlab.quant.base import GGUFBlock, f16_columns, fresh, fresh_copy, in_halves, nibbles
 from attnlab.quant.int4 import q4_k_parts
 
 # Shape legend: N blocks, Q = 32 weights per block, R rows, K = row length (ne0).
@@ -73,7 +73,12 @@ def dequantize_q8_0(blocks: np.ndarray) -> np.ndarray:
     load).
     """
     out = fresh((blocks.shape[0], QK), np.float32)  # (N, Q)
-    np.multiply(blocks[:, 2:].view(np.int8), f16_columns(blocks, 1), out=out)
+    codes = blocks[:, 2:].view(np.int8)
+
+    def rows(a: int, b: int) -> None:
+        np.multiply(codes[a:b], f16_columns(blocks[a:b], 1), out=out[a:b])
+
+    in_halves(out.shape[0], out.nbytes, rows)
     return out
 
 

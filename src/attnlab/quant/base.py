@@ -6,6 +6,8 @@ R weight rows of a GGUF tensor, G blocks per weight row.
 
 from __future__ import annotations
 
+import os
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, ClassVar, NamedTuple
@@ -52,12 +54,52 @@ def fresh(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
     return torch.empty(shape, dtype=torch_dtype).numpy()
 
 
+#: Outputs of at least this many bytes are written in two halves at once (:func:`in_halves`).
+HALVES_FROM = 32 << 20
+
+
+def in_halves(rows: int, nbytes: int, work: Callable[[int, int], object]) -> None:
+    """``work(start, stop)`` over the rows ``[0, rows)``: for an output of ``nbytes`` of
+    at least :data:`HALVES_FROM` on a machine of several cores, the second half in a helper
+    thread while this one does the first, else all at once.
+
+    numpy lets go of Python's lock inside a copy or an arithmetic loop, so the halves run
+    on two cores, and most of what they cost is faulting in fresh pages, which the kernel
+    does for both at once: Gemma 3's 670 MB float32 embedding in 0.29-0.36 s against
+    0.47-0.54 s, its 170 MB of Q8_0 codes in 0.07 s against 0.12 s. With the other core
+    busy the helper's half waits for it, as one thread's second half would have.
+    """
+    if nbytes < HALVES_FROM or rows < 2 or (os.cpu_count() or 1) < 2:
+        work(0, rows)
+        return
+    half = rows // 2
+    failed: list[BaseException] = []
+
+    def second() -> None:
+        try:
+            work(half, rows)
+        except BaseException as e:  # raised again in the caller's thread
+            failed.append(e)
+
+    helper = threading.Thread(target=second, name="attnlab-half", daemon=True)
+    helper.start()
+    try:
+        work(0, half)
+    finally:
+        helper.join()
+    if failed:
+        raise failed[0]
+
+
 def fresh_copy(src: np.ndarray, dtype: Any = None) -> np.ndarray:
     """``src`` copied into a C-contiguous :func:`fresh` array, converted to ``dtype`` if
     given (``np.ascontiguousarray`` or ``astype`` of a view of the file, without its huge
-    pages)."""
+    pages); a large one in two halves at once (:func:`in_halves`)."""
     out = fresh(src.shape, src.dtype if dtype is None else dtype)
-    np.copyto(out, src)
+    if out.ndim == 0:
+        np.copyto(out, src)
+        return out
+    in_halves(out.shape[0], out.nbytes, lambda a, b: np.copyto(out[a:b], src[a:b]))
     return out
 
 
