@@ -61,6 +61,7 @@ from attnlab.distributed.training import (
 )
 from attnlab.generation import generate
 from attnlab.models.gpt import GPTConfig, GPTModel
+from attnlab.optim import AdamW
 
 __all__ = [
     "DEFAULT_OUT_DIR",
@@ -524,14 +525,16 @@ class Trainer:
 
         decay = [p for p in self.model.parameters() if p.dim() >= 2]
         no_decay = [p for p in self.model.parameters() if p.dim() < 2]
-        self.optimizer = torch.optim.AdamW(
-            [
-                {"params": decay, "weight_decay": cfg.weight_decay},
-                {"params": no_decay, "weight_decay": 0.0},
-            ],
-            lr=cfg.peak_lr(),
-            betas=(0.9, 0.95),
-            **({"fused": True} if device.type == "cuda" else {}),
+        groups = [
+            {"params": decay, "weight_decay": cfg.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
+        # On CPU attnlab's AdamW: PyTorch's update bit for bit, without the 2 s import of
+        # torch._dynamo that any torch.optim optimizer costs (attnlab.optim).
+        self.optimizer: AdamW | torch.optim.AdamW = (
+            torch.optim.AdamW(groups, lr=cfg.peak_lr(), betas=(0.9, 0.95), fused=True)
+            if device.type == "cuda"
+            else AdamW(groups, lr=cfg.peak_lr(), betas=(0.9, 0.95))
         )
         self.state = _State()
         if ckpt is not None:
