@@ -5,6 +5,7 @@ torch._dynamo."""
 from __future__ import annotations
 
 import copy
+import os
 import subprocess
 import sys
 
@@ -120,7 +121,7 @@ def test_a_training_process_never_imports_dynamo(tmp_path):
         "    assert not e.code, e.code\n"
         "print('dynamo' if 'torch._dynamo' in sys.modules else 'no dynamo')\n"
     )
-    env = {"PYTHONPATH": str(SRC), "MPLBACKEND": "Agg", "PATH": "/usr/bin:/bin"}
+    env = {**os.environ, "PYTHONPATH": str(SRC), "MPLBACKEND": "Agg"}
     done = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600
     )
