@@ -98,7 +98,8 @@ def dequantize_q5_0(blocks: np.ndarray) -> np.ndarray:
 def dequantize_q4_k(blocks: np.ndarray) -> np.ndarray:
     """Q4_K super-blocks (N, 144) uint8 -> (N, 256) float32, ``(d * sc) * q - dmin * m`` per
     32-weight sub-block (:func:`attnlab.quant.int4.q4_k_parts`): one rounding of the
-    product and one of the difference, as ``gguf``'s reading, in a third of its time."""
+    product and one of the difference, as ``gguf``'s reading (Gemma 3's 27 tensors in
+    0.09 s against its 0.13 s, written into memory that faults in faster)."""
     codes, scales, mins = q4_k_parts(blocks, np.float32)  # (N, 256), (N, 8), (N, 8)
     out = codes.reshape(-1, 8, QK)  # (N, 8, Q), written in place
     out *= scales[:, :, None]
@@ -125,7 +126,7 @@ def dequantize_q6_k(blocks: np.ndarray) -> np.ndarray:
     q |= top.reshape(n, 2, 128) << 4
     out = fresh_copy(q, np.float32).reshape(n, 16, 16)  # (N, sub-blocks, 16)
     out -= 32.0
-    d = np.ascontiguousarray(blocks[:, 208:210]).view(np.float16).astype(np.float32)  # (N, 1)
+    d = f16_columns(blocks[:, 208:], 1)  # (N, 1): the block's last two bytes
     out *= (d * blocks[:, 192:208].view(np.int8))[:, :, None]  # (N, 16, 1) exact
     return out.reshape(n, 256)
 
