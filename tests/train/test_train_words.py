@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
+import induction_run
 from attnlab.checkpoint import CheckpointError, load_checkpoint
 from attnlab.data import (
     WordTokenizer,
@@ -194,37 +194,61 @@ def test_stride_and_warmup_flags_are_recorded_and_bad_ones_are_named(capsys, tmp
     assert saved["both"]["stride"] == 8 and saved["both"]["warmup_steps"] == 3
 
 
-#: The documented short run of docs/guides/heads.md that grows an induction head.
-INDUCTION_RECIPE = (
-    "--repeated-words 1-15 --layers 2 --context-length 32 --emb-dim 64 --heads 4 "
-    "--dropout 0 --batch-size 32 --lr 3e-3 --warmup-steps 1500 --steps 6000 --seed 1"
-)
-
-
-@pytest.mark.slow
-def test_the_documented_short_run_grows_an_induction_head(capsys, tmp_path):
-    """The guide's command, run as a user would: before training no head completes a
-    repeated sequence; after it, a layer-1 head does on a held-out length (16 words: the
-    training sequences are 1 to 15 long, so a head that looks a fixed distance back cannot
-    pass), fed by a layer-0 previous-token head, the two-head circuit of an induction head."""
-    import random
-
-    from attnlab.explain import head_scores
-
-    out = tmp_path / "induction"
-    argv = ["train", *INDUCTION_RECIPE.split(), "--eval-interval", "6000", "--out", str(out)]
-    code, _, err = run_main(capsys, *argv)
-    assert code == 0, err
-    ckpt = load_checkpoint(out, with_training_state=False)
-    tok = checkpoint_tokenizer(ckpt)
-    after = GPTModel.from_checkpoint(ckpt).eval()
-    words = random.Random(-2).choices(tok.words, k=16)
-    ids = tok.encode(" ".join(words + words))
+def test_the_documented_short_run_grew_an_induction_head():
+    """The kept run of the guide's command (tests/induction_run.py): before training no head
+    completes a repeated sequence; after it, a layer-1 head does on a held-out length (16
+    words: the training sequences are 1 to 15 long, so a head that looks a fixed distance
+    back cannot pass), fed by a layer-0 previous-token head, the two-head circuit of an
+    induction head; and the training loss fell as it formed, as the guide says."""
+    ckpt = load_checkpoint(induction_run.KEPT, with_training_state=False)
+    assert ckpt.step == 6000 and ckpt.extra["train_config"]["steps"] == 6000
+    ids, b, a = induction_run.scores()
     assert len(ids) == 32 and 0 not in ids
-    torch.manual_seed(1)
-    random.seed(1)
-    before = GPTModel(after.cfg).eval()  # the trainer's seeded initial weights
-    b, a = head_scores(before, ids), head_scores(after, ids)
     assert float(b["induction"].max()) < 0.2
     assert float(a["induction"][1].max()) > 0.5, a["induction"]
     assert float(a["previous_token"][0].max()) > 0.5, a["previous_token"]
+    losses = json.loads((induction_run.KEPT / "history.json").read_text())["step_losses"]
+    assert len(losses) == 6000
+    early, late = sum(losses[500:1000]) / 500, sum(losses[-500:]) / 500
+    assert early > 4.6 and late < 4.2, (early, late)
+
+
+def test_the_documented_command_trains_the_kept_run(capsys, tmp_path, monkeypatch):
+    """The guide's command, run as a user would for its first steps, is the kept run: the
+    same train config and tokenizer, and the same loss at every step within float32's drift
+    across CPUs. If this fails after a deliberate change to training, make the run again:
+    ``PYTHONPATH=src python tests/induction_run.py``."""
+    import attnlab.train as training
+    from attnlab.distributed.training import EXIT_INTERRUPTED
+
+    steps = induction_run.CHECKED_STEPS
+
+    class StopsEarly(training.Trainer):  # the command's trainer, asked to stop at `steps`
+        def __init__(self, *args, callback=None, **kwargs):
+            def stop_at(event):
+                if callback is not None:
+                    callback(event)
+                if isinstance(event, training.StepResult) and event.step == steps:
+                    self.request_stop()
+
+            super().__init__(*args, callback=stop_at, **kwargs)
+
+    monkeypatch.setattr(training, "Trainer", StopsEarly)
+    out = tmp_path / "induction"
+    code, _, err = run_main(capsys, *induction_run.ARGV, "--out", str(out))
+    assert code == EXIT_INTERRUPTED, err
+    now = load_checkpoint(out, with_training_state=False)
+    kept = load_checkpoint(induction_run.KEPT, with_training_state=False)
+    assert now.step == steps
+    assert now.model_config == kept.model_config
+    assert now.extra["train_config"] == kept.extra["train_config"]
+    assert now.extra["tokenizer"] == kept.extra["tokenizer"]
+    got = json.loads((out / "history.json").read_text())["step_losses"]
+    want = json.loads((induction_run.KEPT / "history.json").read_text())["step_losses"]
+    assert len(got) == steps
+    worst = max(abs(g - w) / abs(w) for g, w in zip(got, want[:steps], strict=True))
+    assert worst <= induction_run.LOSS_RTOL, (
+        f"the first {steps} steps of the documented run moved from the kept run by "
+        f"{worst:.2e} (relative); if training changed on purpose, make the run again: "
+        "PYTHONPATH=src python tests/induction_run.py"
+    )
