@@ -79,17 +79,15 @@ def check_branch(ext, march: str) -> None:
     if getattr(ext, "SIMD", None) == branch:
         pytest.skip(f"the {branch} branch is this CPU's own build, tested by {KERNEL_TESTS}")
     env = _env(march)
-    probe = subprocess.run(
-        [sys.executable, "-c", "from attnlab import native; print(native.extension().SIMD)"],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
+    # one process builds the branch, says which it built, then runs the kernel tests on it
+    script = (
+        "import sys, pytest\n"
+        "from attnlab import native\n"
+        "print('SIMD=' + native.extension().SIMD, flush=True)\n"
+        "sys.exit(pytest.main(sys.argv[1:]))\n"
     )
-    assert probe.returncode == 0, probe.stderr
-    assert probe.stdout.strip() == branch, (march, probe.stdout, probe.stderr)
     run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider",
+        [sys.executable, "-c", script, "-q", "-n", "0", "-p", "no:cacheprovider",
          *(str(TESTS / name) for name in tests)],
         env=env,
         cwd=ROOT,
@@ -97,6 +95,8 @@ def check_branch(ext, march: str) -> None:
         text=True,
         check=False,
     )  # fmt: skip
+    built = run.stdout.splitlines()[:1]
+    assert built == [f"SIMD={branch}"], (march, run.stdout[-2000:], run.stderr[-2000:])
     tail = "\n".join(run.stdout.splitlines()[-30:])
     assert run.returncode == 0, f"-march={march} ({branch}):\n{tail}\n{run.stderr[-2000:]}"
     # the kernel tests ran on this build: none skipped for want of it (extras may be missing)
