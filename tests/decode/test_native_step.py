@@ -21,10 +21,9 @@ from attnlab.models.decoder import Decoder
 from attnlab.models.fast_decode import DecodePlan
 from attnlab.quant import quantize_model
 
-pytestmark = pytest.mark.skipif(
-    native.why_not_native() is not None,
-    reason=f"the native step is not built here: {native.why_not_native()}",
-)
+# the `ext` fixture builds the module in the first test that needs it (or skips, saying
+# why), never at collection, where every worker would wait on the same build
+pytestmark = pytest.mark.usefixtures("ext")
 
 # Llama; Qwen3 (QK-norm per head vector); Gemma 3 (sandwich norms, local windows with
 # their own RoPE, gelu_tanh, embeddings x sqrt(C), its own scale); Mistral (one window);
