@@ -243,6 +243,7 @@ def test_the_documented_command_trains_the_kept_run(capsys, tmp_path, monkeypatc
     assert now.model_config == kept.model_config
     assert now.extra["train_config"] == kept.extra["train_config"]
     assert now.extra["tokenizer"] == kept.extra["tokenizer"]
+    assert now.extra["text_sha256"] == kept.extra["text_sha256"]  # the same training text
     got = json.loads((out / "history.json").read_text())["step_losses"]
     want = json.loads((induction_run.KEPT / "history.json").read_text())["step_losses"]
     assert len(got) == steps
