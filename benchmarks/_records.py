@@ -263,8 +263,10 @@ def load_records(folder: Path | None = None) -> list[dict[str, Any]]:
 
 def cpu_of(record: dict[str, Any]) -> str:
     """The CPU a record was measured on: the model name and the widest SIMD it has, e.g.
-    ``"AMD EPYC (AVX-512 with BF16)"``. That is the machine's own class, also for a run
-    under a smaller class's caps (its config names the class it ran as)."""
+    ``"AMD EPYC (AVX-512 with BF16)"``, and ``AVX-VNNI`` where it has that too (two
+    generations of one model name can differ only there: AMD's Zen 4 EPYC has no AVX-VNNI,
+    its Zen 5 has it, and their speeds differ). That is the machine's own class, also for a
+    run under a smaller class's caps (its config names the class it ran as)."""
     m = record.get("machine") or {}
     simd = set(m.get("simd") or [])
     if "simd" not in m:  # a record from before the field
@@ -281,6 +283,8 @@ def cpu_of(record: dict[str, Any]) -> str:
         level = "Arm"
     else:
         level = "no AVX2"
+    if "avx_vnni" in simd and level.startswith("AVX-512"):
+        level += ", AVX-VNNI"
     return f"{m.get('cpu') or 'unknown CPU'} ({level})"
 
 

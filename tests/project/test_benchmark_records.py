@@ -86,10 +86,12 @@ def test_latest_keeps_each_cpus_own_record(tmp_path: Path) -> None:
     field gives way to a later one of the same CPU model, and stands alone otherwise."""
     epyc = {"cpu": "AMD EPYC", "simd": ["avx2", "avx512f", "avx512_bf16"]}
     xeon = {"cpu": "Intel Xeon", "simd": ["avx2", "avx512f"]}
+    zen5 = {"cpu": "AMD EPYC", "simd": ["avx2", "avx_vnni", "avx512f", "avx512_bf16"]}
     rows = [
         ("2026-01-01", "a", {"cpu": "AMD EPYC"}),  # before the SIMD field
         ("2026-01-02", "a", epyc),
         ("2026-01-03", "a", xeon),
+        ("2026-01-04", "a", zen5),  # another generation of the same model name
         ("2026-01-01", "b", {"cpu": "AMD EPYC"}),
     ]
     for i, (date, config, machine) in enumerate(rows):
@@ -99,6 +101,7 @@ def test_latest_keeps_each_cpus_own_record(tmp_path: Path) -> None:
     got = [(cpu_of(r), r["config"], r["date"][:10]) for r in latest(load_records(tmp_path))]
     assert got == [
         ("AMD EPYC (AVX-512 with BF16)", "a", "2026-01-02"),
+        ("AMD EPYC (AVX-512 with BF16, AVX-VNNI)", "a", "2026-01-04"),
         ("AMD EPYC (SIMD not recorded)", "b", "2026-01-01"),
         ("Intel Xeon (AVX-512)", "a", "2026-01-03"),
     ]
