@@ -215,7 +215,9 @@ class Recorder:
         if script.is_absolute():
             with contextlib.suppress(ValueError):
                 script = script.relative_to(ROOT)
-        status = _git("status", "--porcelain", "--", "src", "benchmarks")
+        # the code measured; records already written (an earlier model of the same run)
+        # are results, not changes to it
+        status = _git("status", "--porcelain", "--", "src", "benchmarks", ":!benchmarks/results")
         return {
             "benchmark": self.benchmark,
             "config": self.config,

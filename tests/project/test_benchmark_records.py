@@ -146,3 +146,28 @@ def test_docs_page_is_made_from_the_latest_records() -> None:
         "docs/benchmarks.md is stale: run python benchmarks/make_docs_page.py"
     )
     assert (ROOT / "docs" / "img" / "benchmarks.png").is_file()
+
+
+def test_records_written_earlier_in_a_run_are_not_local_changes(tmp_path, monkeypatch) -> None:
+    """A benchmark that measures two models writes two records; the first, not yet
+    committed, must not mark the second as measured on changed code. A changed source
+    file must."""
+    import subprocess
+
+    import _records
+
+    def git(*args: str) -> None:
+        subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
+
+    (tmp_path / "src").mkdir()
+    (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+    (tmp_path / "src" / "code.py").write_text("x = 1\n")
+    git("init", "-q")
+    git("add", "src")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "code")
+    monkeypatch.setattr(_records, "ROOT", tmp_path)
+    rec = Recorder("bench_demo", "small", "a demo measurement", threads=1)
+    (tmp_path / "benchmarks" / "results" / "bench_demo--first.json").write_text("{}")
+    assert rec.record(["bench_demo.py"])["local_changes"] is False
+    (tmp_path / "src" / "code.py").write_text("x = 2\n")
+    assert rec.record(["bench_demo.py"])["local_changes"] is True
