@@ -30,13 +30,33 @@ def _magnitude(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return x.double().abs() @ w.double().abs().t()  # (M, N)
 
 
-def _bound(x: torch.Tensor, layer: Int4Linear, reference: torch.Tensor, out: torch.dtype):
+def _integer(ext) -> bool:
+    """Whether this build's q4.h branch is the integer one (AVX2: 16-bit activation codes)."""
+    return getattr(ext, "SIMD", None) == "avx2"
+
+
+def _bound(x: torch.Tensor, layer: Int4Linear, reference: torch.Tensor, out: torch.dtype, ext):
     """The float32 sum's error bound over K terms (K * 2^-24 of sum |x w|, doubled for the
     order), plus the output's rounding (bf16: half a unit in the last of 8 bits, 2^-8 of the
-    value; float32: 2^-24)."""
+    value; float32: 2^-24). The integer branch (q4.h's header) sums ``s * e * S`` and
+    ``o * X`` apart, so its float32 sums are over ``|s q|`` and ``|o|`` rather than ``|w|``,
+    and each x is within 0.506 e of its code's value, e = 2^-15 of the largest |x| of its
+    32-block: 0.506 * sum e |s q| more."""
     K = x.shape[1]
     rounding = 2**-8 if out == torch.bfloat16 else 2**-24
-    return K * 2**-23 * _magnitude(x, layer.weight) + rounding * reference.abs() + 1e-30
+    tail = rounding * reference.abs() + 1e-30
+    if not _integer(ext):
+        return K * 2**-23 * _magnitude(x, layer.weight) + tail
+    codes, scale_offset = layer._native_layout()
+    N, M = codes.shape[0], x.shape[0]
+    blocks = codes.view(N, K // 32, 16)
+    q = torch.cat([blocks & 15, blocks >> 4], dim=-1).double()  # (N, K/32, 32)
+    s, o = scale_offset.double().abs().unbind(-1)  # (N, K/32) each
+    sq = (q * s.unsqueeze(-1)).view(N, K)
+    offsets = o.repeat_interleave(32, dim=1)  # (N, K)
+    e = x.double().abs().view(M, K // 32, 32).amax(-1).repeat_interleave(32, dim=1) / 32767
+    floats = K * 2**-23 * (_magnitude(x, sq) + _magnitude(x, offsets))
+    return floats + 0.506 * e @ sq.t() + tail
 
 
 def _torch_int4(layer: Int4Linear, x: torch.Tensor) -> torch.Tensor:
@@ -74,7 +94,7 @@ def test_kernel_is_the_float64_product_of_the_weight(ext, N, K, group_size, M, x
     y = ext.q4_mm(x, *layer._native_layout())
     assert y.dtype == x_dtype and y.shape == (M, N)
     err = (y.double() - reference).abs()
-    bound = _bound(x, layer, reference, x_dtype)
+    bound = _bound(x, layer, reference, x_dtype, ext)
     assert bool((err <= bound).all()), (err / bound).max().item()
 
 
@@ -90,8 +110,9 @@ def test_kernel_is_pytorchs_within_both_bounds(ext, N, K, group_size, M):
     reference = x.double() @ layer.weight.double().t()
     ours, theirs = ext.q4_mm(x, *layer._native_layout()), _torch_int4(layer, x)
     offsets = layer._native_layout()[1][..., 1].repeat_interleave(32, dim=1)  # (N, K)
-    bound = _bound(x, layer, reference, torch.bfloat16)
-    theirs_bound = bound + 2**-23 * (_magnitude(x, layer.weight) + _magnitude(x, offsets))
+    bound = _bound(x, layer, reference, torch.bfloat16, ext)
+    theirs_bound = _bound(x, layer, reference, torch.bfloat16, None) + 2**-23 * (
+        _magnitude(x, layer.weight) + _magnitude(x, offsets))  # fmt: skip
     assert bool(((ours.double() - reference).abs() <= bound).all())
     assert bool(((theirs.double() - reference).abs() <= theirs_bound).all())
     assert bool(((ours.double() - theirs.double()).abs() <= bound + theirs_bound).all())
@@ -162,4 +183,20 @@ def test_the_layout_is_built_once_beside_the_module(ext, monkeypatch):
     x = torch.randn(2, 128).bfloat16()
     reference = x.double() @ layer.weight.double().t()
     assert bool(((layer.product(x).double() - reference).abs() <= _bound(
-        x, layer, reference, torch.bfloat16)).all())  # fmt: skip
+        x, layer, reference, torch.bfloat16, ext)).all())  # fmt: skip
+
+
+def test_a_non_finite_x_spoils_only_its_own_row(ext):
+    """A row of x holding inf or NaN gives no finite output (the integer branch's block scale is
+    NaN); the other rows are within their bound; a row of zeros gives exact zeros."""
+    layer = _layer(48, 96, 32, seed=3)
+    x = torch.randn(4, 96, generator=torch.Generator().manual_seed(3))
+    x[1, 40] = float("inf")
+    x[2, 5] = float("nan")
+    x[3] = 0.0
+    y = ext.q4_mm(x, *layer._native_layout())
+    assert not bool(torch.isfinite(y[1:3]).any())
+    assert torch.equal(y[3], torch.zeros(48))
+    reference = x[:1].double() @ layer.weight.double().t()
+    bound = _bound(x[:1], layer, reference, torch.float32, ext)
+    assert bool(((y[:1].double() - reference).abs() <= bound).all())

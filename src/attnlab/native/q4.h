@@ -5,12 +5,28 @@
 // weight j < 16 of the group in the low nibble of byte j and weight j + 16 in its high nibble.
 // 0.75 bytes a weight.
 //
-// Each weight is fma(q, s, o) in float32, one rounding (q * s is exact: s is a bf16 value): the value PyTorch's
-// AVX2 int4 kernel (_weight_int4pack_mm_for_cpu) gives it, and Int4Linear.weight's. Every
-// product and sum then runs in float32, so the result is x @ W^T up to the order of the float32
-// sums. Where PyTorch's int4 kernels are its AVX-512 ones they are used instead; this one is for
-// the CPUs where they are slow (AVX2 without AVX-512). One output row of W at a time (parallel
-// over N): its codes are read once for up to kRowsAtOnce rows of x.
+// Where PyTorch's int4 kernels are its AVX-512 ones they are used instead (attnlab.quant picks);
+// this one is for the CPUs where they are slow (AVX2 without AVX-512). A few output rows of W
+// at a time (parallel over N; four for one row of x on AVX2): their codes are read once for up
+// to kRowsAtOnce rows of x.
+//
+// AVX2: integer dot products, as q8_0.h. Each 32-block of each row of x is quantised once per
+// call to 16-bit codes p with a float scale e (attnlab_simd::quantise_rows: x = e p within
+// 0.506 e, e = 2^-15 of the block's largest |x|), and its float32 sum X is kept. A group's
+// product is then s * e * S + o * X, S = sum q p the exact integer sum (two vpmaddwd of 16
+// pairs: 8 partial sums of four products, at most 4 * 15 * 32767 < 2^24, so exact in float32
+// too), every other product and sum in float32. Its error beyond the float32 sums' is at most
+// 0.506 * e * s * sum q over each group: 2^-16 of the block's largest |x| times the group's
+// |s q| sum, far below bfloat16's rounding of the output (2^-9), where decoding rounds it.
+// Measured on a Zen 4 built for x86-64-v3, one thread, one bf16 row, interleaved with the
+// float weights it replaces (fma(q, s, o), 21 vector instructions a group): SmolLM2's
+// 49152 x 576 head 1.73-1.97 ms against 3.19-3.29, a 6144 x 576 weight 218-259 us against
+// 358-395 (in a slow hour; the decode's own ratio is in bench_llama_cpp.py --isa avx2).
+//
+// AVX-512 and the plain loop: each weight is fma(q, s, o) in float32, one rounding (q * s is
+// exact: s is a bf16 value), the value PyTorch's AVX2 int4 kernel (_weight_int4pack_mm_for_cpu)
+// gives it and Int4Linear.weight's, and every product and sum runs in float32, so the result
+// is x @ W^T up to the order of the float32 sums.
 //
 // Used by decode_step.cpp (Product kind kQ4) and bound as q4_mm (attnlab.quant.Int4Linear).
 
@@ -25,15 +41,99 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#define ATTNLAB_Q4_INTEGER 1  // the AVX2 branch: 16-bit activation codes, integer dots
+#else
+#define ATTNLAB_Q4_INTEGER 0
 #endif
 
 namespace attnlab_q4 {
 
 constexpr int64_t kBlock = 32;      // weights per group
 constexpr int64_t kRowsAtOnce = 8;  // rows of x per pass over a weight row (registers)
+
+// The rows of x (M, K) as this build's branch reads them: float32, and for the integer
+// branch their 16-bit codes, the codes' scales and the blocks' float32 sums (M, K/32).
+struct Rows {
+  const float* x;
+  int64_t M, K;
+#if ATTNLAB_Q4_INTEGER
+  std::vector<int16_t> p;
+  std::vector<float> e, sums;
+#endif
+  Rows(const float* x_, int64_t M_, int64_t K_) : x(x_), M(M_), K(K_) {
+#if ATTNLAB_Q4_INTEGER
+    p.resize(M * K);
+    e.resize(M * (K / kBlock));
+    sums.resize(M * (K / kBlock));
+    attnlab_simd::quantise_rows(x, M, K, p.data(), e.data(), sums.data());
+#endif
+  }
+};
+
+#if ATTNLAB_Q4_INTEGER
+// Weight rows a pass takes at once for R rows of x: one row of x against one weight row
+// would wait on each multiply-add's latency and pay a weight row's setup and final sums for
+// 18 groups (SmolLM2's K = 576): 25 ns a weight row against 6 for the float branch, which
+// made the product no faster than it (SmolLM2's 6144 x 576, one row, one thread). Four
+// weight rows keep four independent sums. More rows of x fill the pipeline themselves (and
+// need the registers).
+template <int R>
+constexpr int weight_rows() {
+  return R == 1 ? 4 : (R == 2 ? 2 : 1);
+}
+
+// out[j * R + r] = sum_k x[(m0 + r) * K + k] * W_j[k] for NR weight rows (codes q, K/2
+// bytes a row; (scale, offset) pairs so, K/32 a row) and R rows of x from row m0.
+template <int R, int NR>
+inline void dots(const uint8_t* q, const float* so, const Rows& rows, int64_t m0, float* out) {
+  const int64_t K = rows.K, G = K / kBlock;
+  const int16_t* p = rows.p.data() + m0 * K;
+  const float* e = rows.e.data() + m0 * G;
+  const float* xs = rows.sums.data() + m0 * G;
+  __m256 acc[NR][R];
+  float offsets[NR][R];
+  for (int j = 0; j < NR; ++j)
+    for (int r = 0; r < R; ++r) {
+      acc[j][r] = _mm256_setzero_ps();
+      offsets[j][r] = 0.f;
+    }
+  const __m256i low_nibble = _mm256_set1_epi16(0x0F);
+  for (int64_t g = 0; g < G; ++g) {
+    for (int j = 0; j < NR; ++j) {
+      // the group's 32 codes as 16-bit lanes: bytes widened, then the low nibbles (weights
+      // 0-15) and the high ones (16-31)
+      const __m256i b = _mm256_cvtepu8_epi16(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + j * (K / 2) + g * 16)));
+      const __m256i w0 = _mm256_and_si256(b, low_nibble), w1 = _mm256_srli_epi16(b, 4);
+      const float s = so[j * 2 * G + 2 * g], o = so[j * 2 * G + 2 * g + 1];
+      for (int r = 0; r < R; ++r) {
+        const int16_t* pg = p + r * K + g * kBlock;
+        const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pg));
+        const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pg + 16));
+        // exact: |i| <= 4 * 15 * 32767 < 2^24
+        const __m256i i =
+            _mm256_add_epi32(_mm256_madd_epi16(w0, x0), _mm256_madd_epi16(w1, x1));
+        acc[j][r] =
+            _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), _mm256_set1_ps(s * e[r * G + g]), acc[j][r]);
+        offsets[j][r] += o * xs[r * G + g];
+      }
+    }
+  }
+  for (int j = 0; j < NR; ++j)
+    for (int r = 0; r < R; ++r) out[j * R + r] = attnlab_simd::hsum(acc[j][r]) + offsets[j][r];
+}
+#else
+template <int R>
+constexpr int weight_rows() {
+  return 1;
+}
 
 // Independent sums a row of x keeps: one row alone would wait on each multiply-add's latency,
 // more rows fill the pipeline themselves (and need the registers).
@@ -42,11 +142,14 @@ constexpr int chains() {
   return R == 1 ? 4 : (R == 2 ? 2 : 1);
 }
 
-// out[r] = sum_k x[r * K + k] * W[k] for R rows of x (fp32, row stride K); q one weight row's
+// out[r] = sum_k x[(m0 + r) * K + k] * W[k] for R rows of x from row m0; q one weight row's
 // K/2 bytes of codes, so its K/32 (scale, offset) pairs.
-template <int R>
-inline void row_dots(const uint8_t* q, const float* so, const float* x, int64_t K, float* out) {
+template <int R, int NR>
+inline void dots(const uint8_t* q, const float* so, const Rows& rows, int64_t m0, float* out) {
+  static_assert(NR == 1, "the float branches take one weight row at a time");
   constexpr int C = chains<R>();
+  const int64_t K = rows.K;
+  const float* x = rows.x + m0 * K;
 #if defined(__AVX512F__)
   // Sums over groups g % C, C a compile-time count: sums picked by a run-time index
   // (g % C) lived in memory, and took 46 us for 1536 x 576 and one row against 28.
@@ -67,38 +170,6 @@ inline void row_dots(const uint8_t* q, const float* so, const float* x, int64_t 
     }
   };
   attnlab_simd::sum_groups<C, R>(K / kBlock, block, out);
-#elif defined(__AVX2__) && defined(__FMA__)
-  // Sums over the group's four vectors j % C (j a compile-time index once unrolled): with
-  // four multiply-adds a group this took 25 us for 1536 x 576 and one row, where sums over
-  // groups g % C (as above) took 29 to 36.
-  __m256 acc[C][R];
-  for (int c = 0; c < C; ++c)
-    for (int r = 0; r < R; ++r) acc[c][r] = _mm256_setzero_ps();
-  const __m256i low_nibble = _mm256_set1_epi32(0x0F);
-  for (int64_t g = 0; g < K / kBlock; ++g) {
-    const __m256 vs = _mm256_set1_ps(so[2 * g]), vo = _mm256_set1_ps(so[2 * g + 1]);
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + g * 16));
-    // bytes 0-7 hold weights 0-7 (low nibbles) and 16-23 (high); bytes 8-15 the others
-    const __m256i b0 = _mm256_cvtepu8_epi32(bytes);
-    const __m256i b1 = _mm256_cvtepu8_epi32(_mm_unpackhi_epi64(bytes, bytes));
-    __m256 w[4];
-    w[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b0, low_nibble)), vs, vo);
-    w[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b1, low_nibble)), vs, vo);
-    w[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), vs, vo);
-    w[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4)), vs, vo);
-    for (int r = 0; r < R; ++r) {
-      const float* xg = x + r * K + g * kBlock;
-      for (int j = 0; j < 4; ++j) {
-        __m256& a = acc[j % C][r];
-        a = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(xg + 8 * j), a);
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    __m256 total = acc[0][r];
-    for (int c = 1; c < C; ++c) total = _mm256_add_ps(total, acc[c][r]);
-    out[r] = attnlab_simd::hsum(total);
-  }
 #else
   (void)C;
   for (int r = 0; r < R; ++r) out[r] = 0.f;
@@ -107,7 +178,7 @@ inline void row_dots(const uint8_t* q, const float* so, const float* x, int64_t 
     const float s = so[2 * g], o = so[2 * g + 1];
     const uint8_t* qg = q + g * 16;
     for (int j = 0; j < 16; ++j) {
-      // q * s is exact (s a bf16 value), so this is the vector branches' fma to the bit
+      // q * s is exact (s a bf16 value), so this is the AVX-512 branch's fma to the bit
       w[j] = static_cast<float>(qg[j] & 0x0F) * s + o;
       w[j + 16] = static_cast<float>(qg[j] >> 4) * s + o;
     }
@@ -121,18 +192,34 @@ inline void row_dots(const uint8_t* q, const float* so, const float* x, int64_t 
   }
 #endif
 }
+#endif
 
-inline void rows_dots(int64_t rows, const uint8_t* q, const float* so, const float* x,
-                      int64_t K, float* out) {
-  switch (rows) {
-    case 1: return row_dots<1>(q, so, x, K, out);
-    case 2: return row_dots<2>(q, so, x, K, out);
-    case 3: return row_dots<3>(q, so, x, K, out);
-    case 4: return row_dots<4>(q, so, x, K, out);
-    case 5: return row_dots<5>(q, so, x, K, out);
-    case 6: return row_dots<6>(q, so, x, K, out);
-    case 7: return row_dots<7>(q, so, x, K, out);
-    default: return row_dots<8>(q, so, x, K, out);
+// Weight rows per step of the loop over N (the most weight_rows gives).
+constexpr int64_t kTile = weight_rows<1>();
+
+// out[j * R + r] for a tile's nw (<= kTile) weight rows and R rows of x from row m0:
+// weight_rows<R>() at a time, then one at a time.
+template <int R>
+inline void tile(int64_t nw, const uint8_t* q, const float* so, const Rows& rows, int64_t m0,
+                 float* out) {
+  constexpr int NR = weight_rows<R>();
+  const int64_t K = rows.K, G = K / kBlock;
+  int64_t j = 0;
+  for (; j + NR <= nw; j += NR) dots<R, NR>(q + j * (K / 2), so + j * 2 * G, rows, m0, out + j * R);
+  for (; j < nw; ++j) dots<R, 1>(q + j * (K / 2), so + j * 2 * G, rows, m0, out + j * R);
+}
+
+inline void tile_rows(int64_t count, int64_t nw, const uint8_t* q, const float* so,
+                      const Rows& rows, int64_t m0, float* out) {
+  switch (count) {
+    case 1: return tile<1>(nw, q, so, rows, m0, out);
+    case 2: return tile<2>(nw, q, so, rows, m0, out);
+    case 3: return tile<3>(nw, q, so, rows, m0, out);
+    case 4: return tile<4>(nw, q, so, rows, m0, out);
+    case 5: return tile<5>(nw, q, so, rows, m0, out);
+    case 6: return tile<6>(nw, q, so, rows, m0, out);
+    case 7: return tile<7>(nw, q, so, rows, m0, out);
+    default: return tile<8>(nw, q, so, rows, m0, out);
   }
 }
 
@@ -143,15 +230,18 @@ inline void q4_rows(const float* x, const uint8_t* codes, const float* so, T* y,
                     int64_t N, int64_t K) {
   // Chunks of at least 32 KiB of codes: a thread's start costs about what reading that does.
   const int64_t grain = std::max<int64_t>(1, (32 << 10) / (K / 2));
+  const int64_t G = K / kBlock;
+  const Rows rows(x, M, K);
   at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
-    float dots[kRowsAtOnce];
-    for (int64_t n = begin; n < end; ++n) {
-      const uint8_t* q = codes + n * (K / 2);
-      const float* s = so + n * (K / kBlock) * 2;
+    float out[kTile * kRowsAtOnce];
+    for (int64_t n = begin; n < end; n += kTile) {
+      const int64_t nw = std::min(kTile, end - n);
       for (int64_t m0 = 0; m0 < M; m0 += kRowsAtOnce) {
-        const int64_t rows = std::min(kRowsAtOnce, M - m0);
-        rows_dots(rows, q, s, x + m0 * K, K, dots);
-        for (int64_t r = 0; r < rows; ++r) y[(m0 + r) * N + n] = static_cast<T>(dots[r]);
+        const int64_t count = std::min(kRowsAtOnce, M - m0);
+        tile_rows(count, nw, codes + n * (K / 2), so + n * 2 * G, rows, m0, out);
+        for (int64_t j = 0; j < nw; ++j)
+          for (int64_t r = 0; r < count; ++r)
+            y[(m0 + r) * N + n + j] = static_cast<T>(out[j * count + r]);
       }
     }
   });

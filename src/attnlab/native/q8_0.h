@@ -4,8 +4,9 @@
 // codes split into two 4-bit halves (1.25 bytes) or one scale per row (int8).
 //
 // Integer dot products. Each 32-block of each row of x is quantised once per call to 16-bit
-// codes with a float scale: a = max |x| over the block, e = a / 32767, p[k] = round(x[k] /
-// a * 32767) in -32767..32767 (half to even), so that x[k] = e * p[k] within about e / 2.
+// codes with a float scale (attnlab_simd::quantise_rows, shared with q4.h's AVX2 branch):
+// a = max |x| over the block, e = a / 32767, p[k] = round(x[k] / a * 32767) in
+// -32767..32767 (half to even), so that x[k] = e * p[k] within about e / 2.
 // A weight block's dot with it is the integer sum S = sum q[k] p[k] (|S| <= 32 * 127 *
 // 32767 < 2^31), computed exactly, and y = sum over blocks of (d * e) * S in float32. The
 // branches form S from the same products: AVX-512BW one vpmaddwd of 32 int16 pairs a block
@@ -63,7 +64,6 @@ namespace attnlab_q8 {
 
 constexpr int64_t kBlock = 32;       // weights per scale
 constexpr int64_t kRowsAtOnce = 8;   // rows of x per pass over a weight row (registers)
-constexpr float kLevels = 32767.f;   // activation codes in -kLevels..kLevels
 
 inline float scale_value(c10::Half s) {
 #ifdef __F16C__
@@ -74,37 +74,6 @@ inline float scale_value(c10::Half s) {
 }
 
 inline float scale_value(c10::BFloat16 s) { return static_cast<float>(s); }
-
-// x (M, K) in T (float or bf16) -> p (M, K) int16 codes and e (M, K/32) float scales, each
-// 32-block as the header says. The same scalar code in every build (a compiler that
-// vectorises it keeps each division, product and rounding), so every branch reads the same
-// codes.
-template <typename T>
-inline void quantise_rows(const T* x, int64_t M, int64_t K, int16_t* p, float* e) {
-  for (int64_t b = 0; b < M * (K / kBlock); ++b) {
-    const T* xb = x + b * kBlock;
-    float v[kBlock];
-    float a = 0.f;
-    bool finite = true;
-    for (int64_t k = 0; k < kBlock; ++k) {
-      v[k] = static_cast<float>(xb[k]);
-      const float m = std::fabs(v[k]);
-      finite = finite && m <= std::numeric_limits<float>::max();  // false for inf and NaN
-      a = std::max(a, m);
-    }
-    int16_t* pb = p + b * kBlock;
-    if (!finite || a == 0.f) {
-      for (int64_t k = 0; k < kBlock; ++k) pb[k] = 0;
-      e[b] = finite ? 0.f : std::numeric_limits<float>::quiet_NaN();
-      continue;
-    }
-    // x / a first: in [-1, 1] whatever a's size (a * (32767 / a) would overflow for a
-    // below 32767 / FLT_MAX), so the code is within -32767..32767 without a clamp.
-    for (int64_t k = 0; k < kBlock; ++k)
-      pb[k] = static_cast<int16_t>(std::nearbyint((v[k] / a) * kLevels));
-    e[b] = a / kLevels;
-  }
-}
 
 // c (R, G) = d[g] * e[r * G + g]: each block's two scales in one, for R rows of x.
 template <int R, typename S>
@@ -320,9 +289,9 @@ inline at::Tensor q8_0_mm(const at::Tensor& x, const at::Tensor& codes, const at
   std::vector<int16_t> p(M * K);
   std::vector<float> e(M * (K / kBlock));
   if (x.scalar_type() == at::kBFloat16)
-    quantise_rows(xc.data_ptr<c10::BFloat16>(), M, K, p.data(), e.data());
+    attnlab_simd::quantise_rows(xc.data_ptr<c10::BFloat16>(), M, K, p.data(), e.data());
   else
-    quantise_rows(xc.data_ptr<float>(), M, K, p.data(), e.data());
+    attnlab_simd::quantise_rows(xc.data_ptr<float>(), M, K, p.data(), e.data());
   at::Tensor y = at::empty({M, N}, x.options());
   const int8_t* qp = codes.data_ptr<int8_t>();
   auto run = [&](auto* sp) {

@@ -2,8 +2,11 @@
 
 #pragma once
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 namespace attnlab_simd {
 
@@ -28,6 +31,50 @@ inline float exp_fast(float x) {
   float scale;
   std::memcpy(&scale, &bits, sizeof scale);
   return p * scale;
+}
+
+
+// 16-bit activation codes, read by the integer products of q8_0.h and q4.h (AVX2): per
+// 32-block of a row of x, a = max |x| over the block, e = a / 32767 and p[k] = round(x[k] /
+// a * 32767) in -32767..32767 (half to even), so that x[k] = e * p[k] within 0.506 e (half a
+// step, plus float32's three roundings of x / a, of its product by 32767 and of e).
+constexpr int64_t kCodeBlock = 32;   // activations per scale
+constexpr float kLevels = 32767.f;   // activation codes in -kLevels..kLevels
+
+// x (M, K) in T (float or bf16) -> p (M, K) int16 codes and e (M, K/32) float scales, each
+// block as above; where sums is given, also sums (M, K/32) each block's float32 sum of x in
+// order. The same scalar code in every build (a compiler that vectorises it keeps each
+// division, product and rounding), so every branch reads the same codes. A block with a
+// non-finite x gets e = NaN (so every output of its row is NaN); an all-zero block has e = 0
+// and codes 0.
+template <typename T>
+inline void quantise_rows(const T* x, int64_t M, int64_t K, int16_t* p, float* e,
+                          float* sums = nullptr) {
+  for (int64_t b = 0; b < M * (K / kCodeBlock); ++b) {
+    const T* xb = x + b * kCodeBlock;
+    float v[kCodeBlock];
+    float a = 0.f, sum = 0.f;
+    bool finite = true;
+    for (int64_t k = 0; k < kCodeBlock; ++k) {
+      v[k] = static_cast<float>(xb[k]);
+      const float m = std::fabs(v[k]);
+      finite = finite && m <= std::numeric_limits<float>::max();  // false for inf and NaN
+      a = std::max(a, m);
+      sum += v[k];
+    }
+    if (sums != nullptr) sums[b] = sum;
+    int16_t* pb = p + b * kCodeBlock;
+    if (!finite || a == 0.f) {
+      for (int64_t k = 0; k < kCodeBlock; ++k) pb[k] = 0;
+      e[b] = finite ? 0.f : std::numeric_limits<float>::quiet_NaN();
+      continue;
+    }
+    // x / a first: in [-1, 1] whatever a's size (a * (32767 / a) would overflow for a
+    // below 32767 / FLT_MAX), so the code is within -32767..32767 without a clamp.
+    for (int64_t k = 0; k < kCodeBlock; ++k)
+      pb[k] = static_cast<int16_t>(std::nearbyint((v[k] / a) * kLevels));
+    e[b] = a / kLevels;
+  }
 }
 
 }  // namespace attnlab_simd
