@@ -373,7 +373,7 @@ def test_book_gpt_attribution_against_the_book(book_pair):
         for h in range(4):
             part = W[:, h * 8 : (h + 1) * 8] @ z[h * 8 : (h + 1) * 8]
             assert float(a.heads[i, h]) == pytest.approx(
-                float(((part - part.mean()) * k) @ u), abs=1e-5
+                float((((part - part.mean()) * k) @ u).detach()), abs=1e-5
             )
     assert a.total == pytest.approx(float(logits[0, -1, 5] - logits[0, -1, 7]), abs=1e-5)
 
