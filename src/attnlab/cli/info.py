@@ -233,7 +233,8 @@ def _info_native() -> RenderableType:
         "PyTorch's (its AVX-512 kernels)"
         if capability == "AVX512"
         else f"attnlab's q4 kernel when the compiled step is loaded (PyTorch's int4 kernels "
-        f"here are its {capability} ones, slower)"
+        f"here are its {capability} ones, slower; q4's AVX2 branch sums integer products of "
+        "16-bit activation codes, as q8_0's)"
     )
     return Text(
         f"compiled decode step (attnlab.native): {native.status()}\n"
