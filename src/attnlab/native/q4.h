@@ -62,17 +62,19 @@ constexpr int64_t kRowsAtOnce = 8;  // rows of x per pass over a weight row (reg
 // branch their 16-bit codes, the codes' scales and the blocks' float32 sums (M, K/32).
 struct Rows {
   const float* x;
-  int64_t M, K;
+  int64_t K;
 #if ATTNLAB_Q4_INTEGER
   std::vector<int16_t> p;
   std::vector<float> e, sums;
 #endif
-  Rows(const float* x_, int64_t M_, int64_t K_) : x(x_), M(M_), K(K_) {
+  Rows(const float* x_, int64_t M, int64_t K_) : x(x_), K(K_) {
 #if ATTNLAB_Q4_INTEGER
     p.resize(M * K);
     e.resize(M * (K / kBlock));
     sums.resize(M * (K / kBlock));
     attnlab_simd::quantise_rows(x, M, K, p.data(), e.data(), sums.data());
+#else
+    (void)M;
 #endif
   }
 };
@@ -205,7 +207,8 @@ inline void tile(int64_t nw, const uint8_t* q, const float* so, const Rows& rows
   constexpr int NR = weight_rows<R>();
   const int64_t K = rows.K, G = K / kBlock;
   int64_t j = 0;
-  for (; j + NR <= nw; j += NR) dots<R, NR>(q + j * (K / 2), so + j * 2 * G, rows, m0, out + j * R);
+  for (; j + NR <= nw; j += NR)
+    dots<R, NR>(q + j * (K / 2), so + j * 2 * G, rows, m0, out + j * R);
   for (; j < nw; ++j) dots<R, 1>(q + j * (K / 2), so + j * 2 * G, rows, m0, out + j * R);
 }
 

@@ -33,7 +33,6 @@ inline float exp_fast(float x) {
   return p * scale;
 }
 
-
 // 16-bit activation codes, read by the integer products of q8_0.h and q4.h (AVX2): per
 // 32-block of a row of x, a = max |x| over the block, e = a / 32767 and p[k] = round(x[k] /
 // a * 32767) in -32767..32767 (half to even), so that x[k] = e * p[k] within 0.506 e (half a
