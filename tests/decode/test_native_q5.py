@@ -33,13 +33,25 @@ def _layer(N: int, K: int, seed: int) -> Q5Linear:
     return Q5Linear.from_codes(codes, scales)
 
 
-def _bound(x: torch.Tensor, layer: Q5Linear, reference: torch.Tensor, out: torch.dtype):
+def _integer(ext) -> bool:
+    """Whether this build's q5_0.h branch is the integer one (AVX2: 16-bit activation codes)."""
+    return getattr(ext, "SIMD", None) == "avx2"
+
+
+def _bound(x: torch.Tensor, w: torch.Tensor, reference: torch.Tensor, out: torch.dtype, ext):
     """The float32 sum's error bound over K terms (K * 2^-24 of sum |x w|, with slack for
-    the order), plus the output's rounding (bf16: 2^-8 of the value)."""
-    K = x.shape[1]
-    magnitude = x.double().abs() @ layer.weight.double().abs().t()  # (M, N)
+    the order), plus the output's rounding (bf16: 2^-8 of the value). The integer branch
+    (q5_0.h's header) reads each x as its code's value, within 0.506 e of it, e = 2^-15 of
+    the largest |x| of its 32-block: 0.506 * sum e |w| more, and its float32 sums run over
+    values up to e larger than |x|."""
+    K, M = x.shape[1], x.shape[0]
+    ax, aw = x.double().abs(), w.double().abs()
     rounding = 2**-8 if out == torch.bfloat16 else 2**-24
-    return K * 2**-23 * magnitude + rounding * reference.abs() + 1e-30
+    tail = rounding * reference.abs() + 1e-30
+    if not _integer(ext):
+        return K * 2**-23 * (ax @ aw.t()) + tail
+    e = ax.view(M, K // 32, 32).amax(-1).repeat_interleave(32, dim=1) / 32767
+    return K * 2**-23 * ((ax + e) @ aw.t()) + 0.506 * (e @ aw.t()) + tail
 
 
 def _gguf_q5_0(N: int, K: int, seed: int):
@@ -145,7 +157,7 @@ def test_kernel_is_the_float64_product_of_the_weight(ext, M, K, x_dtype):
         y = ext.q5_0_mm(x, layer.blocks)
         assert y.dtype == x_dtype and y.shape == (M, N)
         err = (y.double() - reference).abs()
-        bound = _bound(x, layer, reference, x_dtype)
+        bound = _bound(x, layer.weight, reference, x_dtype, ext)
         assert bool((err <= bound).all()), (N, (err / bound).max().item())
 
 
@@ -159,8 +171,39 @@ def test_kernel_on_gguf_pys_blocks(ext):
     x = torch.randn(2, K)
     reference = x.double() @ values.double().t()
     err = (ext.q5_0_mm(x, blocks).double() - reference).abs()
-    magnitude = x.double().abs() @ values.double().abs().t()
-    assert bool((err <= K * 2**-23 * magnitude + 1e-30).all())
+    assert bool((err <= _bound(x, values, reference, torch.float32, ext)).all())
+
+
+def test_the_integer_branchs_error_term_is_needed_and_bounds_it(ext):
+    """Where the build sums integer products (AVX2), its error exceeds the float32 bound alone
+    on rows with a large spread (one outlier a block), and stays within the bound with the
+    activation codes' term; elsewhere the float branches meet the float32 bound alone."""
+    g = torch.Generator().manual_seed(7)
+    layer = _layer(256, 640, seed=7)
+    x = torch.randn(3, 640, generator=g)
+    x[:, ::32] *= 1000.0  # one outlier a block: every other x is coded coarsely
+    reference = x.double() @ layer.weight.double().t()
+    err = (ext.q5_0_mm(x, layer.blocks).double() - reference).abs()
+    bound = _bound(x, layer.weight, reference, torch.float32, ext)
+    assert bool((err <= bound).all()), (err / bound).max().item()
+    floats_only = 640 * 2**-23 * (x.double().abs() @ layer.weight.double().abs().t())
+    assert bool((err > floats_only).any()) == _integer(ext)
+
+
+def test_a_non_finite_x_spoils_only_its_own_row(ext):
+    """A row of x holding inf or NaN gives no finite output; the other rows are within their
+    bound; a row of zeros gives exact zeros."""
+    layer = _layer(48, 96, seed=3)
+    x = torch.randn(4, 96, generator=torch.Generator().manual_seed(3))
+    x[1, 40] = float("inf")
+    x[2, 5] = float("nan")
+    x[3] = 0.0
+    y = ext.q5_0_mm(x, layer.blocks)
+    assert not bool(torch.isfinite(y[1:3]).any())
+    assert torch.equal(y[3], torch.zeros(48))
+    reference = x[:1].double() @ layer.weight.double().t()
+    bound = _bound(x[:1], layer.weight, reference, torch.float32, ext)
+    assert bool(((y[:1].double() - reference).abs() <= bound).all())
 
 
 def test_kernel_refuses_what_it_cannot_read(ext):

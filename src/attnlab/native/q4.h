@@ -108,6 +108,9 @@ inline void dots(const uint8_t* q, const float* so, const Rows& rows, int64_t m0
     }
   const __m256i low_nibble = _mm256_set1_epi16(0x0F);
   for (int64_t g = 0; g < G; ++g) {
+    // the tile's codes and (scale, offset) pairs, each swept as one stream (simd.h)
+    attnlab_simd::prefetch_ahead(q + g * NR * 16, NR * 16);
+    attnlab_simd::prefetch_ahead(so + g * NR * 2, NR * 2 * sizeof(float));
     for (int j = 0; j < NR; ++j) {
       // the group's 32 codes as 16-bit lanes: bytes widened, then the low nibbles (weights
       // 0-15) and the high ones (16-31)

@@ -4,17 +4,24 @@
 // four bits qs (bytes 6-21: weight j < 16 in the low nibble of qs[j], weight j + 16 in its high
 // nibble). W[n, k] = d * (q - 16), q in 0..31: 0.6875 bytes a weight, where q8_0 reads 1.0625.
 //
-// x stays as given (no activation quantisation): each weight d * (q - 16) is exact in float32
-// (a 5-bit integer times an 11-bit significand), and every product and sum runs in float32, so
-// the result is x @ W^T up to the order of the float32 sums. One output row of W at a time
-// (parallel over N): its blocks are read and unpacked once for up to kRowsAtOnce rows of x. With
-// AVX-512 a block's codes are unpacked by byte operations (the fifth bits are a mask) and turned
-// into q - 16 by a table lookup; bf16 rows are then read as they are, a block's 32 products
-// summed by one bf16 dot-product instruction (q - 16 is exact in bf16) and scaled by d. With
-// AVX2 the codes are bytes too (a shuffle and a compare spread the fifth bits, as ggml does),
-// widened to float32 eight at a time; one row of x keeps four sums, so that a block's four
-// multiply-adds do not wait on each other (Gemma 3's 2048 x 640, one thread: 127 us a product
-// against 181 us unpacking each weight's bits in 32-bit lanes).
+// The AVX-512 and plain branches keep x as given (no activation quantisation): each weight
+// d * (q - 16) is exact in float32 (a 5-bit integer times an 11-bit significand), and every
+// product and sum runs in float32, so the result is x @ W^T up to the order of the float32
+// sums. One output row of W at a time (parallel over N): its blocks are read and unpacked once
+// for up to kRowsAtOnce rows of x. With AVX-512 a block's codes are unpacked by byte
+// operations (the fifth bits are a mask) and turned into q - 16 by a table lookup; bf16 rows
+// are then read as they are, a block's 32 products summed by one bf16 dot-product instruction
+// (q - 16 is exact in bf16) and scaled by d.
+//
+// The AVX2 branch sums integer products, as q8_0.h does: each 32-block of each row of x
+// becomes 16-bit codes p with a scale e (attnlab_simd::quantise_rows: x = e p within 0.506 e,
+// e = 2^-15 of the block's largest |x|), the block's codes are spread to bytes q - 16 (a
+// shuffle and a compare spread the fifth bits, as ggml does) and widened to int16, and
+// S = sum (q - 16) p is exact (two vpmaddwd). A block adds d e S to a float32 sum; four weight
+// rows a pass for one row of x. Error: on top of the float32 sums' own, at most
+// 0.506 * sum over blocks of e * |d| * sum |q - 16|, 2^-16 of each block's largest |x| times
+// its |w| sum. Gemma 3's 2048 x 640, one row, one thread of a Zen 4 built for x86-64-v3: 105 us
+// a product, against 182 us for the float32 branch it replaced, timed side by side.
 //
 // Used by decode_step.cpp (Product kind kQ5) and bound as q5_0_mm (attnlab.quant.Q5Linear).
 
@@ -31,6 +38,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 #if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
@@ -60,6 +68,7 @@ inline uint32_t high_bits_at(const uint8_t* block) {
 
 #if !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)) && \
     defined(__AVX2__) && defined(__FMA__)
+#define ATTNLAB_Q5_INTEGER 1  // the AVX2 branch: integer products (integer_dots below)
 // The 32 codes of a block less 16 (-16..15) as bytes in weight order: the low nibbles of qs
 // (weights 0-15), then its high nibbles (16-31), 16 added where qh's bit is set: each byte
 // of the result takes qh's byte for its weight (a shuffle within each 128-bit half) and
@@ -127,34 +136,6 @@ inline void row_dots(const uint8_t* blocks, const float* x, int64_t K, float* ou
     }
   }
   for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r], acc1[r]));
-#elif defined(__AVX2__) && defined(__FMA__)
-  // A chains of multiply-adds a row (a block's 4 products go to them in turn): one row's
-  // 4 a block into one sum would wait on each one's latency; 16 registers bound R * A.
-  constexpr int A = R == 1 ? 4 : (R == 2 ? 2 : 1);
-  __m256 acc[R][A];
-  for (int r = 0; r < R; ++r)
-    for (int a = 0; a < A; ++a) acc[r][a] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < K / kBlock; ++g) {
-    const uint8_t* b = blocks + g * kBlockBytes;
-    const __m256 vd = _mm256_set1_ps(scale_at(b));
-    const __m256i q = centred_codes_avx2(b);  // 32 bytes, q - 16
-    const __m128i halves[2] = {_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)};
-    __m256 w[4];
-    for (int j = 0; j < 4; ++j) {  // weights 8j..8j+7: bytes 8 (j % 2).. of halves[j / 2]
-      const __m128i bytes = j % 2 ? _mm_srli_si128(halves[j / 2], 8) : halves[j / 2];
-      w[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), vd);
-    }
-    for (int r = 0; r < R; ++r) {
-      const float* xg = x + r * K + g * kBlock;
-      for (int j = 0; j < 4; ++j)
-        acc[r][j % A] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(xg + 8 * j), acc[r][j % A]);
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    __m256 total = acc[r][0];
-    for (int a = 1; a < A; ++a) total = _mm256_add_ps(total, acc[r][a]);
-    out[r] = attnlab_simd::hsum(total);
-  }
 #else
   for (int r = 0; r < R; ++r) out[r] = 0.f;
   float w[kBlock];
@@ -254,6 +235,78 @@ inline void pair_dots(const uint8_t* b0, const uint8_t* b1, const c10::BFloat16*
 }
 #endif
 
+#ifdef ATTNLAB_Q5_INTEGER
+// AVX2: integer products with 16-bit activation codes (attnlab_simd::quantise_rows, as
+// q8_0.h and q4.h read them). Block g of weight row j against row r of x is
+// d[j, g] * e[r, g] * S, S = sum (q - 16) p, an exact integer sum (two vpmaddwd a block:
+// four products a lane, at most 4 * 16 * 32767 < 2^24, so exact in float32 too). Per 32
+// weights that is two widenings and two multiply-adds, where the float branch above widens
+// to float32 in four steps and multiplies each by d.
+//
+// Weight rows a pass takes at once for R rows of x: four independent sums for one row of x
+// (its setup and final sums paid once per four weight rows), fewer with more rows of x,
+// which fill the pipeline themselves (and need the registers).
+template <int R>
+constexpr int weight_rows() {
+  return R == 1 ? 4 : (R == 2 ? 2 : 1);
+}
+constexpr int64_t kTile = weight_rows<1>();  // weight rows per step of the loop over N
+
+// out[j * R + r] = sum over blocks g of d[j, g] * e[r * G + g] * S[j, r, g] for NR weight
+// rows (stride row_bytes) and R rows of x's codes p (stride K), scales e (stride K / 32).
+template <int R, int NR>
+inline void integer_dots(const uint8_t* blocks, int64_t row_bytes, const int16_t* p,
+                         const float* e, int64_t K, float* out) {
+  const int64_t G = K / kBlock;
+  __m256 sums[NR][R];
+  for (int j = 0; j < NR; ++j)
+    for (int r = 0; r < R; ++r) sums[j][r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    attnlab_simd::prefetch_ahead(blocks + g * NR * kBlockBytes, NR * kBlockBytes);
+    for (int j = 0; j < NR; ++j) {
+      const uint8_t* b = blocks + j * row_bytes + g * kBlockBytes;
+      const __m256i q = centred_codes_avx2(b);
+      const __m256i w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(q));
+      const __m256i w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(q, 1));
+      const float d = scale_at(b);
+      for (int r = 0; r < R; ++r) {
+        const __m256i i = attnlab_simd::block_products(w0, w1, p + r * K + g * kBlock);
+        sums[j][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), _mm256_set1_ps(d * e[r * G + g]),
+                                     sums[j][r]);
+      }
+    }
+  }
+  for (int j = 0; j < NR; ++j)
+    for (int r = 0; r < R; ++r) out[j * R + r] = attnlab_simd::hsum(sums[j][r]);
+}
+
+// out[j * R + r] for nw (<= kTile) weight rows and R rows of x: weight_rows<R>() at a time,
+// then one at a time.
+template <int R>
+inline void integer_tile(int64_t nw, const uint8_t* blocks, int64_t row_bytes,
+                         const int16_t* p, const float* e, int64_t K, float* out) {
+  constexpr int NR = weight_rows<R>();
+  int64_t j = 0;
+  for (; j + NR <= nw; j += NR)
+    integer_dots<R, NR>(blocks + j * row_bytes, row_bytes, p, e, K, out + j * R);
+  for (; j < nw; ++j) integer_dots<R, 1>(blocks + j * row_bytes, row_bytes, p, e, K, out + j * R);
+}
+
+inline void integer_tile_rows(int64_t rows, int64_t nw, const uint8_t* blocks, int64_t row_bytes,
+                              const int16_t* p, const float* e, int64_t K, float* out) {
+  switch (rows) {
+    case 1: return integer_tile<1>(nw, blocks, row_bytes, p, e, K, out);
+    case 2: return integer_tile<2>(nw, blocks, row_bytes, p, e, K, out);
+    case 3: return integer_tile<3>(nw, blocks, row_bytes, p, e, K, out);
+    case 4: return integer_tile<4>(nw, blocks, row_bytes, p, e, K, out);
+    case 5: return integer_tile<5>(nw, blocks, row_bytes, p, e, K, out);
+    case 6: return integer_tile<6>(nw, blocks, row_bytes, p, e, K, out);
+    case 7: return integer_tile<7>(nw, blocks, row_bytes, p, e, K, out);
+    default: return integer_tile<8>(nw, blocks, row_bytes, p, e, K, out);
+  }
+}
+#endif
+
 template <typename X>
 inline void rows_dots(int64_t rows, const uint8_t* blocks, const X* x, int64_t K, float* out) {
   switch (rows) {
@@ -275,6 +328,26 @@ inline void q5_0_rows(const X* x, const uint8_t* blocks, T* y, int64_t M, int64_
   const int64_t row_bytes = K / kBlock * kBlockBytes;
   // Chunks of at least 32 KiB of blocks: a thread's start costs about what reading that does.
   const int64_t grain = std::max<int64_t>(1, (32 << 10) / row_bytes);
+#ifdef ATTNLAB_Q5_INTEGER
+  const int64_t G = K / kBlock;
+  std::vector<int16_t> p(M * K);
+  std::vector<float> e(M * G);
+  attnlab_simd::quantise_rows(x, M, K, p.data(), e.data());
+  at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
+    float out[kTile * kRowsAtOnce];
+    for (int64_t n = begin; n < end; n += kTile) {
+      const int64_t nw = std::min(kTile, end - n);
+      for (int64_t m0 = 0; m0 < M; m0 += kRowsAtOnce) {
+        const int64_t rows = std::min(kRowsAtOnce, M - m0);
+        integer_tile_rows(rows, nw, blocks + n * row_bytes, row_bytes, p.data() + m0 * K,
+                          e.data() + m0 * G, K, out);
+        for (int64_t j = 0; j < nw; ++j)
+          for (int64_t r = 0; r < rows; ++r)
+            y[(m0 + r) * N + n + j] = static_cast<T>(out[j * rows + r]);
+      }
+    }
+  });
+#else
   at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
     float dots[kRowsAtOnce];
     int64_t n = begin;
@@ -298,6 +371,7 @@ inline void q5_0_rows(const X* x, const uint8_t* blocks, T* y, int64_t M, int64_
       }
     }
   });
+#endif
 }
 
 // x (M, K) bf16 or float32 -> (M, N) in x's dtype (bf16: each sum rounded once).
@@ -316,7 +390,7 @@ inline at::Tensor q5_0_mm(const at::Tensor& x, const at::Tensor& blocks) {
   at::Tensor y = at::empty({M, N}, x.options());
   const uint8_t* bp = blocks.data_ptr<uint8_t>();
   if (x.scalar_type() == at::kBFloat16) {
-#ifdef ATTNLAB_Q5_BF16
+#if defined(ATTNLAB_Q5_BF16) || defined(ATTNLAB_Q5_INTEGER)  // bf16 rows read as they are
     const at::Tensor xc = x.contiguous();
     q5_0_rows(xc.data_ptr<c10::BFloat16>(), bp, y.data_ptr<c10::BFloat16>(), M, N, K);
 #else

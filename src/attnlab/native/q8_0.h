@@ -122,20 +122,6 @@ constexpr int weight_rows() {
 }
 constexpr int64_t kTile = 4;  // weight rows per step of the loop over N (the most above)
 
-// Codes are fetched this many bytes ahead of the pass. Four weight rows read side by side
-// are four streams 640 bytes apart that the hardware prefetchers follow badly: Gemma's
-// 262144 x 640 head took 12-15 ms on one core read so (AVX-512 and AVX2), 8 one row at a
-// time, 6 with this (benchmarks/bench_q8_0.py; 4 to 16 KiB ahead about alike).
-constexpr int64_t kPrefetchBytes = 8192;
-
-// The part of block g's slice of a tile's NR weight rows (contiguous, NR * K bytes, swept
-// NR * 32 bytes a block) that lies kPrefetchBytes ahead.
-template <int NR>
-[[gnu::always_inline]] inline void prefetch_ahead(const int8_t* q, int64_t g) {
-  for (int64_t b = 0; b < NR * kBlock; b += 64)
-    __builtin_prefetch(q + kPrefetchBytes + g * NR * kBlock + b, 0, 3);
-}
-
 // out[j * R + r] = sum over blocks g of c[(j * R + r) * G + g] * sum_k q[j * K + g * 32 + k] *
 // p[r * K + g * 32 + k] for NR weight rows of codes q (stride K) and R rows of x's codes p
 // (stride K); c from block_scales, one weight row after another.
@@ -148,7 +134,7 @@ template <int R, int NR>
   for (int j = 0; j < NR; ++j)
     for (int r = 0; r < R; ++r) sums[j][r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
-    prefetch_ahead<NR>(q, g);
+    attnlab_simd::prefetch_ahead(q + g * NR * kBlock, NR * kBlock);
     __m512i x[R];
     for (int r = 0; r < R; ++r) x[r] = _mm512_loadu_si512(p + r * K + g * kBlock);
     for (int j = 0; j < NR; ++j) {
@@ -168,7 +154,7 @@ template <int R, int NR>
   for (int j = 0; j < NR; ++j)
     for (int r = 0; r < R; ++r) sums[j][r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
-    prefetch_ahead<NR>(q, g);
+    attnlab_simd::prefetch_ahead(q + g * NR * kBlock, NR * kBlock);
     for (int j = 0; j < NR; ++j) {
       const int8_t* qg = q + j * K + g * kBlock;
       const __m256i w0 =
@@ -176,15 +162,7 @@ template <int R, int NR>
       const __m256i w1 =
           _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qg + 16)));
       for (int r = 0; r < R; ++r) {
-        const int16_t* pg = p + r * K + g * kBlock;
-        const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pg));
-        const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pg + 16));
-#if defined(__AVXVNNI__)
-        const __m256i i = _mm256_dpwssd_avx_epi32(_mm256_madd_epi16(w0, x0), w1, x1);
-#else
-        const __m256i i =
-            _mm256_add_epi32(_mm256_madd_epi16(w0, x0), _mm256_madd_epi16(w1, x1));
-#endif
+        const __m256i i = attnlab_simd::block_products(w0, w1, p + r * K + g * kBlock);
         const __m256 s = _mm256_cvtepi32_ps(i);  // exact: |s| <= 4 * 127 * 32767 < 2^24
         sums[j][r] = _mm256_fmadd_ps(s, _mm256_broadcast_ss(c + (j * R + r) * G + g),
                                      sums[j][r]);

@@ -33,7 +33,21 @@ inline float exp_fast(float x) {
   return p * scale;
 }
 
-// 16-bit activation codes, read by the integer products of q8_0.h and q4.h (AVX2): per
+// Weight codes are fetched this many bytes ahead of a pass over a tile of weight rows. A
+// tile's rows read side by side are streams a row apart that the hardware prefetchers follow
+// badly: Gemma's 262144 x 640 Q8_0 head took 12-15 ms on one core read so (AVX-512 and
+// AVX2), 8 one row at a time, 6 with this (benchmarks/bench_q8_0.py; 4 to 16 KiB ahead about
+// alike).
+constexpr int64_t kPrefetchBytes = 8192;
+
+// A pass over a tile (contiguous rows) sweeps `bytes` of it per block: fetch the part of the
+// tile kPrefetchBytes ahead of `at`, where this block's sweep begins.
+[[gnu::always_inline]] inline void prefetch_ahead(const void* at, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64)
+    __builtin_prefetch(static_cast<const char*>(at) + kPrefetchBytes + b, 0, 3);
+}
+
+// 16-bit activation codes, read by the integer products of q8_0.h, q4.h and q5_0.h (AVX2): per
 // 32-block of a row of x, a = max |x| over the block, e = a / 32767 and p[k] = round(x[k] /
 // a * 32767) in -32767..32767 (half to even), so that x[k] = e * p[k] within 0.506 e (half a
 // step, plus float32's three roundings of x / a, of its product by 32767 and of e).
@@ -82,6 +96,20 @@ inline void quantise_rows(const T* x, int64_t M, int64_t K, int16_t* p, float* e
 #include <immintrin.h>
 
 namespace attnlab_simd {
+
+// A block's 32 products of int16 weight codes (w0: the first 16, w1: the last 16) with 32
+// 16-bit activation codes at p, as 8 int32 sums of four products each: two vpmaddwd, or
+// AVX-VNNI's vpdpwssd fusing the second with the add (q8_0.h and q5_0.h's AVX2 branches).
+// Exact in int32, and in float32 while four |w p| stay under 2^24 (|w| <= 127).
+[[gnu::always_inline]] inline __m256i block_products(__m256i w0, __m256i w1, const int16_t* p) {
+  const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16));
+#if defined(__AVXVNNI__)
+  return _mm256_dpwssd_avx_epi32(_mm256_madd_epi16(w0, x0), w1, x1);
+#else
+  return _mm256_add_epi32(_mm256_madd_epi16(w0, x0), _mm256_madd_epi16(w1, x1));
+#endif
+}
 
 // The sum of a vector's 8 floats.
 inline float hsum(__m256 v) {
