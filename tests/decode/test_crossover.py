@@ -256,7 +256,8 @@ def test_dense_products_on_either_gemm_are_the_float32_product(gemm, monkeypatch
 
 def test_the_key_counts_the_native_build_a_model_load_would_use(tmp_path, monkeypatch):
     """`attnlab info` (which never builds or loads it) finds the file a model's process
-    wrote: the key says whether the compiled module would load, not whether it is loaded."""
+    wrote: the key names the compiled build that would load, not whether one is loaded; another
+    build (new kernels, another -march) is another key, measured again."""
     from attnlab import native
 
     monkeypatch.setattr(native, "_loaded", None)
@@ -265,7 +266,13 @@ def test_the_key_counts_the_native_build_a_model_load_would_use(tmp_path, monkey
     monkeypatch.delenv(native.NATIVE_ENV, raising=False)
     assert not native.would_load()  # not built
     (tmp_path / "attnlab_native_0123.so").write_bytes(b"")
-    assert native.would_load() and crossover.machine_key()["native"] == "loaded"
+    assert native.would_load() and crossover.machine_key()["native"] == tmp_path.name
+    other = tmp_path / "other-build"
+    other.mkdir()
+    (other / "attnlab_native_4567.so").write_bytes(b"")
+    monkeypatch.setattr(native, "build_dir", lambda: other)
+    assert crossover.machine_key()["native"] == "other-build"
+    monkeypatch.setattr(native, "build_dir", lambda: tmp_path)
     monkeypatch.setenv(native.NATIVE_ENV, "0")
     assert not native.would_load()
     monkeypatch.delenv(native.NATIVE_ENV)

@@ -12,7 +12,8 @@ to AVX2, attnlab's own q4 kernel loses from 128 to 512 rows (``docs/guides/gener
 So the crossover of each format and weight shape is measured on this machine the first
 time a product of :data:`FIRST_PROBE_ROWS` rows or more runs (never for decoding alone),
 and kept in attnlab's cache (``crossover/<key>.json``, one file per CPU, PyTorch version,
-thread count and the settings that choose kernels), so later processes read it back:
+thread count, native build and the settings that choose kernels), so later processes read
+it back:
 
 - a weight of the layer's shape (at most :data:`PROBE_MAX_ROWS` of its rows: the
   crossover is a matter of rows of input, not of how many weight rows share them), at each
@@ -158,7 +159,9 @@ def machine_key() -> dict[str, str]:
         "torch": torch.__version__,
         "threads": str(torch.get_num_threads()),
         "prompt_dtype": str(prompt_dtype()).removeprefix("torch."),
-        "native": "loaded" if native.would_load() else "not loaded",
+        # the build, not only whether there is one: its kernels are one side of every crossover,
+        # so a changed kernel (a new attnlab, another -march) is measured again
+        "native": native.build_dir().name if native.would_load() else "not loaded",
     }
     key.update({name: os.environ.get(name, "") for name in _KERNEL_SETTINGS})
     return key
