@@ -42,13 +42,13 @@ BRANCHES = [
         KERNEL_TESTS,
     ),
     ("x86-64-v3", "avx2", {"avx2", "fma", "f16c", "bmi1", "bmi2", "movbe"}, KERNEL_TESTS),
-    # AVX2 with AVX-VNNI: only q8_0.h reads __AVXVNNI__ (its vpdpwssd); the rest of this
-    # build is x86-64-v3's source, tested above
+    # AVX2 with AVX-VNNI: only simd.h's block product reads __AVXVNNI__ (its vpdpwssd), in
+    # q8_0.h and q5_0.h; the rest of this build is x86-64-v3's source, tested above
     (
         "alderlake",
         "avx2",
         {"avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "avx_vnni"},
-        ("test_native_q8.py",),
+        ("test_native_q8.py", "test_native_q5.py"),
     ),
     ("x86-64", "scalar", set(), KERNEL_TESTS),
 ]
