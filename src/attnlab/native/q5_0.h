@@ -240,8 +240,8 @@ inline void pair_dots(const uint8_t* b0, const uint8_t* b1, const c10::BFloat16*
 // q8_0.h and q4.h read them). Block g of weight row j against row r of x is
 // d[j, g] * e[r, g] * S, S = sum (q - 16) p, an exact integer sum (two vpmaddwd a block:
 // four products a lane, at most 4 * 16 * 32767 < 2^24, so exact in float32 too). Per 32
-// weights that is two widenings and two multiply-adds, where the float branch above widens
-// to float32 in four steps and multiplies each by d.
+// weights that is two widenings and two multiply-adds, where the float32 branch this replaced
+// widened in four steps and multiplied each by d.
 //
 // Weight rows a pass takes at once for R rows of x: four independent sums for one row of x
 // (its setup and final sums paid once per four weight rows), fewer with more rows of x,
