@@ -80,6 +80,23 @@ def test_static_cache_refuses_bad_input():
 # --------------------------------------------------------------------------- fast step
 
 
+def test_a_one_token_prompt_runs_on_the_modules_and_the_next_token_builds_the_plan():
+    # The first token must not wait for the plan's fused copies (`attnlab generate -n 1`
+    # on a one-token prompt): on empty caches the token is the prompt.
+    model = _model()
+    cache = model.new_kv_cache(max_len=8)
+    with torch.no_grad():
+        first = model(torch.tensor([[3]]), kv_cache=cache)
+        assert model._decode_plan is None and cache[0].seq_len == 1
+        second = model(first[:, -1].argmax(-1, keepdim=True), kv_cache=cache)
+        assert model._decode_plan is not None  # the fast step ran
+        slow = model.new_kv_cache()
+        model(torch.tensor([[3]]), kv_cache=slow)
+        ref = model(first[:, -1].argmax(-1, keepdim=True), kv_cache=slow)
+    tol = CONFIG.hidden_size * torch.finfo(torch.float32).eps * ref.abs().max().item()
+    torch.testing.assert_close(second, ref, atol=tol, rtol=1e-5)
+
+
 def test_fast_step_logits_equal_the_module_path():
     model = _model()
     ids = torch.randint(0, CONFIG.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))

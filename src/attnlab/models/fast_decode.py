@@ -49,12 +49,14 @@ def takes_fast_step(
 ) -> bool:
     """Whether ``model(input_ids, kv_cache=...)`` may take :meth:`DecodePlan.step`.
 
-    One new token per row, every layer's cache a :class:`StaticKVCache`, eval mode, no
-    gradients, no weights asked for or recorded (:func:`attnlab.attention.record_attention`;
-    a layer's ``capture`` is checked by :meth:`DecodePlan.capturing`), no block hook point
-    in use (:func:`attnlab.models._lm.editing_blocks`). A PyTorch forward hook or pre-hook
-    on a module the step would skip is checked by :meth:`DecodePlan.hooked` (from the
-    plan's list of the modules' hook tables, without walking the modules), so that a user's
+    One new token per row after a prompt (on empty caches the token is the prompt, which
+    runs on the modules: a one-token prompt and ``-n 1`` never wait for the plan's fused
+    copies), every layer's cache a :class:`StaticKVCache`, eval mode, no gradients, no
+    weights asked for or recorded (:func:`attnlab.attention.record_attention`; a layer's
+    ``capture`` is checked by :meth:`DecodePlan.capturing`), no block hook point in use
+    (:func:`attnlab.models._lm.editing_blocks`). A PyTorch forward hook or pre-hook on a
+    module the step would skip is checked by :meth:`DecodePlan.hooked` (from the plan's
+    list of the modules' hook tables, without walking the modules), so that a user's
     ``register_forward_hook`` keeps firing while :func:`attnlab.generation.generate`
     decodes.
     """
@@ -62,7 +64,9 @@ def takes_fast_step(
         return False
     if torch.is_grad_enabled() or recording_attention() or editing_blocks():
         return False
-    return all(isinstance(c, StaticKVCache) for c in kv_cache)
+    if not all(isinstance(c, StaticKVCache) for c in kv_cache):
+        return False
+    return kv_cache[0].seq_len > 0
 
 
 def new_caches(n_layers: int, max_len: int | None) -> list[KVCache]:
