@@ -1,4 +1,4 @@
-"""One PyTorch thread for the many small operations of a load.
+"""One PyTorch thread for the many small operations of a load, and other work beside it.
 
 A load (a GGUF file's codes packed for the int4 kernel, scales converted, pieces fused
 for the decode step) runs hundreds of operations of a few hundred kilobytes each. With
@@ -12,12 +12,16 @@ and the calling thread keeps the core it already has.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Generic, TypeVar
 
 import torch
 
-__all__ = ["one_intra_op_thread"]
+__all__ = ["Beside", "one_intra_op_thread"]
+
+T = TypeVar("T")
 
 
 @contextmanager
@@ -33,3 +37,34 @@ def one_intra_op_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(threads)
+
+
+class Beside(Generic[T]):
+    """``work()`` started in a helper thread while the caller goes on; :meth:`result`
+    waits for it and returns its value or raises its exception in the caller's thread.
+
+    A load's Python-heavy part (a tokenizer's tables) then runs beside its numpy part (the
+    weights: numpy lets go of Python's lock inside its loops, and the load holds one
+    PyTorch thread), on the core that part leaves idle. Call :meth:`result` on every path
+    (``finally``) so that no helper outlives the load.
+    """
+
+    def __init__(self, work: Callable[[], T], name: str = "attnlab-beside") -> None:
+        self._value: list[T] = []
+        self._error: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                self._value.append(work())
+            except BaseException as e:  # raised again by result()
+                self._error.append(e)
+
+        self._thread = threading.Thread(target=run, name=name, daemon=True)
+        self._thread.start()
+
+    def result(self) -> T:
+        """Wait for the work; its value, or its exception raised here."""
+        self._thread.join()
+        if self._error:
+            raise self._error[0]
+        return self._value[0]

@@ -16,6 +16,7 @@ else is an error, so a renamed tensor cannot silently stay at its random initial
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -31,6 +32,7 @@ import torch
 from torch import nn
 
 from attnlab import native
+from attnlab._threads import Beside
 from attnlab.models.decoder import Decoder
 from attnlab.models.encoder import Encoder
 from attnlab.models.families import Family
@@ -452,21 +454,29 @@ def load_gguf(
     contents = _read_gguf_once(path)
     family, config = gguf_config(contents)
     names = gguf_weight_names(contents, family)
-    model = build_model(
-        config,
-        names,
-        contents.tensor,
-        family=family,
-        source="gguf",
-        where=path,
-        dtype=dtype,
-        backend=backend,
-        held=None if weight is None else _held_in(contents, weight),
-    )
-    assert isinstance(model, (Decoder, Encoder)), "no GGUF weight map for encoder-decoders"
-    if weight is not None:
-        _hold_tied_head(model, contents, weight)
-    return model, tokenizer_from_gguf(contents)
+    # The tokenizer's tables (Python) are built beside the weights (numpy, which lets go of
+    # Python's lock): on the core the load leaves idle.
+    tokenizer = Beside(lambda: tokenizer_from_gguf(contents), "attnlab-tokenizer")
+    try:
+        model = build_model(
+            config,
+            names,
+            contents.tensor,
+            family=family,
+            source="gguf",
+            where=path,
+            dtype=dtype,
+            backend=backend,
+            held=None if weight is None else _held_in(contents, weight),
+        )
+        assert isinstance(model, (Decoder, Encoder)), "no GGUF weight map for encoder-decoders"
+        if weight is not None:
+            _hold_tied_head(model, contents, weight)
+    except BaseException:
+        with contextlib.suppress(BaseException):  # the weights' error is the one to name
+            tokenizer.result()
+        raise
+    return model, tokenizer.result()
 
 
 def _hold_tied_head(model: Decoder | Encoder, contents: GGUFContents, weight: str) -> None:
