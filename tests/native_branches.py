@@ -8,6 +8,11 @@ built here with ``ATTNLAB_NATIVE_MARCH`` (``x86-64-v3``: AVX2; ``alderlake``: AV
 AVX-VNNI; ``x86-64``: the plain loops; ``skylake-avx512``: AVX-512 without BF16) and the
 kernel and step tests run against it, in a process of its own, so that a CI machine of any
 class tests them all.
+
+Each build takes tens of seconds of one core (most of a ``[dev]`` run's compile time), so
+they run in CI (``CI`` set, as ``.ci/run`` and hosted CI services set it) or with
+``ATTNLAB_TEST_BRANCHES=1``; elsewhere they skip saying so, and this CPU's own build is
+tested by the kernel tests themselves.
 """
 
 from __future__ import annotations
@@ -54,6 +59,16 @@ BRANCHES = [
 ]
 
 
+#: Set to 1 to build and test every branch outside CI too.
+ALL_BRANCHES_ENV = "ATTNLAB_TEST_BRANCHES"
+
+
+def branches_wanted() -> bool:
+    """Whether this run builds the other branches: in CI, or when asked for."""
+    ci = os.environ.get("CI", "").strip().lower()
+    return ci not in ("", "0", "false", "no") or os.environ.get(ALL_BRANCHES_ENV) == "1"
+
+
 def _cpu_flags() -> set[str]:
     line = native.cpu_flags()
     return set(line.split(":", 1)[-1].split())
@@ -78,6 +93,11 @@ def check_branch(ext, march: str) -> None:
         pytest.skip(f"this CPU cannot run the {branch} branch (no {', '.join(sorted(missing))})")
     if getattr(ext, "SIMD", None) == branch:
         pytest.skip(f"the {branch} branch is this CPU's own build, tested by {KERNEL_TESTS}")
+    if not branches_wanted():
+        pytest.skip(
+            f"the {branch} branch (-march={march}) is built and tested in CI, or with "
+            f"{ALL_BRANCHES_ENV}=1 (tens of seconds a build)"
+        )
     env = _env(march)
     # one process builds the branch, says which it built, then runs the kernel tests on it
     script = (
