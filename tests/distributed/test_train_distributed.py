@@ -73,3 +73,20 @@ def test_the_rank_that_raised_is_named_when_its_peer_died_first(tmp_path, monkey
     rank, failure = min(found.items(), key=_root_cause_order)
     assert rank == 1 and failure.exitcode is None
     assert "injected failure on rank 1" in str(failure.message)
+
+
+def test_the_rank_that_raised_is_named_when_the_launcher_stopped_it_while_it_exited():
+    """The race a fresh clone hit: both ranks in the launcher's failures, rank 1 with its own
+    error but stopped (SIGTERM) as it exited, rank 0 aborted (SIGABRT) on the lost peer."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from attnlab.distributed.training import _root_cause_order
+
+    peer = ProcessFailure(local_rank=0, pid=1, exitcode=-6, error_file="<N/A>")
+    peer.message = "RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer"
+    raised = ProcessFailure(local_rank=1, pid=2, exitcode=-15, error_file="<N/A>")
+    raised.message = "RuntimeError: injected failure on rank 1"
+    stopped = ProcessFailure(local_rank=2, pid=3, exitcode=-15, error_file="<N/A>")
+    stopped.message = "SignalException: Process 3 got signal: 15"
+    assert min({0: peer, 1: raised}.items(), key=_root_cause_order)[0] == 1
+    assert min({0: peer, 2: stopped}.items(), key=_root_cause_order)[0] == 0

@@ -212,15 +212,17 @@ def _root_cause_order(item: tuple[int, Any]) -> tuple[bool, bool, bool, float, i
 
     Failure timestamps have a resolution of one second, so a rank that died and the peer
     whose collective broke because of it often tie. The root cause is a rank with an error of
-    its own (a Python error, not a lost-peer error), then one that died of a signal it was not
-    sent by the launcher (SIGTERM); among those, the earliest, then the lowest rank.
+    its own (a Python error, not a lost-peer error), even one the launcher then stopped
+    (SIGTERM) while it was exiting; then one that died of a signal it was not sent by the
+    launcher; among those, the earliest, then the lowest rank.
     """
     rank, failure = item
     message = _failure_message(failure.message).lower()
     peer = any(m in message for m in _PEER_ERROR_MARKERS)
     stopped = failure.exitcode == -signal.SIGTERM
-    signalled = message.startswith("signal ")  # no error file: killed, or aborted in teardown
-    own_error = bool(message) and not peer and not stopped and not signalled
+    # no error file (killed, or aborted in teardown), or the launcher's stop seen as an error
+    signalled = message.startswith("signal ") or "got signal" in message
+    own_error = bool(message) and not peer and not signalled
     return (not own_error, stopped, peer, float(failure.timestamp), rank)
 
 
