@@ -39,6 +39,7 @@ __all__ = [
     "RopeConfig",
     "RotaryEmbedding",
     "StaticKVCache",
+    "StaticWindowKVCache",
     "edit_heads",
     "record_attention",
     "recording_attention",
@@ -251,6 +252,153 @@ class StaticKVCache(KVCache):
         if self._k is None or self._len >= self.max_len:
             raise ValueError("advance() without a free slot: call next_slot() first")
         self._len += 1
+
+
+class StaticWindowKVCache(StaticKVCache):
+    """A :class:`StaticKVCache` for a sliding-window layer: ``window`` slots allocated once
+    and reused in turn, position ``p`` in slot ``p % window``.
+
+    A query sees ``window`` keys, itself included, so the slots hold all that a later one
+    may use: the layer's memory stays at ``window`` positions however long the sequence
+    (Gemma 3 270M at 4,096 tokens: 41 MiB for its 18 layers' caches where every position
+    in every layer takes 151 MiB). Keys are stored after RoPE, so their positions travel
+    with them and the order of the slots does not matter to a one-token step:
+    :meth:`append` and the native step attend over every filled slot. :meth:`update` (a
+    prompt, or any call through the modules) returns the held keys in position order, the
+    last ``window - 1``, followed by the new ones, as :class:`RollingKVCache` does, for a
+    bottom-right aligned sliding-window mask. :attr:`seq_len` counts every position seen.
+    ``model.new_kv_cache(max_len=N)`` gives one to each layer whose window is under ``N``.
+
+    Args:
+        window: the layer's sliding window (keys a query sees, itself included), >= 1.
+
+    Raises:
+        ValueError: ``window`` not a positive int.
+    """
+
+    def __init__(self, window: int) -> None:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"`window` must be an int >= 1, got {window!r}")
+        super().__init__(window)
+        self.window = window
+        self._seen = 0
+
+    @property
+    def seq_len(self) -> int:
+        """Number of positions seen so far (the position of the next token)."""
+        return self._seen
+
+    def reset(self) -> None:
+        """Forget everything cached; keep the buffers."""
+        super().reset()
+        self._seen = 0
+
+    def _in_order(self, keep: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last ``keep`` (<= :attr:`cached_len`) positions held, oldest first."""
+        k, v = self._k, self._v
+        assert k is not None and v is not None
+        W, end = self.window, self._seen % self.window  # end: the slot after the newest
+        if self._seen <= W:  # never wrapped: slot = position
+            return k[:, :, self._seen - keep : self._seen], v[:, :, self._seen - keep : self._seen]
+        start = (end - keep) % W
+        if start < end:
+            return k[:, :, start:end], v[:, :, start:end]
+        order = torch.cat([torch.arange(start, W), torch.arange(0, end)]).to(k.device)
+        return k.index_select(2, order), v.index_select(2, order)
+
+    def cached(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The held keys ``(B, G, S, D)`` and values ``(B, G, S, Dv)`` in position order, S =
+        :attr:`cached_len` <= ``window``.
+
+        Raises:
+            ValueError: the cache is empty.
+        """
+        if self._k is None or self._v is None:
+            raise ValueError("the cache is empty; update() it first")
+        return self._in_order(self._len)
+
+    def update(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return the last ``window - 1`` held keys/values in position order followed by the
+        new ones (``S <= window - 1 + T``); keep the last ``window`` positions.
+
+        Raises:
+            ValueError: shapes that do not match each other or the buffers, or keys that
+                require grad.
+        """
+        if key.requires_grad or value.requires_grad:
+            raise ValueError(
+                "StaticWindowKVCache is for inference: `key`/`value` require grad; use "
+                "RollingKVCache or run under torch.no_grad()"
+            )
+        self._check(key, value)
+        B, G, n, D = key.shape
+        if self._k is not None and key.dtype != self._k.dtype:
+            raise ValueError(
+                f"`key` is {key.dtype} but the cache holds {self._k.dtype}; create a new cache"
+            )
+        held = min(self._len, self.window - 1)
+        if held:
+            hk, hv = self._in_order(held)
+            k_all = torch.cat([hk, key], dim=2)  # (B, G, held + n, D)
+            v_all = torch.cat([hv, value.to(hv.dtype)], dim=2)
+        else:
+            k_all, v_all = key, value
+        if self._k is None or self._v is None:
+            self._k = key.new_empty(B, G, self.window, D)
+            self._v = value.new_empty(B, G, self.window, value.shape[3])
+        # The last min(n, window) new positions into their slots (at most two runs).
+        m = min(n, self.window)
+        first = self._seen + n - m
+        src_k, src_v = key[:, :, n - m :], value[:, :, n - m :]
+        slot, done = first % self.window, 0
+        while done < m:
+            run = min(m - done, self.window - slot)
+            self._k[:, :, slot : slot + run] = src_k[:, :, done : done + run]
+            self._v[:, :, slot : slot + run] = src_v[:, :, done : done + run]
+            done, slot = done + run, 0
+        self._seen += n
+        self._len = min(self._seen, self.window)
+        return k_all, v_all
+
+    def append(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One position, ``key`` (B, G, D) and ``value`` (B, G, Dv), written into its slot;
+        returns every filled slot, ``(B, G, S, D)`` and ``(B, G, S, Dv)`` with S =
+        :attr:`cached_len` (after this one), in slot order: the newest position's keys and
+        the ``S - 1`` before it, all that its query sees. Anything the buffers cannot take
+        (none yet, shapes or a key dtype that do not match) is :meth:`update`'s."""
+        k, v = self._k, self._v
+        if (
+            k is None
+            or v is None
+            or key.dtype != k.dtype
+            or key.shape != (k.shape[0], k.shape[1], k.shape[3])
+            or value.shape != (v.shape[0], v.shape[1], v.shape[3])
+        ):
+            value = value.to(key.dtype if v is None else v.dtype)
+            self.update(key.unsqueeze(2), value.unsqueeze(2))
+            assert self._k is not None and self._v is not None
+            return self._k.narrow(2, 0, self._len), self._v.narrow(2, 0, self._len)
+        slot = self._seen % self.window
+        k.select(2, slot).copy_(key)
+        v.select(2, slot).copy_(value)
+        self._seen += 1
+        self._len = min(self._seen, self.window)
+        return k.narrow(2, 0, self._len), v.narrow(2, 0, self._len)
+
+    def next_slot(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The buffers, (B, G, window, D) keys and (B, G, window, Dv) values, once they
+        exist: the native step writes position :attr:`seq_len` into slot ``seq_len %
+        window`` and attends over every filled slot. Call :meth:`advance` after writing."""
+        if self._k is None or self._v is None:
+            return None
+        return self._k, self._v
+
+    def advance(self) -> None:
+        """Count the position written into :meth:`next_slot`'s buffers."""
+        if self._k is None:
+            raise ValueError("advance() without buffers: call next_slot() first")
+        self._seen += 1
+        self._len = min(self._seen, self.window)
 
 
 class RollingKVCache(KVCache):

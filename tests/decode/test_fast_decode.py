@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from attnlab import quant
-from attnlab.attention import KVCache, StaticKVCache
+from attnlab.attention import KVCache, RollingKVCache, StaticKVCache, StaticWindowKVCache
 from attnlab.generation import generate
 from attnlab.models.decoder import Decoder, DecoderConfig
 from attnlab.models.fast_decode import why_not_fast_decode
@@ -75,6 +75,62 @@ def test_static_cache_refuses_bad_input():
         cache.update(torch.zeros(1, 3, 1, 8), torch.zeros(1, 3, 1, 8))
     with pytest.raises(ValueError, match="inference"):
         cache.update(torch.zeros(1, 2, 1, 8, requires_grad=True), torch.zeros(1, 2, 1, 8))
+
+
+def test_window_cache_updates_return_what_the_rolling_cache_returns():
+    g = torch.Generator().manual_seed(0)
+    rolling, ring = RollingKVCache(4), StaticWindowKVCache(4)
+    for n in (3, 1, 1, 6, 1, 2, 9, 1):  # chunks shorter and longer than the window
+        k, v = torch.randn(2, 3, n, 8, generator=g), torch.randn(2, 3, n, 5, generator=g)
+        for a, b in zip(rolling.update(k, v), ring.update(k, v), strict=True):
+            assert torch.equal(a, b)
+        assert ring.seq_len == rolling.seq_len
+        assert ring.cached_len == min(ring.seq_len, 4)
+    assert ring.nbytes == 2 * 3 * 4 * (8 + 5) * 4  # four slots, however long the sequence
+
+
+def test_window_cache_appends_hold_exactly_the_window_in_some_slot_order():
+    g = torch.Generator().manual_seed(1)
+    ring, full = StaticWindowKVCache(5), StaticKVCache(40)
+    k0, v0 = torch.randn(1, 2, 3, 4, generator=g), torch.randn(1, 2, 3, 4, generator=g)
+    ring.update(k0, v0)
+    full.update(k0, v0)
+    buffer = ring._k.data_ptr()
+    for _ in range(17):
+        k, v = torch.randn(1, 2, 4, generator=g), torch.randn(1, 2, 4, generator=g)
+        keys, values = ring.append(k, v)
+        want_k, want_v = (t[:, :, -5:] for t in full.append(k, v))
+        # the same rows as the window's last 5 positions, in slot order: sort to compare
+        for got, want in ((keys, want_k), (values, want_v)):
+            order = lambda t: t[0, 0, :, 0].argsort()  # noqa: E731
+            assert torch.equal(got[:, :, order(got)], want[:, :, order(want)])
+        # cached(): in position order
+        for got, want in zip(ring.cached(), (want_k, want_v), strict=True):
+            assert torch.equal(got, want)
+    assert ring.seq_len == full.seq_len == 20 and ring._k.data_ptr() == buffer
+    ring.reset()
+    assert ring.seq_len == 0 and ring.cached_len == 0
+
+
+def test_window_cache_refuses_bad_input():
+    with pytest.raises(ValueError, match="`window` must be an int >= 1"):
+        StaticWindowKVCache(0)
+    ring = StaticWindowKVCache(3)
+    ring.update(torch.zeros(1, 2, 2, 8), torch.zeros(1, 2, 2, 8))
+    with pytest.raises(ValueError, match="do not match the cache"):
+        ring.update(torch.zeros(1, 3, 1, 8), torch.zeros(1, 3, 1, 8))
+    with pytest.raises(ValueError, match="inference"):
+        ring.update(torch.zeros(1, 2, 1, 8, requires_grad=True), torch.zeros(1, 2, 1, 8))
+    with pytest.raises(ValueError, match=r"holds torch\.float32"):
+        ring.update(torch.zeros(1, 2, 1, 8, dtype=torch.bfloat16), torch.zeros(1, 2, 1, 8))
+
+
+def test_new_kv_cache_gives_a_window_layer_its_ring_when_the_window_is_shorter():
+    model = _model(sliding_window=None, layer_windows=(4, None, 4))
+    caches = model.new_kv_cache(max_len=20)
+    assert [type(c) for c in caches] == [StaticWindowKVCache, StaticKVCache, StaticWindowKVCache]
+    assert caches[0].window == 4 and caches[1].max_len == 20
+    assert all(type(c) is StaticKVCache for c in model.new_kv_cache(max_len=4))
 
 
 # --------------------------------------------------------------------------- fast step

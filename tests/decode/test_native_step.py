@@ -8,6 +8,7 @@ way, so those are compared one step at a time from identical caches.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
@@ -15,7 +16,7 @@ import torch
 from test_fast_decode import CONFIG, LAYOUTS, _model
 
 from attnlab import native, quant
-from attnlab.attention import StaticKVCache
+from attnlab.attention import StaticWindowKVCache
 from attnlab.generation import generate
 from attnlab.models.decoder import Decoder
 from attnlab.models.fast_decode import DecodePlan
@@ -57,12 +58,18 @@ def _python_step(plan: DecodePlan, ids: torch.Tensor, caches) -> torch.Tensor:
 
 
 def _copy(caches):
+    """The caches as they are, buffers cloned (a window layer's ring keeps its slots)."""
     out = []
     for c in caches:
-        new = StaticKVCache(c.max_len)
-        new.update(c._k[:, :, : c.seq_len].clone(), c._v[:, :, : c.seq_len].clone())
+        new = copy.copy(c)
+        new._k, new._v = c._k.clone(), c._v.clone()
         out.append(new)
     return out
+
+
+def _slot(cache, position):
+    """Where ``position`` is in ``cache``'s buffers (a ring of a window's slots wraps)."""
+    return position % cache.window if isinstance(cache, StaticWindowKVCache) else position
 
 
 @pytest.mark.parametrize("layout", sorted(NATIVE_LAYOUTS))
@@ -170,9 +177,9 @@ def test_native_step_with_bf16_rows_matches_the_python_loop_step_by_step(
             assert ((a - b).norm() / b.norm()).item() < 1e-2, t
             clear += _assert_same_choice_beyond_ties(a[:, -1], b[:, -1], t)
             for c, p in zip(caches, python, strict=True):
-                k, want = c._k[:, :, t], p._k[:, :, t]
+                k, want = c._k[:, :, _slot(c, t)], p._k[:, :, _slot(p, t)]
                 assert ((k - want).norm() / want.norm()).item() < 1e-2
-                v, want = c._v[:, :, t], p._v[:, :, t]
+                v, want = c._v[:, :, _slot(c, t)], p._v[:, :, _slot(p, t)]
                 assert ((v - want).norm() / want.norm()).item() < 1e-2
     assert clear >= 5, f"only {clear} of 20 greedy choices were clear of ties"
 

@@ -344,16 +344,17 @@ class Decoder(nn.Module, FastDecoding):
                 :class:`DecoderLayerCache` per layer when the blocks have cross attention);
                 a length for :class:`attnlab.attention.StaticKVCache` s allocated once for
                 that many positions, over which one new token takes the fast decode step
-                (:meth:`prepare_decode`). A sliding-window layer's static cache holds every
-                position too; its window is applied by the mask (prefill) or by attending
-                to the last ``window`` keys (the fast step).
+                (:meth:`prepare_decode`). A sliding-window layer whose window is under
+                ``max_len`` gets a :class:`attnlab.attention.StaticWindowKVCache` of its
+                window's slots instead, reused in turn.
         """
         if self.config.cross_attention:
             return [DecoderLayerCache() for _ in self.blocks]
         if self.config.mla is not None:  # the latent caches, growing or of max_len positions
             return [b.attention.new_kv_cache(max_len) for b in self.blocks]  # type: ignore[union-attr,operator]
         if max_len is not None:
-            return new_caches(len(self.blocks), max_len)
+            windows = [getattr(b.attention, "sliding_window", None) for b in self.blocks]
+            return new_caches(len(self.blocks), max_len, windows)
         return [block.attention.new_kv_cache() for block in self.blocks]  # type: ignore[union-attr,operator]
 
     def prepare_decode(self, *, share_float: bool | None = None) -> DecodePlan:

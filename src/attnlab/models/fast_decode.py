@@ -19,12 +19,13 @@ Shape legend: B batch, V vocabulary.
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from attnlab._threads import one_intra_op_thread
-from attnlab.attention import KVCache, StaticKVCache, recording_attention
+from attnlab.attention import KVCache, StaticKVCache, StaticWindowKVCache, recording_attention
 from attnlab.models._lm import editing_blocks
 from attnlab.models.decode.layout import why_not_fast_decode
 from attnlab.models.decode.plan import DecodePath, DecodePlan, hook_tables, module_hooks
@@ -69,12 +70,22 @@ def takes_fast_step(
     return kv_cache[0].seq_len > 0
 
 
-def new_caches(n_layers: int, max_len: int | None) -> list[KVCache]:
+def new_caches(
+    n_layers: int, max_len: int | None, windows: Sequence[int | None] | None = None
+) -> list[KVCache]:
     """The causal-LM protocol's ``new_kv_cache(max_len)``: growing caches for None,
-    :class:`StaticKVCache` s of ``max_len`` positions (the fast step's) otherwise."""
+    :class:`StaticKVCache` s of ``max_len`` positions (the fast step's) otherwise; a layer
+    whose sliding window (``windows``, one per layer) is under ``max_len`` gets a
+    :class:`StaticWindowKVCache` of its window's slots."""
     if max_len is None:
         return [KVCache() for _ in range(n_layers)]
-    return [StaticKVCache(max_len) for _ in range(n_layers)]
+    caches: list[KVCache] = []
+    for i in range(n_layers):
+        window = windows[i] if windows is not None else None
+        caches.append(
+            StaticWindowKVCache(window) if window and window < max_len else StaticKVCache(max_len)
+        )
+    return caches
 
 
 _PLAN_LOCK = threading.Lock()  # one build per model when threads share it (serve)

@@ -222,7 +222,8 @@ class Step {
 
   // x: (B, C) float32 after the embedding; rotations: (cos, sin) at this position per
   // rotary embedding, float32 (D,) each, sin's first half negated; caches: keys and values
-  // of every layer, (B, G, max_len, D) float32 each, the new position at `pos`.
+  // of every layer, (B, G, max_len, D) float32 each, the new position at `pos` (or, in a
+  // sliding-window layer's ring of `window` slots, at `pos % window`).
   at::Tensor run(const at::Tensor& x_in, int64_t pos,
                  const std::vector<std::tuple<at::Tensor, at::Tensor>>& rotations,
                  const std::vector<at::Tensor>& caches) {
@@ -232,11 +233,14 @@ class Step {
     TORCH_CHECK(static_cast<int64_t>(caches.size()) == 2 * L, "native step: ", caches.size(),
                 " cache tensors for ", L, " layers");
     const int64_t B = x_in.size(0), D = D_, G = G_;
-    for (const auto& t : caches) {
+    for (int64_t i = 0; i < 2 * L; ++i) {
+      const at::Tensor& t = caches[i];
+      const int64_t window = layers_[i / 2].window;
       TORCH_CHECK(t.dim() == 4 && t.size(0) == B && t.size(1) == G && t.size(3) == D &&
-                      t.scalar_type() == at::kFloat && t.is_contiguous() && pos < t.size(2),
+                      t.scalar_type() == at::kFloat && t.is_contiguous() &&
+                      (pos < t.size(2) || (window > 0 && t.size(2) == window)),
                   "native step: a cache is not a contiguous (", B, ", ", G, ", >", pos, ", ",
-                  D, ") float32 tensor");
+                  D, ") float32 tensor, nor its layer's ring of ", window, " slots");
     }
     for (const auto& r : rotations) {
       TORCH_CHECK(std::get<0>(r).numel() == D && std::get<1>(r).numel() == D,
@@ -265,7 +269,11 @@ class Step {
   };
 
   // x += out(attention(norm1(x))): Q/K/V, QK-norm, RoPE, the cache write at `pos`,
-  // softmax(q k^T scale) v over the cache, the output product and its sandwich norm
+  // softmax(q k^T scale) v over the cache, the output product and its sandwich norm.
+  // A sliding-window layer's cache may be a ring of `window` slots
+  // (attnlab.attention.StaticWindowKVCache): position p in slot p % window, and once it
+  // has wrapped every slot is in the window (the keys carry their rotations, so the
+  // slots' order does not matter to the softmax).
   void attention_block(const Layer& l, float* x, int64_t B, int64_t pos,
                        const std::tuple<at::Tensor, at::Tensor>& rotation,
                        const at::Tensor& key_cache, const at::Tensor& value_cache,
@@ -286,15 +294,17 @@ class Step {
     float* kc = key_cache.data_ptr<float>();
     float* vc = value_cache.data_ptr<float>();
     const int64_t max_len = key_cache.size(2);
+    const bool ring = pos >= max_len;  // run() checked: then max_len is the window
+    const int64_t slot = ring ? pos % max_len : pos;
     for (int64_t r = 0; r < B; ++r) {
       for (int64_t g = 0; g < G; ++g) {
-        const int64_t at_pos = ((r * G + g) * max_len + pos) * D;
+        const int64_t at_pos = ((r * G + g) * max_len + slot) * D;
         std::copy_n(w.qk.data() + r * nqk + (H + g) * D, D, kc + at_pos);
         std::copy_n(w.qkv.data() + r * nqkv + nqk + g * D, D, vc + at_pos);
       }
     }
-    const int64_t S = pos + 1;
-    const int64_t s0 = (l.window > 0 && S > l.window) ? S - l.window : 0;
+    const int64_t S = ring ? max_len : pos + 1;
+    const int64_t s0 = (!ring && l.window > 0 && S > l.window) ? S - l.window : 0;
     attnlab_attend::attend(w.qk.data(), nqk, kc, vc, max_len, B, H, G, D, s0, S,
                            static_cast<float>(l.scale), w.o.data(), nq);
     run_products(l.out, as_input(w.o, B, nq, l.dtype), w.a.data(), C);
