@@ -282,6 +282,24 @@ def test_capability_reasons_win_over_the_table(use_table):
     assert "ring: not chosen" in str(explain_dispatch(q, k, v, is_causal=True))
 
 
+def test_auto_sends_a_narrow_window_over_long_keys_to_blockwise():
+    # PyTorch's kernel would compute every score of a 1,024 x 1,024 call and mask three
+    # quarters of them; blockwise skips the tiles outside the band (5x at 4,096).
+    long = torch.zeros(1, 1, 1, 1).expand(1, 2, 1024, 16)
+    exp = explain_dispatch(long, long, long, SlidingWindowMask(256))
+    assert exp.chosen == "blockwise" and "256 of 1024 keys" in dict(exp.reasons)["sdpa"]
+    # shorter calls, and a window that covers the keys, stay on PyTorch's kernel
+    short = torch.zeros(1, 1, 1, 1).expand(1, 2, 512, 16)
+    assert explain_dispatch(short, short, short, SlidingWindowMask(128)).chosen == "sdpa"
+    assert explain_dispatch(long, long, long, SlidingWindowMask(1024)).chosen == "sdpa"
+    # and the answer is the window's: blockwise against the reference on real numbers
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 1024, 16, generator=g) for _ in range(3))
+    out = scaled_dot_product_attention(q, k, v, SlidingWindowMask(256))
+    allowed = SlidingWindowMask(256).dense(1024, 1024)
+    torch.testing.assert_close(out, reference_attention(q, k, v, allowed)[0].float(), **tol(q.dtype))
+
+
 @pytest.mark.parametrize(
     ("mask", "T", "S", "kind"),
     [
