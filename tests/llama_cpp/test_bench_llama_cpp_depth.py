@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 import bench_llama_cpp as bench  # noqa: E402
 
-from attnlab.attention import StaticKVCache  # noqa: E402
+from attnlab.attention import StaticKVCache, StaticWindowKVCache  # noqa: E402
 from attnlab.generation import generate_stream  # noqa: E402
 from attnlab.models.decoder import Decoder, DecoderConfig  # noqa: E402
 
@@ -265,9 +265,10 @@ def test_watching_caches_sees_the_cache_generation_makes_and_leaves_the_model_as
     (cache,) = made
     assert len(tokens) == 5 and all(isinstance(c, StaticKVCache) for c in cache)
     assert [c.seq_len for c in cache] == [24] * 3  # the prompt and four fed tokens
-    # generation asks for prompt + new positions; every layer keeps all of them, the
-    # windowed ones too: B x G x 25 x D float32, for K and for V.
-    assert bench.cache_nbytes(cache) == 3 * 2 * (1 * 2 * 25 * 16 * 4)
+    # generation asks for prompt + new positions: the global layer keeps all 25, each
+    # windowed one its window's 8 slots (a ring); B x G x slots x D float32, for K and V.
+    assert [type(c) for c in cache] == [StaticWindowKVCache, StaticWindowKVCache, StaticKVCache]
+    assert bench.cache_nbytes(cache) == 2 * (1 * 2 * (8 + 8 + 25) * 16 * 4)
     with pytest.raises(TypeError, match="layer 1's cache"):
         bench.cache_nbytes([cache[0], object()])
 
@@ -289,5 +290,6 @@ def test_decode_at_depth_times_new_steps_and_keeps_the_cache_bytes():
     # One forward of the depth, then `new` one-token steps (the ones timed).
     assert steps == [depth] + [1] * new
     assert len(side.decode_tps) == 1 and side.decode_tps[0] > 0
-    assert side.cache_bytes == 3 * 2 * (2 * (depth + new + 1) * 16 * 4)
+    # two windowed layers of 8 slots, one global layer of every position
+    assert side.cache_bytes == 2 * (2 * (8 + 8 + depth + new + 1) * 16 * 4)
     assert side.cache_dtype == torch.float32
