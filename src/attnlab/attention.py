@@ -261,9 +261,9 @@ class StaticWindowKVCache(StaticKVCache):
     A query sees ``window`` keys, itself included, so the slots hold all that a later one
     may use: the layer's memory stays at ``window`` positions however long the sequence
     (Gemma 3 270M at a depth of 4,096 tokens: 39 MiB for its 18 layers' caches, where
-    every position in every layer took 145 MiB). Keys are stored after RoPE, so their positions travel
-    with them and the order of the slots does not matter to a one-token step:
-    :meth:`append` and the native step attend over every filled slot. :meth:`update` (a
+    every position in every layer took 145 MiB). Keys are stored after RoPE, so their
+    positions travel with them and the order of the slots does not matter to a one-token
+    step: :meth:`append` and the native step attend over every filled slot. :meth:`update` (a
     prompt, or any call through the modules) returns the held keys in position order, the
     last ``window - 1``, followed by the new ones, as :class:`RollingKVCache` does, for a
     bottom-right aligned sliding-window mask. :attr:`seq_len` counts every position seen.
