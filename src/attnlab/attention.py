@@ -254,7 +254,32 @@ class StaticKVCache(KVCache):
         self._len += 1
 
 
-class StaticWindowKVCache(StaticKVCache):
+class _WindowCache(KVCache):
+    """What a sliding-window layer's cache adds to its buffers: the ``window``, and
+    :attr:`seq_len` counting every position seen, which outgrows what the buffers hold
+    (:class:`StaticWindowKVCache`, :class:`RollingKVCache`)."""
+
+    window: int
+    _seen: int
+
+    def _start_window(self, window: int) -> None:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"`window` must be an int >= 1, got {window!r}")
+        self.window = window
+        self._seen = 0
+
+    @property
+    def seq_len(self) -> int:
+        """Number of positions seen so far (the position of the next token)."""
+        return self._seen
+
+    def reset(self) -> None:
+        """Forget everything cached (a static cache keeps its buffers)."""
+        super().reset()
+        self._seen = 0
+
+
+class StaticWindowKVCache(_WindowCache, StaticKVCache):
     """A :class:`StaticKVCache` for a sliding-window layer: ``window`` slots allocated once
     and reused in turn, position ``p`` in slot ``p % window``.
 
@@ -277,21 +302,8 @@ class StaticWindowKVCache(StaticKVCache):
     """
 
     def __init__(self, window: int) -> None:
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise ValueError(f"`window` must be an int >= 1, got {window!r}")
-        super().__init__(window)
-        self.window = window
-        self._seen = 0
-
-    @property
-    def seq_len(self) -> int:
-        """Number of positions seen so far (the position of the next token)."""
-        return self._seen
-
-    def reset(self) -> None:
-        """Forget everything cached; keep the buffers."""
-        super().reset()
-        self._seen = 0
+        self._start_window(window)
+        super().__init__(window)  # StaticKVCache's: buffers of `window` slots
 
     def _in_order(self, keep: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The last ``keep`` (<= :attr:`cached_len`) positions held, oldest first."""
@@ -401,7 +413,7 @@ class StaticWindowKVCache(StaticKVCache):
         self._len = min(self._seen, self.window)
 
 
-class RollingKVCache(KVCache):
+class RollingKVCache(_WindowCache):
     """A KV cache for a sliding-window layer: it holds only the last ``window - 1``
     positions, all that a later query may still see besides itself.
 
@@ -422,21 +434,8 @@ class RollingKVCache(KVCache):
     """
 
     def __init__(self, window: int) -> None:
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise ValueError(f"`window` must be an int >= 1, got {window!r}")
+        self._start_window(window)
         super().__init__()
-        self.window = window
-        self._seen = 0
-
-    @property
-    def seq_len(self) -> int:
-        """Number of positions seen so far (the position of the next token)."""
-        return self._seen
-
-    def reset(self) -> None:
-        """Forget everything cached."""
-        super().reset()
-        self._seen = 0
 
     def update(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Return the held keys/values followed by the new ones; keep the last ``window - 1``.
