@@ -58,6 +58,26 @@ BRANCHES = [
     ("x86-64", "scalar", set(), KERNEL_TESTS),
 ]
 
+#: Which kernels of each branch sum integer products of 16-bit activation codes (the module's
+#: Q4_INTEGER, Q5_INTEGER): q5_0 wherever there are no bf16 dot products, q4 on AVX2 alone
+#: (with AVX-512, PyTorch's own int4 kernels run instead).
+INTEGER = {
+    "avx512-bf16": (False, False),
+    "avx512": (False, True),
+    "avx2": (True, True),
+    "scalar": (False, False),
+}
+
+
+def built_line(ext) -> str:
+    """What a build says of itself: its branch and its integer kernels."""
+    return f"SIMD={ext.SIMD} Q4_INTEGER={ext.Q4_INTEGER} Q5_INTEGER={ext.Q5_INTEGER}"
+
+
+def expected_line(branch: str) -> str:
+    q4, q5 = INTEGER[branch]
+    return f"SIMD={branch} Q4_INTEGER={q4} Q5_INTEGER={q5}"
+
 
 #: Set to 1 to build and test every branch outside CI too.
 ALL_BRANCHES_ENV = "ATTNLAB_TEST_BRANCHES"
@@ -78,7 +98,8 @@ def _env(march: str) -> dict[str, str]:
     env = dict(os.environ)
     env[native.MARCH_ENV] = march
     env[native.NATIVE_ENV] = "1"  # a build that fails is an error here, never a skip
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), *filter(None, [env.get("PYTHONPATH")])])
+    paths = [str(ROOT / "src"), str(ROOT / "tests"), *filter(None, [env.get("PYTHONPATH")])]
+    env["PYTHONPATH"] = os.pathsep.join(paths)
     return env
 
 
@@ -103,7 +124,8 @@ def check_branch(ext, march: str) -> None:
     script = (
         "import sys, pytest\n"
         "from attnlab import native\n"
-        "print('SIMD=' + native.extension().SIMD, flush=True)\n"
+        "from native_branches import built_line\n"
+        "print(built_line(native.extension()), flush=True)\n"
         "sys.exit(pytest.main(sys.argv[1:]))\n"
     )
     run = subprocess.run(
@@ -116,7 +138,7 @@ def check_branch(ext, march: str) -> None:
         check=False,
     )  # fmt: skip
     built = run.stdout.splitlines()[:1]
-    assert built == [f"SIMD={branch}"], (march, run.stdout[-2000:], run.stderr[-2000:])
+    assert built == [expected_line(branch)], (march, run.stdout[-2000:], run.stderr[-2000:])
     tail = "\n".join(run.stdout.splitlines()[-30:])
     assert run.returncode == 0, f"-march={march} ({branch}):\n{tail}\n{run.stderr[-2000:]}"
     # the kernel tests ran on this build: none skipped for want of it (extras may be missing)

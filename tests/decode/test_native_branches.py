@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from attnlab import native
-from native_branches import check_branch
+from native_branches import built_line, check_branch, expected_line
 
 
 def test_march_must_be_an_architecture_name(monkeypatch):
@@ -24,3 +24,9 @@ def test_march_must_be_an_architecture_name(monkeypatch):
 @pytest.mark.slow
 def test_the_avx512_branch_without_bf16(ext):
     check_branch(ext, "skylake-avx512")
+
+
+def test_this_builds_integer_kernels_are_its_branchs(ext):
+    """The build in use says which kernels sum integer products of activation codes, and it
+    is what its branch should have (the tests' error bounds follow it)."""
+    assert built_line(ext) == expected_line(ext.SIMD)

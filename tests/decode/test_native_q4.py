@@ -31,8 +31,9 @@ def _magnitude(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def _integer(ext) -> bool:
-    """Whether this build's q4.h branch is the integer one (AVX2: 16-bit activation codes)."""
-    return getattr(ext, "SIMD", None) == "avx2"
+    """Whether this build's q4.h branch is the integer one (AVX2 without AVX-512: 16-bit
+    activation codes), as the module says."""
+    return bool(getattr(ext, "Q4_INTEGER", False))
 
 
 def _bound(x: torch.Tensor, layer: Int4Linear, reference: torch.Tensor, out: torch.dtype, ext):

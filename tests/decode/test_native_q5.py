@@ -34,8 +34,9 @@ def _layer(N: int, K: int, seed: int) -> Q5Linear:
 
 
 def _integer(ext) -> bool:
-    """Whether this build's q5_0.h branch is the integer one (AVX2: 16-bit activation codes)."""
-    return getattr(ext, "SIMD", None) == "avx2"
+    """Whether this build's q5_0.h branch is the integer one (16-bit activation codes: AVX2,
+    and AVX-512 without BF16), as the module says."""
+    return bool(getattr(ext, "Q5_INTEGER", False))
 
 
 def _bound(x: torch.Tensor, w: torch.Tensor, reference: torch.Tensor, out: torch.dtype, ext):
@@ -175,9 +176,10 @@ def test_kernel_on_gguf_pys_blocks(ext):
 
 
 def test_the_integer_branchs_error_term_is_needed_and_bounds_it(ext):
-    """Where the build sums integer products (AVX2), its error exceeds the float32 bound alone
-    on rows with a large spread (one outlier a block), and stays within the bound with the
-    activation codes' term; elsewhere the float branches meet the float32 bound alone."""
+    """Where the build sums integer products (no bf16 dots), its error exceeds the float32
+    bound alone on rows with a large spread (one outlier a block), and stays within the bound
+    with the activation codes' term; elsewhere the float branches meet the float32 bound
+    alone."""
     g = torch.Generator().manual_seed(7)
     layer = _layer(256, 640, seed=7)
     x = torch.randn(3, 640, generator=g)

@@ -4,7 +4,7 @@
 // four bits qs (bytes 6-21: weight j < 16 in the low nibble of qs[j], weight j + 16 in its high
 // nibble). W[n, k] = d * (q - 16), q in 0..31: 0.6875 bytes a weight, where q8_0 reads 1.0625.
 //
-// The AVX-512 and plain branches keep x as given (no activation quantisation): each weight
+// The AVX-512 BF16 and plain branches keep x as given (no activation quantisation): each weight
 // d * (q - 16) is exact in float32 (a 5-bit integer times an 11-bit significand), and every
 // product and sum runs in float32, so the result is x @ W^T up to the order of the float32
 // sums. One output row of W at a time (parallel over N): its blocks are read and unpacked once
@@ -13,7 +13,8 @@
 // are then read as they are, a block's 32 products summed by one bf16 dot-product instruction
 // (q - 16 is exact in bf16) and scaled by d.
 //
-// The AVX2 branch sums integer products, as q8_0.h does: each 32-block of each row of x
+// Without bf16 dot products (AVX2, and AVX-512 without BF16: Skylake and Cascade Lake), the
+// kernel sums integer products, as q8_0.h does: each 32-block of each row of x
 // becomes 16-bit codes p with a scale e (attnlab_simd::quantise_rows: x = e p within 0.506 e,
 // e = 2^-15 of the block's largest |x|), the block's codes are spread to bytes q - 16 (a
 // shuffle and a compare spread the fifth bits, as ggml does) and widened to int16, and
@@ -21,7 +22,10 @@
 // rows a pass for one row of x. Error: on top of the float32 sums' own, at most
 // 0.506 * sum over blocks of e * |d| * sum |q - 16|, 2^-16 of each block's largest |x| times
 // its |w| sum. Gemma 3's 2048 x 640, one row, one thread of a Zen 4 built for x86-64-v3: 105 us
-// a product, against 182 us for the float32 branch it replaced, timed side by side.
+// a product, against 182 us for the float32 branch it replaced, timed side by side. Built for
+// skylake-avx512 (AVX-512 without BF16), Gemma 3's decode step at depth 4,096 took 19.0-19.1
+// ms a token on one thread against 20.6 with AVX-512's float32 products, which also needed
+// bf16 rows converted to float32 first (benchmarks/bench_decode_step.py --depth 4096).
 //
 // Used by decode_step.cpp (Product kind kQ5) and bound as q5_0_mm (attnlab.quant.Q5Linear).
 
@@ -66,9 +70,8 @@ inline uint32_t high_bits_at(const uint8_t* block) {
   return qh;
 }
 
-#if !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)) && \
-    defined(__AVX2__) && defined(__FMA__)
-#define ATTNLAB_Q5_INTEGER 1  // the AVX2 branch: integer products (integer_dots below)
+#if !defined(__AVX512BF16__) && defined(__AVX2__) && defined(__FMA__)
+#define ATTNLAB_Q5_INTEGER 1  // integer products (integer_dots below) without bf16 dots
 // The 32 codes of a block less 16 (-16..15) as bytes in weight order: the low nibbles of qs
 // (weights 0-15), then its high nibbles (16-31), 16 added where qh's bit is set: each byte
 // of the result takes qh's byte for its weight (a shuffle within each 128-bit half) and
