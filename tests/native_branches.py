@@ -59,11 +59,11 @@ BRANCHES = [
 ]
 
 #: Which kernels of each branch sum integer products of 16-bit activation codes (the module's
-#: Q4_INTEGER, Q5_INTEGER): q5_0 wherever there are no bf16 dot products, q4 on AVX2 alone
-#: (with AVX-512, PyTorch's own int4 kernels run instead).
+#: Q4_INTEGER, Q5_INTEGER): q4 wherever there is AVX2, q5_0 where there are no bf16 dot
+#: products as well.
 INTEGER = {
-    "avx512-bf16": (False, False),
-    "avx512": (False, True),
+    "avx512-bf16": (True, False),
+    "avx512": (True, True),
     "avx2": (True, True),
     "scalar": (False, False),
 }

@@ -226,16 +226,25 @@ def _info_native() -> RenderableType:
     from rich.text import Text
 
     from attnlab.quant.arith import prompt_arithmetic
+    from attnlab.quant.int4 import native_q4
 
     dtype, why = prompt_arithmetic()
     capability = torch.backends.cpu.get_cpu_capability()
-    int4 = (
-        "PyTorch's (its AVX-512 kernels)"
-        if capability == "AVX512"
-        else f"attnlab's q4 kernel when the compiled step is loaded (PyTorch's int4 kernels "
-        f"here are its {capability} ones, slower; q4's AVX2 branch sums integer products of "
-        "16-bit activation codes, as q8_0's)"
-    )
+    ext = native.loaded()
+    if ext is not None and native_q4(ext):
+        how = (
+            "integer products of 16-bit activation codes, as q8_0's"
+            if ext.Q4_INTEGER
+            else "its plain loop"
+        )
+        int4 = f"attnlab's q4 kernel ({how}; PyTorch's are its {capability} ones)"
+    elif ext is not None:
+        int4 = f"PyTorch's (its {capability} kernels: this build has no integer q4)"
+    else:
+        int4 = (
+            "attnlab's q4 kernel once the compiled step is loaded, where the CPU has AVX2 "
+            f"(integer products of 16-bit activation codes); PyTorch's {capability} ones without it"
+        )
     return Text(
         f"compiled decode step (attnlab.native): {native.status()}\n"
         f"prompt products of the int and bf16 weights: {str(dtype).removeprefix('torch.')} "

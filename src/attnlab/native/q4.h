@@ -5,12 +5,14 @@
 // weight j < 16 of the group in the low nibble of byte j and weight j + 16 in its high nibble.
 // 0.75 bytes a weight.
 //
-// Where PyTorch's int4 kernels are its AVX-512 ones they are used instead (attnlab.quant picks);
-// this one is for the CPUs where they are slow (AVX2 without AVX-512). A few output rows of W
-// at a time (parallel over N; four for one row of x on AVX2): their codes are read once for up
-// to kRowsAtOnce rows of x.
+// Wherever there is AVX2 (AVX-512 CPUs included), it is used instead of PyTorch's int4
+// kernels (attnlab.quant picks): on one thread of a Zen 4 with PyTorch held to its AVX-512
+// kernels (ATEN_CPU_CAPABILITY=avx512), one bf16 row, SmolLM2's 1536 x 576 took 39 us against
+// PyTorch's 52, 576 x 1536 36 against 52, 576 x 576 16 against 22. A few output rows of W at a
+// time (parallel over N; four for one row of x): their codes are read once for up to
+// kRowsAtOnce rows of x.
 //
-// AVX2: integer dot products, as q8_0.h. Each 32-block of each row of x is quantised once per
+// Integer dot products, as q8_0.h. Each 32-block of each row of x is quantised once per
 // call to 16-bit codes p with a float scale e (attnlab_simd::quantise_rows: x = e p within
 // 0.506 e, e = 2^-15 of the block's largest |x|), and its float32 sum X is kept. A group's
 // product is then s * e * S + o * X, S = sum q p the exact integer sum (two vpmaddwd of 16
@@ -23,7 +25,7 @@
 // 49152 x 576 head 1.73-1.97 ms against 3.19-3.29, a 6144 x 576 weight 218-259 us against
 // 358-395 (in a slow hour; the decode's own ratio is in bench_llama_cpp.py --isa avx2).
 //
-// AVX-512 and the plain loop: each weight is fma(q, s, o) in float32, one rounding (q * s is
+// Without AVX2, the plain loop: each weight is fma(q, s, o) in float32, one rounding (q * s is
 // exact: s is a bf16 value), the value PyTorch's AVX2 int4 kernel (_weight_int4pack_mm_for_cpu)
 // gives it and Int4Linear.weight's, and every product and sum runs in float32, so the result
 // is x @ W^T up to the order of the float32 sums.
@@ -47,8 +49,8 @@
 #include <immintrin.h>
 #endif
 
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-#define ATTNLAB_Q4_INTEGER 1  // the AVX2 branch: 16-bit activation codes, integer dots
+#if defined(__AVX2__) && defined(__FMA__)
+#define ATTNLAB_Q4_INTEGER 1  // 16-bit activation codes, integer dots (AVX-512 builds too)
 #else
 #define ATTNLAB_Q4_INTEGER 0
 #endif
@@ -140,50 +142,20 @@ constexpr int weight_rows() {
   return 1;
 }
 
-// Independent sums a row of x keeps: one row alone would wait on each multiply-add's latency,
-// more rows fill the pipeline themselves (and need the registers).
-template <int R>
-constexpr int chains() {
-  return R == 1 ? 4 : (R == 2 ? 2 : 1);
-}
-
 // out[r] = sum_k x[(m0 + r) * K + k] * W[k] for R rows of x from row m0; q one weight row's
 // K/2 bytes of codes, so its K/32 (scale, offset) pairs.
 template <int R, int NR>
 inline void dots(const uint8_t* q, const float* so, const Rows& rows, int64_t m0, float* out) {
-  static_assert(NR == 1, "the float branches take one weight row at a time");
-  constexpr int C = chains<R>();
+  static_assert(NR == 1, "the plain loop takes one weight row at a time");
   const int64_t K = rows.K;
   const float* x = rows.x + m0 * K;
-#if defined(__AVX512F__)
-  // Sums over groups g % C, C a compile-time count: sums picked by a run-time index
-  // (g % C) lived in memory, and took 46 us for 1536 x 576 and one row against 28.
-  const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  auto block = [&](int64_t g, __m512* sums) {
-    // the group's 16 weight values fma(q, s, o), looked up by code: a permute reads only
-    // its index's low 4 bits, so a byte's low nibble needs no mask
-    const __m512 values =
-        _mm512_fmadd_ps(codes, _mm512_set1_ps(so[2 * g]), _mm512_set1_ps(so[2 * g + 1]));
-    const __m512i b32 =
-        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + g * 16)));
-    const __m512 w0 = _mm512_permutexvar_ps(b32, values);
-    const __m512 w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(b32, 4), values);
-    for (int r = 0; r < R; ++r) {
-      const float* xg = x + r * K + g * kBlock;
-      sums[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xg), sums[r]);
-      sums[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xg + 16), sums[r]);
-    }
-  };
-  attnlab_simd::sum_groups<C, R>(K / kBlock, block, out);
-#else
-  (void)C;
   for (int r = 0; r < R; ++r) out[r] = 0.f;
   float w[kBlock];
   for (int64_t g = 0; g < K / kBlock; ++g) {
     const float s = so[2 * g], o = so[2 * g + 1];
     const uint8_t* qg = q + g * 16;
     for (int j = 0; j < 16; ++j) {
-      // q * s is exact (s a bf16 value), so this is the AVX-512 branch's fma to the bit
+      // q * s is exact (s a bf16 value): the value PyTorch's AVX2 kernel gives the weight
       w[j] = static_cast<float>(qg[j] & 0x0F) * s + o;
       w[j + 16] = static_cast<float>(qg[j] >> 4) * s + o;
     }
@@ -195,7 +167,6 @@ inline void dots(const uint8_t* q, const float* so, const Rows& rows, int64_t m0
       out[r] += sum;
     }
   }
-#endif
 }
 #endif
 

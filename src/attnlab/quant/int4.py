@@ -1,11 +1,13 @@
 """Weight-only int4 in groups: :class:`Int4Linear` (``"int4"``), which also holds GGUF's
 Q4_0, Q4_1 and Q4_K blocks as they are.
 
-``w = (q - 8) * scale + zero`` per group of ``group_size`` input columns; the CPU kernel is
-``torch.ops.aten._weight_int4pack_mm_for_cpu`` where PyTorch runs its AVX-512 kernels, and
-attnlab's own (``attnlab/native/q4.h``, the same weights) elsewhere when the native build is
-loaded: PyTorch's AVX2 int4 kernel is much slower than its AVX-512 one for a decode row,
-slower even than attnlab's q8_0 kernel, which reads twice the bytes.
+``w = (q - 8) * scale + zero`` per group of ``group_size`` input columns; the CPU kernel of
+a few rows is attnlab's own (``attnlab/native/q4.h``, the same weights, integer products of
+16-bit activation codes) where the native build is loaded and sums integer products (any
+x86 CPU with AVX2), else ``torch.ops.aten._weight_int4pack_mm_for_cpu`` (:func:`native_q4`
+says which): q4.h's integer products take 0.7x the time of PyTorch's AVX-512 int4 kernel
+for a decode row, and PyTorch's AVX2 one is slower than attnlab's q8_0 kernel, which reads
+twice the bytes.
 
 GGUF's Q4_0 and Q4_1 blocks are this format with groups of 32 (Q4_0: ``zero = 0``; Q4_1:
 ``w = q*d + m``, so ``zero = m + 8d``), and so is each 32-weight sub-block of a Q4_K
@@ -48,7 +50,7 @@ from attnlab.quant.base import (
 )
 from attnlab.quant.kinds import NATIVE_INT4, NATIVE_Q4, NativeProduct
 
-__all__ = ["Int4Linear", "pack_layout", "q4_k_parts", "unpack_int4_t"]
+__all__ = ["Int4Linear", "native_q4", "pack_layout", "q4_k_parts", "unpack_int4_t"]
 
 # Packs of parts whose rows are a multiple of 64 concatenate: 64 is a multiple of the
 # packing's tile on every CPU (:func:`pack_layout`).
@@ -244,13 +246,12 @@ class Int4Linear(WeightFormat):
         return self.decode_kernel()(x2)
 
     def _native_kernel(self) -> Any:
-        """attnlab's int4 kernel module where it is the one to use, else None: the native
-        build is loaded, PyTorch's int4 kernels are not its AVX-512 ones (which are faster
-        than attnlab's; ``ATEN_CPU_CAPABILITY`` chooses them) and the groups are whole
-        32-weight groups."""
-        if self.group_size % QK or torch.backends.cpu.get_cpu_capability() == "AVX512":
+        """attnlab's int4 kernel module where it is the one to use (:func:`native_q4`) and
+        the groups are whole 32-weight groups, else None."""
+        if self.group_size % QK:
             return None
-        return native_kernels()
+        ext = native_kernels()
+        return ext if native_q4(ext) else None
 
     def decode_kernel(self) -> Callable[[torch.Tensor], torch.Tensor]:
         ext = self._native_kernel()
@@ -299,6 +300,18 @@ class Int4Linear(WeightFormat):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, group_size={self.group_size}"
+
+
+def native_q4(ext: Any) -> bool:
+    """Whether an int4 product of a few rows runs attnlab's q4 kernel from ``ext`` (the
+    native module, or None) rather than PyTorch's: where the build sums integer products
+    (``Q4_INTEGER``: any build with AVX2, AVX-512 ones included), or where PyTorch's int4
+    kernels are not its AVX-512 ones (its AVX2 and plain ones are slow for a decode row)."""
+    if ext is None:
+        return False
+    if getattr(ext, "Q4_INTEGER", False):
+        return True
+    return torch.backends.cpu.get_cpu_capability() != "AVX512"
 
 
 def q4_k_parts(
