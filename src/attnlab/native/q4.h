@@ -60,25 +60,25 @@ namespace attnlab_q4 {
 constexpr int64_t kBlock = 32;      // weights per group
 constexpr int64_t kRowsAtOnce = 8;  // rows of x per pass over a weight row (registers)
 
-// The rows of x (M, K) as this build's branch reads them: float32, and for the integer
-// branch their 16-bit codes, the codes' scales and the blocks' float32 sums (M, K/32).
+// The rows of x (M, K) as this build's branch reads them: for the integer branch their
+// 16-bit codes, the codes' scales and the blocks' float32 sums (M, K/32), made from float32
+// or bf16 rows as they are; for the plain loop the float32 rows.
 struct Rows {
-  const float* x;
+  const float* x = nullptr;
   int64_t K;
 #if ATTNLAB_Q4_INTEGER
   std::vector<int16_t> p;
   std::vector<float> e, sums;
-#endif
-  Rows(const float* x_, int64_t M, int64_t K_) : x(x_), K(K_) {
-#if ATTNLAB_Q4_INTEGER
+  template <typename X>
+  Rows(const X* x_, int64_t M, int64_t K_) : K(K_) {
     p.resize(M * K);
     e.resize(M * (K / kBlock));
     sums.resize(M * (K / kBlock));
-    attnlab_simd::quantise_rows(x, M, K, p.data(), e.data(), sums.data());
-#else
-    (void)M;
-#endif
+    attnlab_simd::quantise_rows(x_, M, K, p.data(), e.data(), sums.data());
   }
+#else
+  Rows(const float* x_, int64_t, int64_t K_) : x(x_), K(K_) {}
+#endif
 };
 
 #if ATTNLAB_Q4_INTEGER
@@ -200,10 +200,10 @@ inline void tile_rows(int64_t count, int64_t nw, const uint8_t* q, const float* 
   }
 }
 
-// y (M, N) in T (float or bf16) from x (M, K) float32, codes (N, K/2), scales and offsets
-// (N, K/32, 2).
-template <typename T>
-inline void q4_rows(const float* x, const uint8_t* codes, const float* so, T* y, int64_t M,
+// y (M, N) in T (float or bf16) from x (M, K) in X (float32; bf16 too for the integer
+// branch), codes (N, K/2), scales and offsets (N, K/32, 2).
+template <typename X, typename T>
+inline void q4_rows(const X* x, const uint8_t* codes, const float* so, T* y, int64_t M,
                     int64_t N, int64_t K) {
   // Chunks of at least 32 KiB of codes: a thread's start costs about what reading that does.
   const int64_t grain = std::max<int64_t>(1, (32 << 10) / (K / 2));
@@ -244,15 +244,21 @@ inline at::Tensor q4_mm(const at::Tensor& x, const at::Tensor& codes,
               "q4_mm: x must be (M, ", K, ") bfloat16 or float32, got ", x.scalar_type(),
               " of shape ", x.sizes());
   const int64_t M = x.size(0);
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
   at::Tensor y = at::empty({M, N}, x.options());
-  const float* xp = xf.data_ptr<float>();
   const uint8_t* qp = codes.data_ptr<uint8_t>();
   const float* sp = scale_offset.data_ptr<float>();
-  if (x.scalar_type() == at::kBFloat16)
-    q4_rows(xp, qp, sp, y.data_ptr<c10::BFloat16>(), M, N, K);
-  else
-    q4_rows(xp, qp, sp, y.data_ptr<float>(), M, N, K);
+  if (x.scalar_type() == at::kBFloat16) {
+#if ATTNLAB_Q4_INTEGER  // bf16 rows quantised as they are
+    const at::Tensor xc = x.contiguous();
+    q4_rows(xc.data_ptr<c10::BFloat16>(), qp, sp, y.data_ptr<c10::BFloat16>(), M, N, K);
+#else
+    const at::Tensor xf = x.to(at::kFloat).contiguous();
+    q4_rows(xf.data_ptr<float>(), qp, sp, y.data_ptr<c10::BFloat16>(), M, N, K);
+#endif
+  } else {
+    const at::Tensor xc = x.contiguous();
+    q4_rows(xc.data_ptr<float>(), qp, sp, y.data_ptr<float>(), M, N, K);
+  }
   return y;
 }
 
