@@ -16,8 +16,9 @@ entry in the CLI's ``--dtype`` help (:func:`dtype_help`).
   one scale per output row (symmetric), ``torch.ops.aten._weight_int8pack_mm``.
 - :class:`Int4Linear` (``"int4"``, :mod:`~attnlab.quant.int4`): 4-bit codes in groups of
   ``group_size`` input columns, each group with a scale and a zero; GGUF's Q4_0, Q4_1 and
-  Q4_K blocks as they are. Run by PyTorch's int4 kernel where that is its AVX-512 one, else
-  by attnlab's own (:mod:`attnlab.native`) where it is built. GGUF's 5-, 6- and 8-bit
+  Q4_K blocks as they are. Run by attnlab's own kernel (:mod:`attnlab.native`, integer
+  products wherever there is AVX2) where it is built, else by PyTorch's int4 kernel
+  (:func:`attnlab.quant.int4.native_q4`). GGUF's 5-, 6- and 8-bit
   types go to :class:`Q5Linear` (Q5_0) and :class:`Q8Linear` (the others) instead
   (:attr:`WeightFormat.gguf_instead`).
 - :class:`Q8Linear` (``"q8_0"``, :mod:`~attnlab.quant.q8_0`): int8 codes with one float16
