@@ -32,7 +32,7 @@ def _magnitude(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def _integer(ext) -> bool:
-    """Whether this build's q4.h branch is the integer one (AVX2 without AVX-512: 16-bit
+    """Whether this build's q4.h branch is the integer one (any build with AVX2: 16-bit
     activation codes), as the module says."""
     return bool(getattr(ext, "Q4_INTEGER", False))
 

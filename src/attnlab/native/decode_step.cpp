@@ -435,8 +435,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("SIMD") = "scalar";
 #endif
   // Whether q4 and q5_0 quantise rows of x to 16-bit codes and sum integer products (their
-  // headers give the error bound; q8_0 always does): q4 on AVX2 without AVX-512, q5_0
-  // wherever there are no bf16 dot products (AVX2, and AVX-512 without BF16).
+  // headers give the error bound; q8_0 always does): q4 wherever there is AVX2, q5_0
+  // where there are no bf16 dot products as well (AVX2, and AVX-512 without BF16).
   m.attr("Q4_INTEGER") = static_cast<bool>(ATTNLAB_Q4_INTEGER);
 #ifdef ATTNLAB_Q5_INTEGER
   m.attr("Q5_INTEGER") = true;
