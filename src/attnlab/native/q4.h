@@ -64,7 +64,6 @@ constexpr int64_t kRowsAtOnce = 8;  // rows of x per pass over a weight row (reg
 // 16-bit codes, the codes' scales and the blocks' float32 sums (M, K/32), made from float32
 // or bf16 rows as they are; for the plain loop the float32 rows.
 struct Rows {
-  const float* x = nullptr;
   int64_t K;
 #if ATTNLAB_Q4_INTEGER
   std::vector<int16_t> p;
@@ -77,7 +76,8 @@ struct Rows {
     attnlab_simd::quantise_rows(x_, M, K, p.data(), e.data(), sums.data());
   }
 #else
-  Rows(const float* x_, int64_t, int64_t K_) : x(x_), K(K_) {}
+  const float* x;
+  Rows(const float* x_, int64_t, int64_t K_) : K(K_), x(x_) {}
 #endif
 };
 
