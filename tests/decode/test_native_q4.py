@@ -1,6 +1,6 @@
 """attnlab's int4 product (``attnlab/native/q4.h``) against a float64 product of
 :class:`attnlab.quant.Int4Linear`'s weight and against PyTorch's int4 kernel, the layout
-it reads (built from the layer's packed codes), and the choice between the two kernels by
+it reads (the layer's own codes), and the choice between the two kernels by
 the CPU kernels PyTorch reports."""
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def _bound(x: torch.Tensor, layer: Int4Linear, reference: torch.Tensor, out: tor
 
 def _torch_int4(layer: Int4Linear, x: torch.Tensor) -> torch.Tensor:
     op = torch.ops.aten._weight_int4pack_mm_for_cpu
-    return op(x, layer.packed, layer.group_size, layer.scales_and_zeros)
+    return op(x, layer.torch_packed(), layer.group_size, layer.scales_and_zeros)
 
 
 @pytest.mark.parametrize(("N", "K", "group_size"), [(16, 32, 32), (48, 96, 32), (32, 160, 32),
@@ -73,6 +73,7 @@ def test_the_layout_holds_the_layers_weight_exactly(N, K, group_size):
     gives :attr:`Int4Linear.weight` to the bit; K = 96 and 160 are multiples of 32, not 64."""
     layer = _layer(N, K, group_size, seed=N + K)
     codes, scale_offset = layer._native_layout()
+    assert codes is layer.codes  # held as the kernel reads them: no copy
     assert codes.shape == (N, K // 2) and codes.dtype == torch.uint8
     assert scale_offset.shape == (N, K // 32, 2) and scale_offset.dtype == torch.float32
     blocks = codes.view(N, K // 32, 16)
@@ -155,7 +156,7 @@ def test_the_kernel_is_attnlabs_where_it_sums_integers_or_pytorchs_are_slow(
     spec = layer.native_product()
     assert spec is not None and spec.n == 64
     if pytorchs:
-        assert spec.kind == NATIVE_INT4 and spec.a is layer.packed
+        assert spec.kind == NATIVE_INT4 and spec.a is layer.torch_packed()
     else:
         codes, scale_offset = layer._native_layout()
         assert spec.kind == NATIVE_Q4 and spec.a is codes and spec.b is scale_offset
@@ -181,7 +182,7 @@ def test_the_layout_is_built_once_beside_the_module(ext, monkeypatch):
     layer = _layer(32, 128, 32, seed=2)
     first = layer._native_layout()
     assert layer._native_layout() is first
-    assert set(layer.state_dict()) == {"packed", "scales_and_zeros"}
+    assert set(layer.state_dict()) == {"codes", "scales_and_zeros"}
     assert not list(layer.children())
     with torch.no_grad():
         layer.scales_and_zeros[..., 0] *= 2

@@ -30,9 +30,9 @@ from attnlab.quant import (
     quantize_linear,
     quantize_model,
     register_format,
-    unpack_int4_t,
 )
 from attnlab.quant import base as quant_base
+from attnlab.quant.int4 import pack_nibbles, unpack_nibbles
 
 
 def _ref(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
@@ -86,17 +86,29 @@ def test_from_float_is_within_half_a_step_and_computes_with_it(cls):
 
 
 @pytest.mark.parametrize("N", [16, 48, 64, 80, 144])  # whole 64-row tiles, tails, both
-def test_unpacked_int4_codes_are_the_codes_given_to_the_packing(N):
+def test_int4_codes_are_held_two_a_byte_and_packed_for_pytorchs_kernel(N):
+    """Weight ``j`` of each 32-block in the low nibble of byte ``j``, ``j + 16`` in its high
+    one (GGUF's Q4_0 layout); PyTorch's kernel, on the packing made from them, multiplies
+    by the same codes (its product with the identity, scale 1 and zero 0, is ``q - 8``)."""
     g = torch.Generator().manual_seed(N)
     codes = torch.randint(0, 16, (N, 96), generator=g, dtype=torch.int32)
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2)
-    assert torch.equal(unpack_int4_t(packed, N, 96).t().int(), codes)
-    # The kernel's own view of the codes: its product with the identity (scale 1, zero 0).
-    unit = torch.zeros(96 // 32, N, 2, dtype=torch.bfloat16)
-    unit[..., 0] = 1.0
+    held = pack_nibbles(codes)
+    assert held.shape == (N, 48) and held.dtype == torch.uint8
+    blocks = held.view(N, 3, 16).int()
+    assert torch.equal(blocks & 15, codes.view(N, 3, 32)[..., :16])
+    assert torch.equal(blocks >> 4, codes.view(N, 3, 32)[..., 16:])
+    assert torch.equal(unpack_nibbles(held).int(), codes)
+    unit = torch.zeros(N, 96 // 32)
+    lin = Int4Linear.from_codes(codes, unit + 1, unit)
+    assert torch.equal(lin.codes, held) and torch.equal(lin.codes_t().t().int(), codes)
     eye = torch.eye(96, dtype=torch.bfloat16)
-    q8 = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, packed, 32, unit)  # (K, N): q - 8
-    assert torch.equal(q8.float(), unpack_int4_t(packed, N, 96).float() - 8)
+    q8 = torch.ops.aten._weight_int4pack_mm_for_cpu(
+        eye, lin.torch_packed(), 32, lin.scales_and_zeros
+    )  # (K, N): q - 8
+    assert torch.equal(q8.float(), codes.t().float() - 8)
+    assert lin.torch_packed() is lin.torch_packed()  # made once
+    with pytest.raises(ValueError, match=r"in 0\.\.15"):
+        Int4Linear.from_codes(codes + 1, unit + 1, unit)
 
 
 @pytest.mark.parametrize("cls", [Int8Linear, Int4Linear])
@@ -221,9 +233,20 @@ def test_parts_of_one_fused_tensor_fuse_back_into_it_without_a_copy(layout):
     torch.testing.assert_close(fused(x), torch.cat([p(x) for p in swapped], dim=-1))
 
 
-def test_int4_parts_off_the_64_row_tile_are_not_fused():
-    parts = [Int4Linear.from_float(torch.randn(n, 64)) for n in (32, 64)]
-    assert fuse_rows(parts) is None
+def test_int4_parts_of_any_row_count_fuse_and_of_other_group_sizes_do_not():
+    """The codes are held per row, so parts of 32 and 48 rows (off PyTorch's 64-row
+    packing tile) stack; the fused product is each part's, bit for bit."""
+    g = torch.Generator().manual_seed(7)
+    parts = [Int4Linear.from_float(torch.randn(n, 64, generator=g)) for n in (32, 48)]
+    fused = fuse_rows(parts)
+    assert isinstance(fused, Int4Linear) and fused.out_features == 80
+    x = torch.randn(3, 64, generator=g).bfloat16()
+    torch.testing.assert_close(
+        fused.product(x), torch.cat([m.product(x) for m in parts], dim=1), atol=0, rtol=0
+    )
+    torch.testing.assert_close(fused.weight, torch.cat([m.weight for m in parts]))
+    other = Int4Linear.from_float(torch.randn(32, 64, generator=g), group_size=64)
+    assert fuse_rows([parts[0], other]) is None
     assert fuse_rows([nn.Linear(8, 4), Int8Linear.from_float(torch.randn(4, 8))]) is None
 
 
@@ -245,7 +268,9 @@ def test_gguf_q4_1_codes_pack_to_the_same_weights_as_ggml_dequantises():
     expected = torch.from_numpy(gquants.dequantize(raw, gquants.GGMLQuantizationType.Q4_1))
     assert expected.shape == (R, K)
     codes, scales, zeros = int4_codes(blocks, "Q4_1", (R, K))
-    lin = Int4Linear.from_codes(codes, scales, zeros)
+    # The file's bytes as they are: the format holds Q4_1's codes in their own layout.
+    assert torch.equal(codes, torch.from_numpy(blocks[:, 4:].copy()).reshape(R, K // 2))
+    lin = Int4Linear.from_stored((codes, scales, zeros))
     torch.testing.assert_close(lin.weight, expected, atol=0, rtol=0)
     torch.testing.assert_close(dequantize(blocks, "Q4_1", (R, K)), expected, atol=0, rtol=0)
     with pytest.raises(ValueError, match="Q4_0/Q4_1"):
@@ -286,15 +311,16 @@ def test_gguf_q4_k_codes_pack_to_ggml_dequantisation_up_to_bf16_scales():
     raw = blocks.reshape(R, K // 256 * 144)  # one row of super-blocks per weight row
     expected = torch.from_numpy(gquants.dequantize(raw, gquants.GGMLQuantizationType.Q4_K))
     assert expected.shape == (R, K)
-    codes, scales, zeros = int4_codes(blocks, "Q4_K", (R, K))
-    assert codes.shape == (R, K) and scales.shape == zeros.shape == (R, K // 32)
+    held, scales, zeros = int4_codes(blocks, "Q4_K", (R, K))
+    assert held.shape == (R, K // 2) and scales.shape == zeros.shape == (R, K // 32)
+    codes = unpack_nibbles(held)  # (R, K)
     # In float32 the sub-blocks' scale and zero give gguf-py's values exactly (but for
     # the one rounding of zero = 8 d sc - dmin m) ...
     rebuilt = (codes.float() - 8) * scales.repeat_interleave(32, 1) + zeros.repeat_interleave(32, 1)
     torch.testing.assert_close(rebuilt, expected, atol=1e-6, rtol=1e-6)
     # ... and the kernel's bf16 scale and zero move a weight by at most their rounding
     # (relative 2^-8 each).
-    lin = Int4Linear.from_codes(codes, scales, zeros)
+    lin = Int4Linear.from_stored((held, scales, zeros))
     s, z = scales.repeat_interleave(32, 1), zeros.repeat_interleave(32, 1)
     bound = 2**-8 * ((codes.float() - 8).abs() * s.abs() + z.abs()) + 1e-6  # unit roundoff
     err = (lin.weight - expected).abs()
@@ -441,7 +467,8 @@ def test_the_former_names_still_work():
 
 
 # PyTorch packs int4 weights in the layout of the CPU kernels it chose (ATEN_CPU_CAPABILITY):
-# a CPU without AVX-512 packs otherwise than the machine these tests usually run on.
+# a CPU without AVX-512 packs otherwise than the machine these tests usually run on. The
+# layer's packing for PyTorch's kernel, made from its codes, must multiply by them under each.
 _INT4_UNDER = """
 import os, sys, torch
 from attnlab.quant import Int4Linear

@@ -15,10 +15,11 @@ entry in the CLI's ``--dtype`` help (:func:`dtype_help`).
 - :class:`Int8Linear` (``"int8"``, :mod:`~attnlab.quant.int8`): one int8 per weight and
   one scale per output row (symmetric), ``torch.ops.aten._weight_int8pack_mm``.
 - :class:`Int4Linear` (``"int4"``, :mod:`~attnlab.quant.int4`): 4-bit codes in groups of
-  ``group_size`` input columns, each group with a scale and a zero; GGUF's Q4_0, Q4_1 and
-  Q4_K blocks as they are. Run by attnlab's own kernel (:mod:`attnlab.native`, integer
-  products wherever there is AVX2) where it is built, else by PyTorch's int4 kernel
-  (:func:`attnlab.quant.int4.native_q4`). GGUF's 5-, 6- and 8-bit
+  ``group_size`` input columns, each group with a scale and a zero, held two a byte in
+  GGUF's Q4_0 layout; GGUF's Q4_0, Q4_1 and Q4_K blocks as they are. Run by attnlab's
+  own kernel (:mod:`attnlab.native`, integer products wherever there is AVX2) where it is
+  built, else by PyTorch's int4 kernel (:func:`attnlab.quant.int4.native_q4`). GGUF's 5-,
+  6- and 8-bit
   types go to :class:`Q5Linear` (Q5_0) and :class:`Q8Linear` (the others) instead
   (:attr:`WeightFormat.gguf_instead`).
 - :class:`Q8Linear` (``"q8_0"``, :mod:`~attnlab.quant.q8_0`): int8 codes with one float16
@@ -40,7 +41,7 @@ inputs, but their fast path is bf16's). They are made for a few rows (decoding):
 crossover number of rows of input on (a prompt), the int layers instead dequantise their
 weight for that one call and run one dense ``mm`` in the prompt arithmetic's dtype
 (:mod:`~attnlab.quant.arith`; int8: the codes converted, the per-row scale applied to the
-product's columns; int4: the packed codes unpacked, ``q * scale + (zero - 8 scale)`` per
+product's columns; int4: the codes unpacked, ``q * scale + (zero - 8 scale)`` per
 group); nothing is kept, so memory stays that of the codes. Each format's crossover is
 measured on the machine at first use and cached (:mod:`~attnlab.quant.crossover`);
 ``benchmarks/bench_int_prefill.py`` shows the whole curve. Products of
@@ -73,7 +74,7 @@ from attnlab.quant.base import WEIGHT_FORMATS, GGUFBlock, WeightFormat, register
 from attnlab.quant.bf16 import BF16Linear
 from attnlab.quant.embedding import HeldEmbedding
 from attnlab.quant.float32 import Float32Linear, use_float32_gemm
-from attnlab.quant.int4 import Int4Linear, unpack_int4_t
+from attnlab.quant.int4 import Int4Linear
 from attnlab.quant.int8 import Int8Linear
 from attnlab.quant.kinds import (
     NATIVE_INT4,
@@ -130,7 +131,6 @@ __all__ = [
     "quantize_model",
     "register_format",
     "row_product",
-    "unpack_int4_t",
     "use_float32_gemm",
     "weight_format",
 ]

@@ -9,6 +9,15 @@ says which): q4.h's integer products take 0.7x the time of PyTorch's AVX-512 int
 for a decode row, and PyTorch's AVX2 one is slower than attnlab's q8_0 kernel, which reads
 twice the bytes.
 
+The codes are held as q4.h reads them, which is GGUF's own Q4_0 / Q4_1 layout: per row and
+32-weight block 16 bytes, weight ``j`` in the low nibble of byte ``j`` and ``j + 16`` in its
+high one. A GGUF file's Q4_0 and Q4_1 codes are taken byte for byte and Q4_K's are
+regrouped with byte operations, never unpacked; PyTorch's packing
+(``_convert_weight_to_int4pack_for_cpu``, whose tile layout depends on the CPU kernels
+PyTorch chose) is made from them only where PyTorch's kernel runs (:meth:`Int4Linear.torch_packed`).
+Loading SmolLM2's Q4_1 file at int4 took 0.3 s less than unpacking every code and packing
+it twice (``benchmarks/bench_first_token.py``).
+
 GGUF's Q4_0 and Q4_1 blocks are this format with groups of 32 (Q4_0: ``zero = 0``; Q4_1:
 ``w = q*d + m``, so ``zero = m + 8d``), and so is each 32-weight sub-block of a Q4_K
 super-block (``w = d sc q - dmin m``: ``scale = d sc``, ``zero = 8 d sc - dmin m``); they
@@ -30,7 +39,6 @@ of a GGUF tensor, G blocks.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, ClassVar
@@ -43,6 +51,8 @@ from attnlab.quant.base import (
     GGUFBlock,
     WeightFormat,
     f16_columns,
+    fresh,
+    fresh_copy,
     native_kernels,
     nibbles,
     register_format,
@@ -50,24 +60,22 @@ from attnlab.quant.base import (
 )
 from attnlab.quant.kinds import NATIVE_INT4, NATIVE_Q4, NativeProduct
 
-__all__ = ["Int4Linear", "native_q4", "pack_layout", "q4_k_parts", "unpack_int4_t"]
+__all__ = ["Int4Linear", "native_q4", "pack_nibbles", "q4_k_parts", "unpack_nibbles"]
 
-# Packs of parts whose rows are a multiple of 64 concatenate: 64 is a multiple of the
-# packing's tile on every CPU (:func:`pack_layout`).
-_FUSE_ROWS = 64
-QK = 32  # weights per group of the GGUF types held here (per sub-block for Q4_K)
+QK = 32  # weights per block of the codes' layout (a GGUF Q4_0 / Q4_1 block, a Q4_K sub-block)
 
 
 @register_format
 class Int4Linear(WeightFormat):
     """Weight-only int4 in groups: ``W[n, k] = (q[n, k] - 8) * scale[g, n] + zero[g, n]``.
 
-    ``g = k // group_size``; q in 0..15. The codes are packed once by
-    ``_convert_weight_to_int4pack_for_cpu`` (needs N % 16 == 0 and K % group_size == 0);
-    a weight of another shape gets :attr:`fallback` (int8) instead.
+    ``g = k // group_size``; q in 0..15, held two a byte in the layout of the module's
+    docstring (:func:`pack_nibbles`). PyTorch's kernel, where it runs, needs N % 16 == 0;
+    the layout needs K % 32 == 0 and K % group_size == 0; a weight of another shape gets
+    :attr:`fallback` (int8) instead.
 
     Args:
-        packed: the packed codes (from :meth:`from_codes`).
+        codes: (N, K / 2) uint8, the codes two a byte (from :func:`pack_nibbles`).
         scales_and_zeros: (K / group_size, N, 2) bfloat16.
         group_size: input columns per group (32, 64, 128, ...).
         in_features: K.
@@ -94,7 +102,7 @@ class Int4Linear(WeightFormat):
         {"Q5_0": "q5_0", **{t: "q8_0" for t in ("Q5_1", "Q5_K", "Q6_K", "Q8_0")}}
     )
     fallback = "int8"
-    packed: torch.Tensor
+    codes: torch.Tensor
     scales_and_zeros: torch.Tensor
     #: The crossover without measuring (``ATTNLAB_CROSSOVER=defaults``; the EPYC's, in
     #: ``benchmarks/bench_int_prefill.py``); :mod:`attnlab.quant.crossover` measures this
@@ -103,17 +111,23 @@ class Int4Linear(WeightFormat):
 
     def __init__(
         self,
-        packed: torch.Tensor,
+        codes: torch.Tensor,
         scales_and_zeros: torch.Tensor,
         group_size: int,
         in_features: int,
         bias: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
+        N = scales_and_zeros.shape[1]
+        if codes.dtype != torch.uint8 or tuple(codes.shape) != (N, in_features // 2):
+            raise ValueError(
+                f"`codes` must be ({N}, {in_features // 2}) uint8 (two codes a byte), got "
+                f"{codes.dtype} of shape {tuple(codes.shape)}"
+            )
         self.in_features = in_features
-        self.out_features = scales_and_zeros.shape[1]
+        self.out_features = N
         self.group_size = group_size
-        self.register_buffer("packed", packed)
+        self.register_buffer("codes", codes.contiguous())
         self.register_buffer("scales_and_zeros", scales_and_zeros.to(torch.bfloat16).contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach().float())
 
@@ -124,6 +138,8 @@ class Int4Linear(WeightFormat):
             return f"out_features={out_features} is not a multiple of 16"
         if in_features % group_size:
             return f"in_features={in_features} is not a multiple of group_size={group_size}"
+        if in_features % QK:
+            return f"in_features={in_features} is not a multiple of {QK}"
         return None
 
     @classmethod
@@ -134,7 +150,7 @@ class Int4Linear(WeightFormat):
         zeros: torch.Tensor,
         bias: torch.Tensor | None = None,
     ) -> Int4Linear:
-        """Pack 4-bit codes with per-group scales and zeros.
+        """Hold 4-bit codes with per-group scales and zeros.
 
         Args:
             codes: (N, K) integers in 0..15.
@@ -143,34 +159,57 @@ class Int4Linear(WeightFormat):
             bias: (N,) or None.
 
         Raises:
-            ValueError: shapes the CPU kernel cannot take.
+            ValueError: shapes the kernels cannot take, or codes outside 0..15.
         """
         N, K = codes.shape
-        group_size = K // scales.shape[1]
+        group_size = K // max(scales.shape[1], 1)
         why = cls.why_not(N, K, group_size)
         if why is not None or group_size * scales.shape[1] != K:
-            raise ValueError(f"cannot pack an int4 weight of shape {(N, K)}: {why}")
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-            codes.to(torch.int32).contiguous(), 2
-        )
-        sz = torch.stack([scales.t(), zeros.t()], dim=-1)  # (K/gs, N, 2)
-        return cls(packed, sz, group_size, K, bias)
+            raise ValueError(f"cannot hold an int4 weight of shape {(N, K)}: {why}")
+        if codes.numel() and not (int(codes.min()) >= 0 and int(codes.max()) <= 15):
+            raise ValueError(
+                f"int4 codes must be in 0..15, got {int(codes.min())}..{int(codes.max())}"
+            )
+        return cls.from_stored((pack_nibbles(codes), scales, zeros), bias)
 
     @classmethod
     def from_stored(
         cls, stored: Sequence[torch.Tensor], bias: torch.Tensor | None = None
     ) -> Int4Linear:
-        """From ``(codes, scales, zeros)`` as :meth:`from_codes` takes them."""
+        """From ``(codes, scales, zeros)``: the codes two a byte (N, K/2) uint8 as
+        :func:`pack_nibbles` lays them out, scales and zeros (N, K / group_size).
+
+        Raises:
+            ValueError: shapes the kernels cannot take.
+        """
         codes, scales, zeros = stored
-        return cls.from_codes(codes, scales, zeros, bias)
+        N, K = cls.weight_shape(stored)
+        if codes.dtype != torch.uint8 or scales.ndim != 2 or scales.shape[0] != N:
+            raise ValueError(
+                f"int4 needs codes (N, K/2) uint8 and scales (N, groups), got codes "
+                f"{codes.dtype} {tuple(codes.shape)} and scales {tuple(scales.shape)}"
+            )
+        group_size = K // max(scales.shape[1], 1)
+        why = cls.why_not(N, K, group_size)
+        if why is not None or group_size * scales.shape[1] != K or zeros.shape != scales.shape:
+            raise ValueError(f"cannot hold an int4 weight of shape {(N, K)}: {why}")
+        sz = torch.stack([scales.t(), zeros.t()], dim=-1)  # (K/gs, N, 2)
+        return cls(codes, sz, group_size, K, bias)
+
+    @classmethod
+    def weight_shape(cls, stored: Sequence[torch.Tensor]) -> tuple[int, ...]:
+        """(N, K) of ``(codes, scales, zeros)``: two codes a byte."""
+        codes = stored[0]
+        return codes.shape[0], 2 * codes.shape[1]
 
     @classmethod
     def gguf_codes(
         cls, data: np.ndarray, type_name: str, shape: tuple[int, ...]
     ) -> tuple[torch.Tensor, ...]:
         """Q4_0 / Q4_1 / Q4_K blocks as 4-bit codes with per-32 scale and zero, not
-        dequantised (see the module): codes (R, K) uint8 in 0..15, scales and zeros
-        (R, K/32) float32 (:meth:`~attnlab.quant.WeightFormat.gguf_codes`)."""
+        dequantised (see the module): codes (R, K/2) uint8 two a byte (Q4_0's and Q4_1's
+        bytes as stored, Q4_K's regrouped), scales and zeros (R, K/32) float32
+        (:meth:`~attnlab.quant.WeightFormat.gguf_codes`)."""
         R, K = shape
         blocks = cls.gguf_block_rows(data, type_name, shape)  # (R, G, bytes)
         flat = blocks.reshape(-1, blocks.shape[-1])  # (R*G, bytes)
@@ -178,12 +217,12 @@ class Int4Linear(WeightFormat):
             codes, scales, zeros = _q4_k_codes(flat)
         else:
             n_half = cls.gguf_blocks[type_name].f16_scales  # Q4_0: d; Q4_1: d, m
-            codes = nibbles(flat[:, 2 * n_half :])  # (R*G, 32)
+            codes = fresh_copy(flat[:, 2 * n_half :])  # (R*G, 16): the layout already
             dm = f16_columns(flat, n_half)  # (R*G, 1 or 2)
             scales = dm[:, 0]
             zeros = dm[:, 1] + 8.0 * scales if n_half == 2 else np.zeros_like(scales)
         return (
-            torch.from_numpy(codes).reshape(R, K),
+            torch.from_numpy(codes).reshape(R, K // 2),
             torch.from_numpy(np.ascontiguousarray(scales)).reshape(R, K // QK),
             torch.from_numpy(np.ascontiguousarray(zeros)).reshape(R, K // QK),
         )
@@ -206,14 +245,12 @@ class Int4Linear(WeightFormat):
 
     @classmethod
     def fuse(cls, parts: Sequence[Any], bias: torch.Tensor | None) -> Int4Linear | None:
-        """Packs concatenated when every part has a multiple of 64 rows (the packing's
-        tile) and all share a group size; the parts keep their own packs (int4 is small)."""
-        if any(m.out_features % _FUSE_ROWS for m in parts):
-            return None
+        """Codes and scales concatenated when all parts share a group size; the parts keep
+        their own (int4 is small)."""
         if len({m.group_size for m in parts}) != 1:
             return None
         return cls(
-            torch.cat([m.packed for m in parts]),
+            torch.cat([m.codes for m in parts]),
             torch.cat([m.scales_and_zeros for m in parts], dim=1),
             parts[0].group_size,
             parts[0].in_features,
@@ -221,8 +258,22 @@ class Int4Linear(WeightFormat):
         )
 
     def codes_t(self) -> torch.Tensor:
-        """The 4-bit codes, transposed: (K, N) uint8 in 0..15 (see :func:`unpack_int4_t`)."""
-        return unpack_int4_t(self.packed, self.out_features, self.in_features)
+        """The 4-bit codes, transposed: (K, N) uint8 in 0..15, contiguous."""
+        return unpack_nibbles(self.codes).t().contiguous()
+
+    def torch_packed(self) -> torch.Tensor:
+        """The codes as ``_convert_weight_to_int4pack_for_cpu`` packs them for PyTorch's
+        int4 kernel (its layout depends on the CPU kernels PyTorch chose), made on first
+        use and again when the codes change; kept beside the module, never in its state."""
+        key = (self.codes.data_ptr(), tensor_version(self.codes))
+        cached = self.__dict__.get("_torch_packed")
+        if cached is not None and cached[0] == key:
+            return cached[1]  # type: ignore[no-any-return]
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            unpack_nibbles(self.codes).to(torch.int32), 2
+        )
+        self.__dict__["_torch_packed"] = (key, packed)
+        return packed
 
     def _dequantized_t(self, dtype: torch.dtype) -> torch.Tensor:
         """``Wᵀ`` (K, N) in ``dtype``: ``q * scale + (zero - 8 scale)`` per group."""
@@ -259,28 +310,24 @@ class Int4Linear(WeightFormat):
             op, (codes, scale_offset) = ext.q4_mm, self._native_layout()
             return lambda x: op(x, codes, scale_offset)
         torch_op = torch.ops.aten._weight_int4pack_mm_for_cpu
-        packed, gs, sz = self.packed, self.group_size, self.scales_and_zeros
+        packed, gs, sz = self.torch_packed(), self.group_size, self.scales_and_zeros
         return lambda x: torch_op(x, packed, gs, sz)
 
     def _native_layout(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The weight as ``attnlab/native/q4.h`` reads it, built on first use and again when
-        the packed codes or the scales change: codes (N, K/2) uint8, per row and group of 32
-        weights 16 bytes (weight ``j`` in the low nibble of byte ``j``, ``j + 16`` in its
-        high one), and (N, K/32, 2) float32 pairs ``(scale, zero - 8 scale)``, the scale
-        exact and the offset rounded once, as PyTorch's AVX2 kernel computes it."""
-        key = tuple((t.data_ptr(), tensor_version(t)) for t in (self.packed, self.scales_and_zeros))
+        """The weight as ``attnlab/native/q4.h`` reads it: the codes as held (N, K/2), and
+        (N, K/32, 2) float32 pairs ``(scale, zero - 8 scale)``, the scale exact and the
+        offset rounded once, as PyTorch's AVX2 kernel computes it; the pairs are built on
+        first use and again when the codes or the scales change."""
+        key = tuple((t.data_ptr(), tensor_version(t)) for t in (self.codes, self.scales_and_zeros))
         cached = self.__dict__.get("_native_q4")
         if cached is not None and cached[0] == key:
             return cached[1]  # type: ignore[no-any-return]
-        N, K = self.out_features, self.in_features
-        q = self.codes_t().t().reshape(N, K // QK, 2, QK // 2)  # (N, K/32, 2, 16)
-        codes = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(N, K // 2)  # (N, K/2)
         s, z = self.scales_and_zeros.float().unbind(-1)  # (K/gs, N) each
         per_group = self.group_size // QK
         s = s.t().repeat_interleave(per_group, dim=1)  # (N, K/32)
         z = z.t().repeat_interleave(per_group, dim=1)  # (N, K/32)
         scale_offset = torch.stack([s, z - 8 * s], dim=-1).contiguous()  # (N, K/32, 2)
-        layout = (codes.contiguous(), scale_offset)
+        layout = (self.codes, scale_offset)
         # In __dict__, not as a buffer: derived from the state dict, never saved with it.
         self.__dict__["_native_q4"] = (key, layout)
         return layout
@@ -291,7 +338,7 @@ class Int4Linear(WeightFormat):
             return NativeProduct(NATIVE_Q4, codes, scale_offset, QK, self.out_features, self.bias)
         return NativeProduct(
             NATIVE_INT4,
-            self.packed,
+            self.torch_packed(),
             self.scales_and_zeros,
             self.group_size,
             self.out_features,
@@ -324,6 +371,14 @@ def q4_k_parts(
     exact in float32 (an 11-bit significand times a 6-bit integer).
     """
     n = blocks.shape[0]
+    # 32 bytes per pair of sub-blocks: sub-block 2j the low nibbles, 2j+1 the high ones.
+    codes = nibbles(blocks[:, 16:].reshape(n, 4, 32), dtype)  # (B, 4, 64)
+    return (codes.reshape(n, 256), *_q4_k_scales(blocks))
+
+
+def _q4_k_scales(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The sub-blocks' ``d * sc`` and ``dmin * m`` (B, 8) float32 of Q4_K super-blocks."""
+    n = blocks.shape[0]
     d_dmin = f16_columns(blocks, 2)  # (B, 2)
     packed = blocks[:, 4:16].reshape(n, 3, 4)  # 12 bytes of 6-bit scales and mins
     low, high, top = packed[:, 0], packed[:, 1], packed[:, 2]  # (B, 4) each
@@ -331,86 +386,41 @@ def q4_k_parts(
     # nibbles of bytes 8-11 with those bytes' top 2 bits above them (ggml's get_scale_min_k4).
     sc = np.concatenate([low & 63, (top & 15) | ((low >> 2) & 48)], axis=1)  # (B, 8)
     mins = np.concatenate([high & 63, (top >> 4) | ((high >> 2) & 48)], axis=1)  # (B, 8)
-    # 32 bytes per pair of sub-blocks: sub-block 2j the low nibbles, 2j+1 the high ones.
-    codes = nibbles(blocks[:, 16:].reshape(n, 4, 32), dtype)  # (B, 4, 64)
-    return codes.reshape(n, 256), d_dmin[:, :1] * sc, d_dmin[:, 1:] * mins
+    return d_dmin[:, :1] * sc, d_dmin[:, 1:] * mins
 
 
 def _q4_k_codes(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Q4_K super-blocks (B, 144) -> codes (B, 256) uint8, scales and zeros (B, 8) float32:
-    in the int4 convention (:func:`q4_k_parts`) ``scale = d * sc`` and
-    ``zero = 8 scale - dmin * m``, up to the one rounding of the difference."""
-    codes, scales, mins = q4_k_parts(blocks)
-    return codes, scales, 8.0 * scales - mins
+    """Q4_K super-blocks (B, 144) -> codes (B, 128) uint8 two a byte in this format's
+    layout, scales and zeros (B, 8) float32: in the int4 convention (:func:`q4_k_parts`)
+    ``scale = d * sc`` and ``zero = 8 scale - dmin * m``, up to the one rounding of the
+    difference.
 
-
-# (rows per tile T, whether a byte holds rows 2j and 2j+1 of its tile rather than j and
-# T/2 + j): PyTorch's AVX-512 kernels, its AVX2 ones, and its plain ones.
-_LAYOUTS = ((64, False), (32, False), (32, True))
-
-
-@functools.cache
-def pack_layout() -> tuple[int, bool]:
-    """The layout of this process's ``_convert_weight_to_int4pack_for_cpu``: rows per
-    tile, and whether a byte holds two neighbouring rows.
-
-    PyTorch lays the packed rows out by the CPU kernels it chose: tiles of 64 rows with its
-    AVX-512 kernels, 32 with its AVX2 ones, 32 in neighbouring pairs with its plain ones
-    (``ATEN_CPU_CAPABILITY`` can choose any of them on one machine). Found once per process
-    by packing known codes and reading them back each way; a layout no reading gives back
-    is refused rather than read wrongly.
-
-    Raises:
-        RuntimeError: this PyTorch packs int4 weights in a layout attnlab does not know.
+    A pair of sub-blocks is 32 bytes, sub-block ``2j`` in their low nibbles and ``2j + 1``
+    in their high ones; the layout wants each sub-block's weights ``i`` and ``i + 16`` in
+    one byte, so byte ``i`` of sub-block ``2j`` takes the low nibbles of bytes ``i`` and
+    ``i + 16``, and that of ``2j + 1`` their high nibbles.
     """
-    N, K = 208, 4  # three tiles of 64 and a tail of 16, or six of 32 and the same tail
-    codes = torch.randint(0, 16, (N, K), generator=torch.Generator().manual_seed(0))
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 2)
-    want = codes.t().to(torch.uint8)
-    for layout in _LAYOUTS:
-        if torch.equal(_unpack(packed, N, K, layout), want):
-            return layout
-    raise RuntimeError(
-        "this PyTorch packs int4 weights (_convert_weight_to_int4pack_for_cpu) in a layout "
-        f"attnlab does not know (torch {torch.__version__}, CPU kernels "
-        f"{torch.backends.cpu.get_cpu_capability()}); load with --dtype int8 or bfloat16"
-    )
+    n = blocks.shape[0]
+    qs = blocks[:, 16:].reshape(n, 4, 2, 16)  # (B, pairs, halves, 16)
+    first, second = qs[:, :, 0], qs[:, :, 1]  # bytes i and i + 16 of each pair
+    codes = fresh((n, 4, 2, 16), np.uint8)
+    np.bitwise_or(first & 0x0F, (second & 0x0F) << 4, out=codes[:, :, 0])  # sub-block 2j
+    np.bitwise_or(first >> 4, second & 0xF0, out=codes[:, :, 1])  # sub-block 2j + 1
+    scales, mins = _q4_k_scales(blocks)
+    return codes.reshape(n, 128), scales, 8.0 * scales - mins
 
 
-def unpack_int4_t(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
-    """The codes that ``_convert_weight_to_int4pack_for_cpu`` packed, transposed: (K, N) uint8.
-
-    The CPU packing takes rows in tiles of T (:func:`pack_layout`: 64 or 32): tile ``b`` is
-    ``K * T / 2`` bytes, byte ``(b, k, j)`` holding row ``T b + j`` in its low nibble and
-    row ``T b + T/2 + j`` in its high one (with PyTorch's plain kernels, rows ``T b + 2 j``
-    and ``T b + 2 j + 1``); the last ``N % T`` rows (a multiple of 16) are ``K * r / 2``
-    bytes, byte ``(k, j)`` holding rows ``2 j`` (low) and ``2 j + 1`` (high).
-    Tested against the codes given to the packing (``tests/decode/test_quant.py``), under
-    each of PyTorch's CPU kernel sets.
-    """
-    return _unpack(packed, out_features, in_features, pack_layout())
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """(N, K) codes in 0..15 -> (N, K/2) uint8 two a byte, per 32-weight block 16 bytes:
+    weight ``j`` in the low nibble of byte ``j``, weight ``j + 16`` in its high one (GGUF's
+    Q4_0 / Q4_1 layout, and ``attnlab/native/q4.h``'s); K a multiple of 32."""
+    N, K = codes.shape
+    q = codes.to(torch.uint8).reshape(N, K // QK, 2, QK // 2)  # (N, K/32, 2, 16)
+    return (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(N, K // 2)  # (N, K/2)
 
 
-def _unpack(packed: torch.Tensor, N: int, K: int, layout: tuple[int, bool]) -> torch.Tensor:
-    tile, pairs = layout
-    flat = packed.reshape(-1)
-    n_main = N - N % tile
-    half = tile // 2
-    out = torch.empty(K, N, dtype=torch.uint8, device=packed.device)  # (K, N)
-    if n_main:
-        tiles = flat[: n_main * K // 2].view(n_main // tile, K, half)  # (N/T, K, T/2)
-        if pairs:
-            dst = out[:, :n_main].view(K, n_main // tile, half, 2).transpose(0, 1)
-            torch.bitwise_and(tiles, 15, out=dst[..., 0])
-            torch.bitwise_right_shift(tiles, 4, out=dst[..., 1])
-        else:
-            dst = out[:, :n_main].view(K, n_main // tile, tile).transpose(0, 1)
-            torch.bitwise_and(tiles, 15, out=dst[..., :half])
-            torch.bitwise_right_shift(tiles, 4, out=dst[..., half:])
-    r = N - n_main
-    if r:
-        tail = flat[n_main * K // 2 :].view(K, r // 2)  # (K, r/2)
-        dst = out[:, n_main:].view(K, r // 2, 2)
-        torch.bitwise_and(tail, 15, out=dst[..., 0])
-        torch.bitwise_right_shift(tail, 4, out=dst[..., 1])
-    return out
+def unpack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """:func:`pack_nibbles` undone: (N, K/2) uint8 -> (N, K) uint8 in 0..15."""
+    N, half = codes.shape
+    blocks = codes.reshape(N, half // (QK // 2), QK // 2)  # (N, K/32, 16)
+    return torch.cat([blocks & 15, blocks >> 4], dim=-1).reshape(N, 2 * half)  # (N, K)

@@ -30,8 +30,8 @@ def fuse_linears(linears: Sequence[Any], *, share_float: bool = False) -> nn.Mod
     """One product for several linears of the same input: their rows stacked.
 
     A :class:`WeightFormat`'s parts are fused by its :meth:`~WeightFormat.fuse` (bf16 and
-    int8: the parts' buffers become views of the fused storage; int4: the packs
-    concatenate when every part has a multiple of 64 rows, the packing's tile).
+    int8: the parts' buffers become views of the fused storage; int4: the codes and
+    scales concatenate when the parts share a group size).
     ``nn.Linear`` parts are fused only with ``share_float=True``: their parameters (the
     same ``nn.Parameter`` objects, so an optimizer holding them still works) then hold
     views of the fused weight, so in-place updates stay shared, but the parameters share
