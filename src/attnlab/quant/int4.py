@@ -258,8 +258,15 @@ class Int4Linear(WeightFormat):
         )
 
     def codes_t(self) -> torch.Tensor:
-        """The 4-bit codes, transposed: (K, N) uint8 in 0..15, contiguous."""
-        return unpack_nibbles(self.codes).t().contiguous()
+        """The 4-bit codes, transposed: (K, N) uint8 in 0..15, contiguous (what a
+        prompt's dequantisation reads; written in one strided pass per nibble, a third of
+        the time of unpacking and then transposing)."""
+        N, K = self.out_features, self.in_features
+        src = self.codes.view(N, K // QK, QK // 2).permute(1, 2, 0)  # (K/32, 16, N)
+        out = torch.empty(K // QK, QK, N, dtype=torch.uint8, device=self.codes.device)
+        torch.bitwise_and(src, 15, out=out[:, : QK // 2])  # weights j < 16 of each block
+        torch.bitwise_right_shift(src, 4, out=out[:, QK // 2 :])  # weights j + 16
+        return out.view(K, N)
 
     def torch_packed(self) -> torch.Tensor:
         """The codes as ``_convert_weight_to_int4pack_for_cpu`` packs them for PyTorch's
