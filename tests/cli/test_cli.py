@@ -123,9 +123,10 @@ def test_version_and_help(capsys):
 
 def test_the_program_spares_its_exit_the_collector_a_caller_keeps_it(capsys, monkeypatch):
     """As the program (``argv`` None: ``sys.argv``), :func:`main` freezes the collector's
-    objects once the command has ended and its output is flushed, so that Python's exit
-    does not walk them; called with arguments (in a test, in a notebook) it leaves the
-    caller's collector alone. The program still exits with the command's status."""
+    objects before the command (what the imports made is never walked again) and once
+    the command has ended and its output is flushed, so that Python's exit does not walk
+    them; called with arguments (in a test, in a notebook) it leaves the caller's
+    collector alone. The program still exits with the command's status."""
     import gc
     import sys
 
@@ -142,7 +143,39 @@ def test_the_program_spares_its_exit_the_collector_a_caller_keeps_it(capsys, mon
         with pytest.raises(SystemExit) as exc:
             main()
         assert exc.value.code == status
-    assert len(frozen) == 2 and frozen[0].startswith("attnlab ")  # after the output
+    assert len(frozen) == 4 and frozen[0] == ""  # before the command: nothing printed yet
+    assert frozen[1].startswith("attnlab ")  # after the output
+
+
+def test_importing_attnlab_leaves_the_collector_as_it_was():
+    """``import attnlab`` holds the collector off while it imports (attnlab._startup) and
+    gives it back as it was: on where it was on, off where the importer had turned it
+    off; the pause gives it back when its body raises too."""
+    import gc
+    import subprocess
+    import sys
+
+    from attnlab._startup import collector_paused
+
+    for before in ("", "gc.disable(); "):
+        code = (
+            f"import gc; {before}was = gc.isenabled(); import attnlab.cli; "
+            "assert gc.isenabled() == was, (was, gc.isenabled())"
+        )
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        assert run.returncode == 0, run.stderr[-2000:]
+    assert gc.isenabled()
+    with pytest.raises(KeyError), collector_paused():
+        assert not gc.isenabled()
+        raise KeyError("inside")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with collector_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
 
 
 def test_generate_help_lists_every_weight_precision(capsys):
