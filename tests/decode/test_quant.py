@@ -109,6 +109,10 @@ def test_int4_codes_are_held_two_a_byte_and_packed_for_pytorchs_kernel(N):
     assert lin.torch_packed() is lin.torch_packed()  # made once
     with pytest.raises(ValueError, match=r"in 0\.\.15"):
         Int4Linear.from_codes(codes + 1, unit + 1, unit)
+    with pytest.raises(ValueError, match="scales and zeros of one shape"):
+        Int4Linear.from_stored((held, unit + 1, unit[:, :1]))
+    with pytest.raises(ValueError, match="two codes a byte"):
+        Int4Linear.from_stored((held.view(torch.int8), unit + 1, unit))
 
 
 @pytest.mark.parametrize("cls", [Int8Linear, Int4Linear])

@@ -13,12 +13,6 @@ from importlib import import_module
 
 from attnlab import _startup
 
-# The command line's libraries (typer, rich) and its command modules, like attnlab's own
-# imports, without the collector's passes over what they create (attnlab._startup).
-with _startup.collector_paused():
-    from attnlab.cli.app import app, main
-    from attnlab.cli.output import Output, UserError, output, user_input
-
 # The command modules register themselves on `app` when imported; this order is the
 # order of `attnlab --help`. Every command module is imported at start-up, so each imports
 # what only its own command needs (models, loaders, training, figures, the server and its
@@ -37,7 +31,12 @@ COMMAND_MODULES = (
     "list_models",
     "serve",
 )
+# The command line's libraries (typer, rich) and its command modules, like attnlab's own
+# imports, without the collector's passes over what they create (attnlab._startup).
 with _startup.collector_paused():
+    from attnlab.cli.app import app, main
+    from attnlab.cli.output import Output, UserError, output, user_input
+
     for _name in COMMAND_MODULES:
         import_module(f"attnlab.cli.{_name}")
 

@@ -162,10 +162,7 @@ class Int4Linear(WeightFormat):
             ValueError: shapes the kernels cannot take, or codes outside 0..15.
         """
         N, K = codes.shape
-        group_size = K // max(scales.shape[1], 1)
-        why = cls.why_not(N, K, group_size)
-        if why is not None or group_size * scales.shape[1] != K:
-            raise ValueError(f"cannot hold an int4 weight of shape {(N, K)}: {why}")
+        cls._group_size(N, K, scales, zeros)  # the shape, before the codes are packed
         if codes.numel() and not (int(codes.min()) >= 0 and int(codes.max()) <= 15):
             raise ValueError(
                 f"int4 codes must be in 0..15, got {int(codes.min())}..{int(codes.max())}"
@@ -184,17 +181,28 @@ class Int4Linear(WeightFormat):
         """
         codes, scales, zeros = stored
         N, K = cls.weight_shape(stored)
-        if codes.dtype != torch.uint8 or scales.ndim != 2 or scales.shape[0] != N:
+        group_size = cls._group_size(N, K, scales, zeros)
+        sz = torch.stack([scales.t(), zeros.t()], dim=-1)  # (K/gs, N, 2)
+        return cls(codes, sz, group_size, K, bias)  # checks the codes' dtype and shape
+
+    @classmethod
+    def _group_size(cls, N: int, K: int, scales: torch.Tensor, zeros: torch.Tensor) -> int:
+        """The group size that (N, K) weights with these scales and zeros have.
+
+        Raises:
+            ValueError: scales and zeros that are not (N, groups) alike, groups that do not
+                divide K, or a shape the kernels cannot take (:meth:`why_not`).
+        """
+        if scales.ndim != 2 or scales.shape[0] != N or zeros.shape != scales.shape:
             raise ValueError(
-                f"int4 needs codes (N, K/2) uint8 and scales (N, groups), got codes "
-                f"{codes.dtype} {tuple(codes.shape)} and scales {tuple(scales.shape)}"
+                f"int4 needs scales and zeros of one shape (N={N}, groups), got "
+                f"{tuple(scales.shape)} and {tuple(zeros.shape)}"
             )
         group_size = K // max(scales.shape[1], 1)
         why = cls.why_not(N, K, group_size)
-        if why is not None or group_size * scales.shape[1] != K or zeros.shape != scales.shape:
+        if why is not None or group_size * scales.shape[1] != K:
             raise ValueError(f"cannot hold an int4 weight of shape {(N, K)}: {why}")
-        sz = torch.stack([scales.t(), zeros.t()], dim=-1)  # (K/gs, N, 2)
-        return cls(codes, sz, group_size, K, bias)
+        return group_size
 
     @classmethod
     def weight_shape(cls, stored: Sequence[torch.Tensor]) -> tuple[int, ...]:
