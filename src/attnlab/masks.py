@@ -201,6 +201,16 @@ class AttentionMask:
         """
         return 0, S
 
+    def key_band(self, T: int, S: int) -> tuple[int | None, int] | None:
+        """The keys of every query as one diagonal band, when the mask is exactly that.
+
+        ``(first, last)`` means query t (0-based) sees exactly the keys ``t + first ..
+        t + last`` that lie in ``0..S-1`` (``first`` None: from key 0 on, as causal); None
+        when the mask is not such a band (a bias, documents, padding, chunks). A backend
+        may then cut the band into equal blocks (the blockwise backend's sliding window).
+        """
+        return None
+
     @property
     def is_causal_only(self) -> bool:
         """True when the mask is exactly a causal mask (no other restriction)."""
@@ -279,6 +289,11 @@ class _BandMask(AttentionMask):
 
     def _limits(self) -> tuple[int, int | None]:
         raise NotImplementedError
+
+    def key_band(self, T: int, S: int) -> tuple[int | None, int] | None:
+        lo, hi = self._limits()  # lo <= (t + offset) - key <= hi
+        off = self.offset(T, S)
+        return (None if hi is None else off - hi), off - lo
 
     def _span_block(self, T: int, S: int, rows: Index, cols: Index) -> MaskBlock | None:
         """The tile's block without tensors when it is empty or full, else None."""
@@ -806,6 +821,13 @@ class AndMask(AttentionMask):
                 return None
             total = c if total is None else total + c
         return total
+
+    def key_band(self, T: int, S: int) -> tuple[int | None, int] | None:
+        bands = [p.key_band(T, S) for p in self.parts]
+        if any(b is None for b in bands):
+            return None
+        firsts = [b[0] for b in bands if b is not None and b[0] is not None]
+        return (max(firsts) if firsts else None), min(b[1] for b in bands if b is not None)
 
     def col_range(self, T: int, S: int, q0: int, q1: int) -> tuple[int, int]:
         lo, hi = 0, S

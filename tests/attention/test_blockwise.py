@@ -21,6 +21,7 @@ from attnlab.backends.blockwise import (
     merge_partials,
     tiles,
 )
+from attnlab.backends.blockwise.band import BandRun
 from attnlab.functional import scaled_dot_product_attention
 from attnlab.masks import (
     AdditiveMask,
@@ -618,3 +619,74 @@ def test_narrow_masks_take_smaller_row_blocks():
 
     table = torch.randn(32, 2)
     assert rows(RelativePositionBias(table, bidirectional=False) & CausalMask()) == {256}
+
+
+def _count_band_calls(monkeypatch) -> list[tuple[int, ...]]:
+    """Record the query shape of every band call (the op's batch dim holds the blocks)."""
+    from attnlab.backends.blockwise import band
+
+    calls = []
+    real = band.FUSED_OPS
+
+    def counting(q, *args, **kw):
+        calls.append(tuple(q.shape))
+        return real[0](q, *args, **kw)
+
+    monkeypatch.setattr(band, "FUSED_OPS", (counting, real[1]))
+    return calls
+
+
+@pytest.mark.skipif("fused" not in TILE_PATHS, reason="no fused tile op in this PyTorch")
+@pytest.mark.parametrize(
+    ("T", "S", "mask"),
+    [
+        (700, 700, SlidingWindowMask(100)),
+        (500, 900, SlidingWindowMask(64)),  # bottom-right: rows start 400 keys in
+        (900, 500, SlidingWindowMask(64, alignment="top_left")),  # rows past the keys
+        (900, 500, SlidingWindowMask(64)),  # the first 400 rows see nothing
+        (600, 600, SlidingWindowMask(50, causal=False)),
+        (800, 800, SlidingWindowMask(600) & CausalMask()),  # blocks of 64
+        (300, 1000, SlidingWindowMask(40, alignment="top_left") & CausalMask("top_left")),
+    ],
+    ids=["square", "T<S", "top-left T>S", "T>S empty rows", "two-sided", "and causal", "top-left"],
+)
+def test_band_interior_is_one_op_call_matching_reference(monkeypatch, T, S, mask):
+    """A narrow window's interior rows run as one op call with the row blocks in its batch
+    dim; the rows above and below as tiles. Output, lse (-inf for rows that see nothing)
+    and gradients (the tiles' backward from that lse) equal the reference, fp64, GQA."""
+    calls = _count_band_calls(monkeypatch)
+    gen = torch.Generator().manual_seed(12)
+    q = torch.randn(2, 4, T, 16, generator=gen, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 2, S, 16, generator=gen, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, 2, S, 16, generator=gen, dtype=torch.float64, requires_grad=True)
+    res = blockwise_attention(q, k, v, mask, dropout_p=0.0, scale=0.25, tile_path="fused")
+    run = BandRun.of(mask, ChunkOptions(), T, S)
+    assert run is not None and run.n >= 2
+    assert calls == [(run.n, 4, run.bq, 16)] * 2  # one call per batch row
+    dense = mask.dense(T, S)
+    ref, _ = reference_attention(q, k, v, mask=dense, scale=0.25)
+    torch.testing.assert_close(res.output, ref, **F64)
+    s = (q.detach() @ k.detach().repeat_interleave(2, dim=1).transpose(-2, -1)) * 0.25
+    want = torch.logsumexp(s.masked_fill(~dense, -math.inf), dim=-1)
+    torch.testing.assert_close(res.lse, want, **F64)
+    dout = torch.randn(res.output.shape, generator=gen, dtype=torch.float64)
+    ours = torch.autograd.grad(res.output, (q, k, v), dout)
+    for a, b in zip(ours, torch.autograd.grad(ref, (q, k, v), dout), strict=True):
+        torch.testing.assert_close(a, b, **F64)
+
+
+@pytest.mark.skipif("fused" not in TILE_PATHS, reason="no fused tile op in this PyTorch")
+def test_band_run_only_for_narrow_unbiased_bands_with_default_tiles():
+    T = S = 4096
+    assert BandRun.of(SlidingWindowMask(512), ChunkOptions(), T, S) == BandRun(511, 56, 64, 0, 512)
+    assert BandRun.of(SlidingWindowMask(128), ChunkOptions(), T, S).bq == 32
+    assert BandRun.of(SlidingWindowMask(2048), ChunkOptions(), T, S) is None  # tiles as fast
+    assert BandRun.of(CausalMask(), ChunkOptions(), T, S) is None
+    assert BandRun.of(SlidingWindowMask(64), ChunkOptions(block_q=64), T, S) is None
+    assert BandRun.of(SlidingWindowMask(64), ChunkOptions(), 90, 90) is None  # < 2 blocks
+    from attnlab.biases import AlibiBias
+
+    assert BandRun.of(AlibiBias(2) & SlidingWindowMask(64), ChunkOptions(), T, S) is None
+    # A chunk in the middle of the problem (ring attention): its own offsets.
+    mid = ChunkOptions(q_offset=1024, k_offset=512, T_total=T, S_total=S)
+    assert BandRun.of(SlidingWindowMask(512), mid, 1024, 1024) == BandRun(0, 8, 64, 1, 512)

@@ -177,3 +177,28 @@ def test_bad_masks_raise():
         PaddingMask(torch.ones(1, 3))
     with pytest.raises(ValueError, match="lengths"):
         PaddingMask.from_lengths([5], 3)
+
+
+@pytest.mark.parametrize("mask", MASKS, ids=lambda m: type(m).__name__)
+@pytest.mark.parametrize(("T", "S"), [(13, 11), (11, 13)])
+def test_key_band_agrees_with_dense(mask, T, S):
+    """Where a mask says its keys are one diagonal band, the dense mask is that band."""
+    band = mask.key_band(T, S)
+    if band is None:
+        assert not isinstance(mask, (CausalMask, SlidingWindowMask))
+        return
+    first, last = band
+    t = torch.arange(T)[:, None]
+    j = torch.arange(S)[None, :]
+    expect = j <= t + last
+    if first is not None:
+        expect &= j >= t + first
+    assert torch.equal(mask.dense(T, S).expand(1, 1, T, S)[0, 0], expect)
+
+
+def test_key_band_of_and_masks_intersects_bands():
+    both = SlidingWindowMask(5) & CausalMask()
+    assert both.key_band(9, 9) == SlidingWindowMask(5).key_band(9, 9) == (-4, 0)
+    assert CausalMask().key_band(4, 9) == (None, 5)
+    assert SlidingWindowMask(3, causal=False, alignment="top_left").key_band(9, 9) == (-2, 2)
+    assert (SlidingWindowMask(5) & PaddingMask.from_lengths([3], 9)).key_band(9, 9) is None

@@ -19,6 +19,7 @@ from typing import NamedTuple
 import torch
 
 from attnlab.backends.blockwise import tiles
+from attnlab.backends.blockwise.band import BandRun, band_forward
 from attnlab.backends.blockwise.linear_bias import LINEAR_BLOCK_Q, LinearBias
 from attnlab.backends.blockwise.paths import TILE_PATHS, TilePath, pure_because
 from attnlab.backends.blockwise.plan import (
@@ -101,6 +102,10 @@ def forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`attend_chunk`, except that ``out`` is in the input dtype when one fused
     tile covers the whole chunk (no conversion round trip)."""
+    if TILE_PATHS.choose(query, key, value, opts.tile_path, pure_because(opts.softcap)) == "fused":
+        run = BandRun.of(mask, opts, query.shape[2], key.shape[2])
+        if run is not None:
+            return _banded(query, key, value, mask, scale, opts, run)
     path, plan, whole, geo, lin = prepare(query, key, value, mask, opts, linear_bias=True)
     softcap = opts.softcap
     if whole is not None:  # one tile: the op's own result (PyTorch's kernel, nothing more)
@@ -148,6 +153,36 @@ def forward(
     POOL.run_groups(G, work)
     if lin is not None:
         out = out[..., :-1].contiguous()  # (B, H, T, Dv)
+    return out, lse
+
+
+def _banded(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: AttentionMask | None,
+    scale: float,
+    opts: ChunkOptions,
+    run: BandRun,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`forward` with the band's interior rows in one op call
+    (:func:`~attnlab.backends.blockwise.band.band_forward`) and the rows above and below
+    them as chunks of their own."""
+    B, H, T, _ = query.shape
+    cd = compute_dtype(query.dtype)
+    out = torch.empty(B, H, T, value.shape[3], dtype=cd, device=query.device)
+    lse = torch.empty(B, H, T, dtype=cd, device=query.device)
+    band_forward(query, key, value, run, scale, out, lse)
+    T_total = T if opts.T_total is None else opts.T_total
+    S_total = key.shape[2] if opts.S_total is None else opts.S_total
+    for e0, e1 in ((0, run.r0), (run.r1, T)):
+        if e1 > e0:
+            edge = dataclasses.replace(
+                opts, q_offset=opts.q_offset + e0, T_total=T_total, S_total=S_total
+            )
+            o, l = forward(query[:, :, e0:e1], key, value, mask, scale, edge)
+            out[:, :, e0:e1].copy_(o)
+            lse[:, :, e0:e1].copy_(l)
     return out, lse
 
 
