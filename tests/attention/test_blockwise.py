@@ -690,3 +690,36 @@ def test_band_run_only_for_narrow_unbiased_bands_with_default_tiles():
     # A chunk in the middle of the problem (ring attention): its own offsets.
     mid = ChunkOptions(q_offset=1024, k_offset=512, T_total=T, S_total=S)
     assert BandRun.of(SlidingWindowMask(512), mid, 1024, 1024) == BandRun(0, 8, 64, 1, 512)
+
+
+@pytest.mark.skipif(not torch.set_flush_denormal(False), reason="no subnormal flushing here")
+def test_tiles_run_with_subnormals_flushed_and_the_caller_keeps_its_setting(monkeypatch):
+    """ALiBi's far keys underflow; on Intel cores subnormals are slow, so the tile workers
+    flush them (a weight below 2^-126 of the row's largest); the caller's thread is as
+    it was."""
+    from attnlab._threads import _flushing
+    from attnlab.biases import AlibiBias
+
+    seen = []
+    real = tiles.tile_forward
+
+    def recording(*args, **kw):
+        seen.append(_flushing())
+        return real(*args, **kw)
+
+    monkeypatch.setattr(tiles, "tile_forward", recording)
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 4, 300, 16, generator=gen) for _ in range(3))
+    mask = AlibiBias(4) & CausalMask()
+    res = blockwise_attention(q, k, v, mask, dropout_p=0.0, scale=0.25)
+    assert seen and all(seen)
+    assert not _flushing()
+    # Steep heads: most weights of a row are far below 2^-126 (slope 1/4: e^-70 at 280)
+    slopes = torch.tensor([2.0 ** (-8 * (h + 1) / 4) for h in range(4)], dtype=torch.float64)
+    pos = torch.arange(300)
+    bias = (-slopes[:, None, None] * (pos[:, None] - pos[None, :]))[None]
+    allowed = (pos[None, :] <= pos[:, None])[None, None]
+    ref, _ = reference_attention(
+        q.double(), k.double(), v.double(), mask=allowed, bias=bias, scale=0.25
+    )
+    torch.testing.assert_close(res.output.double(), ref, **tol(torch.float32))

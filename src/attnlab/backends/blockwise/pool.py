@@ -13,9 +13,11 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
+
+from attnlab._threads import subnormals_flushed
 
 
 def _profiler_enabled() -> bool:
@@ -61,7 +63,10 @@ class WorkerPool:
                     torch.set_num_threads(self._saved_threads)
 
     def run_groups(self, G: int, work: Callable[[int, int], None]) -> None:
-        """Run ``work(g0, g1)`` over contiguous ranges of the G key/value heads."""
+        """Run ``work(g0, g1)`` over contiguous ranges of the G key/value heads, float
+        subnormals flushed to zero where the ops run on the workers (or on the caller's one
+        thread): a weight below 2^-126 of its row's largest becomes 0 (see
+        :func:`attnlab._threads.subnormals_flushed`)."""
         threads = torch.get_num_threads()
         if (
             threads <= 1
@@ -71,12 +76,15 @@ class WorkerPool:
             # groups there so that it sees them all (the scratch adds up the same).
             or _profiler_enabled()
         ):
-            work(0, G)
+            # Flushed only where every op runs on this thread: PyTorch's own threads would
+            # keep the setting if the first op to use them started them here.
+            with subnormals_flushed() if threads <= 1 else nullcontext():
+                work(0, G)
             return
         grad_mode = torch.is_grad_enabled()  # thread-local: carry the caller's into workers
 
         def run(g0: int, g1: int) -> None:
-            with torch.set_grad_enabled(grad_mode):
+            with torch.set_grad_enabled(grad_mode), subnormals_flushed():
                 work(g0, g1)
 
         with self._one_thread_per_op() as (executor, workers):
