@@ -723,3 +723,35 @@ def test_tiles_run_with_subnormals_flushed_and_the_caller_keeps_its_setting(monk
         q.double(), k.double(), v.double(), mask=allowed, bias=bias, scale=0.25
     )
     torch.testing.assert_close(res.output.double(), ref, **tol(torch.float32))
+
+
+@pytest.mark.skipif("fused" not in TILE_PATHS, reason="no fused tile op in this PyTorch")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize(("T", "S", "G"), [(3000, 3000, 4), (2500, 3100, 2)])
+def test_alibi_steep_heads_leave_out_keys_of_no_weight(monkeypatch, T, S, G, dtype):
+    """A steep ALiBi head's keys far before a row block weigh under e^-110 of each row's own
+    key: they are left out of its op calls (fewer keys than the rows' diagonal), shallow
+    heads keep every key; output and lse equal the fp64 reference (which has them all)."""
+    from attnlab.biases import AlibiBias
+
+    calls = _count_tiles(monkeypatch)
+    gen = torch.Generator().manual_seed(9)
+    H, D = 4, 16
+    q = torch.randn(1, H, T, D, generator=gen, dtype=dtype)
+    k = torch.randn(1, G, S, D, generator=gen, dtype=dtype)
+    v = torch.randn(1, G, S, D, generator=gen, dtype=dtype)
+    mask = AlibiBias(H) & CausalMask()
+    res = blockwise_attention(q, k, v, mask, dropout_p=0.0, scale=0.25)
+    full = [c for c in calls if c[1] == "full"]
+    last_rows = S - (T - T // 1024 * 1024)  # keys before the last row block's diagonal
+    assert min(c[2][2] for c in full) < max(c[2][2] for c in full) == last_rows
+    slopes = torch.tensor([2.0 ** (-8 * (h + 1) / H) for h in range(H)], dtype=torch.float64)
+    qpos, kpos = (torch.arange(T) + S - T)[:, None], torch.arange(S)[None, :]
+    bias = (-slopes[:, None, None] * (qpos - kpos))[None]  # (1, H, T, S)
+    allowed = (kpos <= qpos)[None, None]
+    ref, _ = reference_attention(q.double(), k.double(), v.double(), mask=allowed, bias=bias,
+                                 scale=0.25)  # fmt: skip
+    torch.testing.assert_close(res.output.double(), ref, **tol(dtype))
+    s = q.double() @ k.double().repeat_interleave(H // G, dim=1).transpose(-2, -1) * 0.25
+    want = torch.logsumexp((s + bias).masked_fill(~allowed, -math.inf), dim=-1)
+    torch.testing.assert_close(res.lse.double(), want, **tol(dtype))

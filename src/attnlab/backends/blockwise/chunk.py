@@ -35,7 +35,7 @@ from attnlab.backends.blockwise.plan import (
 from attnlab.backends.blockwise.pool import POOL
 from attnlab.backends.blockwise.tiles import NEG_INF, Scratch, heads
 from attnlab.backends.math import compute_dtype
-from attnlab.masks import AttentionMask
+from attnlab.masks import AttentionMask, CausalMask
 
 
 class Prepared(NamedTuple):
@@ -110,10 +110,12 @@ def forward(
     softcap = opts.softcap
     if whole is not None:  # one tile: the op's own result (PyTorch's kernel, nothing more)
         return tiles.tile_forward(path, query, key, value, whole, scale, 0, softcap)
+    key_norms: list[float] = []
     if lin is not None:
+        key_norms = torch.linalg.vector_norm(key.double(), dim=-1).amax(dim=(0, 2)).tolist()
         query, key, value = lin.widen_query(query), lin.widen(key), lin.widen(value)
     B, H, T, _ = query.shape
-    G, Dv = key.shape[1], value.shape[3]
+    G, S, Dv = key.shape[1], key.shape[2], value.shape[3]
     R = H // G
     cd = compute_dtype(query.dtype)
     out = torch.zeros(B, H, T, Dv, dtype=cd, device=query.device)
@@ -122,33 +124,45 @@ def forward(
     bounded = path == "pure" and (geo.mask is None or not geo.mask.has_bias)
     cap = softcap if bounded else None
 
+    def row_block(rb: RowBlock, ga: int, gb: int, first_key: int, ws: Scratch) -> None:
+        """Rows of ``rb``, key heads ``ga:gb``, their full tiles from key ``first_key``."""
+        ha, hb = ga * R, gb * R
+        k, v = key[:, ga:gb], value[:, ga:gb]
+        q = query[:, ha:hb, rb.r0 : rb.r1]  # (B, Hs, tq, D)
+        acc, acc_lse = out[:, ha:hb, rb.r0 : rb.r1], lse[:, ha:hb, rb.r0 : rb.r1]
+        if cap is not None and tiles.capped_row_block(
+            q, k, v, rb, geo, scale, cap, ha, acc, acc_lse, ws
+        ):
+            return
+        merged = False
+        for lazy in rb.tiles:
+            tile = resolve(lazy, rb, geo)
+            c0 = max(tile.c0, first_key) if tile.kind == "full" else tile.c0
+            if c0 >= tile.c1:
+                continue
+            cols = slice(c0, tile.c1)
+            o, l = tiles.tile_forward(
+                path, q, k[:, :, cols], v[:, :, cols], tile, scale, ha, softcap, ws
+            )
+            if not merged:
+                acc.copy_(o)
+                acc_lse.copy_(l)
+                merged = True
+            else:
+                merge_partials(acc, acc_lse, o.to(cd), l, inplace=True)
+
     def work(g0: int, g1: int) -> None:
-        h0, h1 = g0 * R, g1 * R
-        k, v = key[:, g0:g1], value[:, g0:g1]
         ws = Scratch()  # this worker's
         for rb in plan:
+            runs = [(g0, g1, 0)]
             if lin is not None:
                 lin.enter(key, g0, g1, rb, geo, scale)
-            q = query[:, h0:h1, rb.r0 : rb.r1]  # (B, Hs, tq, D)
-            acc, acc_lse = out[:, h0:h1, rb.r0 : rb.r1], lse[:, h0:h1, rb.r0 : rb.r1]
-            capped = cap is not None and tiles.capped_row_block(
-                q, k, v, rb, geo, scale, cap, h0, acc, acc_lse, ws
-            )
-            if capped:
-                continue
-            for i, lazy in enumerate(rb.tiles):
-                tile = resolve(lazy, rb, geo)
-                cols = slice(tile.c0, tile.c1)
-                o, l = tiles.tile_forward(
-                    path, q, k[:, :, cols], v[:, :, cols], tile, scale, h0, softcap, ws
-                )
-                if i == 0:
-                    acc.copy_(o)
-                    acc_lse.copy_(l)
-                else:
-                    merge_partials(acc, acc_lse, o.to(cd), l, inplace=True)
+                runs = lin.first_keys(query, key_norms, rb, geo, S, g0, g1, scale)
+            for ga, gb, first_key in runs:
+                row_block(rb, ga, gb, first_key, ws)
             if lin is not None:
-                acc_lse.sub_(lin.row_shift(rb, geo, h0, h1))
+                rows = slice(rb.r0, rb.r1)
+                lse[:, g0 * R : g1 * R, rows].sub_(lin.row_shift(rb, geo, g0 * R, g1 * R))
 
     POOL.run_groups(G, work)
     if lin is not None:
@@ -173,9 +187,20 @@ def _banded(
     out = torch.empty(B, H, T, value.shape[3], dtype=cd, device=query.device)
     lse = torch.empty(B, H, T, dtype=cd, device=query.device)
     band_forward(query, key, value, run, scale, out, lse)
+    S = key.shape[2]
     T_total = T if opts.T_total is None else opts.T_total
-    S_total = key.shape[2] if opts.S_total is None else opts.S_total
-    for e0, e1 in ((0, run.r0), (run.r1, T)):
+    S_total = S if opts.S_total is None else opts.S_total
+    # The rows above the band see the keys from 0 to their band's end, i + b: causal on
+    # their own (for a square call one op call), when those keys exist.
+    b = run.c0 - run.r0 + run.width - 1
+    head = run.r0 if 0 < run.r0 + b <= S else 0
+    if head:
+        whole = ChunkOptions(tile_path=opts.tile_path)
+        k, v = key[:, :, : head + b], value[:, :, : head + b]
+        o, l = forward(query[:, :, :head], k, v, CausalMask(), scale, whole)
+        out[:, :, :head].copy_(o)
+        lse[:, :, :head].copy_(l)
+    for e0, e1 in ((head, run.r0), (run.r1, T)):
         if e1 > e0:
             edge = dataclasses.replace(
                 opts, q_offset=opts.q_offset + e0, T_total=T_total, S_total=S_total

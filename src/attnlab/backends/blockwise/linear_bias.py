@@ -5,6 +5,7 @@ Shape legend: B batch, H query heads, N heads of a tensor, L its length, D head 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -13,6 +14,14 @@ from attnlab.backends.blockwise.paths import TilePath
 from attnlab.backends.blockwise.plan import Geometry, RowBlock
 from attnlab.biases import AlibiBias
 from attnlab.masks import AndMask, AttentionMask, CausalMask
+
+# A key whose score is this far below the row's own key's has a weight under e^-110 of
+# it: 0 in float32 (its smallest subnormal is 2^-149 = e^-103.3), and far below float64's
+# rounding of the row's sum.
+_ZERO_GAP = 110.0
+# The first key a head needs, rounded down to this many keys: heads of one worker whose
+# first keys agree run as one op call.
+_FIRST_KEY_STEP = 256
 
 # Rows per block: the key column is centred on each row block, so its rounding error grows
 # with the block (fp32: ~6e-8 * slope * rows / 2 on a score); 1024 rows cost little more
@@ -84,3 +93,52 @@ class LinearBias:
         pos = torch.arange(rb.r0, rb.r1, device=self.slopes.device, dtype=torch.float64) + first
         rel = (pos - self._center(rb, geo)).to(self.slopes.dtype)
         return (self.slopes[h0:h1, None] * rel[None])[None]
+
+    def first_keys(
+        self,
+        query: torch.Tensor,
+        key_norms: list[float],
+        rb: RowBlock,
+        geo: Geometry,
+        S: int,
+        g0: int,
+        g1: int,
+        scale: float,
+    ) -> list[tuple[int, int, int]]:
+        """Runs ``(ga, gb, first)`` of key heads ``g0:g1``: the rows of ``rb`` need only
+        the keys from ``first`` (local) on for those heads.
+
+        A steep head's far keys have weights far below float32's range: for query ``i``
+        at position ``P``, key ``j < P`` and the row's own key ``P`` (which the op's
+        running maximum is at least), ``w_j / w_P = exp(scale q.(k_j - k_P) - slope (P -
+        j)) <= exp(2 scale |q| max|k| - slope (P - j))``, under ``e^-110`` from ``P - j >=
+        (2 scale |q| max|k| + 110) / slope`` on. Those keys are left out of the row block
+        (their weights would be 0; computing them, Intel cores would take their slow path
+        for every subnormal). Only where every row's own key is among the chunk's keys;
+        else, and for a slope that is not positive, a head needs every key.
+
+        query ``(B, H, T, D + 1)`` (widened); ``key_norms`` the largest ``|k|`` of each
+        key head (G,); S the chunk's keys.
+        """
+        H, G = query.shape[1], len(key_norms)
+        R = H // G
+        own = geo.q_offset + rb.r0 + geo.S_total - geo.T_total - geo.k_offset  # row r0's key
+        if own <= 0 or own + (rb.r1 - rb.r0) > S:
+            return [(g0, g1, 0)]
+        rows = query[:, g0 * R : g1 * R, rb.r0 : rb.r1, :-1]  # (B, Hs, tq, D)
+        q_norms = torch.linalg.vector_norm(rows.double(), dim=-1).amax(dim=(0, 2)).tolist()
+        slopes = self.slopes[g0 * R : g1 * R].double().tolist()
+        runs: list[tuple[int, int, int]] = []
+        for g in range(g0, g1):
+            first = own
+            for r in range(R):
+                h = (g - g0) * R + r
+                gap = 2.0 * scale * q_norms[h] * key_norms[g] + _ZERO_GAP
+                reach = gap / slopes[h] if slopes[h] > 0 else math.inf
+                first = min(first, own - math.ceil(reach) if math.isfinite(reach) else 0)
+            first = max(0, first // _FIRST_KEY_STEP * _FIRST_KEY_STEP)
+            if runs and runs[-1][2] == first:
+                runs[-1] = (runs[-1][0], g + 1, first)
+            else:
+                runs.append((g, g + 1, first))
+        return runs
