@@ -24,8 +24,10 @@ from gguf import GGMLQuantizationType, GGUFWriter  # noqa: E402
 from gguf.quants import dequantize as gguf_dequantize  # noqa: E402
 from gguf.quants import quantize as gguf_quantize  # noqa: E402
 
+from attnlab import native  # noqa: E402
 from attnlab.pretrained.gguf_file import dequantize, read_gguf, unpermute_rotary  # noqa: E402
 from attnlab.pretrained.tokenizer import tokenizer_from_gguf  # noqa: E402
+from attnlab.quant.base import native_kernels  # noqa: E402
 
 
 def llama_cpp_permute(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -188,7 +190,20 @@ def test_read_gguf_without_importing_the_gguf_package(tiny_gguf):
     assert imported is False
 
 
-def test_dequantize_equals_gguf_reference_bit_for_bit(tiny_gguf):
+@pytest.fixture(params=["numpy", "native"])
+def reading(request, monkeypatch):
+    """Both float32 readings of Q8_0 and Q5_0: numpy's, and the compiled kernels' (where
+    this process has them; skipped, named, where they cannot be built)."""
+    if request.param == "native":
+        request.getfixturevalue("ext")
+        assert native_kernels() is not None
+    else:
+        monkeypatch.setenv(native.NATIVE_ENV, "0")
+        assert native_kernels() is None
+    return request.param
+
+
+def test_dequantize_equals_gguf_reference_bit_for_bit(tiny_gguf, reading):
     path, arrays, stored, types = tiny_gguf
     g = read_gguf(path)
     for name, data in stored.items():
@@ -227,7 +242,7 @@ def test_fresh_arrays_are_numpy_arrays_over_torch_storage(dtype):
     assert as_float.dtype == np.float32 and np.array_equal(as_float, view.astype(np.float32))
 
 
-def test_large_outputs_are_written_in_two_halves_with_the_same_result(monkeypatch):
+def test_large_outputs_are_written_in_two_halves_with_the_same_result(monkeypatch, reading):
     """A large copy or Q8_0 reading runs in two threads (:func:`attnlab.quant.base.in_halves`):
     every row written once, the same bytes as one thread, and an error in the helper's half
     raised in the caller."""
@@ -237,6 +252,8 @@ def test_large_outputs_are_written_in_two_halves_with_the_same_result(monkeypatc
     blocks = rng.integers(0, 256, size=(1001, 34), dtype=np.uint8)
     blocks[:, :2] = (rng.standard_normal((1001, 1)) * 0.01).astype(np.float16).view(np.uint8)
     one = dequantize(blocks, "Q8_0", (1001, 32)).numpy()
+    ref = gguf_dequantize(blocks, GGMLQuantizationType.Q8_0)  # every code, both signs
+    assert np.array_equal(one, ref)
     copied = base.fresh_copy(blocks[:, 2:])
     calls = []
     real = base.in_halves
@@ -266,7 +283,7 @@ def test_large_outputs_are_written_in_two_halves_with_the_same_result(monkeypatc
     assert sorted(seen) == [(0, 5), (5, 10)]
 
 
-def test_q5_0_every_code_and_fifth_bit_equals_gguf():
+def test_q5_0_every_code_and_fifth_bit_equals_gguf(reading):
     """Random Q5_0 blocks (every byte of qh and qs drawn, finite float16 scales of both
     signs): attnlab's reading equals gguf-py's bit for bit, and a hand-made block gives
     ``(q - 16) d`` with weight j's fifth bit at bit j of qh."""

@@ -458,6 +458,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "scale_offset (N, K/32, 2) float32");
   m.def("q8_0_dequant", &attnlab_q8::q8_0_dequant, py::call_guard<py::gil_scoped_release>(),
         "the Q8_0 weight (N, K) in bfloat16 from its codes and scales");
+  m.def("q8_0_blocks_float32", &attnlab_q8::q8_0_blocks_float32,
+        py::call_guard<py::gil_scoped_release>(),
+        "a file's Q8_0 blocks (n, 34) uint8 into out (n, 32) float32, each d * q exact",
+        py::arg("blocks"), py::arg("out"));
   m.def("q5_0_dequant", &attnlab_q5::q5_0_dequant, py::call_guard<py::gil_scoped_release>(),
         "the Q5_0 weight (N, K) from its blocks: bfloat16, or exact in float32",
         py::arg("blocks"), py::arg("as_float32") = false);

@@ -52,6 +52,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -320,6 +321,32 @@ inline at::Tensor q8_0_dequant(const at::Tensor& codes, const at::Tensor& scales
   else
     run(scales.data_ptr<c10::BFloat16>());
   return w;
+}
+
+// A GGUF file's Q8_0 blocks as stored, (n, 34) uint8 (d: f16, then 32 int8 codes), read
+// into out (n, 32) float32: each d * q, exact (a float32 model's load; one pass, where
+// numpy's multiply of the strided codes by the scales casts both on the way).
+inline void q8_0_blocks_float32(const at::Tensor& blocks, const at::Tensor& out) {
+  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous() &&
+                  blocks.size(1) == kBlock + 2,
+              "q8_0_blocks_float32: blocks must be a contiguous (n, 34) uint8 tensor, got ",
+              blocks.scalar_type(), " of shape ", blocks.sizes());
+  const int64_t n = blocks.size(0);
+  TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kFloat && out.is_contiguous() &&
+                  out.size(0) == n && out.size(1) == kBlock,
+              "q8_0_blocks_float32: out must be a contiguous (", n, ", 32) float32 tensor, got ",
+              out.scalar_type(), " of shape ", out.sizes());
+  const uint8_t* bp = blocks.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  for (int64_t i = 0; i < n; ++i) {
+    const uint8_t* b = bp + i * (kBlock + 2);
+    c10::Half h;
+    std::memcpy(&h, b, 2);
+    const float d = scale_value(h);
+    const int8_t* q = reinterpret_cast<const int8_t*>(b + 2);
+    float* o = op + i * kBlock;
+    for (int64_t j = 0; j < kBlock; ++j) o[j] = d * static_cast<float>(q[j]);
+  }
 }
 
 }  // namespace attnlab_q8

@@ -28,6 +28,7 @@ import functools
 import itertools
 import math
 import struct
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +39,15 @@ import torch
 
 from attnlab.pretrained.errors import ModelFileError, check_finite
 from attnlab.quant import Int4Linear, Q5Linear, Q8Linear, gguf_blocks, gguf_format
-from attnlab.quant.base import GGUFBlock, f16_columns, fresh, fresh_copy, in_halves, nibbles
+from attnlab.quant.base import (
+    GGUFBlock,
+    f16_columns,
+    fresh,
+    fresh_copy,
+    in_halves,
+    native_kernels,
+    nibbles,
+)
 from attnlab.quant.int4 import q4_k_parts
 
 # Shape legend: N blocks, Q = 32 weights per block, R rows, K = row length (ne0).
@@ -70,9 +79,17 @@ def dequantize_q8_0(blocks: np.ndarray) -> np.ndarray:
     One pass that writes the output once (the codes read in place, converted inside the
     multiply), not an int8 -> float32 copy and then a multiply over it: Gemma's 262k x 640
     embedding is Q8_0 (``benchmarks/bench_pretrained.py --only gemma3-load`` times the
-    load).
+    load). Where this process has the compiled kernels, their ``q8_0_blocks_float32``
+    writes the same values (Gemma 3's 10 tensors, 677 MB, in 0.25 s here).
     """
     out = fresh((blocks.shape[0], QK), np.float32)  # (N, Q)
+    ext = native_kernels()
+    if ext is not None:  # the compiled kernels' reading: the same values, one pass
+        raw, into = _readable(blocks), torch.from_numpy(out)
+        in_halves(
+            out.shape[0], out.nbytes, lambda a, b: ext.q8_0_blocks_float32(raw[a:b], into[a:b])
+        )
+        return out
     codes = blocks[:, 2:].view(np.int8)
 
     def rows(a: int, b: int) -> None:
@@ -82,11 +99,26 @@ def dequantize_q8_0(blocks: np.ndarray) -> np.ndarray:
     return out
 
 
+def _readable(blocks: np.ndarray) -> torch.Tensor:
+    """``blocks`` (a view of the file's read-only map) as a tensor, for kernels that only
+    read it."""
+    with warnings.catch_warnings():  # PyTorch warns that the array is not writable
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(blocks)
+
+
 def dequantize_q5_0(blocks: np.ndarray) -> np.ndarray:
     """Q5_0 blocks (N, 22) uint8 -> (N, 32) float32, ``(q - 16) * d``: q's low four bits
     the nibbles of bytes 6-21 (low ones first), its fifth bit weight ``j``'s bit of the
     little-endian uint32 in bytes 2-5 (:class:`~attnlab.quant.Q5Linear` holds the blocks as
-    they are; this is a float32 model's reading, a third of the time of ``gguf``'s)."""
+    they are; this is a float32 model's reading, a third of the time of ``gguf``'s).
+
+    Where this process has the compiled kernels (:func:`attnlab.native.loaded`), their
+    ``q5_0_dequant`` writes the same values in one pass (Gemma 3's 81 tensors in 0.11 s on
+    one thread against 0.26 s here; equal bit for bit, tested)."""
+    ext = native_kernels()
+    if ext is not None:
+        return ext.q5_0_dequant(_readable(blocks), True).numpy()  # type: ignore[no-any-return]
     q = nibbles(blocks[:, 6:])  # (N, Q) in 0..15
     q |= np.unpackbits(blocks[:, 2:6], axis=1, bitorder="little") << 4  # (N, Q): bit j
     out = fresh_copy(q, np.float32)

@@ -451,6 +451,8 @@ def load_gguf(
         ValueError: an unknown ``weight``.
     """
     path = Path(path)
+    if native.would_load():  # built for this machine: its kernels read Q5_0 (loaded later anyway)
+        native.extension()
     contents = _read_gguf_once(path)
     family, config = gguf_config(contents)
     names = gguf_weight_names(contents, family)
