@@ -208,3 +208,32 @@ def test_a_non_finite_x_spoils_only_its_own_row(ext):
     reference = x[:1].double() @ layer.weight.double().t()
     bound = _bound(x[:1], layer, reference, torch.float32, ext)
     assert bool(((y[:1].double() - reference).abs() <= bound).all())
+
+
+@pytest.mark.parametrize(("type_name", "nbytes"), [("Q4_0", 18), ("Q4_1", 20)])
+def test_a_files_q4_blocks_read_as_float32_equal_gguf_py(ext, type_name, nbytes):
+    """q4_blocks_float32 (a float32 model's load of a GGUF file): every nibble, scales and
+    Q4_1 minimums of both signs, equal to gguf-py's reading bit for bit (Q4_1's product and
+    sum rounded apart, as ggml: a fused multiply-add would differ); rows written in place;
+    bad shapes refused, named."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as gguf_dequantize
+
+    rng = np.random.default_rng(nbytes)
+    n = 999
+    blocks = rng.integers(0, 256, size=(n, nbytes), dtype=np.uint8)
+    halves = 2 if nbytes == 20 else 1
+    scales = (rng.standard_normal((n, halves)) * 0.03).astype(np.float16)
+    blocks[:, : 2 * halves] = scales.view(np.uint8)
+    out = torch.full((n, 32), float("nan"))
+    ext.q4_blocks_float32(torch.from_numpy(blocks), out)
+    ref = gguf_dequantize(blocks, GGMLQuantizationType[type_name])
+    assert np.array_equal(out.numpy(), ref)
+    part = torch.full((n, 32), float("nan"))
+    ext.q4_blocks_float32(torch.from_numpy(blocks)[7:300], part[7:300])
+    assert torch.equal(part[7:300], out[7:300]) and bool(part[:7].isnan().all())
+    with pytest.raises(RuntimeError, match=r"q4_blocks_float32: blocks must be"):
+        ext.q4_blocks_float32(torch.from_numpy(blocks[:, :17].copy()), out)
+    with pytest.raises(RuntimeError, match=r"q4_blocks_float32: out must be"):
+        ext.q4_blocks_float32(torch.from_numpy(blocks), out[:, :16].contiguous())

@@ -361,7 +361,7 @@ def test_a_q6_k_tensor_with_a_nan_scale_is_refused(tmp_path):
         g.tensor("w")
 
 
-def test_dequantize_q4_1_hand_made_block():
+def test_dequantize_q4_1_hand_made_block(reading):
     # d = 0.5, m = -1.0; low nibbles 0..15 -> weights 0..15, high nibbles 15..0 -> 16..31.
     qs = np.array([(15 - j) << 4 | j for j in range(16)], dtype=np.uint8)
     block = np.concatenate(

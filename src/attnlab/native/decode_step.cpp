@@ -458,6 +458,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "scale_offset (N, K/32, 2) float32");
   m.def("q8_0_dequant", &attnlab_q8::q8_0_dequant, py::call_guard<py::gil_scoped_release>(),
         "the Q8_0 weight (N, K) in bfloat16 from its codes and scales");
+  m.def("q4_blocks_float32", &attnlab_q4::q4_blocks_float32,
+        py::call_guard<py::gil_scoped_release>(),
+        "a file's Q4_0 (n, 18) or Q4_1 (n, 20) blocks into out (n, 32) float32, as ggml "
+        "reads them", py::arg("blocks"), py::arg("out"));
   m.def("q8_0_blocks_float32", &attnlab_q8::q8_0_blocks_float32,
         py::call_guard<py::gil_scoped_release>(),
         "a file's Q8_0 blocks (n, 34) uint8 into out (n, 32) float32, each d * q exact",

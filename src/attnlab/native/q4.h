@@ -43,6 +43,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -261,5 +262,58 @@ inline at::Tensor q4_mm(const at::Tensor& x, const at::Tensor& codes,
   }
   return y;
 }
+
+// A GGUF file's Q4_0 or Q4_1 blocks as stored, (n, 18) or (n, 20) uint8 (d: f16, Q4_1's m:
+// f16, then 16 bytes of codes: weight j < 16 the low nibble of byte j, weight 16 + j its
+// high nibble), read into out (n, 32) float32 as ggml reads them (a float32 model's load):
+// Q4_0 (q - 8) d, one rounding; Q4_1 q d + m, two roundings, the product and then the sum,
+// so the compiler must not fuse them into one multiply-add (contraction off here).
+#if defined(__clang__)
+#define ATTNLAB_NO_CONTRACT
+#elif defined(__GNUC__)
+#define ATTNLAB_NO_CONTRACT __attribute__((optimize("fp-contract=off")))
+#else
+#define ATTNLAB_NO_CONTRACT
+#endif
+ATTNLAB_NO_CONTRACT inline void q4_blocks_float32(const at::Tensor& blocks,
+                                                  const at::Tensor& out) {
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#endif
+  const int64_t bytes = blocks.dim() == 2 ? blocks.size(1) : 0;
+  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous() &&
+                  (bytes == 18 || bytes == 20),
+              "q4_blocks_float32: blocks must be a contiguous (n, 18) Q4_0 or (n, 20) Q4_1 uint8 "
+              "tensor, got ", blocks.scalar_type(), " of shape ", blocks.sizes());
+  const int64_t n = blocks.size(0);
+  TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kFloat && out.is_contiguous() &&
+                  out.size(0) == n && out.size(1) == 32,
+              "q4_blocks_float32: out must be a contiguous (", n, ", 32) float32 tensor, got ",
+              out.scalar_type(), " of shape ", out.sizes());
+  const bool with_min = bytes == 20;
+  const uint8_t* bp = blocks.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  for (int64_t i = 0; i < n; ++i) {
+    const uint8_t* b = bp + i * bytes;
+    c10::Half h[2];
+    std::memcpy(h, b, with_min ? 4 : 2);
+    const float d = static_cast<float>(h[0]);
+    const uint8_t* qs = b + (with_min ? 4 : 2);
+    float* o = op + i * 32;
+    if (with_min) {
+      const float m = static_cast<float>(h[1]);
+      for (int j = 0; j < 16; ++j) {
+        o[j] = static_cast<float>(qs[j] & 0x0F) * d + m;
+        o[j + 16] = static_cast<float>(qs[j] >> 4) * d + m;
+      }
+    } else {
+      for (int j = 0; j < 16; ++j) {
+        o[j] = static_cast<float>((qs[j] & 0x0F) - 8) * d;
+        o[j + 16] = static_cast<float>((qs[j] >> 4) - 8) * d;
+      }
+    }
+  }
+}
+#undef ATTNLAB_NO_CONTRACT
 
 }  // namespace attnlab_q4

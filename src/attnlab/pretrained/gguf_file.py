@@ -56,8 +56,24 @@ QK = 32  # weights per block for Q4_0, Q4_1, Q8_0, MXFP4
 QK_K = 256  # weights per super-block of the K-quants
 
 
+def _native_q4(blocks: np.ndarray) -> np.ndarray | None:
+    """Q4_0 / Q4_1 blocks read by the compiled kernels (``q4_blocks_float32``, the same
+    values: SmolLM2's 210 Q4_1 tensors, 425 MB, in about a third of numpy's 0.39 s), or
+    None where this process has none."""
+    ext = native_kernels()
+    if ext is None:
+        return None
+    out = fresh((blocks.shape[0], QK), np.float32)  # (N, Q)
+    raw, into = _readable(blocks), torch.from_numpy(out)
+    in_halves(out.shape[0], out.nbytes, lambda a, b: ext.q4_blocks_float32(raw[a:b], into[a:b]))
+    return out
+
+
 def dequantize_q4_0(blocks: np.ndarray) -> np.ndarray:
     """Q4_0 blocks (N, 18) uint8 -> (N, 32) float32, ``(q - 8) * d``."""
+    done = _native_q4(blocks)
+    if done is not None:
+        return done
     out = nibbles(blocks[:, 2:], np.float32)  # (N, Q)
     out -= 8.0
     out *= f16_columns(blocks, 1)  # (N, 1) broadcast
@@ -66,6 +82,9 @@ def dequantize_q4_0(blocks: np.ndarray) -> np.ndarray:
 
 def dequantize_q4_1(blocks: np.ndarray) -> np.ndarray:
     """Q4_1 blocks (N, 20) uint8 -> (N, 32) float32, ``q * d + m`` (two roundings, as ggml)."""
+    done = _native_q4(blocks)
+    if done is not None:
+        return done
     dm = f16_columns(blocks, 2)  # (N, 2): d, m
     out = nibbles(blocks[:, 4:], np.float32)  # (N, Q)
     out *= dm[:, :1]
