@@ -151,6 +151,35 @@ def test_strings_refused_as_one_by_one_names_them(items, count, message):
         buf, message = memoryview(bytes(raw)).cast("B"), "string 1 of length"
     with pytest.raises(ModelFileError, match=message):
         _Cursor(buf, Path("x.gguf")).strings(count)
+    # Read lazily (a vocabulary): a run cut short is refused at once, a bad string when it
+    # is first used, with the same name.
+    cursor = _Cursor(buf, Path("x.gguf"))
+    cursor.field = "value of 'tokenizer.ggml.tokens'"
+    with pytest.raises(ModelFileError, match=message):
+        cursor.strings(count, lazy=True).get()
+
+
+def test_a_vocabulary_is_decoded_on_first_use_once_for_every_thread():
+    """The header's parse reads a vocabulary's lengths only (the cursor moves past it); the
+    strings are decoded once, on first use, and every thread gets the same list."""
+    import threading
+    from pathlib import Path
+
+    from attnlab.pretrained.gguf_file import _Cursor, _LazyStrings
+
+    texts = [f"tok{i}é" for i in range(3000)]
+    buf = _string_items([t.encode() for t in texts] + [b"next"])
+    cursor = _Cursor(buf, Path("x.gguf"))
+    lazy = cursor.strings(len(texts), lazy=True)
+    assert isinstance(lazy, _LazyStrings) and len(lazy) == 3000 and lazy._items is None
+    assert cursor.strings(1) == ["next"]  # what follows the vocabulary
+    got: list[list[str]] = []
+    threads = [threading.Thread(target=lambda: got.append(lazy.get())) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got[0] == texts and all(g is got[0] for g in got)
 
 
 def test_read_gguf_without_importing_the_gguf_package(tiny_gguf):

@@ -28,6 +28,7 @@ import functools
 import itertools
 import math
 import struct
+import threading
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -325,21 +326,37 @@ class GGUFContents:
     Attributes:
         path: the file.
         metadata: every key/value pair except the big tokenizer arrays, as Python values.
-        tokens: the vocabulary in id order (``tokenizer.ggml.tokens``).
+        tokens: the vocabulary in id order (``tokenizer.ggml.tokens``; decoded on first
+            use, :attr:`token_count` without decoding).
         token_types: llama.cpp token type per id (1 normal, 3 control, ...).
-        merges: BPE merges as ``"left right"`` strings, in rank order.
+        merges: BPE merges as ``"left right"`` strings, in rank order (decoded on first use).
         scores: SentencePiece scores per id (``tokenizer.ggml.scores``), or empty.
         tensor_infos: name -> :class:`GGUFTensorInfo`, in file order.
     """
 
     path: Path
     metadata: dict[str, Any]
-    tokens: list[str]
+    _tokens: list[str] | _LazyStrings
     token_types: list[int]
-    merges: list[str]
+    _merges: list[str] | _LazyStrings
     scores: list[float]
     tensor_infos: dict[str, GGUFTensorInfo]
     _data: np.ndarray  # the whole file, memory-mapped uint8
+
+    @property
+    def tokens(self) -> list[str]:
+        """The vocabulary in id order (decoded on first use: :class:`_LazyStrings`)."""
+        return _strings_of(self._tokens)
+
+    @property
+    def token_count(self) -> int:
+        """How many tokens the vocabulary holds, without decoding it."""
+        return len(self._tokens)
+
+    @property
+    def merges(self) -> list[str]:
+        """The BPE merges in rank order (decoded on first use)."""
+        return _strings_of(self._merges)
 
     def tensor(self, name: str) -> torch.Tensor:
         """Tensor ``name`` dequantised to float32 (a fresh tensor, not a view of the file).
@@ -475,6 +492,53 @@ def _decode_items(region: np.ndarray, lengths: np.ndarray) -> list[str] | None:
         return None
 
 
+# The arrays of strings read lazily: their lengths when the header is read (to find what
+# follows), their text on first use, in the tokenizer's thread beside the weights.
+_LAZY_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges")
+_LAZY_FIELDS = frozenset(f"value of {key!r}" for key in _LAZY_ARRAYS)  # as read_gguf names them
+
+
+class _LazyStrings:
+    """A run of GGUF string items, decoded on first use (:meth:`get`; thread-safe).
+
+    Gemma 3's vocabulary is 262,144 strings; decoding them took 0.06 s of a load's
+    critical path, before the model's build could start. The header's parse reads only
+    their lengths (where the next field is), and the tokenizer, built in a thread beside
+    the weights, decodes them. A string that is not UTF-8 or holds a NUL is then refused,
+    named, as the header's parse would have.
+    """
+
+    def __init__(
+        self, buf: memoryview, pos: int, end: int, lengths: list[int], path: Path, field: str
+    ) -> None:
+        self._buf, self._pos, self._end = buf, pos, end
+        self._lengths, self._path, self._field = lengths, path, field
+        self._items: list[str] | None = None
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._lengths)
+
+    def get(self) -> list[str]:
+        """The strings (decoded once)."""
+        with self._lock:
+            if self._items is None:
+                region = np.frombuffer(
+                    self._buf, dtype=np.uint8, count=self._end - self._pos, offset=self._pos
+                )
+                items = _decode_items(region, np.array(self._lengths, dtype=np.int64))
+                if items is None:  # find the string at fault, and name it
+                    cur = _Cursor(self._buf, self._path)
+                    cur.pos, cur.field = self._pos, self._field
+                    items = cur._strings_one_by_one(len(self._lengths))
+                self._items = items
+            return self._items
+
+
+def _strings_of(value: list[str] | _LazyStrings) -> list[str]:
+    return value.get() if isinstance(value, _LazyStrings) else value
+
+
 _MAX_DIMS = 4  # GGML_MAX_DIMS
 _MAX_ELEMENTS = 1 << 40  # per tensor; far above any real model's largest matrix
 _MAX_DEPTH = 4  # arrays of arrays
@@ -524,8 +588,9 @@ class _Cursor:
         self.pos += n
         return text
 
-    def strings(self, count: int) -> list[str]:
-        """``count`` strings in a row (a vocabulary: 262k of them in Gemma's files).
+    def strings(self, count: int, lazy: bool = False) -> list[str] | _LazyStrings:
+        """``count`` strings in a row (a vocabulary: 262k of them in Gemma's files);
+        ``lazy``: their lengths now, their text on first use (:class:`_LazyStrings`).
 
         The lengths are read in one loop and the strings decoded together
         (:func:`_decode_items`), a third of the time of decoding each on its own; the
@@ -545,6 +610,10 @@ class _Cursor:
             return self._strings_one_by_one(count)
         if pos > len(buf) or count == 0:
             return self._strings_one_by_one(count)
+        if lazy:
+            out_later = _LazyStrings(buf, self.pos, pos, lengths, self.path, self.field)
+            self.pos = pos
+            return out_later
         region = np.frombuffer(buf, dtype=np.uint8, count=pos - self.pos, offset=self.pos)
         out = _decode_items(region, np.array(lengths, dtype=np.int64))
         if out is None:
@@ -609,7 +678,8 @@ class _Cursor:
                 raise self.fail(f"unknown array item type {item_type}")
             count = self.count("array length", 8 if item_type == _STRING else 12)
             if item_type == _STRING:
-                return self.strings(count)
+                lazy = depth == 0 and self.field in _LAZY_FIELDS
+                return self.strings(count, lazy=lazy)
             return [self.value(item_type, depth + 1) for _ in range(count)]
         if vtype not in _SCALAR_FORMATS:
             raise self.fail(f"unknown value type {vtype}")
@@ -778,14 +848,14 @@ def read_gguf(path: str | Path) -> GGUFContents:
         ("tokenizer.ggml.merges", merges),
         ("tokenizer.ggml.scores", scores),
     ):
-        if not isinstance(value, list):
+        if not isinstance(value, (list, _LazyStrings)):
             raise ModelFileError(path, f"{key} must be an array, got {type(value).__name__}")
     return GGUFContents(
         path=path,
         metadata=metadata,
-        tokens=tokens,
+        _tokens=tokens,
         token_types=token_types,
-        merges=merges,
+        _merges=merges,
         scores=scores,
         tensor_infos=infos,
         _data=data,

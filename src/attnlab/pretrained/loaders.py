@@ -406,7 +406,7 @@ def gguf_config(contents: GGUFContents) -> tuple[Family, AnyConfig]:
     # family whose page fixes them keeps its own value
     extra: dict[str, Any] = {
         "tie_embeddings": "output.weight" not in infos,
-        "vocab_size": len(contents.tokens),
+        "vocab_size": contents.token_count,
         "qkv_bias": "blk.0.attn_q.bias" in infos or "blk.0.attn_qkv.bias" in infos,
         "out_bias": "blk.0.attn_output.bias" in infos,
         "mlp_bias": "blk.0.ffn_up.bias" in infos,
