@@ -155,3 +155,22 @@ def test_a_long_text_tokenizes_in_one_pass(hf_dirs, tmp_path):
     contents = read_gguf(path)
     text = " ".join(CORPUS) * (40_000 // len(" ".join(CORPUS)) + 1)
     assert_same(contents, [text])
+
+
+def test_byte_tokens_are_found_as_a_scan_of_the_vocabulary_finds_them():
+    """The ids of byte tokens (looked up: every text that reads as a byte) are those a scan
+    of every piece finds: lower and mixed case, Rust's "+" digit, a repeated byte token
+    (its first id), and look-alikes that are no byte."""
+    from attnlab.pretrained.sentencepiece import _byte_value
+
+    odd = ["<0x0a>", "<0xaB>", "<0x+F>", "<0x41>", "<0xG1>", "<0x411>", "<0x4>", "<0x++>"]
+    tokens = ["<unk>", "<s>", "</s>", *BYTES, *odd, "\u2581", "a"]
+    contents = _contents(tokens, [0.0] * len(tokens), [2, 3, 3, *[6] * 256, *[1] * 10])
+    ours = _sentencepiece_vocab(contents)
+    scan = {}
+    for i, text in enumerate(tokens):
+        byte = _byte_value(text)
+        if byte is not None and ours.vocab[text] == i:
+            scan[i] = byte
+    assert ours._byte_of == scan
+    assert scan[3 + 256] == 0x0A and scan[3 + 256 + 2] == 0x0F and 3 + 256 + 3 not in scan

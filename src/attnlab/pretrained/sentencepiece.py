@@ -243,13 +243,14 @@ class SentencePieceVocab:
     # ------------------------------------------------------------------ decode
     @functools.cached_property
     def _byte_of(self) -> dict[int, int]:
-        """id -> byte, for the ids whose piece is a byte token ``<0xXX>``."""
+        """id -> byte, for the ids whose piece is a byte token ``<0xXX>``: each of the
+        about 500 texts :func:`_byte_value` reads looked up in the vocabulary, not the
+        vocabulary scanned (262,144 pieces in Gemma 3's: 25 ms of the first decode)."""
         out = {}
-        for i, text in enumerate(self.tokens):
-            if text.startswith("<0x") and self.vocab[text] == i:
-                byte = _byte_value(text)
-                if byte is not None:
-                    out[i] = byte
+        for text in _BYTE_TEXTS:
+            i = self.vocab.get(text)
+            if i is not None:
+                out[i] = _BYTE_TEXTS[text]
         return out
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
@@ -285,6 +286,14 @@ def _byte_value(text: str) -> int | None:
         if digits and all(c in _HEX for c in digits):
             return int(digits, 16)
     return None
+
+
+#: Every text :func:`_byte_value` reads as a byte, with its byte.
+_BYTE_TEXTS = {
+    text: byte
+    for text in [f"<0x{a}{b}>" for a in _HEX for b in _HEX] + [f"<0x+{a}>" for a in _HEX]
+    if (byte := _byte_value(text)) is not None
+}
 
 
 def _run_text(run: bytearray) -> str:
