@@ -210,15 +210,14 @@ def test_a_non_finite_x_spoils_only_its_own_row(ext):
     assert bool(((y[:1].double() - reference).abs() <= bound).all())
 
 
-@pytest.mark.parametrize(("type_name", "nbytes"), [("Q4_0", 18), ("Q4_1", 20)])
-def test_a_files_q4_blocks_read_as_float32_equal_gguf_py(ext, type_name, nbytes):
+@pytest.mark.parametrize("nbytes", [18, 20], ids=["Q4_0", "Q4_1"])
+def test_a_files_q4_blocks_read_as_float32_as_ggml_reads_them(ext, nbytes):
     """q4_blocks_float32 (a float32 model's load of a GGUF file): every nibble, scales and
-    Q4_1 minimums of both signs, equal to gguf-py's reading bit for bit (Q4_1's product and
-    sum rounded apart, as ggml: a fused multiply-add would differ); rows written in place;
-    bad shapes refused, named."""
+    Q4_1 minimums of both signs, equal bit for bit to ggml's formulas computed here in
+    numpy's float32 (Q4_0 ``(q - 8) d``; Q4_1 ``q d + m``, the product and the sum rounded
+    apart: a fused multiply-add would differ); rows written in place; bad shapes refused,
+    named. (tests/files/test_gguf.py checks the loader's reading against gguf-py.)"""
     import numpy as np
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize as gguf_dequantize
 
     rng = np.random.default_rng(nbytes)
     n = 999
@@ -226,10 +225,17 @@ def test_a_files_q4_blocks_read_as_float32_equal_gguf_py(ext, type_name, nbytes)
     halves = 2 if nbytes == 20 else 1
     scales = (rng.standard_normal((n, halves)) * 0.03).astype(np.float16)
     blocks[:, : 2 * halves] = scales.view(np.uint8)
+    qs = blocks[:, 2 * halves :]
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=1).astype(np.float32)  # (n, 32)
+    d = scales[:, :1].astype(np.float32)
+    if halves == 2:
+        product = q * d  # rounded here, then the sum rounded: two roundings
+        want = product + scales[:, 1:].astype(np.float32)
+    else:
+        want = (q - np.float32(8)) * d
     out = torch.full((n, 32), float("nan"))
     ext.q4_blocks_float32(torch.from_numpy(blocks), out)
-    ref = gguf_dequantize(blocks, GGMLQuantizationType[type_name])
-    assert np.array_equal(out.numpy(), ref)
+    assert np.array_equal(out.numpy(), want)
     part = torch.full((n, 32), float("nan"))
     ext.q4_blocks_float32(torch.from_numpy(blocks)[7:300], part[7:300])
     assert torch.equal(part[7:300], out[7:300]) and bool(part[:7].isnan().all())

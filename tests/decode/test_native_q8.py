@@ -274,23 +274,24 @@ def test_native_dequantisation_is_the_weight_rounded_once_to_bf16(ext, scale_dty
         ext.q8_0_dequant(layer.codes, layer.scales[:, :3])
 
 
-def test_a_files_q8_0_blocks_read_as_float32_equal_gguf_py(ext):
+def test_a_files_q8_0_blocks_read_as_float32_as_ggml_reads_them(ext):
     """q8_0_blocks_float32 (a float32 model's load of a GGUF file): every code of both
-    signs and scales of both signs, each ``d * q`` exact, equal to gguf-py's reading; the
-    output of a slice of rows written in place; bad shapes refused, named."""
+    signs and scales of both signs, each ``d * q`` exact, equal to that product computed
+    here in numpy's float32; the output of a slice of rows written in place; bad shapes
+    refused, named. (tests/files/test_gguf.py checks the loader's reading against
+    gguf-py.)"""
     import numpy as np
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize as gguf_dequantize
 
     rng = np.random.default_rng(8)
     n = 777
     blocks = rng.integers(0, 256, size=(n, 34), dtype=np.uint8)
-    blocks[:, :2] = (rng.standard_normal((n, 1)) * 0.02).astype(np.float16).view(np.uint8)
+    scales = (rng.standard_normal((n, 1)) * 0.02).astype(np.float16)
+    blocks[:, :2] = scales.view(np.uint8)
     blocks[0, 2:] = np.arange(-128, 128, 8, dtype=np.int8).view(np.uint8)
+    want = blocks[:, 2:].view(np.int8).astype(np.float32) * scales.astype(np.float32)
     out = torch.full((n, 32), float("nan"))
     ext.q8_0_blocks_float32(torch.from_numpy(blocks), out)
-    ref = gguf_dequantize(blocks, GGMLQuantizationType.Q8_0)
-    assert np.array_equal(out.numpy(), ref)
+    assert np.array_equal(out.numpy(), want)
     part = torch.full((n, 32), float("nan"))
     ext.q8_0_blocks_float32(torch.from_numpy(blocks)[100:200], part[100:200])
     assert torch.equal(part[100:200], out[100:200]) and bool(part[:100].isnan().all())
