@@ -86,6 +86,11 @@ def test_read_gguf_metadata_and_tables(tiny_gguf):
     assert g.metadata["llama.block_count"] == 2
     assert g.metadata["llama.rope.freq_base"] == 100000.0
     assert g.metadata["tokenizer.ggml.add_bos_token"] is False
+    # The vocabulary and merges are read lazily: counted now, decoded on first use
+    from attnlab.pretrained.gguf_file import _LazyStrings
+
+    assert isinstance(g._tokens, _LazyStrings) and isinstance(g._merges, _LazyStrings)
+    assert g._tokens._items is None and g.token_count == len(g.tokens)
     assert g.tokens[:6] == ["<|end|>", "a", "b", "ab", "Ġ", "Ġab"]
     assert g.token_types[:3] == [3, 1, 1]
     assert g.merges == ["a b", "Ġ ab", "1 2"]

@@ -495,7 +495,6 @@ def _decode_items(region: np.ndarray, lengths: np.ndarray) -> list[str] | None:
 # The arrays of strings read lazily: their lengths when the header is read (to find what
 # follows), their text on first use, in the tokenizer's thread beside the weights.
 _LAZY_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges")
-_LAZY_FIELDS = frozenset(f"value of {key!r}" for key in _LAZY_ARRAYS)  # as read_gguf names them
 
 
 class _LazyStrings:
@@ -655,7 +654,9 @@ class _Cursor:
             )
         return int(n)
 
-    def value(self, vtype: int, depth: int = 0) -> Any:
+    def value(self, vtype: int, depth: int = 0, lazy: bool = False) -> Any:
+        """One value of type ``vtype``; ``lazy``: an array of strings read lazily
+        (:meth:`strings`)."""
         if vtype == _STRING:
             return self.string()
         if vtype == _ARRAY:
@@ -678,7 +679,6 @@ class _Cursor:
                 raise self.fail(f"unknown array item type {item_type}")
             count = self.count("array length", 8 if item_type == _STRING else 12)
             if item_type == _STRING:
-                lazy = depth == 0 and self.field in _LAZY_FIELDS
                 return self.strings(count, lazy=lazy)
             return [self.value(item_type, depth + 1) for _ in range(count)]
         if vtype not in _SCALAR_FORMATS:
@@ -771,7 +771,7 @@ def read_gguf(path: str | Path) -> GGUFContents:
         cur.field = f"key {i}"
         key = cur.string("key")
         cur.field = f"value of {key!r}"
-        kv[key] = cur.value(cur.scalar("<I", "value type"))
+        kv[key] = cur.value(cur.scalar("<I", "value type"), lazy=key in _LAZY_ARRAYS)
     raw_infos = []
     for i in range(n_tensors):
         cur.field = f"tensor {i}"
