@@ -76,6 +76,7 @@ from _quiet import timed_pairs
 from _records import Recorder
 
 from attnlab import masks as attn_masks
+from attnlab import native
 from attnlab._memory import peak_allocated
 from attnlab.attention import Attention
 from attnlab.backends import AUTO_ORDER, WeightsRequest, exact_weights, explain_dispatch
@@ -241,18 +242,21 @@ def bench_variants(reps: int, threads: int) -> None:
         (8192, ["causal", "window", "torch window"]),
     ]
     clock = "thread CPU time" if TIMER is time.thread_time else "wall time"
+    # as a model's load does: the compiled module (soft-cap's one-pass probabilities)
+    ext = native.extension()
+    compiled = f"compiled module {ext.SIMD}" if ext is not None else "no compiled module"
     rec = Recorder(
         "bench_attention",
         "variants",
         f"attention variants on blockwise, each against plain causal blockwise in the same run "
         f"(B=1, H={H}, D={D}, fp32, causal; min of >= {max(3, reps)} interleaved rounds, "
-        f"{clock})",
+        f"{clock}; {compiled})",
         threads,
     )
     print(
         f"blockwise variants, causal, B=1, H={H}, D={D}, fp32, {threads} threads; time = "
         f"min of >= {max(3, reps)} interleaved runs ({clock}); ratio = x plain causal blockwise of "
-        f"the same run; {load()}"
+        f"the same run; {compiled}; {load()}"
     )
     for mode in ("fwd", "fwd+bwd"):
         print(f"\n== {mode} ==")

@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests" / "decode"
 KERNEL_TESTS = (
     "test_native_attend.py",
+    "test_native_capped.py",
     "test_native_q4.py",
     "test_native_q8.py",
     "test_native_q5.py",

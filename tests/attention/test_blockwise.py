@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from test_backends import MASK_KINDS, TILE_PATHS, make_mask, reference_for
 
+from attnlab import native
 from attnlab._memory import peak_allocated
 from attnlab.backends.blockwise import (
     ChunkOptions,
@@ -529,13 +530,22 @@ def _record_capped(monkeypatch) -> list[bool]:
     return results
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["torch-passes", "compiled-pass"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
 @pytest.mark.parametrize("softcap", [1.5, 60.0])
 @pytest.mark.parametrize("kind", ["causal", "window", "padding"])
-def test_softcap_row_blocks_without_a_maximum_match_reference(monkeypatch, kind, softcap, dtype):
+def test_softcap_row_blocks_without_a_maximum_match_reference(
+    request, monkeypatch, kind, softcap, dtype, compiled
+):
     """Soft-capped pure tiles share one reference (the cap) instead of a row maximum, and
     add up instead of merging: outputs, lse and gradients against the fp64 reference over
-    many tiles, GQA, a padded-out row (0 and -inf), T != S."""
+    many tiles, GQA, a padded-out row (0 and -inf), T != S. Both ways of computing a
+    tile's probabilities: PyTorch's passes, and the compiled module's one pass (float32
+    compute only; native/capped.h)."""
+    if compiled:
+        request.getfixturevalue("ext")  # loaded, or the test skips naming why
+    else:
+        monkeypatch.setattr(native, "loaded", lambda: None)
     T, S, H, G = 37, 45, 4, 2
     gen = torch.Generator().manual_seed(7)
     q = (torch.randn(2, H, T, 8, generator=gen, dtype=torch.float64) * 3).to(dtype)

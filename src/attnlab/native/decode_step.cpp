@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "attend.h"
+#include "capped.h"
 #include "q4.h"
 #include "q5_0.h"
 #include "q8_0.h"
@@ -466,6 +467,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>(),
         "a file's Q8_0 blocks (n, 34) uint8 into out (n, 32) float32, each d * q exact",
         py::arg("blocks"), py::arg("out"));
+  m.def("capped_probs", &attnlab_capped::capped_probs_tensor,
+        py::call_guard<py::gil_scoped_release>(),
+        "soft-capped probabilities in place: scores (..., rows, cols) float32 holding "
+        "x = -2 s / cap become exp(-2 cap sigmoid(x)), 0 above a causal tile's diagonal "
+        "(column > row % tq); each row's sum is added into sums when given",
+        py::arg("scores"), py::arg("sums"), py::arg("cap"), py::arg("tq"), py::arg("causal"));
   m.def("q5_0_dequant", &attnlab_q5::q5_0_dequant, py::call_guard<py::gil_scoped_release>(),
         "the Q5_0 weight (N, K) from its blocks: bfloat16, or exact in float32",
         py::arg("blocks"), py::arg("as_float32") = false);

@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 import torch
 
+from attnlab import native
 from attnlab.backends.blockwise import tiles
 from attnlab.backends.blockwise.band import BandRun, band_forward
 from attnlab.backends.blockwise.linear_bias import LINEAR_BLOCK_Q, LinearBias
@@ -123,6 +124,8 @@ def forward(
     # Soft-capped scores are bounded: pure tiles then need no running maximum.
     bounded = path == "pure" and (geo.mask is None or not geo.mask.has_bias)
     cap = softcap if bounded else None
+    if cap is not None and cd == torch.float32 and native.would_load():
+        native.extension()  # built already: its one-pass capped probabilities (tiles.py)
 
     def row_block(rb: RowBlock, ga: int, gb: int, first_key: int, ws: Scratch) -> None:
         """Rows of ``rb``, key heads ``ga:gb``, their full tiles from key ``first_key``."""

@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 import torch
 
+from attnlab import native
 from attnlab.backends.blockwise.paths import FUSED_OPS, TilePath
 from attnlab.backends.blockwise.plan import Geometry, RowBlock, Tile, resolve
 from attnlab.backends.math import compute_dtype
@@ -217,8 +218,11 @@ def capped_row_block(
     ``-2c sigmoid(-2 s / c)``. So every tile's probabilities can share one reference, the
     bound itself: ``p = exp(c tanh(s / c) - c)``, no row maximum, no rescaling, and the
     tiles of the row block add up (``acc += p @ v``, ``l += rowsum(p)``) instead of being
-    merged one by one; at the end ``out = acc / l`` and ``lse = log(l) + c``. Three passes
-    over a tile (sigmoid, scale, exp2) where the general tile makes seven, plus a merge.
+    merged one by one; at the end ``out = acc / l`` and ``lse = log(l) + c``. Four passes
+    over a tile (sigmoid, scale, exp2, sum) where the general tile makes seven, plus a
+    merge; one pass when the compiled module is loaded (float32 compute; its
+    ``capped_probs``, which also skips a causal tile's hidden triangle): soft-cap then
+    costs 1.2x plain causal attention, not 1.4-1.6x (bench_attention.py --variants).
 
     ``p >= exp(-2c)``: in fp32 that is a normal number for ``c`` up to 43 (Gemma 2 uses 30
     in its final logits, 50 in attention), so nothing underflows. For a larger ``c`` a row
@@ -232,19 +236,29 @@ def capped_row_block(
     B, Hs, tq, _ = q.shape
     Gs, Dv = key.shape[1], value.shape[3]
     cd = compute_dtype(q.dtype)
-    qs = _gqa(q.to(cd) * (-2.0 * scale / softcap), Gs)  # (B, Gs, R*tq, D): -2 s / c
+    # the compiled pass (native/capped.h) takes the scores as -2 log2(e) s / c
+    ext = native.loaded() if cd == torch.float32 else None
+    qf = -2.0 * scale / softcap * (_LOG2E if ext is not None else 1.0)
+    qs = _gqa(q.to(cd) * qf, Gs)  # (B, Gs, R*tq, D): -2 s / c (times log2 e)
     rows = qs.shape[2]
     acc = torch.zeros(B, Gs, rows, Dv, dtype=cd, device=q.device)
     l = torch.zeros(B, Gs, rows, 1, dtype=cd, device=q.device)
+    acc3 = acc.view(B * Gs, rows, Dv)
     for lazy in rb.tiles:
         tile = resolve(lazy, rb, geo)
         k, v = key[:, :, tile.c0 : tile.c1].to(cd), value[:, :, tile.c0 : tile.c1].to(cd)
-        p = _mm(qs, k.transpose(-2, -1), ws, "s").sigmoid_()
-        p.mul_(-2.0 * softcap * _LOG2E).exp2_()
-        if tile.kind != "full":
+        p = _mm(qs, k.transpose(-2, -1), ws, "s")  # (B, Gs, R*tq, tk)
+        summed = tile.kind in ("full", "causal")
+        if ext is not None:  # one pass: p, a causal tile's triangle zeroed, l += its sums
+            ext.capped_probs(p, l if summed else None, softcap, tq, tile.kind == "causal")
+        else:
+            p.sigmoid_().mul_(-2.0 * softcap * _LOG2E).exp2_()
+        if tile.kind != "full" and (ext is None or not summed):
             mask_scores(p.view(B, Hs, tq, -1), tile, h0, h0 + Hs, fill=0.0)
-        l.add_(p.sum(dim=-1, keepdim=True))
-        acc.add_(_mm(p, v, ws, "pv"))  # (B, Gs, R*tq, Dv)
+        if ext is None or not summed:
+            l.add_(p.sum(dim=-1, keepdim=True))
+        # acc += p @ v, the sum inside the product (B, Gs, R*tq, Dv)
+        acc3.baddbmm_(p.view(B * Gs, rows, -1), v.reshape(B * Gs, -1, Dv))
     info = torch.finfo(cd)
     tiny = info.tiny
     # Every p is a normal number when exp(-2c) is; else a row's sum l >= S^2 tiny / eps
