@@ -35,6 +35,7 @@ KERNEL_TESTS = (
     "test_native_q4.py",
     "test_native_q8.py",
     "test_native_q5.py",
+    "test_native_readers.py",
     "test_native_step.py",
 )
 

@@ -234,10 +234,15 @@ def test_a_files_q4_blocks_read_as_float32_as_ggml_reads_them(ext, nbytes):
     else:
         want = (q - np.float32(8)) * d
     out = torch.full((n, 32), float("nan"))
-    ext.q4_blocks_float32(torch.from_numpy(blocks), out)
+    assert ext.q4_blocks_float32(torch.from_numpy(blocks), out) == 0  # no bad scale
     assert np.array_equal(out.numpy(), want)
     part = torch.full((n, 32), float("nan"))
     ext.q4_blocks_float32(torch.from_numpy(blocks)[7:300], part[7:300])
+    # the count of blocks with an inf or NaN scale (d, or m): each counted once
+    bad = blocks.copy()
+    for row, at, value in ((3, 0, np.nan), (5, 0, -np.inf), (5, 2 * halves - 2, np.inf)):
+        bad[row, at : at + 2] = np.array([value], dtype=np.float16).view(np.uint8)
+    assert ext.q4_blocks_float32(torch.from_numpy(bad), torch.empty(n, 32)) == 2
     assert torch.equal(part[7:300], out[7:300]) and bool(part[:7].isnan().all())
     with pytest.raises(RuntimeError, match=r"q4_blocks_float32: blocks must be"):
         ext.q4_blocks_float32(torch.from_numpy(blocks[:, :17].copy()), out)

@@ -290,8 +290,12 @@ def test_a_files_q8_0_blocks_read_as_float32_as_ggml_reads_them(ext):
     blocks[0, 2:] = np.arange(-128, 128, 8, dtype=np.int8).view(np.uint8)
     want = blocks[:, 2:].view(np.int8).astype(np.float32) * scales.astype(np.float32)
     out = torch.full((n, 32), float("nan"))
-    ext.q8_0_blocks_float32(torch.from_numpy(blocks), out)
+    assert ext.q8_0_blocks_float32(torch.from_numpy(blocks), out) == 0  # no bad scale
     assert np.array_equal(out.numpy(), want)
+    bad = blocks.copy()  # the count of blocks whose scale is inf or NaN
+    for row, value in ((3, np.nan), (9, np.inf), (n - 1, -np.inf)):
+        bad[row, :2] = np.array([value], dtype=np.float16).view(np.uint8)
+    assert ext.q8_0_blocks_float32(torch.from_numpy(bad), torch.empty(n, 32)) == 3
     part = torch.full((n, 32), float("nan"))
     ext.q8_0_blocks_float32(torch.from_numpy(blocks)[100:200], part[100:200])
     assert torch.equal(part[100:200], out[100:200]) and bool(part[:100].isnan().all())

@@ -226,7 +226,7 @@ def test_read_gguf_without_importing_the_gguf_package(tiny_gguf):
 
 @pytest.fixture(params=["numpy", "native"])
 def reading(request, monkeypatch):
-    """Both float32 readings of Q8_0 and Q5_0: numpy's, and the compiled kernels' (where
+    """Both float32 readings of the block types: numpy's, and the compiled kernels' (where
     this process has them; skipped, named, where they cannot be built)."""
     if request.param == "native":
         request.getfixturevalue("ext")
@@ -341,7 +341,7 @@ def test_q5_0_every_code_and_fifth_bit_equals_gguf(reading):
 @pytest.mark.parametrize(
     ("type_name", "nbytes", "scales_at"), [("Q4_K", 144, 0), ("Q6_K", 210, 208)]
 )
-def test_k_quants_every_byte_equals_gguf(type_name, nbytes, scales_at):
+def test_k_quants_every_byte_equals_gguf(type_name, nbytes, scales_at, reading):
     """Random Q4_K and Q6_K super-blocks (every byte of the codes and the packed 6-bit or
     int8 scales drawn, finite float16 d / dmin of both signs): attnlab's float32 reading
     equals gguf-py's bit for bit, as one tensor of several rows."""
@@ -356,7 +356,7 @@ def test_k_quants_every_byte_equals_gguf(type_name, nbytes, scales_at):
     assert ours.dtype == np.float32 and np.array_equal(ours.view(np.uint32), ref.view(np.uint32))
 
 
-def test_q6_k_hand_made_block():
+def test_q6_k_hand_made_block(reading):
     """ggml's layout of a Q6_K block, written out by hand: weight ``j`` of a half takes the
     low nibble of ``ql[j]`` (``j < 64``) or the high nibble of ``ql[j - 64]``, its two top
     bits from ``qh[j % 32]`` at bit ``2 (j // 32)``, and ``d * sc[j // 16] * (q - 32)``."""
@@ -376,22 +376,48 @@ def test_q6_k_hand_made_block():
     assert np.array_equal(dequantize(block, "Q6_K", (1, 256)).numpy()[0], want)
 
 
-def test_a_q6_k_tensor_with_a_nan_scale_is_refused(tmp_path):
-    """Q6_K's ``d`` is the block's last two bytes, not its first: its values are checked,
-    and a NaN there names the tensor."""
+# type: (block bytes, byte offsets of its float16 scales)
+_SCALED_BLOCKS = {
+    "Q4_0": (18, (0,)),
+    "Q4_1": (20, (0, 2)),
+    "Q8_0": (34, (0,)),
+    "Q5_0": (22, (0,)),
+    "Q4_K": (144, (0, 2)),
+    "Q6_K": (210, (208,)),  # d last, not first
+}
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize(
+    ("type_name", "scale"),
+    [(t, i) for t, (_, offsets) in sorted(_SCALED_BLOCKS.items()) for i in range(len(offsets))],
+)
+def test_a_tensor_with_a_non_finite_scale_is_refused_by_name(
+    tmp_path, reading, type_name, scale, bad
+):
+    """One block's scale (d, or Q4_1's m, Q4_K's dmin) inf or NaN: the float32 reading
+    refuses the tensor, naming it, whether numpy reads it or the compiled kernels do (they
+    count such blocks as they read); the good tensor beside it reads."""
     from attnlab.pretrained.errors import ModelFileError
 
-    blocks = np.random.default_rng(0).integers(0, 256, size=(2, 210), dtype=np.uint8)
-    blocks[:, 208:210] = np.array([0.01], dtype=np.float16).view(np.uint8)
-    blocks[1, 208:210] = np.array([np.nan], dtype=np.float16).view(np.uint8)
-    w = GGUFWriter(tmp_path / "q6.gguf", "llama")
-    w.add_tensor("w", blocks, raw_dtype=GGMLQuantizationType.Q6_K)
+    nbytes, offsets = _SCALED_BLOCKS[type_name]
+    rng = np.random.default_rng(0)
+    blocks = rng.integers(0, 256, size=(8, nbytes), dtype=np.uint8)
+    for at in offsets:
+        blocks[:, at : at + 2] = np.array([0.01], dtype=np.float16).view(np.uint8)
+    good = blocks.copy()
+    at = offsets[scale]
+    blocks[5, at : at + 2] = np.array([bad], dtype=np.float16).view(np.uint8)
+    w = GGUFWriter(tmp_path / "bad.gguf", "llama")
+    w.add_tensor("good", good, raw_dtype=GGMLQuantizationType[type_name])
+    w.add_tensor("w", blocks, raw_dtype=GGMLQuantizationType[type_name])
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    g = read_gguf(tmp_path / "q6.gguf")
-    with pytest.raises(ModelFileError, match="'w'"):
+    g = read_gguf(tmp_path / "bad.gguf")
+    assert bool(torch.isfinite(g.tensor("good")).all())
+    with pytest.raises(ModelFileError, match=r"tensor 'w'.*non-finite"):
         g.tensor("w")
 
 

@@ -65,3 +65,53 @@ def test_the_references_shared_parse_reads_what_gguf_py_reads(gguf_path):
         assert a.tensor_type == b.tensor_type and list(a.shape) == list(b.shape), a.name
         assert a.data.dtype == b.data.dtype and np.array_equal(a.data, b.data), a.name
     assert type(gguf.GGUFReader(gguf_path).data) is np.memmap  # gguf-py's own again
+
+
+def test_the_largest_tensor_is_read_ahead_and_asked_for_last(gguf_path, monkeypatch, ext):
+    """A float32 load reads the file's largest tensor (when the compiled kernels read its
+    type) in a helper thread, asks for it last, and gets the same model as without."""
+    plain, _ = loaders.load_gguf(gguf_path)
+    monkeypatch.setattr(loaders.ReadAhead, "FROM_BYTES", 0)
+    started, asked = [], []
+    real_init, real_tensor = loaders.ReadAhead.__init__, loaders.ReadAhead.tensor
+
+    def init(self, contents, name):
+        started.append(name)
+        real_init(self, contents, name)
+
+    def tensor(self, name):
+        asked.append(name)
+        return real_tensor(self, name)
+
+    monkeypatch.setattr(loaders.ReadAhead, "__init__", init)
+    monkeypatch.setattr(loaders.ReadAhead, "tensor", tensor)
+    model, _ = loaders.load_gguf(gguf_path)
+    contents = loaders.read_gguf(gguf_path)
+    names = loaders.gguf_weight_names(contents, loaders.gguf_config(contents)[0])
+    assert started == [max(names, key=lambda n: names[n])] and asked[-1] == started[0]
+    assert len(asked) == len(set(asked))  # every tensor once
+    ours, theirs = model.state_dict(), plain.state_dict()
+    assert list(ours) == list(theirs)
+    for name, value in theirs.items():
+        assert torch.equal(ours[name], value), name
+    # not for another dtype or a weight precision: their conversions read the values
+    started.clear()
+    loaders.load_gguf(gguf_path, dtype=torch.bfloat16)
+    loaders.load_gguf(gguf_path, weight="int8")
+    assert started == []
+
+
+def test_a_read_ahead_error_is_raised_where_the_tensor_is_asked_for(gguf_path):
+    """The helper's exception (a bad scale, named) reaches the caller when the model asks
+    for the tensor, and waiting after a failed build swallows nothing else."""
+    import types
+
+    from attnlab.pretrained.errors import ModelFileError
+
+    def broken(name):
+        raise ModelFileError(gguf_path, f"tensor {name!r} holds 1 non-finite value(s)")
+
+    ahead = loaders.ReadAhead(types.SimpleNamespace(tensor=broken), "token_embd.weight")
+    with pytest.raises(ModelFileError, match=r"'token_embd\.weight' holds"):
+        ahead.tensor("token_embd.weight")
+    ahead.wait()  # the error was the caller's to see; waiting again raises nothing

@@ -33,6 +33,7 @@
 
 #include "attend.h"
 #include "capped.h"
+#include "kquants.h"
 #include "q4.h"
 #include "q5_0.h"
 #include "q8_0.h"
@@ -462,11 +463,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_blocks_float32", &attnlab_q4::q4_blocks_float32,
         py::call_guard<py::gil_scoped_release>(),
         "a file's Q4_0 (n, 18) or Q4_1 (n, 20) blocks into out (n, 32) float32, as ggml "
-        "reads them", py::arg("blocks"), py::arg("out"));
+        "reads them; returns how many blocks have an inf or NaN scale",
+        py::arg("blocks"), py::arg("out"));
   m.def("q8_0_blocks_float32", &attnlab_q8::q8_0_blocks_float32,
         py::call_guard<py::gil_scoped_release>(),
-        "a file's Q8_0 blocks (n, 34) uint8 into out (n, 32) float32, each d * q exact",
-        py::arg("blocks"), py::arg("out"));
+        "a file's Q8_0 blocks (n, 34) uint8 into out (n, 32) float32, each d * q exact; "
+        "returns how many blocks have an inf or NaN scale", py::arg("blocks"), py::arg("out"));
+  m.def("q5_0_blocks_float32", &attnlab_q5::q5_0_blocks_float32,
+        py::call_guard<py::gil_scoped_release>(),
+        "a file's Q5_0 blocks (n, 22) uint8 into out (n, 32) float32, each d (q - 16) exact; "
+        "returns how many blocks have an inf or NaN scale", py::arg("blocks"), py::arg("out"));
+  m.def("q4_k_blocks_float32", &attnlab_kq::q4_k_blocks_float32,
+        py::call_guard<py::gil_scoped_release>(),
+        "a file's Q4_K super-blocks (n, 144) uint8 into out (n, 256) float32, as ggml reads "
+        "them; returns how many have an inf or NaN scale", py::arg("blocks"), py::arg("out"));
+  m.def("q6_k_blocks_float32", &attnlab_kq::q6_k_blocks_float32,
+        py::call_guard<py::gil_scoped_release>(),
+        "a file's Q6_K super-blocks (n, 210) uint8 into out (n, 256) float32, as ggml reads "
+        "them; returns how many have an inf or NaN scale", py::arg("blocks"), py::arg("out"));
   m.def("capped_probs", &attnlab_capped::capped_probs_tensor,
         py::call_guard<py::gil_scoped_release>(),
         "soft-capped probabilities in place: scores (..., rows, cols) float32 holding "

@@ -268,18 +268,11 @@ inline at::Tensor q4_mm(const at::Tensor& x, const at::Tensor& codes,
 // high nibble), read into out (n, 32) float32 as ggml reads them (a float32 model's load):
 // Q4_0 (q - 8) d, one rounding; Q4_1 q d + m, two roundings, the product and then the sum,
 // so the compiler must not fuse them into one multiply-add (contraction off here).
-#if defined(__clang__)
-#define ATTNLAB_NO_CONTRACT
-#elif defined(__GNUC__)
-#define ATTNLAB_NO_CONTRACT __attribute__((optimize("fp-contract=off")))
-#else
-#define ATTNLAB_NO_CONTRACT
-#endif
-ATTNLAB_NO_CONTRACT inline void q4_blocks_float32(const at::Tensor& blocks,
-                                                  const at::Tensor& out) {
-#if defined(__clang__)
-#pragma clang fp contract(off)
-#endif
+// Returns how many blocks have a scale (d, or Q4_1's m) that is inf or NaN: the loader's
+// check of the file's scales, made in the same pass.
+ATTNLAB_NO_CONTRACT inline int64_t q4_blocks_float32(const at::Tensor& blocks,
+                                                     const at::Tensor& out) {
+  ATTNLAB_NO_CONTRACT_BODY
   const int64_t bytes = blocks.dim() == 2 ? blocks.size(1) : 0;
   TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous() &&
                   (bytes == 18 || bytes == 20),
@@ -293,6 +286,7 @@ ATTNLAB_NO_CONTRACT inline void q4_blocks_float32(const at::Tensor& blocks,
   const bool with_min = bytes == 20;
   const uint8_t* bp = blocks.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
+  int64_t bad = 0;
   for (int64_t i = 0; i < n; ++i) {
     const uint8_t* b = bp + i * bytes;
     c10::Half h[2];
@@ -300,8 +294,10 @@ ATTNLAB_NO_CONTRACT inline void q4_blocks_float32(const at::Tensor& blocks,
     const float d = static_cast<float>(h[0]);
     const uint8_t* qs = b + (with_min ? 4 : 2);
     float* o = op + i * 32;
+    bad += !attnlab_simd::finite_bits(d);
     if (with_min) {
       const float m = static_cast<float>(h[1]);
+      bad += attnlab_simd::finite_bits(d) && !attnlab_simd::finite_bits(m);
       for (int j = 0; j < 16; ++j) {
         o[j] = static_cast<float>(qs[j] & 0x0F) * d + m;
         o[j + 16] = static_cast<float>(qs[j] >> 4) * d + m;
@@ -313,7 +309,7 @@ ATTNLAB_NO_CONTRACT inline void q4_blocks_float32(const at::Tensor& blocks,
       }
     }
   }
+  return bad;
 }
-#undef ATTNLAB_NO_CONTRACT
 
 }  // namespace attnlab_q4

@@ -447,4 +447,38 @@ inline at::Tensor q5_0_dequant(const at::Tensor& blocks, bool as_float32) {
   return w;
 }
 
+// A GGUF file's Q5_0 blocks as stored, (n, 22) uint8, read into out (n, 32) float32 as
+// q5_0_dequant's float32 reading does (each d (q - 16), exact), one thread: the loader
+// runs it on halves of the rows (attnlab.quant.base.in_halves). Returns how many blocks
+// have a d that is inf or NaN: the loader's check of the scales, made in the same pass.
+inline int64_t q5_0_blocks_float32(const at::Tensor& blocks, const at::Tensor& out) {
+  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous() &&
+                  blocks.size(1) == kBlockBytes,
+              "q5_0_blocks_float32: blocks must be a contiguous (n, 22) uint8 tensor, got ",
+              blocks.scalar_type(), " of shape ", blocks.sizes());
+  const int64_t n = blocks.size(0);
+  TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kFloat && out.is_contiguous() &&
+                  out.size(0) == n && out.size(1) == kBlock,
+              "q5_0_blocks_float32: out must be a contiguous (", n, ", 32) float32 tensor, got ",
+              out.scalar_type(), " of shape ", out.sizes());
+  const uint8_t* bp = blocks.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  int64_t bad = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const uint8_t* b = bp + i * kBlockBytes;
+    const float d = scale_at(b);
+    bad += !attnlab_simd::finite_bits(d);
+    const uint32_t qh = high_bits_at(b);
+    const uint8_t* qs = b + 6;
+    float* o = op + i * kBlock;
+    for (int j = 0; j < 16; ++j) {
+      const int lo = (qs[j] & 0x0F) | (((qh >> j) & 1u) << 4);
+      const int hi = (qs[j] >> 4) | (((qh >> (j + 16)) & 1u) << 4);
+      o[j] = d * static_cast<float>(lo - 16);
+      o[j + 16] = d * static_cast<float>(hi - 16);
+    }
+  }
+  return bad;
+}
+
 }  // namespace attnlab_q5

@@ -325,8 +325,9 @@ inline at::Tensor q8_0_dequant(const at::Tensor& codes, const at::Tensor& scales
 
 // A GGUF file's Q8_0 blocks as stored, (n, 34) uint8 (d: f16, then 32 int8 codes), read
 // into out (n, 32) float32: each d * q, exact (a float32 model's load; one pass, where
-// numpy's multiply of the strided codes by the scales casts both on the way).
-inline void q8_0_blocks_float32(const at::Tensor& blocks, const at::Tensor& out) {
+// numpy's multiply of the strided codes by the scales casts both on the way). Returns how
+// many blocks have a d that is inf or NaN: the loader's check of the scales, in this pass.
+inline int64_t q8_0_blocks_float32(const at::Tensor& blocks, const at::Tensor& out) {
   TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous() &&
                   blocks.size(1) == kBlock + 2,
               "q8_0_blocks_float32: blocks must be a contiguous (n, 34) uint8 tensor, got ",
@@ -338,15 +339,18 @@ inline void q8_0_blocks_float32(const at::Tensor& blocks, const at::Tensor& out)
               out.scalar_type(), " of shape ", out.sizes());
   const uint8_t* bp = blocks.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
+  int64_t bad = 0;
   for (int64_t i = 0; i < n; ++i) {
     const uint8_t* b = bp + i * (kBlock + 2);
     c10::Half h;
     std::memcpy(&h, b, 2);
     const float d = scale_value(h);
+    bad += !attnlab_simd::finite_bits(d);
     const int8_t* q = reinterpret_cast<const int8_t*>(b + 2);
     float* o = op + i * kBlock;
     for (int64_t j = 0; j < kBlock; ++j) o[j] = d * static_cast<float>(q[j]);
   }
+  return bad;
 }
 
 }  // namespace attnlab_q8

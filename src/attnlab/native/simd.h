@@ -8,7 +8,29 @@
 #include <cstring>
 #include <limits>
 
+// A function whose float products and sums must round one at a time, as ggml's and numpy's
+// readings do (the file readers of q4.h, q5_0.h and kquants.h): the compiler must not fuse
+// a product and a sum into one multiply-add.
+#if defined(__clang__)
+#define ATTNLAB_NO_CONTRACT
+#define ATTNLAB_NO_CONTRACT_BODY _Pragma("clang fp contract(off)")
+#elif defined(__GNUC__)
+#define ATTNLAB_NO_CONTRACT __attribute__((optimize("fp-contract=off")))
+#define ATTNLAB_NO_CONTRACT_BODY
+#else
+#define ATTNLAB_NO_CONTRACT
+#define ATTNLAB_NO_CONTRACT_BODY
+#endif
+
 namespace attnlab_simd {
+
+// Whether a float is neither infinite nor NaN (a file's scale): by its exponent bits, so
+// that no compiler setting can assume it away.
+inline bool finite_bits(float x) {
+  uint32_t b;
+  std::memcpy(&b, &x, sizeof b);
+  return (b & 0x7F800000u) != 0x7F800000u;
+}
 
 // exp(x) within about 1 ulp (Cody-Waite reduction by ln 2, Cephes' degree-6 polynomial)
 // in arithmetic only, so that loops over it vectorise: std::exp does not without

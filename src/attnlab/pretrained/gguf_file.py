@@ -57,22 +57,56 @@ QK = 32  # weights per block for Q4_0, Q4_1, Q8_0, MXFP4
 QK_K = 256  # weights per super-block of the K-quants
 
 
-def _native_q4(blocks: np.ndarray) -> np.ndarray | None:
-    """Q4_0 / Q4_1 blocks read by the compiled kernels (``q4_blocks_float32``, the same
-    values: SmolLM2's 210 Q4_1 tensors, 425 MB, in about a third of numpy's 0.39 s), or
-    None where this process has none."""
+class NonFiniteScalesError(ValueError):
+    """The compiled reader of a type found blocks whose float16 scale is inf or NaN."""
+
+
+#: The types the compiled kernels read into float32 (the same values as numpy's readers,
+#: bit for bit): their kernel in :mod:`attnlab.native` and the weights a block. Each kernel
+#: also counts the blocks whose scales are not finite, so that the loader's check of them
+#: costs nothing beyond the reading (for Gemma 3's Q8_0 embedding a separate pass over its
+#: 5.2M strided scales took 0.04 s).
+_NATIVE_READERS = {
+    "Q4_0": ("q4_blocks_float32", QK),
+    "Q4_1": ("q4_blocks_float32", QK),
+    "Q8_0": ("q8_0_blocks_float32", QK),
+    "Q5_0": ("q5_0_blocks_float32", QK),
+    "Q4_K": ("q4_k_blocks_float32", QK_K),
+    "Q6_K": ("q6_k_blocks_float32", QK_K),
+}
+
+
+def reads_natively(type_name: str) -> bool:
+    """Whether this process reads ``type_name``'s blocks with the compiled kernels."""
+    return type_name in _NATIVE_READERS and native_kernels() is not None
+
+
+def _native_read(blocks: np.ndarray, type_name: str) -> np.ndarray | None:
+    """``type_name``'s blocks read by the compiled kernels (in two halves where the output
+    is large, :func:`attnlab.quant.base.in_halves`), or None where this process has none.
+
+    Raises:
+        NonFiniteScalesError: some block's scale is inf or NaN.
+    """
     ext = native_kernels()
     if ext is None:
         return None
-    out = fresh((blocks.shape[0], QK), np.float32)  # (N, Q)
+    kernel_name, width = _NATIVE_READERS[type_name]
+    kernel = getattr(ext, kernel_name)
+    out = fresh((blocks.shape[0], width), np.float32)  # (N, width)
     raw, into = _readable(blocks), torch.from_numpy(out)
-    in_halves(out.shape[0], out.nbytes, lambda a, b: ext.q4_blocks_float32(raw[a:b], into[a:b]))
+    bad: list[int] = []
+    in_halves(out.shape[0], out.nbytes, lambda a, b: bad.append(kernel(raw[a:b], into[a:b])))
+    if sum(bad):
+        raise NonFiniteScalesError(
+            f"non-finite quantisation scale(s) in {sum(bad)} of its {type_name} blocks"
+        )
     return out
 
 
 def dequantize_q4_0(blocks: np.ndarray) -> np.ndarray:
     """Q4_0 blocks (N, 18) uint8 -> (N, 32) float32, ``(q - 8) * d``."""
-    done = _native_q4(blocks)
+    done = _native_read(blocks, "Q4_0")
     if done is not None:
         return done
     out = nibbles(blocks[:, 2:], np.float32)  # (N, Q)
@@ -83,7 +117,7 @@ def dequantize_q4_0(blocks: np.ndarray) -> np.ndarray:
 
 def dequantize_q4_1(blocks: np.ndarray) -> np.ndarray:
     """Q4_1 blocks (N, 20) uint8 -> (N, 32) float32, ``q * d + m`` (two roundings, as ggml)."""
-    done = _native_q4(blocks)
+    done = _native_read(blocks, "Q4_1")
     if done is not None:
         return done
     dm = f16_columns(blocks, 2)  # (N, 2): d, m
@@ -102,14 +136,10 @@ def dequantize_q8_0(blocks: np.ndarray) -> np.ndarray:
     load). Where this process has the compiled kernels, their ``q8_0_blocks_float32``
     writes the same values (Gemma 3's 10 tensors, 677 MB, in 0.25 s here).
     """
+    done = _native_read(blocks, "Q8_0")
+    if done is not None:
+        return done
     out = fresh((blocks.shape[0], QK), np.float32)  # (N, Q)
-    ext = native_kernels()
-    if ext is not None:  # the compiled kernels' reading: the same values, one pass
-        raw, into = _readable(blocks), torch.from_numpy(out)
-        in_halves(
-            out.shape[0], out.nbytes, lambda a, b: ext.q8_0_blocks_float32(raw[a:b], into[a:b])
-        )
-        return out
     codes = blocks[:, 2:].view(np.int8)
 
     def rows(a: int, b: int) -> None:
@@ -134,11 +164,11 @@ def dequantize_q5_0(blocks: np.ndarray) -> np.ndarray:
     they are; this is a float32 model's reading, a third of the time of ``gguf``'s).
 
     Where this process has the compiled kernels (:func:`attnlab.native.loaded`), their
-    ``q5_0_dequant`` writes the same values in one pass (Gemma 3's 81 tensors in 0.11 s on
+    ``q5_0_blocks_float32`` writes the same values in one pass (Gemma 3's 81 tensors in 0.11 s on
     one thread against 0.26 s here; equal bit for bit, tested)."""
-    ext = native_kernels()
-    if ext is not None:
-        return ext.q5_0_dequant(_readable(blocks), True).numpy()  # type: ignore[no-any-return]
+    done = _native_read(blocks, "Q5_0")
+    if done is not None:
+        return done
     q = nibbles(blocks[:, 6:])  # (N, Q) in 0..15
     q |= np.unpackbits(blocks[:, 2:6], axis=1, bitorder="little") << 4  # (N, Q): bit j
     out = fresh_copy(q, np.float32)
@@ -152,6 +182,9 @@ def dequantize_q4_k(blocks: np.ndarray) -> np.ndarray:
     32-weight sub-block (:func:`attnlab.quant.int4.q4_k_parts`): one rounding of the
     product and one of the difference, as ``gguf``'s reading (Gemma 3's 27 tensors in
     0.09 s against its 0.13 s, written into memory that faults in faster)."""
+    done = _native_read(blocks, "Q4_K")
+    if done is not None:
+        return done
     codes, scales, mins = q4_k_parts(blocks, np.float32)  # (N, 256), (N, 8), (N, 8)
     out = codes.reshape(-1, 8, QK)  # (N, 8, Q), written in place
     out *= scales[:, :, None]
@@ -172,6 +205,9 @@ def dequantize_q6_k(blocks: np.ndarray) -> np.ndarray:
     ``qh[j % 32]``. ``d * sc`` is exact in float32 (11 bits times 8), so the one rounding
     is the product, as in ggml and ``gguf``.
     """
+    done = _native_read(blocks, "Q6_K")
+    if done is not None:
+        return done
     n = blocks.shape[0]
     q = nibbles(blocks[:, :128].reshape(n, 2, 64))  # (N, 2, 128): low four bits
     top = (blocks[:, 128:192].reshape(n, 2, 1, 32) >> _Q6_K_SHIFTS) & 3  # (N, 2, 4, 32)
@@ -179,7 +215,8 @@ def dequantize_q6_k(blocks: np.ndarray) -> np.ndarray:
     out = fresh_copy(q, np.float32).reshape(n, 16, 16)  # (N, sub-blocks, 16)
     out -= 32.0
     d = f16_columns(blocks[:, 208:], 1)  # (N, 1): the block's last two bytes
-    out *= (d * blocks[:, 192:208].view(np.int8))[:, :, None]  # (N, 16, 1) exact
+    with np.errstate(invalid="ignore", over="ignore"):  # a bad d: the caller names it
+        out *= (d * blocks[:, 192:208].view(np.int8))[:, :, None]  # (N, 16, 1) exact
     return out.reshape(n, 256)
 
 
@@ -369,9 +406,13 @@ class GGUFContents:
             raise ModelFileError(self.path, f"has no tensor {name!r}")
         info = self.tensor_infos[name]
         raw = self._data[info.offset : info.offset + info.nbytes]
-        scales_checked = self._check_block_scales(name, raw)
+        # The compiled readers check the scales as they read (NonFiniteScalesError).
+        scales_checked = reads_natively(info.type_name) or self._check_block_scales(name, raw)
         try:
             out = dequantize(raw, info.type_name, info.shape)
+        except NonFiniteScalesError as e:
+            self._check_block_scales(name, raw)  # names the first such scale and its value
+            raise ModelFileError(self.path, f"tensor {name!r} holds {e}") from None
         except NotImplementedError as e:
             raise ModelFileError(self.path, f"tensor {name!r}: {e}") from None
         if not scales_checked:
