@@ -121,3 +121,30 @@ def test_q6_k_super_blocks(ext):
     assert _read(ext, "q6_k_blocks_float32", spoiled, 256)[1] == 1
     with pytest.raises(RuntimeError, match="q6_k_blocks_float32: blocks must be"):
         ext.q6_k_blocks_float32(torch.from_numpy(blocks[:, :209].copy()), torch.empty(n, 256))
+
+
+def test_a_run_of_strings_is_walked_for_its_lengths(ext):
+    """string_run: the lengths and the end of a run of GGUF strings (u64 length, bytes),
+    as a walk in Python finds them; -1 where a length field or a string passes the end."""
+    import struct
+
+    rng = np.random.default_rng(4)
+    texts = [
+        bytes(rng.integers(0, 256, int(rng.integers(0, 40)), dtype=np.uint8)) for _ in range(500)
+    ]
+    head = b"\x07" * 5  # the run starts inside the buffer
+    raw = head + b"".join(struct.pack("<Q", len(t)) + t for t in texts) + b"rest"
+    buf = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    end, lengths = ext.string_run(buf, len(head), len(texts))
+    assert end == len(raw) - 4 and lengths.tolist() == [len(t) for t in texts]
+    assert ext.string_run(buf, len(head), 0)[0] == len(head)
+    cut = torch.frombuffer(bytearray(raw[:-8]), dtype=torch.uint8)  # the last string cut short
+    assert ext.string_run(cut, len(head), len(texts))[0] == -1
+    huge = bytearray(raw)
+    huge[len(head) : len(head) + 8] = struct.pack("<Q", (1 << 64) - 1)  # past any end
+    assert ext.string_run(torch.frombuffer(huge, dtype=torch.uint8), len(head), 3)[0] == -1
+    assert ext.string_run(buf, len(raw) - 7, 1)[0] == -1  # not even a length field
+    with pytest.raises(RuntimeError, match="cannot start at"):
+        ext.string_run(buf, len(raw) + 1, 1)
+    with pytest.raises(RuntimeError, match="contiguous 1-D uint8"):
+        ext.string_run(buf.view(-1, 1), 0, 1)

@@ -110,7 +110,7 @@ def _string_items(strings: list[bytes]) -> memoryview:
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_strings_decoded_together_equal_one_by_one(seed):
+def test_strings_decoded_together_equal_one_by_one(seed, reading):
     """The bulk decoder (each length field a NUL, one decode, one split) gives the strings
     the string-by-string reader gives: empty ones, many-byte characters, a NUL inside a
     string (which the split cannot tell apart: read one by one), and it leaves the cursor
@@ -140,7 +140,7 @@ def test_strings_decoded_together_equal_one_by_one(seed):
         ([b"ab", b"cd"], 2, None),
     ],
 )
-def test_strings_refused_as_one_by_one_names_them(items, count, message):
+def test_strings_refused_as_one_by_one_names_them(items, count, message, reading):
     """A bad byte, a character cut at a string's end, a run cut short: the string at fault
     is named, as the string-by-string reader names it; a length past the end too."""
     import struct
@@ -164,7 +164,7 @@ def test_strings_refused_as_one_by_one_names_them(items, count, message):
         cursor.strings(count, lazy=True).get()
 
 
-def test_a_vocabulary_is_decoded_on_first_use_once_for_every_thread():
+def test_a_vocabulary_is_decoded_on_first_use_once_for_every_thread(reading):
     """The header's parse reads a vocabulary's lengths only (the cursor moves past it); the
     strings are decoded once, on first use, and every thread gets the same list."""
     import threading
@@ -231,6 +231,9 @@ def reading(request, monkeypatch):
     if request.param == "native":
         request.getfixturevalue("ext")
         assert native_kernels() is not None
+        from attnlab.pretrained import gguf_file
+
+        monkeypatch.setattr(gguf_file, "_NATIVE_RUN_FROM", 1)  # every run of strings too
     else:
         monkeypatch.setenv(native.NATIVE_ENV, "0")
         assert native_kernels() is None

@@ -33,6 +33,7 @@
 
 #include "attend.h"
 #include "capped.h"
+#include "gguf_header.h"
 #include "kquants.h"
 #include "q4.h"
 #include "q5_0.h"
@@ -487,6 +488,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x = -2 s / cap become exp(-2 cap sigmoid(x)), 0 above a causal tile's diagonal "
         "(column > row % tq); each row's sum is added into sums when given",
         py::arg("scores"), py::arg("sums"), py::arg("cap"), py::arg("tq"), py::arg("causal"));
+  m.def("string_run", &attnlab_gguf::string_run, py::call_guard<py::gil_scoped_release>(),
+        "(end, lengths) of a GGUF run of count strings at pos of buf (1-D uint8); end -1 "
+        "where one runs past the end", py::arg("buf"), py::arg("pos"), py::arg("count"));
   m.def("q5_0_dequant", &attnlab_q5::q5_0_dequant, py::call_guard<py::gil_scoped_release>(),
         "the Q5_0 weight (N, K) from its blocks: bfloat16, or exact in float32",
         py::arg("blocks"), py::arg("as_float32") = false);

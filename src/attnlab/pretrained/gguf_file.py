@@ -549,7 +549,13 @@ class _LazyStrings:
     """
 
     def __init__(
-        self, buf: memoryview, pos: int, end: int, lengths: list[int], path: Path, field: str
+        self,
+        buf: memoryview,
+        pos: int,
+        end: int,
+        lengths: list[int] | np.ndarray,
+        path: Path,
+        field: str,
     ) -> None:
         self._buf, self._pos, self._end = buf, pos, end
         self._lengths, self._path, self._field = lengths, path, field
@@ -579,6 +585,9 @@ def _strings_of(value: list[str] | _LazyStrings) -> list[str]:
     return value.get() if isinstance(value, _LazyStrings) else value
 
 
+#: Runs of at least this many strings are walked by the compiled kernels where this process
+#: has them (a vocabulary: Gemma 3's 262,144 lengths in 2 ms against 0.04 s in Python).
+_NATIVE_RUN_FROM = 1024
 _MAX_DIMS = 4  # GGML_MAX_DIMS
 _MAX_ELEMENTS = 1 << 40  # per tensor; far above any real model's largest matrix
 _MAX_DEPTH = 4  # arrays of arrays
@@ -639,15 +648,23 @@ class _Cursor:
         takes :meth:`_strings_one_by_one`, which names the string at fault.
         """
         buf, pos = self.buf, self.pos
-        length_at = _U64.unpack_from
-        lengths = [0] * count
-        try:
-            for i in range(count):
-                (n,) = length_at(buf, pos)
-                lengths[i] = n
-                pos += 8 + n
-        except (struct.error, OverflowError):  # a length field past the end
-            return self._strings_one_by_one(count)
+        lengths: list[int] | np.ndarray
+        ext = native_kernels()
+        if ext is not None and count >= _NATIVE_RUN_FROM:  # the compiled walk
+            end, walked = ext.string_run(_readable(np.frombuffer(buf, np.uint8)), pos, count)
+            if end < 0:  # one runs past the end: find it, and name it
+                return self._strings_one_by_one(count)
+            lengths, pos = walked.numpy(), end
+        else:
+            length_at = _U64.unpack_from
+            lengths = [0] * count
+            try:
+                for i in range(count):
+                    (n,) = length_at(buf, pos)
+                    lengths[i] = n
+                    pos += 8 + n
+            except (struct.error, OverflowError):  # a length field past the end
+                return self._strings_one_by_one(count)
         if pos > len(buf) or count == 0:
             return self._strings_one_by_one(count)
         if lazy:

@@ -330,6 +330,8 @@ def model_family(path: str | Path) -> Family:
     path = Path(path)
     require_packages(path)
     if path.is_file():
+        if native.would_load():  # built for this machine: its walk of the vocabulary's lengths
+            native.extension()
         contents = read_gguf(path)
         family = family_from(
             contents.metadata.get("general.architecture"), path, "gguf", contents.metadata
@@ -451,7 +453,7 @@ def load_gguf(
         ValueError: an unknown ``weight``.
     """
     path = Path(path)
-    if native.would_load():  # built for this machine: its kernels read Q5_0 (loaded later anyway)
+    if native.would_load():  # built for this machine: its kernels read the header and blocks
         native.extension()
     contents = _read_gguf_once(path)
     family, config = gguf_config(contents)
