@@ -115,3 +115,21 @@ def test_a_read_ahead_error_is_raised_where_the_tensor_is_asked_for(gguf_path):
     with pytest.raises(ModelFileError, match=r"'token_embd\.weight' holds"):
         ahead.tensor("token_embd.weight")
     ahead.wait()  # the error was the caller's to see; waiting again raises nothing
+
+
+def test_a_failed_build_leaves_no_read_ahead_running(gguf_path, monkeypatch, ext):
+    """The build fails before it asks for the tensor read ahead: the load's error is
+    raised, and the helper has finished by then."""
+    import threading
+
+    from attnlab.pretrained.errors import ModelFileError
+
+    monkeypatch.setattr(loaders.ReadAhead, "FROM_BYTES", 0)
+
+    def failing(*args, **kwargs):
+        raise ModelFileError(gguf_path, "tensors do not match the model")
+
+    monkeypatch.setattr(loaders, "build_model", failing)
+    with pytest.raises(ModelFileError, match="do not match"):
+        loaders.load_gguf(gguf_path)
+    assert not [t for t in threading.enumerate() if t.name == "attnlab-read-ahead"]

@@ -480,9 +480,10 @@ def load_gguf(
     except BaseException:
         with contextlib.suppress(BaseException):  # the weights' error is the one to name
             tokenizer.result()
-            if ahead is not None:
-                ahead.wait()
         raise
+    finally:
+        if ahead is not None:  # no helper outlives the load, asked for or not
+            ahead.wait()
     return model, tokenizer.result()
 
 
@@ -530,7 +531,8 @@ class ReadAhead:
         return self._contents.tensor(name)
 
     def wait(self) -> None:
-        """Let the helper finish (a failed build must not leave it running)."""
+        """Let the helper finish (a failed build, or one that never asked for the tensor,
+        must not leave it running); its error, if any, was the asker's to see."""
         with contextlib.suppress(BaseException):
             self._read.result()
 
