@@ -73,6 +73,45 @@ def test_without_sums_only_the_probabilities_are_written(ext):
     torch.testing.assert_close(t.double(), _probs(s, 5.0), rtol=2e-6, atol=0.0)
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_the_backward_passes_match_the_formulas(ext, causal):
+    """capped_grad_parts: p = exp(c tanh(s / c) - lse) against the row's lse and g = u (1 -
+    u) with u = sigmoid(2 s / c) (a quarter of 1 - tanh^2), a causal tile's hidden keys 0
+    in both, a row that saw nothing (lse = +inf) all 0; capped_grad_scores: ds = p (dp -
+    delta) g."""
+    c, tq = 30.0, 8
+    g0 = torch.Generator().manual_seed(5)
+    s = torch.randn(2, 2 * tq, 40, generator=g0, dtype=torch.float64) * 40
+    # a row's final lse: this tile's keys and (the random part) the row's other tiles
+    other = torch.rand(2, 2 * tq, 1, generator=g0, dtype=torch.float64) * 5
+    lse = torch.logaddexp((c * torch.tanh(s / c)).logsumexp(-1, keepdim=True), other)
+    lse[1, 3] = math.inf
+    t = _as_kernel_input(s, c)
+    l2 = ((lse + c) * LOG2E).float()
+    g = torch.full_like(t, float("nan"))
+    ext.capped_grad_parts(t, l2, g, c, tq, causal)
+    want_p = torch.exp(c * torch.tanh(s / c) - lse)
+    u = torch.sigmoid(2 * s / c)
+    want_g = u * (1 - u)
+    if causal:
+        hidden = torch.arange(40)[None, :] > (torch.arange(2 * tq) % tq)[:, None]
+        want_p, want_g = want_p.masked_fill(hidden, 0.0), want_g.masked_fill(hidden, 0.0)
+    torch.testing.assert_close(t.double(), want_p, rtol=2e-5, atol=1e-30)
+    torch.testing.assert_close(g.double(), want_g, rtol=2e-5, atol=1e-12)
+    assert bool((t[1, 3] == 0).all())
+    dp = torch.randn(t.shape, generator=g0)
+    delta = torch.randn(2, 2 * tq, generator=g0)
+    want_ds = t.double() * (dp.double() - delta.double()[..., None]) * g.double()
+    ext.capped_grad_scores(t, dp, delta, g)
+    torch.testing.assert_close(t.double(), want_ds, rtol=1e-6, atol=1e-30)
+    with pytest.raises(RuntimeError, match="g must have the scores' shape"):
+        ext.capped_grad_parts(t, l2, g[:, :, :5].contiguous(), c, tq, causal)
+    with pytest.raises(RuntimeError, match="l must be a contiguous float32 tensor of 32"):
+        ext.capped_grad_parts(t, l2[:1], g, c, tq, causal)
+    with pytest.raises(RuntimeError, match="delta must be"):
+        ext.capped_grad_scores(t, dp, delta[:1], g)
+
+
 def test_bad_inputs_are_refused_naming_what_is_wrong(ext):
     t = torch.zeros(4, 16)
     with pytest.raises(RuntimeError, match="tensor of rows"):
@@ -92,8 +131,9 @@ def test_bad_inputs_are_refused_naming_what_is_wrong(ext):
 @pytest.mark.parametrize("mask", ["causal", "window"])
 def test_blockwise_soft_cap_takes_the_pass_and_matches_the_reference(ext, monkeypatch, mask):
     """Full, causal and partial (window) tiles of soft-capped blockwise attention through
-    the compiled pass (every tile: partial ones without sums, then masked), against the
-    float64 reference; outputs and lse."""
+    the compiled pass (every tile: partial ones without sums, then masked), and back
+    through the compiled backward passes, against the float64 reference: outputs, lse and
+    gradients."""
     calls: list[bool] = []
     real = ext.capped_probs
 
@@ -109,12 +149,25 @@ def test_blockwise_soft_cap_takes_the_pass_and_matches_the_reference(ext, monkey
     k = torch.randn(1, G, T, 16, generator=g) * 2
     v = torch.randn(1, G, T, 16, generator=g)
     m = CausalMask() if mask == "causal" else SlidingWindowMask(20)
+    for t in (q, k, v):
+        t.requires_grad_()
     res = blockwise_attention(q, k, v, m, dropout_p=0.0, scale=0.5, softcap=30.0,
                               block_q=16, block_k=16, tile_path="pure")  # fmt: skip
     assert calls and (all(calls) if mask == "causal" else not all(calls))
-    ref, _ = reference_attention(q, k, v, mask=m.dense(T, T), scale=0.5, softcap=30.0)
-    torch.testing.assert_close(res.output.double(), ref, **tol(torch.float32))
-    kq = k.double().repeat_interleave(H // G, dim=1)
-    capped = 30.0 * torch.tanh(q.double() @ kq.transpose(-2, -1) * 0.5 / 30.0)
+    dout = torch.randn(res.output.shape, generator=g)
+    parts: list[bool] = []
+    real_parts = ext.capped_grad_parts
+    monkeypatch.setattr(ext, "capped_grad_parts", lambda *a: parts.append(True) or real_parts(*a))
+    res.output.backward(dout)
+    assert parts  # the backward took the compiled passes too
+    grads = [t.grad for t in (q, k, v)]
+    refs = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref_out, _ = reference_attention(*refs, mask=m.dense(T, T), scale=0.5, softcap=30.0)
+    ref_out.backward(dout.double())
+    for got, want in zip(grads, refs, strict=True):
+        torch.testing.assert_close(got.double(), want.grad, **tol(torch.float32))
+    torch.testing.assert_close(res.output.double(), ref_out.detach(), **tol(torch.float32))
+    kq = k.detach().double().repeat_interleave(H // G, dim=1)
+    capped = 30.0 * torch.tanh(q.detach().double() @ kq.transpose(-2, -1) * 0.5 / 30.0)
     lse = capped.masked_fill(~m.dense(T, T), -math.inf).logsumexp(-1)  # (1, H, T)
-    torch.testing.assert_close(res.lse.double(), lse, **tol(torch.float32))
+    torch.testing.assert_close(res.lse.detach().double(), lse, **tol(torch.float32))

@@ -85,6 +85,10 @@ struct Vec {
   static T round(T x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT); }
   static T scale2(T p, T n) { return _mm512_scalef_ps(p, n); }  // p 2^n, n integral
   static T rcp(T d) { return _mm512_rcp14_ps(d); }
+  // v where x >= lo, else 0
+  static T keep_from(T x, T lo, T v) {
+    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ), v);
+  }
   static float sum(T v) { return _mm512_reduce_add_ps(v); }
 };
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -109,6 +113,10 @@ struct Vec {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
   }
   static T rcp(T d) { return _mm256_rcp_ps(d); }
+  // v where x >= lo, else 0
+  static T keep_from(T x, T lo, T v) {
+    return _mm256_and_ps(_mm256_cmp_ps(x, lo, _CMP_GE_OQ), v);
+  }
   static float sum(T v) { return attnlab_simd::hsum(v); }
 };
 #endif
@@ -164,6 +172,72 @@ inline void capped_probs(float* s, int64_t n, int64_t cols, float* sums, float c
   }
 }
 
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+// The backward's p = 2^(K u - L) and g = u (1 - u) for W lanes of t (u = 1 / (1 + 2^t));
+// p is 0 where K u - L is below 2^-126's exponent (a row that saw nothing has L = inf).
+[[gnu::always_inline]] inline void capped_grad_vec(Vec::T t, Vec::T k2, Vec::T l, Vec::T* p,
+                                                   Vec::T* g) {
+  t = Vec::clamp(t, Vec::set1(-kClamp), Vec::set1(kClamp));
+  const Vec::T e = pow2_vec(t);
+  const Vec::T d = Vec::add(Vec::set1(1.f), e);
+  Vec::T u = Vec::rcp(d);
+  u = Vec::mul(u, Vec::fnma(d, u, Vec::set1(2.f)));
+  *g = Vec::mul(Vec::mul(e, u), u);  // u (1 - u) as 2^t u u: 1 - u = 2^t u, no cancellation
+  const Vec::T z = Vec::fma(k2, u, Vec::sub(Vec::zero(), l));  // K u - L, one rounding
+  *p = Vec::keep_from(z, Vec::set1(kLowest), pow2_vec(Vec::clamp(z, Vec::set1(kLowest), Vec::zero())));
+}
+#endif
+
+// One element of the backward's p and g, as the vector branches compute them.
+inline void capped_grad_one(float t, float k2, float l, float* p, float* g) {
+  t = t < -kClamp ? -kClamp : (t > kClamp ? kClamp : t);
+  const float e = pow2(t);
+  const float u = 1.f / (1.f + e);
+  *g = e * u * u;
+  const float z = k2 * u - l;
+  *p = z < kLowest ? 0.f : pow2(z > 0.f ? 0.f : z);
+}
+
+// The backward of a soft-capped tile, its element-wise first half: row r of s (n rows of
+// `cols`) holds t as the forward's did; it becomes p = exp(c tanh(s / c) - lse), the
+// tile's probabilities against the row's final log-sum-exp (l[r] = (lse + c) log2 e),
+// and g (the same shape) gets u (1 - u), a quarter of the soft-cap's derivative
+// 1 - tanh^2, computed as 2^t u^2 (1 - u = 2^t u): u - u^2 would lose g's digits to
+// cancellation where u is near 1. A causal tile's hidden keys get p = 0 and g = 0.
+inline void capped_grad_parts(float* s, const float* l, float* g, int64_t n, int64_t cols,
+                              float cap, int64_t tq, bool causal) {
+  const float k2 = 2.f * cap * 1.44269504088896341f;
+  for (int64_t r = 0; r < n; ++r) {
+    float* row = s + r * cols;
+    float* grow = g + r * cols;
+    const int64_t lim = causal ? std::min<int64_t>(cols, r % tq + 1) : cols;
+    int64_t j = 0;
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+    const Vec::T kv = Vec::set1(k2), lv = Vec::set1(l[r]);
+    for (; j + Vec::W <= lim; j += Vec::W) {
+      Vec::T p, gv;
+      capped_grad_vec(Vec::load(row + j), kv, lv, &p, &gv);
+      Vec::store(row + j, p);
+      Vec::store(grow + j, gv);
+    }
+#endif
+    for (; j < lim; ++j) capped_grad_one(row[j], k2, l[r], row + j, grow + j);
+    for (; j < cols; ++j) row[j] = grow[j] = 0.f;
+  }
+}
+
+// The second half: ds = p (dp - delta[r]) g, in place of p (rows of `cols`).
+inline void capped_grad_scores(float* p, const float* dp, const float* delta, const float* g,
+                               int64_t n, int64_t cols) {
+  for (int64_t r = 0; r < n; ++r) {
+    float* pr = p + r * cols;
+    const float* dr = dp + r * cols;
+    const float* gr = g + r * cols;
+    const float dl = delta[r];
+    for (int64_t j = 0; j < cols; ++j) pr[j] = pr[j] * (dr[j] - dl) * gr[j];
+  }
+}
+
 // The module's entry: scores (..., rows, cols) contiguous float32 in place; sums: None or
 // a contiguous float32 tensor of one value per row (rows of every leading index).
 inline void capped_probs_tensor(const at::Tensor& scores, const std::optional<at::Tensor>& sums,
@@ -185,6 +259,53 @@ inline void capped_probs_tensor(const at::Tensor& scores, const std::optional<at
     sp = sums->data_ptr<float>();
   }
   capped_probs(scores.data_ptr<float>(), n, cols, sp, static_cast<float>(cap), tq, causal);
+}
+
+namespace detail {
+inline void check_rows(const at::Tensor& t, const char* what, const char* name) {
+  TORCH_CHECK(t.dim() >= 2 && t.scalar_type() == at::kFloat && t.is_contiguous(), name, ": ",
+              what, " must be a contiguous float32 tensor of rows, got ", t.scalar_type(),
+              " of shape ", t.sizes());
+}
+inline void check_per_row(const at::Tensor& t, int64_t n, const char* what, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.numel() == n, name, ": ",
+              what, " must be a contiguous float32 tensor of ", n, " values (one a row), got ",
+              t.scalar_type(), " of shape ", t.sizes());
+}
+}  // namespace detail
+
+// The module's entries of the backward: scores in place (-> p), l one value a row, g the
+// scores' shape (written); then p in place (-> ds) from dp (p's shape), delta a row and g.
+inline void capped_grad_parts_tensor(const at::Tensor& scores, const at::Tensor& l,
+                                     const at::Tensor& g, double cap, int64_t tq, bool causal) {
+  const char* name = "capped_grad_parts";
+  detail::check_rows(scores, "scores", name);
+  detail::check_rows(g, "g", name);
+  TORCH_CHECK(g.sizes() == scores.sizes(), name, ": g must have the scores' shape ",
+              scores.sizes(), ", got ", g.sizes());
+  TORCH_CHECK(cap > 0, name, ": the cap must be positive, got ", cap);
+  const int64_t cols = scores.size(-1), n = cols == 0 ? 0 : scores.numel() / cols;
+  detail::check_per_row(l, n, "l", name);
+  TORCH_CHECK(!causal || (tq > 0 && scores.size(-2) % tq == 0), name,
+              ": a causal tile's rows must be whole stacks of tq = ", tq, " rows, got ",
+              scores.size(-2));
+  capped_grad_parts(scores.data_ptr<float>(), l.data_ptr<float>(), g.data_ptr<float>(), n, cols,
+                    static_cast<float>(cap), tq, causal);
+}
+
+inline void capped_grad_scores_tensor(const at::Tensor& p, const at::Tensor& dp,
+                                      const at::Tensor& delta, const at::Tensor& g) {
+  const char* name = "capped_grad_scores";
+  detail::check_rows(p, "p", name);
+  for (const at::Tensor* t : {&dp, &g}) {
+    detail::check_rows(*t, "dp and g", name);
+    TORCH_CHECK(t->sizes() == p.sizes(), name, ": dp and g must have p's shape ", p.sizes(),
+                ", got ", t->sizes());
+  }
+  const int64_t cols = p.size(-1), n = cols == 0 ? 0 : p.numel() / cols;
+  detail::check_per_row(delta, n, "delta", name);
+  capped_grad_scores(p.data_ptr<float>(), dp.data_ptr<float>(), delta.data_ptr<float>(),
+                     g.data_ptr<float>(), n, cols);
 }
 
 }  // namespace attnlab_capped

@@ -488,6 +488,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x = -2 s / cap become exp(-2 cap sigmoid(x)), 0 above a causal tile's diagonal "
         "(column > row % tq); each row's sum is added into sums when given",
         py::arg("scores"), py::arg("sums"), py::arg("cap"), py::arg("tq"), py::arg("causal"));
+  m.def("capped_grad_parts", &attnlab_capped::capped_grad_parts_tensor,
+        py::call_guard<py::gil_scoped_release>(),
+        "a soft-capped tile's backward, first half: scores holding t (as capped_probs reads "
+        "them) become p = 2^(K u - l) with u = 1 / (1 + 2^t), K = 2 cap log2 e, l a row's "
+        "(lse + cap) log2 e; g gets u (1 - u); a causal tile's hidden keys 0",
+        py::arg("scores"), py::arg("l"), py::arg("g"), py::arg("cap"), py::arg("tq"),
+        py::arg("causal"));
+  m.def("capped_grad_scores", &attnlab_capped::capped_grad_scores_tensor,
+        py::call_guard<py::gil_scoped_release>(),
+        "ds = p (dp - delta) g in place of p, delta one value a row",
+        py::arg("p"), py::arg("dp"), py::arg("delta"), py::arg("g"));
   m.def("string_run", &attnlab_gguf::string_run, py::call_guard<py::gil_scoped_release>(),
         "(end, lengths) of a GGUF run of count strings at pos of buf (1-D uint8); end -1 "
         "where one runs past the end", py::arg("buf"), py::arg("pos"), py::arg("count"));

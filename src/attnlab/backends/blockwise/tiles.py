@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -314,14 +315,23 @@ def tile_backward(
     B, _, tq, D = q.shape
     Gs, tk = k.shape[1], k.shape[2]
     cd = compute_dtype(q.dtype)
+    biased = tile.blk is not None and tile.blk.bias is not None
+    # A soft-cap without a bias takes the compiled passes where they are loaded
+    # (native/capped.h): q then carries -2 log2(e) / c, as in capped_row_block.
+    ext = native.loaded() if softcap is not None and not biased and cd == torch.float32 else None
     # With a soft-cap, q carries 2 / c too: s is then 2 s / c, the sigmoid's argument.
     q_scale = scale if softcap is None else 2.0 * scale / softcap
+    if ext is not None:
+        q_scale *= -_LOG2E
     qg = _gqa(q.to(cd) * q_scale, Gs)  # (B, Gs, R*tq, D)
     dog = _gqa(dout.to(cd), Gs)  # (B, Gs, R*tq, Dv)
     kc, vc = k.to(cd), v.to(cd)
     s = _mm(qg, kc.transpose(-2, -1), ws, "s")  # (B, Gs, R*tq, tk)
+    if ext is not None:
+        assert softcap is not None
+        dv, ds = _capped_backward(ext, s, dog, vc, lse, delta, tile, softcap, h0, ws)
+        return (*_input_grads(ds, kc, qg, scale, 4.0, q_scale, ws, (B, Hs, tq, D)), dv)
     sig = None
-    biased = tile.blk is not None and tile.blk.bias is not None
     if softcap is not None:  # as the forward: c tanh(s / c) + c; keep the sigmoid
         sig = s.sigmoid_()
         lse = lse + softcap
@@ -349,8 +359,55 @@ def tile_backward(
     if sig is not None:  # d(c tanh(x / c))/dx = 1 - tanh^2 = 4 sig (1 - sig): the 4 below
         ds.mul_(sig.addcmul_(sig, sig, value=-1.0))
         chain = 4.0
+    return (*_input_grads(ds, kc, qg, scale, chain, q_scale, ws, (B, Hs, tq, D)), dv)
+
+
+def _input_grads(
+    ds: torch.Tensor,
+    kc: torch.Tensor,
+    qg: torch.Tensor,
+    scale: float,
+    chain: float,
+    q_scale: float,
+    ws: Scratch | None,
+    q_shape: tuple[int, ...],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dq, dk)`` from a tile's dS (before the factor ``chain`` of a soft-cap's
+    derivative and the score's ``scale``), the keys, and the queries as multiplied
+    (``qg`` carries ``q_scale``)."""
     dq = _mm(ds, kc, ws, "dq").mul_(scale * chain)  # (B, Gs, R*tq, D)
     dk = _mm(ds.transpose(-2, -1), qg, ws, "dk")  # (B, Gs, tk, D); qg carries q_scale
     if chain * scale != q_scale:
         dk.mul_(chain * scale / q_scale)
-    return dq.view(B, Hs, tq, D), dk, dv
+    return dq.view(q_shape), dk
+
+
+def _capped_backward(
+    ext: Any,
+    t: torch.Tensor,
+    dog: torch.Tensor,
+    vc: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    tile: Tile,
+    softcap: float,
+    h0: int,
+    ws: Scratch | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A soft-capped tile's ``(dv, dS)`` with the compiled passes: ``t`` (B, Gs, R*tq, tk)
+    holds ``-2 log2(e) s / c`` and becomes p (one pass, which also writes u (1 - u) for
+    the cap's derivative and zeroes a causal tile's hidden keys); then ``dS = p (dp -
+    delta) u (1 - u)`` in a second, in place of p. ``lse`` (B, Hs, tq): the rows' final
+    log-sum-exp, ``+inf`` for rows that see nothing."""
+    B, Gs, _, tk = t.shape
+    Hs, tq = lse.shape[1], lse.shape[2]
+    l2 = (_gqa(lse.unsqueeze(-1), Gs) + softcap).mul_(_LOG2E).contiguous()  # (B, Gs, rows, 1)
+    g = ws.take("g", tuple(t.shape), t) if ws is not None else torch.empty_like(t)
+    ext.capped_grad_parts(t, l2, g, softcap, tq, tile.kind == "causal")
+    p = t
+    if tile.kind not in ("full", "causal"):  # a partial tile's mask, on p
+        mask_scores(p.view(B, Hs, tq, tk), tile, h0, h0 + Hs, fill=0.0)
+    dv = _mm(p.transpose(-2, -1), dog, ws, "dv")  # (B, Gs, tk, Dv)
+    dp = _mm(dog, vc.transpose(-2, -1), ws, "dp")  # (B, Gs, R*tq, tk)
+    ext.capped_grad_scores(p, dp, _gqa(delta.unsqueeze(-1), Gs).contiguous(), g)
+    return dv, p
