@@ -293,6 +293,9 @@ def dequantize(data: np.ndarray, type_name: str, shape: tuple[int, ...]) -> torc
 
     Raises:
         NotImplementedError: for a type neither this module nor ``gguf`` can dequantise.
+        NonFiniteScalesError: (a ``ValueError``) the compiled kernels read the type and
+            some block's scale is inf or NaN (numpy's readings return such values, which
+            :meth:`GGUFContents.tensor` then refuses by name).
     """
     if type_name in ("F32", "F16"):
         raw = np.asarray(data).view(np.uint8)
