@@ -61,16 +61,8 @@ struct Scalar {
 };
 
 #if defined(__AVX512F__)
-struct Simd {
-  using T = __m512;
-  static constexpr int W = 16;
+struct Simd : attnlab_simd::F32x {
   static constexpr int kAccs = 16;  // of 32 registers
-  static T zero() { return _mm512_setzero_ps(); }
-  static T load(const float* p) { return _mm512_loadu_ps(p); }
-  static void store(float* p, T v) { _mm512_storeu_ps(p, v); }
-  static T set1(float x) { return _mm512_set1_ps(x); }
-  static T fma(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
-  static T mul(T a, T b) { return _mm512_mul_ps(a, b); }
   // Lane i of the result is the sum of v[i]'s 16 lanes. Four levels, each adding two
   // shuffles of a pair: 256-bit halves (16 -> 8 vectors, each two sources' 8 partials),
   // 128-bit quarters (-> 4, four sources' 4 partials), pairs (-> 2), single lanes (-> 1). The tree
@@ -97,16 +89,8 @@ struct Simd {
   }
 };
 #elif defined(__AVX2__) && defined(__FMA__)
-struct Simd {
-  using T = __m256;
-  static constexpr int W = 8;
+struct Simd : attnlab_simd::F32x {
   static constexpr int kAccs = 8;  // of 16 registers
-  static T zero() { return _mm256_setzero_ps(); }
-  static T load(const float* p) { return _mm256_loadu_ps(p); }
-  static void store(float* p, T v) { _mm256_storeu_ps(p, v); }
-  static T set1(float x) { return _mm256_set1_ps(x); }
-  static T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
-  static T mul(T a, T b) { return _mm256_mul_ps(a, b); }
   // Lane i of the result is the sum of v[i]'s 8 lanes: two rounds of pairwise sums within
   // 128-bit halves, then the halves added across.
   static T reduce(const T* v) {

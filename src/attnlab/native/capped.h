@@ -35,10 +35,6 @@
 #include <cstring>
 #include <optional>
 
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-#include <immintrin.h>
-#endif
-
 namespace attnlab_capped {
 
 constexpr float kClamp = 58.f;      // |t| beyond this: the sigmoid is 0 or 1 in float32
@@ -68,57 +64,8 @@ inline float capped_one(float t, float k2) {
   return pow2(z < kLowest ? kLowest : (z > 0.f ? 0.f : z));
 }
 
-#if defined(__AVX512F__)
-struct Vec {
-  using T = __m512;
-  static constexpr int W = 16;
-  static T load(const float* p) { return _mm512_loadu_ps(p); }
-  static void store(float* p, T v) { _mm512_storeu_ps(p, v); }
-  static T set1(float x) { return _mm512_set1_ps(x); }
-  static T zero() { return _mm512_setzero_ps(); }
-  static T add(T a, T b) { return _mm512_add_ps(a, b); }
-  static T sub(T a, T b) { return _mm512_sub_ps(a, b); }
-  static T fma(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
-  static T fnma(T a, T b, T c) { return _mm512_fnmadd_ps(a, b, c); }
-  static T mul(T a, T b) { return _mm512_mul_ps(a, b); }
-  static T clamp(T x, T lo, T hi) { return _mm512_min_ps(_mm512_max_ps(x, lo), hi); }
-  static T round(T x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT); }
-  static T scale2(T p, T n) { return _mm512_scalef_ps(p, n); }  // p 2^n, n integral
-  static T rcp(T d) { return _mm512_rcp14_ps(d); }
-  // v where x >= lo, else 0
-  static T keep_from(T x, T lo, T v) {
-    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ), v);
-  }
-  static float sum(T v) { return _mm512_reduce_add_ps(v); }
-};
-#elif defined(__AVX2__) && defined(__FMA__)
-struct Vec {
-  using T = __m256;
-  static constexpr int W = 8;
-  static T load(const float* p) { return _mm256_loadu_ps(p); }
-  static void store(float* p, T v) { _mm256_storeu_ps(p, v); }
-  static T set1(float x) { return _mm256_set1_ps(x); }
-  static T zero() { return _mm256_setzero_ps(); }
-  static T add(T a, T b) { return _mm256_add_ps(a, b); }
-  static T sub(T a, T b) { return _mm256_sub_ps(a, b); }
-  static T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
-  static T fnma(T a, T b, T c) { return _mm256_fnmadd_ps(a, b, c); }
-  static T mul(T a, T b) { return _mm256_mul_ps(a, b); }
-  static T clamp(T x, T lo, T hi) { return _mm256_min_ps(_mm256_max_ps(x, lo), hi); }
-  static T round(T x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-  // p 2^n for integral n in [-126, 127] (the callers clamp their arguments to that range)
-  static T scale2(T p, T n) {
-    const __m256i bits = _mm256_slli_epi32(
-        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-  }
-  static T rcp(T d) { return _mm256_rcp_ps(d); }
-  // v where x >= lo, else 0
-  static T keep_from(T x, T lo, T v) {
-    return _mm256_and_ps(_mm256_cmp_ps(x, lo, _CMP_GE_OQ), v);
-  }
-  static float sum(T v) { return attnlab_simd::hsum(v); }
-};
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+using Vec = attnlab_simd::F32x;
 #endif
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))

@@ -163,3 +163,65 @@ inline void sum_groups(int64_t G, Block&& block, float* out) {
 
 }  // namespace attnlab_simd
 #endif
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+namespace attnlab_simd {
+
+// This build's float32 vector (AVX-512: 16 lanes; AVX2 with FMA: 8) and the operations the
+// kernels take on it, one copy: attend.h's Simd adds its transposing sum, capped.h uses it
+// as it is. Builds with neither (the plain branch) have none; their kernels loop over floats.
+#if defined(__AVX512F__)
+struct F32x {
+  using T = __m512;
+  static constexpr int W = 16;
+  static T zero() { return _mm512_setzero_ps(); }
+  static T load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, T v) { _mm512_storeu_ps(p, v); }
+  static T set1(float x) { return _mm512_set1_ps(x); }
+  static T add(T a, T b) { return _mm512_add_ps(a, b); }
+  static T sub(T a, T b) { return _mm512_sub_ps(a, b); }
+  static T mul(T a, T b) { return _mm512_mul_ps(a, b); }
+  static T fma(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
+  static T fnma(T a, T b, T c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a b
+  static T clamp(T x, T lo, T hi) { return _mm512_min_ps(_mm512_max_ps(x, lo), hi); }
+  static T round(T x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT); }
+  static T scale2(T p, T n) { return _mm512_scalef_ps(p, n); }  // p 2^n, n integral
+  static T rcp(T d) { return _mm512_rcp14_ps(d); }               // 1 / d within 2^-14
+  // v where x >= lo, else 0
+  static T keep_from(T x, T lo, T v) {
+    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ), v);
+  }
+  static float sum(T v) { return _mm512_reduce_add_ps(v); }
+};
+#else
+struct F32x {
+  using T = __m256;
+  static constexpr int W = 8;
+  static T zero() { return _mm256_setzero_ps(); }
+  static T load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, T v) { _mm256_storeu_ps(p, v); }
+  static T set1(float x) { return _mm256_set1_ps(x); }
+  static T add(T a, T b) { return _mm256_add_ps(a, b); }
+  static T sub(T a, T b) { return _mm256_sub_ps(a, b); }
+  static T mul(T a, T b) { return _mm256_mul_ps(a, b); }
+  static T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
+  static T fnma(T a, T b, T c) { return _mm256_fnmadd_ps(a, b, c); }  // c - a b
+  static T clamp(T x, T lo, T hi) { return _mm256_min_ps(_mm256_max_ps(x, lo), hi); }
+  static T round(T x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  // p 2^n for integral n in [-126, 127] (the callers clamp their arguments to that range)
+  static T scale2(T p, T n) {
+    const __m256i bits = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+  }
+  static T rcp(T d) { return _mm256_rcp_ps(d); }  // 1 / d within 1.5 2^-12
+  // v where x >= lo, else 0
+  static T keep_from(T x, T lo, T v) {
+    return _mm256_and_ps(_mm256_cmp_ps(x, lo, _CMP_GE_OQ), v);
+  }
+  static float sum(T v) { return hsum(v); }
+};
+#endif
+
+}  // namespace attnlab_simd
+#endif
