@@ -49,6 +49,28 @@ def test_a_weight_products_forward_never_builds(fresh):
     assert native.loaded() is None
 
 
+def test_load_built_loads_a_build_and_never_starts_one(fresh, monkeypatch, tmp_path):
+    """What a soft-capped call and a GGUF header's read take: nothing without a build for
+    this machine (and no build started), the build when one is there."""
+    assert native.load_built() is None and fresh == []
+    assert native.load_built() is None and fresh == []  # asked again: still no build
+    module = types.ModuleType("attnlab_native_stand_in")
+    folder = native.build_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "attnlab_native_stand_in.so").write_bytes(b"")  # a build is there
+    loads: list[int] = []
+
+    def load():
+        loads.append(1)
+        return module
+
+    monkeypatch.setattr(native, "_build", load)  # what extension() calls to load it
+    monkeypatch.setattr(native, "_tables_differ", lambda m: None)  # a stand-in's tables
+    assert native.would_load()
+    assert native.load_built() is module and native.loaded() is module
+    assert native.load_built() is module and loads == [1]  # loaded once
+
+
 def test_a_failure_stands_for_the_same_toolchain_and_is_retried_for_another(fresh, monkeypatch):
     assert native.extension() is None and fresh == [1]
     log = native.build_dir() / "failed.log"

@@ -47,6 +47,7 @@ __all__ = [
     "STEP_ACTIVATIONS",
     "build_dir",
     "extension",
+    "load_built",
     "loaded",
     "march",
     "retry_hint",
@@ -384,6 +385,14 @@ def would_load() -> bool:
         return False
     folder = build_dir()
     return not (folder / "failed.log").is_file() and any(folder.glob("attnlab_native_*.so"))
+
+
+def load_built() -> ModuleType | None:
+    """The compiled module where this process has it or a build for this machine exists
+    (then loaded, never built: milliseconds), else None. For work that is faster with the
+    kernels but must not wait tens of seconds for a build (a file's header, a soft-capped
+    attention call)."""
+    return extension() if would_load() else loaded()
 
 
 def _has_ninja_module() -> bool:

@@ -56,10 +56,18 @@ inline float pow2(float t) {
   return p * scale;
 }
 
+// u = 1 / (1 + 2^t) of t clamped to [-kClamp, kClamp], and e = 2^t: what the forward's
+// and the backward's elements start from.
+inline float capped_u(float t, float* e) {
+  t = t < -kClamp ? -kClamp : (t > kClamp ? kClamp : t);
+  *e = pow2(t);
+  return 1.f / (1.f + *e);
+}
+
 // One element: p from t, as the vector branches compute it (k2 = K).
 inline float capped_one(float t, float k2) {
-  t = t < -kClamp ? -kClamp : (t > kClamp ? kClamp : t);
-  const float u = 1.f / (1.f + pow2(t));
+  float e;
+  const float u = capped_u(t, &e);
   const float z = k2 * u - k2;
   return pow2(z < kLowest ? kLowest : (z > 0.f ? 0.f : z));
 }
@@ -78,12 +86,18 @@ using Vec = attnlab_simd::F32x;
   return Vec::scale2(p, n);
 }
 
+// capped_u on W lanes: 1 / (1 + 2^t) as a reciprocal estimate and one Newton step.
+[[gnu::always_inline]] inline Vec::T capped_u_vec(Vec::T t, Vec::T* e) {
+  *e = pow2_vec(Vec::clamp(t, Vec::set1(-kClamp), Vec::set1(kClamp)));
+  const Vec::T d = Vec::add(Vec::set1(1.f), *e);  // in [1, 1 + 2^58]
+  const Vec::T u = Vec::rcp(d);
+  return Vec::mul(u, Vec::fnma(d, u, Vec::set1(2.f)));  // u (2 - d u)
+}
+
 // p for W lanes of t (k2 = K on every lane).
 [[gnu::always_inline]] inline Vec::T capped_vec(Vec::T t, Vec::T k2) {
-  t = Vec::clamp(t, Vec::set1(-kClamp), Vec::set1(kClamp));
-  const Vec::T d = Vec::add(Vec::set1(1.f), pow2_vec(t));  // in [1, 1 + 2^58]
-  Vec::T u = Vec::rcp(d);
-  u = Vec::mul(u, Vec::fnma(d, u, Vec::set1(2.f)));  // one Newton step: u (2 - d u)
+  Vec::T e;
+  const Vec::T u = capped_u_vec(t, &e);
   const Vec::T z = Vec::fma(k2, u, Vec::sub(Vec::zero(), k2));  // K u - K, one rounding
   return pow2_vec(Vec::clamp(z, Vec::set1(kLowest), Vec::zero()));
 }
@@ -124,11 +138,8 @@ inline void capped_probs(float* s, int64_t n, int64_t cols, float* sums, float c
 // p is 0 where K u - L is below 2^-126's exponent (a row that saw nothing has L = inf).
 [[gnu::always_inline]] inline void capped_grad_vec(Vec::T t, Vec::T k2, Vec::T l, Vec::T* p,
                                                    Vec::T* g) {
-  t = Vec::clamp(t, Vec::set1(-kClamp), Vec::set1(kClamp));
-  const Vec::T e = pow2_vec(t);
-  const Vec::T d = Vec::add(Vec::set1(1.f), e);
-  Vec::T u = Vec::rcp(d);
-  u = Vec::mul(u, Vec::fnma(d, u, Vec::set1(2.f)));
+  Vec::T e;
+  const Vec::T u = capped_u_vec(t, &e);
   *g = Vec::mul(Vec::mul(e, u), u);  // u (1 - u) as 2^t u u: 1 - u = 2^t u, no cancellation
   const Vec::T z = Vec::fma(k2, u, Vec::sub(Vec::zero(), l));  // K u - L, one rounding
   *p = Vec::keep_from(z, Vec::set1(kLowest), pow2_vec(Vec::clamp(z, Vec::set1(kLowest), Vec::zero())));
@@ -137,9 +148,8 @@ inline void capped_probs(float* s, int64_t n, int64_t cols, float* sums, float c
 
 // One element of the backward's p and g, as the vector branches compute them.
 inline void capped_grad_one(float t, float k2, float l, float* p, float* g) {
-  t = t < -kClamp ? -kClamp : (t > kClamp ? kClamp : t);
-  const float e = pow2(t);
-  const float u = 1.f / (1.f + e);
+  float e;
+  const float u = capped_u(t, &e);
   *g = e * u * u;
   const float z = k2 * u - l;
   *p = z < kLowest ? 0.f : pow2(z > 0.f ? 0.f : z);

@@ -330,8 +330,7 @@ def model_family(path: str | Path) -> Family:
     path = Path(path)
     require_packages(path)
     if path.is_file():
-        if native.would_load():  # built for this machine: its walk of the vocabulary's lengths
-            native.extension()
+        native.load_built()  # if built: its walk of the vocabulary's lengths
         contents = read_gguf(path)
         family = family_from(
             contents.metadata.get("general.architecture"), path, "gguf", contents.metadata
@@ -453,8 +452,7 @@ def load_gguf(
         ValueError: an unknown ``weight``.
     """
     path = Path(path)
-    if native.would_load():  # built for this machine: its kernels read the header and blocks
-        native.extension()
+    native.load_built()  # if built: its kernels read the header and the blocks
     contents = _read_gguf_once(path)
     family, config = gguf_config(contents)
     names = gguf_weight_names(contents, family)

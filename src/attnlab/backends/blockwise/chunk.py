@@ -124,8 +124,8 @@ def forward(
     # Soft-capped scores are bounded: pure tiles then need no running maximum.
     bounded = path == "pure" and (geo.mask is None or not geo.mask.has_bias)
     cap = softcap if bounded else None
-    if cap is not None and cd == torch.float32 and native.would_load():
-        native.extension()  # built already: its one-pass capped probabilities (tiles.py)
+    if cap is not None and cd == torch.float32:
+        native.load_built()  # its one-pass capped probabilities (tiles.py), if built
 
     def row_block(rb: RowBlock, ga: int, gb: int, first_key: int, ws: Scratch) -> None:
         """Rows of ``rb``, key heads ``ga:gb``, their full tiles from key ``first_key``."""

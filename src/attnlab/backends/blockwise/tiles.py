@@ -249,14 +249,16 @@ def capped_row_block(
         tile = resolve(lazy, rb, geo)
         k, v = key[:, :, tile.c0 : tile.c1].to(cd), value[:, :, tile.c0 : tile.c1].to(cd)
         p = _mm(qs, k.transpose(-2, -1), ws, "s")  # (B, Gs, R*tq, tk)
-        summed = tile.kind in ("full", "causal")
-        if ext is not None:  # one pass: p, a causal tile's triangle zeroed, l += its sums
-            ext.capped_probs(p, l if summed else None, softcap, tq, tile.kind == "causal")
+        # the compiled pass masks and sums full and causal tiles itself; a partial tile's
+        # mask, and PyTorch's passes, come after
+        whole = ext is not None and tile.kind in ("full", "causal")
+        if ext is not None:
+            ext.capped_probs(p, l if whole else None, softcap, tq, tile.kind == "causal")
         else:
             p.sigmoid_().mul_(-2.0 * softcap * _LOG2E).exp2_()
-        if tile.kind != "full" and (ext is None or not summed):
-            mask_scores(p.view(B, Hs, tq, -1), tile, h0, h0 + Hs, fill=0.0)
-        if ext is None or not summed:
+        if not whole:
+            if tile.kind != "full":
+                mask_scores(p.view(B, Hs, tq, -1), tile, h0, h0 + Hs, fill=0.0)
             l.add_(p.sum(dim=-1, keepdim=True))
         # acc += p @ v, the sum inside the product (B, Gs, R*tq, Dv)
         acc3.baddbmm_(p.view(B * Gs, rows, -1), v.reshape(B * Gs, -1, Dv))
