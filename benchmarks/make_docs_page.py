@@ -201,7 +201,9 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
         ax.set_xscale("log")
         lo, hi = min(*ratios, 1.0) / 1.15, max(*ratios, 1.0) * 1.15
         ax.set_xlim(lo, hi)
-        ticks = [t for t in (0.1, 0.2, 0.5, 0.8, 1, 1.25, 2, 5, 10, 20) if lo <= t <= hi]
+        # 0.8x and 1.25x only on a short axis: on a wide one they crowd into the 1x label
+        near = (0.8, 1.25) if hi / lo < 8 else ()
+        ticks = [t for t in (0.1, 0.2, 0.5, *near, 1, 2, 5, 10, 20) if lo <= t <= hi]
         ax.set_xticks(ticks, [f"{t:g}x" for t in ticks])
         ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_yticks(list(y), names, fontsize=7)
@@ -216,7 +218,7 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
         ax.tick_params(axis="x", labelsize=7)
     axes[-1].set_xlabel("ratio value / peer (green: attnlab side better, orange: peer better)")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")  # the longest labels and titles whole
     plt.close(fig)
 
 
