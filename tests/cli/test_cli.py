@@ -121,30 +121,100 @@ def test_version_and_help(capsys):
     assert code == 0 and "walkthrough" in out
 
 
-def test_the_program_spares_its_exit_the_collector_a_caller_keeps_it(capsys, monkeypatch):
+def test_the_program_spares_its_exit_the_teardown_a_caller_keeps_it(capsys, monkeypatch):
     """As the program (``argv`` None: ``sys.argv``), :func:`main` freezes the collector's
-    objects before the command (what the imports made is never walked again) and once
-    the command has ended and its output is flushed, so that Python's exit does not walk
-    them; called with arguments (in a test, in a notebook) it leaves the caller's
-    collector alone. The program still exits with the command's status."""
+    objects before the command (what the imports made is never walked again) and, once
+    the command has ended, leaves by :func:`_leave_quickly` with the command's status;
+    called with arguments (in a test, in a notebook) it does neither and raises
+    SystemExit as before."""
     import gc
     import sys
 
     from attnlab.cli import main
 
+    app_module = sys.modules["attnlab.cli.app"]
     frozen: list[str] = []
+    left: list[tuple[int, str]] = []
     monkeypatch.setattr(gc, "freeze", lambda: frozen.append(capsys.readouterr().out))
+    monkeypatch.setattr(
+        app_module, "_leave_quickly", lambda s: left.append((s, capsys.readouterr().out))
+    )
     with pytest.raises(SystemExit) as exc:
         main(["--version"])
-    assert exc.value.code == 0 and frozen == []
+    assert exc.value.code == 0 and frozen == [] and left == []
     capsys.readouterr()
     for args, status in ((["--version"], 0), (["generate", "Hi"], 2)):
         monkeypatch.setattr(sys, "argv", ["attnlab", *args])
-        with pytest.raises(SystemExit) as exc:
+        with pytest.raises(SystemExit) as exc:  # where the real one has ended the process
             main()
         assert exc.value.code == status
-    assert len(frozen) == 4 and frozen[0] == ""  # before the command: nothing printed yet
-    assert frozen[1].startswith("attnlab ")  # after the output
+    assert frozen == [""] * 2  # before each command: nothing printed yet
+    assert left[0][0] == 0 and left[0][1].startswith("attnlab ")  # after the output
+    assert left[1] == (2, "")
+
+
+_LEAVING = r"""
+import atexit, sys, threading, time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from attnlab.cli.app import main  # imported first: the threads outlive the command
+out = Path(sys.argv[1])
+def late_thread():
+    time.sleep(0.5)
+    (out / "thread").write_text("done")
+def pooled():
+    time.sleep(0.5)
+    (out / "pool").write_text("done")
+threading.Thread(target=late_thread).start()
+ThreadPoolExecutor(1).submit(pooled)
+atexit.register(lambda: (out / "atexit").write_text(sys.stdout.write("from atexit") and "ran"))
+sys.stdout.write("no newline yet ")
+sys.argv = ["attnlab", *sys.argv[2:]]
+main()
+"""
+
+
+@pytest.mark.parametrize(("args", "status"), [(["--version"], 0), (["generate", "Hi"], 2)])
+def test_leaving_quickly_loses_nothing_a_thread_or_exit_handler_holds(tmp_path, args, status):
+    """The program's quick exit (``os._exit`` after Python's own first steps) still lets a
+    running thread and a thread pool's work finish, runs the atexit handlers, flushes
+    what was written without a newline, and exits with the command's status."""
+    import os
+    import subprocess
+    import sys
+
+    from cli_runner import SRC
+
+    env = {**os.environ, "PYTHONPATH": str(SRC) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    run = subprocess.run(
+        [sys.executable, "-c", _LEAVING, str(tmp_path), *args],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == status, run.stderr[-2000:]
+    assert run.stdout.startswith("no newline yet ") and run.stdout.endswith("from atexit")
+    if status == 0:
+        assert "attnlab " in run.stdout
+    else:
+        assert "error" in run.stderr.lower() and "Traceback" not in run.stderr
+    for name in ("thread", "pool", "atexit"):
+        assert (tmp_path / name).read_text() in ("done", "ran"), name
+
+
+def test_a_command_parses_its_options_without_pydantic():
+    """The options are parsed by typer as pinned (below 0.29, which coerces every option
+    through pydantic: 0.045 s more on every command); a command imports no pydantic."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\nfrom attnlab.cli import main\n"
+        "try:\n    main(['generate', '--dtype', 'int4', '-n', '3', 'Hi'])\n"
+        "except SystemExit as e:\n    assert e.code == 2, e.code\n"
+        "print('pydantic' in sys.modules)"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip().splitlines()[-1] == "False"
 
 
 def test_importing_attnlab_leaves_the_collector_as_it_was():

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import gc
+import os
 import sys
+import threading
 from typing import Annotated, Any
 
 import typer
@@ -53,7 +56,7 @@ def main(argv: list[str] | None = None) -> None:
             collector's objects before the command (``gc.freeze``: what the imports
             made, held off the collector while they ran, is never walked by its passes
             during the load; about 0.05 s of a model's first token) and, once the
-            command has ended, leaves Python's exit-time garbage collection out
+            command has ended, leaves Python's teardown of the interpreter out
             (:func:`_leave_quickly`).
     """
     if argv is None:
@@ -73,24 +76,43 @@ def main(argv: list[str] | None = None) -> None:
     except aborts:
         output.error("aborted")
         code = 130
+    status = code if isinstance(code, int) else 0
     if argv is None:
-        _leave_quickly()
-    raise SystemExit(code if isinstance(code, int) else 0)
+        _leave_quickly(status)
+    raise SystemExit(status)
 
 
-def _leave_quickly() -> None:
-    """Spare the program's exit the collector's passes over every object alive now.
-
-    Python's shutdown runs the cyclic garbage collector over all live objects, several
-    times while it clears the modules: with torch imported that is 165k objects and
-    0.4-0.6 s after the command's last line (``python -c "import torch"`` spends as long
-    exiting as importing beyond its first second). ``gc.freeze`` moves them to the
-    generation no collection visits; their memory goes back to the system with the
-    process, and atexit handlers still run (the output streams are flushed first). Only the
-    program does it: a caller of :func:`main` in its own process (the tests) keeps its
-    collector whole.
-    """
+def _flush_output() -> None:
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):  # a closed pipe: nothing to say
             stream.flush()
+
+
+def _leave_quickly(status: int) -> None:
+    """End the program with ``status`` as Python's exit would, without its teardown.
+
+    Python's exit first waits for the threads that are not daemons (and the thread pools'
+    work), then runs the atexit handlers, then tears the interpreter down: the collector's
+    passes over every object (with torch imported 165k of them; ``gc.freeze`` before the
+    command spares it those) and the clearing of every module and object, 0.09-0.12 s after
+    a model's first token that the process's end gives back at once. This does the first
+    two steps as Python does them (``threading._shutdown``, ``atexit._run_exitfuncs``),
+    flushes the output streams, and ends the process (``os._exit``): nothing an exit
+    handler, a thread or a stream holds is lost; what is skipped is only freeing memory the
+    system takes back. Where this Python lacks either step, or this is not the main
+    thread, the exit is Python's own, with the collector's objects frozen. Only the
+    program does it: a caller of :func:`main` in its own process (the tests) keeps its
+    interpreter.
+    """
+    _flush_output()
     gc.freeze()
+    shutdown = getattr(threading, "_shutdown", None)
+    run_exit_handlers = getattr(atexit, "_run_exitfuncs", None)
+    if shutdown is None or run_exit_handlers is None:  # pragma: no cover - other Pythons
+        return
+    if threading.current_thread() is not threading.main_thread():
+        return
+    shutdown()
+    run_exit_handlers()
+    _flush_output()
+    os._exit(status)
