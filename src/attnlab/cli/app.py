@@ -97,12 +97,14 @@ def _leave_quickly(status: int) -> None:
     command spares it those) and the clearing of every module and object, 0.09-0.12 s after
     a model's first token that the process's end gives back at once. This does the first
     two steps as Python does them (``threading._shutdown``, ``atexit._run_exitfuncs``),
-    flushes the output streams, and ends the process (``os._exit``): nothing an exit
-    handler, a thread or a stream holds is lost; what is skipped is only freeing memory the
-    system takes back. Where this Python lacks either step, or this is not the main
-    thread, the exit is Python's own, with the collector's objects frozen. Only the
-    program does it: a caller of :func:`main` in its own process (the tests) keeps its
-    interpreter.
+    flushes the standard streams, and ends the process (``os._exit``): nothing an exit
+    handler, a thread or the output holds is lost, and what is skipped is freeing memory
+    the system takes back. (A file left open and unflushed, which the teardown would
+    have flushed, would lose its buffer: the commands write their files in ``with``
+    blocks.) Where
+    this Python lacks either step, or this is not the main thread, the exit is Python's
+    own, with the collector's objects frozen. Only the program does it: a caller of
+    :func:`main` in its own process (the tests) keeps its interpreter.
     """
     _flush_output()
     gc.freeze()
