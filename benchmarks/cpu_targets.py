@@ -4,7 +4,7 @@ build's, where it runs), the first token against `import torch`, and the attenti
 variants on blockwise.
 
     python benchmarks/cpu_targets.py              # this machine's CPU
-    python benchmarks/cpu_targets.py --cpu EPYC   # a CPU whose records are here
+    python benchmarks/cpu_targets.py --cpu "EPYC (AVX-512 with BF16)"   # another CPU
     python benchmarks/cpu_targets.py --list       # the CPUs that have records
 
 Each line is one target: the record it is read from (benchmark and config), the figure,
