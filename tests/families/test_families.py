@@ -168,6 +168,22 @@ def test_decoder_cached_decoding_equals_the_full_pass(checkpoints, family, stati
     torch.testing.assert_close(torch.cat([first, *steps], dim=1), full, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["growing", "static"])
+@pytest.mark.parametrize("family", sorted(DECODERS))
+def test_decoder_prompt_in_chunks_equals_the_full_pass(checkpoints, family, static):
+    """A prompt fed through the cache a few positions at a time (chunks longer and shorter
+    than mistral's window of 5) gives the logits of one pass over it."""
+    model, tok = load_pretrained(checkpoints[family][0], backend="math")
+    ids = _prompt(tok)
+    T = ids.shape[1]
+    with torch.no_grad():
+        full = model(ids)
+        cache = model.new_kv_cache(max_len=T) if static else model.new_kv_cache()
+        cuts = [0, 3, 10, 11, 13, T]
+        parts = [model(ids[:, a:b], kv_cache=cache) for a, b in zip(cuts, cuts[1:], strict=False)]
+    torch.testing.assert_close(torch.cat(parts, dim=1), full, atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("family", sorted(DECODERS))
 def test_decoder_trace_model_gives_the_model_attention(checkpoints, family):
     model, tok = load_pretrained(checkpoints[family][0])

@@ -311,6 +311,21 @@ def test_cached_decoding_equals_the_full_pass(checkpoints, name, static):
     torch.testing.assert_close(torch.cat([first, *steps], dim=1), full, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["growing", "static"])
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_prompt_in_chunks_equals_the_full_pass(checkpoints, name, static):
+    """A prompt fed through the cache a few positions at a time (chunks that cross
+    llama4's attention chunks and the sliding windows) gives the logits of one pass."""
+    model, _ = load_pretrained(checkpoints[name], backend="math")
+    ids = _ids(20, seed=2)
+    with torch.no_grad():
+        full = model(ids)
+        cache = model.new_kv_cache(max_len=ids.shape[1]) if static else model.new_kv_cache()
+        cuts = [0, 3, 10, 11, 13, 20]
+        parts = [model(ids[:, a:b], kv_cache=cache) for a, b in zip(cuts, cuts[1:], strict=False)]
+    torch.testing.assert_close(torch.cat(parts, dim=1), full, atol=1e-5, rtol=0)
+
+
 def test_llama4_layers(checkpoints):
     """Rotary layers: chunks and the L2 QK-norm; NoPE layers: global, temperature tuned."""
     model, _ = load_pretrained(checkpoints["llama4_text"])
