@@ -196,8 +196,8 @@ def test_leaving_quickly_loses_nothing_a_thread_or_exit_handler_holds(tmp_path, 
         assert "attnlab " in run.stdout
     else:
         assert "error" in run.stderr.lower() and "Traceback" not in run.stderr
-    for name in ("thread", "pool", "atexit"):
-        assert (tmp_path / name).read_text() in ("done", "ran"), name
+    for name, text in (("thread", "done"), ("pool", "done"), ("atexit", "ran")):
+        assert (tmp_path / name).read_text() == text, name
 
 
 def test_a_command_parses_its_options_without_pydantic():
