@@ -25,6 +25,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+#: How a figure's note gives the median of its per-round ratios (:meth:`PairResult.ratio_note`).
+MEDIAN_NOTE = "median of the per-round ratios"
+
 
 def _machine_busy_s() -> float | None:
     """Busy CPU seconds of the whole machine since boot (all cores), or None off Linux."""
@@ -69,6 +72,12 @@ class PairResult:
         """(median, lowest, highest) of the per-pair ratios :meth:`ratios`."""
         r = self.ratios(slow, fast)
         return statistics.median(r), r[0], r[-1]
+
+    def ratio_note(self, slow: str, fast: str) -> str:
+        """:meth:`ratio` as a figure's note, e.g. ``"median of the per-round ratios 1.35x
+        (1.30-1.39)"`` (:data:`MEDIAN_NOTE`; ``benchmarks/cpu_targets.py`` reads it back)."""
+        median, low, high = self.ratio(slow, fast)
+        return f"{MEDIAN_NOTE} {median:.2f}x ({low:.2f}-{high:.2f})"
 
     def quietness(self) -> str:
         """e.g. ``"quiet pairs 4/6, others used 0.05-1.30 cores (loadavg 0.8)"``."""

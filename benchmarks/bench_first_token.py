@@ -96,7 +96,6 @@ def main() -> None:
         }
         for dtype in ("int4", "float32"):
             for label, (suffix, peer) in floors.items():
-                median, low, high = result.ratio(dtype, label)
                 rec.add(
                     f"first token, --dtype {dtype}{suffix}",
                     result.best[dtype],
@@ -104,7 +103,7 @@ def main() -> None:
                     peer=peer,
                     peer_value=result.best[label],
                     better="lower",
-                    note=f"median of the per-round ratios {median:.2f}x ({low:.2f}-{high:.2f})",
+                    note=result.ratio_note(dtype, label),
                 )
         rec.note(result.quietness())
         for label, times in result.times.items():

@@ -17,6 +17,7 @@ target is not met or has no record.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 from collections.abc import Iterable
@@ -25,10 +26,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 sys.path[:0] = [str(Path(__file__).resolve().parent)]
+from _quiet import MEDIAN_NOTE  # noqa: E402
 from _records import cpu_of, latest, load_records, machine  # noqa: E402
 
 MODELS = ("smollm2-135m-instruct", "gemma3-270m")
-_MEDIAN = re.compile(r"median of the per-round ratios ([0-9.]+)x")
+_MEDIAN = re.compile(re.escape(MEDIAN_NOTE) + r" ([0-9.]+)x")
 
 
 @dataclass(frozen=True)
@@ -41,8 +43,9 @@ class Target:
         figure: the figure's name in the record.
         bound: the limit the figure must reach.
         sense: ``"at least"`` or ``"at most"``.
-        of: ``"ratio"`` (to the figure's peer, or the median of the per-round ratios
-            where the record gives one) or ``"value"`` (the figure itself).
+        of: ``"ratio"`` (to the figure's peer), ``"median"`` (of the per-round ratios,
+            from the figure's note: :data:`_quiet.MEDIAN_NOTE`) or ``"value"`` (the figure
+            itself).
         command: the command that writes the record.
     """
 
@@ -51,7 +54,7 @@ class Target:
     figure: str
     bound: float
     sense: Literal["at least", "at most"]
-    of: Literal["ratio", "value"]
+    of: Literal["ratio", "median", "value"]
     command: str
 
     def reading(self, record: dict[str, Any]) -> float | None:
@@ -61,9 +64,9 @@ class Target:
                 continue
             if self.of == "value":
                 return float(fig["value"])
-            median = _MEDIAN.search(fig.get("note") or "")
-            if median:
-                return float(median.group(1))
+            if self.of == "median":
+                median = _MEDIAN.search(fig.get("note") or "")
+                return None if median is None else float(median.group(1))
             return None if fig.get("ratio") is None else float(fig["ratio"])
         return None
 
@@ -97,7 +100,7 @@ def targets() -> list[Target]:
         for dtype in ("float32", "int4"):
             out.append(
                 Target("bench_first_token", m, f"first token, --dtype {dtype}", 1.5,
-                       "at most", "ratio", first)
+                       "at most", "median", first)
             )  # fmt: skip
     variants = "python benchmarks/bench_attention.py --variants --reps 3"
     for name, bound in (("alibi", 1.3), ("relbias", 1.3), ("softcap", 1.3)):
@@ -140,7 +143,7 @@ def check(records: Iterable[dict[str, Any]], cpu: str) -> list[Check]:
 
 def _line(c: Check) -> str:
     t = c.target
-    unit = "x" if t.of == "ratio" else ""
+    unit = "" if t.of == "value" else "x"
     head = f"{c.status:8} {t.benchmark} {t.config}: {t.figure} {t.sense} {t.bound:g}{unit}"
     if c.record is None or c.reading is None:
         return f"{head}\n         run: {t.command}"
@@ -177,4 +180,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    try:
+        status = main()
+    except BrokenPipeError:  # read through `| head`: what was wanted has been printed
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        status = 0
+    raise SystemExit(status)
