@@ -140,6 +140,20 @@ class KVCache:
         return self._k[:, :, : self._len], self._v[:, :, : self._len]
 
 
+def check_cache_dtype(dtype: object) -> torch.dtype | None:
+    """A cache's storage dtype as asked for: None (the keys' own) or a floating dtype.
+
+    Raises:
+        ValueError: anything else, named.
+    """
+    if dtype is None or (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        return dtype
+    raise ValueError(
+        f"a cache's `dtype` must be None (the keys' own) or a floating torch.dtype such as "
+        f"torch.float16, got {dtype!r}"
+    )
+
+
 class StaticKVCache(KVCache):
     """A :class:`KVCache` whose buffers are allocated once, for ``max_len`` positions.
 
@@ -148,22 +162,63 @@ class StaticKVCache(KVCache):
     as the window slides, keeps its memory flat. Filling it past ``max_len`` is an error
     (it does not grow). Inference only: keys that require grad are refused.
 
+    With ``dtype`` (e.g. ``torch.float16``, what llama.cpp's cache holds) the buffers hold
+    the keys and values in that dtype, each rounded once as it is written: half the
+    memory of float32 and half the bytes a decode step at depth reads. What the cache
+    returns is then in the keys' own dtype again (copies, where the buffers are views),
+    so the attention after it runs as before on the values held; the compiled decode step
+    reads a float16 cache as it is.
+
     Args:
         max_len: positions the cache holds.
+        dtype: the buffers' dtype; None (the default) for the keys' own.
 
     Raises:
-        ValueError: ``max_len`` not a positive int.
+        ValueError: ``max_len`` not a positive int, ``dtype`` not a floating dtype.
 
     Shape:
-        - update(key ``(B, G, T, D)``, value ``(B, G, T, Dv)``) returns views of all keys
-          ``(B, G, S, D)`` and values ``(B, G, S, Dv)`` so far, S = seq_len <= max_len.
+        - update(key ``(B, G, T, D)``, value ``(B, G, T, Dv)``) returns all keys
+          ``(B, G, S, D)`` and values ``(B, G, S, Dv)`` so far, S = seq_len <= max_len
+          (views of the buffers when they hold the keys' dtype).
     """
 
-    def __init__(self, max_len: int) -> None:
+    def __init__(self, max_len: int, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
             raise ValueError(f"`max_len` must be a positive int, got {max_len!r}")
         self.max_len = max_len
+        self.dtype = check_cache_dtype(dtype)
+        self._key_dtype: torch.dtype | None = None  # the keys' dtype, from the first update
+
+    def _put(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """``dst`` (part of a buffer) = ``src``, each value rounded to the buffers' dtype.
+
+        Raises:
+            ValueError: a finite value the buffers' dtype holds only as infinity (a key or
+                value beyond float16's 65504): refused, not kept as inf.
+        """
+        dst.copy_(src)
+        if dst.dtype != src.dtype and bool((dst.isinf() & src.isfinite()).any()):
+            big = src[dst.isinf() & src.isfinite()].abs().max().item()
+            raise ValueError(
+                f"a key or value of {big:.4g} is beyond what this cache's {dst.dtype} holds; "
+                "create the cache without `dtype` (model.kv_cache_dtype = None)"
+            )
+
+    def _as_keys(self, t: torch.Tensor) -> torch.Tensor:
+        """Held keys or values in the keys' dtype: ``t`` itself where the buffers hold it."""
+        kd = self._key_dtype
+        return t if kd is None or t.dtype == kd else t.to(kd)
+
+    def cached(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """All cached keys ``(B, G, S, D)`` and values ``(B, G, S, Dv)`` in the keys' dtype,
+        without adding any.
+
+        Raises:
+            ValueError: the cache is empty.
+        """
+        k, v = super().cached()
+        return self._as_keys(k), self._as_keys(v)
 
     def reset(self) -> None:
         """Forget everything cached; keep the buffers."""
@@ -189,17 +244,19 @@ class StaticKVCache(KVCache):
         B, G, n, D = key.shape
         k, v = self._k, self._v
         if k is None or v is None:
-            k = self._k = key.new_empty(B, G, self.max_len, D)
-            v = self._v = value.new_empty(B, G, self.max_len, value.shape[3])
+            held = self.dtype or key.dtype
+            k = self._k = key.new_empty(B, G, self.max_len, D, dtype=held)
+            v = self._v = value.new_empty(B, G, self.max_len, value.shape[3], dtype=held)
+            self._key_dtype = key.dtype
         elif (B, G, D, value.shape[3], key.dtype) != (
             *k.shape[:2],
             k.shape[3],
             v.shape[3],
-            k.dtype,
+            self._key_dtype,
         ):
             raise ValueError(
                 f"`key`/`value` do not match the cache: (B, G, D, Dv, dtype) = "
-                f"{(*k.shape[:2], k.shape[3], v.shape[3], k.dtype)}, got "
+                f"{(*k.shape[:2], k.shape[3], v.shape[3], self._key_dtype)}, got "
                 f"{(B, G, D, value.shape[3], key.dtype)}; create a new cache"
             )
         need = self._len + n
@@ -208,14 +265,14 @@ class StaticKVCache(KVCache):
                 f"StaticKVCache holds {self.max_len} positions, {need} needed; create it "
                 f"with a larger max_len (model.new_kv_cache(max_len=...))"
             )
-        k[:, :, self._len : need] = key
-        v[:, :, self._len : need] = value
+        self._put(k[:, :, self._len : need], key)
+        self._put(v[:, :, self._len : need], value)
         self._len = need
-        return k[:, :, :need], v[:, :, :need]
+        return self._as_keys(k[:, :, :need]), self._as_keys(v[:, :, :need])
 
     def append(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`update` with one position, ``key`` (B, G, D) and ``value`` (B, G, Dv);
-        ``value`` is converted to the cache's dtype (``key``'s for a new cache).
+        ``value`` is converted to the keys' dtype (``key``'s for a new cache).
 
         The fast decode step's: once the buffers exist, two copies and two views, where
         :meth:`update` spends a dozen tensor operations on one position. Anything else
@@ -227,16 +284,16 @@ class StaticKVCache(KVCache):
             k is None
             or v is None
             or n >= self.max_len
-            or key.dtype != k.dtype
+            or key.dtype != self._key_dtype
             or key.shape != (k.shape[0], k.shape[1], k.shape[3])
             or value.shape != (v.shape[0], v.shape[1], v.shape[3])
         ):
-            value = value.to(key.dtype if v is None else v.dtype)
+            value = value.to(key.dtype if v is None else self._key_dtype)
             return self.update(key.unsqueeze(2), value.unsqueeze(2))
-        k.select(2, n).copy_(key)
-        v.select(2, n).copy_(value)
+        self._put(k.select(2, n), key)
+        self._put(v.select(2, n), value)
         self._len = n + 1
-        return k.narrow(2, 0, n + 1), v.narrow(2, 0, n + 1)
+        return self._as_keys(k.narrow(2, 0, n + 1)), self._as_keys(v.narrow(2, 0, n + 1))
 
     def next_slot(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The buffers, (B, G, max_len, D) keys and (B, G, max_len, Dv) values, when a
@@ -296,14 +353,15 @@ class StaticWindowKVCache(_WindowCache, StaticKVCache):
 
     Args:
         window: the layer's sliding window (keys a query sees, itself included), >= 1.
+        dtype: the buffers' dtype; None for the keys' own (as :class:`StaticKVCache`).
 
     Raises:
         ValueError: ``window`` not a positive int.
     """
 
-    def __init__(self, window: int) -> None:
+    def __init__(self, window: int, dtype: torch.dtype | None = None) -> None:
         self._start_window(window)
-        super().__init__(window)  # StaticKVCache's: buffers of `window` slots
+        super().__init__(window, dtype)  # StaticKVCache's: buffers of `window` slots
 
     def _in_order(self, keep: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The last ``keep`` (<= :attr:`cached_len`) positions held, oldest first."""
@@ -327,7 +385,8 @@ class StaticWindowKVCache(_WindowCache, StaticKVCache):
         """
         if self._k is None or self._v is None:
             raise ValueError("the cache is empty; update() it first")
-        return self._in_order(self._len)
+        k, v = self._in_order(self._len)
+        return self._as_keys(k), self._as_keys(v)
 
     def update(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Return the last ``window - 1`` held keys/values in position order followed by the
@@ -344,20 +403,23 @@ class StaticWindowKVCache(_WindowCache, StaticKVCache):
             )
         self._check(key, value)
         B, G, n, D = key.shape
-        if self._k is not None and key.dtype != self._k.dtype:
+        if self._k is not None and key.dtype != self._key_dtype:
             raise ValueError(
-                f"`key` is {key.dtype} but the cache holds {self._k.dtype}; create a new cache"
+                f"`key` is {key.dtype} but the cache holds {self._key_dtype} keys; create a "
+                "new cache"
             )
         held = min(self._len, self.window - 1)
         if held:
             hk, hv = self._in_order(held)
-            k_all = torch.cat([hk, key], dim=2)  # (B, G, held + n, D)
-            v_all = torch.cat([hv, value.to(hv.dtype)], dim=2)
+            k_all = torch.cat([self._as_keys(hk), key], dim=2)  # (B, G, held + n, D)
+            v_all = torch.cat([self._as_keys(hv), value.to(key.dtype)], dim=2)
         else:
             k_all, v_all = key, value
         if self._k is None or self._v is None:
-            self._k = key.new_empty(B, G, self.window, D)
-            self._v = value.new_empty(B, G, self.window, value.shape[3])
+            held_dtype = self.dtype or key.dtype
+            self._k = key.new_empty(B, G, self.window, D, dtype=held_dtype)
+            self._v = value.new_empty(B, G, self.window, value.shape[3], dtype=held_dtype)
+            self._key_dtype = key.dtype
         # The last min(n, window) new positions into their slots (at most two runs).
         m = min(n, self.window)
         first = self._seen + n - m
@@ -365,8 +427,8 @@ class StaticWindowKVCache(_WindowCache, StaticKVCache):
         slot, done = first % self.window, 0
         while done < m:
             run = min(m - done, self.window - slot)
-            self._k[:, :, slot : slot + run] = src_k[:, :, done : done + run]
-            self._v[:, :, slot : slot + run] = src_v[:, :, done : done + run]
+            self._put(self._k[:, :, slot : slot + run], src_k[:, :, done : done + run])
+            self._put(self._v[:, :, slot : slot + run], src_v[:, :, done : done + run])
             done, slot = done + run, 0
         self._seen += n
         self._len = min(self._seen, self.window)
@@ -382,20 +444,21 @@ class StaticWindowKVCache(_WindowCache, StaticKVCache):
         if (
             k is None
             or v is None
-            or key.dtype != k.dtype
+            or key.dtype != self._key_dtype
             or key.shape != (k.shape[0], k.shape[1], k.shape[3])
             or value.shape != (v.shape[0], v.shape[1], v.shape[3])
         ):
-            value = value.to(key.dtype if v is None else v.dtype)
+            value = value.to(key.dtype if v is None else self._key_dtype)
             self.update(key.unsqueeze(2), value.unsqueeze(2))
             assert self._k is not None and self._v is not None
-            return self._k.narrow(2, 0, self._len), self._v.narrow(2, 0, self._len)
-        slot = self._seen % self.window
-        k.select(2, slot).copy_(key)
-        v.select(2, slot).copy_(value)
-        self._seen += 1
-        self._len = min(self._seen, self.window)
-        return k.narrow(2, 0, self._len), v.narrow(2, 0, self._len)
+            k, v = self._k, self._v
+        else:
+            slot = self._seen % self.window
+            self._put(k.select(2, slot), key)
+            self._put(v.select(2, slot), value)
+            self._seen += 1
+            self._len = min(self._seen, self.window)
+        return self._as_keys(k.narrow(2, 0, self._len)), self._as_keys(v.narrow(2, 0, self._len))
 
     def next_slot(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The buffers, (B, G, window, D) keys and (B, G, window, Dv) values, once they

@@ -123,6 +123,60 @@ def test_generate_from_a_path_runs_in_the_dtype_asked_for(
     assert expected in out.replace("\n", "") or expected.strip() in out
 
 
+@pytest.mark.parametrize(
+    ("dtype", "kv_cache", "held"),
+    [
+        ("int4", "auto", torch.float16),  # an integer precision: float16, as llama.cpp's
+        ("q8_0", "auto", torch.float16),
+        ("float32", "auto", None),  # float32 weights: the keys' own float32
+        ("bfloat16", "auto", None),
+        ("int4", "float32", None),
+        ("float32", "float16", torch.float16),
+    ],
+)
+def test_generate_kv_cache_sets_what_the_cache_holds(
+    q4_gguf, capsys, monkeypatch, dtype, kv_cache, held
+):
+    """`generate --kv-cache` is `load_pretrained`'s `kv_cache_dtype`: the model generates
+    into caches of that dtype, and its text is the library's model's."""
+    import attnlab.generation
+    from attnlab.generation import generate
+    from attnlab.pretrained import load_pretrained
+
+    seen = []
+    real_stream = attnlab.generation.generate_stream
+
+    def recording_stream(model, *args, **kwargs):
+        seen.append((model.kv_cache_dtype, [c.dtype for c in model.new_kv_cache(max_len=4)]))
+        return real_stream(model, *args, **kwargs)
+
+    monkeypatch.setattr(attnlab.generation, "generate_stream", recording_stream)
+    args = ("generate", "--model", str(q4_gguf), "--dtype", dtype, "--kv-cache", kv_cache)
+    code, out, err = run_main(capsys, *args, "The cat", "-n", "6")
+    assert code == 0, err
+    assert seen == [(held, [held] * LLAMA["num_hidden_layers"])]
+    model, tok = load_pretrained(q4_gguf, dtype=dtype, kv_cache_dtype=kv_cache)
+    assert model.kv_cache_dtype == held
+    ids = torch.tensor([tok.encode("The cat")])
+    expected = tok.decode(generate(model, ids, 6)[0].tolist())
+    assert expected in out.replace("\n", "") or expected.strip() in out
+
+
+def test_a_kv_cache_dtype_that_cannot_be_is_refused_by_name(files, q4_gguf, capsys):
+    from attnlab.pretrained import load_pretrained
+
+    code, _, err = run_main(capsys, "generate", "--model", str(q4_gguf), "--kv-cache", "fp8", "x")
+    assert code == 2 and "unknown --kv-cache 'fp8'; choose one of auto, float32, float16" in err
+    for bad in ("half", torch.bfloat16, torch.int8):
+        with pytest.raises(ValueError, match="`kv_cache_dtype` must be one of"):
+            load_pretrained(q4_gguf, kv_cache_dtype=bad)
+    # an encoder has no cache: asked for by name it is refused, "auto" leaves it alone
+    with pytest.raises(ValueError, match="no self-attention caches"):
+        load_pretrained(files[2], dtype="int4", kv_cache_dtype="float16")
+    encoder, _ = load_pretrained(files[2], dtype="int4")
+    assert not hasattr(encoder, "kv_cache_dtype")
+
+
 def test_info_model_loads_in_the_dtype_asked_for(files, capsys):
     for dtype, want in (("bf16", "bfloat16"), ("float16", "float16"), ("float32", "float32")):
         code, out, err = run_main(

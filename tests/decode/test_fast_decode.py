@@ -11,6 +11,7 @@ import torch
 from attnlab import quant
 from attnlab.attention import KVCache, RollingKVCache, StaticKVCache, StaticWindowKVCache
 from attnlab.generation import generate
+from attnlab.latent import MLAConfig
 from attnlab.models.decoder import Decoder, DecoderConfig
 from attnlab.models.fast_decode import why_not_fast_decode
 from attnlab.native import NATIVE_ENV
@@ -123,6 +124,99 @@ def test_window_cache_refuses_bad_input():
         ring.update(torch.zeros(1, 2, 1, 8, requires_grad=True), torch.zeros(1, 2, 1, 8))
     with pytest.raises(ValueError, match=r"holds torch\.float32"):
         ring.update(torch.zeros(1, 2, 1, 8, dtype=torch.bfloat16), torch.zeros(1, 2, 1, 8))
+
+
+def _half_rounded(*ts: torch.Tensor) -> list[torch.Tensor]:
+    return [t.half().float() for t in ts]
+
+
+def test_a_float16_cache_returns_what_a_float32_cache_of_the_rounded_values_returns():
+    """Each key and value is rounded once to float16 as it is written; what comes back is
+    float32 again: the float32 cache's answer on the rounded values, at half the bytes."""
+    g = torch.Generator().manual_seed(2)
+    half, full = StaticKVCache(12, torch.float16), StaticKVCache(12)
+    for n in (4, 1, 3):
+        k, v = torch.randn(2, 3, n, 8, generator=g), torch.randn(2, 3, n, 5, generator=g)
+        got, want = half.update(k, v), full.update(*_half_rounded(k, v))
+        for a, b in zip(got, want, strict=True):
+            assert a.dtype == torch.float32 and torch.equal(a, b)
+    k, v = torch.randn(2, 3, 8, generator=g), torch.randn(2, 3, 5, generator=g)
+    for a, b in zip(half.append(k, v), full.append(*_half_rounded(k, v)), strict=True):
+        assert a.dtype == torch.float32 and torch.equal(a, b)
+    for a, b in zip(half.cached(), full.cached(), strict=True):
+        assert torch.equal(a, b)
+    assert half._k.dtype == half._v.dtype == torch.float16
+    assert 2 * half.nbytes == full.nbytes == 2 * 3 * 12 * (8 + 5) * 4
+
+
+def test_a_float16_window_cache_returns_what_the_rolling_cache_of_the_rounded_values_does():
+    g = torch.Generator().manual_seed(3)
+    rolling, ring = RollingKVCache(4), StaticWindowKVCache(4, torch.float16)
+    for n in (3, 1, 6, 2):
+        k, v = torch.randn(1, 2, n, 8, generator=g), torch.randn(1, 2, n, 8, generator=g)
+        got = ring.update(k, v)
+        want = rolling.update(*_half_rounded(k, v))
+        # the new positions come back as given (this call's attention); the held ones rounded
+        held = min(rolling.seq_len - n, 3)
+        for a, b, new in zip(got, want, (k, v), strict=True):
+            assert a.dtype == torch.float32
+            assert torch.equal(a[:, :, :held], b[:, :, :held])
+            assert torch.equal(a[:, :, held:], new)
+    for _ in range(5):
+        k, v = torch.randn(1, 2, 8, generator=g), torch.randn(1, 2, 8, generator=g)
+        keys, _ = ring.append(k, v)
+        assert keys.dtype == torch.float32 and torch.equal(
+            keys[:, :, (ring.seq_len - 1) % 4], k.half().float()
+        )
+    assert ring._k.dtype == torch.float16 and ring.nbytes == 2 * 2 * 4 * 8 * 2
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_a_float16_cache_refuses_a_value_beyond_float16_rather_than_keep_infinity(window):
+    cache = (
+        StaticKVCache(8, torch.float16) if window is None else StaticWindowKVCache(4, torch.float16)
+    )
+    k = torch.ones(1, 2, 2, 8)
+    cache.update(k, k)
+    big = k[:, :, :1].clone()
+    big[0, 1, 0, 3] = 7e4  # float16 holds up to 65504
+    with pytest.raises(ValueError, match=r"7e\+04 is beyond what this cache's torch.float16 holds"):
+        cache.update(big, k[:, :, :1])
+    with pytest.raises(ValueError, match="beyond"):
+        cache.append(k[:, :, 0], big[:, :, 0])
+    # what was infinite or NaN already is kept as it is (the model's own result)
+    odd = k[:, :, :1].clone()
+    odd[0, 0, 0, :2] = torch.tensor([float("inf"), float("nan")])
+    keys, _ = StaticKVCache(4, torch.float16).update(odd, odd)
+    assert keys[0, 0, 0, 0] == float("inf") and keys[0, 0, 0, 1].isnan()
+
+
+def test_a_cache_dtype_must_be_a_floating_dtype():
+    for bad in ("float16", torch.int8, 16):
+        with pytest.raises(ValueError, match=r"floating torch\.dtype"):
+            StaticKVCache(4, bad)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match=r"floating torch\.dtype"):
+            StaticWindowKVCache(4, bad)  # type: ignore[arg-type]
+    model = _model()
+    with pytest.raises(ValueError, match=r"floating torch\.dtype"):
+        model.kv_cache_dtype = "half"
+
+
+def test_the_models_kv_cache_dtype_gives_its_static_caches_that_dtype():
+    model = _model(sliding_window=None, layer_windows=(4, None, 4))
+    assert model.kv_cache_dtype is None
+    model.kv_cache_dtype = torch.float16
+    caches = model.new_kv_cache(max_len=20)
+    assert [c.dtype for c in caches] == [torch.float16] * 3
+    # the growing caches (rolling ones for the window layers) hold the keys' own dtype
+    assert not any(isinstance(c, StaticKVCache) for c in model.new_kv_cache())
+    with torch.no_grad():
+        model(torch.tensor([[1, 2, 3]]), kv_cache=caches)
+    assert all(c._k.dtype == torch.float16 for c in caches)
+    latent = Decoder(dataclasses.replace(CONFIG, mla=MLAConfig(16, 8, 8, 8, None)))
+    latent.kv_cache_dtype = torch.float16
+    with pytest.raises(ValueError, match="latent attention caches"):
+        latent.new_kv_cache(max_len=8)
 
 
 def test_new_kv_cache_gives_a_window_layer_its_ring_when_the_window_is_shorter():

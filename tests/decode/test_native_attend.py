@@ -132,3 +132,35 @@ def test_attend_refuses_what_it_cannot_read(ext):
         ext.attend(q[:, :3], k, v, 0, 8, 1.0)
     with pytest.raises(RuntimeError, match="contiguous"):
         ext.attend(q, k.transpose(2, 3), v, 0, 8, 1.0)
+
+
+@pytest.mark.parametrize(("B", "H", "G", "D", "max_len", "s0", "S"), SHAPES)
+def test_a_float16_cache_is_read_as_the_float32_values_it_holds(ext, B, H, G, D, max_len, s0, S):
+    """Each float16 value is widened exactly as it is loaded and the math after is the
+    float32 one: within the float32 bound of the exact attention over the values held,
+    and, on the vector loops (a build with AVX2 or AVX-512, D a multiple of the vector
+    width), the same bits as float32 caches holding those values. The plain loops are
+    compiled once for each element type, and the compiler may fuse their products and
+    sums differently in the two."""
+    q, k, v = _inputs(B, H, G, D, max_len, seed=S + D + 1)
+    k16, v16 = k.half(), v.half()
+    got = ext.attend(q, k16, v16, s0, S, D**-0.5)
+    want = _check(ext, q, k16.float(), v16.float(), s0, S, D**-0.5)
+    err = (
+        got.double()
+        - reference_attention(
+            q[:, :, None], k16[:, :, s0:S].double(), v16[:, :, s0:S].double(), scale=D**-0.5
+        )[0][:, :, 0]
+    ).abs()
+    bound = _bound(q, k16.float(), v16.float(), s0, S, D**-0.5, ext.ATTEND_CHUNK)
+    assert (err / bound).max().item() <= 1.0
+    if ext.SIMD != "scalar" and D % 16 == 0:
+        assert torch.equal(got, want)
+
+
+def test_attend_refuses_keys_and_values_of_two_dtypes(ext):
+    q, k, v = _inputs(1, 4, 2, 32, 16, seed=0)
+    with pytest.raises(RuntimeError, match="both float32 or both float16"):
+        ext.attend(q, k.half(), v, 0, 8, 1.0)
+    with pytest.raises(RuntimeError, match="both float32 or both float16"):
+        ext.attend(q, k.bfloat16(), v.bfloat16(), 0, 8, 1.0)

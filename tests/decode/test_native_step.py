@@ -211,6 +211,56 @@ def test_float32_native_generation_is_the_full_recomputes(layout):
     assert not fast.is_inference()
 
 
+@pytest.mark.parametrize("layout", sorted(NATIVE_LAYOUTS))
+def test_a_float16_cache_gives_the_python_loops_logits_and_cache_step_by_step(layout):
+    """Both loops read the float16 values the cache holds and write the new position
+    rounded to float16. Their float32 keys and values may differ in a last bit, which now
+    and then rounds a new slot's value to the next float16 (a relative 2^-11), and the
+    layers after it see that: from identical caches the new slots agree within a few such
+    roundings, and the logits as far as they move them (a wrong read of the cache would
+    move them by tens of percent)."""
+    model, plan = _prepared(layout, "float32")
+    model.kv_cache_dtype = torch.float16
+    ids = torch.randint(0, CONFIG.vocab_size, (2, 14), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        caches = model.new_kv_cache(max_len=16)
+        model(ids[:, :3], kv_cache=caches)
+        for t in range(3, 13):  # past every window (4, 5)
+            python = _copy(caches)
+            a = plan.step(ids[:, t : t + 1], caches)
+            b = _python_step(plan, ids[:, t : t + 1], python)
+            assert ((a - b).norm() / b.norm()).item() < 1e-3, t
+            assert torch.equal(a[:, -1].argmax(-1), b[:, -1].argmax(-1))
+            for c, p in zip(caches, python, strict=True):
+                assert c._k.dtype == c._v.dtype == torch.float16
+                for got, want in ((c._k, p._k), (c._v, p._v)):
+                    g, w = got[:, :, _slot(c, t)].float(), want[:, :, _slot(p, t)].float()
+                    assert ((g - w).norm() / w.norm()).item() < 2e-3, t
+
+
+def test_generation_over_a_float16_cache_takes_the_native_step(monkeypatch):
+    model, _ = _prepared("gemma3-like", "int4")
+    model.kv_cache_dtype = torch.float16
+    calls = []
+    monkeypatch.setattr(
+        DecodePlan, "_step_short", lambda *a: calls.append(1) or pytest.fail("Python loop")
+    )
+    out = generate(model, torch.tensor([[3, 1, 4]]), 12)
+    assert out.shape == (1, 15) and not calls
+
+
+def test_the_native_step_refuses_a_key_beyond_float16_rather_than_keep_infinity():
+    model, plan = _prepared("llama", "float32")
+    model.kv_cache_dtype = torch.float16
+    with torch.no_grad():
+        caches = model.new_kv_cache(max_len=16)
+        model(torch.tensor([[1, 2, 3]]), kv_cache=caches)
+        # the step's fused Q/K/V product shares the layer's weights: keys of about 1e6
+        model.blocks[1].attention.W_key.weight.mul_(1e6)
+        with pytest.raises(RuntimeError, match=r"layer 1's new key or value is beyond float16"):
+            plan.step(torch.tensor([[4]]), caches)
+
+
 def test_native_step_refuses_what_it_cannot_call():
     # int8 layers whose width the int8 kernel gets wrong: no native product, Python loop
     torch.manual_seed(0)

@@ -8,7 +8,13 @@ from typing import Annotated, Any
 import typer
 
 from attnlab.cli.app import app
-from attnlab.cli.models import check_dtype, load_checkpoint_model, load_pretrained_model
+from attnlab.cli.models import (
+    KV_CACHE_HELP,
+    check_dtype,
+    check_kv_cache,
+    load_checkpoint_model,
+    load_pretrained_model,
+)
 from attnlab.cli.output import UserError, output, user_input
 from attnlab.quant import dtype_help
 
@@ -87,6 +93,7 @@ def generate(
         str,
         typer.Option(help=dtype_help()),
     ] = "float32",
+    kv_cache: Annotated[str, typer.Option("--kv-cache", help=KV_CACHE_HELP)] = "auto",
     max_new_tokens: Annotated[
         int, typer.Option("--max-new-tokens", "-n", help="Tokens to generate.")
     ] = 50,
@@ -109,9 +116,12 @@ def generate(
     if not prompt:
         raise UserError("the prompt is empty; give some text to continue")
     check_dtype(dtype)
+    check_kv_cache(kv_cache)
     echo: str | None = prompt
     if model is not None:
-        lm, tok, _ = load_pretrained_model(model, kind="causal-lm", backend=backend, dtype=dtype)
+        lm, tok, _ = load_pretrained_model(
+            model, kind="causal-lm", backend=backend, dtype=dtype, kv_cache=kv_cache
+        )
         text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
         ids = tok.encode(text)
         eos_id = tok.eos_id
@@ -122,11 +132,12 @@ def generate(
         if chat:
             raise UserError("--chat needs --model (a chat model); a GPT checkpoint has no template")
         assert checkpoint is not None  # exactly one of the two was given
-        from attnlab.pretrained.loaders import prepare_native
+        from attnlab.pretrained.loaders import prepare_native, set_kv_cache_dtype
         from attnlab.quant import quantize_model
 
         lm, tok, _ = load_checkpoint_model(checkpoint, backend)
         quantize_model(lm, dtype)
+        set_kv_cache_dtype(lm, kv_cache, dtype)
         prepare_native(lm)
         ids = tok.encode(prompt, allowed_special="all")
         eos_id = getattr(tok, "eot_token", None)  # GPT-2's <|endoftext|>; words have none

@@ -30,6 +30,22 @@ def check_dtype(dtype: str) -> None:
         raise UserError(f"unknown --dtype {dtype!r}; choose one of {', '.join(WEIGHT_DTYPES)}")
 
 
+#: ``--kv-cache``'s choices (``load_pretrained``'s ``kv_cache_dtype`` by name).
+KV_CACHE_CHOICES = ("auto", "float32", "float16")
+KV_CACHE_HELP = (
+    "What the key/value cache holds: auto (float16 for the integer --dtype precisions, "
+    "float32 otherwise), float32 or float16 (half the memory; what llama.cpp holds)."
+)
+
+
+def check_kv_cache(kv_cache: str) -> None:
+    """``--kv-cache`` must be one of :data:`KV_CACHE_CHOICES`."""
+    if kv_cache not in KV_CACHE_CHOICES:
+        raise UserError(
+            f"unknown --kv-cache {kv_cache!r}; choose one of {', '.join(KV_CACHE_CHOICES)}"
+        )
+
+
 def check_local_backend(backend: str) -> None:
     """``--backend`` must name a backend that runs in this one process."""
     local = [b for b in available_backends() if b != "ring"]
@@ -66,6 +82,7 @@ def load_pretrained_model(
     backend: str = "auto",
     dtype: Any = "float32",
     weights: bool = True,
+    kv_cache: str = "auto",
 ) -> tuple[Any, Any, str]:
     """The model ``--model NAME`` gives (a packaged name, a model directory, a GGUF file or
     a store name: ``org/name[@revision]`` in the Hugging Face cache, ``ollama:NAME[:TAG]``,
@@ -81,11 +98,14 @@ def load_pretrained_model(
             ``generate``, checked here) or a ``torch.dtype`` (``--dtype`` of ``info``).
         weights: False: the model's structure alone, on the meta device, and no tokenizer
             (:func:`attnlab.pretrained.load_structure`: no weight is read).
+        kv_cache: ``--kv-cache`` (:data:`KV_CACHE_CHOICES`), ``load_pretrained``'s
+            ``kv_cache_dtype``.
 
     Raises:
         UserError: an unknown name (the packaged names that fit are listed), a model of
             another kind, a broken model file (its ``ModelFileError``: the file and field),
-            a package that is missing (its ``pip install`` line), a bad backend or dtype.
+            a package that is missing (its ``pip install`` line), a bad backend, dtype or
+            cache dtype (or a float16 cache for a model whose caches cannot hold one).
     """
     from attnlab.pretrained import (
         PRETRAINED_MODELS,
@@ -99,6 +119,7 @@ def load_pretrained_model(
     check_local_backend(backend)
     if isinstance(dtype, str):
         check_dtype(dtype)
+    check_kv_cache(kv_cache)
     key = name.lower()
     packaged = key in PRETRAINED_MODELS
     fitting = sorted(n for n, (k, _) in PRETRAINED_MODELS.items() if kind in (None, k))
@@ -122,7 +143,11 @@ def load_pretrained_model(
                 )
             if weights:
                 model, tok = load_pretrained(
-                    key if packaged else name, backend=backend, dtype=dtype, announce=output.note
+                    key if packaged else name,
+                    backend=backend,
+                    dtype=dtype,
+                    kv_cache_dtype=kv_cache,
+                    announce=output.note,
                 )
             else:
                 model, tok = (

@@ -25,7 +25,13 @@ from typing import Any
 import torch
 
 from attnlab._threads import one_intra_op_thread
-from attnlab.attention import KVCache, StaticKVCache, StaticWindowKVCache, recording_attention
+from attnlab.attention import (
+    KVCache,
+    StaticKVCache,
+    StaticWindowKVCache,
+    check_cache_dtype,
+    recording_attention,
+)
 from attnlab.models._lm import editing_blocks
 from attnlab.models.decode.layout import why_not_fast_decode
 from attnlab.models.decode.plan import DecodePath, DecodePlan, hook_tables, module_hooks
@@ -71,19 +77,26 @@ def takes_fast_step(
 
 
 def new_caches(
-    n_layers: int, max_len: int | None, windows: Sequence[int | None] | None = None
+    n_layers: int,
+    max_len: int | None,
+    windows: Sequence[int | None] | None = None,
+    dtype: torch.dtype | None = None,
 ) -> list[KVCache]:
     """The causal-LM protocol's ``new_kv_cache(max_len)``: growing caches for None,
-    :class:`StaticKVCache` s of ``max_len`` positions (the fast step's) otherwise; a layer
-    whose sliding window (``windows``, one per layer) is under ``max_len`` gets a
-    :class:`StaticWindowKVCache` of its window's slots."""
+    :class:`StaticKVCache` s of ``max_len`` positions (the fast step's) otherwise, holding
+    ``dtype`` (None: the keys' own); a layer whose sliding window (``windows``, one per
+    layer) is under ``max_len`` gets a :class:`StaticWindowKVCache` of its window's slots.
+    The growing caches (for training and gradients) hold the keys' dtype whatever
+    ``dtype`` is."""
     if max_len is None:
         return [KVCache() for _ in range(n_layers)]
     caches: list[KVCache] = []
     for i in range(n_layers):
         window = windows[i] if windows is not None else None
         caches.append(
-            StaticWindowKVCache(window) if window and window < max_len else StaticKVCache(max_len)
+            StaticWindowKVCache(window, dtype)
+            if window and window < max_len
+            else StaticKVCache(max_len, dtype)
         )
     return caches
 
@@ -101,6 +114,23 @@ class FastDecoding:
     _decode_plan: DecodePlan | None = None
     #: ``share_float`` for a plan built without one asked for (:func:`defer_decode_plan`).
     _decode_share_float: bool = False
+    _kv_cache_dtype: torch.dtype | None = None
+
+    @property
+    def kv_cache_dtype(self) -> torch.dtype | None:
+        """What ``new_kv_cache(max_len=N)`` (and so generation) caches keys and values in:
+        None (the default) for the keys' own dtype (float32), or e.g. ``torch.float16``:
+        half the memory, and half the bytes a decode step at depth reads, each key and
+        value rounded once to float16 (:class:`attnlab.attention.StaticKVCache`).
+
+        Raises:
+            ValueError: set to something that is not None or a floating dtype.
+        """
+        return self._kv_cache_dtype
+
+    @kv_cache_dtype.setter
+    def kv_cache_dtype(self, dtype: torch.dtype | None) -> None:
+        self._kv_cache_dtype = check_cache_dtype(dtype)
 
     def invalidate_decode_plan(self) -> None:
         """Drop the plan: it holds the layers as they were; the next step builds it again."""

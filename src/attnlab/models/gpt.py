@@ -308,8 +308,9 @@ class GPTModel(nn.Module, FastDecoding):
     def new_kv_cache(self, max_len: int | None = None) -> list[KVCache]:
         """An empty KV cache, one per transformer block: growing :class:`KVCache` s, or
         with ``max_len`` :class:`attnlab.attention.StaticKVCache` s allocated once, over
-        which one new token takes the fast decode step (:mod:`attnlab.models.fast_decode`)."""
-        return new_caches(len(self.trf_blocks), max_len)
+        which one new token takes the fast decode step (:mod:`attnlab.models.fast_decode`),
+        holding :attr:`kv_cache_dtype`."""
+        return new_caches(len(self.trf_blocks), max_len, dtype=self.kv_cache_dtype)
 
     def prepare_decode(self, *, share_float: bool | None = None) -> DecodePlan:
         """Build (once) the fast one-token step (see ``Decoder.prepare_decode``)."""

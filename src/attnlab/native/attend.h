@@ -4,8 +4,11 @@
 // Shape legend: B batch, H query heads, G key/value heads (groups), Hg = H / G heads a
 // group, D head dim, S cache positions attended.
 //
-// At depth this is a stream over the cache (keys and values, float32): each group's keys
-// and values are read once for all the Hg query heads of the group. The positions are cut
+// At depth this is a stream over the cache (keys and values, float32 or float16: a cache
+// element type E, each value widened to float32 as it is loaded, so the math is the same
+// float32 math on the values the cache holds): each group's keys and values are read once
+// for all the Hg query heads of the group. A float16 cache is half the bytes to stream,
+// which is what a step at depth waits on. The positions are cut
 // into chunks of kChunk; each (row, group, chunk) is one piece of work giving, per head,
 // the chunk's largest score m, the sum l of exp(score - m) and the unnormalised sum
 // acc = sum exp(score - m) v. The pieces are merged as the blockwise (online) softmax does:
@@ -28,6 +31,7 @@
 #include "simd.h"
 
 #include <ATen/Parallel.h>
+#include <c10/util/Half.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -52,6 +56,7 @@ struct Scalar {
   static constexpr int kAccs = 16;  // accumulators the value pass may keep
   static T zero() { return 0.f; }
   static T load(const float* p) { return *p; }
+  static T load(const c10::Half* p) { return static_cast<float>(*p); }
   static void store(float* p, T v) { *p = v; }
   static T set1(float x) { return x; }
   static T fma(T a, T b, T c) { return a * b + c; }
@@ -63,6 +68,10 @@ struct Scalar {
 #if defined(__AVX512F__)
 struct Simd : attnlab_simd::F32x {
   static constexpr int kAccs = 16;  // of 32 registers
+  using F32x::load;
+  static T load(const c10::Half* p) {  // 16 float16 values widened
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
   // Lane i of the result is the sum of v[i]'s 16 lanes. Four levels, each adding two
   // shuffles of a pair: 256-bit halves (16 -> 8 vectors, each two sources' 8 partials),
   // 128-bit quarters (-> 4, four sources' 4 partials), pairs (-> 2), single lanes (-> 1). The tree
@@ -91,6 +100,16 @@ struct Simd : attnlab_simd::F32x {
 #elif defined(__AVX2__) && defined(__FMA__)
 struct Simd : attnlab_simd::F32x {
   static constexpr int kAccs = 8;  // of 16 registers
+  using F32x::load;
+  static T load(const c10::Half* p) {  // 8 float16 values widened
+#if defined(__F16C__)
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+    float t[W];
+    for (int i = 0; i < W; ++i) t[i] = static_cast<float>(p[i]);
+    return F32x::load(t);
+#endif
+  }
   // Lane i of the result is the sum of v[i]'s 8 lanes: two rounds of pairwise sums within
   // 128-bit halves, then the halves added across.
   static T reduce(const T* v) {
@@ -107,29 +126,31 @@ using Simd = Scalar;
 
 // Software prefetch, as far ahead as measured best on a shared 2-core EPYC (Zen 5) at
 // S = 4096: 15-45% less time than with the hardware prefetchers alone. Keys: kKeysAhead
-// blocks of W rows ahead of the block in use; values: kValuesAhead rows ahead.
+// blocks of W rows ahead of the block in use; values: kValuesAhead rows ahead. The same
+// rows ahead for a float16 cache (as many bytes ahead was no faster on a Xeon with AMX).
 constexpr int64_t kKeysAhead = 4;
 constexpr int64_t kValuesAhead = 16;
 
 // Prefetches the 64-byte lines of [p, end) into L1.
-inline void prefetch_span(const float* p, const float* end) {
+template <typename E>
+inline void prefetch_span(const E* p, const E* end) {
   const char* e = reinterpret_cast<const char*>(end);
   for (const char* c = reinterpret_cast<const char*>(p); c < e; c += 64)
     __builtin_prefetch(c, 0, 3);
 }
 
 // One chunk's scores: sc[j * ld + p] = scale q_j . k_p for the group's Hg heads j and the
-// chunk's n positions p; keys (n, D) rows. Writes whole vectors: up to n rounded up to W
-// (ld >= that), the extra lanes repeating the last position.
-template <class V>
-inline void chunk_scores(const float* q, int64_t Hg, int64_t D, const float* keys, int64_t n,
+// chunk's n positions p; keys (n, D) rows of E. Writes whole vectors: up to n rounded up to
+// W (ld >= that), the extra lanes repeating the last position.
+template <class V, typename E>
+inline void chunk_scores(const float* q, int64_t Hg, int64_t D, const E* keys, int64_t n,
                          float scale, float* sc, int64_t ld) {
   constexpr int W = V::W;
   const typename V::T vscale = V::set1(scale);
   for (int64_t p0 = 0; p0 < n; p0 += W) {
     const int64_t ahead = p0 + kKeysAhead * W;
     if (ahead < n) prefetch_span(keys + ahead * D, keys + std::min<int64_t>(ahead + W, n) * D);
-    const float* k[W];
+    const E* k[W];
     for (int i = 0; i < W; ++i) k[i] = keys + std::min<int64_t>(p0 + i, n - 1) * D;
     for (int64_t j = 0; j < Hg; ++j) {  // the block's keys stay in L1 across the heads
       const float* qj = q + j * D;
@@ -145,9 +166,9 @@ inline void chunk_scores(const float* q, int64_t Hg, int64_t D, const float* key
 }
 
 // acc[j * acc_ld + d] = sum_p w[j * ld + p] v_p[d] for NH heads j and the n positions'
-// values (n, D) rows, TV vectors of D at a time (TV divides D / W).
-template <class V, int NH, int TV>
-inline void chunk_values(const float* w, int64_t ld, const float* vals, int64_t n, int64_t D,
+// values (n, D) rows of E, TV vectors of D at a time (TV divides D / W).
+template <class V, int NH, int TV, typename E>
+inline void chunk_values(const float* w, int64_t ld, const E* vals, int64_t n, int64_t D,
                          float* acc, int64_t acc_ld) {
   constexpr int W = V::W;
   for (int64_t d0 = 0; d0 < D; d0 += TV * W) {
@@ -155,7 +176,7 @@ inline void chunk_values(const float* w, int64_t ld, const float* vals, int64_t 
     for (int h = 0; h < NH; ++h)
       for (int t = 0; t < TV; ++t) sum[h][t] = V::zero();
     for (int64_t p = 0; p < n; ++p) {
-      const float* v = vals + p * D + d0;
+      const E* v = vals + p * D + d0;
       if (p + kValuesAhead < n) prefetch_span(v + kValuesAhead * D, v + kValuesAhead * D + TV * W);
       typename V::T vv[TV];
       for (int t = 0; t < TV; ++t) vv[t] = V::load(v + t * W);
@@ -170,8 +191,8 @@ inline void chunk_values(const float* w, int64_t ld, const float* vals, int64_t 
 }
 
 // chunk_values for nh (1..4) heads with tv (1, 2 or 4) vectors of D at a time
-template <class V, int NH>
-inline void chunk_values_tv(int tv, const float* w, int64_t ld, const float* vals, int64_t n,
+template <class V, int NH, typename E>
+inline void chunk_values_tv(int tv, const float* w, int64_t ld, const E* vals, int64_t n,
                             int64_t D, float* acc, int64_t acc_ld) {
   if (tv == 4)
     chunk_values<V, NH, 4>(w, ld, vals, n, D, acc, acc_ld);
@@ -183,9 +204,9 @@ inline void chunk_values_tv(int tv, const float* w, int64_t ld, const float* val
 
 // One piece: the Hg heads of one group over n positions (keys, vals: (n, D) rows) into
 // part: per head j, part[j * (D + 2)] = m, [+1] = l, [+2 ..] = acc (see the top).
-template <class V>
-void chunk(const float* q, int64_t Hg, int64_t D, const float* keys, const float* vals,
-           int64_t n, float scale, float* sc, float* part) {
+template <class V, typename E>
+void chunk(const float* q, int64_t Hg, int64_t D, const E* keys, const E* vals, int64_t n,
+           float scale, float* sc, float* part) {
   constexpr int W = V::W;
   const int64_t ld = (n + W - 1) / W * W;
   chunk_scores<V>(q, Hg, D, keys, n, scale, sc, ld);
@@ -223,9 +244,10 @@ void chunk(const float* q, int64_t Hg, int64_t D, const float* keys, const float
 
 // o (B rows of o_ld, H D each) = softmax(scale q k^T) v of each head over the cache
 // positions [s0, S); q: B rows of q_ld, the H query vectors first; kc, vc: (B, G, max_len,
-// D); query head h reads group h / (H / G).
-inline void attend(const float* q, int64_t q_ld, const float* kc, const float* vc,
-                   int64_t max_len, int64_t B, int64_t H, int64_t G, int64_t D, int64_t s0,
+// D) of E (float or c10::Half); query head h reads group h / (H / G).
+template <typename E>
+inline void attend(const float* q, int64_t q_ld, const E* kc, const E* vc, int64_t max_len,
+                   int64_t B, int64_t H, int64_t G, int64_t D, int64_t s0,
                    int64_t S, float scale, float* o, int64_t o_ld) {
   const int64_t Hg = H / G, len = S - s0;
   if (len <= 0) {  // nothing to attend to: zeros (attnlab's rule for an empty row)
@@ -246,8 +268,8 @@ inline void attend(const float* q, int64_t q_ld, const float* kc, const float* v
       const int64_t c = i % chunks, rg = i / chunks, r = rg / G, g = rg % G;
       const int64_t a = s0 + c * kChunk, n = std::min(kChunk, S - a);
       const float* qg = q + r * q_ld + g * Hg * D;
-      const float* keys = kc + (rg * max_len + a) * D;
-      const float* vals = vc + (rg * max_len + a) * D;
+      const E* keys = kc + (rg * max_len + a) * D;
+      const E* vals = vc + (rg * max_len + a) * D;
       if (vector)
         chunk<Simd>(qg, Hg, D, keys, vals, n, scale, sc.data(), parts.data() + i * stride);
       else

@@ -190,6 +190,22 @@ void rotate(float* qk, int64_t vectors, int64_t D, const float* cs, const float*
   }
 }
 
+// n floats into a cache row as it holds them: false where a finite value became infinite
+// (a float16 cache and a value beyond its range; the caller refuses the step).
+inline bool write_row(const float* src, int64_t n, float* dst) {
+  std::copy_n(src, n, dst);
+  return true;
+}
+
+inline bool write_row(const float* src, int64_t n, c10::Half* dst) {
+  bool held = true;
+  for (int64_t i = 0; i < n; ++i) {
+    dst[i] = c10::Half(src[i]);
+    held &= (dst[i].x & 0x7C00) != 0x7C00 || !attnlab_simd::finite_bits(src[i]);
+  }
+  return held;
+}
+
 class Step {
  public:
   Step(int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t ffn)
@@ -225,7 +241,8 @@ class Step {
 
   // x: (B, C) float32 after the embedding; rotations: (cos, sin) at this position per
   // rotary embedding, float32 (D,) each, sin's first half negated; caches: keys and values
-  // of every layer, (B, G, max_len, D) float32 each, the new position at `pos` (or, in a
+  // of every layer, (B, G, max_len, D) float32 or float16 each (a layer's two alike), the
+  // new position at `pos` (or, in a
   // sliding-window layer's ring of `window` slots, at `pos % window`).
   at::Tensor run(const at::Tensor& x_in, int64_t pos,
                  const std::vector<std::tuple<at::Tensor, at::Tensor>>& rotations,
@@ -240,10 +257,13 @@ class Step {
       const at::Tensor& t = caches[i];
       const int64_t window = layers_[i / 2].window;
       TORCH_CHECK(t.dim() == 4 && t.size(0) == B && t.size(1) == G && t.size(3) == D &&
-                      t.scalar_type() == at::kFloat && t.is_contiguous() &&
-                      (pos < t.size(2) || (window > 0 && t.size(2) == window)),
+                      (t.scalar_type() == at::kFloat || t.scalar_type() == at::kHalf) &&
+                      t.is_contiguous() && (pos < t.size(2) || (window > 0 && t.size(2) == window)),
                   "native step: a cache is not a contiguous (", B, ", ", G, ", >", pos, ", ",
-                  D, ") float32 tensor, nor its layer's ring of ", window, " slots");
+                  D, ") float32 or float16 tensor, nor its layer's ring of ", window, " slots");
+      TORCH_CHECK(i % 2 == 0 || t.scalar_type() == caches[i - 1].scalar_type(),
+                  "native step: layer ", i / 2, "'s keys are ", caches[i - 1].scalar_type(),
+                  " and its values ", t.scalar_type());
     }
     for (const auto& r : rotations) {
       TORCH_CHECK(std::get<0>(r).numel() == D && std::get<1>(r).numel() == D,
@@ -255,8 +275,8 @@ class Step {
     Rows rows(B, C_, (H_ + G_) * D_, (H_ + 2 * G_) * D_, H_ * D_, F_);
     for (int64_t li = 0; li < L; ++li) {
       const Layer& l = layers_[li];
-      attention_block(l, x, B, pos, rotations.at(l.rope), caches[2 * li], caches[2 * li + 1],
-                      rows);
+      attention_block(li, l, x, B, pos, rotations.at(l.rope), caches[2 * li],
+                      caches[2 * li + 1], rows);
       mlp_block(l, x, B, rows);
     }
     return x_out;
@@ -277,7 +297,7 @@ class Step {
   // (attnlab.attention.StaticWindowKVCache): position p in slot p % window, and once it
   // has wrapped every slot is in the window (the keys carry their rotations, so the
   // slots' order does not matter to the softmax).
-  void attention_block(const Layer& l, float* x, int64_t B, int64_t pos,
+  void attention_block(int64_t li, const Layer& l, float* x, int64_t B, int64_t pos,
                        const std::tuple<at::Tensor, at::Tensor>& rotation,
                        const at::Tensor& key_cache, const at::Tensor& value_cache,
                        Rows& w) const {
@@ -294,22 +314,32 @@ class Step {
     }
     rotate(w.qk.data(), B * (H + G), D, std::get<0>(rotation).data_ptr<float>(),
            std::get<1>(rotation).data_ptr<float>());
-    float* kc = key_cache.data_ptr<float>();
-    float* vc = value_cache.data_ptr<float>();
     const int64_t max_len = key_cache.size(2);
     const bool ring = pos >= max_len;  // run() checked: then max_len is the window
     const int64_t slot = ring ? pos % max_len : pos;
-    for (int64_t r = 0; r < B; ++r) {
-      for (int64_t g = 0; g < G; ++g) {
-        const int64_t at_pos = ((r * G + g) * max_len + slot) * D;
-        std::copy_n(w.qk.data() + r * nqk + (H + g) * D, D, kc + at_pos);
-        std::copy_n(w.qkv.data() + r * nqkv + nqk + g * D, D, vc + at_pos);
-      }
-    }
     const int64_t S = ring ? max_len : pos + 1;
     const int64_t s0 = (!ring && l.window > 0 && S > l.window) ? S - l.window : 0;
-    attnlab_attend::attend(w.qk.data(), nqk, kc, vc, max_len, B, H, G, D, s0, S,
-                           static_cast<float>(l.scale), w.o.data(), nq);
+    // The new keys and values written into the slot (a float16 cache rounds each to
+    // nearest even, as PyTorch's conversion does), then attention over the cache.
+    auto write_and_attend = [&](auto* kc, auto* vc) {
+      bool held = true;
+      for (int64_t r = 0; r < B; ++r) {
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t at_pos = ((r * G + g) * max_len + slot) * D;
+          held &= write_row(w.qk.data() + r * nqk + (H + g) * D, D, kc + at_pos);
+          held &= write_row(w.qkv.data() + r * nqkv + nqk + g * D, D, vc + at_pos);
+        }
+      }
+      TORCH_CHECK(held, "native step: layer ", li, "'s new key or value is beyond float16's ",
+                  "range (65504), which its float16 cache would hold as infinity: set ",
+                  "model.kv_cache_dtype = None (float32) for this model");
+      attnlab_attend::attend(w.qk.data(), nqk, kc, vc, max_len, B, H, G, D, s0, S,
+                             static_cast<float>(l.scale), w.o.data(), nq);
+    };
+    if (key_cache.scalar_type() == at::kHalf)
+      write_and_attend(key_cache.data_ptr<c10::Half>(), value_cache.data_ptr<c10::Half>());
+    else
+      write_and_attend(key_cache.data_ptr<float>(), value_cache.data_ptr<float>());
     run_products(l.out, as_input(w.o, B, nq, l.dtype), w.a.data(), C);
     if (l.attn_post.defined()) rms_rows(w.a.data(), w.a.data(), B, C, l.attn_post, false);
     for (int64_t i = 0; i < B * C; ++i) x[i] += w.a[i];
@@ -378,19 +408,21 @@ class Step {
   std::vector<Layer> layers_;
 };
 
-// attend.h's attention alone, for its tests and benchmarks: o (B, H, D) from queries
-// (B, H, D) and caches (B, G, max_len, D), all float32, over the positions [s0, S).
+// attend.h's attention alone, for its tests and benchmarks: o (B, H, D) float32 from
+// queries (B, H, D) float32 and caches (B, G, max_len, D), both float32 or both float16,
+// over the positions [s0, S).
 at::Tensor attend(const at::Tensor& query, const at::Tensor& key_cache,
                   const at::Tensor& value_cache, int64_t s0, int64_t S, double scale) {
   TORCH_CHECK(query.dim() == 3 && query.scalar_type() == at::kFloat,
               "attend: query must be (B, H, D) float32");
   const int64_t B = query.size(0), H = query.size(1), D = query.size(2);
+  const bool half = key_cache.scalar_type() == at::kHalf;
   for (const at::Tensor* t : {&key_cache, &value_cache}) {
     TORCH_CHECK(t->dim() == 4 && t->size(0) == B && t->size(3) == D &&
-                    t->scalar_type() == at::kFloat && t->is_contiguous() &&
+                    t->scalar_type() == (half ? at::kHalf : at::kFloat) && t->is_contiguous() &&
                     t->sizes() == key_cache.sizes(),
                 "attend: the caches must be contiguous (", B, ", G, max_len, ", D,
-                ") float32 tensors of one shape");
+                ") tensors of one shape, both float32 or both float16");
   }
   const int64_t G = key_cache.size(1), max_len = key_cache.size(2);
   TORCH_CHECK(G > 0 && H % G == 0, "attend: ", H, " heads in ", G, " groups");
@@ -398,9 +430,14 @@ at::Tensor attend(const at::Tensor& query, const at::Tensor& key_cache,
               ") of a cache of ", max_len);
   const at::Tensor q = query.contiguous();
   at::Tensor o = at::empty({B, H, D}, q.options());
-  attnlab_attend::attend(q.data_ptr<float>(), H * D, key_cache.data_ptr<float>(),
-                         value_cache.data_ptr<float>(), max_len, B, H, G, D, s0, S,
-                         static_cast<float>(scale), o.data_ptr<float>(), H * D);
+  auto run = [&](const auto* kc, const auto* vc) {
+    attnlab_attend::attend(q.data_ptr<float>(), H * D, kc, vc, max_len, B, H, G, D, s0, S,
+                           static_cast<float>(scale), o.data_ptr<float>(), H * D);
+  };
+  if (half)
+    run(key_cache.data_ptr<c10::Half>(), value_cache.data_ptr<c10::Half>());
+  else
+    run(key_cache.data_ptr<float>(), value_cache.data_ptr<float>());
   return o;
 }
 
@@ -448,7 +485,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
   m.def("attend", &attend, py::call_guard<py::gil_scoped_release>(),
         "o (B, H, D) = softmax(scale q k^T) v over cache positions [s0, S): query (B, H, D), "
-        "caches (B, G, max_len, D), float32", py::arg("query"), py::arg("key_cache"),
+        "caches (B, G, max_len, D), float32 or float16", py::arg("query"), py::arg("key_cache"),
         py::arg("value_cache"), py::arg("s0"), py::arg("S"), py::arg("scale"));
   // positions a piece of attend's work covers (its tests derive their bounds from it)
   m.attr("ATTEND_CHUNK") = attnlab_attend::kChunk;

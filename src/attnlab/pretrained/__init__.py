@@ -42,12 +42,14 @@ from attnlab.pretrained.loaders import (
     SMOLLM2_INSTALL,
     MissingPackageError,
     check_weight_dtype,
+    kv_cache_dtype_for,
     load_gguf,
     load_minilm,
     model_family,
     packaged_gguf,
     packaged_installed,
     require_packages,
+    set_kv_cache_dtype,
     set_weight_dtype,
 )
 from attnlab.pretrained.stores import Located, ModelNotFoundError, locate
@@ -88,6 +90,7 @@ def load_pretrained(
     *,
     backend: str = "auto",
     dtype: torch.dtype | str = torch.float32,
+    kv_cache_dtype: torch.dtype | str | None = "auto",
     announce: Callable[[str], None] | None = None,
 ) -> tuple[Any, PretrainedTokenizer]:
     """Load a packaged model, a Hugging Face directory or a GGUF file onto attnlab.
@@ -103,10 +106,16 @@ def load_pretrained(
             ``torch.float16`` (the whole model converted; stored weights of any of these
             are converted), or a weight precision by name: ``"float32"``, ``"bfloat16"``,
             ``"int8"``, ``"int4"`` (weight-only, :mod:`attnlab.quant`: the linear layers'
-            weights in that precision, activations, norms, attention and the KV cache
-            fp32; GGUF Q4_0/Q4_1 tensors keep their codes in ``"int4"``). Decoders build
-            their fast one-token step (fused Q/K/V and gate/up products) at their first
-            one-token decode, so loading copies no weight the file's layout can serve.
+            weights in that precision, activations, norms and attention fp32; GGUF
+            Q4_0/Q4_1 tensors keep their codes in ``"int4"``). Decoders build their fast
+            one-token step (fused Q/K/V and gate/up products) at their first one-token
+            decode, so loading copies no weight the file's layout can serve.
+        kv_cache_dtype: what generation's key/value cache holds (``model.kv_cache_dtype``):
+            ``"auto"`` (default) float16 for the integer weight precisions (``"int8"``,
+            ``"int4"``, ``"q8_0"``, ``"q5_0"``: half the cache's memory and of what a decode
+            step at depth reads, as llama.cpp's cache) and float32 otherwise;
+            ``"float32"`` (or None) and ``"float16"`` (or ``torch.float16``) whatever the
+            weights.
         announce: called with one line before a one-time step that takes a while (the
             first use of ``"gemma3-270m"`` joins its file's chunks into
             :func:`attnlab.pretrained.loaders.cache_dir`), or None.
@@ -115,7 +124,9 @@ def load_pretrained(
         ``(model, tokenizer)``, the model in eval mode.
 
     Raises:
-        ValueError: unknown name (not a path either), ``backend`` or ``dtype``.
+        ValueError: unknown name (not a path either), ``backend``, ``dtype`` or
+            ``kv_cache_dtype``; ``kv_cache_dtype="float16"`` for a model whose caches cannot
+            hold it (an encoder; cross or latent attention).
         ModelNotFoundError: a store name whose model is not on this machine (with the
             command that fetches it).
         ModelFileError: a broken, hostile or unsupported model file (names file and field),
@@ -128,12 +139,14 @@ def load_pretrained(
     if backend not in available_backends():
         raise ValueError(f"`backend` must be one of {available_backends()}, got {backend!r}")
     param_dtype, weight = check_weight_dtype(dtype)
+    kv_cache_dtype_for(kv_cache_dtype, weight)  # refused before any reading
     if not isinstance(name_or_path, (str, Path)):
         raise TypeError(f"`name_or_path` must be a str or Path, got {type(name_or_path).__name__}")
     key = str(name_or_path).lower()
     if isinstance(name_or_path, str) and key == "all-minilm-l6-v2":
         encoder, encoder_tok = load_minilm(backend=backend)
         encoder = encoder.to(param_dtype) if param_dtype != torch.float32 else encoder
+        encoder = set_kv_cache_dtype(encoder, kv_cache_dtype, weight)
         return set_weight_dtype(encoder, weight), encoder_tok
     path, root = _model_path(name_or_path, announce)
     # Many small conversions: one thread each (attnlab._threads says why).
@@ -142,9 +155,11 @@ def load_pretrained(
             hf_model, hf_tok = load_hf_directory(
                 path, backend=backend, dtype=param_dtype, root=root
             )
+            hf_model = set_kv_cache_dtype(hf_model, kv_cache_dtype, weight)
             return set_weight_dtype(hf_model, weight), hf_tok
         if path.is_file():
             model, tok = load_gguf(path, backend=backend, dtype=param_dtype, weight=weight)
+            model = set_kv_cache_dtype(model, kv_cache_dtype, weight)
             return set_weight_dtype(model, weight), tok
     raise _not_found(name_or_path)
 

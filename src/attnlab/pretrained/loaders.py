@@ -601,6 +601,65 @@ def check_weight_dtype(dtype: object) -> tuple[torch.dtype, str | None]:
     return dtype, None  # type: ignore[return-value]
 
 
+#: ``load_pretrained``'s ``kv_cache_dtype`` by name.
+KV_CACHE_DTYPES: Mapping[str, torch.dtype | None] = {
+    "auto": None,  # (resolved per model: kv_cache_dtype_for)
+    "float32": None,
+    "float16": torch.float16,
+}
+
+
+def kv_cache_dtype_for(kv_cache_dtype: object, weight: str | None) -> torch.dtype | None:
+    """``load_pretrained``'s ``kv_cache_dtype`` for a model of weight precision ``weight``:
+    ``"auto"`` is float16 for the integer formats (their weights already give up more than
+    a float16 cache's rounding: the decode-path agreement with float32 is unchanged,
+    ``benchmarks/bench_llama_cpp.py --agreement-only``) and the keys' own (float32)
+    otherwise; ``"float32"`` or None the keys' own; ``"float16"`` or ``torch.float16``
+    float16.
+
+    Raises:
+        ValueError: anything else, naming the choices.
+    """
+    if kv_cache_dtype == "auto":
+        return torch.float16 if weight not in (None, "float32", "bfloat16") else None
+    if kv_cache_dtype is None or kv_cache_dtype == torch.float32:
+        return None
+    if kv_cache_dtype == torch.float16:
+        return torch.float16
+    if isinstance(kv_cache_dtype, str) and kv_cache_dtype in KV_CACHE_DTYPES:
+        return KV_CACHE_DTYPES[kv_cache_dtype]
+    raise ValueError(
+        f"`kv_cache_dtype` must be one of {tuple(KV_CACHE_DTYPES)}, None, torch.float32 or "
+        f"torch.float16, got {kv_cache_dtype!r}"
+    )
+
+
+def set_kv_cache_dtype(model: Any, kv_cache_dtype: object, weight: str | None) -> Any:
+    """Set ``model.kv_cache_dtype`` as ``load_pretrained``'s ``kv_cache_dtype`` asks
+    (:func:`kv_cache_dtype_for`), where the model's static caches can hold it.
+
+    Raises:
+        ValueError: a float16 cache asked for by name for a model without such caches (an
+            encoder, a decoder whose layers have cross or latent attention's caches);
+            ``"auto"`` leaves those as they are.
+    """
+    dtype = kv_cache_dtype_for(kv_cache_dtype, weight)
+    config = getattr(model, "config", None)
+    holds = hasattr(model, "kv_cache_dtype") and not (
+        getattr(config, "cross_attention", False) or getattr(config, "mla", None) is not None
+    )
+    if dtype is not None and not holds:
+        if kv_cache_dtype == "auto":
+            return model
+        raise ValueError(
+            f"kv_cache_dtype={kv_cache_dtype!r}: a {type(model).__name__} with these layers "
+            "has no self-attention caches that hold another dtype; leave it at 'auto'"
+        )
+    if holds:
+        model.kv_cache_dtype = dtype
+    return model
+
+
 def set_weight_dtype(model: Any, weight: str | None) -> Any:
     """Store ``model``'s linear weights in precision ``weight`` (None: leave them; layers
     already in a weight format, e.g. a GGUF file's codes, stay as they are), and ask for

@@ -112,13 +112,15 @@ def build_compiled(plan: DecodePlan) -> Any | str:
 
 
 def cache_slot_fits(slot: tuple[torch.Tensor, torch.Tensor] | None, B: int, G: int, D: int) -> bool:
-    """Whether the compiled step can write a cache's next position: float32 contiguous
-    (B, G, max_len, D) keys and values."""
+    """Whether the compiled step can write a cache's next position: contiguous (B, G,
+    max_len, D) keys and values, both float32 or both float16."""
     if slot is None:
         return False
-    return all(
-        t.dtype == torch.float32 and t.is_contiguous() and t.shape[:2] == (B, G) and t.shape[3] == D
-        for t in slot
+    k, v = slot
+    return (
+        k.dtype in (torch.float32, torch.float16)
+        and v.dtype == k.dtype
+        and all(t.is_contiguous() and t.shape[:2] == (B, G) and t.shape[3] == D for t in slot)
     )
 
 
