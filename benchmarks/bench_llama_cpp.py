@@ -699,8 +699,11 @@ class AttnlabSide:
         if len(made) != 1:
             raise RuntimeError(f"generation made {len(made)} caches, one expected")
         self.cache_bytes = cache_nbytes(made[0])
-        first = made[0][0]
-        self.cache_dtype = first.cached()[0].dtype if hasattr(first, "cached") else None
+        first = made[0][0]  # what its buffers hold (a float16 cache returns float32 keys)
+        held = getattr(first, "dtype", None)
+        if held is None and hasattr(first, "cached"):
+            held = first.cached()[0].dtype
+        self.cache_dtype = held
 
     @torch.no_grad()
     def prefill(self) -> None:

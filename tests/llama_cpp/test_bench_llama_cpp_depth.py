@@ -293,3 +293,8 @@ def test_decode_at_depth_times_new_steps_and_keeps_the_cache_bytes():
     # two windowed layers of 8 slots, one global layer of every position
     assert side.cache_bytes == 2 * (2 * (8 + 8 + depth + new + 1) * 16 * 4)
     assert side.cache_dtype == torch.float32
+    # a float16 cache (an integer precision's default): its buffers' dtype and bytes
+    model.kv_cache_dtype = torch.float16
+    side.decode_at_depth()
+    assert side.cache_dtype == torch.float16
+    assert side.cache_bytes == 2 * (2 * (8 + 8 + depth + new + 1) * 16 * 2)
