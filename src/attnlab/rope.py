@@ -605,6 +605,15 @@ def _hf_head_dim(config: Mapping[str, Any]) -> int:
     return hidden // heads
 
 
+def table_length(have: int, need: int) -> int:
+    """Positions a table of ``have`` rows (0: none yet) grows to when ``need`` are needed:
+    at least a quarter more and 1,024 more (so that decoding one position after another
+    rebuilds it a few times, not at every step), never doubled: a 4,096-token prompt's
+    tables grow to 5,120 positions for the steps after it, where doubling gave 8,192 (and
+    the steps' own tables then 16,384: 64 MB of float64 for one of Gemma 3's rotations)."""
+    return max(need, have + max(have // 4, 1024))
+
+
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding (RoPE) with partial rotary, either pair convention and
     frequency scaling.
@@ -754,7 +763,8 @@ class RotaryEmbedding(nn.Module):
 
     def _tables(self, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if self._cos is None or self._cos.shape[0] < length or self._cos.device != device:
-            n = max(length, 2 * (self._cos.shape[0] if self._cos is not None else 0), 256)
+            n = table_length(self._cos.shape[0] if self._cos is not None else 0, length)
+            self._cos = self._sin = None  # the old tables go before the new are built
             # Angles in fp64 so that long positions keep their precision.
             inv = self._inv.to(device)
             freqs = torch.arange(n, device=device, dtype=torch.float64)[:, None] * inv  # (L, R/2)
@@ -762,8 +772,13 @@ class RotaryEmbedding(nn.Module):
                 emb = freqs.repeat_interleave(2, dim=-1)  # (L, R): f0 f0 f1 f1 ...
             else:
                 emb = torch.cat((freqs, freqs), dim=-1)  # (L, R): f0 f1 ... f0 f1 ...
+            del freqs
             a = self.attention_factor
-            self._cos, self._sin = emb.cos() * a, emb.sin() * a  # float64; cast per use
+            cos, sin = emb.cos(), emb.sin_()  # float64; cast per use
+            if a != 1.0:
+                cos.mul_(a)
+                sin.mul_(a)
+            self._cos, self._sin = cos, sin
         assert self._sin is not None
         return self._cos, self._sin
 

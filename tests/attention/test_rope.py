@@ -13,6 +13,7 @@ from attnlab.rope import (
     RopeConfig,
     RotaryEmbedding,
     YarnScaling,
+    table_length,
 )
 from reference import tol
 
@@ -287,3 +288,19 @@ def test_frequency_factors_divide_each_frequency_and_check_their_count():
         FrequencyFactors((1.0, 0.0))
     with pytest.raises(TypeError, match="tuple"):
         FrequencyFactors([1.0, 2.0])  # type: ignore[arg-type]
+
+
+def test_the_tables_grow_by_a_quarter_and_give_the_same_values():
+    """A prompt's tables, then one position more (the first decode step after it): the
+    tables grow to 1.25x, not 2x, and hold what tables built at that length hold."""
+    assert table_length(0, 10) == 1024 and table_length(0, 4096) == 4096
+    assert table_length(4096, 4097) == 5120 and table_length(8192, 8193) == 10240
+    assert table_length(4096, 9000) == 9000
+    rope = RotaryEmbedding(32, base=1e4)
+    rope.cos_sin(torch.arange(4096))
+    assert rope._cos is not None and rope._cos.shape[0] == 4096
+    cos, sin = rope.cos_sin(torch.arange(4097))
+    assert rope._cos.shape[0] == 5120
+    fresh = RotaryEmbedding(32, base=1e4)
+    want_cos, want_sin = fresh.cos_sin(torch.arange(4097))
+    assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin)

@@ -38,7 +38,7 @@ from attnlab.models.decode.layout import (
 )
 from attnlab.models.decode.short import step_short
 from attnlab.quant import column_major
-from attnlab.rope import RotaryEmbedding
+from attnlab.rope import RotaryEmbedding, table_length
 
 __all__ = ["DecodePath", "DecodePlan", "Loop", "hook_tables", "module_hooks"]
 
@@ -184,12 +184,14 @@ class DecodePlan:
         self, length: int, device: torch.device, rope: RotaryEmbedding | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin (first half negated) of ``rope`` (default: the first layer's) for
-        positions up to ``length`` at least, fp32 (L, D); built once, doubled as needed."""
+        positions up to ``length`` at least, fp32 (L, D); built once, grown as needed
+        (:func:`attnlab.rope.table_length`)."""
         rope = self.rope if rope is None else rope
         assert rope is not None
         tables = self._tables.get(rope)
         if tables is None or tables[0].shape[0] < length:
-            n = max(length, 2 * (tables[0].shape[0] if tables is not None else 0), 256)
+            n = table_length(tables[0].shape[0] if tables is not None else 0, length)
+            self._tables.pop(rope, None)  # the old tables go before the new are built
             cos, sin = rope.cos_sin(torch.arange(n, device=device))  # (L, D) fp64
             half = self.D // 2
             # rotate_half(x) * sin == roll(x, D/2) * [-sin_lo, sin_hi], bit for bit.
