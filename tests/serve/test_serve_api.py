@@ -153,9 +153,9 @@ def test_generate_decodes_into_a_static_cache_sized_for_the_call(gpt, monkeypatc
     asked: list[int | None] = []
     real = gpt_module.new_caches
 
-    def recording(n_layers, max_len):
+    def recording(n_layers, max_len, **options):
         asked.append(max_len)
-        return real(n_layers, max_len)
+        return real(n_layers, max_len, **options)
 
     monkeypatch.setattr(gpt_module, "new_caches", recording)
     with TestClient(make_app(gpt)) as c:
