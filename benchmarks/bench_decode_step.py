@@ -21,7 +21,9 @@ length after each step, so every side runs the same position):
 At a depth (``--depth N``) the cache holds ``N`` positions when each side runs its step:
 the prompt's forward writes the first 64 and random keys and values stand for the rest
 (what attention costs does not depend on what the keys hold), and every side runs at
-position ``N``. The record's config gets ``-depthN``.
+position ``N``. The record's config gets ``-depthN``. The cache holds what
+``load_pretrained`` gives the precision (float16 for the integer ones); ``--kv-cache
+float32`` or ``float16`` chooses, and the config gets ``-kvfloat32`` / ``-kvfloat16``.
 
 Each side is reported as wall time (best and median: on a shared machine the best is the
 figure) and as the calling thread's CPU time (``time.thread_time``, best; at one thread
@@ -34,6 +36,7 @@ Python, and all of them, nested ones included). One record per precision goes to
     PYTHONPATH=src python benchmarks/bench_decode_step.py --threads 1 --dtypes int4,int8
     PYTHONPATH=src python benchmarks/bench_decode_step.py --model gemma3-270m
     PYTHONPATH=src python benchmarks/bench_decode_step.py --depth 4096 --rounds 10
+    PYTHONPATH=src python benchmarks/bench_decode_step.py --depth 4096 --kv-cache float32
 """
 
 from __future__ import annotations
@@ -122,15 +125,18 @@ def fill(cache: list[Any], depth: int) -> None:
 def bench(dtype: str, args: argparse.Namespace) -> None:
     depth = max(args.depth, PROMPT)
     at = f"after a {PROMPT}-token prompt" if depth == PROMPT else f"at depth {depth}"
+    kv = "" if args.kv_cache == "auto" else f"-kv{args.kv_cache}"
     rec = Recorder(
         "bench_decode_step",
-        f"{TAGS[args.model]}-{dtype}-t{args.threads}" + (f"-depth{depth}" if args.depth else ""),
+        f"{TAGS[args.model]}-{dtype}-t{args.threads}"
+        + (f"-depth{depth}" if args.depth else "")
+        + kv,
         f"{NAMES[args.model]} ({dtype} weights) one-token decode step {at} at "
         f"{args.threads} threads: the native step, the short loop, the general loop and the "
         f"products alone, {args.rounds} interleaved rounds, the same position every round",
         args.threads,
     )
-    model, _ = load_pretrained(find_file(args.model), dtype=dtype)
+    model, _ = load_pretrained(find_file(args.model), dtype=dtype, kv_cache_dtype=args.kv_cache)
     ids = torch.randint(0, 49152, (1, PROMPT), generator=torch.Generator().manual_seed(0))
     nxt = torch.tensor([[5]])
     with torch.no_grad():
@@ -217,7 +223,10 @@ def bench(dtype: str, args: argparse.Namespace) -> None:
              "one row each (the memory-bound floor of the step)")  # fmt: skip
     if args.depth:
         rec.note(f"depth {depth}: the prompt's forward wrote {PROMPT} positions, random "
-                 f"float32 normal keys and values the rest")  # fmt: skip
+                 f"normal keys and values the rest")  # fmt: skip
+    held = model.kv_cache_dtype or torch.float32
+    rec.note(f"the key/value cache holds {str(held).removeprefix('torch.')} "
+             f"(--kv-cache {args.kv_cache})")  # fmt: skip
     rec.write(folder=args.results)
 
 
@@ -230,6 +239,9 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=0,
                         help=f"positions in the cache at the timed step (default: the "
                              f"{PROMPT}-token prompt's)")  # fmt: skip
+    parser.add_argument("--kv-cache", choices=("auto", "float32", "float16"), default="auto",
+                        help="what the cache holds (load_pretrained's kv_cache_dtype; a "
+                             "setting other than auto goes in the record's config)")  # fmt: skip
     parser.add_argument(
         "--results",
         type=Path,
