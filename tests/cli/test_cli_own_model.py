@@ -189,6 +189,19 @@ def test_info_model_loads_in_the_dtype_asked_for(files, capsys):
     assert "--dtype 'float64' with --model: a model loads in one of float32" in err
 
 
+def test_info_model_sizes_the_cache_in_what_kv_cache_holds(files, capsys):
+    per_token = {}
+    for kv_cache in ("auto", "float32", "float16"):
+        args = ("info", "--model", str(files[1]), "--json", "-t", "8", "--kv-cache", kv_cache)
+        code, out, err = run_main(capsys, *args)
+        assert code == 0, err
+        per_token[kv_cache] = json.loads(out)["kv_cache"]["bytes_per_token"]
+    # 2 layers of 2 key/value heads of 16 dims, a key and a value each
+    assert per_token == {"auto": 2 * 2 * 2 * 16 * 4, "float32": 512, "float16": 256}
+    code, _, err = run_main(capsys, "info", "--model", str(files[2]), "--kv-cache", "float16")
+    assert code == 2 and "no self-attention caches" in err and err.count("\n") == 1
+
+
 def test_embed_and_explain_take_a_directory(files, tmp_path, capsys):
     code, out, err = run_main(capsys, "embed", "--model", str(files[2]), "the cat", "a dog")
     assert code == 0, err

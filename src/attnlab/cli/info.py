@@ -110,6 +110,15 @@ def info(
         ),
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="With --model: print JSON.")] = False,
+    kv_cache: Annotated[
+        str,
+        typer.Option(
+            "--kv-cache",
+            help="With --model: what the key/value cache holds for its size per token "
+            "(auto, float32 or float16, as `generate --kv-cache`; auto is the parameters' "
+            "dtype here).",
+        ),
+    ] = "auto",
 ) -> None:
     """Report what attnlab has: the attention backends, the crossover table auto chooses
     by, which one a call of this shape would run (and why not the others), which backend
@@ -118,7 +127,7 @@ def info(
         output.show(*_info_presets(preset))
         return
     if model is not None:
-        _info_model(model, seq_len, backend, as_json, dtype)
+        _info_model(model, seq_len, backend, as_json, dtype, kv_cache)
         return
     if as_json:
         raise UserError("--json needs --model (the summary of one model)")
@@ -388,20 +397,25 @@ def _info_presets(preset: str | None) -> list[RenderableType]:
     return [table]
 
 
-def _info_model(name: str, seq_len: int, backend: str, as_json: bool, dtype: str) -> None:
+def _info_model(
+    name: str, seq_len: int, backend: str, as_json: bool, dtype: str, kv_cache: str = "auto"
+) -> None:
     """``attnlab info --model``: the model's summary table (or JSON), its parameters in
-    ``dtype``; built from the config and tensor headers, no weight read."""
+    ``dtype`` and its cache in ``kv_cache`` (``--kv-cache``); built from the config and
+    tensor headers, no weight read."""
     import dataclasses
     import json
 
     import torch
     from rich.table import Table
 
-    from attnlab.cli.models import load_pretrained_model
+    from attnlab.cli.models import check_kv_cache, load_pretrained_model
+    from attnlab.pretrained.loaders import set_kv_cache_dtype
     from attnlab.pretrained.summary import summarize_model
 
     if seq_len < 1:
         raise UserError(f"`--seq-len` must be a positive int, got {seq_len}")
+    check_kv_cache(kv_cache)
     model_dtypes = ("float32", "bfloat16", "float16")
     if _INFO_DTYPES.get(dtype) not in model_dtypes:
         raise UserError(
@@ -412,6 +426,7 @@ def _info_model(name: str, seq_len: int, backend: str, as_json: bool, dtype: str
         name, backend=backend, dtype=getattr(torch, _INFO_DTYPES[dtype]), weights=False
     )
     with user_input():
+        set_kv_cache_dtype(net, kv_cache, None)  # a ValueError: a model without such caches
         summary = summarize_model(net, probe_length=seq_len)
     if as_json:
         output.raw(json.dumps({"model": source, **dataclasses.asdict(summary)}, indent=2) + "\n")

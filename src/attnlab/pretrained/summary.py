@@ -66,7 +66,8 @@ class ModelSummary:
         decoder_layers: an encoder-decoder's decoder blocks, else None.
         attn_softcap: attention logit soft-capping (Gemma 2), or None.
         final_softcap: output logit soft-capping (Gemma 2), or None.
-        kv_cache: a decoder's KV cache per token, in the model's dtype, or None:
+        kv_cache: a decoder's KV cache per token, in what its static caches hold
+            (``model.kv_cache_dtype``, else the model's dtype), or None:
             ``bytes_per_token`` (every layer), ``mha_bytes_per_token`` (what plain
             multi-head attention with the same query heads and head dims would cache:
             a key and a value per head), and for latent attention (MLA) ``latent``
@@ -239,8 +240,10 @@ def summarize_model(model: Any, *, probe_length: int = 1024) -> ModelSummary:
 
 
 def _kv_cache(model: Any, dtype: torch.dtype) -> dict[str, Any]:
-    """A decoder's cache bytes per token, against plain multi-head attention's."""
-    size = torch.empty((), dtype=dtype).element_size()
+    """A decoder's cache bytes per token, against plain multi-head attention's, in what its
+    static caches hold (``model.kv_cache_dtype``, else ``dtype``)."""
+    held_dtype = getattr(model, "kv_cache_dtype", None) or dtype
+    size = torch.empty((), dtype=held_dtype).element_size()
     mla = model.config.mla
     layers = len(model.blocks)
     if mla is not None:
