@@ -432,6 +432,10 @@ class StaticWindowKVCache(_WindowCache, StaticKVCache):
             done, slot = done + run, 0
         self._seen += n
         self._len = min(self._seen, self.window)
+        if self._k.dtype != key.dtype:  # the new positions as the slots hold them, as
+            # StaticKVCache and the one-token steps give them (the held ones already are)
+            k_all = k_all.to(self._k.dtype).to(key.dtype)
+            v_all = v_all.to(self._k.dtype).to(key.dtype)
         return k_all, v_all
 
     def append(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
