@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
 
 import numpy as np
 import pytest
@@ -540,3 +541,44 @@ def test_tokenizer_from_gguf_tables(tiny_gguf):
     assert tok.decode([3, 5, 10, 11]) == "ab abé"
     assert tok.eos_id == 0
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "[user] hi"
+
+
+def _resident_kib(path) -> int:
+    """This process's resident KiB of its memory maps of ``path`` (/proc/self/smaps)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            first = line.split(maxsplit=1)[0]
+            if "-" in first and not first.endswith(":"):  # a mapping's header line
+                inside = line.rstrip().endswith(str(path))
+            elif inside and first == "Rss:":
+                total += int(line.split()[1])
+    return total
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads /proc/self/smaps")
+def test_a_tensor_read_lets_go_of_its_pages_and_a_second_read_gives_the_same(tmp_path):
+    """The file's pages of a tensor that has been read leave the process's resident memory
+    (they counted beside the tensors made from them until the load's end), and reading the
+    bytes again faults them back from the file: the same values, nothing lost."""
+    rng = np.random.default_rng(5)
+    big = rng.standard_normal((256, 1024)).astype(np.float32)  # 1 MiB
+    q8 = gguf_quantize(
+        rng.standard_normal((512, 512)).astype(np.float32), GGMLQuantizationType.Q8_0
+    )
+    path = tmp_path / "pages.gguf"
+    w = GGUFWriter(path, "llama")
+    w.add_tensor("big", big)
+    w.add_tensor("q8", q8, raw_dtype=GGMLQuantizationType.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    g = read_gguf(path)
+    first = g.tensor("big").clone()
+    # the header's pages at most, not the 1 MiB read (later reads may map a neighbour's
+    # pages again: the kernel maps a fault's whole folio of the page cache)
+    assert _resident_kib(path) < 64
+    codes = [t.clone() for t in g.codes("q8")]
+    assert torch.equal(g.tensor("big"), first) and np.array_equal(first.numpy(), big)
+    assert all(torch.equal(a, b) for a, b in zip(g.codes("q8"), codes, strict=True))

@@ -24,9 +24,11 @@ dimension, so the torch tensor is ``(ne1, ne0)`` = ``(out_features, in_features)
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import math
+import mmap
 import struct
 import threading
 import warnings
@@ -420,6 +422,7 @@ class GGUFContents:
             raise ModelFileError(self.path, f"tensor {name!r}: {e}") from None
         if not scales_checked:
             check_finite(out, name, self.path)
+        self._let_go(info)
         return out
 
     def codes(self, name: str) -> tuple[torch.Tensor, ...]:
@@ -445,7 +448,22 @@ class GGUFContents:
         if not self._check_block_scales(name, raw):
             for t in out[1:]:  # codes are finite; the scales and zeros are checked
                 check_finite(t, name, self.path, what="quantisation scale")
+        self._let_go(info)
         return out
+
+    def _let_go(self, info: GGUFTensorInfo) -> None:
+        """Drop the process's pages of a tensor that has been read (``madvise`` with
+        ``MADV_DONTNEED``): they count in its resident memory, beside the tensors made from
+        them, until the file is closed. The file is mapped read-only, so nothing is lost:
+        a later read of those bytes (a tied tensor read twice) faults them in again from
+        the page cache. Gemma 3's int4 load peaked at 868 MB of resident memory with every
+        page it had read still mapped, 647 MB without; it holds 496 MB after either."""
+        mapped = getattr(self._data, "_mmap", None)
+        if mapped is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return  # not a memory map (a test's array), or a system without madvise
+        start = info.offset // mmap.PAGESIZE * mmap.PAGESIZE
+        with contextlib.suppress(OSError, ValueError):  # advice only: never fails a load
+            mapped.madvise(mmap.MADV_DONTNEED, start, info.offset + info.nbytes - start)
 
     def _check_block_scales(self, name: str, raw: np.ndarray) -> bool:
         """For a type whose blocks start with float16 scales (:attr:`GGUFBlock.f16_scales`:
