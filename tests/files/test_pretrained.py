@@ -413,7 +413,7 @@ def test_trim_heap_hands_freed_heap_back_to_the_system():
     which every load ends with, gives it back."""
     import gc
 
-    from attnlab.pretrained import loaders
+    from attnlab._heap import trim_heap
 
     def rss() -> int:
         with open("/proc/self/statm") as f:
@@ -426,8 +426,64 @@ def test_trim_heap_hands_freed_heap_back_to_the_system():
     del blocks
     gc.collect()
     kept = rss()
-    loaders.trim_heap()
+    trim_heap()
     assert rss() < kept - 100 * 2**20 < held
+
+
+_FAULTS = """
+import resource, torch
+from attnlab._heap import keep_freed_blocks
+kept = keep_freed_blocks()
+faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+x = torch.empty(48 << 20, dtype=torch.uint8).fill_(1)  # above glibc's adapted threshold
+del x
+before = faults()
+y = torch.empty(48 << 20, dtype=torch.uint8).fill_(1)
+print(kept, faults() - before)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+@pytest.mark.parametrize("keep", ["1", "0"])
+def test_a_freed_large_block_is_kept_for_the_next_one(keep):
+    """After :func:`attnlab._heap.keep_freed_blocks` (every load ends with it) a 48 MB
+    block freed and asked for again is the same heap memory: no page is faulted in again
+    (a long prompt's activations, each as large, paid for fresh pages at every operation).
+    ``ATTNLAB_KEEP_FREED=0`` leaves glibc as it is: every page faulted in again."""
+    import subprocess
+
+    from attnlab._heap import KEEP_ENV
+
+    env = {**os.environ, KEEP_ENV: keep}
+    run = subprocess.run([sys.executable, "-c", _FAULTS], env=env, capture_output=True,
+                         text=True, check=True)  # fmt: skip
+    kept, faults = run.stdout.split()
+    if keep == "1":
+        assert kept == "True" and int(faults) < 100
+    else:  # 12,288 pages of 4 KiB, or fewer where the kernel maps huge pages
+        assert kept == "False" and int(faults) >= 24
+
+
+def test_a_load_ends_keeping_freed_blocks_for_its_forwards(monkeypatch):
+    """Every load ends in ``set_weight_dtype``, which hands the load's heap back and then
+    keeps large freed blocks for the model's forwards."""
+    from attnlab.models.decoder import Decoder, DecoderConfig
+    from attnlab.pretrained import loaders
+
+    calls: list[str] = []
+    monkeypatch.setattr(loaders, "trim_heap", lambda: calls.append("trim"))
+    monkeypatch.setattr(loaders, "keep_freed_blocks", lambda: calls.append("keep") or True)
+    config = DecoderConfig(
+        vocab_size=32,
+        hidden_size=32,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=2,
+        intermediate_size=32,
+        context_length=16,
+    )
+    loaders.set_weight_dtype(Decoder(config).eval(), None)
+    assert calls == ["trim", "keep"]
 
 
 def test_a_load_runs_on_one_thread_and_restores_the_count(tmp_path, monkeypatch):

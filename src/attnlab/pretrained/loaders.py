@@ -22,7 +22,6 @@ import importlib.util
 import json
 import math
 import os
-import sys
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -32,6 +31,7 @@ import torch
 from torch import nn
 
 from attnlab import native
+from attnlab._heap import keep_freed_blocks, trim_heap
 from attnlab._threads import Beside
 from attnlab.models.decoder import Decoder
 from attnlab.models.encoder import Encoder
@@ -684,21 +684,8 @@ def set_weight_dtype(model: Any, weight: str | None) -> Any:
         defer_decode_plan(model, share_float=True)  # others decode through their modules
     prepare_native(model)
     trim_heap()
+    keep_freed_blocks()  # its forwards' large blocks kept for reuse (attnlab._heap)
     return model
-
-
-def trim_heap() -> None:
-    """Hand back to the system the heap the C library keeps after a load: the float copies
-    of weights that a load reads, converts and drops. glibc keeps such freed memory for
-    reuse (int4 SmolLM2 held about 370 MB more than its tensors after loading);
-    ``malloc_trim(0)`` returns it. Does nothing where there is no glibc."""
-    if not sys.platform.startswith("linux"):
-        return
-    import contextlib
-    import ctypes
-
-    with contextlib.suppress(OSError, AttributeError):  # musl, or no such library
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def prepare_native(model: Any) -> None:
