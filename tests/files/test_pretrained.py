@@ -435,11 +435,13 @@ import resource, torch
 from attnlab._heap import keep_freed_blocks
 kept = keep_freed_blocks()
 faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-x = torch.empty(48 << 20, dtype=torch.uint8).fill_(1)  # above glibc's adapted threshold
-del x
-before = faults()
-y = torch.empty(48 << 20, dtype=torch.uint8).fill_(1)
-print(kept, faults() - before)
+counts = []
+for _ in range(5):  # a 48 MB block: above glibc's adapted threshold
+    before = faults()
+    x = torch.empty(48 << 20, dtype=torch.uint8).fill_(1)
+    counts.append(faults() - before)
+    del x
+print(kept, *counts)
 """
 
 
@@ -447,9 +449,11 @@ print(kept, faults() - before)
 @pytest.mark.parametrize("keep", ["1", "0"])
 def test_a_freed_large_block_is_kept_for_the_next_one(keep):
     """After :func:`attnlab._heap.keep_freed_blocks` (every load ends with it) a 48 MB
-    block freed and asked for again is the same heap memory: no page is faulted in again
-    (a long prompt's activations, each as large, paid for fresh pages at every operation).
-    ``ATTNLAB_KEEP_FREED=0`` leaves glibc as it is: every page faulted in again."""
+    block freed and asked for again is heap memory already faulted in (a long prompt's
+    activations, each as large, paid for fresh pages at every operation): of four blocks
+    after the first, at most one is fresh memory (with more than one thread glibc may
+    place one elsewhere once). ``ATTNLAB_KEEP_FREED=0`` leaves glibc as it is: every page
+    of every block faulted in again."""
     import subprocess
 
     from attnlab._heap import KEEP_ENV
@@ -457,11 +461,12 @@ def test_a_freed_large_block_is_kept_for_the_next_one(keep):
     env = {**os.environ, KEEP_ENV: keep}
     run = subprocess.run([sys.executable, "-c", _FAULTS], env=env, capture_output=True,
                          text=True, check=True)  # fmt: skip
-    kept, faults = run.stdout.split()
+    kept, *counts = run.stdout.split()
+    again = [int(c) for c in counts[1:]]
     if keep == "1":
-        assert kept == "True" and int(faults) < 100
+        assert kept == "True" and sum(c < 100 for c in again) >= 3, again
     else:  # 12,288 pages of 4 KiB, or fewer where the kernel maps huge pages
-        assert kept == "False" and int(faults) >= 24
+        assert kept == "False" and all(c >= 24 for c in again), again
 
 
 def test_a_load_ends_keeping_freed_blocks_for_its_forwards(monkeypatch):
