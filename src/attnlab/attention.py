@@ -205,10 +205,21 @@ class StaticKVCache(KVCache):
                 "create the cache without `dtype` (model.kv_cache_dtype = None)"
             )
 
-    def _as_keys(self, t: torch.Tensor) -> torch.Tensor:
-        """Held keys or values in the keys' dtype: ``t`` itself where the buffers hold it."""
+    def _returned_dtype(self, held: torch.dtype) -> torch.dtype:
+        """The dtype a buffer holding ``held`` is returned in: ``held`` itself without
+        ``dtype`` (the buffers hold what was given), else the keys' dtype."""
         kd = self._key_dtype
-        return t if kd is None or t.dtype == kd else t.to(kd)
+        return held if self.dtype is None or kd is None else kd
+
+    def _as_keys(self, t: torch.Tensor) -> torch.Tensor:
+        """Held keys or values as the cache returns them (:meth:`_returned_dtype`)."""
+        want = self._returned_dtype(t.dtype)
+        return t if t.dtype == want else t.to(want)
+
+    def _value_dtype(self, value: torch.Tensor) -> torch.dtype:
+        """What the value buffer holds: ``dtype``, else the first values' own (as before
+        there was a ``dtype``)."""
+        return self.dtype or value.dtype
 
     def cached(self) -> tuple[torch.Tensor, torch.Tensor]:
         """All cached keys ``(B, G, S, D)`` and values ``(B, G, S, Dv)`` in the keys' dtype,
@@ -246,7 +257,9 @@ class StaticKVCache(KVCache):
         if k is None or v is None:
             held = self.dtype or key.dtype
             k = self._k = key.new_empty(B, G, self.max_len, D, dtype=held)
-            v = self._v = value.new_empty(B, G, self.max_len, value.shape[3], dtype=held)
+            v = self._v = value.new_empty(
+                B, G, self.max_len, value.shape[3], dtype=self._value_dtype(value)
+            )
             self._key_dtype = key.dtype
         elif (B, G, D, value.shape[3], key.dtype) != (
             *k.shape[:2],
@@ -288,7 +301,7 @@ class StaticKVCache(KVCache):
             or key.shape != (k.shape[0], k.shape[1], k.shape[3])
             or value.shape != (v.shape[0], v.shape[1], v.shape[3])
         ):
-            value = value.to(key.dtype if v is None else self._key_dtype)
+            value = value.to(key.dtype if v is None else self._returned_dtype(v.dtype))
             return self.update(key.unsqueeze(2), value.unsqueeze(2))
         self._put(k.select(2, n), key)
         self._put(v.select(2, n), value)
@@ -412,13 +425,16 @@ class StaticWindowKVCache(_WindowCache, StaticKVCache):
         if held:
             hk, hv = self._in_order(held)
             k_all = torch.cat([self._as_keys(hk), key], dim=2)  # (B, G, held + n, D)
-            v_all = torch.cat([self._as_keys(hv), value.to(key.dtype)], dim=2)
+            hv = self._as_keys(hv)
+            v_all = torch.cat([hv, value.to(hv.dtype)], dim=2)
         else:
             k_all, v_all = key, value
         if self._k is None or self._v is None:
             held_dtype = self.dtype or key.dtype
             self._k = key.new_empty(B, G, self.window, D, dtype=held_dtype)
-            self._v = value.new_empty(B, G, self.window, value.shape[3], dtype=held_dtype)
+            self._v = value.new_empty(
+                B, G, self.window, value.shape[3], dtype=self._value_dtype(value)
+            )
             self._key_dtype = key.dtype
         # The last min(n, window) new positions into their slots (at most two runs).
         m = min(n, self.window)
@@ -452,7 +468,7 @@ class StaticWindowKVCache(_WindowCache, StaticKVCache):
             or key.shape != (k.shape[0], k.shape[1], k.shape[3])
             or value.shape != (v.shape[0], v.shape[1], v.shape[3])
         ):
-            value = value.to(key.dtype if v is None else self._key_dtype)
+            value = value.to(key.dtype if v is None else self._returned_dtype(v.dtype))
             self.update(key.unsqueeze(2), value.unsqueeze(2))
             assert self._k is not None and self._v is not None
             k, v = self._k, self._v

@@ -188,6 +188,20 @@ def test_a_float16_cache_refuses_a_value_beyond_float16_rather_than_keep_infinit
     assert keys[0, 0, 0, 0] == float("inf") and keys[0, 0, 0, 1].isnan()
 
 
+@pytest.mark.parametrize("make", [lambda: StaticKVCache(6), lambda: StaticWindowKVCache(3)])
+def test_a_cache_without_dtype_holds_keys_and_values_in_their_own_dtypes(make):
+    """Without ``dtype`` nothing is converted: values of another dtype than the keys' are
+    held and returned as given (bfloat16 values beside float32 keys here)."""
+    cache = make()
+    k, v = torch.randn(1, 2, 2, 8), torch.randn(1, 2, 2, 8).bfloat16()
+    keys, values = cache.update(k, v)
+    assert keys.dtype == torch.float32 and values.dtype == torch.bfloat16
+    assert torch.equal(keys, k) and torch.equal(values, v)
+    keys, values = cache.append(k[:, :, 0], v[:, :, 0])
+    assert keys.dtype == torch.float32 and values.dtype == torch.bfloat16
+    assert cache._v.dtype == torch.bfloat16
+
+
 def test_a_cache_dtype_must_be_a_floating_dtype():
     for bad in ("float16", torch.int8, 16):
         with pytest.raises(ValueError, match=r"floating torch\.dtype"):
