@@ -25,20 +25,13 @@ import time
 from pathlib import Path
 
 from _records import Recorder
+from bench_generate_memory import _status_mb
 from bench_llama_cpp import MODELS, find_file
 
 from attnlab._heap import KEEP_ENV
 
 SIDES = {"kept": "1", "not kept": "0"}
 PEER = f"{KEEP_ENV}=0"
-
-
-def _status_mb(field: str) -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError(f"/proc/self/status has no {field}")
 
 
 def _side(model: str, dtype: str, tokens: int, reps: int, threads: int) -> dict[str, float]:
