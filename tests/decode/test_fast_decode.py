@@ -225,9 +225,11 @@ def test_the_models_kv_cache_dtype_gives_its_static_caches_that_dtype():
         model(torch.tensor([[1, 2, 3]]), kv_cache=caches)
     assert all(c._k.dtype == torch.float16 for c in caches)
     latent = Decoder(dataclasses.replace(CONFIG, mla=MLAConfig(16, 8, 8, 8, None)))
-    latent.kv_cache_dtype = torch.float16
+    assert latent.why_no_cache_dtype() == "latent attention"
     with pytest.raises(ValueError, match="latent attention caches"):
-        latent.new_kv_cache(max_len=8)
+        latent.kv_cache_dtype = torch.float16
+    latent.kv_cache_dtype = None  # the keys' own: always
+    assert latent.kv_cache_dtype is None
 
 
 def test_new_kv_cache_gives_a_window_layer_its_ring_when_the_window_is_shorter():

@@ -31,6 +31,14 @@ from attnlab.pretrained.tokenizer import tokenizer_from_gguf  # noqa: E402
 from attnlab.quant.base import native_kernels  # noqa: E402
 
 
+def _finish(w: GGUFWriter) -> None:
+    """Write what a GGUFWriter was given, header to tensors, and close the file."""
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def llama_cpp_permute(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
     """What llama.cpp's converter does to q/k rows: ``reshape(H, 2, D/2, C).swapaxes(1, 2)``."""
     rows, cols = weight.shape
@@ -73,10 +81,7 @@ def tiny_gguf(tmp_path_factory):
     w.add_chat_template("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{% endfor %}")
     for name, data in stored.items():
         w.add_tensor(name, data, raw_dtype=types[name])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _finish(w)
     return path, arrays, stored, types
 
 
@@ -415,10 +420,7 @@ def test_a_tensor_with_a_non_finite_scale_is_refused_by_name(
     w = GGUFWriter(tmp_path / "bad.gguf", "llama")
     w.add_tensor("good", good, raw_dtype=GGMLQuantizationType[type_name])
     w.add_tensor("w", blocks, raw_dtype=GGMLQuantizationType[type_name])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _finish(w)
     g = read_gguf(tmp_path / "bad.gguf")
     assert bool(torch.isfinite(g.tensor("good")).all())
     with pytest.raises(ModelFileError, match=r"tensor 'w'.*non-finite"):
@@ -482,10 +484,7 @@ def test_mxfp4_tensor_in_a_file_and_an_overflow_refused(tmp_path):
     # bytes (rows, blocks * 17): the writer records the shape (rows, blocks * 32)
     w.add_tensor("good", good.reshape(3, -1), raw_dtype=GGMLQuantizationType.MXFP4)
     w.add_tensor("bad", bad, raw_dtype=GGMLQuantizationType.MXFP4)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _finish(w)
     g = read_gguf(path)
     assert g.tensor_infos["good"].shape == (3, 128)
     ref = gguf_dequantize(good.reshape(-1), GGMLQuantizationType.MXFP4).reshape(3, 128)
@@ -570,10 +569,7 @@ def test_a_tensor_read_lets_go_of_its_pages_and_a_second_read_gives_the_same(tmp
     w = GGUFWriter(path, "llama")
     w.add_tensor("big", big)
     w.add_tensor("q8", q8, raw_dtype=GGMLQuantizationType.Q8_0)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _finish(w)
     g = read_gguf(path)
     first = g.tensor("big").clone()
     # the header's pages at most, not the 1 MiB read (later reads may map a neighbour's

@@ -347,20 +347,7 @@ class Decoder(nn.Module, FastDecoding):
                 (:meth:`prepare_decode`). A sliding-window layer whose window is under
                 ``max_len`` gets a :class:`attnlab.attention.StaticWindowKVCache` of its
                 window's slots instead, reused in turn. They hold :attr:`kv_cache_dtype`.
-
-        Raises:
-            ValueError: a :attr:`kv_cache_dtype` set on a model whose caches cannot hold it
-                (cross attention's, multi-head latent attention's).
         """
-        if self.kv_cache_dtype is not None and (
-            self.config.cross_attention or self.config.mla is not None
-        ):
-            kind = "cross attention" if self.config.cross_attention else "latent attention"
-            raise ValueError(
-                f"kv_cache_dtype={self.kv_cache_dtype} is for the self-attention caches; this "
-                f"model's layers have {kind} caches, which hold their keys' dtype: set "
-                "model.kv_cache_dtype = None"
-            )
         if self.config.cross_attention:
             return [DecoderLayerCache() for _ in self.blocks]
         if self.config.mla is not None:  # the latent caches, growing or of max_len positions
@@ -369,6 +356,12 @@ class Decoder(nn.Module, FastDecoding):
             windows = [getattr(b.attention, "sliding_window", None) for b in self.blocks]
             return new_caches(len(self.blocks), max_len, windows, self.kv_cache_dtype)
         return [block.attention.new_kv_cache() for block in self.blocks]  # type: ignore[union-attr,operator]
+
+    def why_no_cache_dtype(self) -> str | None:
+        """Cross attention's and latent attention's caches hold their keys' own dtype."""
+        if self.config.cross_attention:
+            return "cross attention"
+        return "latent attention" if self.config.mla is not None else None
 
     def prepare_decode(self, *, share_float: bool | None = None) -> DecodePlan:
         """Build (once) the fused products and tables of the fast one-token step

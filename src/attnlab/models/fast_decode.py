@@ -124,13 +124,26 @@ class FastDecoding:
         value rounded once to float16 (:class:`attnlab.attention.StaticKVCache`).
 
         Raises:
-            ValueError: set to something that is not None or a floating dtype.
+            ValueError: set to something that is not None or a floating dtype, or to a
+                dtype on a model whose caches hold their keys' own (:meth:`why_no_cache_dtype`).
         """
         return self._kv_cache_dtype
 
     @kv_cache_dtype.setter
     def kv_cache_dtype(self, dtype: torch.dtype | None) -> None:
-        self._kv_cache_dtype = check_cache_dtype(dtype)
+        dtype = check_cache_dtype(dtype)
+        why = self.why_no_cache_dtype() if dtype is not None else None
+        if why is not None:
+            raise ValueError(
+                f"kv_cache_dtype={dtype} is for the self-attention caches; this model's "
+                f"layers have {why} caches, which hold their keys' own dtype"
+            )
+        self._kv_cache_dtype = dtype
+
+    def why_no_cache_dtype(self) -> str | None:
+        """What keeps this model's caches from holding another dtype than their keys' (a
+        kind of cache, e.g. ``"latent attention"``), or None: they can."""
+        return None
 
     def invalidate_decode_plan(self) -> None:
         """Drop the plan: it holds the layers as they were; the next step builds it again."""

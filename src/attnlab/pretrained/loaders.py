@@ -644,18 +644,15 @@ def set_kv_cache_dtype(model: Any, kv_cache_dtype: object, weight: str | None) -
             ``"auto"`` leaves those as they are.
     """
     dtype = kv_cache_dtype_for(kv_cache_dtype, weight)
-    config = getattr(model, "config", None)
-    holds = hasattr(model, "kv_cache_dtype") and not (
-        getattr(config, "cross_attention", False) or getattr(config, "mla", None) is not None
-    )
-    if dtype is not None and not holds:
+    why = model.why_no_cache_dtype() if hasattr(model, "why_no_cache_dtype") else "no"
+    if dtype is not None and why is not None:
         if kv_cache_dtype == "auto":
             return model
         raise ValueError(
-            f"kv_cache_dtype={kv_cache_dtype!r}: a {type(model).__name__} with these layers "
-            "has no self-attention caches that hold another dtype; leave it at 'auto'"
+            f"kv_cache_dtype={kv_cache_dtype!r}: a {type(model).__name__} with {why} caches "
+            "cannot hold another dtype; leave it at 'auto'"
         )
-    if holds:
+    if hasattr(model, "kv_cache_dtype"):
         model.kv_cache_dtype = dtype
     return model
 
