@@ -24,6 +24,17 @@ if _workers > 1:
 os.environ.setdefault("ATTNLAB_CROSSOVER", "defaults")
 
 
+@pytest.fixture(autouse=True)
+def _threads_restored() -> object:
+    """Each test leaves torch's thread count as it found it. The docs' examples run in the
+    worker's process and set it, as users do (`torch.set_num_threads(2)`); left so, every
+    later test of that worker ran two threads beside the other worker's, and its
+    products' spinning threads waited on each other (a 10 s test took 188 s)."""
+    yield
+    if torch.get_num_threads() != _threads:
+        torch.set_num_threads(_threads)
+
+
 @pytest.fixture(scope="session")
 def ext() -> ModuleType:
     """attnlab's compiled module; the test skips, naming why, where it is not built."""
