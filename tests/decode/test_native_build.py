@@ -6,6 +6,7 @@ No compiler needed: the build itself is replaced by a stand-in that records its 
 from __future__ import annotations
 
 import os
+import sys
 import time
 import types
 from collections.abc import Iterator
@@ -173,3 +174,82 @@ def test_the_sources_include_the_operators_they_call_not_all_of_pytorch():
         ]
         assert "<ATen/ATen.h>" not in includes and "<torch/extension.h>" not in includes, path
         assert "<torch/torch.h>" not in includes, path
+
+
+def _fake_ninja_package(monkeypatch, folder: Path | None) -> None:
+    """No ``ninja`` on PATH; the ``ninja`` package with its binary in ``folder`` (None:
+    not installed)."""
+    import shutil
+    import sys
+
+    real_which = shutil.which
+    monkeypatch.setattr(
+        native.shutil, "which", lambda cmd, *a, **k: None if cmd == "ninja" else real_which(cmd)
+    )
+    if folder is None:
+        monkeypatch.setitem(sys.modules, "ninja", None)  # import ninja: ImportError
+    else:
+        monkeypatch.setitem(sys.modules, "ninja", types.SimpleNamespace(BIN_DIR=str(folder)))
+
+
+def test_ninja_comes_from_the_package_when_none_is_on_path(fresh, monkeypatch, tmp_path):
+    """The ``ninja`` package (a dependency) puts its binary in the environment's scripts
+    folder, on PATH only where the environment is activated: the build finds it there and
+    puts its folder on PATH while PyTorch runs ``ninja``, then restores PATH."""
+    binary = tmp_path / "scripts" / "ninja"
+    binary.parent.mkdir()
+    binary.write_text("#!/bin/sh\necho 1.13.2\n")
+    binary.chmod(0o755)
+    _fake_ninja_package(monkeypatch, binary.parent)
+    monkeypatch.setenv("PATH", "/nowhere")
+    assert native._ninja() == str(binary)
+    with native._ninja_on_path():
+        assert os.environ["PATH"].split(os.pathsep) == [str(binary.parent), "/nowhere"]
+    assert os.environ["PATH"] == "/nowhere"
+    monkeypatch.delenv("PATH")
+    with native._ninja_on_path():
+        assert os.environ["PATH"] == str(binary.parent)
+    assert "PATH" not in os.environ
+
+
+def test_without_ninja_anywhere_the_build_is_not_tried_and_says_why(fresh, monkeypatch):
+    _fake_ninja_package(monkeypatch, None)
+    monkeypatch.setattr(native, "_compiler", lambda: "sh")  # a compiler on PATH
+    assert native._ninja() is None
+    assert native.extension() is None and fresh == []
+    assert "no Ninja (pip install ninja" in (native.why_not_native() or "")
+    _fake_ninja_package(monkeypatch, Path("/nowhere"))  # the package without its binary
+    assert native._ninja() is None
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a POSIX toolchain in /usr/bin")
+def test_a_real_build_with_no_ninja_on_path_takes_the_packages(monkeypatch, tmp_path):
+    """PyTorch's build runs ``ninja`` by name: with none on PATH (a venv's python run by
+    its path) the build still runs, with the ``ninja`` package's binary. A one-function
+    module stands in for the sources (seconds, not the step's tens)."""
+    import shutil
+
+    ninja = pytest.importorskip("ninja")
+    if shutil.which(native._compiler()) is None:
+        pytest.skip("no C++ compiler")
+    bin_dir = tmp_path / "bin"  # every program of the system's PATH but ninja
+    bin_dir.mkdir()
+    for folder in ("/usr/local/bin", "/usr/bin", "/bin"):
+        for program in Path(folder).glob("*"):
+            target = bin_dir / program.name
+            if program.name != "ninja" and not target.exists():
+                target.symlink_to(program)
+    source = tmp_path / "stand_in.cpp"
+    source.write_text(
+        "#include <pybind11/pybind11.h>\n"
+        "int answer() { return 42; }\n"
+        'PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("answer", &answer); }\n'
+    )
+    monkeypatch.setenv("PATH", str(bin_dir))
+    monkeypatch.setenv("ATTNLAB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(native, "SOURCES", (str(source),))
+    monkeypatch.setattr(native, "_flags", lambda: ("-O0",))
+    assert shutil.which("ninja") is None and Path(ninja.BIN_DIR, "ninja").is_file()
+    module = native._build()
+    assert module.answer() == 42
+    assert os.environ["PATH"] == str(bin_dir)

@@ -4,8 +4,9 @@ The Python decode step spends about as long around its weight products as in the
 (``benchmarks/bench_decode_step.py`` measures the two loops side by side).
 ``decode_step.cpp`` runs the same layers with the same product kernels and plain loops for
 everything between them. It is compiled once per machine by
-:func:`torch.utils.cpp_extension.load` (tens of seconds; a C++ compiler and Ninja needed)
-into attnlab's cache folder and loaded from there by later processes.
+:func:`torch.utils.cpp_extension.load` (tens of seconds; a C++ compiler needed, and Ninja,
+which the ``ninja`` package, one of attnlab's dependencies, brings) into attnlab's cache
+folder and loaded from there by later processes.
 
 When it is built. :func:`extension` builds it (or loads an earlier build) and is called
 where a model is loaded or prepared for decoding; the weight products only ask
@@ -24,6 +25,7 @@ This package imports nothing from attnlab but :mod:`attnlab.paths` (the cache fo
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import platform
@@ -32,6 +34,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -162,7 +165,7 @@ def _toolchain() -> str:
     Not part of :func:`build_dir` (a new compiler need not rebuild a working module), but
     a build that failed is tried again when it changes."""
     parts = []
-    for command in ([_compiler(), "--version"], ["ninja", "--version"]):
+    for command in ([_compiler(), "--version"], [_ninja() or "ninja", "--version"]):
         path = shutil.which(command[0])
         try:
             run = subprocess.run(
@@ -263,14 +266,15 @@ def _build() -> ModuleType:
             flush=True,
         )
     here = Path(__file__).parent
-    module = load(
-        name,
-        [str(here / s) for s in SOURCES],
-        extra_cflags=list(_flags()),
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(folder),
-        verbose=False,
-    )
+    with _ninja_on_path():
+        module = load(
+            name,
+            [str(here / s) for s in SOURCES],
+            extra_cflags=list(_flags()),
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(folder),
+            verbose=False,
+        )
     module_file = folder / f"{name}.so"
     if module_file.is_file():
         stamp = {"file": module_file.name, **_stamp_of(module_file)}
@@ -309,7 +313,7 @@ def extension() -> ModuleType | None:
             _why = f"its build failed before; see {retry_hint(failed)}"
         elif shutil.which(_compiler()) is None:
             _why = f"no C++ compiler (`{_compiler()}`) on PATH"
-        elif shutil.which("ninja") is None and not _has_ninja_module():
+        elif _ninja() is None:
             _why = "no Ninja (pip install ninja, or apt-get install ninja-build)"
         else:
             try:
@@ -395,12 +399,40 @@ def load_built() -> ModuleType | None:
     return extension() if would_load() else loaded()
 
 
-def _has_ninja_module() -> bool:
+def _ninja() -> str | None:
+    """Ninja's path: the one on PATH, else the ``ninja`` package's (a dependency of
+    attnlab), whose binary sits in the environment's scripts folder: on PATH only where
+    the environment is activated, not for ``.venv/bin/python`` run by its path. None if
+    neither."""
+    found = shutil.which("ninja")
+    if found is not None:
+        return found
     try:
-        import ninja  # type: ignore[import-not-found]  # noqa: F401
+        import ninja  # type: ignore[import-not-found]
     except ImportError:
-        return False
-    return True
+        return None
+    folder = str(getattr(ninja, "BIN_DIR", "") or "")
+    exe = Path(folder) / ("ninja.exe" if os.name == "nt" else "ninja")
+    return str(exe) if folder and exe.is_file() else None
+
+
+@contextlib.contextmanager
+def _ninja_on_path() -> Iterator[None]:
+    """While open, Ninja is on PATH: PyTorch's build runs ``ninja`` by name. The ``ninja``
+    package's folder goes first when no ``ninja`` is on PATH; PATH is restored after."""
+    ninja = _ninja()
+    if ninja is None or shutil.which("ninja") is not None:
+        yield
+        return
+    before = os.environ.get("PATH")
+    os.environ["PATH"] = os.pathsep.join(p for p in (str(Path(ninja).parent), before) if p)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("PATH", None)
+        else:
+            os.environ["PATH"] = before
 
 
 def why_not_native() -> str | None:
