@@ -188,6 +188,23 @@ def test_a_float16_cache_refuses_a_value_beyond_float16_rather_than_keep_infinit
     assert keys[0, 0, 0, 0] == float("inf") and keys[0, 0, 0, 1].isnan()
 
 
+def test_the_overflow_check_is_exact_at_float16s_edge_and_for_large_finite_sums():
+    """The write's quick test (a finite float32 sum of what was written) never decides a
+    refusal by itself: 65519 rounds to 65504 and is kept, 65520 rounds to inf and is
+    refused; values whose sum overflows float32 but each of which the buffer holds (a
+    bfloat16 cache) are kept."""
+    cache = StaticKVCache(4, torch.float16)
+    k = torch.full((1, 2, 1, 8), 65519.0)
+    keys, _ = cache.update(k, k)
+    assert torch.equal(keys, torch.full_like(k, 65504.0))
+    with pytest.raises(ValueError, match="beyond"):
+        cache.update(torch.full_like(k, 65520.0), k)
+    wide = StaticKVCache(4, torch.bfloat16)
+    huge = torch.full((1, 2, 1, 8), 3e38)  # bfloat16 holds it; 16 of them sum past float32
+    keys, values = wide.update(huge, huge)
+    assert keys.isfinite().all() and values.isfinite().all()
+
+
 @pytest.mark.parametrize("make", [lambda: StaticKVCache(6), lambda: StaticWindowKVCache(3)])
 def test_a_cache_without_dtype_holds_keys_and_values_in_their_own_dtypes(make):
     """Without ``dtype`` nothing is converted: values of another dtype than the keys' are
