@@ -372,3 +372,30 @@ def test_the_compiled_step_takes_one_named_spec_per_layer():
     with pytest.raises(AttributeError, match="norm2"):
         step.add_layer(Missing())
     assert step.num_layers() == 0
+
+
+@pytest.mark.parametrize("dtype", ["int4", "q8_0"])
+def test_the_step_keeps_float32_rows_on_a_build_that_quantises_them(dtype):
+    """On this build (each branch in CI, tests/native_branches.py) the compiled step's
+    layers take the rows in the dtype the build's kernels read best: float32 where they
+    quantise rows to 16-bit codes (AVX2, AVX-512 without bf16 dots), bf16 elsewhere; and
+    one step gives the Python loop's logits on them."""
+    from attnlab.quant.base import native_rows_dtype
+
+    model, plan = _prepared("llama", dtype)
+    want = native_rows_dtype(native.loaded())
+    assert plan.kernel_layers is not None
+    assert {layer.dtype for layer in plan.kernel_layers} == {want}
+    ids = torch.randint(0, CONFIG.vocab_size, (2, 5), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        caches = model.new_kv_cache(max_len=8)
+        model(ids[:, :4], kv_cache=caches)
+        python = _copy(caches)
+        a = plan.step(ids[:, 4:5], caches)
+        b = _python_step(plan, ids[:, 4:5], python)
+    # float32 rows end to end (q8_0: the head too): the two loops' float sums differ in
+    # order, and a row's 16-bit codes may round one step the other way (2^-16 of a block's
+    # largest value). A flipped bf16 rounding (2^-9) moves more: bf16 rows, or the int4
+    # model's head (96 rows, held as int8: PyTorch's kernel, bf16 rows).
+    bound = 1e-3 if want == torch.float32 and dtype == "q8_0" else 1e-2
+    assert ((a - b).norm() / b.norm()).item() < bound

@@ -17,6 +17,7 @@ from attnlab.quant import (
     GGUFBlock,
     Int4Linear,
     Int8Linear,
+    Q5Linear,
     Q8Linear,
     WeightFormat,
     column_major,
@@ -584,3 +585,33 @@ def test_a_float32_prompt_product_is_the_float32_product_of_the_stored_weight(cl
     few = x[:2] if cls is not BF16Linear else x[:1]
     q.dense_from_tokens = 1 << 30
     _close_bf16_out(q(few), _ref(few, q.weight, b))
+
+
+@pytest.mark.parametrize(
+    ("simd", "want"),
+    [
+        ("avx2", torch.float32),
+        ("avx512", torch.float32),
+        ("avx512-bf16", torch.bfloat16),
+        ("scalar", torch.bfloat16),
+        (None, torch.bfloat16),
+    ],
+)
+def test_decode_rows_are_float32_where_the_native_kernels_quantise_them(simd, want, monkeypatch):
+    """On the builds whose q4, q5_0 and q8_0 kernels all quantise rows to 16-bit codes (AVX2,
+    AVX-512 without bf16 dots) the decode rows stay float32: nothing is rounded to bf16 on
+    the way. Every format takes the same dtype, so a layer's products share their rows."""
+    import types
+
+    from attnlab.quant import int4 as int4_mod
+    from attnlab.quant import q5_0 as q5_mod
+    from attnlab.quant import q8_0 as q8_mod
+
+    ext = None if simd is None else types.SimpleNamespace(SIMD=simd, Q4_INTEGER=simd != "scalar")
+    assert quant_base.native_rows_dtype(ext) == want
+    for module in (int4_mod, q5_mod, q8_mod):
+        monkeypatch.setattr(module, "native_kernels", lambda: ext)
+    w = torch.randn(32, 64)
+    layers = [Int4Linear.from_float(w), Q8Linear.from_float(w), Q5Linear.from_float(w)]
+    assert [m.decode_dtype() for m in layers] == [want] * 3
+    assert Int8Linear.from_float(w).decode_dtype() == torch.bfloat16  # PyTorch's kernel

@@ -54,6 +54,7 @@ from attnlab.quant.base import (
     fresh,
     fresh_copy,
     native_kernels,
+    native_rows_dtype,
     nibbles,
     register_format,
     tensor_version,
@@ -318,6 +319,12 @@ class Int4Linear(WeightFormat):
             return None
         ext = native_kernels()
         return ext if native_q4(ext) else None
+
+    def decode_dtype(self) -> torch.dtype:
+        """:func:`native_rows_dtype` for attnlab's kernel, bfloat16 for PyTorch's
+        (``_weight_int4pack_mm_for_cpu`` takes nothing else)."""
+        ext = self._native_kernel()
+        return native_rows_dtype(ext) if ext is not None else torch.bfloat16
 
     def decode_kernel(self) -> Callable[[torch.Tensor], torch.Tensor]:
         ext = self._native_kernel()

@@ -148,17 +148,17 @@ def decode_product(linear: object) -> tuple[torch.dtype, Any] | None:
     product back: five tensor operations around one kernel, thirty layers over. The decode
     step of :mod:`attnlab.models.fast_decode` instead keeps its rows in the kernel's dtype
     and calls the kernel alone; the numbers are those of ``forward`` (the same kernel on
-    the same bf16 rows).
+    the same rows).
 
     Returns:
         ``(dtype, fn)``: ``fn`` takes (M, K) rows in ``dtype`` and returns (M, N) in the
-        kernel's output dtype (bfloat16 for the bf16 / int layers, ``dtype`` for float),
+        kernel's output dtype (``dtype``: a format's :meth:`~WeightFormat.decode_dtype`),
         bias added (in float32). None for other modules. Valid for fewer rows than the
         layer's crossover (:meth:`~attnlab.quant.WeightFormat.runs_dense`).
     """
     bias = getattr(linear, "bias", None)
     if isinstance(linear, WeightFormat):
-        fn, dtype = linear.decode_kernel(), torch.bfloat16
+        fn, dtype = linear.decode_kernel(), linear.decode_dtype()
     elif isinstance(linear, (nn.Linear, _FusedLinear)):
         w, b = linear.weight, linear.bias
         return w.dtype, lambda x: nn.functional.linear(x, w, b)

@@ -21,6 +21,7 @@ from attnlab.quant.base import (
     fresh_copy,
     fuse_buffers,
     native_kernels,
+    native_rows_dtype,
     register_format,
     tensor_version,
 )
@@ -215,6 +216,11 @@ class Q5Linear(WeightFormat):
             w = ext.q5_0_dequant(self.blocks, dtype == torch.float32)
             return w  # type: ignore[no-any-return]
         return self.weight.to(dtype)
+
+    def decode_dtype(self) -> torch.dtype:
+        """:func:`native_rows_dtype` for attnlab's kernel, bfloat16 for the q8_0 halves
+        or the dense product without it."""
+        return native_rows_dtype(native_kernels())
 
     def decode_kernel(self) -> Callable[[torch.Tensor], torch.Tensor]:
         ext = native_kernels()

@@ -24,6 +24,7 @@ from attnlab.quant.base import (
     fresh_copy,
     fuse_buffers,
     native_kernels,
+    native_rows_dtype,
     register_format,
     tensor_version,
 )
@@ -201,6 +202,11 @@ class Q8Linear(WeightFormat):
             w = q8_0_dense(codes, scales, x2.dtype)
             y[:, start : start + codes.shape[0]] = crossover.dense_mm(x2, w)
         return y
+
+    def decode_dtype(self) -> torch.dtype:
+        """:func:`native_rows_dtype` for attnlab's kernel, bfloat16 for the int4 halves
+        without it."""
+        return native_rows_dtype(native_kernels())
 
     def decode_kernel(self) -> Callable[[torch.Tensor], torch.Tensor]:
         ext = native_kernels()
