@@ -37,6 +37,24 @@ def test_info_runs_for_real():
     flat = " ".join(out.split())
     assert f"prompt products of the int and bf16 weights: {str(dtype)[6:]} ({why})" in flat
     assert "int4 decode products: " in flat
+    # a fresh process has not loaded the compiled step: PyTorch's int4 kernel's bf16 rows
+    assert "rows of the int4, q8_0 and q5_0 decode products: bfloat16 (PyTorch's" in flat
+
+
+def test_info_names_float32_decode_rows_on_a_build_that_codes_them(monkeypatch):
+    import types
+
+    from rich.console import Console
+
+    from attnlab import native
+    from attnlab.cli.info import _info_native
+
+    ext = types.SimpleNamespace(SIMD="avx2", Q4_INTEGER=True)
+    monkeypatch.setattr(native, "loaded", lambda: ext)
+    console = Console(width=300, record=True)
+    console.print(_info_native())
+    text = " ".join(console.export_text().split())
+    assert "decode products: float32 (this avx2 build's kernels code float32 rows" in text
 
 
 def test_info_explains_a_refused_backend_as_a_user_error(capsys):

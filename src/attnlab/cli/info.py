@@ -235,6 +235,7 @@ def _info_native() -> RenderableType:
     from rich.text import Text
 
     from attnlab.quant.arith import prompt_arithmetic
+    from attnlab.quant.base import native_rows_dtype
     from attnlab.quant.int4 import native_q4
 
     dtype, why = prompt_arithmetic()
@@ -254,11 +255,25 @@ def _info_native() -> RenderableType:
             "attnlab's q4 kernel once the compiled step is loaded, where the CPU has AVX2 "
             f"(integer products of 16-bit activation codes); PyTorch's {capability} ones without it"
         )
+    rows = native_rows_dtype(ext)
+    if ext is None:
+        rows_why = (
+            "PyTorch's int4 kernel takes no other; float32 on the compiled step's avx2 and "
+            "avx512 builds"
+        )
+    elif rows == torch.float32:
+        rows_why = (
+            f"this {ext.SIMD} build's kernels code float32 rows as they are: no bf16 rounding"
+        )
+    else:
+        rows_why = f"this {getattr(ext, 'SIMD', '?')} build's q5_0 reads bf16 rows fastest"
     return Text(
         f"compiled decode step (attnlab.native): {native.status()}\n"
         f"prompt products of the int and bf16 weights: {str(dtype).removeprefix('torch.')} "
         f"({why})\n"
         f"int4 decode products: {int4}\n"
+        f"rows of the int4, q8_0 and q5_0 decode products: "
+        f"{str(rows).removeprefix('torch.')} ({rows_why})\n"
         f"{_info_crossovers()}"
     )
 
