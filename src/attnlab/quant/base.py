@@ -134,7 +134,8 @@ def native_kernels() -> Any:
 #: The native builds whose q4, q5_0 and q8_0 kernels all quantise their rows to 16-bit
 #: codes and sum integer products (``SIMD`` of the module): AVX2, and AVX-512 without bf16
 #: dot products (the Skylake class). Where bf16 dot products run q5_0 (``avx512-bf16``),
-#: bf16 rows are its fast path; the plain build's loops read bf16 rows as fast.
+#: bf16 rows are its fast path; the plain build (``scalar``) keeps bf16 rows (float32 ones
+#: not measured there).
 INTEGER_ROW_BUILDS = frozenset({"avx2", "avx512"})
 
 
