@@ -48,6 +48,14 @@ BRANCHES = [
         {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"},
         KERNEL_TESTS,
     ),
+    # AVX-512 with bf16 dot products (q5_0's bf16 path): the native build of a Zen 4; a
+    # Xeon with AMX builds natively without them (attnlab.native.INTEGER_ROWS_FLAGS)
+    (
+        "cooperlake",
+        "avx512-bf16",
+        {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd", "avx512_bf16"},
+        KERNEL_TESTS,
+    ),
     ("x86-64-v3", "avx2", {"avx2", "fma", "f16c", "bmi1", "bmi2", "movbe"}, KERNEL_TESTS),
     # AVX2 with AVX-VNNI: only simd.h's block product reads __AVXVNNI__ (its vpdpwssd), in
     # q8_0.h and q5_0.h; the rest of this build is x86-64-v3's source, tested above

@@ -30,3 +30,19 @@ def test_this_builds_integer_kernels_are_its_branchs(ext):
     """The build in use says which kernels sum integer products of activation codes, and it
     is what its branch should have (the tests' error bounds follow it)."""
     assert built_line(ext) == expected_line(ext.SIMD)
+
+
+def test_a_native_build_leaves_out_bf16_dots_on_a_cpu_with_amx(monkeypatch):
+    """On a Xeon with AMX the native build is the integer-rows branch (``avx512``): there
+    q5_0's integer path on float32 rows decoded faster than its bf16 dots. Elsewhere, and
+    for a named -march, the flags are -march's alone."""
+    monkeypatch.delenv(native.MARCH_ENV, raising=False)
+    monkeypatch.setattr(native, "cpu_flags", lambda: "flags : avx512f avx512_bf16 amx_bf16")
+    assert native._flags()[-2:] == ("-march=native", "-mno-avx512bf16")
+    amx = native.build_dir()
+    monkeypatch.setattr(native, "cpu_flags", lambda: "flags : avx512f avx512_bf16")
+    assert native._flags()[-1] == "-march=native"
+    monkeypatch.setattr(native, "cpu_flags", lambda: "flags : avx512f avx512_bf16 amx_bf16")
+    monkeypatch.setenv(native.MARCH_ENV, "cooperlake")
+    assert native._flags()[-1] == "-march=cooperlake"
+    assert native.build_dir() != amx
