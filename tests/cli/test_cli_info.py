@@ -49,7 +49,7 @@ def test_info_names_float32_decode_rows_on_a_build_that_codes_them(monkeypatch):
     from attnlab import native
     from attnlab.cli.info import _info_native
 
-    ext = types.SimpleNamespace(SIMD="avx2", Q4_INTEGER=True)
+    ext = types.SimpleNamespace(SIMD="avx2", Q4_INTEGER=True, Q5_INTEGER=True)
     monkeypatch.setattr(native, "loaded", lambda: ext)
     console = Console(width=300, record=True)
     console.print(_info_native())

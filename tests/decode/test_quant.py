@@ -606,8 +606,10 @@ def test_decode_rows_are_float32_where_the_native_kernels_quantise_them(simd, wa
     from attnlab.quant import int4 as int4_mod
     from attnlab.quant import q5_0 as q5_mod
     from attnlab.quant import q8_0 as q8_mod
+    from native_branches import INTEGER  # what each branch's kernels code as integers
 
-    ext = None if simd is None else types.SimpleNamespace(SIMD=simd, Q4_INTEGER=simd != "scalar")
+    q4, q5 = INTEGER.get(simd or "", (False, False))
+    ext = None if simd is None else types.SimpleNamespace(SIMD=simd, Q4_INTEGER=q4, Q5_INTEGER=q5)
     assert quant_base.native_rows_dtype(ext) == want
     for module in (int4_mod, q5_mod, q8_mod):
         monkeypatch.setattr(module, "native_kernels", lambda: ext)

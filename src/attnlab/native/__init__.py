@@ -432,8 +432,8 @@ def _ninja() -> str | None:
 def _ninja_on_path() -> Iterator[None]:
     """While open, Ninja is on PATH: PyTorch's build runs ``ninja`` by name. The ``ninja``
     package's folder goes first when no ``ninja`` is on PATH; PATH is restored after."""
-    ninja = _ninja()
-    if ninja is None or shutil.which("ninja") is not None:
+    ninja = None if shutil.which("ninja") is not None else _ninja()
+    if ninja is None:  # on PATH already, or nowhere (the build then says so)
         yield
         return
     before = os.environ.get("PATH")

@@ -131,24 +131,18 @@ def native_kernels() -> Any:
     return native.loaded()
 
 
-#: The native builds whose q4, q5_0 and q8_0 kernels all quantise their rows to 16-bit
-#: codes and sum integer products (``SIMD`` of the module): AVX2, and AVX-512 without bf16
-#: dot products (the Skylake class). Where bf16 dot products run q5_0 (``avx512-bf16``),
-#: bf16 rows are its fast path; the plain build (``scalar``) keeps bf16 rows (float32 ones
-#: not measured there).
-INTEGER_ROW_BUILDS = frozenset({"avx2", "avx512"})
-
-
 def native_rows_dtype(ext: Any) -> torch.dtype:
     """The dtype the decode kernels of the native module ``ext`` take their rows in, the
     same for every format so that a layer's products share their rows: float32 where its
-    kernels quantise rows as they are (:data:`INTEGER_ROW_BUILDS`: a float32 row costs
-    nothing more, and no row or product is rounded to bfloat16 on the way: Gemma 3 int4's
-    decode-path argmax agreement with float32 rose from 0.953 to 1.000 on an AVX2 build),
-    bfloat16 elsewhere and without the module."""
-    if ext is not None and getattr(ext, "SIMD", None) in INTEGER_ROW_BUILDS:
-        return torch.float32
-    return torch.bfloat16
+    q4 and q5_0 kernels, as q8_0's always, code rows into 16-bit integers as they are (the
+    module's ``Q4_INTEGER`` and ``Q5_INTEGER``: the ``avx2`` and ``avx512`` builds). There
+    a float32 row costs nothing more, and no row or product is rounded to bfloat16 on the
+    way (Gemma 3 int4's decode-path argmax agreement with float32 rose from 0.953 to 1.000
+    on an AVX2 build). bfloat16 elsewhere: where bf16 dot products are q5_0's fast path
+    (``avx512-bf16``), on the plain build (float32 rows not measured there) and without
+    the module."""
+    integer = getattr(ext, "Q4_INTEGER", False) and getattr(ext, "Q5_INTEGER", False)
+    return torch.float32 if integer else torch.bfloat16
 
 
 def output_slices(parts: Sequence[Any]) -> list[slice]:

@@ -323,8 +323,7 @@ class Int4Linear(WeightFormat):
     def decode_dtype(self) -> torch.dtype:
         """:func:`native_rows_dtype` for attnlab's kernel, bfloat16 for PyTorch's
         (``_weight_int4pack_mm_for_cpu`` takes nothing else)."""
-        ext = self._native_kernel()
-        return native_rows_dtype(ext) if ext is not None else torch.bfloat16
+        return native_rows_dtype(self._native_kernel())
 
     def decode_kernel(self) -> Callable[[torch.Tensor], torch.Tensor]:
         ext = self._native_kernel()
